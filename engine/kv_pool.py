@@ -1,0 +1,54 @@
+"""The node's one preallocated KV pool: ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]``.
+
+Attention reads it through block tables; transports move whole blocks of it (all layers at once).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    num_layers: int
+    num_blocks: int
+    block_size: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.num_layers, 2, self.num_blocks, self.block_size, self.kv_heads, self.head_dim)
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes of one block across all layers, K and V."""
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return self.num_layers * 2 * self.block_size * self.kv_heads * self.head_dim * element
+
+
+def num_blocks_for_budget(budget_bytes: int, bytes_per_block: int) -> int:
+    """Blocks that fit in a memory budget; at least one block must fit."""
+    num_blocks = budget_bytes // bytes_per_block
+    if num_blocks < 1:
+        raise ValueError(f"KV cache budget of {budget_bytes} bytes is smaller than one block ({bytes_per_block} bytes)")
+    return num_blocks
+
+
+class KVPool:
+    """Owns the pool tensor. ``tensor`` may be given (e.g. one that lives in shared memory)."""
+
+    def __init__(self, layout: KVLayout, device: torch.device | str = "cpu", tensor: torch.Tensor | None = None):
+        if tensor is None:
+            tensor = torch.zeros(layout.shape, dtype=layout.dtype, device=device)
+        assert tuple(tensor.shape) == layout.shape and tensor.dtype == layout.dtype, (tensor.shape, layout)
+        assert tensor.is_contiguous()
+        self.layout = layout
+        self.tensor = tensor
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(k_cache, v_cache) of one layer, each ``[num_blocks, block_size, kv_heads, head_dim]``."""
+        return self.tensor[index, 0], self.tensor[index, 1]

@@ -1,0 +1,59 @@
+"""Per-request sampling parameters, validated once with vLLM's ranges; errors name the parameter."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class SamplingError(ValueError):
+    """An out-of-range sampling value; the message names the parameter and the value."""
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    n: int = 1  # completions per prompt; the prompt's blocks are shared copy-on-write
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0  # nucleus mass kept, in (0, 1]
+    top_k: int = 0  # 0 (or -1) disables; else keep the k most likely tokens
+    min_p: float = 0.0  # drop tokens below min_p * p(most likely), in [0, 1]
+    seed: int | None = None  # per-request seed: same tokens whatever the batch around it
+    presence_penalty: float = 0.0  # in [-2, 2], over generated tokens
+    frequency_penalty: float = 0.0  # in [-2, 2], over generated tokens
+    repetition_penalty: float = 1.0  # > 0, over prompt and generated tokens (HF semantics)
+    max_tokens: int = 16  # new tokens at most
+    min_tokens: int = 0  # stop tokens and EOS are masked until this many are generated
+    stop_token_ids: list[int] = field(default_factory=list)  # ends the sequence (kept in output)
+    ignore_eos: bool = False  # keep generating past the model's EOS
+    logprobs: int | None = None  # None: no logprobs; k >= 0: the sampled token's plus top-k
+    max_logprobs: int = 20  # upper bound accepted for ``logprobs``
+
+    def __post_init__(self) -> None:
+        if self.top_k == -1:
+            self.top_k = 0
+        self.validate()
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        def check(ok: bool, name: str, rule: str) -> None:
+            if not ok:
+                raise SamplingError(f"{name} must be {rule}, got {getattr(self, name)!r}")
+
+        check(isinstance(self.n, int) and self.n >= 1, "n", "an integer >= 1")
+        check(0.0 <= self.temperature <= 2.0 ** 16, "temperature", ">= 0")
+        check(0.0 < self.top_p <= 1.0, "top_p", "in (0, 1]")
+        check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", "-1, 0 or a positive integer")
+        check(0.0 <= self.min_p <= 1.0, "min_p", "in [0, 1]")
+        check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "in [-2, 2]")
+        check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "in [-2, 2]")
+        check(0.0 < self.repetition_penalty <= 2.0 ** 16, "repetition_penalty", "> 0")
+        check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", "an integer >= 1")
+        check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
+              "min_tokens", f"an integer in [0, max_tokens={self.max_tokens}]")
+        check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+              "stop_token_ids", "a list of non-negative integers")
+        check(self.seed is None or isinstance(self.seed, int), "seed", "an integer")
+        check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= self.max_logprobs),
+              "logprobs", f"an integer in [0, {self.max_logprobs}]")

@@ -1,0 +1,75 @@
+"""A sequence: one prompt and the tokens generated after it, and where its KV lives.
+
+Token positions of a running sequence (``|`` marks the counters):
+
+    token_ids:  [ prompt ........................ | outputs ....... ]
+                0         num_cached_tokens       num_prompt_tokens    num_tokens
+                |-- from the prefix cache --|
+                |---------- num_computed_tokens (KV in the pool) ----------|
+    block_table covers ceil(num_computed_tokens / block_size) blocks at least.
+
+"Each request's computed tokens catch up with its known tokens": a step computes
+``token_ids[num_computed_tokens : num_computed_tokens + n]``; when that reaches ``num_tokens`` the step
+also samples one new token.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.IntEnum):
+    """Ordered: every status from FINISHED_STOPPED on is final."""
+
+    WAITING = 0  # queued (new or preempted); holds no blocks
+    RUNNING = 1  # holds blocks; prefilling chunks or decoding
+    FINISHED_STOPPED = 2  # sampled a stop token or EOS
+    FINISHED_LENGTH = 3  # reached max_tokens or the model's context
+    FINISHED_ABORTED = 4  # cancelled by the caller
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    seq_id: int
+    token_ids: list[int]  # prompt followed by generated tokens
+    params: SamplingParams
+    stop_token_ids: frozenset[int] = frozenset()  # params.stop_token_ids plus EOS unless ignore_eos
+    num_prompt_tokens: int = -1  # set from token_ids when not given
+    status: SequenceStatus = SequenceStatus.WAITING
+    block_table: list[int] = field(default_factory=list)  # physical block ids, in token order
+    num_computed_tokens: int = 0  # leading tokens whose KV is in the pool
+    num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache, never recomputed
+    generator: object | None = None  # torch.Generator of a seeded request (owned by the sampler)
+    output_logprobs: list = field(default_factory=list)  # one entry per generated token when asked
+
+    def __post_init__(self) -> None:
+        if self.num_prompt_tokens < 0:
+            self.num_prompt_tokens = len(self.token_ids)
+        assert 0 < self.num_prompt_tokens <= len(self.token_ids), "a sequence needs a prompt"
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status >= SequenceStatus.FINISHED_STOPPED
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
