@@ -2,27 +2,46 @@
 
 The pool of one node is ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]``; the attention
 functions take one layer's K and V caches, ``pool[layer, 0]`` and ``pool[layer, 1]``.
+
+One file per kernel, each holding the @triton.jit kernel, its launcher and its torch reference:
+store_kv.py, paged_decode.py, paged_prefill.py (with paged_attention.py choosing between them) and
+block_copy.py.
 """
 
-from kernels.block_copy import gather_blocks_reference, scatter_blocks_reference
-from kernels.paged_attention import paged_attention_reference
-from kernels.store_kv import store_kv_reference
+from kernels.block_copy import (
+    gather_blocks_reference,
+    gather_blocks_triton,
+    scatter_blocks_reference,
+    scatter_blocks_triton,
+)
+from kernels.paged_attention import paged_attention_reference, paged_attention_triton
+from kernels.store_kv import store_kv_reference, store_kv_triton
 
 
 def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
-    store_kv_reference(key, value, k_cache, v_cache, slot_mapping)
+    if k_cache.is_cuda:
+        store_kv_triton(key, value, k_cache, v_cache, slot_mapping.to(k_cache.device))
+    else:
+        store_kv_reference(key, value, k_cache, v_cache, slot_mapping)
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale):
+    if q.is_cuda:
+        return paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale)
     return paged_attention_reference(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale)
 
 
 def gather_blocks(pool, block_ids):
+    if pool.is_cuda:
+        return gather_blocks_triton(pool, block_ids)
     return gather_blocks_reference(pool, block_ids)
 
 
 def scatter_blocks(pool, block_ids, buffer) -> None:
-    scatter_blocks_reference(pool, block_ids, buffer)
+    if pool.is_cuda:
+        scatter_blocks_triton(pool, block_ids, buffer)
+    else:
+        scatter_blocks_reference(pool, block_ids, buffer)
 
 
 __all__ = ["gather_blocks", "paged_attention", "scatter_blocks", "store_kv"]

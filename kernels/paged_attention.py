@@ -4,20 +4,16 @@ Request i owns queries ``q[query_start_loc[i] : query_start_loc[i+1]]``: the *la
 its context of ``context_lens[i]`` tokens, whose K/V are already stored in the pool. Query j of the
 chunk sits at position ``context_lens[i] - q_len_i + j`` and attends causally to keys ``0 ..= pos``.
 Decode is the case q_len_i == 1; chunked prefill attends to the cached prefix plus its own chunk.
+
+Every request in a batch has at least one query token (the runner schedules no empty rows).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-
-def _gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, max_ctx: int) -> torch.Tensor:
-    # cache: [num_blocks, block_size, kv_heads, head_dim] -> [batch, max_ctx, kv_heads, head_dim]
-    block_size = cache.shape[1]
-    num_blocks = -(-max_ctx // block_size)
-    gathered = cache[block_tables[:, :num_blocks]]  # [batch, num_blocks, block_size, kvh, d]
-    return gathered.flatten(1, 2)[:, :max_ctx]
+from kernels.paged_decode import paged_decode_reference, paged_decode_triton
+from kernels.paged_prefill import paged_prefill_reference, paged_prefill_triton
 
 
 def paged_attention_reference(
@@ -29,28 +25,32 @@ def paged_attention_reference(
     query_start_loc: torch.Tensor,  # [batch + 1] int, cumulative query lengths
     scale: float,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    num_tokens = q.shape[0]
-    device = q.device
+    """The engine's CPU path: decode rows by batched matmul, prefill rows by padded SDPA."""
     q_lens = query_start_loc[1:] - query_start_loc[:-1]  # [batch]
-    max_q = int(q_lens.max())
-    max_ctx = int(context_lens.max())
-    k = _gather_kv(k_cache, block_tables, max_ctx)  # [batch, max_ctx, kvh, d]
-    v = _gather_kv(v_cache, block_tables, max_ctx)
+    is_decode = q_lens == 1
+    if bool(is_decode.all()):
+        return paged_decode_reference(q, k_cache, v_cache, block_tables, context_lens, scale)
+    if not bool(is_decode.any()):
+        return paged_prefill_reference(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale)
 
-    # Pad queries to [batch, max_q]; padded rows reuse a valid index and are dropped at the end.
-    offsets = torch.arange(max_q, device=device)
-    token_idx = (query_start_loc[:-1, None] + offsets).clamp(max=num_tokens - 1)  # [batch, max_q]
-    is_real = offsets[None, :] < q_lens[:, None]  # [batch, max_q]
-    q_pos = context_lens[:, None] - q_lens[:, None] + offsets  # [batch, max_q]
-    k_pos = torch.arange(max_ctx, device=device)
-    mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < context_lens[:, None, None])
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    # Decode rows: their single query token is query_start_loc[i].
+    dec_tokens = query_start_loc[:-1][is_decode].long()  # [num_decode]
+    out[dec_tokens] = paged_decode_reference(
+        q[dec_tokens], k_cache, v_cache, block_tables[is_decode], context_lens[is_decode], scale)
+    # Prefill rows: repack their chunks densely, run them, and put them back in query order.
+    pre = ~is_decode
+    pre_lens = q_lens[pre]
+    pre_loc = torch.zeros(pre_lens.shape[0] + 1, dtype=query_start_loc.dtype, device=q.device)
+    torch.cumsum(pre_lens, 0, out=pre_loc[1:])
+    token_is_pre = torch.repeat_interleave(pre, q_lens, output_size=q.shape[0])  # [num_tokens]
+    out[token_is_pre] = paged_prefill_reference(
+        q[token_is_pre], k_cache, v_cache, block_tables[pre], context_lens[pre], pre_loc, scale)
+    return out
 
-    out = F.scaled_dot_product_attention(
-        q[token_idx].transpose(1, 2),  # [batch, heads, max_q, d]
-        k.transpose(1, 2),  # [batch, kvh, max_ctx, d]
-        v.transpose(1, 2),
-        attn_mask=mask[:, None],  # [batch, 1, max_q, max_ctx]
-        scale=scale,
-        enable_gqa=True,
-    )
-    return out.transpose(1, 2)[is_real]  # [num_tokens, heads, d], in query order
+
+def paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale):
+    """Decode kernel when every q_len is 1 (one token per request), else the chunked-prefill kernel."""
+    if q.shape[0] == block_tables.shape[0]:  # with every q_len >= 1 this means every q_len == 1
+        return paged_decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale)
+    return paged_prefill_triton(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale)

@@ -1,0 +1,99 @@
+"""The typed pdserve configuration: one section per concern, every field documented.
+
+Sources, later wins (configs/loader.py):   defaults < YAML < env PDSERVE_<SECTION>_<FIELD> < CLI overrides
+A field's allowed values and bounds live in its metadata (``choices``, ``minimum``) and are checked once
+after all layers are merged. Adding a field = one line here; adding a section = one class plus one
+line in PdserveConfig. Stdlib only: torch-free processes (gateway, cluster) import this.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+
+class ConfigError(ValueError):
+    """A bad config key or value; the message names the dotted key, the value and where it came from."""
+
+
+def _field(default, *, choices: tuple | None = None, minimum: float | None = None):
+    return field(default=default, metadata={"choices": choices, "minimum": minimum})
+
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+TRANSPORTS = ("auto", "loopback", "shm", "cuda_ipc", "zmq")
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    path: str = ""  # Hugging Face directory or hub id; "" = the small model embedded for tests and demos
+    dtype: str = _field("auto", choices=DTYPES)  # weights and KV dtype; auto: bfloat16 on GPU, float32 on CPU
+    max_model_len: int | None = _field(None, minimum=1)  # context limit in tokens; None: the model's own
+    cache_dir: str = ""  # where the embedded default model is made on first use; "" = ~/.cache/pdserve
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    block_size: int = _field(16, minimum=1)  # tokens per KV block; P and D must agree (handshake checks)
+    kv_cache_memory_mb: int = _field(1024, minimum=1)  # memory budget of the node's KV pool
+    max_num_seqs: int = _field(64, minimum=1)  # sequences in one decode batch at most
+    max_num_batched_tokens: int = _field(2048, minimum=1)  # tokens computed in one step (prefill + decode)
+    prefill_chunk_size: int = _field(512, minimum=1)  # prompt tokens one request may compute per step
+    enable_prefix_caching: bool = True  # reuse full blocks whose token hash chain matches
+    num_threads: int | None = _field(None, minimum=1)  # torch CPU threads; None: torch's default
+
+
+@dataclass(slots=True)
+class GatewayConfig:
+    host: str = "127.0.0.1"  # interface to bind; never all interfaces unless asked for
+    port: int = _field(8000, minimum=0)  # HTTP port (0: any free port)
+    api_keys: list[str] = field(default_factory=list)  # accepted bearer keys; empty: no auth
+    max_body_bytes: int = _field(1 << 20, minimum=1)  # larger request bodies get 413
+    request_timeout_s: float = _field(600.0, minimum=0.0)  # end-to-end deadline of one request
+    worker_heartbeat_s: float = _field(5.0, minimum=0.0)  # workers re-register this often
+    worker_timeout_s: float = _field(15.0, minimum=0.0)  # a worker silent this long is dropped
+
+
+@dataclass(slots=True)
+class PrefillConfig:
+    host: str = "127.0.0.1"  # interface the prefill worker binds
+    port: int = _field(8100, minimum=0)  # its control port (0: any free port)
+    gateway_url: str = "http://127.0.0.1:8000"  # where it registers itself
+
+
+@dataclass(slots=True)
+class DecodeConfig:
+    host: str = "127.0.0.1"  # interface the decode worker binds
+    port: int = _field(8200, minimum=0)  # its control port (0: any free port)
+    gateway_url: str = "http://127.0.0.1:8000"  # where it registers itself
+
+
+@dataclass(slots=True)
+class TransferConfig:
+    transport: str = _field("auto", choices=TRANSPORTS)  # auto: best the peer pair supports
+    lease_seconds: float = _field(30.0, minimum=0.0)  # a reservation not renewed this long is freed
+    max_frame_bytes: int = _field(64 << 20, minimum=1)  # larger wire frames are rejected
+
+
+@dataclass(slots=True)
+class ClusterConfig:
+    num_prefill: int = _field(1, minimum=0)  # prefill workers `pdserve cluster` starts (0: decode prefills)
+    num_decode: int = _field(1, minimum=1)  # decode workers `pdserve cluster` starts
+
+
+@dataclass(slots=True)
+class PdserveConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    gateway: GatewayConfig = field(default_factory=GatewayConfig)
+    prefill: PrefillConfig = field(default_factory=PrefillConfig)
+    decode: DecodeConfig = field(default_factory=DecodeConfig)
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+
+
+def load_config(yaml_path=None, env=os.environ, overrides=None) -> PdserveConfig:
+    """Defaults < YAML < env < overrides; see configs/loader.py (kept there so this file is the schema)."""
+    from configs.loader import load_config as load
+
+    return load(yaml_path, env, overrides)

@@ -1,0 +1,99 @@
+"""Offline generation in one process: ``LLM(model).generate(prompts, params)``.
+
+Builds the engine from the config's ``model`` and ``engine`` sections: loads the checkpoint, sizes the
+KV pool from the memory budget, and wires block manager, scheduler, runner and sampler together.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+import torch
+
+from configs.schema import EngineConfig, ModelConfig as ModelSection, PdserveConfig, load_config
+from engine.block_manager import BlockManager
+from engine.kv_pool import KVLayout, KVPool, num_blocks_for_budget
+from engine.llm_engine import LLMEngine, RequestOutput
+from engine.loader import load_model
+from engine.runner import ModelRunner
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerConfig
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def build_engine(model_path: str, model_cfg: ModelSection, engine_cfg: EngineConfig, device: str | None = None) -> LLMEngine:
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if engine_cfg.num_threads:
+        torch.set_num_threads(engine_cfg.num_threads)
+    dtype = DTYPES.get(model_cfg.dtype)  # None ("auto"): the loader picks by device
+    model, config = load_model(model_path, dtype=dtype, device=device)
+    max_model_len = model_cfg.max_model_len or config.max_position_embeddings
+    if max_model_len > config.max_position_embeddings:
+        raise ValueError(f"max_model_len {max_model_len} exceeds the model's {config.max_position_embeddings} positions")
+    kv_dtype = next(model.parameters()).dtype
+    probe = KVLayout(config.num_layers, 1, engine_cfg.block_size, config.num_kv_heads, config.head_dim, kv_dtype)
+    num_blocks = num_blocks_for_budget(engine_cfg.kv_cache_memory_mb << 20, probe.bytes_per_block)
+    layout = KVLayout(config.num_layers, num_blocks, engine_cfg.block_size, config.num_kv_heads, config.head_dim, kv_dtype)
+    pool = KVPool(layout, device=device)
+    block_manager = BlockManager(num_blocks, engine_cfg.block_size, enable_prefix_caching=engine_cfg.enable_prefix_caching)
+    scheduler = Scheduler(
+        SchedulerConfig(
+            max_num_seqs=engine_cfg.max_num_seqs,
+            max_num_batched_tokens=engine_cfg.max_num_batched_tokens,
+            max_model_len=max_model_len,
+            prefill_chunk_size=engine_cfg.prefill_chunk_size,
+        ),
+        block_manager,
+    )
+    return LLMEngine(config, scheduler, ModelRunner(model, pool))
+
+
+class LLM:
+    """``LLM(path, block_size=8, ...)``: keyword overrides are fields of the config's engine section."""
+
+    def __init__(self, model: str, config_path: str | None = None, config: PdserveConfig | None = None, **engine_overrides):
+        if config is None:
+            config = load_config(config_path, overrides={f"engine.{k}": v for k, v in engine_overrides.items()})
+        self.model_path = model
+        self.engine = build_engine(model, config.model, config.engine)
+        self._tokenizer = None
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        return self._tokenizer
+
+    def apply_chat_template(self, user_text: str) -> str:
+        messages = [{"role": "user", "content": user_text}]
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def generate(self, prompts: Seq[str] | Seq[list[int]], params: SamplingParams | Seq[SamplingParams]) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in prompt order. Text prompts are
+        tokenized with the checkpoint's tokenizer and outputs detokenized; token-id prompts are not."""
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        assert len(params) == len(prompts), "one SamplingParams per prompt"
+        is_text = bool(prompts) and isinstance(prompts[0], str)
+        token_lists = [self.tokenizer.encode(p) for p in prompts] if is_text else prompts
+        ids: list[int] = []
+        try:
+            for tokens, p in zip(token_lists, params):
+                ids.append(self.engine.add_request(list(tokens), p))
+        except ValueError:
+            for request_id in ids:  # a bad prompt fails the call; nothing stays queued
+                self.engine.abort(request_id)
+            raise
+        done: dict[int, RequestOutput] = {}
+        while self.engine.has_unfinished():
+            for output in self.engine.step():
+                done[output.request_id] = output
+        results = [done[i] for i in ids]
+        if is_text:
+            for result in results:
+                for completion in result.outputs:
+                    completion.text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+        return results

@@ -1,0 +1,110 @@
+"""The in-process engine: requests in, finished sequences out, one scheduler step at a time.
+
+Life cycle of a request here:
+1. ``add_request`` validates the prompt against the context, makes its Sequence (stop ids = the
+   request's plus the model's EOS unless ``ignore_eos``) and queues it.
+2. ``step`` asks the scheduler for a batch (prefill chunks and decode tokens), the runner computes it
+   and samples, the scheduler appends the tokens, checks stops and frees finished sequences' blocks.
+3. Finished sequences are reported grouped by request: a request with ``n > 1`` finishes when all its
+   completions have.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager
+from engine.model_config import ModelConfig
+from engine.runner import ModelRunner
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence, SequenceStatus
+
+FINISH_REASONS = {
+    SequenceStatus.FINISHED_STOPPED: "stop",
+    SequenceStatus.FINISHED_LENGTH: "length",
+    SequenceStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int  # which of the request's n completions
+    token_ids: list[int]
+    finish_reason: str  # "stop" | "length" | "abort"
+    logprobs: list | None = None  # one TokenLogprobs per token when asked
+    text: str | None = None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: int
+    prompt_token_ids: list[int]
+    num_cached_tokens: int  # prompt tokens taken from the prefix cache, not recomputed
+    outputs: list[CompletionOutput] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Request:
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    finished: list[Sequence] = field(default_factory=list)
+
+
+class LLMEngine:
+    def __init__(self, model_config: ModelConfig, scheduler: Scheduler, runner: ModelRunner):
+        self.model_config = model_config
+        self.scheduler = scheduler
+        self.runner = runner
+        self._requests: dict[int, _Request] = {}
+        self._ids = itertools.count()
+
+    @property
+    def block_manager(self) -> BlockManager:
+        return self.scheduler.block_manager
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad} is outside this model's vocabulary of {vocab} tokens")
+        stops = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stops.update(self.model_config.eos_token_ids)
+        request_id = next(self._ids)
+        seq = Sequence(request_id, list(prompt_token_ids), params, stop_token_ids=frozenset(stops))
+        self.scheduler.add(seq)
+        self._requests[request_id] = _Request(list(prompt_token_ids), params)
+        return request_id
+
+    def abort(self, request_id: int) -> None:
+        self.scheduler.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        """Run one step; return the requests that finished in it."""
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        sampled = self.runner.execute(batch)
+        finished = self.scheduler.postprocess(batch, sampled.token_ids, sampled.logprobs)
+        return [out for seq in finished if (out := self._on_finished(seq)) is not None]
+
+    def _on_finished(self, seq: Sequence) -> RequestOutput | None:
+        request_id = self.scheduler.request_id_of(seq)
+        request = self._requests[request_id]
+        request.finished.append(seq)
+        if len(request.finished) < request.params.n:
+            return None
+        del self._requests[request_id]
+        request.finished.sort(key=self.scheduler.completion_index_of)
+        output = RequestOutput(request_id, request.prompt_token_ids, request.finished[0].num_cached_tokens)
+        for index, done in enumerate(request.finished):
+            logprobs = done.output_logprobs if request.params.logprobs is not None else None
+            output.outputs.append(
+                CompletionOutput(index, done.output_token_ids, FINISH_REASONS[done.status], logprobs)
+            )
+        return output

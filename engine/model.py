@@ -1,0 +1,47 @@
+"""A Llama-family causal LM that reads and writes its KV through the node's paged pool.
+
+``forward`` takes one step's flattened varlen batch (prefill chunks and decode tokens together) and
+returns the residual stream of every token; ``compute_logits`` applies the final norm and the LM head
+to just the rows the runner samples from, so a long prefill chunk pays for one vocab projection.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention_metadata import AttentionMetadata
+from engine.kv_pool import KVPool
+from engine.layers import DecoderLayer, RMSNorm, meta_parameter
+from engine.model_config import ModelConfig
+from engine.rope import RotaryEmbedding
+
+
+class CausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, device: torch.device | str = "cpu"):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = meta_parameter(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # Tied checkpoints make this the same Parameter as embed_tokens (the loader does it).
+        self.lm_head = meta_parameter(config.vocab_size, config.hidden_size)
+        # Not a submodule: its float32 table lives on `device` whatever dtype the weights get.
+        self.rotary = RotaryEmbedding(config, device)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64, the step's new tokens, request after request
+        positions: torch.Tensor,  # [T] int64, each token's position in its sequence
+        kv_pool: KVPool,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, hidden], before the final norm
+        x = F.embedding(input_ids, self.embed_tokens)  # [T, hidden]
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)  # each [T, 1, head_dim / 2], shared by all layers
+        for index, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, kv_pool.layer(index), meta)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] -> [S, vocab] float32
+        return F.linear(self.norm(hidden), self.lm_head).float()

@@ -1,0 +1,77 @@
+"""Runs one scheduled step: builds the flattened varlen batch, runs the model, samples.
+
+A step is a list of (sequence, token range) pairs — prefill chunks and single decode tokens in one
+shape. For sequence i the step computes ``token_ids[c_i : c_i + n_i]`` with ``c_i`` its computed
+tokens; its K/V land in the pool through ``block_table`` and its queries attend to ``c_i + n_i`` keys.
+
+    flattened tokens:  | seq 0: n_0 tokens | seq 1: n_1 | ... |
+    query_start_loc:   0                  n_0          n_0+n_1 ...
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.attention_metadata import AttentionMetadata
+from engine.kv_pool import KVPool
+from engine.model import CausalLM
+from engine.sampler import Sampler, SamplerOutput
+from engine.scheduled_batch import ScheduledBatch
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, kv_pool: KVPool, sampler: Sampler | None = None):
+        self.model = model
+        self.kv_pool = kv_pool
+        self.sampler = sampler or Sampler()
+        self.block_size = kv_pool.layout.block_size
+        self.device = kv_pool.tensor.device
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> SamplerOutput:
+        """Compute the batch's tokens; sample one token for each of ``batch.sample_seqs``."""
+        self._copy_blocks(batch.block_copies)
+        input_ids, positions, meta = self._prepare(batch)
+        hidden = self.model(input_ids, positions, self.kv_pool, meta)  # [num_tokens, hidden]
+        last_token_rows = meta.query_start_loc[1:].long() - 1  # [batch]: each seq's last new token
+        rows = last_token_rows[torch.tensor(batch.sample_rows, dtype=torch.long, device=self.device)]
+        logits = self.model.compute_logits(hidden[rows])  # [num_samples, vocab]
+        return self.sampler(logits, batch.sample_seqs)
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        # Copy-on-write of a shared partial block: whole blocks, every layer, K and V.
+        if not copies:
+            return
+        src = torch.tensor([s for s, _ in copies], device=self.device)
+        dst = torch.tensor([d for _, d in copies], device=self.device)
+        pool = self.kv_pool.tensor  # [layers, 2, num_blocks, block_size, kv_heads, head_dim]
+        pool.index_copy_(2, dst, pool.index_select(2, src))
+
+    def _prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        seqs, counts = batch.seqs, batch.num_new_tokens
+        starts = [seq.num_computed_tokens for seq in seqs]
+        input_ids: list[int] = []
+        for seq, start, n in zip(seqs, starts, counts):
+            input_ids.extend(seq.token_ids[start : start + n])
+        max_blocks = max(len(seq.block_table) for seq in seqs)
+        tables = [seq.block_table + [0] * (max_blocks - len(seq.block_table)) for seq in seqs]
+
+        device = self.device
+        block_tables = torch.tensor(tables, dtype=torch.int32, device=device)  # [batch, max_blocks]
+        count_t = torch.tensor(counts, dtype=torch.int32, device=device)
+        start_t = torch.tensor(starts, dtype=torch.int32, device=device)
+        query_start_loc = torch.zeros(len(seqs) + 1, dtype=torch.int32, device=device)
+        torch.cumsum(count_t, 0, out=query_start_loc[1:])
+        # Position of every new token: its sequence's start plus its offset inside the chunk.
+        seq_of_token = torch.repeat_interleave(torch.arange(len(seqs), device=device), count_t)  # [num_tokens]
+        offsets = torch.arange(seq_of_token.shape[0], device=device) - query_start_loc[seq_of_token]
+        positions = (start_t[seq_of_token] + offsets).long()  # [num_tokens]
+        blocks = block_tables[seq_of_token, positions // self.block_size].long()
+        slot_mapping = blocks * self.block_size + positions % self.block_size
+        meta = AttentionMetadata(
+            slot_mapping=slot_mapping,
+            block_tables=block_tables,
+            context_lens=start_t + count_t,
+            query_start_loc=query_start_loc,
+        )
+        return torch.tensor(input_ids, dtype=torch.long, device=device), positions, meta

@@ -1,0 +1,169 @@
+"""The gateway's Starlette app, built from one ``GatewayParams``.
+
+Open routes: /health, /ready, /metrics, /version, /openapi.json. Everything else needs an API key when
+keys are configured. Every error leaves as OpenAI error JSON; nothing leaks a stack trace.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from . import __version__
+from .auth import ApiKeys
+from .backend import Backend
+from .errors import APIError, bad_request
+from .metrics import CONTENT_TYPE, GatewayMetrics
+from .openapi import openapi_spec
+from .openai_request import parse_messages
+from .registry import WorkerRegistry
+from .serving import OpenAIServing, ServingLimits
+from .tokenizer import Tokenizer
+
+log = logging.getLogger("pdserve.gateway")
+
+
+@dataclass(slots=True)
+class GatewayParams:
+    tokenizer: Tokenizer
+    backend: Backend
+    limits: ServingLimits  # model name, context length, admission limit, Retry-After
+    api_keys: list[str] = field(default_factory=list)  # empty: no authentication
+    max_body_bytes: int = 1 << 20
+    registry: WorkerRegistry | None = None  # shown at /v1/workers
+
+
+def error_response(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers())
+
+
+async def read_json(request: Request, max_bytes: int):
+    """The body parsed as JSON; 413 past ``max_bytes`` (checked before and while reading), 400 if malformed."""
+    too_large = APIError(413, f"request body is larger than the limit of {max_bytes} bytes",
+                         code="request_too_large")
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise too_large
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > max_bytes:
+            raise too_large
+    try:
+        return json.loads(body)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise bad_request(f"request body is not valid JSON: {str(e)[:200]}") from None
+
+
+def build_app(params: GatewayParams) -> Starlette:
+    metrics = GatewayMetrics()
+    serving = OpenAIServing(params.tokenizer, params.backend, params.limits, metrics)
+    keys = ApiKeys(params.api_keys)
+    limits = params.limits
+    started = int(time.time())
+
+    def authorize(request: Request) -> None:
+        if not keys.check_header(request.headers.get("authorization")):
+            raise APIError(401, "invalid or missing API key (expected 'Authorization: Bearer <key>')",
+                           code="invalid_api_key")
+
+    async def completions(request: Request):
+        authorize(request)
+        return await serving.completions(request, await read_json(request, params.max_body_bytes))
+
+    async def chat_completions(request: Request):
+        authorize(request)
+        return await serving.chat(request, await read_json(request, params.max_body_bytes))
+
+    async def models(request: Request):
+        authorize(request)
+        return JSONResponse({"object": "list", "data": [
+            {"id": limits.model_name, "object": "model", "created": started, "owned_by": "pdserve",
+             "max_model_len": limits.max_model_len}]})
+
+    async def workers(request: Request):
+        authorize(request)
+        listed = params.registry.workers() if params.registry is not None else []
+        return JSONResponse({"object": "list", "data": [w.as_json() for w in listed]})
+
+    async def tokenize(request: Request):
+        authorize(request)
+        body = await read_json(request, params.max_body_bytes)
+        if not isinstance(body, dict):
+            raise bad_request("request body must be a JSON object")
+        serving.check_model(body.get("model"))
+        if "messages" in body:
+            ids = serving.tokenize_messages(parse_messages(body["messages"]))
+        elif isinstance(body.get("prompt"), str):
+            add_special = body.get("add_special_tokens", True)
+            if not isinstance(add_special, bool):
+                raise bad_request("add_special_tokens must be a boolean", "add_special_tokens")
+            ids = params.tokenizer.encode(body["prompt"], add_special_tokens=add_special)
+        else:
+            raise bad_request("give prompt (a string) or messages", "prompt")
+        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": limits.max_model_len})
+
+    async def detokenize(request: Request):
+        authorize(request)
+        body = await read_json(request, params.max_body_bytes)
+        if not isinstance(body, dict) or not isinstance(body.get("tokens"), list):
+            raise bad_request("tokens must be a list of token ids", "tokens")
+        serving.check_model(body.get("model"))
+        ids = serving.tokenize_prompt(body["tokens"], "tokens") if body["tokens"] else []
+        return JSONResponse({"prompt": params.tokenizer.decode(ids)})
+
+    async def health(request: Request):
+        return JSONResponse({"status": "ok"})
+
+    async def ready(request: Request):
+        if params.backend.is_ready():
+            return JSONResponse({"status": "ready"})
+        return JSONResponse({"status": "not ready"}, status_code=503, headers={"Retry-After": "1"})
+
+    async def metrics_endpoint(request: Request):
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    async def version(request: Request):
+        return JSONResponse({"version": __version__})
+
+    async def openapi(request: Request):
+        return JSONResponse(openapi_spec())
+
+    async def on_api_error(request: Request, e: APIError):
+        return error_response(e)
+
+    async def on_http_error(request: Request, e: HTTPException):
+        code = "not_found" if e.status_code == 404 else None
+        return JSONResponse({"error": {"message": str(e.detail)[:200], "type": "invalid_request_error",
+                                       "param": None, "code": code}}, status_code=e.status_code)
+
+    async def on_unexpected(request: Request, e: Exception):
+        log.exception("unhandled error on %s", request.url.path)  # the trace goes to the log, never the client
+        return error_response(APIError(500, "internal server error", code="internal_error"))
+
+    routes = [
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/workers", workers, methods=["GET"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/ready", ready, methods=["GET"]),
+        Route("/metrics", metrics_endpoint, methods=["GET"]),
+        Route("/version", version, methods=["GET"]),
+        Route("/openapi.json", openapi, methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, exception_handlers={
+        APIError: on_api_error, HTTPException: on_http_error, Exception: on_unexpected})
+    app.state.metrics = metrics
+    app.state.serving = serving
+    return app

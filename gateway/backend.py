@@ -1,0 +1,100 @@
+"""The interface the HTTP layer calls to generate tokens; the ZeroMQ worker client implements it later.
+
+The HTTP layer sends one ``GenerationRequest`` per choice (``n`` and a list of prompts fan out into
+several) and reads ``TokenEvent``s until one carries a finish reason or an error. Stop strings are the
+gateway's business: when one matches, the gateway stops reading and calls ``abort``.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+
+class NoCapacity(Exception):
+    """Raised by ``generate`` before the first event when no worker can take the request now."""
+
+    def __init__(self, retry_after_s: int = 1, reason: str = "no worker can take this request now") -> None:
+        super().__init__(reason)
+        self.retry_after_s = retry_after_s
+        self.reason = reason
+
+
+@dataclass(slots=True)
+class SamplingOptions:
+    """What the workers need to sample; the ranges were checked by the gateway (vLLM's ranges)."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 disables
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; k: the sampled token's logprob plus the top k
+
+    def __post_init__(self) -> None:
+        assert self.max_tokens >= 1 and 0 <= self.min_tokens <= self.max_tokens, (self.max_tokens, self.min_tokens)
+
+
+@dataclass(slots=True)
+class GenerationRequest:
+    request_id: str  # unique per choice; the key for abort
+    prompt_token_ids: list[int]
+    sampling: SamplingOptions
+    arrival_time: float  # time.monotonic() when the HTTP request arrived
+    deadline: float | None = None  # time.monotonic() after which workers drop the request
+
+    def __post_init__(self) -> None:
+        assert self.prompt_token_ids, "empty prompt"
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    """The sampled token's logprob and the top alternatives, best first."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class TokenEvent:
+    """New tokens of one request; the last event has ``finish_reason`` or ``error`` set."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None  # one per token id when logprobs were asked for
+    finish_reason: str | None = None  # "stop" (EOS or a stop token id) or "length"
+    num_cached_tokens: int | None = None  # prompt tokens not recomputed; sent with the first event
+    queue_time_s: float | None = None  # time the request waited for a worker; sent with the first event
+    error: str | None = None  # the request failed in a worker; no more events follow
+
+    def __post_init__(self) -> None:
+        assert self.finish_reason in (None, "stop", "length"), self.finish_reason
+        assert self.logprobs is None or len(self.logprobs) == len(self.token_ids)
+
+
+class Backend(abc.ABC):
+    """What the gateway needs from the worker pools."""
+
+    @abc.abstractmethod
+    def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+        """An async generator of events; raises ``NoCapacity`` before the first one if nobody can take it."""
+
+    @abc.abstractmethod
+    async def abort(self, request_id: str) -> None:
+        """Stop generating for ``request_id`` and free its KV; unknown or finished ids are ignored."""
+
+    @abc.abstractmethod
+    def is_ready(self) -> bool:
+        """At least one worker able to serve a request is registered."""
+
+    @abc.abstractmethod
+    def has_capacity(self) -> bool:
+        """A new request would be admitted now (checked before tokenizing, to shed load cheaply)."""

@@ -1,0 +1,78 @@
+"""One choice of a response: token events in, client-visible text deltas out.
+
+Per event: ids -> incremental detokenizer -> stop-string matcher -> delta. Logprobs of tokens whose text
+is still held back wait for the next delta, so no chunk ever goes out empty.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .backend import TokenEvent, TokenLogprob
+from .detokenizer import IncrementalDetokenizer
+from .stop_strings import StopStringMatcher
+from .tokenizer import Tokenizer
+
+
+@dataclass(slots=True)
+class ChoiceDelta:
+    text: str
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length" once the choice is over
+    stopped_by_string: bool = False  # the gateway ended it: the worker must be told to abort
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.text and self.finish_reason is None
+
+
+class ChoiceState:
+    """Text, token count and finish reason of one choice (one backend request)."""
+
+    __slots__ = ("index", "request_id", "num_prompt_tokens", "num_output_tokens", "num_cached_tokens", "text",
+                 "finish_reason", "_detok", "_stop", "_held_logprobs", "_all_logprobs")
+
+    def __init__(self, index: int, request_id: str, tokenizer: Tokenizer, prompt_ids: list[int],
+                 stop: list[str]) -> None:
+        self.index = index
+        self.request_id = request_id
+        self.num_prompt_tokens = len(prompt_ids)
+        self.num_output_tokens = 0
+        self.num_cached_tokens = 0
+        self.text = ""  # everything emitted so far
+        self.finish_reason: str | None = None
+        self._detok = IncrementalDetokenizer(tokenizer, prompt_ids)
+        self._stop = StopStringMatcher(stop)
+        self._held_logprobs: list[TokenLogprob] = []
+        self._all_logprobs: list[TokenLogprob] = []
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def logprobs(self) -> list[TokenLogprob]:
+        return self._all_logprobs
+
+    def feed(self, event: TokenEvent) -> ChoiceDelta:
+        assert not self.is_finished, f"event after finish for {self.request_id}"
+        if event.num_cached_tokens is not None:
+            self.num_cached_tokens = event.num_cached_tokens
+        self.num_output_tokens += len(event.token_ids)
+        if event.logprobs:
+            self._held_logprobs.extend(event.logprobs)
+            self._all_logprobs.extend(event.logprobs)
+        text = self._detok.add(event.token_ids)
+        if event.finish_reason is not None:
+            text += self._detok.flush()
+        emit, stopped = self._stop.push(text)
+        if stopped:
+            self.finish_reason = "stop"
+        elif event.finish_reason is not None:
+            emit += self._stop.flush()
+            self.finish_reason = event.finish_reason
+        self.text += emit
+        delta = ChoiceDelta(emit, finish_reason=self.finish_reason, stopped_by_string=stopped)
+        if emit or self.is_finished:
+            delta.logprobs, self._held_logprobs = self._held_logprobs, []
+        return delta

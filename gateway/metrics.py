@@ -1,0 +1,48 @@
+"""The gateway's Prometheus metrics, in a registry per app (no process-global state).
+
+Names follow vLLM where the meaning matches, under the ``pdserve:`` prefix.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                    10.0, 20.0, 40.0, 80.0, 160.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
+                0.4, 0.5, 0.75, 1.0, 2.5)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class GatewayMetrics:
+    """Latency histograms, request outcomes and token counters of one gateway."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.time_to_first_token = Histogram(
+            "pdserve:time_to_first_token_seconds", "Arrival to first generated token, per choice.",
+            buckets=_LATENCY_BUCKETS, registry=r)
+        self.inter_token_latency = Histogram(
+            "pdserve:inter_token_latency_seconds", "Time between consecutive token events of a choice.",
+            buckets=_ITL_BUCKETS, registry=r)
+        self.e2e_request_latency = Histogram(
+            "pdserve:e2e_request_latency_seconds", "Arrival to the last byte of the response.",
+            buckets=_LATENCY_BUCKETS, registry=r)
+        self.request_queue_time = Histogram(
+            "pdserve:request_queue_time_seconds", "Time a request waited for a worker, as reported by it.",
+            buckets=_LATENCY_BUCKETS, registry=r)
+        self.requests = Counter(
+            "pdserve:requests", "Finished HTTP generation requests by outcome.", ["outcome"], registry=r)
+        self.prompt_tokens = Counter("pdserve:prompt_tokens", "Prompt tokens of finished requests.", registry=r)
+        self.generation_tokens = Counter("pdserve:generation_tokens", "Generated tokens.", registry=r)
+        self.cached_prompt_tokens = Counter(
+            "pdserve:cached_prompt_tokens", "Prompt tokens served from a prefix cache (not recomputed).",
+            registry=r)
+        self.num_requests_running = Gauge(
+            "pdserve:num_requests_running", "Generation requests in flight in the gateway.", registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

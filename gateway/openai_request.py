@@ -1,0 +1,142 @@
+"""Completion and chat request bodies parsed into one ``ParsedRequest``, validated with vLLM's ranges.
+
+Prompt length is only known after tokenizing, so ``max_tokens`` may stay ``None`` here; ``resolve_max_tokens``
+settles it against the context length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .backend import SamplingOptions
+from .errors import bad_request
+from .request_fields import Fields
+
+MAX_N = 16  # completions per prompt
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs
+MAX_PROMPTS = 64  # prompts in one completion request
+
+
+@dataclass(slots=True)
+class ParsedRequest:
+    model: str | None
+    prompts: list[str | list[int]]  # completions: one entry per prompt; chat: empty
+    messages: list[dict] | None  # chat only
+    max_tokens: int | None  # None: up to the end of the context (chat) or 16 (completions)
+    n: int
+    stop: list[str]
+    stream: bool
+    include_usage: bool
+    logprobs: int | None  # top alternatives per token; None: no logprobs
+    sampling: dict = field(default_factory=dict)  # SamplingOptions fields except max_tokens, logprobs
+    user: str | None = None
+
+    def sampling_options(self, max_tokens: int) -> SamplingOptions:
+        if self.sampling.get("min_tokens", 0) > max_tokens:
+            raise bad_request(f"min_tokens ({self.sampling['min_tokens']}) must be <= max_tokens ({max_tokens})",
+                              "min_tokens")
+        return SamplingOptions(max_tokens=max_tokens, logprobs=self.logprobs, **self.sampling)
+
+
+def _common(f: Fields, chat: bool) -> dict:
+    stream = f.bool("stream", False)
+    options = f.object("stream_options")
+    if options is not None and not stream:
+        raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+    max_tokens = f.int("max_completion_tokens", None, lo=1) if chat else None
+    if max_tokens is None:
+        max_tokens = f.int("max_tokens", None, lo=1)
+    sampling = dict(
+        temperature=f.float("temperature", 1.0, lo=0.0),
+        top_p=f.float("top_p", 1.0, lo=0.0, hi=1.0, lo_open=True),
+        top_k=f.int("top_k", 0, lo=-1),
+        min_p=f.float("min_p", 0.0, lo=0.0, hi=1.0),
+        seed=f.int("seed", None),
+        presence_penalty=f.float("presence_penalty", 0.0, lo=-2.0, hi=2.0),
+        frequency_penalty=f.float("frequency_penalty", 0.0, lo=-2.0, hi=2.0),
+        repetition_penalty=f.float("repetition_penalty", 1.0, lo=0.0, lo_open=True),
+        min_tokens=f.int("min_tokens", 0, lo=0),
+        stop_token_ids=f.token_ids("stop_token_ids"),
+        ignore_eos=f.bool("ignore_eos", False),
+    )
+    if sampling["top_k"] == -1:
+        sampling["top_k"] = 0
+    return dict(
+        model=f.str("model", None), max_tokens=max_tokens, n=f.int("n", 1, lo=1, hi=MAX_N),
+        stop=f.stop_strings(), stream=stream,
+        include_usage=options.bool("include_usage", False) if options else False,
+        sampling=sampling, user=f.str("user", None),
+    )
+
+
+def parse_completion(body) -> ParsedRequest:
+    f = Fields(body)
+    common = _common(f, chat=False)
+    logprobs = f.int("logprobs", None, lo=0, hi=MAX_LOGPROBS)
+    return ParsedRequest(prompts=_prompts(f.raw("prompt")), messages=None, logprobs=logprobs, **common)
+
+
+def parse_chat(body) -> ParsedRequest:
+    f = Fields(body)
+    common = _common(f, chat=True)
+    top = f.int("top_logprobs", None, lo=0, hi=MAX_LOGPROBS)
+    wants_logprobs = f.bool("logprobs", False)
+    if top is not None and not wants_logprobs:
+        raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+    logprobs = (top or 0) if wants_logprobs else None
+    return ParsedRequest(prompts=[], messages=parse_messages(f.raw("messages")), logprobs=logprobs, **common)
+
+
+def _prompts(prompt) -> list[str | list[int]]:
+    """A string, a list of strings, a list of token ids, or a list of token-id lists."""
+    def is_ids(p) -> bool:
+        return isinstance(p, list) and len(p) > 0 and all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in p)
+
+    if isinstance(prompt, str):
+        prompts = [prompt]
+    elif is_ids(prompt):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or is_ids(p) for p in prompt):
+        prompts = list(prompt)
+    else:
+        raise bad_request("prompt must be a string, a list of strings, a list of token ids "
+                          "or a list of token-id lists, and not empty", "prompt")
+    if len(prompts) > MAX_PROMPTS:
+        raise bad_request(f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}", "prompt")
+    if any(p == "" for p in prompts):
+        raise bad_request("prompt must not be empty", "prompt")
+    return prompts
+
+
+def parse_messages(messages) -> list[dict]:
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("messages must be a non-empty list of message objects", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise bad_request(f"messages[{i}] must be an object with a string role", "messages")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: only text parts are supported
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise bad_request(f"messages[{i}].content: only text content parts are supported", "messages")
+            m = {**m, "content": "".join(p["text"] for p in content)}
+        elif content is not None and not isinstance(content, str):
+            raise bad_request(f"messages[{i}].content must be a string or a list of text parts", "messages")
+        out.append(m)
+    return out
+
+
+def resolve_max_tokens(requested: int | None, num_prompt_tokens: int, max_model_len: int, chat: bool) -> int:
+    """``max_tokens`` checked against the context; errors give both numbers, as clients need them."""
+    if num_prompt_tokens >= max_model_len:
+        raise bad_request(f"prompt has {num_prompt_tokens} tokens; this model's context is {max_model_len} "
+                          "tokens, which leaves no room to generate", "prompt" if not chat else "messages")
+    room = max_model_len - num_prompt_tokens
+    if requested is None:
+        return room if chat else min(16, room)
+    if requested > room:
+        raise bad_request(f"this model's context is {max_model_len} tokens; you requested {num_prompt_tokens + requested} "
+                          f"({num_prompt_tokens} in the prompt, {requested} to generate)", "max_tokens")
+    return requested

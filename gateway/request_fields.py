@@ -1,0 +1,98 @@
+"""Typed reads of a JSON request body, each with vLLM's accepted range; a bad value is a 400 naming it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .errors import bad_request
+
+_MISSING = object()
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)  # JSON true is not the integer 1
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+class Fields:
+    """Reads fields of one JSON object; unknown fields are ignored, as OpenAI and vLLM do."""
+
+    __slots__ = ("_body",)
+
+    def __init__(self, body: Any) -> None:
+        if not isinstance(body, dict):
+            raise bad_request("request body must be a JSON object")
+        self._body = body
+
+    def raw(self, name: str, default: Any = None) -> Any:
+        value = self._body.get(name, _MISSING)
+        return default if value is _MISSING or value is None else value
+
+    def has(self, name: str) -> bool:
+        return self._body.get(name) is not None
+
+    def int(self, name: str, default: int | None, lo: int | None = None, hi: int | None = None) -> int | None:
+        v = self.raw(name, default)
+        if v is None:
+            return None
+        if not _is_int(v) or (lo is not None and v < lo) or (hi is not None and v > hi):
+            raise bad_request(f"{name} must be an integer{_range(lo, hi)}, got {_show(v)}", name)
+        return v
+
+    def float(self, name: str, default: float, lo: float | None = None, hi: float | None = None,
+              lo_open: bool = False) -> float:
+        v = self.raw(name, default)
+        bad = not _is_number(v) or (lo is not None and (v <= lo if lo_open else v < lo)) or (hi is not None and v > hi)
+        if bad:
+            rng = f" in {'(' if lo_open else '['}{lo}, {hi}]" if hi is not None else f" {'>' if lo_open else '>='} {lo}"
+            raise bad_request(f"{name} must be a number{rng}, got {_show(v)}", name)
+        return float(v)
+
+    def bool(self, name: str, default: bool) -> bool:
+        v = self.raw(name, default)
+        if not isinstance(v, bool):
+            raise bad_request(f"{name} must be a boolean, got {_show(v)}", name)
+        return v
+
+    def str(self, name: str, default: str | None) -> str | None:
+        v = self.raw(name, default)
+        if v is not None and not isinstance(v, str):
+            raise bad_request(f"{name} must be a string, got {_show(v)}", name)
+        return v
+
+    def stop_strings(self, name: str = "stop", max_count: int = 4) -> list[str]:
+        v = self.raw(name, [])
+        v = [v] if isinstance(v, str) else v
+        if not isinstance(v, list) or not all(isinstance(s, str) for s in v) or len(v) > max_count:
+            raise bad_request(f"{name} must be a string or a list of at most {max_count} strings", name)
+        if any(s == "" for s in v):
+            raise bad_request(f"{name} must not contain an empty string", name)
+        return v
+
+    def token_ids(self, name: str) -> list[int]:
+        v = self.raw(name, [])
+        if not isinstance(v, list) or not all(_is_int(t) and t >= 0 for t in v):
+            raise bad_request(f"{name} must be a list of non-negative integers", name)
+        return v
+
+    def object(self, name: str) -> Fields | None:
+        v = self.raw(name)
+        if v is None:
+            return None
+        if not isinstance(v, dict):
+            raise bad_request(f"{name} must be an object, got {_show(v)}", name)
+        return Fields(v)
+
+
+def _range(lo: int | None, hi: int | None) -> str:
+    if lo is not None and hi is not None:
+        return f" in [{lo}, {hi}]"
+    return f" >= {lo}" if lo is not None else ""
+
+
+def _show(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 60 else text[:57] + "..."

@@ -1,0 +1,180 @@
+"""Completion and chat endpoints: parse -> tokenize -> admit -> generate -> JSON or SSE.
+
+1. parse and validate the body (400 naming the field); unknown model -> 404
+2. admission: too many requests in flight, or the backend says it has no capacity -> 503 + Retry-After
+3. tokenize (chat: render the template first); prompt + max_tokens checked against the context (400)
+4. one backend request per choice (prompts x n); the first event of each is awaited before answering,
+   so "no capacity" is still a proper 503
+5. non-stream: collect, answer JSON; stream: SSE chunks, usage chunk if asked, then [DONE]
+6. client disconnect at any point -> abort every unfinished backend request
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass, replace
+
+import anyio
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from .backend import Backend, GenerationRequest, SamplingOptions
+from .choice import ChoiceState
+from .errors import APIError, bad_request, no_capacity
+from .generation import Generation
+from .metrics import GatewayMetrics
+from .openai_request import ParsedRequest, parse_chat, parse_completion, resolve_max_tokens
+from .responses import ChunkBuilder, LogprobFormatter, chat_body, completion_body
+from .sse import DONE, EventStreamResponse, error_event, sse_event, wait_for_disconnect
+from .tokenizer import ChatTemplateError, Tokenizer
+
+
+@dataclass(slots=True)
+class ServingLimits:
+    model_name: str
+    max_model_len: int
+    max_concurrent_requests: int = 256
+    retry_after_s: int = 1
+    request_timeout_s: float | None = None  # becomes each backend request's deadline
+
+
+class OpenAIServing:
+    def __init__(self, tokenizer: Tokenizer, backend: Backend, limits: ServingLimits,
+                 metrics: GatewayMetrics) -> None:
+        self._tok = tokenizer
+        self._backend = backend
+        self._limits = limits
+        self._metrics = metrics
+        self._fmt = LogprobFormatter(tokenizer)
+        self.num_in_flight = 0
+
+    async def completions(self, request: Request, body) -> object:
+        return await self._serve(request, parse_completion(body), chat=False)
+
+    async def chat(self, request: Request, body) -> object:
+        return await self._serve(request, parse_chat(body), chat=True)
+
+    def tokenize_prompt(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
+        if isinstance(prompt, str):
+            return self._tok.encode(prompt)
+        bad = [t for t in prompt if not self._tok.is_valid_id(t)]
+        if bad:
+            raise bad_request(f"token id {bad[0]} is out of range [0, {self._tok.vocab_size})", param)
+        return list(prompt)
+
+    def tokenize_messages(self, messages: list[dict]) -> list[int]:
+        try:
+            text = self._tok.apply_chat_template(messages, add_generation_prompt=True)
+        except ChatTemplateError as e:
+            raise bad_request(str(e), "messages") from None
+        return self._tok.encode(text, add_special_tokens=False)
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self._limits.model_name:
+            raise APIError(404, f"The model `{model[:200]}` does not exist; this server serves "
+                                f"`{self._limits.model_name}`", param="model", code="model_not_found")
+
+    async def _serve(self, request: Request, p: ParsedRequest, chat: bool) -> object:
+        arrival = time.monotonic()
+        self.check_model(p.model)
+        if self.num_in_flight >= self._limits.max_concurrent_requests or not self._backend.has_capacity():
+            self._metrics.requests.labels("rejected").inc()
+            raise no_capacity(self._limits.retry_after_s)
+        prompts = [self.tokenize_messages(p.messages)] if chat else [self.tokenize_prompt(x) for x in p.prompts]
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        requests, states = self._fan_out(rid, p, prompts, chat, arrival)
+        generation = Generation(self._backend, requests, states, self._metrics)
+        self.num_in_flight += 1
+        self._metrics.num_requests_running.inc()
+        try:
+            await generation.start()
+        except APIError as e:
+            self._finish(generation, arrival, "rejected" if e.status == 503 else "failed")
+            raise
+        model, created = self._limits.model_name, int(time.time())
+        if p.stream:
+            return EventStreamResponse(self._stream(generation, p, rid, created, model, chat, arrival))
+        return await self._collect(request, generation, p, rid, created, model, chat, arrival)
+
+    def _fan_out(self, rid: str, p: ParsedRequest, prompts: list[list[int]], chat: bool, arrival: float):
+        deadline = arrival + self._limits.request_timeout_s if self._limits.request_timeout_s else None
+        requests, states = [], []
+        for prompt_index, ids in enumerate(prompts):
+            max_tokens = resolve_max_tokens(p.max_tokens, len(ids), self._limits.max_model_len, chat)
+            options = p.sampling_options(max_tokens)
+            for j in range(p.n):
+                index = prompt_index * p.n + j
+                sampling = options if j == 0 else _reseeded(options, j)
+                requests.append(GenerationRequest(f"{rid}-{index}", ids, sampling, arrival, deadline))
+                states.append(ChoiceState(index, f"{rid}-{index}", self._tok, ids, p.stop))
+        return requests, states
+
+    async def _collect(self, request: Request, generation: Generation, p: ParsedRequest, rid: str,
+                       created: int, model: str, chat: bool, arrival: float):
+        outcome = "aborted"
+        failure: list[APIError] = []  # kept out of the task group, which would wrap it in an ExceptionGroup
+        try:
+            async with anyio.create_task_group() as tg:
+                async def drain() -> None:
+                    try:
+                        async for _ in generation.deltas():
+                            pass
+                    except APIError as e:
+                        failure.append(e)
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(drain)
+                await wait_for_disconnect(request.receive)
+                tg.cancel_scope.cancel()  # client gone: nobody will read the answer
+            if failure:
+                outcome = "failed"
+                raise failure[0]
+            if not all(s.is_finished for s in generation.states):
+                return JSONResponse({}, status_code=499)
+            outcome = "success"
+        finally:
+            await generation.close()
+            self._finish(generation, arrival, outcome)
+        build = chat_body if chat else completion_body
+        return JSONResponse(build(rid, created, model, generation.states, p.n, self._fmt, p.logprobs is not None))
+
+    async def _stream(self, generation: Generation, p: ParsedRequest, rid: str, created: int, model: str,
+                      chat: bool, arrival: float) -> AsyncGenerator[bytes, None]:
+        chunks = ChunkBuilder(rid, created, model, chat, self._fmt, p.logprobs is not None, len(generation.states))
+        outcome = "aborted"
+        try:
+            if chat:
+                for state in generation.states:
+                    yield sse_event(chunks.role(state.index))
+            try:
+                async for index, delta in generation.deltas():
+                    if not delta.is_empty:
+                        yield sse_event(chunks.delta(index, delta))
+                if p.include_usage:
+                    yield sse_event(chunks.usage(generation.states, p.n))
+                outcome = "success"
+            except APIError as e:
+                outcome = "failed"
+                yield error_event(e)
+            yield DONE
+        finally:
+            await generation.close()
+            self._finish(generation, arrival, outcome)
+
+    def _finish(self, generation: Generation, arrival: float, outcome: str) -> None:
+        m = self._metrics
+        self.num_in_flight -= 1
+        m.num_requests_running.dec()
+        m.requests.labels(outcome).inc()
+        m.e2e_request_latency.observe(time.monotonic() - arrival)
+        states = generation.states
+        m.generation_tokens.inc(sum(s.num_output_tokens for s in states))
+        m.prompt_tokens.inc(sum(s.num_prompt_tokens for s in states))
+        m.cached_prompt_tokens.inc(sum(s.num_cached_tokens for s in states))
+
+
+def _reseeded(options: SamplingOptions, j: int) -> SamplingOptions:
+    """Choice j of n gets seed + j, so a seeded n > 1 request gives n different but repeatable samples."""
+    return options if options.seed is None else replace(options, seed=options.seed + j)

@@ -1,0 +1,63 @@
+"""Server-sent events response that notices a client disconnect at once.
+
+Starlette's StreamingResponse only notices a disconnect when a write fails and leaves the body generator
+to the garbage collector. Here a listener waits for ``http.disconnect`` next to the writer; whichever ends
+first cancels the other, and the event generator is always closed, so its ``finally`` (which aborts the
+backend requests) runs before the handler returns.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncGenerator, Awaitable, Callable
+
+import anyio
+
+from .errors import APIError
+
+DONE = b"data: [DONE]\n\n"
+
+
+def sse_event(payload: dict) -> bytes:
+    return b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode("utf-8") + b"\n\n"
+
+
+async def wait_for_disconnect(receive: Callable[[], Awaitable[dict]]) -> None:
+    """Returns when the client goes away (the request body must already be consumed)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class EventStreamResponse:
+    """An ASGI app streaming ``events`` (already framed as SSE bytes) with status 200."""
+
+    def __init__(self, events: AsyncGenerator[bytes, None]) -> None:
+        self._events = events
+
+    async def __call__(self, scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": [
+            (b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+            (b"x-accel-buffering", b"no")]})
+        try:
+            async with anyio.create_task_group() as tg:
+                async def write() -> None:
+                    try:
+                        async for chunk in self._events:
+                            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                        await send({"type": "http.response.body", "body": b"", "more_body": False})
+                    except OSError:
+                        pass  # the client went away mid-write
+                    finally:
+                        tg.cancel_scope.cancel()
+
+                tg.start_soon(write)
+                await wait_for_disconnect(receive)
+                tg.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._events.aclose()
+
+
+def error_event(e: APIError) -> bytes:
+    """An error after the stream started: OpenAI clients raise it from the ``error`` key."""
+    return sse_event(e.body())

@@ -1,0 +1,109 @@
+"""A checkpoint's tokenizer and chat template, loaded without transformers (which may import torch).
+
+Reads what ``save_pretrained`` writes: ``tokenizer.json`` (run by the ``tokenizers`` library) and
+``tokenizer_config.json`` (special tokens, cleanup flag, chat template, unless the template lives in
+``chat_template.jinja``). The template is rendered the way ``transformers.apply_chat_template`` renders
+it: a sandboxed, immutable Jinja environment with trim_blocks/lstrip_blocks, ``raise_exception``,
+a JSON ``tojson`` and ``strftime_now``, and the special tokens as template variables.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+
+_SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+class ChatTemplateError(ValueError):
+    """The chat template refused the messages (``raise_exception``) or is missing."""
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    # Jinja's own tojson escapes HTML characters; templates expect plain JSON
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _compile_template(source: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
+
+
+def _token_text(value) -> str | None:
+    # Older configs store special tokens as AddedToken dicts: {"content": "<s>", ...}
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _pick_template(raw) -> str | None:
+    # tokenizer_config.json may hold one template or a list of named ones; "default" is the chat one
+    if isinstance(raw, list):
+        named = {t.get("name"): t.get("template") for t in raw if isinstance(t, dict)}
+        return named.get("default")
+    return raw if isinstance(raw, str) else None
+
+
+def _clean_up_spaces(text: str) -> str:
+    # transformers' clean_up_tokenization: undo the spaces old tokenizers put before punctuation
+    for before, after in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
+                          (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):
+        text = text.replace(before, after)
+    return text
+
+
+class Tokenizer:
+    """Encode, decode and chat-template one checkpoint's tokenizer."""
+
+    def __init__(self, path: str | Path) -> None:
+        path = Path(path)
+        self._tok = HFTokenizer.from_file(str(path / "tokenizer.json"))
+        config_path = path / "tokenizer_config.json"
+        config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.exists() else {}
+        self.special_tokens = {k: t for k in _SPECIAL_KEYS if (t := _token_text(config.get(k))) is not None}
+        self._clean_up_spaces = bool(config.get("clean_up_tokenization_spaces", False))
+        jinja_path = path / "chat_template.jinja"
+        source = jinja_path.read_text(encoding="utf-8") if jinja_path.exists() else _pick_template(
+            config.get("chat_template"))
+        self._template = _compile_template(source) if source else None
+        eos = self.special_tokens.get("eos_token")
+        self.eos_token_id: int | None = self._tok.token_to_id(eos) if eos else None
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        text = self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
+        return _clean_up_spaces(text) if self._clean_up_spaces else text
+
+    def is_valid_id(self, token_id: int) -> bool:
+        return 0 <= token_id < self.vocab_size
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The prompt text for ``messages``; special tokens in the result are encoded as such."""
+        if self._template is None:
+            raise ChatTemplateError("this model has no chat template; use /v1/completions")
+        # like transformers: None-valued keys are dropped (templates handle a missing key better)
+        messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
+        try:
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         tools=None, documents=None, **self.special_tokens)
+        except jinja2.exceptions.TemplateError as e:
+            raise ChatTemplateError(f"chat template error: {e}") from None

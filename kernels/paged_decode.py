@@ -1,0 +1,195 @@
+"""Decode attention: one query token per request over its paged KV (the q_len == 1 case of paged_attention).
+
+Triton: one program per (request, kv head, split). It loads each KV tile once and scores the whole
+query group of that KV head against it (GQA), keeping an online softmax. Long contexts are cut into
+``num_splits`` ranges run in parallel (split-K); a second kernel merges the partial results by their
+log-sum-exp. The torch reference is the engine's CPU decode path: one batched matmul over the
+gathered context, the query group as a matrix dimension (no repeat_interleave).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+_MIN_SPLIT_TOKENS = 256  # below this a split's fixed cost outweighs the extra parallelism
+_BLOCK_N = 64  # KV tokens per tile (may span several pages)
+
+
+def gather_context(cache: torch.Tensor, block_tables: torch.Tensor, max_ctx: int) -> torch.Tensor:
+    # cache: [num_blocks, block_size, kv_heads, head_dim] -> [batch, max_ctx, kv_heads, head_dim]
+    block_size = cache.shape[1]
+    num_blocks = -(-max_ctx // block_size)
+    gathered = cache[block_tables[:, :num_blocks].long()]  # [batch, num_blocks, block_size, kvh, d]
+    return gathered.flatten(1, 2)[:, :max_ctx]
+
+
+def paged_decode_reference(
+    q: torch.Tensor,  # [batch, num_heads, head_dim], request i's query is token context_lens[i] - 1
+    k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [batch, max_blocks]
+    context_lens: torch.Tensor,  # [batch]
+    scale: float,
+) -> torch.Tensor:  # [batch, num_heads, head_dim]
+    batch, num_heads, head_dim = q.shape
+    kv_heads = k_cache.shape[2]
+    group = num_heads // kv_heads
+    max_ctx = int(context_lens.max())
+    k = gather_context(k_cache, block_tables, max_ctx).float()  # [batch, ctx, kvh, d]
+    v = gather_context(v_cache, block_tables, max_ctx).float()
+    qg = q.float().view(batch, kv_heads, group, head_dim)  # head h = kv_head * group + g
+    scores = torch.einsum("bhgd,bthd->bhgt", qg, k) * scale  # [batch, kvh, group, ctx]
+    beyond = torch.arange(max_ctx, device=q.device)[None, :] >= context_lens[:, None]  # [batch, ctx]
+    scores.masked_fill_(beyond[:, None, None, :], float("-inf"))
+    probs = scores.softmax(dim=-1)
+    out = torch.einsum("bhgt,bthd->bhgd", probs, v)  # [batch, kvh, group, d]
+    return out.reshape(batch, num_heads, head_dim).to(q.dtype)
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, k_ptr, v_ptr, block_tables_ptr, context_lens_ptr, part_out_ptr, part_ml_ptr, out_ptr,
+    scale_log2,  # softmax scale * log2(e): the kernel works in base 2
+    stride_qt, stride_qh,  # q: [batch, num_heads, head_dim]
+    stride_kb, stride_ks, stride_kh,  # caches: [num_blocks, block_size, kv_heads, head_dim]
+    stride_vb, stride_vs, stride_vh,
+    stride_bt_b, stride_bt_i,  # block_tables: [batch, max_blocks]
+    stride_ot, stride_oh,  # out: [batch, num_heads, head_dim]
+    split_len,  # tokens per split, a multiple of BLOCK_N
+    NUM_SPLITS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    ctx = tl.load(context_lens_ptr + b)
+    start = split * split_len
+    end = tl.minimum(ctx, start + split_len)
+
+    g = tl.arange(0, GROUP_PAD)  # query head within the group (padded: tl.dot needs >= 16 rows)
+    d = tl.arange(0, DIM_PAD)
+    head = kvh * GROUP + g
+    g_ok = g < GROUP
+    d_ok = d < HEAD_DIM
+    q = tl.load(q_ptr + b * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=g_ok[:, None] & d_ok[None, :], other=0.0)  # [GROUP_PAD, DIM_PAD]
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([GROUP_PAD], -1.0e30, tl.float32)  # finite so fully masked rows never give NaN
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
+    for t0 in range(start, end, BLOCK_N):
+        t = t0 + tl.arange(0, BLOCK_N)  # token positions of this tile
+        t_ok = t < end
+        page = tl.load(block_tables_ptr + b * stride_bt_b + (t // PAGE_SIZE) * stride_bt_i, mask=t_ok, other=0)
+        page = page.to(tl.int64)
+        kv_mask = t_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_ptr + page[:, None] * stride_kb + (t % PAGE_SIZE)[:, None] * stride_ks
+                    + kvh * stride_kh + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, DIM_PAD]
+        v = tl.load(v_ptr + page[:, None] * stride_vb + (t % PAGE_SIZE)[:, None] * stride_vs
+                    + kvh * stride_vh + d[None, :], mask=kv_mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")  # [GROUP_PAD, BLOCK_N]
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(t_ok[None, :], s * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if UPCAST:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    row_mask = g_ok[:, None] & d_ok[None, :]
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(out_ptr + b * stride_ot + head[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_mask)
+    else:
+        # partials: out [batch, num_heads, NUM_SPLITS, DIM_PAD], (m, l) [batch, num_heads, NUM_SPLITS, 2]
+        row = (b * (tl.num_programs(1) * GROUP) + head) * NUM_SPLITS + split  # [GROUP_PAD]
+        tl.store(part_out_ptr + row[:, None] * DIM_PAD + d[None, :], acc, mask=row_mask)
+        tl.store(part_ml_ptr + row * 2, m_i, mask=g_ok)
+        tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=g_ok)
+
+
+@triton.jit
+def _reduce_kernel(
+    part_out_ptr, part_ml_ptr, out_ptr, stride_ot, stride_oh,
+    NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, DIM_PAD)
+    s_ok = s < NUM_SPLITS
+    row = (b * NUM_HEADS + h) * NUM_SPLITS + s  # [SPLITS_PAD]
+    m = tl.load(part_ml_ptr + row * 2, mask=s_ok, other=-1.0e30)
+    l = tl.load(part_ml_ptr + row * 2 + 1, mask=s_ok, other=0.0)
+    acc = tl.load(part_out_ptr + row[:, None] * DIM_PAD + d[None, :], mask=s_ok[:, None], other=0.0)
+    weight = tl.exp2(m - tl.max(m, axis=0))  # empty splits have m = -1e30 and weigh 0
+    out = tl.sum(acc * weight[:, None], axis=0) / tl.sum(l * weight, axis=0)  # [DIM_PAD]
+    tl.store(out_ptr + b * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+def choose_num_splits(batch: int, kv_heads: int, max_ctx: int, device: torch.device) -> int:
+    """Enough (request, kv head, split) programs to fill the device, never a split under _MIN_SPLIT_TOKENS."""
+    if device.type != "cuda":
+        return 1
+    target = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    wanted = triton.cdiv(target, batch * kv_heads)
+    return max(1, min(wanted, max_ctx // _MIN_SPLIT_TOKENS, 64))
+
+
+def paged_decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits=None, block_n=_BLOCK_N):
+    batch, num_heads, head_dim = q.shape
+    num_blocks, page_size, kv_heads, cache_dim = k_cache.shape
+    assert cache_dim == head_dim and num_heads % kv_heads == 0, (q.shape, k_cache.shape)
+    assert v_cache.shape == k_cache.shape and block_tables.shape[0] == batch == context_lens.shape[0]
+    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    assert block_n >= 16 and block_n & (block_n - 1) == 0
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if batch == 0:
+        return out
+    group = num_heads // kv_heads
+    dim_pad = max(16, triton.next_power_of_2(head_dim))
+    # The upper bound on context from the table width avoids a device sync on context_lens.
+    max_ctx = block_tables.shape[1] * page_size
+    if num_splits is None:
+        num_splits = choose_num_splits(batch, kv_heads, max_ctx, q.device)
+    split_len = triton.cdiv(triton.cdiv(max_ctx, num_splits), block_n) * block_n
+    part_out = part_ml = out  # unused when there is one split
+    if num_splits > 1:
+        part_out = torch.empty((batch, num_heads, num_splits, dim_pad), dtype=torch.float32, device=q.device)
+        part_ml = torch.empty((batch, num_heads, num_splits, 2), dtype=torch.float32, device=q.device)
+    _decode_kernel[(batch, kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, context_lens, part_out, part_ml, out,
+        scale * _LOG2E,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0), block_tables.stride(1),
+        out.stride(0), out.stride(1),
+        split_len,
+        NUM_SPLITS=num_splits, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim, DIM_PAD=dim_pad, PAGE_SIZE=page_size, BLOCK_N=block_n,
+        UPCAST=q.dtype == torch.float32 or not q.is_cuda,  # the CPU interpreter cannot dot bf16
+    )
+    if num_splits > 1:
+        _reduce_kernel[(batch, num_heads)](
+            part_out, part_ml, out, out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
+            HEAD_DIM=head_dim, DIM_PAD=dim_pad,
+        )
+    return out

@@ -1,0 +1,157 @@
+"""Chunked-prefill attention: a varlen batch of query chunks over each request's paged KV.
+
+Request i's chunk is the last q_len_i tokens of its context_lens[i]-token context (whose K/V are already
+in the pool): query j sits at position ``ctx_i - q_len_i + j`` and sees keys ``0 ..= pos``, i.e. the
+cached prefix plus the causal part of its own chunk. This is paged_attention's general contract.
+
+Triton: one program per (request, tile of BLOCK_M queries, kv head). The tile's rows are
+(query, head of the group) pairs, so each KV tile is loaded once for the whole query group.
+The torch reference pads the chunks to one length and runs SDPA under a mask.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from kernels.paged_decode import gather_context
+
+_LOG2E = 1.4426950408889634
+_ROWS = 64  # (query, group head) rows per program
+_BLOCK_N = 64  # KV tokens per tile
+
+
+def paged_prefill_reference(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale):
+    """q: [num_tokens, heads, d]; other arguments as in paged_attention. Returns [num_tokens, heads, d]."""
+    num_tokens = q.shape[0]
+    device = q.device
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]  # [batch]
+    max_q = int(q_lens.max())
+    max_ctx = int(context_lens.max())
+    k = gather_context(k_cache, block_tables, max_ctx)  # [batch, max_ctx, kvh, d]
+    v = gather_context(v_cache, block_tables, max_ctx)
+
+    # Pad queries to [batch, max_q]; padded rows reuse a valid index and are dropped at the end.
+    offsets = torch.arange(max_q, device=device)
+    token_idx = (query_start_loc[:-1, None] + offsets).clamp(max=num_tokens - 1)  # [batch, max_q]
+    is_real = offsets[None, :] < q_lens[:, None]  # [batch, max_q]
+    q_pos = context_lens[:, None] - q_lens[:, None] + offsets  # [batch, max_q]
+    k_pos = torch.arange(max_ctx, device=device)
+    mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < context_lens[:, None, None])
+
+    out = F.scaled_dot_product_attention(
+        q[token_idx].transpose(1, 2),  # [batch, heads, max_q, d]
+        k.transpose(1, 2),  # [batch, kvh, max_ctx, d]
+        v.transpose(1, 2),
+        attn_mask=mask[:, None],  # [batch, 1, max_q, max_ctx]
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out.transpose(1, 2)[is_real]  # [num_tokens, heads, d], in query order
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, context_lens_ptr, query_start_ptr,
+    scale_log2,  # softmax scale * log2(e): the kernel works in base 2
+    stride_qt, stride_qh,  # q, out: [num_tokens, num_heads, head_dim]
+    stride_ot, stride_oh,
+    stride_kb, stride_ks, stride_kh,  # caches: [num_blocks, block_size, kv_heads, head_dim]
+    stride_vb, stride_vs, stride_vh,
+    stride_bt_b, stride_bt_i,  # block_tables: [batch, max_blocks]
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    b = tl.program_id(0)
+    tile = tl.program_id(1)
+    kvh = tl.program_id(2)
+    q_start = tl.load(query_start_ptr + b)
+    q_len = tl.load(query_start_ptr + b + 1) - q_start
+    if tile * BLOCK_M >= q_len:
+        return
+    ctx = tl.load(context_lens_ptr + b)
+
+    r = tl.arange(0, BLOCK_M * GROUP_PAD)  # row = (query m of the tile, head g of the group)
+    m = tile * BLOCK_M + r // GROUP_PAD
+    g = r % GROUP_PAD
+    d = tl.arange(0, DIM_PAD)
+    row_ok = (m < q_len) & (g < GROUP)
+    d_ok = d < HEAD_DIM
+    q_pos = ctx - q_len + m  # [ROWS] absolute position of each row's query
+    token = (q_start + m).to(tl.int64)
+    head = kvh * GROUP + g
+    io_mask = row_ok[:, None] & d_ok[None, :]
+    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :], mask=io_mask, other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_M * GROUP_PAD], -1.0e30, tl.float32)  # finite so padded rows never give NaN
+    l_i = tl.zeros([BLOCK_M * GROUP_PAD], tl.float32)
+    acc = tl.zeros([BLOCK_M * GROUP_PAD, DIM_PAD], tl.float32)
+    kv_end = tl.minimum(ctx, ctx - q_len + (tile + 1) * BLOCK_M)  # last query of the tile sees up to here
+    for t0 in range(0, kv_end, BLOCK_N):
+        t = t0 + tl.arange(0, BLOCK_N)
+        t_ok = t < kv_end
+        page = tl.load(block_tables_ptr + b * stride_bt_b + (t // PAGE_SIZE) * stride_bt_i, mask=t_ok, other=0)
+        page = page.to(tl.int64)
+        kv_mask = t_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_ptr + page[:, None] * stride_kb + (t % PAGE_SIZE)[:, None] * stride_ks
+                    + kvh * stride_kh + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, DIM_PAD]
+        v = tl.load(v_ptr + page[:, None] * stride_vb + (t % PAGE_SIZE)[:, None] * stride_vs
+                    + kvh * stride_vh + d[None, :], mask=kv_mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")  # [ROWS, BLOCK_N]
+        else:
+            s = tl.dot(q, tl.trans(k))
+        visible = t_ok[None, :] & (t[None, :] <= q_pos[:, None])  # causal within the chunk
+        s = tl.where(visible, s * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if UPCAST:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=io_mask)
+
+
+def paged_prefill_triton(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale,
+                         rows=_ROWS, block_n=_BLOCK_N):
+    num_tokens, num_heads, head_dim = q.shape
+    num_blocks, page_size, kv_heads, cache_dim = k_cache.shape
+    batch = block_tables.shape[0]
+    assert cache_dim == head_dim and num_heads % kv_heads == 0, (q.shape, k_cache.shape)
+    assert v_cache.shape == k_cache.shape and context_lens.shape == (batch,) and query_start_loc.shape == (batch + 1,)
+    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    assert query_start_loc.is_contiguous() and context_lens.is_contiguous()
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if batch == 0 or num_tokens == 0:
+        return out
+    group = num_heads // kv_heads
+    group_pad = triton.next_power_of_2(group)
+    block_m = max(1, rows // group_pad)
+    assert block_m * group_pad >= 16 and block_n >= 16, "tl.dot needs at least 16 rows and columns"
+    max_q = int((query_start_loc[1:] - query_start_loc[:-1]).max())  # one sync: sizes the grid
+    _prefill_kernel[(batch, triton.cdiv(max_q, block_m), kv_heads)](
+        q, k_cache, v_cache, out, block_tables, context_lens, query_start_loc,
+        scale * _LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0), block_tables.stride(1),
+        GROUP=group, GROUP_PAD=group_pad, BLOCK_M=block_m,
+        HEAD_DIM=head_dim, DIM_PAD=max(16, triton.next_power_of_2(head_dim)), PAGE_SIZE=page_size,
+        BLOCK_N=block_n,
+        UPCAST=q.dtype == torch.float32 or not q.is_cuda,  # the CPU interpreter cannot dot bf16
+    )
+    return out

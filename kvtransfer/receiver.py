@@ -1,0 +1,215 @@
+"""Decode-node side of the transfer plane: owns destination ranges and applies incoming writes.
+
+Life of one transfer on the receiver:
+1. the decode node reserves the range (``reserve``): blocks leave its free list, fences show the token;
+2. the sender handshakes once per incarnation (compat hash checked, transport chosen);
+3. each ``BlockWrite`` is checked against the ownership table, then applied (inline bytes scattered
+   into the pool) or just recorded (the sender already copied them); a ``Credit`` goes back either way;
+4. ``Commit`` checks every reserved block was written -> event(ok, first token); the node ``adopt``s;
+5. otherwise abort or lease expiry hands the blocks back through ``release`` -> event(not ok).
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+import warnings
+from collections.abc import Callable
+
+import torch
+
+from engine.kv_pool import KVPool
+from kernels import scatter_blocks
+from kvtransfer import fence as fences
+from kvtransfer.channel import ServerChannel
+from kvtransfer.compat import compat_of, describe_mismatch, first_mismatch, new_incarnation
+from kvtransfer.cuda_ipc import export_pool
+from kvtransfer.events import TransferEvent
+from kvtransfer.metrics import TransferMetrics
+from kvtransfer.ownership import DEFAULT_LEASE_S, OwnershipTable, RangeState, Verdict
+from kvtransfer.shm_pool import SharedTensor, create_shared
+from protocol.codec import WireError, decode, encode
+from protocol.kv_messages import (
+    Abort, BlockWrite, Commit, CommitAck, Credit, Handshake, HandshakeReply, WriteRejected,
+)
+
+MAX_HEADER_BYTES = 64 * 1024
+
+
+class KVReceiver:
+    def __init__(
+        self,
+        pool: KVPool,
+        model: str,
+        channel: ServerChannel,
+        release: Callable[[list[int]], None],
+        metrics: TransferMetrics,
+        *,
+        lease_s: float = DEFAULT_LEASE_S,
+        credits: int = 256,
+        shm_pool_name: str | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.pool = pool
+        self.compat = compat_of(model, pool.layout)
+        self.incarnation = new_incarnation()
+        self.channel = channel
+        self.metrics = metrics
+        self.credits = credits
+        self.shm_pool_name = shm_pool_name  # set when pool.tensor lives in /dev/shm
+        self._user_release = release
+        self._clock = clock
+        self.table = OwnershipTable(self._release, clock=clock, lease_s=lease_s)
+        # The fence is always shared memory: shm and cuda_ipc senders in other processes read it.
+        self._fence: SharedTensor = create_shared((pool.layout.num_blocks,), torch.int64, prefix="fence")
+        self._peer_of: dict[bytes, str] = {}  # channel peer id -> sender incarnation
+        self._transport_of: dict[str, str] = {}  # sender incarnation -> transport
+        self._events: list[TransferEvent] = []
+        # True for an in-process channel: a loopback sender copies straight into our pool.
+        self._has_loopback = channel.offer_loopback(pool.tensor, self._fence.tensor)
+
+    # -- decode-node calls -------------------------------------------------------------------
+    def reserve(self, rid: str, generation: int, block_ids: list[int], sender_incarnation: str | None = None):
+        self.table.reserve(rid, generation, block_ids, sender_incarnation)
+        self._fence.tensor[torch.tensor(block_ids)] = fences.fence_token(rid, generation)
+        self.metrics.blocks_held_for_peer.set(len(self.table.held_blocks()))
+
+    def adopt(self, rid: str) -> tuple[int, ...]:
+        """After a committed event: the request takes the blocks over; the fence comes down."""
+        ids = self.table.adopt(rid)
+        self._fence.tensor[torch.tensor(ids)] = fences.FREE
+        self.metrics.blocks_held_for_peer.set(len(self.table.held_blocks()))
+        return ids
+
+    def abort(self, rid: str) -> bool:
+        """Local abort (client gone). Idempotent; the blocks go back through ``release``."""
+        return self.table.abort(rid)
+
+    def poll(self, max_messages: int = 256) -> list[TransferEvent]:
+        for _ in range(max_messages):
+            message = self.channel.recv()
+            if message is None:
+                break
+            self._handle(*message)
+        for r in self.table.expire():
+            self.metrics.expired_leases.inc()
+            self._fail(r.rid, r.generation, "lease expired", r.block_ids)
+        events, self._events = self._events, []
+        return events
+
+    def close(self) -> None:
+        self.channel.close()
+        self._fence.unlink()
+
+    # -- frames ------------------------------------------------------------------------------
+    def _handle(self, peer: bytes, frames: list) -> None:
+        try:
+            if not frames:
+                raise WireError("empty message")
+            record = decode(frames[0], MAX_HEADER_BYTES)
+            if len(frames) != (2 if isinstance(record, BlockWrite) and record.inline else 1):
+                raise WireError(f"{type(record).__name__} with {len(frames)} frames")
+        except WireError:
+            self.metrics.malformed_frames.inc()
+            return
+        if isinstance(record, Handshake):
+            self._on_handshake(peer, record)
+        elif self._peer_of.get(peer) != getattr(record, "sender_incarnation", None):
+            self._reject(peer, record, Verdict.UNKNOWN_INCARNATION)  # no handshake, or spoofed incarnation
+        elif isinstance(record, BlockWrite):
+            self._on_write(peer, record, frames)
+        elif isinstance(record, Commit):
+            self._on_commit(peer, record)
+        elif isinstance(record, Abort):
+            r = self.table.get(record.rid)
+            if r is not None and r.sender_incarnation in (None, record.sender_incarnation):
+                if self.table.abort(record.rid, record.generation):
+                    self._fail(record.rid, record.generation, f"aborted by sender: {record.reason}", r.block_ids)
+        else:
+            self.metrics.malformed_frames.inc()
+
+    def _on_handshake(self, peer: bytes, hs: Handshake) -> None:
+        field = first_mismatch(self.compat, hs.compat)
+        if field is not None:
+            self.metrics.handshakes.labels("refused").inc()
+            reply = HandshakeReply(False, self.incarnation, "", 0, self.pool.layout.num_blocks,
+                                   error=describe_mismatch(self.compat, hs.compat, field), mismatched_field=field)
+            self.channel.send(peer, [encode(reply)])
+            return
+        old = self._peer_of.get(peer)
+        if old is not None and old != hs.sender_incarnation:  # the sender restarted: its old work is void
+            for r in self.table.forget_peer(old):
+                self._fail(r.rid, r.generation, "sender restarted", r.block_ids)
+        self._peer_of[peer] = hs.sender_incarnation
+        self.table.register_peer(hs.sender_incarnation)
+        transport = self._choose_transport(hs)
+        self._transport_of[hs.sender_incarnation] = transport
+        reply = HandshakeReply(
+            True, self.incarnation, transport, self.credits, self.pool.layout.num_blocks,
+            shm_pool_name=self.shm_pool_name if transport == "shm" else None,
+            shm_fence_name=self._fence.name if transport in ("shm", "cuda_ipc") else None,
+            cuda_pool=export_pool(self.pool.tensor) if transport == "cuda_ipc" else None,
+        )
+        self.metrics.handshakes.labels("accepted").inc()
+        self.channel.send(peer, [encode(reply)])
+
+    def _choose_transport(self, hs: Handshake) -> str:
+        same_host = hs.hostname == socket.gethostname()
+        possible = {"zmq"}
+        if self._has_loopback:
+            possible.add("loopback")
+        if same_host and self.shm_pool_name is not None and not self.pool.tensor.is_cuda:
+            possible.add("shm")
+        if same_host and self.pool.tensor.is_cuda and hs.cuda_device is not None:
+            possible.add("cuda_ipc")
+        return next((t for t in hs.transports if t in possible), "zmq")
+
+    def _on_write(self, peer: bytes, w: BlockWrite, frames: list) -> None:
+        n = len(w.dst_block_ids)
+        expected = n * self.pool.layout.bytes_per_block
+        self.channel.send(peer, [encode(Credit(w.rid, w.generation, n))])  # the sender spent n credits
+        if w.inline and (w.num_bytes != expected or len(frames[1]) != expected):
+            self.metrics.malformed_frames.inc()
+            self._reject(peer, w, Verdict.OUT_OF_RANGE)
+            return
+        verdict = self.table.write(w.rid, w.generation, w.sender_incarnation, w.dst_block_ids)
+        if verdict is Verdict.OK and w.inline:
+            layout = self.pool.layout
+            with warnings.catch_warnings():  # zmq frames are read-only; we copy out of them at once
+                warnings.simplefilter("ignore", UserWarning)
+                data = torch.frombuffer(frames[1], dtype=layout.dtype)
+            shape = (layout.num_layers, 2, n, layout.block_size, layout.kv_heads, layout.head_dim)
+            dst = torch.tensor(w.dst_block_ids, device=self.pool.tensor.device)
+            scatter_blocks(self.pool.tensor, dst, data.view(shape).to(self.pool.tensor.device))
+        if verdict is not Verdict.OK:
+            self._reject(peer, w, verdict)
+
+    def _on_commit(self, peer: bytes, c: Commit) -> None:
+        verdict = self.table.commit(c.rid, c.generation, c.sender_incarnation)
+        r = self.table.get(c.rid)
+        if verdict is Verdict.INCOMPLETE:  # a sender bug: never let a half-written range decode
+            self.table.abort(c.rid, c.generation)
+            self._fail(c.rid, c.generation, "commit before every block was written", r.block_ids)
+        elif verdict is Verdict.OK and r.state == RangeState.COMMITTED:
+            num_bytes = len(r.block_ids) * self.pool.layout.bytes_per_block
+            started = r.first_write_at if r.first_write_at is not None else r.reserved_at
+            transport = self._transport_of.get(c.sender_incarnation, "zmq")
+            self.metrics.observe_transfer(transport, num_bytes, max(self._clock() - started, 0.0))
+            self._events.append(TransferEvent(c.rid, c.generation, True, commit=c, block_ids=r.block_ids))
+        if verdict is not Verdict.OK:
+            self.metrics.rejected_writes.labels(verdict.value).inc()
+        self.channel.send(peer, [encode(CommitAck(c.rid, c.generation, verdict is Verdict.OK, verdict.value))])
+
+    def _reject(self, peer: bytes, record, verdict: Verdict) -> None:
+        self.metrics.rejected_writes.labels(verdict.value).inc()
+        rid, gen = getattr(record, "rid", ""), getattr(record, "generation", 0)
+        self.channel.send(peer, [encode(WriteRejected(rid, gen, verdict.value))])
+
+    def _fail(self, rid: str, generation: int, reason: str, block_ids) -> None:
+        self.metrics.failed_transfers.labels("receiver", reason.split(":")[0]).inc()
+        self._events.append(TransferEvent(rid, generation, False, reason, block_ids=tuple(block_ids)))
+
+    def _release(self, block_ids: list[int]) -> None:
+        self._fence.tensor[torch.tensor(block_ids)] = fences.FREE  # before anyone can reuse them
+        self._user_release(block_ids)
+        self.metrics.blocks_held_for_peer.set(len(self.table.held_blocks()))  # already without these

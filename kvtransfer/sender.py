@@ -1,0 +1,239 @@
+"""Prefill-node side of the transfer plane: ships finished blocks per prefill chunk, then commits.
+
+Life of one transfer on the sender:
+1. ``handshake`` once per receiver incarnation: compat checked, transport chosen by the receiver;
+2. ``send(rid, gen, src, dst)`` after each prefill chunk: source blocks are pinned, split in pieces
+   that fit the receiver's credit window, shipped only while credits last;
+3. ``commit`` after the last chunk (with the first sampled token) goes out behind the last piece;
+4. each ``Credit`` unpins its piece and renews the deadline; ``CommitAck`` ends the transfer;
+5. a silent receiver past the deadline, a ``WriteRejected`` or a failed fence check fails it:
+   every block it pinned is unpinned at once. Nothing is pinned for a receiver that is gone.
+"""
+
+from __future__ import annotations
+
+import collections
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.kv_pool import KVPool
+from kernels import gather_blocks, scatter_blocks
+from kvtransfer import fence as fences
+from kvtransfer.channel import ClientChannel
+from kvtransfer.compat import compat_of, new_incarnation
+from kvtransfer.cuda_ipc import import_pool
+from kvtransfer.events import TransferEvent, TransferStatus
+from kvtransfer.shm_pool import attach_shared
+from protocol.codec import WireError, decode, encode
+from protocol.kv_messages import (
+    TRANSPORTS, Abort, BlockWrite, Commit, CommitAck, Credit, Handshake, HandshakeReply, WriteRejected,
+)
+
+DEFAULT_DEADLINE_S = 30.0
+
+
+class HandshakeError(RuntimeError):
+    def __init__(self, message: str, field: str = ""):
+        super().__init__(message)
+        self.field = field  # the compatibility field that differs, when that was the reason
+
+
+@dataclass(slots=True)
+class _Transfer:
+    rid: str
+    generation: int
+    deadline: float
+    status: TransferStatus = TransferStatus.PENDING
+    queued: collections.deque = field(default_factory=collections.deque)  # (src ids, dst ids) pieces
+    in_flight: collections.deque = field(default_factory=collections.deque)  # (src ids, buffer kept alive)
+    commit: Commit | None = None
+    commit_sent: bool = False
+
+
+class KVSender:
+    def __init__(
+        self,
+        pool: KVPool,
+        model: str,
+        channel: ClientChannel,
+        *,
+        deadline_s: float = DEFAULT_DEADLINE_S,
+        transports: tuple[str, ...] = TRANSPORTS,
+        unpin: Callable[[list[int]], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.pool = pool
+        self.compat = compat_of(model, pool.layout)
+        self.incarnation = new_incarnation()
+        self.channel = channel
+        self.deadline_s = deadline_s
+        self.transports = transports
+        self._unpin = unpin or (lambda block_ids: None)
+        self._clock = clock
+        self.transport = ""  # chosen at handshake
+        self.peer_incarnation = ""
+        self._credits = 0
+        self._window = 0
+        self._target: tuple[torch.Tensor, torch.Tensor] | None = None  # direct transports: (pool, fence)
+        self._transfers: dict[str, _Transfer] = {}
+        self._events: list[TransferEvent] = []
+
+    # -- handshake ---------------------------------------------------------------------------
+    def handshake(self, timeout_s: float = 10.0) -> HandshakeReply:
+        device = self.pool.tensor.device.index if self.pool.tensor.is_cuda else None
+        hs = Handshake(self.compat, self.incarnation, socket.gethostname(), list(self.transports), device)
+        give_up = time.monotonic() + timeout_s
+        while not self.channel.send([encode(hs)]):
+            self._wait(give_up, "receiver not reachable")
+        while (frames := self.channel.recv()) is None:
+            self._wait(give_up, "no handshake reply")
+        reply = decode(frames[0], expected=HandshakeReply)
+        if not reply.accepted:
+            raise HandshakeError(reply.error, reply.mismatched_field)
+        self._attach(reply)
+        self.transport, self.peer_incarnation = reply.transport, reply.receiver_incarnation
+        self._credits = self._window = reply.credits
+        return reply
+
+    def _attach(self, reply: HandshakeReply) -> None:
+        layout = self.pool.layout
+        if reply.transport == "loopback":
+            self._target = self.channel.loopback_target()
+        elif reply.transport in ("shm", "cuda_ipc"):
+            fence = attach_shared(reply.shm_fence_name, (layout.num_blocks,), torch.int64).tensor
+            if reply.transport == "shm":
+                remote = attach_shared(reply.shm_pool_name, layout.shape, layout.dtype).tensor
+            else:
+                remote = import_pool(reply.cuda_pool, layout.shape, layout.dtype, self.pool.tensor.device.index)
+            self._target = (remote, fence)
+        assert reply.transport == "zmq" or self._target is not None, reply.transport
+        assert reply.num_blocks == layout.num_blocks or reply.transport == "zmq"
+
+    def _wait(self, give_up: float, what: str) -> None:
+        if time.monotonic() > give_up:
+            raise HandshakeError(what)
+        time.sleep(0.001)
+
+    # -- prefill-node calls --------------------------------------------------------------------
+    def send(self, rid: str, generation: int, src_block_ids: list[int], dst_block_ids: list[int]) -> None:
+        """Queue one chunk's blocks (only those the receiver lacks). Pins ``src_block_ids``."""
+        assert len(src_block_ids) == len(dst_block_ids) and self._window > 0, "handshake first"
+        t = self._transfers.get(rid)
+        if t is None or t.generation != generation:
+            t = self._transfers[rid] = _Transfer(rid, generation, self._clock() + self.deadline_s)
+        assert t.status < TransferStatus.SUCCESS and t.commit is None, f"{rid} is finished or committing"
+        for start in range(0, len(src_block_ids), self._window):
+            t.queued.append((src_block_ids[start : start + self._window], dst_block_ids[start : start + self._window]))
+
+    def commit(self, rid: str, generation: int, first_token: int | None = None, first_logprob: float | None = None,
+               top_token_ids: list[int] | None = None, top_logprobs: list[float] | None = None) -> None:
+        t = self._transfers[rid]
+        assert t.generation == generation
+        t.commit = Commit(rid, generation, self.incarnation, first_token, first_logprob,
+                          list(top_token_ids or []), list(top_logprobs or []))
+
+    def abort(self, rid: str, generation: int, reason: str = "") -> None:
+        """Idempotent. Unpins at once; tells the receiver so it frees the range before the lease runs out."""
+        self.channel.send([encode(Abort(rid, generation, self.incarnation, reason))])
+        t = self._transfers.get(rid)
+        if t is not None and t.generation == generation and t.status < TransferStatus.SUCCESS:
+            self._finish(t, False, f"aborted: {reason}")
+
+    def status(self, rid: str) -> TransferStatus | None:
+        t = self._transfers.get(rid)
+        return None if t is None else t.status
+
+    def forget(self, rid: str) -> None:
+        t = self._transfers.get(rid)
+        if t is not None and t.status >= TransferStatus.SUCCESS:
+            del self._transfers[rid]
+
+    def pinned_blocks(self) -> list[int]:
+        pinned = []
+        for t in self._transfers.values():
+            pinned += [b for src, _ in t.in_flight for b in src] + [b for src, _ in t.queued for b in src]
+        return pinned
+
+    def poll(self) -> list[TransferEvent]:
+        while (frames := self.channel.recv()) is not None:
+            self._on_message(frames)
+        now = self._clock()
+        for t in list(self._transfers.values()):
+            if t.status >= TransferStatus.SUCCESS:
+                continue
+            if now >= t.deadline:
+                self._finish(t, False, "receiver silent past deadline")
+                continue
+            self._pump(t)
+        events, self._events = self._events, []
+        return events
+
+    # -- internals ---------------------------------------------------------------------------
+    def _pump(self, t: _Transfer) -> None:
+        while t.queued and self._credits >= len(t.queued[0][0]):
+            src, dst = t.queued[0]
+            header, frames, keep = self._ship(t, src, dst)
+            if header is None:
+                return
+            if not self.channel.send([encode(header), *frames]):
+                return  # receiver's queue is full or not connected: retry on the next poll
+            t.queued.popleft()
+            t.in_flight.append((src, keep))
+            self._credits -= len(src)
+            t.status = TransferStatus.TRANSFERRING
+        if not t.queued and t.commit is not None and not t.commit_sent:
+            t.commit_sent = self.channel.send([encode(t.commit)])
+
+    def _ship(self, t: _Transfer, src: list[int], dst: list[int]):
+        device = self.pool.tensor.device
+        buffer = gather_blocks(self.pool.tensor, torch.tensor(src, device=device))  # [L, 2, n, bs, kvh, d]
+        if self._target is None:  # zmq: raw bytes ride beside the header, zero-copy
+            raw = buffer.contiguous().view(torch.uint8).cpu()
+            header = BlockWrite(t.rid, t.generation, self.incarnation, dst, True, raw.numel())
+            return header, [memoryview(raw.numpy()).cast("B")], raw
+        remote, fence = self._target
+        dst_ids = torch.tensor(dst)
+        if not fences.holds(fence, dst_ids, fences.fence_token(t.rid, t.generation)):
+            self._finish(t, False, "stale: destination no longer reserved for this transfer")
+            return None, None, None
+        scatter_blocks(remote, dst_ids.to(remote.device), buffer.to(remote.device))
+        if remote.is_cuda:
+            torch.cuda.current_stream(remote.device).synchronize()  # bytes land before the header
+        return BlockWrite(t.rid, t.generation, self.incarnation, dst, False, 0), [], None
+
+    def _on_message(self, frames: list) -> None:
+        try:
+            msg = decode(frames[0])
+        except WireError:
+            return  # a broken reply: the deadline decides
+        t = self._transfers.get(getattr(msg, "rid", None))
+        if t is None or t.generation != getattr(msg, "generation", None) or t.status >= TransferStatus.SUCCESS:
+            if isinstance(msg, Credit):  # credits belong to the pair, not to the transfer
+                self._credits = min(self._credits + msg.blocks, self._window)
+            return
+        t.deadline = self._clock() + self.deadline_s  # the receiver is alive and progressing
+        if isinstance(msg, Credit):
+            self._credits = min(self._credits + msg.blocks, self._window)
+            if t.in_flight:
+                src, _ = t.in_flight.popleft()
+                self._unpin(list(src))
+        elif isinstance(msg, WriteRejected):
+            self._finish(t, False, f"rejected by receiver: {msg.reason}")
+        elif isinstance(msg, CommitAck):
+            self._finish(t, msg.ok, "" if msg.ok else f"commit refused: {msg.reason}")
+
+    def _finish(self, t: _Transfer, ok: bool, reason: str) -> None:
+        t.status = TransferStatus.SUCCESS if ok else TransferStatus.FAILED
+        pinned = [b for src, _ in t.in_flight for b in src] + [b for src, _ in t.queued for b in src]
+        if not ok:
+            # In-flight credits may never come back from a dead receiver; reclaim them with the pieces.
+            self._credits += sum(len(src) for src, _ in t.in_flight)
+        t.in_flight.clear()
+        t.queued.clear()
+        if pinned:
+            self._unpin(pinned)
+        self._events.append(TransferEvent(t.rid, t.generation, ok, reason))

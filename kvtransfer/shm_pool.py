@@ -1,0 +1,57 @@
+"""Tensors that live in ``/dev/shm`` so another process on the host can map them.
+
+The decode node allocates its KV pool here when it offers the ``shm`` transport, then builds
+``KVPool(layout, tensor=shared.tensor)``; the prefill node maps the same file and writes straight into
+reserved blocks. ``torch.from_file(shared=True)`` maps the file without the buffer-export and
+resource-tracker pitfalls of ``multiprocessing.shared_memory``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import uuid
+from dataclasses import dataclass
+
+import torch
+
+SHM_DIR = "/dev/shm"
+_NAME = re.compile(r"^pdserve-[A-Za-z0-9_.-]{1,100}$")  # a peer sends us names: no paths, no '..'
+
+
+@dataclass(slots=True)
+class SharedTensor:
+    name: str  # file name under /dev/shm, what travels in the handshake
+    tensor: torch.Tensor
+    is_owner: bool  # the creator unlinks
+
+    def unlink(self) -> None:
+        if self.is_owner:
+            try:
+                os.unlink(_path(self.name))
+            except FileNotFoundError:
+                pass
+
+
+def create_shared(shape: tuple[int, ...], dtype: torch.dtype, prefix: str = "kv") -> SharedTensor:
+    name = f"pdserve-{prefix}-{uuid.uuid4().hex}"
+    numel = math.prod(shape)
+    flat = torch.from_file(_path(name), shared=True, size=numel, dtype=dtype)  # zero-filled new file
+    return SharedTensor(name, flat.view(shape), is_owner=True)
+
+
+def attach_shared(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> SharedTensor:
+    numel = math.prod(shape)
+    path = _path(name)
+    expected = numel * torch.empty((), dtype=dtype).element_size()
+    if os.path.getsize(path) != expected:  # never map past (or short of) what the owner allocated
+        raise ValueError(f"shared tensor {name} has {os.path.getsize(path)} bytes, expected {expected}")
+    flat = torch.from_file(path, shared=True, size=numel, dtype=dtype)
+    return SharedTensor(name, flat.view(shape), is_owner=False)
+
+
+def _path(name: str) -> str:
+    if not _NAME.match(name):
+        raise ValueError(f"invalid shared tensor name {name[:120]!r}")
+    return os.path.join(SHM_DIR, name)

@@ -1,0 +1,156 @@
+"""Records of the KV transfer plane (prefill node = sender, decode node = receiver).
+
+One conversation per peer pair::
+
+    sender                                  receiver
+    Handshake(compat, incarnation, offers) ─▶
+                                         ◀─ HandshakeReply(accepted, incarnation, transport, credits)
+    BlockWrite(rid, gen, inc, dst ids) [+ raw block bytes when inline]  ─▶   (per prefill chunk)
+                                         ◀─ Credit(blocks)  (+ WriteRejected when fenced off)
+    Commit(rid, gen, inc, first token)  ─▶
+                                         ◀─ CommitAck(rid, gen, ok, reason)
+    Abort(rid, gen, inc)                ─▶   (idempotent)
+
+Every frame that touches blocks carries ``(rid, generation, sender incarnation)`` so the receiver can
+refuse a late write for a reused range.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from protocol.codec import wire_record
+
+KV_PROTOCOL_VERSION = 1
+TRANSPORTS = ("loopback", "cuda_ipc", "shm", "zmq")  # preference order, fastest first
+
+
+@wire_record("kv.compat")
+@dataclass(frozen=True, slots=True)
+class KVCompat:
+    """What two nodes must agree on before one writes into the other's pool."""
+
+    protocol_version: int
+    model: str  # model id or path basename; same weights on both sides
+    dtype: str  # "float32", "bfloat16", ...
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    block_size: int
+
+
+@wire_record("kv.handshake")
+@dataclass(slots=True)
+class Handshake:
+    compat: KVCompat
+    sender_incarnation: str  # new on every process start; invalidates cached handshakes
+    hostname: str  # shm / cuda_ipc only make sense on one host
+    transports: list[str]  # offered, preference order
+    cuda_device: int | None = None  # sender's device when it can use cuda_ipc
+
+
+@wire_record("kv.cuda_ipc_handle")
+@dataclass(slots=True)
+class CudaIpcHandle:
+    """The fields of ``UntypedStorage._share_cuda_()``: the pool is exported once, at handshake."""
+
+    device: int
+    handle: bytes
+    storage_size_bytes: int
+    storage_offset_bytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+
+
+@wire_record("kv.handshake_reply")
+@dataclass(slots=True)
+class HandshakeReply:
+    accepted: bool
+    receiver_incarnation: str
+    transport: str  # chosen for this pair; "" when refused
+    credits: int  # blocks the sender may have in flight
+    num_blocks: int  # receiver pool size; dst block ids are below it
+    error: str = ""  # why it was refused, naming the field
+    mismatched_field: str = ""
+    shm_pool_name: str | None = None  # shm: the pool tensor's segment
+    shm_fence_name: str | None = None  # shm / cuda_ipc: per-block owner tokens
+    cuda_pool: CudaIpcHandle | None = None
+
+
+@wire_record("kv.block_write")
+@dataclass(slots=True)
+class BlockWrite:
+    """Header of one write. ``inline``: block bytes follow as one raw frame ``[L, 2, n, bs, kvh, d]``;
+    otherwise the sender already copied them into the receiver's pool (shm / cuda_ipc / loopback)."""
+
+    rid: str
+    generation: int
+    sender_incarnation: str
+    dst_block_ids: list[int]
+    inline: bool
+    num_bytes: int  # of the raw frame; 0 when not inline
+
+    def __post_init__(self):
+        assert self.dst_block_ids, "a write names at least one block"
+        assert len(set(self.dst_block_ids)) == len(self.dst_block_ids), "duplicate destination block"
+        assert self.num_bytes >= 0 and (self.inline or self.num_bytes == 0)
+
+
+@wire_record("kv.commit")
+@dataclass(slots=True)
+class Commit:
+    """Last message of a transfer; may carry the first sampled token (TTFT is measured at P)."""
+
+    rid: str
+    generation: int
+    sender_incarnation: str
+    first_token: int | None = None
+    first_logprob: float | None = None
+    top_token_ids: list[int] = field(default_factory=list)
+    top_logprobs: list[float] = field(default_factory=list)
+
+    def __post_init__(self):
+        assert len(self.top_token_ids) == len(self.top_logprobs), "top logprobs need one id per value"
+
+
+@wire_record("kv.abort")
+@dataclass(slots=True)
+class Abort:
+    rid: str
+    generation: int
+    sender_incarnation: str
+    reason: str = ""
+
+
+@wire_record("kv.credit")
+@dataclass(slots=True)
+class Credit:
+    """Receiver -> sender: ``blocks`` more may be in flight; acknowledges the writes of ``rid``."""
+
+    rid: str
+    generation: int
+    blocks: int
+
+    def __post_init__(self):
+        assert self.blocks >= 0
+
+
+@wire_record("kv.write_rejected")
+@dataclass(slots=True)
+class WriteRejected:
+    """Receiver -> sender: the transfer is dead on this side (stale, unknown, expired, aborted)."""
+
+    rid: str
+    generation: int
+    reason: str
+
+
+@wire_record("kv.commit_ack")
+@dataclass(slots=True)
+class CommitAck:
+    rid: str
+    generation: int
+    ok: bool
+    reason: str = ""

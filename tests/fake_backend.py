@@ -1,0 +1,159 @@
+"""A deterministic stand-in for the worker pools, a test tokenizer, and a live uvicorn server for tests.
+
+FakeBackend answers every request with the same token sequence (cut at max_tokens), with made-up but
+deterministic logprobs, and reports prefix-cache hits from the block hashes of prompts it has seen.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import uvicorn
+
+from gateway.backend import Backend, GenerationRequest, NoCapacity, TokenEvent, TokenLogprob
+from protocol.hashing import block_hashes
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('unknown role ' + message['role']) }}"
+    "{% endif %}"
+    "<|{{ message['role'] }}|>\n"
+    "{{ message['content'] | trim }}{{ eos_token }}\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}"
+    "<|assistant|>\n"
+    "{% endif %}"
+)
+TRAINING_TEXT = ("The quick brown fox jumps over the lazy dog. Hello world, hello there! "
+                 "Stop here. A cat sat on the mat and it was happy. ") * 20
+
+
+def make_test_tokenizer(directory: Path) -> Path:
+    """Byte-level BPE trained in memory, saved the way real checkpoints are (transformers' save_pretrained)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  special_tokens=["<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>"])
+    tok.train_from_iterator([TRAINING_TEXT], trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(directory))
+    return directory
+
+
+@dataclass
+class FakeBackend(Backend):
+    output_ids: list[int]  # every request generates a prefix of this
+    block_size: int = 4
+    token_delay_s: float = 0.0
+    tokens_per_event: int = 1
+    capacity: bool = True  # has_capacity(); False -> the gateway's own admission says 503
+    no_capacity_retry_after: int | None = None  # set: generate raises NoCapacity(this)
+    error_after_tokens: int | None = None  # set: an error event after this many tokens
+    ready: bool = True
+    received: list[GenerationRequest] = field(default_factory=list)
+    aborted: list[str] = field(default_factory=list)
+    _seen_hashes: set[int] = field(default_factory=set)
+
+    def is_ready(self) -> bool:
+        return self.ready
+
+    def has_capacity(self) -> bool:
+        return self.capacity
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+    def _cached_tokens(self, prompt: list[int]) -> int:
+        hashes = block_hashes(prompt, self.block_size)
+        hits = 0
+        for h in hashes:
+            if h not in self._seen_hashes:
+                break
+            hits += 1
+        self._seen_hashes.update(hashes)
+        return hits * self.block_size
+
+    @staticmethod
+    def logprob_of(position: int) -> float:
+        return -0.25 * (position + 1)
+
+    def _logprobs(self, start: int, ids: list[int], k: int) -> list[TokenLogprob]:
+        # the sampled token first among its top-k, then the ids after it, each a bit less likely
+        return [TokenLogprob(t, self.logprob_of(start + i),
+                             [(t + j, self.logprob_of(start + i) - j) for j in range(k)])
+                for i, t in enumerate(ids)]
+
+    async def generate(self, request: GenerationRequest):
+        if self.no_capacity_retry_after is not None:
+            raise NoCapacity(self.no_capacity_retry_after, "all decode workers are full")
+        self.received.append(request)
+        s = request.sampling
+        out = self.output_ids[: s.max_tokens]
+        finish = "length" if len(out) < len(self.output_ids) else "stop"
+        cached = self._cached_tokens(request.prompt_token_ids)
+        for start in range(0, len(out), self.tokens_per_event):
+            if self.error_after_tokens is not None and start >= self.error_after_tokens:
+                yield TokenEvent(error="decode worker lost")
+                return
+            if self.token_delay_s:
+                await asyncio.sleep(self.token_delay_s)
+            ids = out[start : start + self.tokens_per_event]
+            last = start + len(ids) >= len(out)
+            yield TokenEvent(ids, self._logprobs(start, ids, s.logprobs) if s.logprobs is not None else None,
+                             finish_reason=finish if last else None,
+                             num_cached_tokens=cached if start == 0 else None,
+                             queue_time_s=0.001 if start == 0 else None)
+
+
+class LiveServer:
+    """The app served by a real uvicorn on 127.0.0.1 (ephemeral port) in a background thread."""
+
+    def __init__(self, app) -> None:
+        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> LiveServer:
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started:
+            assert time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.01)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.base_url = f"http://127.0.0.1:{port}"
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+OUTPUT_TEXT = "Hello world. Stop here, 日本語 é! The end."
+MODEL = "test-model"
+API_KEYS = ["key-one", "key-two"]
+
+
+def make_gateway(tokenizer_dir: Path, max_model_len: int = 64, max_body_bytes: int = 1 << 16, registry=None):
+    """The app over a FakeBackend answering OUTPUT_TEXT; returns (app, backend)."""
+    from gateway.app import GatewayParams, build_app
+    from gateway.serving import ServingLimits
+    from gateway.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(tokenizer_dir)
+    backend = FakeBackend(output_ids=tokenizer.encode(OUTPUT_TEXT, add_special_tokens=False))
+    limits = ServingLimits(model_name=MODEL, max_model_len=max_model_len, max_concurrent_requests=8,
+                           retry_after_s=3)
+    params = GatewayParams(tokenizer, backend, limits, api_keys=list(API_KEYS), max_body_bytes=max_body_bytes,
+                           registry=registry)
+    return build_app(params), backend

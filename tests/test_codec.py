@@ -1,0 +1,146 @@
+"""protocol.codec: typed msgpack records round-trip; anything else is a WireError."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import msgpack
+import pytest
+
+from protocol.codec import WireError, decode, encode, wire_record
+from protocol.kv_messages import BlockWrite, Commit, Handshake, KVCompat
+
+
+@wire_record("test.inner")
+@dataclass(slots=True)
+class Inner:
+    name: str
+    weight: float
+
+
+@wire_record("test.outer")
+@dataclass(slots=True)
+class Outer:
+    count: int
+    flag: bool
+    blob: bytes
+    ids: list[int]
+    names: list[str]
+    inner: Inner
+    inners: list[Inner] = field(default_factory=list)
+    maybe: int | None = None
+    maybe_inner: Inner | None = None
+
+    def __post_init__(self):
+        assert self.count >= 0, "count must be >= 0"
+
+
+def _outer(**overrides):
+    values = dict(count=3, flag=True, blob=b"\x00\xff", ids=[1, -2], names=["a"], inner=Inner("x", 0.5),
+                  inners=[Inner("y", 1.5)], maybe=None, maybe_inner=Inner("z", 2.0))
+    values.update(overrides)
+    return values
+
+
+def _raw(tag, fields) -> bytes:
+    return msgpack.packb([tag, fields], use_bin_type=True)
+
+
+def test_round_trip_equals_original():
+    record = Outer(**_outer())
+    assert decode(encode(record)) == record
+    commit = Commit("r", 2, "inc", first_token=7, first_logprob=-0.25, top_token_ids=[7, 9], top_logprobs=[-0.25, -3.0])
+    assert decode(encode(commit)) == commit
+    hs = Handshake(KVCompat(1, "m", "float32", 8, 2, 64, 16), "inc", "host", ["zmq", "shm"])
+    assert decode(encode(hs), expected=Handshake) == hs
+
+
+def test_int_accepted_for_float_but_not_bool_for_int():
+    good = _outer(inner=["test.inner", {"name": "x", "weight": 1}])
+    fields = {k: v for k, v in _outer().items()}
+    fields["inner"] = ["test.inner", {"name": "x", "weight": 1}]
+    fields["inners"] = []
+    fields["maybe_inner"] = None
+    record = decode(_raw("test.outer", fields))
+    assert record.inner.weight == 1.0 and isinstance(record.inner.weight, float)
+    assert good  # the float field took an int
+    fields["count"] = True
+    with pytest.raises(WireError, match=r"test.outer.count: expected int, got bool"):
+        decode(_raw("test.outer", fields))
+
+
+def _fields(**overrides):
+    fields = dict(count=1, flag=False, blob=b"", ids=[], names=[], inner=["test.inner", {"name": "n", "weight": 0.0}],
+                  inners=[], maybe=None, maybe_inner=None)
+    fields.update(overrides)
+    return fields
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (_fields(ids=[1, "2"]), r"test.outer.ids\[1\]: expected int, got str"),
+        (_fields(names="abc"), r"test.outer.names: expected a list"),
+        (_fields(blob="text"), r"test.outer.blob: expected bytes, got str"),
+        (_fields(maybe=1.5), r"test.outer.maybe: expected int, got float"),
+        (_fields(inner=["test.outer", {}]), r"test.outer.inner"),
+        (_fields(inner=["no.such", {}]), r"test.outer.inner: expected a test.inner record, got .no.such."),
+        (_fields(count=-1), r"invalid record: count must be >= 0"),
+    ],
+)
+def test_wrong_types_name_the_field(fields, message):
+    with pytest.raises(WireError, match=message):
+        decode(_raw("test.outer", fields))
+
+
+def test_missing_and_extra_fields_rejected():
+    fields = _fields()
+    del fields["flag"]
+    with pytest.raises(WireError, match=r"missing field\(s\) \['flag'\]"):
+        decode(_raw("test.outer", fields))
+    with pytest.raises(WireError, match=r"unexpected field\(s\) \['evil'\]"):
+        decode(_raw("test.outer", _fields(evil=1)))
+
+
+@pytest.mark.parametrize(
+    "data",
+    [b"", b"\xc1", b"\x93\x01\x02", msgpack.packb(["kv.commit"]), msgpack.packb({"a": 1}),
+     msgpack.packb(["nope", {}]), msgpack.packb([1, {}]), msgpack.packb(["kv.commit", {1: 2}])],
+)
+def test_garbage_is_a_wire_error(data):
+    with pytest.raises(WireError):
+        decode(data)
+
+
+def test_size_limit_checked_before_parsing():
+    record = BlockWrite("r", 1, "inc", list(range(1000)), False, 0)
+    data = encode(record)
+    assert decode(data, max_bytes=len(data)) == record
+    with pytest.raises(WireError, match=f"frame of {len(data)} bytes exceeds the limit of {len(data) - 1} bytes"):
+        decode(data, max_bytes=len(data) - 1)
+
+
+def test_expected_type_enforced():
+    with pytest.raises(WireError, match="expected Handshake, got Commit"):
+        decode(encode(Commit("r", 1, "i")), expected=Handshake)
+
+
+def test_record_invariants_apply_on_decode():
+    fields = {"rid": "r", "generation": 1, "sender_incarnation": "i", "dst_block_ids": [3, 3], "inline": False,
+              "num_bytes": 0}
+    with pytest.raises(WireError, match="duplicate destination block"):
+        decode(_raw("kv.block_write", fields))
+
+
+def test_duplicate_tag_registration_refused():
+    with pytest.raises(AssertionError, match="registered twice"):
+        wire_record("test.inner")(dataclass(slots=True)(type("Other", (), {"__annotations__": {"a": int}})))
+
+
+def test_protocol_package_is_torch_free():
+    import subprocess
+    import sys
+
+    code = "import sys, protocol.codec, protocol.kv_messages, protocol.zmq_util; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

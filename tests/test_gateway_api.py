@@ -1,0 +1,235 @@
+"""The OpenAI API over a live uvicorn server, checked with the official client in strict mode."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import httpx
+import openai
+import pytest
+from transformers import AutoTokenizer
+
+from tests.fake_backend import API_KEYS, MODEL, OUTPUT_TEXT, FakeBackend, LiveServer, make_gateway, make_test_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    return make_test_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+@pytest.fixture(scope="module")
+def hf_tok(tok_dir):
+    return AutoTokenizer.from_pretrained(str(tok_dir))
+
+
+@pytest.fixture(scope="module")
+def live(tok_dir):
+    app, backend = make_gateway(tok_dir)
+    with LiveServer(app) as server:
+        server.backend = backend
+        yield server
+
+
+@pytest.fixture
+def backend(live) -> FakeBackend:
+    b: FakeBackend = live.backend
+    fresh = FakeBackend(output_ids=b.output_ids)
+    for f in dataclasses.fields(FakeBackend):  # every test starts from a fresh backend state
+        setattr(b, f.name, getattr(fresh, f.name))
+    return b
+
+
+@pytest.fixture
+def client(live, backend):
+    return openai.OpenAI(base_url=live.base_url + "/v1", api_key=API_KEYS[1], max_retries=0,
+                         _strict_response_validation=True)
+
+
+@pytest.fixture
+def loose_client(live, backend):
+    """For legacy completion streams only: the SDK types CompletionChoice.finish_reason as non-optional, so
+    strict validation rejects the ``finish_reason: null`` that OpenAI itself sends in every non-final chunk."""
+    return openai.OpenAI(base_url=live.base_url + "/v1", api_key=API_KEYS[1], max_retries=0)
+
+
+def test_completion_non_stream_text_usage_and_cached_tokens(client, hf_tok, backend):
+    prompt = "The quick brown fox jumps over"
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=40)
+    assert r.choices[0].text == OUTPUT_TEXT
+    assert r.choices[0].finish_reason == "stop"
+    num_prompt = len(hf_tok.encode(prompt))
+    assert r.usage.prompt_tokens == num_prompt
+    assert r.usage.completion_tokens == len(backend.output_ids)
+    assert r.usage.total_tokens == num_prompt + len(backend.output_ids)
+    assert r.usage.prompt_tokens_details.cached_tokens == 0
+    again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=40)
+    assert again.usage.prompt_tokens_details.cached_tokens == num_prompt // backend.block_size * backend.block_size
+    assert backend.received[0].prompt_token_ids == hf_tok.encode(prompt)
+
+
+def test_completion_max_tokens_gives_length_and_matches_transformers_decode(client, hf_tok, backend):
+    for k in (1, 3, 14, 15):
+        r = client.completions.create(model=MODEL, prompt="Hello", max_tokens=k)
+        assert r.choices[0].finish_reason == "length"
+        assert r.choices[0].text == hf_tok.decode(backend.output_ids[:k])
+        assert r.usage.completion_tokens == k
+
+
+def test_token_id_prompts_and_several_prompts(client, hf_tok, backend):
+    ids = hf_tok.encode("A cat sat")
+    r = client.completions.create(model=MODEL, prompt=[ids, hf_tok.encode("the mat")], max_tokens=2, n=2)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert r.usage.prompt_tokens == len(ids) + len(hf_tok.encode("the mat"))
+    assert r.usage.completion_tokens == 8
+    assert backend.received[0].prompt_token_ids == ids
+
+
+def test_completion_stream_has_no_empty_chunks(loose_client, backend):
+    chunks = list(loose_client.completions.create(model=MODEL, prompt="Hello", max_tokens=40, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == OUTPUT_TEXT
+    assert all(c.choices[0].text or c.choices[0].finish_reason for c in chunks)
+    assert [c.choices[0].finish_reason for c in chunks][-1] == "stop"
+    assert sum(c.choices[0].finish_reason is not None for c in chunks) == 1
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_chat_non_stream(client, hf_tok, backend):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there!"}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=50)
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == OUTPUT_TEXT
+    expected_ids = hf_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                              return_dict=False)
+    assert backend.received[0].prompt_token_ids == list(expected_ids)
+    assert r.usage.prompt_tokens == len(expected_ids)
+
+
+def test_chat_stream_role_first_and_usage_chunk_last(client, backend):
+    backend.tokens_per_event = 2
+    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                            stream=True, stream_options={"include_usage": True}, max_tokens=40)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(backend.output_ids)
+    body = chunks[1:-1]
+    assert "".join(c.choices[0].delta.content or "" for c in body) == OUTPUT_TEXT
+    assert all(c.choices[0].delta.content or c.choices[0].finish_reason for c in body)
+    assert body[-1].choices[0].finish_reason == "stop"
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_n2_streams_two_choices_with_distinct_seeds(loose_client, backend):
+    chunks = list(loose_client.completions.create(model=MODEL, prompt="Hello", max_tokens=5, n=2, seed=11,
+                                            stream=True))
+    texts = {0: "", 1: ""}
+    for c in chunks:
+        texts[c.choices[0].index] += c.choices[0].text
+    assert texts[0] == texts[1] == OUTPUT_TEXT[: len(texts[0])] and texts[0]
+    assert sorted(r.sampling.seed for r in backend.received) == [11, 12]
+    assert len({r.request_id for r in backend.received}) == 2
+
+
+def _split_stop(hf_tok, backend) -> str:
+    """A stop string that spans a token boundary of the fake output: no single token holds it."""
+    stop = "d. St"
+    pieces = [hf_tok.decode([t]) for t in backend.output_ids]
+    assert not any(stop in p for p in pieces) and stop in OUTPUT_TEXT
+    return stop
+
+
+def test_stop_string_across_tokens_non_stream(client, hf_tok, backend):
+    stop = _split_stop(hf_tok, backend)
+    r = client.completions.create(model=MODEL, prompt="Hello", max_tokens=40, stop=[stop, "zzz"])
+    assert r.choices[0].text == OUTPUT_TEXT[: OUTPUT_TEXT.index(stop)]
+    assert r.choices[0].finish_reason == "stop"
+    assert backend.aborted == [backend.received[0].request_id]  # the worker is told to stop
+
+
+@pytest.mark.parametrize("per_event", [1, 3])
+def test_stop_string_never_leaks_in_stream(client, hf_tok, backend, per_event):
+    backend.tokens_per_event = per_event
+    stop = _split_stop(hf_tok, backend)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                                 stop=stop, stream=True))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert text == OUTPUT_TEXT[: OUTPUT_TEXT.index(stop)]
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_completion_logprobs(client, hf_tok, backend):
+    r = client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, logprobs=2)
+    lp = r.choices[0].logprobs
+    ids = backend.output_ids[:4]
+    assert lp.tokens == [hf_tok.decode([t]) for t in ids]
+    assert lp.token_logprobs == [FakeBackend.logprob_of(i) for i in range(4)]
+    assert [len(t) for t in lp.top_logprobs] == [2, 2, 2, 2]
+    assert lp.top_logprobs[0][hf_tok.decode([ids[0] + 1])] == FakeBackend.logprob_of(0) - 1
+    assert lp.text_offset[0] == 0 and lp.text_offset[1] == len(lp.tokens[0])
+
+
+def test_chat_logprobs_stream_and_not(client, hf_tok, backend):
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=5, logprobs=True,
+              top_logprobs=3)
+    r = client.chat.completions.create(**kw)
+    content = r.choices[0].logprobs.content
+    assert [c.token for c in content] == [hf_tok.decode([t]) for t in backend.output_ids[:5]]
+    assert [c.logprob for c in content] == [FakeBackend.logprob_of(i) for i in range(5)]
+    assert all(len(c.top_logprobs) == 3 for c in content)
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    streamed = [e for c in chunks[1:] if c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [e.logprob for e in streamed] == [FakeBackend.logprob_of(i) for i in range(5)]
+
+
+def test_models_and_open_endpoints(client, live):
+    assert [m.id for m in client.models.list()] == [MODEL]
+    for path in ("/health", "/ready", "/version", "/openapi.json", "/metrics"):
+        assert httpx.get(live.base_url + path).status_code == 200, path
+    assert "/v1/chat/completions" in httpx.get(live.base_url + "/openapi.json").json()["paths"]
+
+
+def test_ready_is_503_without_workers(live, backend):
+    backend.ready = False
+    r = httpx.get(live.base_url + "/ready")
+    assert r.status_code == 503
+
+
+def test_tokenize_detokenize_match_transformers(live, hf_tok):
+    headers = {"Authorization": f"Bearer {API_KEYS[0]}"}
+    text = "Hello wörld 日本語"
+    r = httpx.post(live.base_url + "/tokenize", json={"prompt": text}, headers=headers).json()
+    assert r["tokens"] == hf_tok.encode(text) and r["count"] == len(r["tokens"])
+    messages = [{"role": "user", "content": "Hi"}]
+    r = httpx.post(live.base_url + "/tokenize", json={"messages": messages}, headers=headers).json()
+    assert r["tokens"] == list(hf_tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=False))
+    ids = hf_tok.encode(text)
+    r = httpx.post(live.base_url + "/detokenize", json={"tokens": ids}, headers=headers).json()
+    assert r["prompt"] == hf_tok.decode(ids) == text
+
+
+def test_metrics_count_requests_and_tokens(client, live, backend):
+    client.completions.create(model=MODEL, prompt="Hello", max_tokens=3)
+    text = httpx.get(live.base_url + "/metrics").text
+    for name in ("pdserve:time_to_first_token_seconds_bucket", "pdserve:inter_token_latency_seconds_count",
+                 "pdserve:e2e_request_latency_seconds_count", "pdserve:request_queue_time_seconds_count",
+                 'pdserve:requests_total{outcome="success"}', "pdserve:generation_tokens_total",
+                 "pdserve:prompt_tokens_total", "pdserve:cached_prompt_tokens_total"):
+        assert name in text, name
+
+
+def test_client_disconnect_mid_stream_aborts(live, backend):
+    backend.token_delay_s = 0.05
+    backend.output_ids = backend.output_ids * 10
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 200, "stream": True}
+    with httpx.Client() as http:
+        with http.stream("POST", live.base_url + "/v1/completions", json=body,
+                         headers={"Authorization": f"Bearer {API_KEYS[0]}"}) as r:
+            lines = r.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            assert '"text"' in first
+    rid = backend.received[0].request_id
+    deadline = time.monotonic() + 5
+    while rid not in backend.aborted:
+        assert time.monotonic() < deadline, "backend.abort was not called after the client went away"
+        time.sleep(0.02)
+    assert backend.aborted == [rid]

@@ -1,0 +1,191 @@
+"""Every transport moves blocks bit-exact between pools whose block ids differ; fencing holds."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+import zmq
+from prometheus_client import CollectorRegistry
+
+from engine.kv_pool import KVLayout, KVPool
+from kvtransfer.channel import InprocServer, ZmqClient, ZmqServer
+from kvtransfer.events import TransferStatus
+from kvtransfer.metrics import TransferMetrics
+from kvtransfer.receiver import KVReceiver
+from kvtransfer.sender import HandshakeError, KVSender
+from kvtransfer.shm_pool import create_shared
+
+LAYOUT = KVLayout(num_layers=2, num_blocks=16, block_size=4, kv_heads=2, head_dim=8, dtype=torch.float32)
+TRANSPORTS = ["loopback", "shm", "zmq"]
+
+
+class Node:
+    """A receiver with a free list, and the registry it reports to."""
+
+    def __init__(self, transport: str, credits: int = 3, lease_s: float = 30.0, layout: KVLayout = LAYOUT):
+        self.transport = transport
+        self.registry = CollectorRegistry()
+        self.free = set(range(layout.num_blocks))
+        self.shared = create_shared(layout.shape, layout.dtype) if transport == "shm" else None
+        pool = KVPool(layout, tensor=self.shared.tensor if self.shared else None)
+        if transport == "loopback":
+            self.server = InprocServer()
+        else:
+            self.ctx = zmq.Context()
+            self.server = ZmqServer(self.ctx, "127.0.0.1", max_msg_size=1 << 22)
+        self.rx = KVReceiver(pool, "tiny", self.server, self.free.update, TransferMetrics(self.registry),
+                             lease_s=lease_s, credits=credits, shm_pool_name=self.shared.name if self.shared else None)
+
+    def reserve(self, rid: str, generation: int, block_ids: list[int]) -> None:
+        assert set(block_ids) <= self.free
+        self.free -= set(block_ids)
+        self.rx.reserve(rid, generation, block_ids)
+
+    def sender(self, layout: KVLayout = LAYOUT, **kwargs) -> KVSender:
+        channel = self.server.connect() if self.transport == "loopback" else ZmqClient(self.ctx, self.server.endpoint)
+        src = KVPool(layout, tensor=torch.randn(layout.shape, generator=torch.Generator().manual_seed(7)))
+        tx = KVSender(src, "tiny", channel, **kwargs)
+        stop = threading.Event()
+        serving = threading.Thread(target=lambda: [self.rx.poll() for _ in iter(stop.is_set, True)])
+        serving.start()  # the handshake blocks; the receiver answers from this thread meanwhile
+        try:
+            reply = tx.handshake(timeout_s=10)
+        finally:
+            stop.set()
+            serving.join()
+        assert reply.transport == self.transport
+        return tx
+
+    def sample(self, name: str, **labels) -> float:
+        return self.registry.get_sample_value(name, labels) or 0.0
+
+    def close(self):
+        self.rx.close()
+        if self.shared:
+            self.shared.unlink()
+        if self.transport != "loopback":
+            self.ctx.destroy(linger=0)
+
+
+def pump(node: Node, *senders: KVSender, until=lambda rx, tx: bool(rx or tx), steps: int = 5000):
+    rx_events, tx_events = [], []
+    for _ in range(steps):
+        for tx in senders:
+            tx_events += tx.poll()
+        rx_events += node.rx.poll()
+        if until(rx_events, tx_events):
+            break
+    return rx_events, tx_events
+
+
+@pytest.fixture(params=TRANSPORTS)
+def node(request):
+    n = Node(request.param)
+    yield n
+    n.close()
+
+
+def test_blocks_arrive_bit_exact_with_first_token(node):
+    unpinned = []
+    tx = node.sender(unpin=unpinned.extend)
+    src_ids, dst_ids = [0, 5, 2, 9, 11], [14, 3, 8, 1, 6]
+    node.reserve("r1", 1, dst_ids)
+    tx.send("r1", 1, src_ids[:2], dst_ids[:2])  # first prefill chunk
+    tx.send("r1", 1, src_ids[2:], dst_ids[2:])  # second chunk: 3 blocks, exactly the credit window
+    tx.commit("r1", 1, first_token=42, first_logprob=-0.5, top_token_ids=[42, 7], top_logprobs=[-0.5, -1.25])
+    rx_events, tx_events = pump(node, tx, until=lambda rx, tx: rx and tx)
+    [done] = rx_events
+    assert done.ok and done.block_ids == tuple(dst_ids)
+    assert (done.commit.first_token, done.commit.top_logprobs) == (42, [-0.5, -1.25])
+    assert [(e.rid, e.ok) for e in tx_events] == [("r1", True)] and tx.status("r1") is TransferStatus.SUCCESS
+    assert torch.equal(node.rx.pool.tensor[:, :, dst_ids], tx.pool.tensor[:, :, src_ids])
+    untouched = sorted(set(range(16)) - set(dst_ids))
+    assert torch.equal(node.rx.pool.tensor[:, :, untouched], torch.zeros_like(node.rx.pool.tensor[:, :, untouched]))
+    assert tx.pinned_blocks() == [] and sorted(unpinned) == sorted(src_ids)
+    assert node.rx.adopt("r1") == tuple(dst_ids)
+    nbytes = 5 * LAYOUT.bytes_per_block
+    assert node.sample("pdserve:kv_transfer_bytes_sum", transport=node.transport) == nbytes
+    assert node.sample("pdserve:kv_transfer_seconds_count", transport=node.transport) == 1
+    assert node.sample("pdserve:kv_handshakes_total", result="accepted") == 1
+    assert node.sample("pdserve:kv_blocks_held_for_peer") == 0
+
+
+def test_credits_bound_blocks_in_flight():
+    node = Node("zmq", credits=2)
+    try:
+        tx = node.sender()
+        node.reserve("r", 1, [10, 11, 12, 13, 14])
+        tx.send("r", 1, [0, 1, 2, 3, 4], [10, 11, 12, 13, 14])
+        tx.poll()  # ships as much as the window allows, then waits for credits
+        for _ in range(200):
+            node.rx.poll()
+        assert node.rx.table.get("r").written == {10, 11}
+        tx.commit("r", 1)
+        rx_events, _ = pump(node, tx)
+        assert rx_events[0].ok and torch.equal(node.rx.pool.tensor[:, :, 10:15], tx.pool.tensor[:, :, 0:5])
+    finally:
+        node.close()
+
+
+def test_late_write_after_abort_and_reuse_is_rejected(node):
+    late, fresh = node.sender(), node.sender()
+    fresh.pool.tensor.normal_(generator=torch.Generator().manual_seed(99))  # different data from `late`
+    node.reserve("old", 1, [3, 4])
+    late.send("old", 1, [0, 1], [3, 4])  # queued: the sender stalls before shipping it
+    assert node.rx.abort("old") and node.free >= {3, 4}
+    node.reserve("new", 1, [4, 3])  # the same pages, reused by another request
+    fresh.send("new", 1, [6, 7], [4, 3])
+    fresh.commit("new", 1)
+    rx_events, _ = pump(node, fresh, until=lambda rx, tx: rx and tx)
+    assert rx_events[0].ok and rx_events[0].rid == "new"
+    _, late_events = pump(node, late)  # now the stalled write goes out
+    assert [(e.rid, e.ok) for e in late_events] == [("old", False)]
+    assert "stale" in late_events[0].reason
+    assert torch.equal(node.rx.pool.tensor[:, :, [4, 3]], fresh.pool.tensor[:, :, [6, 7]])  # new owner intact
+    assert node.rx.table.get("new").state.name == "COMMITTED"
+    if node.transport == "zmq":  # the receiver saw and refused it; direct transports never wrote it
+        assert node.sample("pdserve:kv_rejected_writes_total", reason="stale") == 1
+
+
+def test_retry_generation_fences_off_the_previous_attempt(node):
+    tx = node.sender()
+    node.reserve("r", 1, [2, 3])
+    tx.send("r", 1, [0], [2])
+    node.rx.abort("r")
+    node.reserve("r", 2, [2, 3])  # retry of the same request, next generation
+    tx.send("r", 2, [5, 6], [2, 3])  # replaces the queued generation-1 attempt on the sender
+    tx.commit("r", 2)
+    rx_events, _ = pump(node, tx, until=lambda rx, tx: rx and tx)
+    assert [(e.rid, e.generation, e.ok) for e in rx_events] == [("r", 2, True)]
+    assert torch.equal(node.rx.pool.tensor[:, :, [2, 3]], tx.pool.tensor[:, :, [5, 6]])
+
+
+def test_commit_before_all_blocks_written_fails_and_frees(node):
+    tx = node.sender()
+    node.reserve("r", 1, [7, 8, 9])
+    tx.send("r", 1, [0, 1], [7, 8])
+    tx.commit("r", 1)
+    rx_events, _ = pump(node, tx)
+    assert [(e.ok, e.reason) for e in rx_events] == [(False, "commit before every block was written")]
+    assert node.free == set(range(16)) and node.rx.table.held_blocks() == {}
+
+
+def test_mismatched_peer_refused_naming_the_field(node):
+    other = KVLayout(2, 16, 8, 2, 8, torch.float32)  # block size 8 vs 4
+    with pytest.raises(HandshakeError, match="block_size is 8 there but 4 here") as info:
+        node.sender(layout=other)
+    assert info.value.field == "block_size"
+    assert node.sample("pdserve:kv_handshakes_total", result="refused") == 1
+
+
+def test_sender_abort_frees_receiver_range_at_once(node):
+    tx = node.sender()
+    node.reserve("r", 1, [1, 2])
+    tx.send("r", 1, [0], [1])
+    pump(node, tx, until=lambda rx, tx: False, steps=20)
+    tx.abort("r", 1, reason="client disconnected")
+    rx_events, _ = pump(node, tx, until=lambda rx, tx: bool(rx))
+    assert [(e.ok, e.reason) for e in rx_events] == [(False, "aborted by sender: client disconnected")]
+    assert node.free == set(range(16)) and tx.pinned_blocks() == []

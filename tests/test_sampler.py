@@ -1,0 +1,289 @@
+"""Sampler: each filter against a hand-written reference, penalties against transformers, seeded
+reproducibility across batch compositions, sampling frequencies against the filtered softmax."""
+
+import math
+import random
+from collections import Counter
+
+import pytest
+import torch
+from transformers import RepetitionPenaltyLogitsProcessor
+
+from engine.sampler import (
+    Sampler,
+    TokenLogprobs,
+    apply_min_p_,
+    apply_penalties_,
+    apply_top_k_top_p_,
+)
+from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence
+
+NEG_INF = float("-inf")
+# Chi-square critical values at p = 0.001, by degrees of freedom (standard table).
+CHI2_CRIT_0001 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32}
+
+
+def make_seq(prompt, outputs=(), stops=frozenset(), seq_id=0, **params):
+    tokens = list(prompt) + list(outputs)
+    return Sequence(seq_id=seq_id, token_ids=tokens, num_prompt_tokens=len(prompt),
+                    params=SamplingParams(**params), stop_token_ids=frozenset(stops))
+
+
+# ---- hand-written references: python loops over one row, no shared code with the sampler ----------
+
+def ref_probs(row: list[float]) -> list[float]:
+    m = max(x for x in row if x != NEG_INF)
+    e = [math.exp(x - m) if x != NEG_INF else 0.0 for x in row]
+    return [v / sum(e) for v in e]
+
+
+def ref_top_k(row, k):
+    if k <= 0:
+        return list(row)
+    kth = sorted(row, reverse=True)[min(k, len(row)) - 1]
+    return [x if x >= kth else NEG_INF for x in row]
+
+
+def ref_top_p(row, p):
+    if p >= 1.0:
+        return list(row)
+    probs = ref_probs(row)
+    order = sorted(range(len(row)), key=lambda i: -probs[i])
+    kept, mass = set(), 0.0
+    for i in order:
+        if mass >= p:
+            break
+        kept.add(i)
+        mass += probs[i]
+    return [x if i in kept else NEG_INF for i, x in enumerate(row)]
+
+
+def ref_min_p(row, min_p):
+    probs = ref_probs(row)
+    top = max(probs)
+    return [x if probs[i] >= min_p * top else NEG_INF for i, x in enumerate(row)]
+
+
+def ref_distribution(row, temperature, top_k=0, top_p=1.0, min_p=0.0):
+    """vLLM's order: temperature, min-p, top-k, top-p."""
+    row = [x / temperature for x in row]
+    row = ref_top_p(ref_top_k(ref_min_p(row, min_p), top_k), top_p)
+    return ref_probs(row)
+
+
+def distinct_logits(rows, vocab, seed, scale=2.0):
+    """Logits with no ties (a permutation of spread values per row), so every cut is unambiguous."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(rows):
+        vals = [scale * (i / vocab - 0.5) * 4 + rng.uniform(0, 0.01) for i in range(vocab)]
+        rng.shuffle(vals)
+        out.append(vals)
+    return torch.tensor(out)
+
+
+# ---- filters ---------------------------------------------------------------------------------------
+
+def test_top_k_top_p_masks_match_reference():
+    logits = distinct_logits(8, 12, seed=1)
+    top_k = torch.tensor([0, 1, 3, 12, 50, 0, 4, 0])
+    top_p = torch.tensor([1.0, 1.0, 1.0, 1.0, 1.0, 0.5, 0.8, 0.97])
+    got = logits.clone()
+    apply_top_k_top_p_(got, top_k, top_p)
+    for r in range(8):
+        want = ref_top_p(ref_top_k(logits[r].tolist(), int(top_k[r])), float(top_p[r]))
+        assert got[r].tolist() == want, f"row {r}"
+
+
+def test_top_p_beyond_the_window_falls_back_to_a_full_sort():
+    # A flat 1000-token distribution: top_p = 0.6 keeps ~600 tokens, past the 256-token window.
+    logits = distinct_logits(3, 1000, seed=2, scale=0.3)
+    top_p = torch.tensor([0.6, 0.999, 0.05])
+    got = logits.clone()
+    apply_top_k_top_p_(got, torch.zeros(3, dtype=torch.long), top_p)
+    for r in range(3):
+        want = ref_top_p(logits[r].tolist(), float(top_p[r]))
+        assert got[r].tolist() == want, f"row {r}"
+    assert (got[0] > NEG_INF).sum() > 256
+
+
+def test_min_p_mask_matches_reference():
+    logits = distinct_logits(4, 16, seed=3)
+    min_p = torch.tensor([0.0, 0.05, 0.3, 1.0])
+    got = logits.clone()
+    apply_min_p_(got, min_p)
+    for r in range(4):
+        assert got[r].tolist() == ref_min_p(logits[r].tolist(), float(min_p[r])), f"row {r}"
+    assert (got[3] > NEG_INF).sum() == 1  # min_p = 1 keeps only the most likely token
+
+
+def test_repetition_penalty_matches_transformers():
+    torch.manual_seed(0)
+    vocab = 40
+    seqs = [
+        make_seq([1, 5, 5, 9], [3, 9, 39], repetition_penalty=1.3),
+        make_seq([2, 4], [], repetition_penalty=0.7),
+        make_seq([7, 8], [8], repetition_penalty=1.0),  # off: the row must not change
+    ]
+    logits = torch.randn(3, vocab) * 3
+    got = logits.clone()
+    apply_penalties_(got, seqs)
+    for r, seq in enumerate(seqs):
+        proc = RepetitionPenaltyLogitsProcessor(penalty=seq.params.repetition_penalty)
+        want = proc(torch.tensor([seq.token_ids]), logits[r : r + 1].clone())[0]
+        torch.testing.assert_close(got[r], want, rtol=0, atol=0)
+
+
+def test_presence_and_frequency_penalties_match_openai_formula():
+    torch.manual_seed(1)
+    vocab = 30
+    seqs = [
+        make_seq([4, 4, 6], [6, 6, 11, 29], presence_penalty=0.5, frequency_penalty=0.25),
+        make_seq([1], [2, 2, 2], presence_penalty=-1.0, frequency_penalty=0.0),
+        make_seq([3, 3], [], presence_penalty=2.0, frequency_penalty=2.0),  # no outputs: unchanged
+        make_seq([5], [5, 7], presence_penalty=0.0, frequency_penalty=-0.5,
+                 repetition_penalty=1.5),  # repetition first, then frequency
+    ]
+    logits = torch.randn(4, vocab) * 2
+    got = logits.clone()
+    apply_penalties_(got, seqs)
+    for r, seq in enumerate(seqs):
+        want = logits[r].tolist()
+        rp = seq.params.repetition_penalty
+        for t in set(seq.token_ids):
+            want[t] = want[t] * rp if want[t] < 0 else want[t] / rp
+        for t, c in Counter(seq.output_token_ids).items():
+            want[t] -= seq.params.frequency_penalty * c + seq.params.presence_penalty
+        torch.testing.assert_close(got[r], torch.tensor(want), rtol=1e-6, atol=1e-6)
+
+
+# ---- the sampler -------------------------------------------------------------------------------------
+
+def test_greedy_is_argmax_and_input_untouched():
+    torch.manual_seed(2)
+    logits = torch.randn(6, 500)
+    before = logits.clone()
+    seqs = [make_seq([1], temperature=0.0, top_k=3, top_p=0.5) if r % 2 == 0 else make_seq([1]) for r in range(6)]
+    out = Sampler(seed=0)(logits, seqs)
+    want = logits.argmax(dim=1).tolist()
+    assert [out.token_ids[r] for r in (0, 2, 4)] == [want[r] for r in (0, 2, 4)]
+    assert torch.equal(logits, before)
+    assert out.logprobs == [None] * 6
+
+
+def test_greedy_large_batch():
+    torch.manual_seed(3)
+    logits = torch.randn(64, 32000)
+    out = Sampler()(logits, [make_seq([1], temperature=0.0)] * 64)
+    assert out.token_ids == logits.argmax(dim=1).tolist()
+
+
+def test_min_tokens_masks_stop_tokens_until_reached():
+    logits = torch.zeros(3, 10)
+    logits[:, 7] = 10.0  # the stop token is by far the most likely
+    logits[:, 2] = 5.0
+    short = make_seq([1], [4], stops={7, 9}, temperature=0.0, min_tokens=2, max_tokens=5)
+    done = make_seq([1], [4, 4], stops={7, 9}, temperature=0.0, min_tokens=2, max_tokens=5)
+    sampled = make_seq([1], [], stops={7}, min_tokens=1)
+    out = Sampler(seed=0)(logits, [short, done, sampled])
+    assert out.token_ids[:2] == [2, 7]
+    many = Sampler(seed=0)(logits[:1].expand(2000, 10), [sampled] * 2000)
+    assert 7 not in many.token_ids
+
+
+def test_logprobs_are_raw_log_softmax_with_ranked_top():
+    torch.manual_seed(4)
+    logits = torch.randn(4, 50) * 2
+    seqs = [
+        make_seq([3, 3], [8], logprobs=3, temperature=0.5, repetition_penalty=1.4, top_k=5),
+        make_seq([1], logprobs=0, temperature=0.0),
+        make_seq([1]),
+        make_seq([1], logprobs=20, seed=5),
+    ]
+    out = Sampler(seed=0)(logits, seqs)
+    ref = logits.log_softmax(dim=1)
+    assert out.logprobs[2] is None
+    for r, n in ((0, 3), (1, 0), (3, 20)):
+        lp = out.logprobs[r]
+        assert isinstance(lp, TokenLogprobs) and lp.token_id == out.token_ids[r]
+        assert lp.logprob == pytest.approx(ref[r, lp.token_id].item(), abs=1e-6)
+        vals, ids = ref[r].sort(descending=True)
+        assert [t for t, _ in lp.top] == ids[:n].tolist()
+        assert [v for _, v in lp.top] == pytest.approx(vals[:n].tolist(), abs=1e-6)
+
+
+def _run_steps(sampler, make_logits, steps, build_batch):
+    """Samples `steps` tokens; build_batch(step) -> (seqs, row of the watched seq). Appends tokens."""
+    tokens = []
+    for step in range(steps):
+        seqs, row = build_batch(step)
+        out = sampler(make_logits(step, len(seqs), row), seqs)
+        for seq, tok in zip(seqs, out.token_ids):
+            seq.token_ids.append(tok)
+        tokens.append(out.token_ids[row])
+    return tokens
+
+
+def test_seeded_tokens_do_not_depend_on_the_batch():
+    vocab, steps = 200, 10
+    watched_logits = [torch.randn(vocab, generator=torch.Generator().manual_seed(100 + s)) for s in range(steps)]
+
+    def logits_with(step, num_rows, row):
+        batch = torch.randn(num_rows, vocab) * 3  # the neighbours' logits: anything
+        batch[row] = watched_logits[step]
+        return batch
+
+    params = dict(seed=1234, top_p=0.95, temperature=0.9)
+    alone = make_seq([1, 2], **params)
+    tokens_alone = _run_steps(Sampler(), logits_with, steps, lambda s: ([alone], 0))
+
+    together = make_seq([1, 2], **params)
+    others = [make_seq([3], seed=7, seq_id=1), make_seq([4], seq_id=2, top_k=4),
+              make_seq([5], seq_id=3, seed=99, min_p=0.1), make_seq([6], seq_id=4, temperature=0.0)]
+    rng = random.Random(0)
+
+    def mixed(step):
+        seqs = others[: 1 + step % len(others)] + [together]
+        rng.shuffle(seqs)
+        return seqs, seqs.index(together)
+
+    tokens_mixed = _run_steps(Sampler(), logits_with, steps, mixed)
+    assert tokens_alone == tokens_mixed
+
+    other_seed = make_seq([1, 2], **{**params, "seed": 4321})
+    assert _run_steps(Sampler(), logits_with, steps, lambda s: ([other_seed], 0)) != tokens_alone
+
+
+def _chi_square(counts: Counter, probs: list[float], n: int) -> tuple[float, int]:
+    assert all(probs[t] > 0 for t in counts), "sampled a filtered token"
+    support = [i for i, p in enumerate(probs) if p > 0]
+    stat = sum((counts.get(i, 0) - n * probs[i]) ** 2 / (n * probs[i]) for i in support)
+    return stat, len(support) - 1
+
+
+@pytest.mark.parametrize("params", [
+    dict(temperature=1.0),
+    dict(temperature=0.7, top_k=5),
+    dict(temperature=1.3, top_p=0.8),
+    dict(temperature=1.0, min_p=0.1, top_k=6, top_p=0.9),
+])
+def test_sampling_frequencies_match_filtered_softmax(params):
+    row = [1.2, 0.3, -0.5, 2.0, 0.9, -1.5, 0.0, 1.6]
+    want = ref_distribution(row, **params)
+    n = 20000
+    seq = make_seq([1], **params)
+    out = Sampler(seed=11)(torch.tensor([row]).expand(n, len(row)), [seq] * n)
+    stat, dof = _chi_square(Counter(out.token_ids), want, n)
+    assert stat < CHI2_CRIT_0001[dof], (stat, dof)
+
+
+def test_seeded_rows_sample_the_right_distribution():
+    row = [0.5, 1.5, -0.2, 1.0, 0.1]
+    want = ref_distribution(row, temperature=1.0)
+    n = 4000
+    seqs = [make_seq([1], seed=s, seq_id=s) for s in range(n)]
+    out = Sampler()(torch.tensor([row]).expand(n, len(row)), seqs)
+    stat, dof = _chi_square(Counter(out.token_ids), want, n)
+    assert stat < CHI2_CRIT_0001[dof], (stat, dof)
+    assert all(isinstance(s.generator, torch.Generator) for s in seqs)
