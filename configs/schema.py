@@ -36,6 +36,7 @@ class ModelConfig:
 class EngineConfig:
     block_size: int = _field(16, minimum=1)  # tokens per KV block; P and D must agree (handshake checks)
     kv_cache_memory_mb: int = _field(1024, minimum=1)  # memory budget of the node's KV pool
+    num_kv_blocks: int | None = _field(None, minimum=1)  # exact pool size in blocks; overrides the budget
     max_num_seqs: int = _field(64, minimum=1)  # sequences in one decode batch at most
     max_num_batched_tokens: int = _field(2048, minimum=1)  # tokens computed in one step (prefill + decode)
     prefill_chunk_size: int = _field(512, minimum=1)  # prompt tokens one request may compute per step

@@ -33,7 +33,7 @@ def build_engine(model_path: str, model_cfg: ModelSection, engine_cfg: EngineCon
         raise ValueError(f"max_model_len {max_model_len} exceeds the model's {config.max_position_embeddings} positions")
     kv_dtype = next(model.parameters()).dtype
     probe = KVLayout(config.num_layers, 1, engine_cfg.block_size, config.num_kv_heads, config.head_dim, kv_dtype)
-    num_blocks = num_blocks_for_budget(engine_cfg.kv_cache_memory_mb << 20, probe.bytes_per_block)
+    num_blocks = engine_cfg.num_kv_blocks or num_blocks_for_budget(engine_cfg.kv_cache_memory_mb << 20, probe.bytes_per_block)
     layout = KVLayout(config.num_layers, num_blocks, engine_cfg.block_size, config.num_kv_heads, config.head_dim, kv_dtype)
     pool = KVPool(layout, device=device)
     block_manager = BlockManager(num_blocks, engine_cfg.block_size, enable_prefix_caching=engine_cfg.enable_prefix_caching)

@@ -59,6 +59,7 @@ class LLMEngine:
         self.runner = runner
         self._requests: dict[int, _Request] = {}
         self._ids = itertools.count()
+        self.num_computed_tokens = 0  # tokens run through the model (prefill chunks + decodes), all time
 
     @property
     def block_manager(self) -> BlockManager:
@@ -90,6 +91,7 @@ class LLMEngine:
         if batch is None:
             return []
         sampled = self.runner.execute(batch)
+        self.num_computed_tokens += sum(batch.num_new_tokens)
         finished = self.scheduler.postprocess(batch, sampled.token_ids, sampled.logprobs)
         return [out for seq in finished if (out := self._on_finished(seq)) is not None]
 

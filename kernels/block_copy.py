@@ -62,9 +62,13 @@ def _launch(src: torch.Tensor, dst: torch.Tensor, block_ids: torch.Tensor, gathe
     )
 
 
-def gather_blocks_triton(pool: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+def gather_blocks_triton(pool: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``out`` (optional) is the destination buffer, e.g. a poisoned one in tests."""
     num_layers, _, _, *block_shape = pool.shape
-    buffer = torch.empty((num_layers, 2, block_ids.shape[0], *block_shape), dtype=pool.dtype, device=pool.device)
+    buffer = out
+    if buffer is None:
+        buffer = torch.empty((num_layers, 2, block_ids.shape[0], *block_shape), dtype=pool.dtype, device=pool.device)
+    assert buffer.shape == (num_layers, 2, block_ids.shape[0], *block_shape), (buffer.shape, pool.shape)
     _launch(pool, buffer, block_ids, gather=True)
     return buffer
 

@@ -152,14 +152,18 @@ def choose_num_splits(batch: int, kv_heads: int, max_ctx: int, device: torch.dev
     return max(1, min(wanted, max_ctx // _MIN_SPLIT_TOKENS, 64))
 
 
-def paged_decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits=None, block_n=_BLOCK_N):
+def paged_decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale,
+                        num_splits=None, block_n=_BLOCK_N, out=None):
+    """``num_splits``/``block_n`` override the tuning (tests); ``out`` lets a test pass a poisoned buffer."""
     batch, num_heads, head_dim = q.shape
     num_blocks, page_size, kv_heads, cache_dim = k_cache.shape
     assert cache_dim == head_dim and num_heads % kv_heads == 0, (q.shape, k_cache.shape)
     assert v_cache.shape == k_cache.shape and block_tables.shape[0] == batch == context_lens.shape[0]
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     assert block_n >= 16 and block_n & (block_n - 1) == 0
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    assert out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1
     if batch == 0:
         return out
     group = num_heads // kv_heads

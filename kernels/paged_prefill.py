@@ -126,7 +126,8 @@ def _prefill_kernel(
 
 
 def paged_prefill_triton(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale,
-                         rows=_ROWS, block_n=_BLOCK_N):
+                         rows=_ROWS, block_n=_BLOCK_N, out=None):
+    """``rows``/``block_n`` override the tile sizes (tests); ``out`` lets a test pass a poisoned buffer."""
     num_tokens, num_heads, head_dim = q.shape
     num_blocks, page_size, kv_heads, cache_dim = k_cache.shape
     batch = block_tables.shape[0]
@@ -134,7 +135,9 @@ def paged_prefill_triton(q, k_cache, v_cache, block_tables, context_lens, query_
     assert v_cache.shape == k_cache.shape and context_lens.shape == (batch,) and query_start_loc.shape == (batch + 1,)
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     assert query_start_loc.is_contiguous() and context_lens.is_contiguous()
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    assert out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1
     if batch == 0 or num_tokens == 0:
         return out
     group = num_heads // kv_heads

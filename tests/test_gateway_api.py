@@ -25,7 +25,7 @@ def hf_tok(tok_dir):
 
 @pytest.fixture(scope="module")
 def live(tok_dir):
-    app, backend = make_gateway(tok_dir)
+    app, backend = make_gateway(tok_dir, max_model_len=128)
     with LiveServer(app) as server:
         server.backend = backend
         yield server
@@ -220,10 +220,11 @@ def test_metrics_count_requests_and_tokens(client, live, backend):
 def test_client_disconnect_mid_stream_aborts(live, backend):
     backend.token_delay_s = 0.05
     backend.output_ids = backend.output_ids * 10
-    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 200, "stream": True}
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 100, "stream": True}
     with httpx.Client() as http:
         with http.stream("POST", live.base_url + "/v1/completions", json=body,
                          headers={"Authorization": f"Bearer {API_KEYS[0]}"}) as r:
+            assert r.status_code == 200
             lines = r.iter_lines()
             first = next(line for line in lines if line.startswith("data: "))
             assert '"text"' in first

@@ -1,0 +1,153 @@
+"""Paged attention: Triton decode and chunked-prefill kernels (under the CPU interpreter here) and the
+batched torch reference (the engine's CPU path), each against a naive per-request float64 computation.
+
+Shapes are small and irregular: context lengths that are not multiples of the block size, permuted
+block ids in a non-contiguous block table, queries sliced out of a fused QKV tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+import kernels
+from kernels.paged_attention import paged_attention_reference, paged_attention_triton
+from kernels.paged_decode import paged_decode_reference, paged_decode_triton
+from kernels.paged_prefill import paged_prefill_reference, paged_prefill_triton
+
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
+
+
+@dataclass(slots=True)
+class AttentionCase:
+    q: torch.Tensor  # [num_tokens, heads, d], a strided view of a fused QKV tensor
+    k_cache: torch.Tensor  # [num_blocks, block_size, kv_heads, d]
+    v_cache: torch.Tensor
+    block_tables: torch.Tensor  # [batch, max_blocks] int32, non-contiguous (column stride 2)
+    context_lens: torch.Tensor  # [batch] int32
+    query_start_loc: torch.Tensor  # [batch + 1] int32
+    scale: float
+
+    def args(self):
+        return (self.q, self.k_cache, self.v_cache, self.block_tables, self.context_lens,
+                self.query_start_loc, self.scale)
+
+
+def make_case(context_lens, q_lens, *, heads, kv_heads, head_dim, block_size, dtype, seed, device="cpu"):
+    """Fresh random inputs; request i's blocks are a random permutation of the pool's ids."""
+    gen = torch.Generator().manual_seed(seed)
+    batch = len(context_lens)
+    max_blocks = max(-(-c // block_size) for c in context_lens) + 1  # one spare column of padding
+    num_blocks = batch * max_blocks + 3
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    ids = torch.randperm(num_blocks, generator=gen)[: batch * max_blocks].view(batch, max_blocks)
+    wide = torch.zeros(batch, 2 * max_blocks, dtype=torch.int32)
+    block_tables = wide[:, ::2]  # stride (2 * max_blocks, 2): exercises the explicit strides
+    block_tables.copy_(ids)
+    num_tokens = sum(q_lens)
+    qkv = torch.randn(num_tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
+    q = qkv[:, : heads * head_dim].view(num_tokens, heads, head_dim)
+    loc = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    case = AttentionCase(q, k_cache, v_cache, block_tables, torch.tensor(context_lens, dtype=torch.int32),
+                         loc, head_dim**-0.5)
+    if device != "cpu":
+        case = AttentionCase(*(t.to(device) if isinstance(t, torch.Tensor) else t for t in case.args()))
+    return case
+
+
+def naive_attention(case: AttentionCase) -> torch.Tensor:
+    """One request and one head at a time, float64, keys walked block by block through the table."""
+    q, k_cache, v_cache = case.q.cpu().double(), case.k_cache.cpu().double(), case.v_cache.cpu().double()
+    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = q.shape[1] // kv_heads
+    out = torch.full(q.shape, float("nan"), dtype=torch.float64)
+    for i, ctx in enumerate(case.context_lens.tolist()):
+        start, end = case.query_start_loc[i].item(), case.query_start_loc[i + 1].item()
+        table = case.block_tables[i].tolist()
+        keys = torch.cat([k_cache[table[j]] for j in range(-(-ctx // block_size))])[:ctx]  # [ctx, kvh, d]
+        values = torch.cat([v_cache[table[j]] for j in range(-(-ctx // block_size))])[:ctx]
+        for j, token in enumerate(range(start, end)):
+            pos = ctx - (end - start) + j  # this query's absolute position
+            for h in range(q.shape[1]):
+                scores = keys[: pos + 1, h // group] @ q[token, h] * case.scale  # [pos + 1]
+                out[token, h] = scores.softmax(0) @ values[: pos + 1, h // group]
+    return out
+
+
+def assert_matches_naive(out: torch.Tensor, case: AttentionCase) -> None:
+    tol = TOLERANCE[case.q.dtype]
+    assert out.dtype == case.q.dtype and out.shape == case.q.shape
+    torch.testing.assert_close(out.cpu().double(), naive_attention(case), rtol=tol, atol=tol)
+
+
+def poisoned_like(q: torch.Tensor) -> torch.Tensor:
+    return torch.full(q.shape, float("nan"), dtype=q.dtype, device=q.device)
+
+
+# (dtype, heads, kv_heads, head_dim, block_size, num_splits): GQA ratios 1, 4, 8; dims 64, 128; blocks 8, 16.
+DECODE_CONFIGS = [
+    (torch.float32, 4, 4, 64, 8, 1),
+    (torch.float32, 8, 2, 128, 16, 3),
+    (torch.bfloat16, 8, 1, 64, 16, 2),
+    (torch.float16, 16, 4, 64, 8, 4),
+]
+
+
+@pytest.mark.parametrize("dtype,heads,kv_heads,head_dim,block_size,num_splits", DECODE_CONFIGS)
+def test_decode_kernel_matches_naive(dtype, heads, kv_heads, head_dim, block_size, num_splits):
+    context_lens = [1, 13, 70, 2 * block_size]  # a single token, ragged, long enough to split, exact blocks
+    case = make_case(context_lens, [1] * 4, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                     block_size=block_size, dtype=dtype, seed=head_dim + num_splits)
+    out = paged_decode_triton(case.q, case.k_cache, case.v_cache, case.block_tables, case.context_lens,
+                              case.scale, num_splits=num_splits, block_n=16, out=poisoned_like(case.q))
+    assert_matches_naive(out, case)
+
+
+PREFILL_CONFIGS = [
+    (torch.float32, 4, 4, 64, 8),
+    (torch.float32, 8, 1, 128, 16),
+    (torch.bfloat16, 8, 2, 64, 16),
+    (torch.float16, 8, 1, 64, 8),
+]
+
+
+@pytest.mark.parametrize("dtype,heads,kv_heads,head_dim,block_size", PREFILL_CONFIGS)
+def test_prefill_kernel_matches_naive(dtype, heads, kv_heads, head_dim, block_size):
+    # whole prompt (ctx == q_len), a chunk after a cached prefix, a decode row, a long ragged chunk
+    context_lens, q_lens = [11, 29, 17, 45], [11, 9, 1, 21]
+    case = make_case(context_lens, q_lens, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                     block_size=block_size, dtype=dtype, seed=3 * head_dim + block_size)
+    out = paged_prefill_triton(*case.args(), rows=16, block_n=16, out=poisoned_like(case.q))
+    assert_matches_naive(out, case)
+
+
+def test_triton_dispatch_picks_decode_or_prefill_kernel():
+    common = dict(heads=8, kv_heads=2, head_dim=64, block_size=8, dtype=torch.float32, seed=7)
+    decode = make_case([5, 19, 33], [1, 1, 1], **common)
+    assert_matches_naive(paged_attention_triton(*decode.args()), decode)
+    mixed = make_case([5, 19, 33], [1, 4, 1], **common)
+    assert_matches_naive(paged_attention_triton(*mixed.args()), mixed)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("q_lens", [[1, 1, 1, 1, 1], [7, 3, 12, 1, 5], [1, 6, 1, 1, 20]], ids=["decode", "prefill", "mixed"])
+def test_kernel_reference_cpu_path_matches_naive(dtype, q_lens):
+    """The public function on CPU (the engine's path) splits decode and prefill rows; check both halves."""
+    context_lens = [q + extra for q, extra in zip(q_lens, [0, 9, 30, 4, 17])]
+    case = make_case(context_lens, q_lens, heads=8, kv_heads=2, head_dim=64, block_size=16, dtype=dtype, seed=11)
+    assert_matches_naive(kernels.paged_attention(*case.args()), case)
+
+
+def test_kernel_reference_halves_match_naive():
+    """The decode and prefill references on their own (each is also a kernel's reference on GPU)."""
+    common = dict(heads=12, kv_heads=3, head_dim=64, block_size=8, dtype=torch.float32, seed=5)
+    decode = make_case([3, 8, 27], [1, 1, 1], **common)
+    out = paged_decode_reference(decode.q, decode.k_cache, decode.v_cache, decode.block_tables,
+                                 decode.context_lens, decode.scale)
+    assert_matches_naive(out, decode)
+    prefill = make_case([3, 8, 27], [3, 2, 10], **common)
+    assert_matches_naive(paged_prefill_reference(*prefill.args()), prefill)
+    assert_matches_naive(paged_attention_reference(*prefill.args()), prefill)
