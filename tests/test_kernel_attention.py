@@ -41,21 +41,18 @@ def make_case(context_lens, q_lens, *, heads, kv_heads, head_dim, block_size, dt
     batch = len(context_lens)
     max_blocks = max(-(-c // block_size) for c in context_lens) + 1  # one spare column of padding
     num_blocks = batch * max_blocks + 3
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
-    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(device, dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(device, dtype)
     ids = torch.randperm(num_blocks, generator=gen)[: batch * max_blocks].view(batch, max_blocks)
-    wide = torch.zeros(batch, 2 * max_blocks, dtype=torch.int32)
+    wide = torch.zeros(batch, 2 * max_blocks, dtype=torch.int32, device=device)
     block_tables = wide[:, ::2]  # stride (2 * max_blocks, 2): exercises the explicit strides
     block_tables.copy_(ids)
     num_tokens = sum(q_lens)
-    qkv = torch.randn(num_tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
-    q = qkv[:, : heads * head_dim].view(num_tokens, heads, head_dim)
-    loc = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
-    case = AttentionCase(q, k_cache, v_cache, block_tables, torch.tensor(context_lens, dtype=torch.int32),
-                         loc, head_dim**-0.5)
-    if device != "cpu":
-        case = AttentionCase(*(t.to(device) if isinstance(t, torch.Tensor) else t for t in case.args()))
-    return case
+    qkv = torch.randn(num_tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(device, dtype)
+    q = qkv[:, : heads * head_dim].view(num_tokens, heads, head_dim)  # strided like the model's q
+    loc = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    context = torch.tensor(context_lens, dtype=torch.int32, device=device)
+    return AttentionCase(q, k_cache, v_cache, block_tables, context, loc, head_dim**-0.5)
 
 
 def naive_attention(case: AttentionCase) -> torch.Tensor:

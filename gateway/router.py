@@ -1,0 +1,142 @@
+"""Choosing a decode worker (D) and a prefill worker (P) for a prompt; pure logic over the registry.
+
+Policies for D:
+- round_robin: the next decode worker in id order.
+- least_loaded: the fewest KV blocks in use, then the fewest requests.
+- prefix (default): the longest known prefix hit, then least loaded. The gateway cannot see worker caches;
+  it remembers the block hashes it sent to each worker (bounded, LRU), which is what a worker most likely
+  still caches. A worker restart (new incarnation) forgets them.
+
+Disaggregation: the prompt's uncached suffix on D is prefilled locally on D when it is short
+(<= ``local_prefill_max_tokens``) or when no prefill worker exists; otherwise the P with the longest
+prefix hit (then the fewest queued prefill tokens) prefills it.
+
+    prompt tokens:  [ cached on D | uncached suffix ............................ ]
+                                    \\_ local on D if short, else on P ________/
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from protocol.hashing import block_hashes
+
+from .registry import Role, WorkerInfo, WorkerRegistry
+
+
+class Policy(str, enum.Enum):
+    ROUND_ROBIN = "round_robin"
+    LEAST_LOADED = "least_loaded"
+    PREFIX = "prefix"
+
+
+@dataclass(slots=True)
+class RouterParams:
+    block_size: int  # must equal the workers' KV block size, or hashes never match
+    policy: Policy = Policy.PREFIX
+    local_prefill_max_tokens: int = 256  # uncached suffixes up to this are prefilled on D itself
+    max_tracked_blocks: int = 100_000  # per worker; oldest forgotten first
+
+    def __post_init__(self) -> None:
+        assert self.block_size > 0 and self.local_prefill_max_tokens >= 0 and self.max_tracked_blocks > 0
+
+
+@dataclass(slots=True)
+class RouteDecision:
+    decode_worker: str
+    prefill_worker: str | None  # None: D prefills the prompt itself
+    decode_cached_tokens: int  # prompt tokens expected to hit D's prefix cache
+    prefill_cached_tokens: int  # prompt tokens expected to hit P's prefix cache (0 when local)
+
+
+class _TrackedBlocks:
+    """Block hashes last sent to one worker, LRU-bounded, valid for one incarnation."""
+
+    __slots__ = ("incarnation", "_hashes", "_limit")
+
+    def __init__(self, incarnation: str, limit: int) -> None:
+        self.incarnation = incarnation
+        self._hashes: OrderedDict[int, None] = OrderedDict()
+        self._limit = limit
+
+    def num_prefix_hits(self, hashes: list[int]) -> int:
+        hits = 0
+        for h in hashes:  # chained hashes: the first miss ends the shared prefix
+            if h not in self._hashes:
+                break
+            hits += 1
+        return hits
+
+    def add(self, hashes: list[int]) -> None:
+        for h in hashes:
+            self._hashes[h] = None
+            self._hashes.move_to_end(h)
+        while len(self._hashes) > self._limit:
+            self._hashes.popitem(last=False)
+
+
+class Router:
+    def __init__(self, registry: WorkerRegistry, params: RouterParams) -> None:
+        self._registry = registry
+        self._params = params
+        self._tracked: dict[str, _TrackedBlocks] = {}
+        self._next_rr = 0
+
+    def route(self, prompt_ids: list[int], exclude: frozenset[str] = frozenset()) -> RouteDecision | None:
+        """Where to run ``prompt_ids``; None when no decode worker has KV room for it (answer 503).
+
+        ``exclude`` holds decode workers that already said Busy for this request."""
+        bs = self._params.block_size
+        hashes = block_hashes(prompt_ids, bs)
+        num_blocks_needed = -(-(len(prompt_ids) + 1) // bs)  # the prompt plus the first generated token
+        decoders = [w for w in self._registry.workers(Role.DECODE)
+                    if w.worker_id not in exclude and w.load.kv_blocks_free >= num_blocks_needed]
+        if not decoders:
+            return None
+        d = self._pick_decode(decoders, hashes)
+        d_cached = self._hits(d, hashes) * bs
+        uncached = len(prompt_ids) - d_cached
+        prefillers = self._registry.workers(Role.PREFILL)
+        if uncached <= self._params.local_prefill_max_tokens or not prefillers:
+            decision = RouteDecision(d.worker_id, None, d_cached, 0)
+        else:
+            p = min(prefillers, key=lambda w: (-self._hits(w, hashes), w.load.queued_prefill_tokens, w.worker_id))
+            decision = RouteDecision(d.worker_id, p.worker_id, d_cached, self._hits(p, hashes) * bs)
+        self._record(decision, hashes)
+        return decision
+
+    def _pick_decode(self, decoders: list[WorkerInfo], hashes: list[int]) -> WorkerInfo:
+        policy = self._params.policy
+        if policy is Policy.ROUND_ROBIN:
+            chosen = decoders[self._next_rr % len(decoders)]
+            self._next_rr += 1
+            return chosen
+        if policy is Policy.LEAST_LOADED:
+            return min(decoders, key=_load_key)
+        return min(decoders, key=lambda w: (-self._hits(w, hashes), *_load_key(w)))
+
+    def _tracked_for(self, worker: WorkerInfo) -> _TrackedBlocks:
+        tracked = self._tracked.get(worker.worker_id)
+        if tracked is None or tracked.incarnation != worker.incarnation:  # restarted: its cache is empty
+            tracked = _TrackedBlocks(worker.incarnation, self._params.max_tracked_blocks)
+            self._tracked[worker.worker_id] = tracked
+        return tracked
+
+    def _hits(self, worker: WorkerInfo, hashes: list[int]) -> int:
+        return self._tracked_for(worker).num_prefix_hits(hashes)
+
+    def _record(self, decision: RouteDecision, hashes: list[int]) -> None:
+        for worker_id in (decision.decode_worker, decision.prefill_worker):
+            if worker_id is not None:
+                self._tracked_for(self._registry.get(worker_id)).add(hashes)
+
+    def forget(self, worker_ids: list[str]) -> None:
+        """Drop what is known about workers that left the registry."""
+        for worker_id in worker_ids:
+            self._tracked.pop(worker_id, None)
+
+
+def _load_key(w: WorkerInfo) -> tuple:
+    return (w.load.kv_usage, w.load.num_running + w.load.num_waiting, w.worker_id)

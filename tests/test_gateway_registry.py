@@ -1,0 +1,39 @@
+"""Worker registry: join on heartbeat, restart on a new incarnation, leave after missed heartbeats."""
+
+from gateway.registry import Heartbeat, Role, WorkerLoad, WorkerRegistry
+
+
+def hb(worker_id, role=Role.DECODE, incarnation="a", in_use=0):
+    return Heartbeat(worker_id, role, f"tcp://127.0.0.1:{7000 + len(worker_id)}", incarnation,
+                     WorkerLoad(kv_blocks_in_use=in_use, kv_blocks_total=100))
+
+
+def test_join_update_and_roles():
+    reg = WorkerRegistry(heartbeat_interval_s=1.0, max_missed=3)
+    assert reg.observe(hb("d1"), now=0.0) is True
+    assert reg.observe(hb("p1", Role.PREFILL), now=0.0) is True
+    assert reg.observe(hb("d1", in_use=40), now=0.5) is False  # same incarnation: just a load update
+    assert [w.worker_id for w in reg.workers(Role.DECODE)] == ["d1"]
+    assert [w.worker_id for w in reg.workers(Role.PREFILL)] == ["p1"]
+    assert reg.get("d1").load.kv_blocks_in_use == 40 and reg.get("d1").load.kv_blocks_free == 60
+    assert reg.get("d1").as_json()["load"]["kv_blocks_in_use"] == 40
+
+
+def test_restart_is_reported_by_a_new_incarnation():
+    reg = WorkerRegistry()
+    reg.observe(hb("d1", incarnation="a"), now=0.0)
+    assert reg.observe(hb("d1", incarnation="b"), now=1.0) is True
+    assert reg.get("d1").incarnation == "b"
+
+
+def test_drop_after_missed_heartbeats_exactly_at_the_timeout():
+    reg = WorkerRegistry(heartbeat_interval_s=1.0, max_missed=3)
+    reg.observe(hb("d1"), now=0.0)
+    reg.observe(hb("d2"), now=2.0)
+    assert reg.expire(now=3.0) == []  # d1 silent for exactly 3 s: still alive
+    assert reg.expire(now=3.01) == ["d1"]
+    assert [w.worker_id for w in reg.workers()] == ["d2"]
+    reg.observe(hb("d1"), now=4.0)  # comes back: joins again
+    assert [w.worker_id for w in reg.workers()] == ["d1", "d2"]
+    reg.remove("d2")
+    assert [w.worker_id for w in reg.workers()] == ["d1"]

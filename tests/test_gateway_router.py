@@ -1,0 +1,79 @@
+"""Routing policies and the disaggregation decision, with exact worker choices."""
+
+from gateway.registry import Heartbeat, Role, WorkerLoad, WorkerRegistry
+from gateway.router import Policy, RouteDecision, Router, RouterParams
+
+BS = 4
+
+
+def registry(decode_loads: dict, prefill_queued: dict | None = None, incarnation="a") -> WorkerRegistry:
+    reg = WorkerRegistry()
+    for wid, in_use in decode_loads.items():
+        reg.observe(Heartbeat(wid, Role.DECODE, "tcp://x", incarnation, WorkerLoad(kv_blocks_in_use=in_use,
+                                                                                      kv_blocks_total=100)), 0.0)
+    for wid, queued in (prefill_queued or {}).items():
+        reg.observe(Heartbeat(wid, Role.PREFILL, "tcp://y", incarnation, WorkerLoad(queued_prefill_tokens=queued)),
+                    0.0)
+    return reg
+
+
+def test_round_robin_cycles_in_id_order():
+    router = Router(registry({"d2": 0, "d1": 0, "d3": 0}), RouterParams(BS, Policy.ROUND_ROBIN))
+    assert [router.route([1, 2, 3]).decode_worker for _ in range(4)] == ["d1", "d2", "d3", "d1"]
+
+
+def test_least_loaded_picks_fewest_blocks_in_use():
+    router = Router(registry({"d1": 50, "d2": 10, "d3": 30}), RouterParams(BS, Policy.LEAST_LOADED))
+    assert router.route([1, 2, 3]).decode_worker == "d2"
+
+
+def test_prefix_policy_follows_the_cached_prefix_over_load():
+    reg = registry({"d1": 0, "d2": 0})
+    router = Router(reg, RouterParams(BS, Policy.PREFIX, local_prefill_max_tokens=1000))
+    prompt = list(range(10))  # two full blocks + a partial one
+    first = router.route(prompt)
+    assert first == RouteDecision("d1", None, 0, 0)  # tie on hits and load: lowest id
+    reg.observe(Heartbeat("d1", Role.DECODE, "tcp://x", "a", WorkerLoad(kv_blocks_in_use=60, kv_blocks_total=100)),
+                1.0)
+    again = router.route(prompt[:8] + [99, 98, 97])  # shares the first two blocks
+    assert again == RouteDecision("d1", None, 8, 0)  # the prefix hit beats d2's lower load
+    other = router.route([50, 51, 52, 53, 54])
+    assert other.decode_worker == "d2" and other.decode_cached_tokens == 0  # no hit anywhere: least loaded
+
+
+def test_restart_forgets_the_prefix():
+    reg = registry({"d1": 0, "d2": 0})
+    router = Router(reg, RouterParams(BS, local_prefill_max_tokens=1000))
+    router.route(list(range(8)))
+    reg.observe(Heartbeat("d1", Role.DECODE, "tcp://x", "b", WorkerLoad(kv_blocks_total=100)), 1.0)
+    assert router.route(list(range(8))).decode_cached_tokens == 0
+
+
+def test_disaggregation_long_uncached_suffix_goes_to_prefill():
+    reg = registry({"d1": 0}, {"p1": 500, "p2": 100})
+    router = Router(reg, RouterParams(BS, local_prefill_max_tokens=8))
+    short = router.route(list(range(8)))
+    assert short.prefill_worker is None  # 8 uncached tokens: prefilled locally on D
+    long_prompt = list(range(100, 140))
+    decision = router.route(long_prompt)
+    assert decision == RouteDecision("d1", "p2", 0, 0)  # fewest queued prefill tokens
+    reg.observe(Heartbeat("p2", Role.PREFILL, "tcp://y", "a", WorkerLoad(queued_prefill_tokens=900)), 1.0)
+    follow_up = long_prompt + list(range(200, 240))
+    decision = router.route(follow_up)
+    # D has the first 40 tokens (10 blocks); 40 uncached > 8, so P: p2 holds the prefix despite its queue
+    assert decision == RouteDecision("d1", "p2", 40, 40)
+    assert router.route(long_prompt).prefill_worker is None  # now fully cached on D: local
+
+
+def test_no_prefill_pool_means_local_prefill():
+    router = Router(registry({"d1": 0}), RouterParams(BS, local_prefill_max_tokens=0))
+    assert router.route(list(range(50))).prefill_worker is None
+
+
+def test_kv_headroom_and_exclusions():
+    reg = registry({"d1": 99, "d2": 97})  # d1 has 1 free block, d2 has 3
+    router = Router(reg, RouterParams(BS, Policy.LEAST_LOADED))
+    assert router.route(list(range(11))).decode_worker == "d2"  # 11 + 1 tokens need 3 blocks
+    assert router.route(list(range(12))) is None  # 13 tokens need 4 blocks: nobody has room
+    assert router.route([1], exclude=frozenset({"d2"})).decode_worker == "d1"
+    assert router.route(list(range(11)), exclude=frozenset({"d2"})) is None
