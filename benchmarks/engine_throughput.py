@@ -38,9 +38,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true",
                    help="16 requests; one-at-a-time on 4 of them, extrapolated per token")
     p.add_argument("--model", default=None, help="HF model directory (default: the cached llama-small)")
-    p.add_argument("--num-requests", type=int, default=None, help="default 64, or 16 with --quick")
+    p.add_argument("--num-requests", type=int, default=None, help="default 64 (also with --quick)")
     p.add_argument("--one-at-a-time-requests", type=int, default=None,
-                   help="requests run one at a time (default all, or 4 with --quick); the rest is extrapolated")
+                   help="requests run one at a time (default all, or 2 with --quick); the rest is extrapolated")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads for every system")
     p.add_argument("--max-num-seqs", type=int, default=None, help="passed to LLM(...) when given")
@@ -132,8 +132,8 @@ def hf_warmup(model, requests: list[BenchRequest]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    num_requests = args.num_requests or (16 if args.quick else 64)
-    subset = min(args.one_at_a_time_requests or (4 if args.quick else num_requests), num_requests)
+    num_requests = args.num_requests or 64
+    subset = min(args.one_at_a_time_requests or (2 if args.quick else num_requests), num_requests)
     torch.set_num_threads(args.threads)
     model_dir = resolve_model_dir(args.model)
 

@@ -137,7 +137,12 @@ def build_app(params: GatewayParams) -> Starlette:
     async def openapi(request: Request):
         return JSONResponse(openapi_spec())
 
+    generation_paths = ("/v1/completions", "/v1/chat/completions")
+
     async def on_api_error(request: Request, e: APIError):
+        # 503 and generation failures are counted where they happen; here the requests refused up front
+        if request.url.path in generation_paths and e.status < 500:
+            metrics.requests.labels("invalid").inc()
         return error_response(e)
 
     async def on_http_error(request: Request, e: HTTPException):

@@ -31,11 +31,12 @@ class GenerationFailed(APIError):
 
 class Generation:
     __slots__ = ("_backend", "_requests", "states", "_metrics", "_gens", "_firsts", "_pumps", "_queue",
-                 "_last_event_time")
+                 "_last_event_time", "_is_closed",
+                 "num_choices_per_prompt")
 
     def __init__(self, backend: Backend, requests: list[GenerationRequest], states: list[ChoiceState],
-                 metrics: GatewayMetrics) -> None:
-        assert len(requests) == len(states)
+                 metrics: GatewayMetrics, num_choices_per_prompt: int = 1) -> None:
+        assert len(requests) == len(states) and len(states) % num_choices_per_prompt == 0
         self._backend = backend
         self._requests = requests
         self.states = states
@@ -45,14 +46,15 @@ class Generation:
         self._pumps: list[asyncio.Task] = []
         self._queue: asyncio.Queue[tuple[int, TokenEvent]] = asyncio.Queue()
         self._last_event_time: list[float | None] = [None] * len(states)
+        self._is_closed = False
+        self.num_choices_per_prompt = num_choices_per_prompt  # choices i*n .. i*n+n-1 share prompt i
 
     async def start(self) -> None:
         self._gens = [self._backend.generate(r) for r in self._requests]
         results = await asyncio.gather(*(self._first_event(g) for g in self._gens), return_exceptions=True)
         busy = [r for r in results if isinstance(r, NoCapacity)]
         failed = [r for r in results if isinstance(r, BaseException)]
-        if failed:
-            await self.close()
+        if failed:  # the caller closes: started generators are closed, every request aborted
             if busy:
                 raise no_capacity(max(b.retry_after_s for b in busy), busy[0].reason)
             raise GenerationFailed(type(failed[0]).__name__ + ": " + str(failed[0]))
@@ -70,7 +72,7 @@ class Generation:
         self._pumps = [asyncio.create_task(self._pump(i, g, f))
                        for i, (g, f) in enumerate(zip(self._gens, self._firsts))]
         while not all(s.is_finished for s in self.states):
-            i, event = await self._queue.get()
+            i, event = await self._next_event()
             self._observe_latency(i, event)
             if event.error is not None:
                 raise GenerationFailed(event.error)
@@ -79,6 +81,16 @@ class Generation:
                 self._pumps[i].cancel()
                 await self._backend.abort(self._requests[i].request_id)
             yield i, delta
+
+    async def _next_event(self) -> tuple[int, TokenEvent]:
+        deadline = self._requests[0].deadline  # one HTTP request: every choice shares the deadline
+        if deadline is None:
+            return await self._queue.get()
+        try:
+            return await asyncio.wait_for(self._queue.get(), max(0.0, deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            waited = deadline - self._requests[0].arrival_time
+            raise GenerationFailed(f"request timed out after {waited:.1f} s") from None
 
     async def _pump(self, i: int, gen, event: TokenEvent) -> None:
         try:
@@ -106,8 +118,13 @@ class Generation:
                 self._metrics.inter_token_latency.observe(now - last)
             self._last_event_time[i] = now
 
-    async def close(self) -> None:
-        """Cancel pumps and abort unfinished requests; shielded, since it runs while being cancelled."""
+    async def close(self) -> bool:
+        """Cancel pumps and abort unfinished requests; shielded, since it runs while being cancelled.
+
+        Idempotent; True only for the call that actually closed."""
+        if self._is_closed:
+            return False
+        self._is_closed = True
         with anyio.CancelScope(shield=True):
             for task in self._pumps:
                 task.cancel()
@@ -122,3 +139,4 @@ class Generation:
             for state, request in zip(self.states, self._requests):
                 if not state.is_finished:
                     await self._backend.abort(request.request_id)
+        return True

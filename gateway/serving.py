@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator
@@ -26,9 +27,11 @@ from .errors import APIError, bad_request, no_capacity
 from .generation import Generation
 from .metrics import GatewayMetrics
 from .openai_request import ParsedRequest, parse_chat, parse_completion, resolve_max_tokens
-from .responses import ChunkBuilder, LogprobFormatter, chat_body, completion_body
+from .responses import ChunkBuilder, LogprobFormatter, chat_body, completion_body, usage
 from .sse import DONE, EventStreamResponse, error_event, sse_event, wait_for_disconnect
 from .tokenizer import ChatTemplateError, Tokenizer
+
+log = logging.getLogger("pdserve.gateway")
 
 
 @dataclass(slots=True)
@@ -85,17 +88,18 @@ class OpenAIServing:
         prompts = [self.tokenize_messages(p.messages)] if chat else [self.tokenize_prompt(x) for x in p.prompts]
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         requests, states = self._fan_out(rid, p, prompts, chat, arrival)
-        generation = Generation(self._backend, requests, states, self._metrics)
+        generation = Generation(self._backend, requests, states, self._metrics, p.n)
         self.num_in_flight += 1
         self._metrics.num_requests_running.inc()
         try:
             await generation.start()
         except APIError as e:
-            self._finish(generation, arrival, "rejected" if e.status == 503 else "failed")
+            await self._close(generation, arrival, "rejected" if e.status == 503 else "failed")
             raise
         model, created = self._limits.model_name, int(time.time())
         if p.stream:
-            return EventStreamResponse(self._stream(generation, p, rid, created, model, chat, arrival))
+            return EventStreamResponse(self._stream(generation, p, rid, created, model, chat, arrival),
+                                       on_close=lambda: self._close(generation, arrival, "aborted"))
         return await self._collect(request, generation, p, rid, created, model, chat, arrival)
 
     def _fan_out(self, rid: str, p: ParsedRequest, prompts: list[list[int]], chat: bool, arrival: float):
@@ -135,8 +139,7 @@ class OpenAIServing:
                 return JSONResponse({}, status_code=499)
             outcome = "success"
         finally:
-            await generation.close()
-            self._finish(generation, arrival, outcome)
+            await self._close(generation, arrival, outcome)
         build = chat_body if chat else completion_body
         return JSONResponse(build(rid, created, model, generation.states, p.n, self._fmt, p.logprobs is not None))
 
@@ -158,9 +161,17 @@ class OpenAIServing:
             except APIError as e:
                 outcome = "failed"
                 yield error_event(e)
+            except Exception:  # headers are gone: the only way left to tell the client is in-band
+                log.exception("stream %s failed", rid)
+                outcome = "failed"
+                yield error_event(APIError(500, "internal server error", code="internal_error"))
             yield DONE
         finally:
-            await generation.close()
+            await self._close(generation, arrival, outcome)
+
+    async def _close(self, generation: Generation, arrival: float, outcome: str) -> None:
+        """Release the backend requests and count the outcome, once, whoever gets here first."""
+        if await generation.close():
             self._finish(generation, arrival, outcome)
 
     def _finish(self, generation: Generation, arrival: float, outcome: str) -> None:
@@ -169,10 +180,10 @@ class OpenAIServing:
         m.num_requests_running.dec()
         m.requests.labels(outcome).inc()
         m.e2e_request_latency.observe(time.monotonic() - arrival)
-        states = generation.states
-        m.generation_tokens.inc(sum(s.num_output_tokens for s in states))
-        m.prompt_tokens.inc(sum(s.num_prompt_tokens for s in states))
-        m.cached_prompt_tokens.inc(sum(s.num_cached_tokens for s in states))
+        counts = usage(generation.states, generation.num_choices_per_prompt)  # a prompt counts once, as in usage
+        m.generation_tokens.inc(counts["completion_tokens"])
+        m.prompt_tokens.inc(counts["prompt_tokens"])
+        m.cached_prompt_tokens.inc(counts["prompt_tokens_details"]["cached_tokens"])
 
 
 def _reseeded(options: SamplingOptions, j: int) -> SamplingOptions:

@@ -31,14 +31,15 @@ async def wait_for_disconnect(receive: Callable[[], Awaitable[dict]]) -> None:
 class EventStreamResponse:
     """An ASGI app streaming ``events`` (already framed as SSE bytes) with status 200."""
 
-    def __init__(self, events: AsyncGenerator[bytes, None]) -> None:
+    def __init__(self, events: AsyncGenerator[bytes, None], on_close: Callable[[], Awaitable[None]]) -> None:
         self._events = events
+        self._on_close = on_close  # idempotent cleanup; also runs if ``events`` never started
 
     async def __call__(self, scope, receive, send) -> None:
-        await send({"type": "http.response.start", "status": 200, "headers": [
-            (b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
-            (b"x-accel-buffering", b"no")]})
         try:
+            await send({"type": "http.response.start", "status": 200, "headers": [
+                (b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+                (b"x-accel-buffering", b"no")]})
             async with anyio.create_task_group() as tg:
                 async def write() -> None:
                     try:
@@ -56,6 +57,7 @@ class EventStreamResponse:
         finally:
             with anyio.CancelScope(shield=True):
                 await self._events.aclose()
+                await self._on_close()
 
 
 def error_event(e: APIError) -> bytes:

@@ -6,6 +6,10 @@ functions take one layer's K and V caches, ``pool[layer, 0]`` and ``pool[layer, 
 One file per kernel, each holding the @triton.jit kernel, its launcher and its torch reference:
 store_kv.py, paged_decode.py, paged_prefill.py (with paged_attention.py choosing between them) and
 block_copy.py.
+
+Tests run the Triton kernels on CPU tensors under ``TRITON_INTERPRET=1``. Triton reads that variable
+when ``@triton.jit`` decorates a kernel, i.e. when these modules are imported, so it must be in the
+environment before the first ``import kernels`` (tests/conftest.py sets it when CUDA is absent).
 """
 
 from kernels.block_copy import (

@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.attention_tile import load_kv_tile, online_softmax_step
+
 _LOG2E = 1.4426950408889634
 _MIN_SPLIT_TOKENS = 256  # below this a split's fixed cost outweighs the extra parallelism
 _BLOCK_N = 64  # KV tokens per tile (may span several pages)
@@ -20,10 +22,20 @@ _BLOCK_N = 64  # KV tokens per tile (may span several pages)
 
 def gather_context(cache: torch.Tensor, block_tables: torch.Tensor, max_ctx: int) -> torch.Tensor:
     # cache: [num_blocks, block_size, kv_heads, head_dim] -> [batch, max_ctx, kv_heads, head_dim]
-    block_size = cache.shape[1]
+    batch, block_size = block_tables.shape[0], cache.shape[1]
     num_blocks = -(-max_ctx // block_size)
-    gathered = cache[block_tables[:, :num_blocks].long()]  # [batch, num_blocks, block_size, kvh, d]
-    return gathered.flatten(1, 2)[:, :max_ctx]
+    ids = block_tables[:, :num_blocks].reshape(-1).long()  # [batch * num_blocks]
+    gathered = cache.index_select(0, ids)  # [batch * num_blocks, block_size, kvh, d]
+    return gathered.view(batch, num_blocks * block_size, *cache.shape[2:])[:, :max_ctx]
+
+
+def gather_context_head_major(cache: torch.Tensor, block_tables: torch.Tensor, max_ctx: int) -> torch.Tensor:
+    # cache: [num_blocks, block_size, kv_heads, head_dim] -> [kv_heads, batch, max_ctx, head_dim], one copy
+    batch, block_size = block_tables.shape[0], cache.shape[1]
+    num_blocks = -(-max_ctx // block_size)
+    ids = block_tables[:, :num_blocks].reshape(-1).long()  # [batch * num_blocks]
+    gathered = cache.permute(2, 0, 1, 3).index_select(1, ids)  # [kvh, batch * num_blocks, block_size, d]
+    return gathered.view(cache.shape[2], batch, num_blocks * block_size, cache.shape[3])[:, :, :max_ctx]
 
 
 def paged_decode_reference(
@@ -38,15 +50,15 @@ def paged_decode_reference(
     kv_heads = k_cache.shape[2]
     group = num_heads // kv_heads
     max_ctx = int(context_lens.max())
-    k = gather_context(k_cache, block_tables, max_ctx).float()  # [batch, ctx, kvh, d]
-    v = gather_context(v_cache, block_tables, max_ctx).float()
-    qg = q.float().view(batch, kv_heads, group, head_dim)  # head h = kv_head * group + g
-    scores = torch.einsum("bhgd,bthd->bhgt", qg, k) * scale  # [batch, kvh, group, ctx]
-    beyond = torch.arange(max_ctx, device=q.device)[None, :] >= context_lens[:, None]  # [batch, ctx]
-    scores.masked_fill_(beyond[:, None, None, :], float("-inf"))
-    probs = scores.softmax(dim=-1)
-    out = torch.einsum("bhgt,bthd->bhgd", probs, v)  # [batch, kvh, group, d]
-    return out.reshape(batch, num_heads, head_dim).to(q.dtype)
+    # KV gathered head-major, so both products are batched matmuls over (kv head, request).
+    k = gather_context_head_major(k_cache, block_tables, max_ctx)  # [kvh, b, ctx, d]
+    v = gather_context_head_major(v_cache, block_tables, max_ctx)
+    qg = q.view(batch, kv_heads, group, head_dim).transpose(0, 1)  # [kvh, b, group, d]; GQA as a matrix dim
+    scores = (qg.float() @ k.float().transpose(-1, -2)) * scale  # [kvh, b, group, ctx]
+    beyond = torch.arange(max_ctx, device=q.device)[None, :] >= context_lens[:, None]  # [b, ctx]
+    scores.masked_fill_(beyond[None, :, None, :], float("-inf"))
+    out = scores.softmax(dim=-1) @ v.float()  # [kvh, b, group, d]
+    return out.transpose(0, 1).reshape(batch, num_heads, head_dim).to(q.dtype)
 
 
 @triton.jit
@@ -86,29 +98,10 @@ def _decode_kernel(
     for t0 in range(start, end, BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)  # token positions of this tile
         t_ok = t < end
-        page = tl.load(block_tables_ptr + b * stride_bt_b + (t // PAGE_SIZE) * stride_bt_i, mask=t_ok, other=0)
-        page = page.to(tl.int64)
-        kv_mask = t_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + page[:, None] * stride_kb + (t % PAGE_SIZE)[:, None] * stride_ks
-                    + kvh * stride_kh + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, DIM_PAD]
-        v = tl.load(v_ptr + page[:, None] * stride_vb + (t % PAGE_SIZE)[:, None] * stride_vs
-                    + kvh * stride_vh + d[None, :], mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")  # [GROUP_PAD, BLOCK_N]
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = tl.where(t_ok[None, :], s * scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if UPCAST:
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        k, v = load_kv_tile(k_ptr, v_ptr, block_tables_ptr + b * stride_bt_b, t, t_ok, d, d_ok, kvh,
+                            stride_bt_i, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                            PAGE_SIZE, UPCAST)  # each [BLOCK_N, DIM_PAD], loaded once for the whole group
+        m_i, l_i, acc = online_softmax_step(q, k, v, t_ok[None, :], m_i, l_i, acc, scale_log2, UPCAST)
 
     row_mask = g_ok[:, None] & d_ok[None, :]
     if NUM_SPLITS == 1:

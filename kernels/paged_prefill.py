@@ -16,6 +16,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.attention_tile import load_kv_tile, online_softmax_step
 from kernels.paged_decode import gather_context
 
 _LOG2E = 1.4426950408889634
@@ -95,30 +96,11 @@ def _prefill_kernel(
     for t0 in range(0, kv_end, BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)
         t_ok = t < kv_end
-        page = tl.load(block_tables_ptr + b * stride_bt_b + (t // PAGE_SIZE) * stride_bt_i, mask=t_ok, other=0)
-        page = page.to(tl.int64)
-        kv_mask = t_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + page[:, None] * stride_kb + (t % PAGE_SIZE)[:, None] * stride_ks
-                    + kvh * stride_kh + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, DIM_PAD]
-        v = tl.load(v_ptr + page[:, None] * stride_vb + (t % PAGE_SIZE)[:, None] * stride_vs
-                    + kvh * stride_vh + d[None, :], mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")  # [ROWS, BLOCK_N]
-        else:
-            s = tl.dot(q, tl.trans(k))
-        visible = t_ok[None, :] & (t[None, :] <= q_pos[:, None])  # causal within the chunk
-        s = tl.where(visible, s * scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if UPCAST:
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        k, v = load_kv_tile(k_ptr, v_ptr, block_tables_ptr + b * stride_bt_b, t, t_ok, d, d_ok, kvh,
+                            stride_bt_i, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                            PAGE_SIZE, UPCAST)  # each [BLOCK_N, DIM_PAD], loaded once for the whole group
+        visible = t_ok[None, :] & (t[None, :] <= q_pos[:, None])  # [ROWS, BLOCK_N]: causal within the chunk
+        m_i, l_i, acc = online_softmax_step(q, k, v, visible, m_i, l_i, acc, scale_log2, UPCAST)
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],

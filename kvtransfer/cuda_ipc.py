@@ -23,13 +23,15 @@ def export_pool(tensor: torch.Tensor) -> CudaIpcHandle:
     )
 
 
-def import_pool(handle: CudaIpcHandle, shape: tuple[int, ...], dtype: torch.dtype, device: int) -> torch.Tensor:
-    """Map the peer's pool on ``device`` (must be the exporter's device ordinal on this host)."""
+def import_pool(handle: CudaIpcHandle, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Map the peer's pool (contiguous ``shape``); the handle names the device it lives on."""
+    torch.cuda._lazy_init()
     storage = torch.UntypedStorage._new_shared_cuda(
         handle.device, handle.handle, handle.storage_size_bytes, handle.storage_offset_bytes,
         handle.ref_counter_handle, handle.ref_counter_offset, handle.event_handle, handle.event_sync_required,
     )
-    element = torch.empty((), dtype=dtype).element_size()
-    tensor = torch.empty((0,), dtype=dtype, device=f"cuda:{device}")
-    tensor.set_(storage, handle.storage_offset_bytes // element, shape)
-    return tensor
+    # storage_offset_bytes locates the storage inside the exporter's allocation; the rebuilt storage
+    # already starts there, and the pool starts at its element 0 (export asserts it).
+    typed = torch.storage.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)
+    stride = torch.empty(shape, device="meta").stride()
+    return torch._utils._rebuild_tensor(typed, 0, shape, stride)

@@ -30,7 +30,7 @@ from kvtransfer.ownership import DEFAULT_LEASE_S, OwnershipTable, RangeState, Ve
 from kvtransfer.shm_pool import SharedTensor, create_shared
 from protocol.codec import WireError, decode, encode
 from protocol.kv_messages import (
-    Abort, BlockWrite, Commit, CommitAck, Credit, Handshake, HandshakeReply, WriteRejected,
+    Abort, BlockWrite, Commit, CommitAck, Credit, CudaIpcHandle, Handshake, HandshakeReply, WriteRejected,
 )
 
 MAX_HEADER_BYTES = 64 * 1024
@@ -65,6 +65,7 @@ class KVReceiver:
         self._peer_of: dict[bytes, str] = {}  # channel peer id -> sender incarnation
         self._transport_of: dict[str, str] = {}  # sender incarnation -> transport
         self._events: list[TransferEvent] = []
+        self._cuda_handle: CudaIpcHandle | None = None
         # True for an in-process channel: a loopback sender copies straight into our pool.
         self._has_loopback = channel.offer_loopback(pool.tensor, self._fence.tensor)
 
@@ -97,6 +98,11 @@ class KVReceiver:
         events, self._events = self._events, []
         return events
 
+    @property
+    def fence_name(self) -> str:
+        """The /dev/shm file of the fence; a supervisor unlinks it if this process dies."""
+        return self._fence.name
+
     def close(self) -> None:
         self.channel.close()
         self._fence.unlink()
@@ -109,12 +115,14 @@ class KVReceiver:
             record = decode(frames[0], MAX_HEADER_BYTES)
             if len(frames) != (2 if isinstance(record, BlockWrite) and record.inline else 1):
                 raise WireError(f"{type(record).__name__} with {len(frames)} frames")
+            if not isinstance(record, (Handshake, BlockWrite, Commit, Abort)):
+                raise WireError(f"{type(record).__name__} is not a sender's message")
         except WireError:
             self.metrics.malformed_frames.inc()
             return
         if isinstance(record, Handshake):
             self._on_handshake(peer, record)
-        elif self._peer_of.get(peer) != getattr(record, "sender_incarnation", None):
+        elif self._peer_of.get(peer) != record.sender_incarnation:
             self._reject(peer, record, Verdict.UNKNOWN_INCARNATION)  # no handshake, or spoofed incarnation
         elif isinstance(record, BlockWrite):
             self._on_write(peer, record, frames)
@@ -125,8 +133,6 @@ class KVReceiver:
             if r is not None and r.sender_incarnation in (None, record.sender_incarnation):
                 if self.table.abort(record.rid, record.generation):
                     self._fail(record.rid, record.generation, f"aborted by sender: {record.reason}", r.block_ids)
-        else:
-            self.metrics.malformed_frames.inc()
 
     def _on_handshake(self, peer: bytes, hs: Handshake) -> None:
         field = first_mismatch(self.compat, hs.compat)
@@ -148,10 +154,15 @@ class KVReceiver:
             True, self.incarnation, transport, self.credits, self.pool.layout.num_blocks,
             shm_pool_name=self.shm_pool_name if transport == "shm" else None,
             shm_fence_name=self._fence.name if transport in ("shm", "cuda_ipc") else None,
-            cuda_pool=export_pool(self.pool.tensor) if transport == "cuda_ipc" else None,
+            cuda_pool=self._cuda_export() if transport == "cuda_ipc" else None,
         )
         self.metrics.handshakes.labels("accepted").inc()
         self.channel.send(peer, [encode(reply)])
+
+    def _cuda_export(self) -> CudaIpcHandle:
+        if self._cuda_handle is None:  # one IPC handle for the pool's lifetime, never one per request
+            self._cuda_handle = export_pool(self.pool.tensor)
+        return self._cuda_handle
 
     def _choose_transport(self, hs: Handshake) -> str:
         same_host = hs.hostname == socket.gethostname()
@@ -202,8 +213,7 @@ class KVReceiver:
 
     def _reject(self, peer: bytes, record, verdict: Verdict) -> None:
         self.metrics.rejected_writes.labels(verdict.value).inc()
-        rid, gen = getattr(record, "rid", ""), getattr(record, "generation", 0)
-        self.channel.send(peer, [encode(WriteRejected(rid, gen, verdict.value))])
+        self.channel.send(peer, [encode(WriteRejected(record.rid, record.generation, verdict.value))])
 
     def _fail(self, rid: str, generation: int, reason: str, block_ids) -> None:
         self.metrics.failed_transfers.labels("receiver", reason.split(":")[0]).inc()

@@ -21,12 +21,15 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.kv_pool import KVPool
-from kernels import gather_blocks, scatter_blocks
+from kernels import gather_blocks
 from kvtransfer import fence as fences
+from kvtransfer.block_runs import copy_blocks
 from kvtransfer.channel import ClientChannel
 from kvtransfer.compat import compat_of, new_incarnation
 from kvtransfer.cuda_ipc import import_pool
 from kvtransfer.events import TransferEvent, TransferStatus
+from kvtransfer.metrics import TransferMetrics
+from kvtransfer.ownership import Verdict
 from kvtransfer.shm_pool import attach_shared
 from protocol.codec import WireError, decode, encode
 from protocol.kv_messages import (
@@ -34,6 +37,7 @@ from protocol.kv_messages import (
 )
 
 DEFAULT_DEADLINE_S = 30.0
+MAX_FINISHED = 4096
 
 
 class HandshakeError(RuntimeError):
@@ -64,6 +68,7 @@ class KVSender:
         deadline_s: float = DEFAULT_DEADLINE_S,
         transports: tuple[str, ...] = TRANSPORTS,
         unpin: Callable[[list[int]], None] | None = None,
+        metrics: TransferMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
         self.pool = pool
@@ -73,13 +78,17 @@ class KVSender:
         self.deadline_s = deadline_s
         self.transports = transports
         self._unpin = unpin or (lambda block_ids: None)
+        self._metrics = metrics
+        # True until a handshake succeeds, and again once the receiver no longer knows us (it restarted).
+        self.needs_handshake = True
         self._clock = clock
         self.transport = ""  # chosen at handshake
         self.peer_incarnation = ""
         self._credits = 0
         self._window = 0
         self._target: tuple[torch.Tensor, torch.Tensor] | None = None  # direct transports: (pool, fence)
-        self._transfers: dict[str, _Transfer] = {}
+        self._transfers: dict[str, _Transfer] = {}  # live transfers only
+        self._finished: collections.OrderedDict[str, TransferStatus] = collections.OrderedDict()
         self._events: list[TransferEvent] = []
 
     # -- handshake ---------------------------------------------------------------------------
@@ -89,14 +98,22 @@ class KVSender:
         give_up = time.monotonic() + timeout_s
         while not self.channel.send([encode(hs)]):
             self._wait(give_up, "receiver not reachable")
-        while (frames := self.channel.recv()) is None:
-            self._wait(give_up, "no handshake reply")
-        reply = decode(frames[0], expected=HandshakeReply)
+        reply = None
+        while reply is None:  # replies to an earlier conversation may still be queued ahead of it
+            frames = self.channel.recv()
+            if frames is None:
+                self._wait(give_up, "no handshake reply")
+                continue
+            try:
+                reply = decode(frames[0], expected=HandshakeReply)
+            except WireError:
+                pass
         if not reply.accepted:
             raise HandshakeError(reply.error, reply.mismatched_field)
         self._attach(reply)
         self.transport, self.peer_incarnation = reply.transport, reply.receiver_incarnation
         self._credits = self._window = reply.credits
+        self.needs_handshake = False
         return reply
 
     def _attach(self, reply: HandshakeReply) -> None:
@@ -108,7 +125,7 @@ class KVSender:
             if reply.transport == "shm":
                 remote = attach_shared(reply.shm_pool_name, layout.shape, layout.dtype).tensor
             else:
-                remote = import_pool(reply.cuda_pool, layout.shape, layout.dtype, self.pool.tensor.device.index)
+                remote = import_pool(reply.cuda_pool, layout.shape, layout.dtype)
             self._target = (remote, fence)
         assert reply.transport == "zmq" or self._target is not None, reply.transport
         assert reply.num_blocks == layout.num_blocks or reply.transport == "zmq"
@@ -123,34 +140,35 @@ class KVSender:
         """Queue one chunk's blocks (only those the receiver lacks). Pins ``src_block_ids``."""
         assert len(src_block_ids) == len(dst_block_ids) and self._window > 0, "handshake first"
         t = self._transfers.get(rid)
+        if t is not None and t.generation != generation:
+            self._finish(t, False, f"superseded by generation {generation}")  # unpins the old attempt
         if t is None or t.generation != generation:
             t = self._transfers[rid] = _Transfer(rid, generation, self._clock() + self.deadline_s)
-        assert t.status < TransferStatus.SUCCESS and t.commit is None, f"{rid} is finished or committing"
+        assert t.commit is None, f"{rid} is already committing"
         for start in range(0, len(src_block_ids), self._window):
             t.queued.append((src_block_ids[start : start + self._window], dst_block_ids[start : start + self._window]))
 
     def commit(self, rid: str, generation: int, first_token: int | None = None, first_logprob: float | None = None,
-               top_token_ids: list[int] | None = None, top_logprobs: list[float] | None = None) -> None:
-        t = self._transfers[rid]
-        assert t.generation == generation
+               top_token_ids: list[int] | None = None, top_logprobs: list[float] | None = None) -> bool:
+        """Queue the commit behind the transfer's last piece. False when the transfer already ended
+        (its failure event says why)."""
+        t = self._transfers.get(rid)
+        if t is None or t.generation != generation:
+            return False
         t.commit = Commit(rid, generation, self.incarnation, first_token, first_logprob,
                           list(top_token_ids or []), list(top_logprobs or []))
+        return True
 
     def abort(self, rid: str, generation: int, reason: str = "") -> None:
         """Idempotent. Unpins at once; tells the receiver so it frees the range before the lease runs out."""
         self.channel.send([encode(Abort(rid, generation, self.incarnation, reason))])
         t = self._transfers.get(rid)
-        if t is not None and t.generation == generation and t.status < TransferStatus.SUCCESS:
+        if t is not None and t.generation == generation:
             self._finish(t, False, f"aborted: {reason}")
 
     def status(self, rid: str) -> TransferStatus | None:
         t = self._transfers.get(rid)
-        return None if t is None else t.status
-
-    def forget(self, rid: str) -> None:
-        t = self._transfers.get(rid)
-        if t is not None and t.status >= TransferStatus.SUCCESS:
-            del self._transfers[rid]
+        return t.status if t is not None else self._finished.get(rid)
 
     def pinned_blocks(self) -> list[int]:
         pinned = []
@@ -163,8 +181,6 @@ class KVSender:
             self._on_message(frames)
         now = self._clock()
         for t in list(self._transfers.values()):
-            if t.status >= TransferStatus.SUCCESS:
-                continue
             if now >= t.deadline:
                 self._finish(t, False, "receiver silent past deadline")
                 continue
@@ -189,9 +205,9 @@ class KVSender:
             t.commit_sent = self.channel.send([encode(t.commit)])
 
     def _ship(self, t: _Transfer, src: list[int], dst: list[int]):
-        device = self.pool.tensor.device
-        buffer = gather_blocks(self.pool.tensor, torch.tensor(src, device=device))  # [L, 2, n, bs, kvh, d]
-        if self._target is None:  # zmq: raw bytes ride beside the header, zero-copy
+        if self._target is None:  # zmq: packed raw bytes ride beside the header, zero-copy
+            src_ids = torch.tensor(src, device=self.pool.tensor.device)
+            buffer = gather_blocks(self.pool.tensor, src_ids)  # [L, 2, n, bs, kvh, d]
             raw = buffer.contiguous().view(torch.uint8).cpu()
             header = BlockWrite(t.rid, t.generation, self.incarnation, dst, True, raw.numel())
             return header, [memoryview(raw.numpy()).cast("B")], raw
@@ -200,7 +216,7 @@ class KVSender:
         if not fences.holds(fence, dst_ids, fences.fence_token(t.rid, t.generation)):
             self._finish(t, False, "stale: destination no longer reserved for this transfer")
             return None, None, None
-        scatter_blocks(remote, dst_ids.to(remote.device), buffer.to(remote.device))
+        copy_blocks(self.pool.tensor, src, remote, dst)
         if remote.is_cuda:
             torch.cuda.current_stream(remote.device).synchronize()  # bytes land before the header
         return BlockWrite(t.rid, t.generation, self.incarnation, dst, False, 0), [], None
@@ -210,18 +226,20 @@ class KVSender:
             msg = decode(frames[0])
         except WireError:
             return  # a broken reply: the deadline decides
-        t = self._transfers.get(getattr(msg, "rid", None))
-        if t is None or t.generation != getattr(msg, "generation", None) or t.status >= TransferStatus.SUCCESS:
-            if isinstance(msg, Credit):  # credits belong to the pair, not to the transfer
-                self._credits = min(self._credits + msg.blocks, self._window)
+        if not isinstance(msg, (Credit, WriteRejected, CommitAck)):
+            return
+        if isinstance(msg, Credit):  # credits belong to the pair, even when the transfer is over
+            self._credits = min(self._credits + msg.blocks, self._window)
+        t = self._transfers.get(msg.rid)
+        if t is None or t.generation != msg.generation:
             return
         t.deadline = self._clock() + self.deadline_s  # the receiver is alive and progressing
         if isinstance(msg, Credit):
-            self._credits = min(self._credits + msg.blocks, self._window)
             if t.in_flight:
                 src, _ = t.in_flight.popleft()
                 self._unpin(list(src))
         elif isinstance(msg, WriteRejected):
+            self.needs_handshake |= msg.reason == Verdict.UNKNOWN_INCARNATION.value
             self._finish(t, False, f"rejected by receiver: {msg.reason}")
         elif isinstance(msg, CommitAck):
             self._finish(t, msg.ok, "" if msg.ok else f"commit refused: {msg.reason}")
@@ -236,4 +254,11 @@ class KVSender:
         t.queued.clear()
         if pinned:
             self._unpin(pinned)
+        if not ok and self._metrics is not None:
+            self._metrics.failed_transfers.labels("sender", reason.split(":")[0]).inc()
         self._events.append(TransferEvent(t.rid, t.generation, ok, reason))
+        if self._transfers.get(t.rid) is t:
+            del self._transfers[t.rid]
+        self._finished[t.rid] = t.status  # bounded memory of outcomes, for ``status``
+        while len(self._finished) > MAX_FINISHED:
+            self._finished.popitem(last=False)

@@ -144,7 +144,8 @@ MODEL = "test-model"
 API_KEYS = ["key-one", "key-two"]
 
 
-def make_gateway(tokenizer_dir: Path, max_model_len: int = 64, max_body_bytes: int = 1 << 16, registry=None):
+def make_gateway(tokenizer_dir: Path, max_model_len: int = 64, max_body_bytes: int = 1 << 16, registry=None,
+                 request_timeout_s: float | None = None):
     """The app over a FakeBackend answering OUTPUT_TEXT; returns (app, backend)."""
     from gateway.app import GatewayParams, build_app
     from gateway.serving import ServingLimits
@@ -153,7 +154,24 @@ def make_gateway(tokenizer_dir: Path, max_model_len: int = 64, max_body_bytes: i
     tokenizer = Tokenizer(tokenizer_dir)
     backend = FakeBackend(output_ids=tokenizer.encode(OUTPUT_TEXT, add_special_tokens=False))
     limits = ServingLimits(model_name=MODEL, max_model_len=max_model_len, max_concurrent_requests=8,
-                           retry_after_s=3)
+                           retry_after_s=3, request_timeout_s=request_timeout_s)
     params = GatewayParams(tokenizer, backend, limits, api_keys=list(API_KEYS), max_body_bytes=max_body_bytes,
                            registry=registry)
     return build_app(params), backend
+
+
+def num_requests_running(base_url: str) -> float:
+    """The gateway's in-flight gauge, read from /metrics: a leak check after each scenario."""
+    import httpx
+
+    for line in httpx.get(base_url + "/metrics").text.splitlines():
+        if line.startswith("pdserve:num_requests_running "):
+            return float(line.split()[1])
+    raise AssertionError("pdserve:num_requests_running missing from /metrics")
+
+
+def wait_until(predicate, what: str, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)

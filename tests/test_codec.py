@@ -105,7 +105,8 @@ def test_missing_and_extra_fields_rejected():
 @pytest.mark.parametrize(
     "data",
     [b"", b"\xc1", b"\x93\x01\x02", msgpack.packb(["kv.commit"]), msgpack.packb({"a": 1}),
-     msgpack.packb(["nope", {}]), msgpack.packb([1, {}]), msgpack.packb(["kv.commit", {1: 2}])],
+     msgpack.packb(["nope", {}]), msgpack.packb([1, {}]), msgpack.packb(["kv.commit", {1: 2}]),
+     b"\x91" * 100_000],  # nesting far deeper than any record
 )
 def test_garbage_is_a_wire_error(data):
     with pytest.raises(WireError):

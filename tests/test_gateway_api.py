@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import httpx
 import openai
 import pytest
 from transformers import AutoTokenizer
 
-from tests.fake_backend import API_KEYS, MODEL, OUTPUT_TEXT, FakeBackend, LiveServer, make_gateway, make_test_tokenizer
+from gateway.registry import Heartbeat, Role, WorkerLoad, WorkerRegistry
+from tests.fake_backend import (API_KEYS, MODEL, OUTPUT_TEXT, FakeBackend, LiveServer, make_gateway,
+                                make_test_tokenizer, num_requests_running, wait_until)
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +26,10 @@ def hf_tok(tok_dir):
 
 @pytest.fixture(scope="module")
 def live(tok_dir):
-    app, backend = make_gateway(tok_dir, max_model_len=128)
+    registry = WorkerRegistry()
+    registry.observe(Heartbeat("decode-0", Role.DECODE, "tcp://127.0.0.1:7101", "inc-1",
+                               WorkerLoad(num_running=2, kv_blocks_in_use=7, kv_blocks_total=64)), now=0.0)
+    app, backend = make_gateway(tok_dir, max_model_len=128, registry=registry)
     with LiveServer(app) as server:
         server.backend = backend
         yield server
@@ -207,9 +211,19 @@ def test_tokenize_detokenize_match_transformers(live, hf_tok):
     assert r["prompt"] == hf_tok.decode(ids) == text
 
 
-def test_metrics_count_requests_and_tokens(client, live, backend):
-    client.completions.create(model=MODEL, prompt="Hello", max_tokens=3)
+def _metric(text: str, name: str) -> float:
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
+
+
+def test_metrics_count_requests_and_tokens(client, live, backend, hf_tok):
+    before = httpx.get(live.base_url + "/metrics").text
+    client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, n=2)
     text = httpx.get(live.base_url + "/metrics").text
+    for name, delta in (("pdserve:generation_tokens_total", 6), ("pdserve:prompt_tokens_total",
+                                                                  len(hf_tok.encode("Hello"))),
+                        ('pdserve:requests_total{outcome="success"}', 1)):
+        assert _metric(text, name) - _metric(before, name) == delta, name
+    assert _metric(text, "pdserve:num_requests_running") == 0
     for name in ("pdserve:time_to_first_token_seconds_bucket", "pdserve:inter_token_latency_seconds_count",
                  "pdserve:e2e_request_latency_seconds_count", "pdserve:request_queue_time_seconds_count",
                  'pdserve:requests_total{outcome="success"}', "pdserve:generation_tokens_total",
@@ -229,8 +243,27 @@ def test_client_disconnect_mid_stream_aborts(live, backend):
             first = next(line for line in lines if line.startswith("data: "))
             assert '"text"' in first
     rid = backend.received[0].request_id
-    deadline = time.monotonic() + 5
-    while rid not in backend.aborted:
-        assert time.monotonic() < deadline, "backend.abort was not called after the client went away"
-        time.sleep(0.02)
+    wait_until(lambda: rid in backend.aborted, "backend.abort was not called after the client went away")
     assert backend.aborted == [rid]
+    wait_until(lambda: num_requests_running(live.base_url) == 0, "request still counted as running")
+
+
+def test_client_disconnect_non_stream_aborts(live, backend):
+    backend.token_delay_s = 0.05
+    backend.output_ids = backend.output_ids * 5
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 100}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(live.base_url + "/v1/completions", json=body, timeout=0.3,
+                   headers={"Authorization": f"Bearer {API_KEYS[0]}"})
+    rid = backend.received[0].request_id
+    wait_until(lambda: rid in backend.aborted, "backend.abort was not called after the client went away")
+    wait_until(lambda: num_requests_running(live.base_url) == 0, "request still counted as running")
+
+
+def test_workers_lists_the_registry(live, backend):
+    r = httpx.get(live.base_url + "/v1/workers", headers={"Authorization": f"Bearer {API_KEYS[0]}"})
+    assert r.json()["data"] == [{"id": "decode-0", "role": "decode", "address": "tcp://127.0.0.1:7101",
+                                 "incarnation": "inc-1",
+                                 "load": {"num_running": 2, "num_waiting": 0, "queued_prefill_tokens": 0,
+                                          "kv_blocks_in_use": 7, "kv_blocks_total": 64}}]
+    assert httpx.get(live.base_url + "/v1/workers").status_code == 401

@@ -8,7 +8,8 @@ import httpx
 import openai
 import pytest
 
-from tests.fake_backend import API_KEYS, MODEL, FakeBackend, LiveServer, make_gateway, make_test_tokenizer
+from tests.fake_backend import (API_KEYS, MODEL, FakeBackend, LiveServer, make_gateway, make_test_tokenizer,
+                                num_requests_running)
 
 MAX_MODEL_LEN = 32
 MAX_BODY = 4096
@@ -17,7 +18,7 @@ MAX_BODY = 4096
 @pytest.fixture(scope="module")
 def live(tmp_path_factory):
     app, backend = make_gateway(make_test_tokenizer(tmp_path_factory.mktemp("tok")),
-                                max_model_len=MAX_MODEL_LEN, max_body_bytes=MAX_BODY)
+                                max_model_len=MAX_MODEL_LEN, max_body_bytes=MAX_BODY, request_timeout_s=1.0)
     with LiveServer(app) as server:
         server.backend = backend
         yield server
@@ -49,7 +50,7 @@ def _error(e: openai.APIStatusError) -> dict:
     ("temperature", -0.5), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("min_p", 1.5), ("n", 0),
     ("presence_penalty", 2.5), ("frequency_penalty", -3), ("repetition_penalty", 0.0), ("max_tokens", 0),
     ("logprobs", 21), ("seed", "x"), ("stop", ["a", "b", "c", "d", "e"]), ("stop_token_ids", [-1]),
-    ("min_tokens", -1), ("ignore_eos", "yes"), ("n", True),
+    ("min_tokens", -1), ("ignore_eos", "yes"), ("n", True), ("user", 5),
 ])
 def test_out_of_range_field_is_400_naming_it(client, field, value):
     with pytest.raises(openai.BadRequestError) as info:
@@ -57,6 +58,14 @@ def test_out_of_range_field_is_400_naming_it(client, field, value):
     err = _error(info.value)
     assert err["param"] == field and err["type"] == "invalid_request_error"
     assert field in err["message"]
+
+
+def test_nan_and_infinity_are_rejected(live, backend):
+    headers = {"Authorization": f"Bearer {API_KEYS[0]}", "Content-Type": "application/json"}
+    for field, raw in (("temperature", "NaN"), ("top_p", "Infinity"), ("presence_penalty", "-Infinity")):
+        payload = f'{{"model": "{MODEL}", "prompt": "x", "{field}": {raw}}}'.encode()
+        r = httpx.post(live.base_url + "/v1/completions", content=payload, headers=headers)
+        assert r.status_code == 400 and r.json()["error"]["param"] == field
 
 
 def test_chat_field_errors(client):
@@ -134,7 +143,7 @@ def test_body_too_large_is_413(client):
     assert str(MAX_BODY) in _error(info.value)["message"]
 
 
-def test_no_capacity_is_503_with_retry_after(client, backend):
+def test_no_capacity_is_503_with_retry_after(client, backend, live):
     backend.capacity = False  # the gateway's admission check
     with pytest.raises(openai.InternalServerError) as info:
         client.completions.create(model=MODEL, prompt="Hello")
@@ -145,6 +154,7 @@ def test_no_capacity_is_503_with_retry_after(client, backend):
     with pytest.raises(openai.InternalServerError) as info:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], stream=True)
     assert info.value.status_code == 503 and info.value.response.headers["retry-after"] == "7"
+    assert num_requests_running(live.base_url) == 0
 
 
 def test_worker_error_mid_stream_is_in_band(client, backend, live):
@@ -162,8 +172,18 @@ def test_worker_error_mid_stream_is_in_band(client, backend, live):
     r = httpx.post(live.base_url + "/v1/completions", headers={"Authorization": f"Bearer {API_KEYS[0]}"},
                    json={"model": MODEL, "prompt": "x", "max_tokens": 10})
     assert r.status_code == 500 and "decode worker lost" in r.json()["error"]["message"]
+    assert num_requests_running(live.base_url) == 0
 
 
 def test_unknown_route_is_openai_shaped_404(live):
     r = httpx.get(live.base_url + "/v1/nothing")
     assert r.status_code == 404 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_deadline_ends_a_slow_request_and_aborts_it(client, backend):
+    backend.token_delay_s = 0.3  # 10 tokens take 3 s; the gateway's request timeout is 1 s
+    with pytest.raises(openai.InternalServerError) as info:
+        client.completions.create(model=MODEL, prompt="Hello", max_tokens=10)
+    assert "timed out after 1.0 s" in _error(info.value)["message"]
+    assert backend.aborted == [backend.received[0].request_id]
+    assert backend.received[0].deadline == pytest.approx(backend.received[0].arrival_time + 1.0)

@@ -35,8 +35,11 @@ class AttentionCase:
                 self.query_start_loc, self.scale)
 
 
-def make_case(context_lens, q_lens, *, heads, kv_heads, head_dim, block_size, dtype, seed, device="cpu"):
-    """Fresh random inputs; request i's blocks are a random permutation of the pool's ids."""
+def make_case(context_lens, q_lens, *, heads, kv_heads, head_dim, block_size, dtype, seed, device="cpu",
+              sharpness=1.0):
+    """Fresh random inputs; request i's blocks are a random permutation of the pool's ids.
+    ``sharpness`` multiplies the softmax scale: peaky attention over long contexts keeps outputs O(1)
+    instead of averaging them towards 0, where an absolute tolerance would hide wrong keys."""
     gen = torch.Generator().manual_seed(seed)
     batch = len(context_lens)
     max_blocks = max(-(-c // block_size) for c in context_lens) + 1  # one spare column of padding
@@ -52,7 +55,7 @@ def make_case(context_lens, q_lens, *, heads, kv_heads, head_dim, block_size, dt
     q = qkv[:, : heads * head_dim].view(num_tokens, heads, head_dim)  # strided like the model's q
     loc = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
     context = torch.tensor(context_lens, dtype=torch.int32, device=device)
-    return AttentionCase(q, k_cache, v_cache, block_tables, context, loc, head_dim**-0.5)
+    return AttentionCase(q, k_cache, v_cache, block_tables, context, loc, sharpness * head_dim**-0.5)
 
 
 def naive_attention(case: AttentionCase) -> torch.Tensor:
@@ -84,39 +87,39 @@ def poisoned_like(q: torch.Tensor) -> torch.Tensor:
     return torch.full(q.shape, float("nan"), dtype=q.dtype, device=q.device)
 
 
-# (dtype, heads, kv_heads, head_dim, block_size, num_splits): GQA ratios 1, 4, 8; dims 64, 128; blocks 8, 16.
-DECODE_CONFIGS = [
-    (torch.float32, 4, 4, 64, 8, 1),
-    (torch.float32, 8, 2, 128, 16, 3),
-    (torch.bfloat16, 8, 1, 64, 16, 2),
-    (torch.float16, 16, 4, 64, 8, 4),
-]
+# Every GQA ratio (1, 4, 8) x head dim (64, 128) x block size (8, 16) in fp32; half precision on a few.
+SHAPES = [(group, head_dim, block_size) for group in (1, 4, 8) for head_dim in (64, 128) for block_size in (8, 16)]
+HALF = [(torch.bfloat16, 4, 128, 16), (torch.bfloat16, 8, 64, 8),
+        (torch.float16, 1, 64, 16), (torch.float16, 8, 128, 8)]
+CONFIGS = [(torch.float32, *shape) for shape in SHAPES] + HALF
 
 
-@pytest.mark.parametrize("dtype,heads,kv_heads,head_dim,block_size,num_splits", DECODE_CONFIGS)
-def test_decode_kernel_matches_naive(dtype, heads, kv_heads, head_dim, block_size, num_splits):
+def config_id(config) -> str:
+    dtype, group, head_dim, block_size = config
+    return f"{str(dtype).removeprefix('torch.')}-gqa{group}-d{head_dim}-bs{block_size}"
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=config_id)
+def test_decode_kernel_matches_naive(config):
+    dtype, group, head_dim, block_size = config
+    kv_heads = 2 if group < 8 else 1
+    num_splits = 1 + (group + head_dim // 64 + block_size // 8) % 4  # 1..4 splits across the configs
     context_lens = [1, 13, 70, 2 * block_size]  # a single token, ragged, long enough to split, exact blocks
-    case = make_case(context_lens, [1] * 4, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-                     block_size=block_size, dtype=dtype, seed=head_dim + num_splits)
+    case = make_case(context_lens, [1] * 4, heads=group * kv_heads, kv_heads=kv_heads, head_dim=head_dim,
+                     block_size=block_size, dtype=dtype, seed=group * head_dim + block_size)
     out = paged_decode_triton(case.q, case.k_cache, case.v_cache, case.block_tables, case.context_lens,
                               case.scale, num_splits=num_splits, block_n=16, out=poisoned_like(case.q))
     assert_matches_naive(out, case)
 
 
-PREFILL_CONFIGS = [
-    (torch.float32, 4, 4, 64, 8),
-    (torch.float32, 8, 1, 128, 16),
-    (torch.bfloat16, 8, 2, 64, 16),
-    (torch.float16, 8, 1, 64, 8),
-]
-
-
-@pytest.mark.parametrize("dtype,heads,kv_heads,head_dim,block_size", PREFILL_CONFIGS)
-def test_prefill_kernel_matches_naive(dtype, heads, kv_heads, head_dim, block_size):
+@pytest.mark.parametrize("config", CONFIGS, ids=config_id)
+def test_prefill_kernel_matches_naive(config):
+    dtype, group, head_dim, block_size = config
+    kv_heads = 2 if group < 8 else 1
     # whole prompt (ctx == q_len), a chunk after a cached prefix, a decode row, a long ragged chunk
     context_lens, q_lens = [11, 29, 17, 45], [11, 9, 1, 21]
-    case = make_case(context_lens, q_lens, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-                     block_size=block_size, dtype=dtype, seed=3 * head_dim + block_size)
+    case = make_case(context_lens, q_lens, heads=group * kv_heads, kv_heads=kv_heads, head_dim=head_dim,
+                     block_size=block_size, dtype=dtype, seed=3 * group * head_dim + block_size)
     out = paged_prefill_triton(*case.args(), rows=16, block_n=16, out=poisoned_like(case.q))
     assert_matches_naive(out, case)
 
@@ -130,7 +133,8 @@ def test_triton_dispatch_picks_decode_or_prefill_kernel():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("q_lens", [[1, 1, 1, 1, 1], [7, 3, 12, 1, 5], [1, 6, 1, 1, 20]], ids=["decode", "prefill", "mixed"])
+@pytest.mark.parametrize("q_lens", [[1, 1, 1, 1, 1], [7, 3, 12, 1, 5], [1, 6, 1, 1, 20]],
+                         ids=["decode", "prefill", "mixed"])
 def test_kernel_reference_cpu_path_matches_naive(dtype, q_lens):
     """The public function on CPU (the engine's path) splits decode and prefill rows; check both halves."""
     context_lens = [q + extra for q, extra in zip(q_lens, [0, 9, 30, 4, 17])]

@@ -13,13 +13,16 @@ import time
 import msgpack
 import torch
 import zmq
+from prometheus_client import CollectorRegistry
 
 from engine.kv_pool import KVPool
 from kvtransfer.channel import ZmqClient
 from kvtransfer.events import TransferStatus
+from kvtransfer.metrics import TransferMetrics
+from kvtransfer.shm_pool import SharedTensor
 from kvtransfer.sender import KVSender
 from protocol.codec import encode
-from protocol.kv_messages import BlockWrite, Handshake, KVCompat
+from protocol.kv_messages import BlockWrite, Credit, Handshake, KVCompat
 from tests.test_kvtransfer_transports import LAYOUT, Node, pump
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -52,7 +55,7 @@ RECEIVER_SCRIPT = textwrap.dedent("""
     server = ZmqServer(zmq.Context(), "127.0.0.1", max_msg_size=1 << 22)
     rx = KVReceiver(KVPool(layout), "tiny", server, lambda ids: None, TransferMetrics(CollectorRegistry()), credits=2)
     rx.reserve("r", 1, list(range(8, 16)))
-    print(server.endpoint, flush=True)
+    print(server.endpoint, rx.fence_name, flush=True)
     while True:
         rx.poll()
 """)
@@ -104,13 +107,14 @@ def test_sender_killed_mid_transfer_receiver_reclaims_within_lease():
 
 def test_receiver_killed_sender_pins_nothing_after_deadline():
     proc = _spawn(RECEIVER_SCRIPT)
-    ctx = zmq.Context()
+    ctx, fence_name, registry = zmq.Context(), "", CollectorRegistry()
     try:
-        endpoint = proc.stdout.readline().strip()
+        endpoint, fence_name = proc.stdout.readline().split()
         assert endpoint.startswith("tcp://127.0.0.1:"), endpoint
         unpinned = []
         src = KVPool(LAYOUT, tensor=torch.randn(LAYOUT.shape))
-        tx = KVSender(src, "tiny", ZmqClient(ctx, endpoint), deadline_s=0.5, unpin=unpinned.extend)
+        tx = KVSender(src, "tiny", ZmqClient(ctx, endpoint), deadline_s=0.5, unpin=unpinned.extend,
+                      metrics=TransferMetrics(registry))
         tx.handshake(timeout_s=30)
         tx.send("r", 1, list(range(8)), list(range(8, 16)))
         while tx.status("r") is not TransferStatus.TRANSFERRING:
@@ -125,7 +129,11 @@ def test_receiver_killed_sender_pins_nothing_after_deadline():
             assert time.monotonic() - killed_at < 0.5 + 1.0, "sender still waiting past its deadline"
         assert [(e.rid, e.ok, e.reason) for e in events] == [("r", False, "receiver silent past deadline")]
         assert tx.pinned_blocks() == [] and sorted(unpinned) == list(range(8))
+        assert registry.get_sample_value(
+            "pdserve:kv_transfer_failures_total", {"side": "sender", "reason": "receiver silent past deadline"}) == 1
     finally:
+        if fence_name:  # the killed receiver could not clean up its shared memory
+            SharedTensor(fence_name, torch.empty(0), is_owner=True).unlink()
         proc.kill()
         proc.wait()
         ctx.destroy(linger=0)
@@ -147,6 +155,7 @@ def test_malformed_oversized_and_wrong_typed_frames_counted_while_serving():
             [b"\x92" + b"\xa1x" * 70000],  # header over the 64 KiB limit (under MAXMSGSIZE)
             [encode(Handshake(compat, "i", "h", ["zmq"])), b"extra frame"],  # wrong frame count
             [],  # nothing at all
+            [encode(Credit("r", 1, 5))],  # a receiver's message, sent to the receiver
         ]
         for frames in hostile:
             raw.send_multipart([b"", *frames] if not frames else frames)

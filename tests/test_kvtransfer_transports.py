@@ -154,15 +154,18 @@ def test_late_write_after_abort_and_reuse_is_rejected(node):
 
 
 def test_retry_generation_fences_off_the_previous_attempt(node):
-    tx = node.sender()
+    unpinned = []
+    tx = node.sender(unpin=unpinned.extend)
     node.reserve("r", 1, [2, 3])
     tx.send("r", 1, [0], [2])
     node.rx.abort("r")
     node.reserve("r", 2, [2, 3])  # retry of the same request, next generation
     tx.send("r", 2, [5, 6], [2, 3])  # replaces the queued generation-1 attempt on the sender
     tx.commit("r", 2)
-    rx_events, _ = pump(node, tx, until=lambda rx, tx: rx and tx)
+    rx_events, tx_events = pump(node, tx, until=lambda rx, tx: rx and len(tx) == 2)
     assert [(e.rid, e.generation, e.ok) for e in rx_events] == [("r", 2, True)]
+    assert [(e.generation, e.ok, e.reason) for e in tx_events] == [(1, False, "superseded by generation 2"), (2, True, "")]
+    assert tx.pinned_blocks() == [] and sorted(unpinned) == [0, 5, 6]
     assert torch.equal(node.rx.pool.tensor[:, :, [2, 3]], tx.pool.tensor[:, :, [5, 6]])
 
 
@@ -193,3 +196,59 @@ def test_sender_abort_frees_receiver_range_at_once(node):
     rx_events, _ = pump(node, tx, until=lambda rx, tx: bool(rx))
     assert [(e.ok, e.reason) for e in rx_events] == [(False, "aborted by sender: client disconnected")]
     assert node.free == set(range(16)) and tx.pinned_blocks() == []
+
+
+def test_restarted_receiver_makes_the_sender_handshake_again():
+    node = Node("zmq")
+    try:
+        tx = node.sender()
+        assert not tx.needs_handshake
+        port = int(node.server.endpoint.rsplit(":", 1)[1])
+        node.rx.close()  # the decode node restarts on the same port with a new incarnation
+        for _ in range(200):  # zmq releases the port asynchronously after close
+            try:
+                node.server = ZmqServer(node.ctx, "127.0.0.1", port, max_msg_size=1 << 22)
+                break
+            except zmq.ZMQError:
+                time.sleep(0.01)
+        node.rx = KVReceiver(KVPool(LAYOUT), "tiny", node.server, node.free.update, TransferMetrics(CollectorRegistry()))
+        node.reserve("r", 1, [1])
+        tx.send("r", 1, [0], [1])
+        _, tx_events = pump(node, tx, until=lambda rx, t: bool(t), steps=10**6)
+        assert tx_events[0].reason == "rejected by receiver: unknown_incarnation" and tx.needs_handshake
+    finally:
+        node.close()
+
+
+def test_sockets_are_bounded_and_never_bind_all_interfaces():
+    from protocol.zmq_util import bind, make_socket
+
+    ctx = zmq.Context()
+    try:
+        sock = make_socket(ctx, zmq.ROUTER, hwm=7, max_msg_size=1234)
+        assert (sock.getsockopt(zmq.SNDHWM), sock.getsockopt(zmq.RCVHWM), sock.getsockopt(zmq.MAXMSGSIZE)) == (7, 7, 1234)
+        with pytest.raises(ValueError, match="refusing to bind all interfaces"):
+            bind(sock, "0.0.0.0")
+        endpoint = bind(sock, "127.0.0.1")
+        assert endpoint.startswith("tcp://127.0.0.1:")
+        with pytest.raises(zmq.ZMQError):  # ROUTER_MANDATORY: a send to an unknown peer fails loudly
+            sock.send_multipart([b"nobody", b"x"], zmq.NOBLOCK)
+    finally:
+        ctx.destroy(linger=0)
+
+
+@pytest.mark.parametrize(
+    "src, dst",
+    [([0, 1, 2, 3], [8, 9, 10, 11]),  # one run: slice copy
+     ([0, 1, 2, 7, 8, 9, 10, 11], [3, 4, 5, 12, 13, 14, 15, 6]),  # runs, plus a break inside the second
+     ([5, 0, 9, 2], [1, 7, 3, 12])],  # scattered: packed gather/scatter
+)
+def test_copy_blocks_matches_per_block_reference(src, dst):
+    from kvtransfer.block_runs import copy_blocks
+
+    source = torch.randn(LAYOUT.shape, generator=torch.Generator().manual_seed(1))
+    target, expected = torch.zeros(LAYOUT.shape), torch.zeros(LAYOUT.shape)
+    for s, d in zip(src, dst):
+        expected[:, :, d] = source[:, :, s]
+    copy_blocks(source, src, target, dst)
+    assert torch.equal(target, expected)

@@ -44,7 +44,7 @@ def test_gpu_decode_kernel_full_size(dtype, heads, kv_heads, head_dim, block_siz
     gen = torch.Generator().manual_seed(block_size + head_dim)
     context_lens = torch.randint(1, 2100, (64,), generator=gen).tolist()
     case = make_case(context_lens, [1] * 64, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-                     block_size=block_size, dtype=dtype, seed=heads + kv_heads, device="cuda")
+                     block_size=block_size, dtype=dtype, seed=heads + kv_heads, device="cuda", sharpness=4.0)
     out = paged_decode_triton(case.q, case.k_cache, case.v_cache, case.block_tables, case.context_lens,
                               case.scale, num_splits=num_splits, out=poisoned_like(case.q))
     assert_close_to_exact(out, case)
@@ -57,14 +57,14 @@ def test_gpu_prefill_kernel_full_size(dtype, heads, kv_heads, head_dim, block_si
     q_lens = [512, 1, 77, 300, 1, 129, 1000, 3]
     context_lens = [q + prefix for q, prefix in zip(q_lens, [0, 900, 1500, 33, 2047, 0, 1, 640])]
     case = make_case(context_lens, q_lens, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-                     block_size=block_size, dtype=dtype, seed=block_size, device="cuda")
+                     block_size=block_size, dtype=dtype, seed=block_size, device="cuda", sharpness=4.0)
     assert_close_to_exact(paged_prefill_triton(*case.args(), out=poisoned_like(case.q)), case)
     assert_close_to_exact(kernels.paged_attention(*case.args()), case)  # mixed batch: the prefill kernel
 
 
 def test_gpu_dispatch_decode_batch():
     case = make_case(list(range(3, 2000, 61)), [1] * 33, heads=32, kv_heads=8, head_dim=128, block_size=16,
-                     dtype=torch.bfloat16, seed=1, device="cuda")
+                     dtype=torch.bfloat16, seed=1, device="cuda", sharpness=4.0)
     assert_close_to_exact(kernels.paged_attention(*case.args()), case)
 
 
