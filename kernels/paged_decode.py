@@ -3,13 +3,14 @@
 Triton: one program per (request, kv head, split). It loads each KV tile once and scores the whole
 query group of that KV head against it (GQA), keeping an online softmax. Long contexts are cut into
 ``num_splits`` ranges run in parallel (split-K); a second kernel merges the partial results by their
-log-sum-exp. The torch reference is the engine's CPU decode path: one batched matmul over the
-gathered context, the query group as a matrix dimension (no repeat_interleave).
+log-sum-exp. The torch reference is the engine's CPU decode path: SDPA over the gathered context
+with GQA (no repeat_interleave).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -29,15 +30,6 @@ def gather_context(cache: torch.Tensor, block_tables: torch.Tensor, max_ctx: int
     return gathered.view(batch, num_blocks * block_size, *cache.shape[2:])[:, :max_ctx]
 
 
-def gather_context_head_major(cache: torch.Tensor, block_tables: torch.Tensor, max_ctx: int) -> torch.Tensor:
-    # cache: [num_blocks, block_size, kv_heads, head_dim] -> [kv_heads, batch, max_ctx, head_dim], one copy
-    batch, block_size = block_tables.shape[0], cache.shape[1]
-    num_blocks = -(-max_ctx // block_size)
-    ids = block_tables[:, :num_blocks].reshape(-1).long()  # [batch * num_blocks]
-    gathered = cache.permute(2, 0, 1, 3).index_select(1, ids)  # [kvh, batch * num_blocks, block_size, d]
-    return gathered.view(cache.shape[2], batch, num_blocks * block_size, cache.shape[3])[:, :, :max_ctx]
-
-
 def paged_decode_reference(
     q: torch.Tensor,  # [batch, num_heads, head_dim], request i's query is token context_lens[i] - 1
     k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
@@ -46,19 +38,16 @@ def paged_decode_reference(
     context_lens: torch.Tensor,  # [batch]
     scale: float,
 ) -> torch.Tensor:  # [batch, num_heads, head_dim]
-    batch, num_heads, head_dim = q.shape
-    kv_heads = k_cache.shape[2]
-    group = num_heads // kv_heads
     max_ctx = int(context_lens.max())
-    # KV gathered head-major, so both products are batched matmuls over (kv head, request).
-    k = gather_context_head_major(k_cache, block_tables, max_ctx)  # [kvh, b, ctx, d]
-    v = gather_context_head_major(v_cache, block_tables, max_ctx)
-    qg = q.view(batch, kv_heads, group, head_dim).transpose(0, 1)  # [kvh, b, group, d]; GQA as a matrix dim
-    scores = (qg.float() @ k.float().transpose(-1, -2)) * scale  # [kvh, b, group, ctx]
-    beyond = torch.arange(max_ctx, device=q.device)[None, :] >= context_lens[:, None]  # [b, ctx]
-    scores.masked_fill_(beyond[None, :, None, :], float("-inf"))
-    out = scores.softmax(dim=-1) @ v.float()  # [kvh, b, group, d]
-    return out.transpose(0, 1).reshape(batch, num_heads, head_dim).to(q.dtype)
+    # Gather whole blocks (contiguous copies, the fast index_select), then view head-major for SDPA,
+    # whose CPU kernel handles GQA and the strided layout without another copy.
+    k = gather_context(k_cache, block_tables, max_ctx).transpose(1, 2)  # [b, kvh, ctx, d]
+    v = gather_context(v_cache, block_tables, max_ctx).transpose(1, 2)
+    valid = torch.arange(max_ctx, device=q.device)[None, :] < context_lens[:, None]  # [b, ctx]
+    out = F.scaled_dot_product_attention(
+        q[:, :, None, :], k, v, attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True
+    )  # [b, heads, 1, d]
+    return out[:, :, 0]
 
 
 @triton.jit

@@ -1,0 +1,185 @@
+"""Records of the serving plane: gateway <-> workers, and decode worker -> prefill worker.
+
+Sockets (every bind on a configured interface, never all interfaces by default):
+
+    gateway   ROUTER bound at gateway.host:gateway.worker_port. Each worker connects one DEALER whose
+              ZeroMQ identity is its worker_id.
+              worker -> gateway: Heartbeat (also the registration), TokenEvent, Busy, Goodbye
+              gateway -> worker: Generate (decode only), AbortRequest (both roles)
+    prefill   ROUTER bound at prefill.host:prefill.port (its ``address`` in heartbeats).
+              decode -> prefill: PrefillJob, AbortRequest;  prefill -> decode: PrefillFailed
+    decode    KV receiver (kvtransfer) bound at decode.host:decode.kv_port; prefill workers write there.
+
+One request, disaggregated (n = 1):
+    gateway --Generate(prefill_address=P)--> D: prefix match, reserve blocks for the uncached suffix
+    D --PrefillJob(range [skip, len), dst blocks, generation, sample_first)--> P
+    P: chunked prefill; KV of each finished chunk -> D (kvtransfer); samples the first token,
+       --TokenEvent(index 0, offset 0)--> gateway at once (TTFT), Commit(first token) -> D
+    D: adopts the blocks, decodes; --TokenEvent(offset 1, 2, ...)--> gateway until finished
+With n > 1, D asks P for [skip, len - 1) with sample_first = False, computes the last prompt token
+itself and forks the n completions copy-on-write: the prompt's KV crosses the wire once.
+The gateway orders a completion's tokens by ``offset``; a completion ends with a finish_reason or
+an error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from protocol.codec import wire_record
+
+ROLES = ("prefill", "decode")
+FINISH_REASONS = ("", "stop", "length")  # "" while the completion is still running
+
+
+@wire_record("serve.sampling")
+@dataclass(slots=True)
+class SamplingSpec:
+    """Sampling of one request; field names and meanings are engine.SamplingParams'."""
+
+    max_tokens: int
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; k: the sampled token's logprob plus the top k
+
+    def __post_init__(self) -> None:
+        assert self.max_tokens >= 1 and self.n >= 1, (self.max_tokens, self.n)
+
+
+@wire_record("serve.generate")
+@dataclass(slots=True)
+class Generate:
+    """gateway -> decode worker."""
+
+    rid: str
+    token_ids: list[int]  # the whole prompt
+    sampling: SamplingSpec
+    prefill_address: str  # the chosen prefill worker's endpoint; "" = prefill locally on this worker
+    deadline: float  # time.time() after which every node drops the request and frees its blocks
+
+    def __post_init__(self) -> None:
+        assert self.token_ids, "empty prompt"
+
+
+@wire_record("serve.abort")
+@dataclass(slots=True)
+class AbortRequest:
+    """gateway -> either worker, decode -> prefill. Idempotent; unknown rids are ignored."""
+
+    rid: str
+    reason: str = ""
+
+
+@wire_record("serve.logprob")
+@dataclass(slots=True)
+class TokenLogprobRecord:
+    token_id: int
+    logprob: float
+    top_ids: list[int] = field(default_factory=list)  # best first
+    top_logprobs: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        assert len(self.top_ids) == len(self.top_logprobs)
+
+
+@wire_record("serve.tokens")
+@dataclass(slots=True)
+class TokenEvent:
+    """worker -> gateway: new tokens of one completion of one request."""
+
+    rid: str
+    index: int  # which completion, 0 .. n-1
+    offset: int  # tokens of this completion sent before these; the gateway orders by it
+    token_ids: list[int]
+    logprobs: list[TokenLogprobRecord] | None = None  # one per token when asked for
+    finish_reason: str = ""  # "" while running; "stop" | "length" on the completion's last event
+    num_cached_tokens: int = -1  # prompt tokens not recomputed; >= 0 on the decode worker's first event
+    error: str = ""  # non-empty: the request failed on the worker; nothing more follows for it
+
+    def __post_init__(self) -> None:
+        assert self.finish_reason in FINISH_REASONS, self.finish_reason
+        assert self.logprobs is None or len(self.logprobs) == len(self.token_ids)
+
+
+@wire_record("serve.busy")
+@dataclass(slots=True)
+class Busy:
+    """decode worker -> gateway, at once: it cannot reserve blocks for this request now."""
+
+    rid: str
+    reason: str
+
+
+@wire_record("serve.heartbeat")
+@dataclass(slots=True)
+class Heartbeat:
+    """worker -> gateway every heartbeat interval; the first one registers the worker."""
+
+    worker_id: str  # also the worker's DEALER identity at the gateway
+    role: str  # "prefill" | "decode"
+    address: str  # prefill: its job endpoint; decode: its KV receiver endpoint
+    incarnation: str  # new on every process start
+    block_size: int
+    kv_blocks_total: int
+    kv_blocks_free: int  # free + evictable cached blocks
+    kv_blocks_in_use: int  # referenced by live requests or reservations (excludes evictable cache)
+    num_running: int
+    num_waiting: int
+    queued_prefill_tokens: int  # prompt tokens still to compute
+    draining: bool = False  # finishing in-flight work; send it nothing new
+
+    def __post_init__(self) -> None:
+        assert self.role in ROLES, self.role
+        assert 0 <= self.kv_blocks_in_use <= self.kv_blocks_total, (self.kv_blocks_in_use, self.kv_blocks_total)
+
+
+@wire_record("serve.goodbye")
+@dataclass(slots=True)
+class Goodbye:
+    """worker -> gateway when it has drained and is about to exit."""
+
+    worker_id: str
+
+
+@wire_record("serve.prefill_job")
+@dataclass(slots=True)
+class PrefillJob:
+    """decode -> prefill: compute KV for ``token_ids[skip_tokens:]`` and write it into ``dst_block_ids``.
+
+        token_ids:  [ cached on D (skip) | to transfer .......................... ]
+                    0                    skip_tokens (multiple of block size)    len(token_ids)
+        dst_block_ids[i] receives the block of tokens [skip + i*bs, skip + (i+1)*bs).
+    """
+
+    rid: str
+    token_ids: list[int]  # prompt tokens whose KV D needs (the whole prompt, or all but the last)
+    skip_tokens: int  # D already holds KV for these (its prefix cache); P need not send them
+    dst_block_ids: list[int]
+    generation: int  # transfer generation; a retry uses a new one, fencing off late writes
+    kv_address: str  # D's KV receiver endpoint
+    sample_first: bool  # sample the first token, stream it to the gateway, carry it in the Commit
+    sampling: SamplingSpec
+    deadline: float  # time.time()
+
+    def __post_init__(self) -> None:
+        assert 0 <= self.skip_tokens < len(self.token_ids), (self.skip_tokens, len(self.token_ids))
+
+
+@wire_record("serve.prefill_failed")
+@dataclass(slots=True)
+class PrefillFailed:
+    """prefill -> decode: the job cannot be done (bad job, deadline, transfer failure)."""
+
+    rid: str
+    generation: int
+    reason: str
