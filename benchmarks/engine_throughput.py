@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import time
 from pathlib import Path
 
@@ -50,19 +49,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def resolve_model_dir(model: str | None) -> Path:
     """``--model``, else the random-weight llama ``small`` made once and cached (what ``pdserve`` uses)."""
-    if model is not None:
-        return Path(model)
-    target = Path.home() / ".cache" / "pdserve" / "models" / "llama-small"
-    if not (target / "config.json").exists():
-        from cluster.make_model import make_model
+    from cluster.default_model import default_model_dir
 
-        staging = target.parent / f".{target.name}.{os.getpid()}.tmp"  # renamed into place when complete
-        make_model("llama", "small", staging, seed=0)
-        try:
-            staging.rename(target)
-        except OSError:  # made meanwhile by another process: identical (same seed)
-            shutil.rmtree(staging, ignore_errors=True)
-    return target
+    return Path(model) if model is not None else default_model_dir()
 
 
 def run_pdserve(model_dir: Path, requests: list[BenchRequest], llm_kwargs: dict) -> tuple[SystemResult, float]:

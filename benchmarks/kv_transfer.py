@@ -7,9 +7,9 @@ Each transfer: reserve on the receiver, send + commit, time until the receiver's
 
     zmq_vs_raw=<zmq / raw PUSH-PULL bandwidth> shm_vs_memcpy=<shm / copy_ bandwidth> ttft_share_4096=<share>
 
-``ttft_share_4096``: zmq transfer time of a 4096-token prompt's KV / (that + prefill time), prefill timed
-as one forward of an equivalent 8-layer, hidden-512 Llama (transformers, random weights) on this host.
-The transfer is counted whole, as if it did not overlap prefill (the real node overlaps per chunk).
+``ttft_share_4096``: zmq transfer time of a 4096-token prompt's KV / (that + pdserve's prefill time of
+the ``small`` model for that prompt), also reported for 512 tokens. The transfer is counted whole, as if
+it did not overlap prefill (the real node overlaps it per chunk), so this is an upper bound.
 """
 
 from __future__ import annotations
@@ -138,19 +138,25 @@ def time_memcpy(sizes_mib: list[int], repeats: int) -> dict[int, float]:
     return results
 
 
-def time_prefill_4096() -> float:
-    """One forward over 4096 tokens of a random 8-layer, hidden-512 Llama (GQA 8 -> 2 heads, dim 64)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def time_prefill(prompt_lens: list[int]) -> dict[int, float]:
+    """pdserve's own prefill time (time to the first token, best of two) of the ``small`` model."""
+    from cluster.default_model import default_model_dir
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
 
-    config = LlamaConfig(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
-                         intermediate_size=1536, vocab_size=32000, max_position_embeddings=8192)
-    model = LlamaForCausalLM(config).eval()
-    tokens = torch.randint(0, config.vocab_size, (1, 4096))
-    with torch.inference_mode():
-        model(tokens[:, :256], logits_to_keep=1)  # warm-up
-        start = time.perf_counter()
-        model(tokens, logits_to_keep=1)
-        return time.perf_counter() - start
+    llm = LLM(str(default_model_dir()))
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    gen = torch.Generator().manual_seed(0)
+    results = {}
+    for n in prompt_lens:
+        best = float("inf")
+        for _ in range(2):  # fresh tokens each time: no prefix-cache hit
+            prompt = torch.randint(5, 32000, (n,), generator=gen).tolist()
+            start = time.perf_counter()
+            llm.generate([prompt], params)
+            best = min(best, time.perf_counter() - start)
+        results[n] = best
+    return results
 
 
 def main() -> None:
@@ -171,11 +177,15 @@ def main() -> None:
     largest = sizes[-1]
     zmq_vs_raw = timings["raw_zmq"][largest] / timings["zmq"][largest]
     shm_vs_memcpy = timings["memcpy"][largest] / timings["shm"][largest]
-    kv_4096_mib = 4096 // 16 * small_layout(1).bytes_per_block // MIB  # 256 blocks = 32 MiB
-    transfer = time_transport("zmq", [kv_4096_mib], repeats)[kv_4096_mib]
-    prefill = time_prefill_4096()
-    print(f"4096-token KV: {kv_4096_mib} MiB, zmq transfer {transfer * 1e3:.1f} ms, prefill forward {prefill * 1e3:.1f} ms")
-    print(f"zmq_vs_raw={zmq_vs_raw:.3f} shm_vs_memcpy={shm_vs_memcpy:.3f} ttft_share_4096={transfer / (transfer + prefill):.3f}")
+    share = {}
+    prefill = time_prefill([512, 4096])
+    for tokens in (512, 4096):
+        kv_mib = tokens // 16 * small_layout(1).bytes_per_block // MIB  # 512 -> 4 MiB, 4096 -> 32 MiB
+        transfer = time_transport("zmq", [kv_mib], repeats)[kv_mib]
+        share[tokens] = transfer / (transfer + prefill[tokens])
+        print(f"{tokens}-token prompt: KV {kv_mib} MiB, zmq transfer {transfer * 1e3:.1f} ms, "
+              f"pdserve prefill (TTFT) {prefill[tokens] * 1e3:.1f} ms, transfer share {share[tokens]:.3f}")
+    print(f"zmq_vs_raw={zmq_vs_raw:.3f} shm_vs_memcpy={shm_vs_memcpy:.3f} ttft_share_4096={share[4096]:.3f}")
 
 
 if __name__ == "__main__":

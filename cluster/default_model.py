@@ -12,6 +12,7 @@ from pathlib import Path
 
 DEFAULT_FAMILY = "llama"
 DEFAULT_SIZE = "small"
+CHECKPOINT_VERSION = 2  # bump when make_model's output changes, so stale caches are not reused
 
 
 def default_model_dir(cache_dir: str = "", family: str = DEFAULT_FAMILY, size: str = DEFAULT_SIZE) -> Path:
@@ -20,7 +21,7 @@ def default_model_dir(cache_dir: str = "", family: str = DEFAULT_FAMILY, size: s
     ``cache_dir`` is the config's ``model.cache_dir``; empty means ``~/.cache/pdserve``.
     """
     root = Path(cache_dir) if cache_dir else Path.home() / ".cache" / "pdserve"
-    target = root / "models" / f"{family}-{size}"
+    target = root / "models" / f"{family}-{size}-v{CHECKPOINT_VERSION}"
     if (target / "config.json").exists():
         return target
     from cluster.make_model import make_model  # imports torch/transformers: only when needed

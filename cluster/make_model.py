@@ -31,7 +31,7 @@ _DIMS = {
     "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  intermediate_size=128, vocab_size=768, max_position_embeddings=2048),
     "small": dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
-                  intermediate_size=1536, vocab_size=32000, max_position_embeddings=4096),
+                  intermediate_size=1536, vocab_size=32000, max_position_embeddings=8192),
 }  # fmt: skip
 
 _ARCHITECTURES = {
