@@ -53,20 +53,32 @@ class GatewayConfig:
     request_timeout_s: float = _field(600.0, minimum=0.0)  # end-to-end deadline of one request
     worker_heartbeat_s: float = _field(5.0, minimum=0.0)  # workers re-register this often
     worker_timeout_s: float = _field(15.0, minimum=0.0)  # a worker silent this long is dropped
+    worker_port: int = _field(8001, minimum=0)  # ZeroMQ ROUTER port workers connect their DEALERs to
+    max_queued_requests: int = _field(64, minimum=0)  # per pool: requests waiting for KV room; beyond: 503
+    queue_timeout_s: float = _field(5.0, minimum=0.0)  # a queued request gives up (503) after this
+    local_prefill_max_tokens: int = _field(256, minimum=0)  # shorter uncached suffixes prefill on D itself
+    routing_policy: str = _field("prefix", choices=("prefix", "least_loaded", "round_robin"))  # picks D
 
 
 @dataclass(slots=True)
 class PrefillConfig:
     host: str = "127.0.0.1"  # interface the prefill worker binds
     port: int = _field(8100, minimum=0)  # its control port (0: any free port)
-    gateway_url: str = "http://127.0.0.1:8000"  # where it registers itself
+    gateway_address: str = "tcp://127.0.0.1:8001"  # the gateway's worker ROUTER (gateway.worker_port)
+    http_port: int = _field(8101, minimum=0)  # /metrics, /health, /ready (0: any free port)
+    worker_id: str = ""  # its identity at the gateway; "" = prefill-<hostname>-<pid>
+    drain_timeout_s: float = _field(30.0, minimum=0.0)  # on SIGTERM: in-flight jobs get this long
 
 
 @dataclass(slots=True)
 class DecodeConfig:
     host: str = "127.0.0.1"  # interface the decode worker binds
     port: int = _field(8200, minimum=0)  # its control port (0: any free port)
-    gateway_url: str = "http://127.0.0.1:8000"  # where it registers itself
+    gateway_address: str = "tcp://127.0.0.1:8001"  # the gateway's worker ROUTER (gateway.worker_port)
+    kv_port: int = _field(8201, minimum=0)  # KV receiver (kvtransfer ROUTER) prefill workers write to (0: any)
+    http_port: int = _field(8202, minimum=0)  # /metrics, /health, /ready (0: any free port)
+    worker_id: str = ""  # its identity at the gateway; "" = decode-<hostname>-<pid>
+    drain_timeout_s: float = _field(30.0, minimum=0.0)  # on SIGTERM: in-flight requests get this long
 
 
 @dataclass(slots=True)

@@ -152,6 +152,34 @@ class BlockManager:
             seq.block_table.append(self._pop_block())
         return copies
 
+    def can_reserve(self, seq: Sequence, num_tokens: int, num_spare_blocks: int = 0) -> bool:
+        """Whether ``reserve(seq, num_tokens)`` would succeed with ``num_spare_blocks`` left over
+        (room to decode after a transfer)."""
+        assert not seq.block_table, "reserve is for a sequence holding no blocks"
+        _, hit_tokens = self.prefix_hit(seq)
+        return self.can_allocate(seq, max(num_tokens - hit_tokens, 0) + num_spare_blocks * self.block_size)
+
+    def reserve(self, seq: Sequence, num_tokens: int) -> list[int]:
+        """Blocks for ``seq``'s first ``num_tokens`` tokens without scheduling any compute; returns the
+        new blocks (after the prefix hit): where another node writes the missing KV.
+
+            token_ids: [ prefix hit (num_computed_tokens) | reserved, uncomputed | ... ]
+                       0                                  hit                    num_tokens
+        Call ``can_reserve`` first; ``mark_computed`` once the KV has arrived.
+        """
+        assert not seq.block_table, "reserve is for a sequence holding no blocks"
+        _, hit_tokens = self.prefix_hit(seq)
+        self.allocate(seq, max(num_tokens - hit_tokens, 0))
+        return seq.block_table[hit_tokens // self.block_size :]
+
+    def mark_computed(self, seq: Sequence, num_tokens: int) -> None:
+        """The KV of ``seq``'s first ``num_tokens`` tokens is in its blocks (written by a transfer):
+        count them computed and offer the full ones to the prefix cache."""
+        assert len(seq.block_table) >= cdiv(num_tokens, self.block_size), "blocks do not cover the tokens"
+        assert seq.num_computed_tokens <= num_tokens < seq.num_tokens, (seq.num_computed_tokens, num_tokens)
+        seq.num_computed_tokens = num_tokens
+        self.cache_full_blocks(seq)
+
     def _shared_in_write_range(self, seq: Sequence, num_new_tokens: int) -> list[int]:
         # Table indices that this step writes into and that another sequence also references.
         if num_new_tokens <= 0:

@@ -78,6 +78,34 @@ class Scheduler:
     # ---- admission and abort ----
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence; raise AdmissionError for one that could never run."""
+        self.check_admissible(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+        self._live[seq.seq_id] = seq
+
+    def add_prefilled(self, seq: Sequence) -> bool:
+        """Admit a sequence whose prompt KV is already in its blocks (written by a prefill worker)
+        straight into the running batch. Returns True when it finished at once (its first token, taken
+        from the prefill worker, is a stop or its last): then its blocks are already released.
+
+            token_ids: [ KV in the pool (num_computed_tokens) ....... | 1 uncomputed ]
+            n == 1: the uncomputed token is the prefill worker's first token (already appended);
+            n > 1:  it is the last prompt token; the next step computes it and forks the completions.
+        """
+        self.check_admissible(seq)
+        assert seq.block_table and seq.num_uncomputed_tokens == 1, (len(seq.block_table), seq.num_uncomputed_tokens)
+        seq.status = SequenceStatus.RUNNING
+        self._live[seq.seq_id] = seq
+        if seq.num_output_tokens:
+            status = self._stop_status(seq, seq.token_ids[-1])
+            if status is not None:
+                self._finish(seq, status)
+                return True
+        self.running.append(seq)
+        return False
+
+    def check_admissible(self, seq: Sequence) -> None:
+        """Raise AdmissionError for a sequence this scheduler could never run (or ValueError for a bad id)."""
         cfg, bm = self.config, self.block_manager
         if seq.seq_id < 0 or seq.seq_id in self._live or seq.seq_id in self._children:
             raise ValueError(f"seq_id {seq.seq_id} must be >= 0 and not in use")
@@ -96,9 +124,6 @@ class Scheduler:
                 f"sequence needs KV for {max_len - 1} tokens (prompt + max_tokens); "
                 f"the KV pool holds {capacity} tokens"
             )
-        seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
-        self._live[seq.seq_id] = seq
 
     def abort(self, seq_id: int) -> list[Sequence]:
         """Abort a sequence and its forked completions at any phase; returns those that were live."""

@@ -6,6 +6,7 @@ keys are configured. Every error leaves as OpenAI error JSON; nothing leaks a st
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -39,6 +40,7 @@ class GatewayParams:
     api_keys: list[str] = field(default_factory=list)  # empty: no authentication
     max_body_bytes: int = 1 << 20
     registry: WorkerRegistry | None = None  # shown at /v1/workers
+    metrics: GatewayMetrics = field(default_factory=GatewayMetrics)  # shared with the backend's pool gauges
 
 
 def error_response(e: APIError) -> JSONResponse:
@@ -64,7 +66,7 @@ async def read_json(request: Request, max_bytes: int):
 
 
 def build_app(params: GatewayParams) -> Starlette:
-    metrics = GatewayMetrics()
+    metrics = params.metrics
     serving = OpenAIServing(params.tokenizer, params.backend, params.limits, metrics)
     keys = ApiKeys(params.api_keys)
     limits = params.limits
@@ -167,7 +169,15 @@ def build_app(params: GatewayParams) -> Starlette:
         Route("/version", version, methods=["GET"]),
         Route("/openapi.json", openapi, methods=["GET"]),
     ]
-    app = Starlette(routes=routes, exception_handlers={
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        await params.backend.start()  # in the serving loop: the backend's sockets and tasks live there
+        try:
+            yield
+        finally:
+            await params.backend.stop()
+
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={
         APIError: on_api_error, HTTPException: on_http_error, Exception: on_unexpected})
     app.state.metrics = metrics
     app.state.serving = serving

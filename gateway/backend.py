@@ -1,8 +1,10 @@
 """The interface the HTTP layer calls to generate tokens; the ZeroMQ worker client implements it later.
 
-The HTTP layer sends one ``GenerationRequest`` per choice (``n`` and a list of prompts fan out into
-several) and reads ``TokenEvent``s until one carries a finish reason or an error. Stop strings are the
-gateway's business: when one matches, the gateway stops reading and calls ``abort``.
+The HTTP layer sends one ``GenerationRequest`` per prompt; its ``sampling.n`` completions come back on one
+stream of ``TokenEvent``s told apart by ``index`` (the worker forks them copy-on-write, so the prompt is
+prefilled and its KV transferred once). The stream ends when every completion carried a finish reason,
+or at the first error. Stop strings are the gateway's business: when every completion of a request is
+over for the gateway, it stops reading and calls ``abort``.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ class SamplingOptions:
     """What the workers need to sample; the ranges were checked by the gateway (vLLM's ranges)."""
 
     max_tokens: int
+    n: int = 1  # completions of the prompt; the worker seeds completion j with seed + j
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 disables
@@ -41,11 +44,12 @@ class SamplingOptions:
 
     def __post_init__(self) -> None:
         assert self.max_tokens >= 1 and 0 <= self.min_tokens <= self.max_tokens, (self.max_tokens, self.min_tokens)
+        assert self.n >= 1, self.n
 
 
 @dataclass(slots=True)
 class GenerationRequest:
-    request_id: str  # unique per choice; the key for abort
+    request_id: str  # unique per prompt; the key for abort
     prompt_token_ids: list[int]
     sampling: SamplingOptions
     arrival_time: float  # time.monotonic() when the HTTP request arrived
@@ -66,8 +70,9 @@ class TokenLogprob:
 
 @dataclass(slots=True)
 class TokenEvent:
-    """New tokens of one request; the last event has ``finish_reason`` or ``error`` set."""
+    """New tokens of one completion; its last event has ``finish_reason`` or ``error`` set."""
 
+    index: int = 0  # which completion of the request, 0 .. n-1
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None  # one per token id when logprobs were asked for
     finish_reason: str | None = None  # "stop" (EOS or a stop token id) or "length"
@@ -85,7 +90,9 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
-        """An async generator of events; raises ``NoCapacity`` before the first one if nobody can take it."""
+        """An async generator of events; raises ``NoCapacity`` before the first one if nobody can take it.
+
+        Events of one completion arrive in order; completions interleave."""
 
     @abc.abstractmethod
     async def abort(self, request_id: str) -> None:
@@ -98,3 +105,9 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def has_capacity(self) -> bool:
         """A new request would be admitted now (checked before tokenizing, to shed load cheaply)."""
+
+    async def start(self) -> None:
+        """Called once in the serving event loop before the first request (open sockets, start tasks)."""
+
+    async def stop(self) -> None:
+        """Called once at shutdown in the same loop; in-flight requests are aborted."""

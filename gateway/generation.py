@@ -1,10 +1,14 @@
-"""Runs the backend requests behind one HTTP request (``n`` x prompts choices) and merges their events.
+"""Runs the backend requests behind one HTTP request (one per prompt, n completions each) and merges them.
+
+    choices:  [ prompt 0: completion 0 .. n-1 | prompt 1: completion 0 .. n-1 | ... ]
+              choice i = request i // n, event index i % n
 
 Life cycle:
-1. ``start``: every choice's generator is asked for its first event before the response begins, so
+1. ``start``: every request's generator is asked for its first event before the response begins, so
    "no capacity" is still a 503 (with Retry-After) and not an error inside a 200 stream.
-2. ``deltas``: one pump task per choice feeds a queue; the consumer turns events into ``ChoiceDelta``s,
-   records latency metrics, and aborts a choice whose text hit a stop string.
+2. ``deltas``: one pump task per request feeds a queue; the consumer routes each event to its choice by
+   ``index``, turns it into a ``ChoiceDelta``, records latency metrics, and aborts a request once every
+   one of its choices is over (a stop string may end a choice before the worker does).
 3. ``close`` (always, also on client disconnect): cancel pumps, ``abort`` every unfinished request.
 """
 
@@ -31,12 +35,11 @@ class GenerationFailed(APIError):
 
 class Generation:
     __slots__ = ("_backend", "_requests", "states", "_metrics", "_gens", "_firsts", "_pumps", "_queue",
-                 "_last_event_time", "_is_closed",
-                 "num_choices_per_prompt")
+                 "_last_event_time", "_is_closed", "num_choices_per_prompt")
 
     def __init__(self, backend: Backend, requests: list[GenerationRequest], states: list[ChoiceState],
                  metrics: GatewayMetrics, num_choices_per_prompt: int = 1) -> None:
-        assert len(requests) == len(states) and len(states) % num_choices_per_prompt == 0
+        assert len(states) == len(requests) * num_choices_per_prompt
         self._backend = backend
         self._requests = requests
         self.states = states
@@ -44,7 +47,7 @@ class Generation:
         self._gens: list = []
         self._firsts: list[TokenEvent] = []
         self._pumps: list[asyncio.Task] = []
-        self._queue: asyncio.Queue[tuple[int, TokenEvent]] = asyncio.Queue()
+        self._queue: asyncio.Queue[tuple[int, TokenEvent]] = asyncio.Queue()  # (request index, event)
         self._last_event_time: list[float | None] = [None] * len(states)
         self._is_closed = False
         self.num_choices_per_prompt = num_choices_per_prompt  # choices i*n .. i*n+n-1 share prompt i
@@ -67,19 +70,29 @@ class Generation:
         except StopAsyncIteration:
             return TokenEvent(error="worker stream ended before the first token")
 
+    def _choices_of(self, r: int) -> list[ChoiceState]:
+        n = self.num_choices_per_prompt
+        return self.states[r * n : (r + 1) * n]
+
     async def deltas(self) -> AsyncIterator[tuple[int, ChoiceDelta]]:
         """(choice index, delta) until every choice is finished; raises GenerationFailed on a worker error."""
-        self._pumps = [asyncio.create_task(self._pump(i, g, f))
-                       for i, (g, f) in enumerate(zip(self._gens, self._firsts))]
+        n = self.num_choices_per_prompt
+        self._pumps = [asyncio.create_task(self._pump(r, g, f))
+                       for r, (g, f) in enumerate(zip(self._gens, self._firsts))]
         while not all(s.is_finished for s in self.states):
-            i, event = await self._next_event()
-            self._observe_latency(i, event)
+            r, event = await self._next_event()
             if event.error is not None:
                 raise GenerationFailed(event.error)
+            if not 0 <= event.index < n:
+                raise GenerationFailed(f"worker sent completion index {event.index}; the request has n = {n}")
+            i = r * n + event.index
+            if self.states[i].is_finished:  # ended here by a stop string; the worker had not heard yet
+                continue
+            self._observe_latency(i, r, event)
             delta = self.states[i].feed(event)
-            if delta.stopped_by_string:
-                self._pumps[i].cancel()
-                await self._backend.abort(self._requests[i].request_id)
+            if delta.stopped_by_string and all(s.is_finished for s in self._choices_of(r)):
+                self._pumps[r].cancel()
+                await self._backend.abort(self._requests[r].request_id)
             yield i, delta
 
     async def _next_event(self) -> tuple[int, TokenEvent]:
@@ -92,28 +105,33 @@ class Generation:
             waited = deadline - self._requests[0].arrival_time
             raise GenerationFailed(f"request timed out after {waited:.1f} s") from None
 
-    async def _pump(self, i: int, gen, event: TokenEvent) -> None:
+    async def _pump(self, r: int, gen, event: TokenEvent) -> None:
+        running = set(range(self.num_choices_per_prompt))  # completions without a finish reason yet
         try:
             while True:
-                await self._queue.put((i, event))
-                if event.finish_reason is not None or event.error is not None:
+                await self._queue.put((r, event))
+                if event.error is not None:
                     return
+                if event.finish_reason is not None:
+                    running.discard(event.index)
+                    if not running:
+                        return
                 event = await gen.__anext__()
         except StopAsyncIteration:
-            await self._queue.put((i, TokenEvent(error="worker stream ended without a finish reason")))
+            await self._queue.put((r, TokenEvent(error="worker stream ended without a finish reason")))
         except Exception as e:  # a broken backend must surface as a clean error, not a hung request
-            await self._queue.put((i, TokenEvent(error=f"{type(e).__name__}: {e}")))
+            await self._queue.put((r, TokenEvent(error=f"{type(e).__name__}: {e}")))
         finally:
             await gen.aclose()
 
-    def _observe_latency(self, i: int, event: TokenEvent) -> None:
+    def _observe_latency(self, i: int, r: int, event: TokenEvent) -> None:
         now = time.monotonic()
         last = self._last_event_time[i]
         if event.queue_time_s is not None:
             self._metrics.request_queue_time.observe(event.queue_time_s)
         if event.token_ids:
             if last is None:
-                self._metrics.time_to_first_token.observe(now - self._requests[i].arrival_time)
+                self._metrics.time_to_first_token.observe(now - self._requests[r].arrival_time)
             else:
                 self._metrics.inter_token_latency.observe(now - last)
             self._last_event_time[i] = now
@@ -136,7 +154,7 @@ class Generation:
             if not self._pumps:
                 for gen in self._gens:
                     await gen.aclose()
-            for state, request in zip(self.states, self._requests):
-                if not state.is_finished:
+            for r, request in enumerate(self._requests):
+                if not all(s.is_finished for s in self._choices_of(r)):
                     await self._backend.abort(request.request_id)
         return True

@@ -43,6 +43,26 @@ class GatewayMetrics:
             registry=r)
         self.num_requests_running = Gauge(
             "pdserve:num_requests_running", "Generation requests in flight in the gateway.", registry=r)
+        # worker pools, as their heartbeats report them (labelled by role: prefill | decode)
+        self.pool_workers = Gauge("pdserve:pool_workers", "Registered workers per pool.", ["role"], registry=r)
+        self.pool_kv_cache_usage = Gauge(
+            "pdserve:pool_kv_cache_usage_perc", "KV blocks in use / total over a pool (0..1).", ["role"], registry=r)
+        self.pool_requests_running = Gauge(
+            "pdserve:pool_num_requests_running", "Requests running on a pool's workers.", ["role"], registry=r)
+        self.pool_requests_waiting = Gauge(
+            "pdserve:pool_num_requests_waiting", "Requests waiting in a pool's workers.", ["role"], registry=r)
+        self.admission_queue = Gauge(
+            "pdserve:admission_queue_length", "Requests waiting in the gateway for room in a pool.", ["role"],
+            registry=r)
+        self.route_decisions = Counter(
+            "pdserve:route_decisions", "Routing decisions by policy and result "
+            "(local | disaggregated | busy | no_capacity | queue_full | retry).", ["policy", "result"],
+            registry=r)
+        self.worker_malformed_frames = Counter(
+            "pdserve:worker_malformed_frames", "Frames from workers rejected by the codec (ignored).", registry=r)
+        self.workers_lost = Counter(
+            "pdserve:workers_lost", "Workers removed from the registry, by reason (expired | goodbye).", ["reason"],
+            registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -35,7 +35,7 @@ class ParsedRequest:
         if self.sampling.get("min_tokens", 0) > max_tokens:
             raise bad_request(f"min_tokens ({self.sampling['min_tokens']}) must be <= max_tokens ({max_tokens})",
                               "min_tokens")
-        return SamplingOptions(max_tokens=max_tokens, logprobs=self.logprobs, **self.sampling)
+        return SamplingOptions(max_tokens=max_tokens, n=self.n, logprobs=self.logprobs, **self.sampling)
 
 
 def _common(f: Fields, chat: bool) -> dict:

@@ -1,14 +1,17 @@
-"""Live prefill and decode workers, fed by their heartbeats; pure bookkeeping, no I/O.
+"""Live prefill and decode workers, fed by their wire heartbeats; pure bookkeeping, no I/O.
 
-A worker appears with its first heartbeat and disappears after ``max_missed`` heartbeat intervals of
-silence, so pools grow and shrink without a restart. A heartbeat with a new incarnation id means the
-process restarted: everything known about its cache is void.
+A worker appears with its first ``protocol.serving.Heartbeat`` and disappears after ``max_missed``
+heartbeat intervals of silence (or at once on Goodbye), so pools grow and shrink without a restart.
+A heartbeat with a new incarnation id means the process restarted: everything known about its cache is
+void. A draining worker stays listed (its in-flight requests still stream) but gets nothing new.
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+from protocol.serving import Heartbeat
 
 
 class Role(str, enum.Enum):
@@ -17,50 +20,53 @@ class Role(str, enum.Enum):
 
 
 @dataclass(slots=True)
-class WorkerLoad:
-    num_running: int = 0  # requests in the running batch
-    num_waiting: int = 0  # requests queued in the worker
-    queued_prefill_tokens: int = 0  # prompt tokens still to prefill (prefill workers)
-    kv_blocks_in_use: int = 0
-    kv_blocks_total: int = 1
+class WorkerInfo:
+    """The last heartbeat of one worker and when it arrived; load figures are the heartbeat's."""
 
-    def __post_init__(self) -> None:
-        assert 0 <= self.kv_blocks_in_use <= self.kv_blocks_total, (self.kv_blocks_in_use, self.kv_blocks_total)
+    heartbeat: Heartbeat
+    last_seen: float  # monotonic time of the last heartbeat
+
+    @property
+    def worker_id(self) -> str:
+        return self.heartbeat.worker_id
+
+    @property
+    def role(self) -> Role:
+        return Role(self.heartbeat.role)
+
+    @property
+    def address(self) -> str:
+        return self.heartbeat.address
+
+    @property
+    def incarnation(self) -> str:
+        return self.heartbeat.incarnation
+
+    @property
+    def is_draining(self) -> bool:
+        return self.heartbeat.draining
 
     @property
     def kv_blocks_free(self) -> int:
-        return self.kv_blocks_total - self.kv_blocks_in_use
+        return self.heartbeat.kv_blocks_free
 
     @property
     def kv_usage(self) -> float:
-        return self.kv_blocks_in_use / self.kv_blocks_total
+        hb = self.heartbeat
+        return hb.kv_blocks_in_use / hb.kv_blocks_total if hb.kv_blocks_total else 1.0
 
-
-@dataclass(slots=True)
-class Heartbeat:
-    worker_id: str
-    role: Role
-    address: str  # where the gateway (or a peer) reaches the worker, e.g. tcp://10.0.0.5:7100
-    incarnation: str  # new on every process start
-    load: WorkerLoad = field(default_factory=WorkerLoad)
-
-
-@dataclass(slots=True)
-class WorkerInfo:
-    worker_id: str
-    role: Role
-    address: str
-    incarnation: str
-    load: WorkerLoad
-    last_seen: float  # monotonic time of the last heartbeat
+    @property
+    def num_requests(self) -> int:
+        return self.heartbeat.num_running + self.heartbeat.num_waiting
 
     def as_json(self) -> dict:
-        load = self.load
-        return {"id": self.worker_id, "role": self.role.value, "address": self.address,
-                "incarnation": self.incarnation,
-                "load": {"num_running": load.num_running, "num_waiting": load.num_waiting,
-                         "queued_prefill_tokens": load.queued_prefill_tokens,
-                         "kv_blocks_in_use": load.kv_blocks_in_use, "kv_blocks_total": load.kv_blocks_total}}
+        hb = self.heartbeat
+        return {"id": hb.worker_id, "role": hb.role, "address": hb.address, "incarnation": hb.incarnation,
+                "draining": hb.draining, "block_size": hb.block_size,
+                "load": {"num_running": hb.num_running, "num_waiting": hb.num_waiting,
+                         "queued_prefill_tokens": hb.queued_prefill_tokens,
+                         "kv_blocks_in_use": hb.kv_blocks_in_use, "kv_blocks_free": hb.kv_blocks_free,
+                         "kv_blocks_total": hb.kv_blocks_total}}
 
 
 class WorkerRegistry:
@@ -72,7 +78,7 @@ class WorkerRegistry:
     def observe(self, hb: Heartbeat, now: float) -> bool:
         """Record a heartbeat; True when the worker is new or restarted (its cache is empty)."""
         known = self._workers.get(hb.worker_id)
-        self._workers[hb.worker_id] = WorkerInfo(hb.worker_id, hb.role, hb.address, hb.incarnation, hb.load, now)
+        self._workers[hb.worker_id] = WorkerInfo(hb, now)
         return known is None or known.incarnation != hb.incarnation
 
     def expire(self, now: float) -> list[str]:
@@ -82,9 +88,9 @@ class WorkerRegistry:
             del self._workers[worker_id]
         return dead
 
-    def remove(self, worker_id: str) -> None:
-        """A worker said goodbye (clean drain)."""
-        self._workers.pop(worker_id, None)
+    def remove(self, worker_id: str) -> bool:
+        """A worker said goodbye (clean drain); True if it was known."""
+        return self._workers.pop(worker_id, None) is not None
 
     def get(self, worker_id: str) -> WorkerInfo | None:
         return self._workers.get(worker_id)
@@ -93,3 +99,7 @@ class WorkerRegistry:
         """Workers ordered by id, so policies that scan them are deterministic."""
         return sorted((w for w in self._workers.values() if role is None or w.role == role),
                       key=lambda w: w.worker_id)
+
+    def accepting(self, role: Role) -> list[WorkerInfo]:
+        """Workers of ``role`` that take new requests (not draining)."""
+        return [w for w in self.workers(role) if not w.is_draining]

@@ -87,22 +87,23 @@ class Router:
     def route(self, prompt_ids: list[int], exclude: frozenset[str] = frozenset()) -> RouteDecision | None:
         """Where to run ``prompt_ids``; None when no decode worker has KV room for it (answer 503).
 
-        ``exclude`` holds decode workers that already said Busy for this request."""
+        ``exclude`` holds workers not to use (said Busy for this request, failed, or circuit-broken);
+        draining workers are never chosen."""
         bs = self._params.block_size
         hashes = block_hashes(prompt_ids, bs)
         num_blocks_needed = -(-(len(prompt_ids) + 1) // bs)  # the prompt plus the first generated token
-        decoders = [w for w in self._registry.workers(Role.DECODE)
-                    if w.worker_id not in exclude and w.load.kv_blocks_free >= num_blocks_needed]
+        decoders = [w for w in self._registry.accepting(Role.DECODE)
+                    if w.worker_id not in exclude and w.kv_blocks_free >= num_blocks_needed]
         if not decoders:
             return None
         d = self._pick_decode(decoders, hashes)
         d_cached = self._hits(d, hashes) * bs
         uncached = len(prompt_ids) - d_cached
-        prefillers = self._registry.workers(Role.PREFILL)
+        prefillers = [w for w in self._registry.accepting(Role.PREFILL) if w.worker_id not in exclude]
         if uncached <= self._params.local_prefill_max_tokens or not prefillers:
             decision = RouteDecision(d.worker_id, None, d_cached, 0)
         else:
-            p = min(prefillers, key=lambda w: (-self._hits(w, hashes), w.load.queued_prefill_tokens, w.worker_id))
+            p = min(prefillers, key=lambda w: (-self._hits(w, hashes), w.heartbeat.queued_prefill_tokens, w.worker_id))
             decision = RouteDecision(d.worker_id, p.worker_id, d_cached, self._hits(p, hashes) * bs)
         self._record(decision, hashes)
         return decision
@@ -139,4 +140,4 @@ class Router:
 
 
 def _load_key(w: WorkerInfo) -> tuple:
-    return (w.load.kv_usage, w.load.num_running + w.load.num_waiting, w.worker_id)
+    return (w.kv_usage, w.num_requests, w.worker_id)

@@ -3,8 +3,8 @@
 1. parse and validate the body (400 naming the field); unknown model -> 404
 2. admission: too many requests in flight, or the backend says it has no capacity -> 503 + Retry-After
 3. tokenize (chat: render the template first); prompt + max_tokens checked against the context (400)
-4. one backend request per choice (prompts x n); the first event of each is awaited before answering,
-   so "no capacity" is still a proper 503
+4. one backend request per prompt, carrying n (its completions come back told apart by index); the first
+   event of each is awaited before answering, so "no capacity" is still a proper 503
 5. non-stream: collect, answer JSON; stream: SSE chunks, usage chunk if asked, then [DONE]
 6. client disconnect at any point -> abort every unfinished backend request
 """
@@ -15,13 +15,13 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import anyio
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from .backend import Backend, GenerationRequest, SamplingOptions
+from .backend import Backend, GenerationRequest
 from .choice import ChoiceState
 from .errors import APIError, bad_request, no_capacity
 from .generation import Generation
@@ -107,12 +107,10 @@ class OpenAIServing:
         requests, states = [], []
         for prompt_index, ids in enumerate(prompts):
             max_tokens = resolve_max_tokens(p.max_tokens, len(ids), self._limits.max_model_len, chat)
-            options = p.sampling_options(max_tokens)
-            for j in range(p.n):
-                index = prompt_index * p.n + j
-                sampling = options if j == 0 else _reseeded(options, j)
-                requests.append(GenerationRequest(f"{rid}-{index}", ids, sampling, arrival, deadline))
-                states.append(ChoiceState(index, f"{rid}-{index}", self._tok, ids, p.stop))
+            request_id = f"{rid}-{prompt_index}"
+            requests.append(GenerationRequest(request_id, ids, p.sampling_options(max_tokens), arrival, deadline))
+            for j in range(p.n):  # choice prompt_index * n + j is completion j of that request
+                states.append(ChoiceState(prompt_index * p.n + j, request_id, self._tok, ids, p.stop))
         return requests, states
 
     async def _collect(self, request: Request, generation: Generation, p: ParsedRequest, rid: str,
@@ -184,8 +182,3 @@ class OpenAIServing:
         m.generation_tokens.inc(counts["completion_tokens"])
         m.prompt_tokens.inc(counts["prompt_tokens"])
         m.cached_prompt_tokens.inc(counts["prompt_tokens_details"]["cached_tokens"])
-
-
-def _reseeded(options: SamplingOptions, j: int) -> SamplingOptions:
-    """Choice j of n gets seed + j, so a seeded n > 1 request gives n different but repeatable samples."""
-    return options if options.seed is None else replace(options, seed=options.seed + j)

@@ -1,7 +1,8 @@
 """A deterministic stand-in for the worker pools, a test tokenizer, and a live uvicorn server for tests.
 
-FakeBackend answers every request with the same token sequence (cut at max_tokens), with made-up but
-deterministic logprobs, and reports prefix-cache hits from the block hashes of prompts it has seen.
+FakeBackend answers every request with the same token sequence (cut at max_tokens) for each of its n
+completions (events interleaved by index), with made-up but deterministic logprobs, and reports
+prefix-cache hits from the block hashes of prompts it has seen.
 """
 
 from __future__ import annotations
@@ -110,17 +111,19 @@ class FakeBackend(Backend):
                 await asyncio.sleep(self.token_delay_s)
             ids = out[start : start + self.tokens_per_event]
             last = start + len(ids) >= len(out)
-            yield TokenEvent(ids, self._logprobs(start, ids, s.logprobs) if s.logprobs is not None else None,
-                             finish_reason=finish if last else None,
-                             num_cached_tokens=cached if start == 0 else None,
-                             queue_time_s=0.001 if start == 0 else None)
+            for index in range(s.n):
+                yield TokenEvent(index, ids,
+                                 self._logprobs(start, ids, s.logprobs) if s.logprobs is not None else None,
+                                 finish_reason=finish if last else None,
+                                 num_cached_tokens=cached if start == 0 else None,
+                                 queue_time_s=0.001 if start == 0 else None)
 
 
 class LiveServer:
     """The app served by a real uvicorn on 127.0.0.1 (ephemeral port) in a background thread."""
 
-    def __init__(self, app) -> None:
-        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off")
+    def __init__(self, app, lifespan: str = "off") -> None:
+        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan=lifespan)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 

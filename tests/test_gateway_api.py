@@ -9,7 +9,8 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from gateway.registry import Heartbeat, Role, WorkerLoad, WorkerRegistry
+from gateway.registry import WorkerRegistry
+from protocol.serving import Heartbeat
 from tests.fake_backend import (API_KEYS, MODEL, OUTPUT_TEXT, FakeBackend, LiveServer, make_gateway,
                                 make_test_tokenizer, num_requests_running, wait_until)
 
@@ -27,8 +28,9 @@ def hf_tok(tok_dir):
 @pytest.fixture(scope="module")
 def live(tok_dir):
     registry = WorkerRegistry()
-    registry.observe(Heartbeat("decode-0", Role.DECODE, "tcp://127.0.0.1:7101", "inc-1",
-                               WorkerLoad(num_running=2, kv_blocks_in_use=7, kv_blocks_total=64)), now=0.0)
+    registry.observe(Heartbeat("decode-0", "decode", "tcp://127.0.0.1:7101", "inc-1", block_size=4, kv_blocks_total=64,
+                               kv_blocks_free=57, kv_blocks_in_use=7, num_running=2, num_waiting=0,
+                               queued_prefill_tokens=0), now=0.0)
     app, backend = make_gateway(tok_dir, max_model_len=128, registry=registry)
     with LiveServer(app) as server:
         server.backend = backend
@@ -123,15 +125,15 @@ def test_chat_stream_role_first_and_usage_chunk_last(client, backend):
     assert all(c.usage is None for c in chunks[:-1])
 
 
-def test_n2_streams_two_choices_with_distinct_seeds(loose_client, backend):
+def test_n2_streams_two_choices_from_one_backend_request(loose_client, backend):
     chunks = list(loose_client.completions.create(model=MODEL, prompt="Hello", max_tokens=5, n=2, seed=11,
                                             stream=True))
     texts = {0: "", 1: ""}
     for c in chunks:
         texts[c.choices[0].index] += c.choices[0].text
     assert texts[0] == texts[1] == OUTPUT_TEXT[: len(texts[0])] and texts[0]
-    assert sorted(r.sampling.seed for r in backend.received) == [11, 12]
-    assert len({r.request_id for r in backend.received}) == 2
+    # one request carries n: the worker forks the completions (and seeds completion j with seed + j)
+    assert [(r.sampling.n, r.sampling.seed) for r in backend.received] == [(2, 11)]
 
 
 def _split_stop(hf_tok, backend) -> str:
@@ -263,7 +265,7 @@ def test_client_disconnect_non_stream_aborts(live, backend):
 def test_workers_lists_the_registry(live, backend):
     r = httpx.get(live.base_url + "/v1/workers", headers={"Authorization": f"Bearer {API_KEYS[0]}"})
     assert r.json()["data"] == [{"id": "decode-0", "role": "decode", "address": "tcp://127.0.0.1:7101",
-                                 "incarnation": "inc-1",
+                                 "incarnation": "inc-1", "draining": False, "block_size": 4,
                                  "load": {"num_running": 2, "num_waiting": 0, "queued_prefill_tokens": 0,
-                                          "kv_blocks_in_use": 7, "kv_blocks_total": 64}}]
+                                          "kv_blocks_in_use": 7, "kv_blocks_free": 57, "kv_blocks_total": 64}}]
     assert httpx.get(live.base_url + "/v1/workers").status_code == 401

@@ -1,11 +1,13 @@
 """Worker registry: join on heartbeat, restart on a new incarnation, leave after missed heartbeats."""
 
-from gateway.registry import Heartbeat, Role, WorkerLoad, WorkerRegistry
+from gateway.registry import Role, WorkerRegistry
+from protocol.serving import Heartbeat
 
 
-def hb(worker_id, role=Role.DECODE, incarnation="a", in_use=0):
-    return Heartbeat(worker_id, role, f"tcp://127.0.0.1:{7000 + len(worker_id)}", incarnation,
-                     WorkerLoad(kv_blocks_in_use=in_use, kv_blocks_total=100))
+def hb(worker_id, role=Role.DECODE, incarnation="a", in_use=0, draining=False):
+    return Heartbeat(worker_id, role.value, f"tcp://127.0.0.1:{7000 + len(worker_id)}", incarnation, block_size=4,
+                     kv_blocks_total=100, kv_blocks_free=100 - in_use, kv_blocks_in_use=in_use, num_running=0,
+                     num_waiting=0, queued_prefill_tokens=0, draining=draining)
 
 
 def test_join_update_and_roles():
@@ -15,8 +17,16 @@ def test_join_update_and_roles():
     assert reg.observe(hb("d1", in_use=40), now=0.5) is False  # same incarnation: just a load update
     assert [w.worker_id for w in reg.workers(Role.DECODE)] == ["d1"]
     assert [w.worker_id for w in reg.workers(Role.PREFILL)] == ["p1"]
-    assert reg.get("d1").load.kv_blocks_in_use == 40 and reg.get("d1").load.kv_blocks_free == 60
+    assert reg.get("d1").kv_blocks_free == 60 and reg.get("d1").kv_usage == 0.4
     assert reg.get("d1").as_json()["load"]["kv_blocks_in_use"] == 40
+
+
+def test_draining_workers_are_listed_but_not_accepting():
+    reg = WorkerRegistry()
+    reg.observe(hb("d1"), now=0.0)
+    reg.observe(hb("d2", draining=True), now=0.0)
+    assert [w.worker_id for w in reg.workers(Role.DECODE)] == ["d1", "d2"]
+    assert [w.worker_id for w in reg.accepting(Role.DECODE)] == ["d1"]
 
 
 def test_restart_is_reported_by_a_new_incarnation():
@@ -35,5 +45,5 @@ def test_drop_after_missed_heartbeats_exactly_at_the_timeout():
     assert [w.worker_id for w in reg.workers()] == ["d2"]
     reg.observe(hb("d1"), now=4.0)  # comes back: joins again
     assert [w.worker_id for w in reg.workers()] == ["d1", "d2"]
-    reg.remove("d2")
+    assert reg.remove("d2") is True and reg.remove("d2") is False
     assert [w.worker_id for w in reg.workers()] == ["d1"]

@@ -1,19 +1,24 @@
 """Routing policies and the disaggregation decision, with exact worker choices."""
 
-from gateway.registry import Heartbeat, Role, WorkerLoad, WorkerRegistry
+from gateway.registry import Role, WorkerRegistry
 from gateway.router import Policy, RouteDecision, Router, RouterParams
+from protocol.serving import Heartbeat
 
 BS = 4
+
+
+def hb(wid, role=Role.DECODE, incarnation="a", in_use=0, queued=0, draining=False):
+    return Heartbeat(wid, role.value, "tcp://x" if role is Role.DECODE else "tcp://y", incarnation, block_size=BS,
+                     kv_blocks_total=100, kv_blocks_free=100 - in_use, kv_blocks_in_use=in_use, num_running=0,
+                     num_waiting=0, queued_prefill_tokens=queued, draining=draining)
 
 
 def registry(decode_loads: dict, prefill_queued: dict | None = None, incarnation="a") -> WorkerRegistry:
     reg = WorkerRegistry()
     for wid, in_use in decode_loads.items():
-        reg.observe(Heartbeat(wid, Role.DECODE, "tcp://x", incarnation, WorkerLoad(kv_blocks_in_use=in_use,
-                                                                                      kv_blocks_total=100)), 0.0)
+        reg.observe(hb(wid, incarnation=incarnation, in_use=in_use), 0.0)
     for wid, queued in (prefill_queued or {}).items():
-        reg.observe(Heartbeat(wid, Role.PREFILL, "tcp://y", incarnation, WorkerLoad(queued_prefill_tokens=queued)),
-                    0.0)
+        reg.observe(hb(wid, Role.PREFILL, incarnation, queued=queued), 0.0)
     return reg
 
 
@@ -33,8 +38,7 @@ def test_prefix_policy_follows_the_cached_prefix_over_load():
     prompt = list(range(10))  # two full blocks + a partial one
     first = router.route(prompt)
     assert first == RouteDecision("d1", None, 0, 0)  # tie on hits and load: lowest id
-    reg.observe(Heartbeat("d1", Role.DECODE, "tcp://x", "a", WorkerLoad(kv_blocks_in_use=60, kv_blocks_total=100)),
-                1.0)
+    reg.observe(hb("d1", in_use=60), 1.0)
     again = router.route(prompt[:8] + [99, 98, 97])  # shares the first two blocks
     assert again == RouteDecision("d1", None, 8, 0)  # the prefix hit beats d2's lower load
     other = router.route([50, 51, 52, 53, 54])
@@ -45,7 +49,7 @@ def test_restart_forgets_the_prefix():
     reg = registry({"d1": 0, "d2": 0})
     router = Router(reg, RouterParams(BS, local_prefill_max_tokens=1000))
     router.route(list(range(8)))
-    reg.observe(Heartbeat("d1", Role.DECODE, "tcp://x", "b", WorkerLoad(kv_blocks_total=100)), 1.0)
+    reg.observe(hb("d1", incarnation="b"), 1.0)
     assert router.route(list(range(8))).decode_cached_tokens == 0
 
 
@@ -57,7 +61,7 @@ def test_disaggregation_long_uncached_suffix_goes_to_prefill():
     long_prompt = list(range(100, 140))
     decision = router.route(long_prompt)
     assert decision == RouteDecision("d1", "p2", 0, 0)  # fewest queued prefill tokens
-    reg.observe(Heartbeat("p2", Role.PREFILL, "tcp://y", "a", WorkerLoad(queued_prefill_tokens=900)), 1.0)
+    reg.observe(hb("p2", Role.PREFILL, queued=900), 1.0)
     follow_up = long_prompt + list(range(200, 240))
     decision = router.route(follow_up)
     # D has the first 40 tokens (10 blocks); 40 uncached > 8, so P: p2 holds the prefix despite its queue
@@ -77,3 +81,13 @@ def test_kv_headroom_and_exclusions():
     assert router.route(list(range(12))) is None  # 13 tokens need 4 blocks: nobody has room
     assert router.route([1], exclude=frozenset({"d2"})).decode_worker == "d1"
     assert router.route(list(range(11)), exclude=frozenset({"d2"})) is None
+
+
+def test_draining_and_excluded_workers_get_nothing_new():
+    reg = registry({"d1": 0, "d2": 50}, {"p1": 0, "p2": 10})
+    router = Router(reg, RouterParams(BS, Policy.LEAST_LOADED, local_prefill_max_tokens=4))
+    reg.observe(hb("d1", draining=True), 1.0)
+    reg.observe(hb("p1", Role.PREFILL, draining=True), 1.0)
+    assert router.route(list(range(20))) == RouteDecision("d2", "p2", 0, 0)
+    assert router.route(list(range(100, 120)), exclude=frozenset({"p2"})) == RouteDecision("d2", None, 0, 0)
+    assert router.route(list(range(200, 220)), exclude=frozenset({"d2"})) is None

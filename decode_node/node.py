@@ -1,0 +1,68 @@
+"""Wires one decode worker process from the config: engine, KV receiver, sockets, HTTP, metrics.
+
+``DecodeNode.start(config)`` builds everything and binds every port (port 0: any free one); the
+caller runs ``node.server.run()`` on the thread that owns the sockets and calls ``close()`` after.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import zmq
+from prometheus_client import CollectorRegistry
+
+from cluster.default_model import default_model_dir
+from configs.schema import PdserveConfig
+from decode_node.prefill_links import PrefillLinks
+from decode_node.server import DecodeOptions, DecodeServer
+from engine.llm import build_engine
+from kvtransfer.channel import ZmqServer
+from kvtransfer.compat import new_incarnation
+from kvtransfer.metrics import TransferMetrics
+from kvtransfer.receiver import KVReceiver
+from worker import EngineMetrics, HttpHandle, WorkerSocket, default_worker_id, kv_model_name, serve_http
+
+log = logging.getLogger(__name__)
+
+
+def _keep_with_sequence(block_ids: list[int]) -> None:
+    """The receiver's release callback. Reserved blocks stay in their request's block table the whole
+    time; the server frees them through the block manager when it handles the failure or abort."""
+
+
+@dataclass(slots=True)
+class DecodeNode:
+    server: DecodeServer
+    receiver: KVReceiver
+    http: HttpHandle
+    registry: CollectorRegistry
+    ctx: zmq.Context
+
+    @classmethod
+    def start(cls, config: PdserveConfig, ctx: zmq.Context | None = None) -> DecodeNode:
+        ctx = ctx or zmq.Context()
+        dc = config.decode
+        model_path = config.model.path or str(default_model_dir(config.model.cache_dir))
+        engine = build_engine(model_path, config.model, config.engine)
+        registry = CollectorRegistry()
+        kv_server = ZmqServer(ctx, dc.host, dc.kv_port, max_msg_size=config.transfer.max_frame_bytes)
+        receiver = KVReceiver(engine.runner.kv_pool, kv_model_name(config.model.path), kv_server,
+                              _keep_with_sequence, TransferMetrics(registry), lease_s=config.transfer.lease_seconds)
+        worker_id = dc.worker_id or default_worker_id("decode")
+        options = DecodeOptions(worker_id, kv_server.endpoint, new_incarnation(),
+                                heartbeat_s=config.gateway.worker_heartbeat_s or 5.0,
+                                drain_timeout_s=dc.drain_timeout_s)
+        gateway = WorkerSocket(ctx, dc.gateway_address, worker_id)
+        server = DecodeServer(engine, gateway, receiver, PrefillLinks(ctx, worker_id), EngineMetrics(registry), options)
+        http = serve_http(dc.host, dc.http_port, registry, server.is_ready)
+        log.info("decode worker %s: kv %s, http %s:%d, gateway %s, %d KV blocks of %d tokens", worker_id,
+                 kv_server.endpoint, dc.host, http.port, dc.gateway_address, engine.block_manager.num_blocks,
+                 engine.block_manager.block_size)
+        return cls(server, receiver, http, registry, ctx)
+
+    def close(self) -> None:
+        self.http.close()
+        self.server.gateway.close()
+        self.server.prefill.close()
+        self.receiver.close()

@@ -1,0 +1,390 @@
+"""The decode worker: reservation, continuous batching, streaming, local prefill fallback.
+
+Life cycle of a request on this node:
+1. ``Generate`` arrives from the gateway over the worker DEALER. A bad request (token ids outside the
+   vocabulary, sampling out of range, prompt longer than the context) gets a TokenEvent(error) at once;
+   while draining, or when the pool cannot hold it now, the answer is ``Busy`` at once.
+2. The prompt is matched against this node's prefix cache. The KV this node still needs:
+
+       n == 1:  token_ids [ cached here (skip) | from the prefill worker ........ ]   P samples token 0
+       n >  1:  token_ids [ cached here (skip) | from the prefill worker ... | last ]  D computes the last
+                0                               skip                               len(prompt)
+3. Remote prefill (``prefill_address`` set and something is missing): blocks for the missing range are
+   reserved (with one spare block of room to decode, else Busy), the range is reserved in the KV
+   receiver (lease, a new transfer generation per attempt) and a ``PrefillJob`` goes to that prefill
+   worker. Local prefill (``prefill_address`` "" or nothing missing): the request joins the engine
+   scheduler's waiting queue and is prefilled here in chunks.
+4. The KV receiver reports the transfer: committed -> the blocks are adopted, the tokens count as
+   computed (and enter the prefix cache), the first token from the Commit is appended (n == 1) and the
+   sequence joins the running batch. Failed (expired lease, sender abort, incomplete commit) or a
+   ``PrefillFailed`` -> everything is freed and the request ends with TokenEvent(error); the gateway
+   may retry it elsewhere.
+5. Every engine step (decode tokens and local prefill chunks in one batch; n > 1 forks copy-on-write;
+   preemption recomputes here) streams each completion's new tokens as a TokenEvent ordered by offset,
+   with logprobs when asked, and a finish reason on its last one.
+6. On finish the full blocks stay in the prefix cache and the rest are freed. ``AbortRequest`` or the
+   deadline, at any phase, frees everything (and forwards the abort to the prefill worker while its
+   job is out).
+Alongside: a Heartbeat (load from the block manager) every interval; SIGTERM drains: Busy to new work,
+in-flight requests get ``drain_timeout_s``, then ``Goodbye`` and the loop returns.
+
+One thread runs everything: it polls the sockets (briefly when idle) and runs an engine step when
+there is work. Nothing in a step waits on the network.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import time
+from dataclasses import dataclass
+
+import zmq
+
+from decode_node.admission import RequestError, make_sequence
+from decode_node.prefill_links import PrefillLinks
+from decode_node.request_state import DecodeRequest, Phase
+from decode_node.streaming import error_event, new_tokens_event
+from engine.block_manager import cdiv
+from engine.llm_engine import LLMEngine
+from engine.sampler import TokenLogprobs
+from engine.scheduler import AdmissionError
+from engine.sequence import SequenceStatus
+from kvtransfer.events import TransferEvent
+from kvtransfer.receiver import KVReceiver
+from protocol.serving import (
+    AbortRequest, Busy, Generate, Goodbye, Heartbeat, PrefillFailed, PrefillJob,
+)
+from worker import EngineMetrics, EngineSnapshot, HeartbeatTimer, WorkerSocket
+
+log = logging.getLogger(__name__)
+
+IDLE_POLL_MS = 10  # nothing to do: wait this long for a message
+KV_POLL_MS = 1  # a transfer is out: look at the KV receiver this often
+
+
+@dataclass(slots=True)
+class DecodeOptions:
+    worker_id: str
+    kv_address: str  # this node's KV receiver endpoint, sent in PrefillJobs and heartbeats
+    incarnation: str  # new on every process start
+    heartbeat_s: float = 5.0
+    drain_timeout_s: float = 30.0
+
+
+class DecodeServer:
+    def __init__(self, engine: LLMEngine, gateway: WorkerSocket, receiver: KVReceiver, prefill: PrefillLinks,
+                 metrics: EngineMetrics, options: DecodeOptions):
+        self.engine = engine
+        self.scheduler = engine.scheduler
+        self.block_manager = engine.block_manager
+        self.gateway = gateway
+        self.receiver = receiver
+        self.prefill = prefill
+        self.metrics = metrics
+        self.options = options
+        self.requests: dict[str, DecodeRequest] = {}
+        self._by_seq_id: dict[int, DecodeRequest] = {}
+        self._seq_ids = itertools.count()
+        self._generations = itertools.count(1)
+        self._heartbeat = HeartbeatTimer(options.heartbeat_s)
+        self._drain_requested = False
+        self._drain_deadline: float | None = None  # time.monotonic(); set once draining started
+        self._stopped = False
+        self.is_running = False  # the loop has started and not ended (readiness)
+
+    # ---- the loop ----
+    @property
+    def is_draining(self) -> bool:
+        return self._drain_deadline is not None
+
+    def is_ready(self) -> bool:
+        return self.is_running and not self.is_draining and not self._drain_requested
+
+    def request_drain(self) -> None:
+        """Signal-safe: only sets a flag the loop reads."""
+        self._drain_requested = True
+
+    def stop(self) -> None:
+        """Leave the loop at the next iteration without draining (tests, fatal errors)."""
+        self._stopped = True
+
+    def run(self) -> None:
+        self.is_running = True
+        try:
+            while not self._stopped:
+                self.run_once()
+        finally:
+            self.is_running = False
+
+    def run_once(self) -> None:
+        self._wait_for_messages()
+        for record in self.gateway.poll():
+            if isinstance(record, Generate):
+                self._on_generate(record)
+            else:
+                self._on_abort(record)
+        for _, failed in self.prefill.poll():
+            self._on_prefill_failed(failed)
+        for event in self.receiver.poll():
+            self._on_transfer(event)
+        self._expire_deadlines()
+        if self.scheduler.has_unfinished():
+            self._step()
+        self._update_metrics()
+        if self._heartbeat.due():
+            self.gateway.send(self._heartbeat_record())
+        self._drain_tick()
+
+    def _wait_for_messages(self) -> None:
+        if self.scheduler.has_unfinished():
+            return  # work to do: look at sockets without waiting
+        awaiting = any(r.phase == Phase.AWAITING_KV for r in self.requests.values())
+        timeout = KV_POLL_MS if awaiting else min(IDLE_POLL_MS, int(self._heartbeat.seconds_left() * 1000) + 1)
+        poller = zmq.Poller()
+        for sock in [self.gateway.sock, *self.prefill.sockets()]:
+            poller.register(sock, zmq.POLLIN)
+        poller.poll(timeout)
+
+    # ---- 1-3. arrival ----
+    def _on_generate(self, gen: Generate) -> None:
+        if gen.rid in self.requests:
+            self._send_error_all(gen.rid, gen.sampling.n, "request id already in use on this worker")
+            return
+        if self.is_draining or self._drain_requested:
+            self._busy(gen.rid, "worker is draining")
+            return
+        try:
+            seq = make_sequence(next(self._seq_ids), gen, self.engine.model_config)
+            self.scheduler.check_admissible(seq)
+        except (RequestError, AdmissionError) as exc:
+            self.metrics.request_failure.labels("invalid").inc()
+            self._send_error_all(gen.rid, gen.sampling.n, str(exc))
+            return
+        req = DecodeRequest(gen.rid, seq, gen.deadline, time.monotonic(), Phase.SCHEDULED)
+        if gen.deadline <= time.time():
+            self._send_error_all(gen.rid, seq.params.n, "deadline passed before the request arrived")
+            return
+        remote_tokens = self._kv_needed_from_prefill(seq)
+        _, hit_tokens = self.block_manager.prefix_hit(seq)
+        if gen.prefill_address and remote_tokens > hit_tokens:
+            self._start_remote_prefill(req, gen, remote_tokens)
+        else:
+            self._start_local_prefill(req)
+
+    @staticmethod
+    def _kv_needed_from_prefill(seq) -> int:
+        # n > 1: the last prompt token is computed here, so its logits can seed every completion.
+        return seq.num_prompt_tokens if seq.params.n == 1 else seq.num_prompt_tokens - 1
+
+    def _start_local_prefill(self, req: DecodeRequest) -> None:
+        seq, bm = req.seq, self.block_manager
+        # Room now for the whole prompt plus a block to decode into, beyond what queued requests need.
+        queued = sum(cdiv(s.num_tokens, bm.block_size) for s in self.scheduler.waiting)
+        _, hit_tokens = bm.prefix_hit(seq)
+        needed = cdiv(seq.num_tokens - hit_tokens, bm.block_size) + 1
+        if needed + queued > bm.num_allocatable_blocks:
+            self._busy(req.rid, f"KV pool full: needs {needed} blocks, {bm.num_allocatable_blocks - queued} available")
+            return
+        self.scheduler.add(seq)
+        self._track(req)
+        self.metrics.prompt_tokens.inc(seq.num_prompt_tokens)
+        log.info("rid=%s local prefill: %d prompt tokens, %d cached, n=%d", req.rid, seq.num_prompt_tokens,
+                 hit_tokens, seq.params.n)
+
+    def _start_remote_prefill(self, req: DecodeRequest, gen: Generate, num_tokens: int) -> None:
+        seq, bm = req.seq, self.block_manager
+        if not bm.can_reserve(seq, num_tokens, num_spare_blocks=1):
+            self._busy(req.rid, f"KV pool full: {bm.num_allocatable_blocks} blocks available")
+            return
+        dst_block_ids = bm.reserve(seq, num_tokens)
+        skip = seq.num_computed_tokens  # the prefix hit, whole blocks
+        req.phase, req.prefill_address, req.generation = Phase.AWAITING_KV, gen.prefill_address, next(self._generations)
+        self.receiver.reserve(req.rid, req.generation, dst_block_ids)
+        job = PrefillJob(
+            rid=req.rid, token_ids=seq.token_ids[:num_tokens], skip_tokens=skip, dst_block_ids=dst_block_ids,
+            generation=req.generation, kv_address=self.options.kv_address, sample_first=seq.params.n == 1,
+            sampling=gen.sampling, deadline=gen.deadline,
+        )
+        self._track(req)
+        self.metrics.prompt_tokens.inc(seq.num_prompt_tokens)
+        if not self.prefill.send(gen.prefill_address, job):
+            self._fail(req, f"prefill worker {gen.prefill_address} is not accepting jobs")
+            return
+        log.info("rid=%s prefill job -> %s: tokens [%d, %d), %d blocks, generation %d", req.rid,
+                 gen.prefill_address, skip, num_tokens, len(dst_block_ids), req.generation)
+
+    def _track(self, req: DecodeRequest) -> None:
+        self.requests[req.rid] = req
+        self._by_seq_id[req.seq.seq_id] = req
+
+    # ---- 4. the transfer ends ----
+    def _on_transfer(self, event: TransferEvent) -> None:
+        req = self.requests.get(event.rid)
+        if req is None or req.phase != Phase.AWAITING_KV or req.generation != event.generation:
+            return  # aborted or retried meanwhile: the receiver already freed that range
+        if not event.ok:
+            self._fail(req, f"KV transfer from prefill worker failed: {event.reason}", abort_receiver=False)
+            return
+        commit, seq = event.commit, req.seq
+        self.receiver.adopt(req.rid)  # the range is ours again (the seq has held its blocks all along)
+        req.prefill_address = ""
+        if seq.params.n == 1 and commit.first_token is None:
+            self._fail(req, "prefill worker committed without the first token", abort_receiver=False)
+            return
+        req.phase = Phase.SCHEDULED
+        num_computed = self._kv_needed_from_prefill(seq)
+        if seq.params.n == 1:
+            seq.token_ids.append(commit.first_token)
+            if seq.params.logprobs is not None:
+                logprob = commit.first_logprob if commit.first_logprob is not None else math.nan
+                seq.output_logprobs.append(
+                    TokenLogprobs(commit.first_token, logprob, list(zip(commit.top_token_ids, commit.top_logprobs))))
+            req.num_sent[0] = 1  # the prefill worker streamed token 0 to the gateway itself
+            req.last_token_at = time.monotonic()
+        self.block_manager.mark_computed(seq, num_computed)
+        finished_at_once = self.scheduler.add_prefilled(seq)
+        log.info("rid=%s KV committed: %d tokens, running", req.rid, num_computed)
+        if finished_at_once:
+            self._emit(req, 0, seq)
+
+    def _on_prefill_failed(self, failed: PrefillFailed) -> None:
+        req = self.requests.get(failed.rid)
+        if req is None or req.phase != Phase.AWAITING_KV or req.generation != failed.generation:
+            return
+        req.prefill_address = ""  # it gave the job up: nothing to abort there
+        self._fail(req, f"prefill failed: {failed.reason}")
+
+    # ---- 5. one engine step ----
+    def _step(self) -> None:
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return
+        sampled = self.engine.runner.execute(batch)
+        self.engine.num_computed_tokens += batch.num_batched_tokens
+        self.scheduler.postprocess(batch, sampled.token_ids, sampled.logprobs)
+        seen = set()
+        for seq in batch.sample_seqs:
+            if seq.seq_id in seen:
+                continue
+            seen.add(seq.seq_id)
+            req = self._by_seq_id.get(self.scheduler.request_id_of(seq))
+            if req is not None and req.rid in self.requests:
+                self._emit(req, self.scheduler.completion_index_of(seq), seq)
+
+    def _emit(self, req: DecodeRequest, index: int, seq) -> None:
+        if req.done[index] or seq.status == SequenceStatus.FINISHED_ABORTED:
+            return
+        num_cached = -1 if req.announced[index] else req.seq.num_cached_tokens  # on D's first event only
+        event = new_tokens_event(req.rid, index, seq, req.num_sent[index], req.wants_logprobs, num_cached)
+        if event is None:
+            return
+        req.announced[index] = True
+        now = time.monotonic()
+        if event.token_ids:
+            if req.num_sent[index] == 0:
+                self.metrics.time_to_first_token.observe(now - req.arrived)
+            elif req.last_token_at:
+                self.metrics.inter_token_latency.observe(now - req.last_token_at)
+            req.last_token_at = now
+        self.metrics.generation_tokens.inc(len(event.token_ids))
+        req.num_sent[index] += len(event.token_ids)
+        self.gateway.send(event)
+        if event.finish_reason:
+            req.done[index] = True
+            if req.is_done:
+                self._forget(req)
+                self.metrics.request_success.labels(event.finish_reason).inc()
+                self.metrics.e2e_request_latency.observe(now - req.arrived)
+                log.info("rid=%s finished: %s", req.rid, event.finish_reason)
+
+    # ---- 6. abort, deadline, failure ----
+    def _on_abort(self, abort: AbortRequest) -> None:
+        req = self.requests.get(abort.rid)
+        if req is not None:
+            log.info("rid=%s aborted by the gateway: %s", req.rid, abort.reason or "no reason given")
+            self._release(req)
+            self.metrics.request_failure.labels("aborted").inc()
+
+    def _expire_deadlines(self) -> None:
+        now = time.time()
+        for req in [r for r in self.requests.values() if r.deadline <= now]:
+            self._fail(req, "deadline exceeded")
+
+    def _fail(self, req: DecodeRequest, error: str, *, abort_receiver: bool = True) -> None:
+        log.warning("rid=%s failed: %s", req.rid, error)
+        self._release(req, abort_receiver=abort_receiver)
+        self.metrics.request_failure.labels("error").inc()
+        for index, done in enumerate(req.done):
+            if not done:
+                self.gateway.send(error_event(req.rid, index, req.num_sent[index], error))
+
+    def _release(self, req: DecodeRequest, *, abort_receiver: bool = True) -> None:
+        """Free everything the request holds, whatever its phase."""
+        if req.phase == Phase.AWAITING_KV:
+            if abort_receiver:
+                self.receiver.abort(req.rid)  # idempotent; the fence comes down before the blocks are reused
+            if req.prefill_address:
+                self.prefill.send(req.prefill_address, AbortRequest(req.rid, "aborted on the decode worker"))
+            self.block_manager.deallocate(req.seq)
+        else:
+            self.scheduler.abort(req.seq.seq_id)
+        self._forget(req)
+
+    def _forget(self, req: DecodeRequest) -> None:
+        self.requests.pop(req.rid, None)
+        self._by_seq_id.pop(req.seq.seq_id, None)
+
+    def _busy(self, rid: str, reason: str) -> None:
+        self.metrics.request_failure.labels("busy").inc()
+        log.info("rid=%s busy: %s", rid, reason)
+        self.gateway.send(Busy(rid, reason))
+
+    def _send_error_all(self, rid: str, n: int, error: str) -> None:
+        log.warning("rid=%s refused: %s", rid, error)
+        for index in range(n):
+            self.gateway.send(error_event(rid, index, 0, error))
+
+    # ---- load, metrics, drain ----
+    def snapshot(self) -> EngineSnapshot:
+        bm, s = self.block_manager, self.scheduler
+        awaiting = sum(r.phase == Phase.AWAITING_KV for r in self.requests.values())
+        return EngineSnapshot(
+            num_running=s.num_running, num_waiting=s.num_waiting + awaiting, kv_blocks_total=bm.num_blocks,
+            kv_blocks_in_use=bm.num_in_use_blocks, kv_blocks_free=bm.num_allocatable_blocks,
+            prefix_query_tokens=bm.num_prefix_query_tokens, prefix_hit_tokens=bm.num_prefix_hit_tokens,
+            num_preemptions=s.num_preemptions,
+        )
+
+    def _update_metrics(self) -> None:
+        self.metrics.update(self.snapshot())
+
+    def _heartbeat_record(self) -> Heartbeat:
+        snap = self.snapshot()
+        queued = sum(s.num_uncomputed_tokens for s in self.scheduler.waiting)
+        queued += sum(s.num_uncomputed_tokens - 1 for s in self.scheduler.running if s.num_uncomputed_tokens > 1)
+        return Heartbeat(
+            worker_id=self.options.worker_id, role="decode", address=self.options.kv_address,
+            incarnation=self.options.incarnation, block_size=self.block_manager.block_size,
+            kv_blocks_total=snap.kv_blocks_total, kv_blocks_free=snap.kv_blocks_free,
+            kv_blocks_in_use=snap.kv_blocks_in_use, num_running=snap.num_running, num_waiting=snap.num_waiting,
+            queued_prefill_tokens=queued, draining=self.is_draining or self._drain_requested,
+        )
+
+    def _drain_tick(self) -> None:
+        if self._drain_requested and not self.is_draining:
+            self._drain_deadline = time.monotonic() + self.options.drain_timeout_s
+            log.info("draining: %d requests in flight, %.1f s to finish", len(self.requests),
+                     self.options.drain_timeout_s)
+            self.gateway.send(self._heartbeat_record())  # tell the gateway now, not at the next interval
+        if not self.is_draining:
+            return
+        if self.requests and time.monotonic() < self._drain_deadline:
+            return
+        for req in list(self.requests.values()):
+            self._fail(req, "decode worker shut down before the request finished")
+        self.gateway.send(self._heartbeat_record())  # the final load: nothing held any more
+        self.gateway.send(Goodbye(self.options.worker_id))
+        log.info("drained; goodbye")
+        self._stopped = True

@@ -1,0 +1,35 @@
+"""Engine sequences -> TokenEvents: what each completion has generated since its last event.
+
+    seq.output_token_ids: [ streamed (num_sent) ........ | new this step ]
+                          0 (offset 0 may be the prefill worker's first token)  -> TokenEvent(offset=num_sent)
+"""
+
+from __future__ import annotations
+
+from engine.sampler import TokenLogprobs
+from engine.sequence import Sequence, SequenceStatus
+from protocol.serving import TokenEvent, TokenLogprobRecord
+
+FINISH_REASONS = {SequenceStatus.FINISHED_STOPPED: "stop", SequenceStatus.FINISHED_LENGTH: "length"}
+
+
+def logprob_record(lp: TokenLogprobs) -> TokenLogprobRecord:
+    return TokenLogprobRecord(lp.token_id, float(lp.logprob), [t for t, _ in lp.top], [float(v) for _, v in lp.top])
+
+
+def new_tokens_event(rid: str, index: int, seq: Sequence, num_sent: int, wants_logprobs: bool,
+                     num_cached_tokens: int = -1) -> TokenEvent | None:
+    """The event carrying ``seq``'s outputs from ``num_sent`` on (and its finish reason when it just
+    finished); None when there is nothing new to say."""
+    tokens = seq.output_token_ids[num_sent:]
+    finish_reason = FINISH_REASONS.get(seq.status, "")
+    if not tokens and not finish_reason:
+        return None
+    logprobs = None
+    if wants_logprobs:
+        logprobs = [logprob_record(lp) for lp in seq.output_logprobs[num_sent : num_sent + len(tokens)]]
+    return TokenEvent(rid, index, num_sent, tokens, logprobs, finish_reason, num_cached_tokens)
+
+
+def error_event(rid: str, index: int, offset: int, error: str) -> TokenEvent:
+    return TokenEvent(rid, index, offset, [], error=error[:1000])

@@ -1,0 +1,344 @@
+"""The real Backend: worker pools reached over ZeroMQ (protocol/serving.py records).
+
+Life cycle of one request (one prompt, ``n`` completions) in the gateway:
+1. admission: route it (gateway/router.py) over accepting decode workers, minus those that said Busy
+   for it and those whose circuit breaker is open. None registered -> NoCapacity (503). Registered but
+   none with KV room -> wait in the decode pool's bounded queue (full or timed out -> NoCapacity).
+2. send Generate(prefill_address = the chosen P's endpoint, or "" to prefill on D) to the decode worker.
+3. wait for the first answer: Busy -> back to 1 without that worker; the worker lost (expired, restarted,
+   said goodbye, unreachable) or an error before any token -> abort what it held, retry once elsewhere.
+4. stream: TokenEvents (from P: offset 0; from D: the rest) are put back in order per completion
+   (gateway/completion_order.py) and handed to the HTTP layer; a worker lost now is an in-band error.
+5. end: every completion finished, an error, the deadline, or an abort (client gone, stop string) ->
+   AbortRequest to the decode worker and the prefill worker it used, unless it finished by itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+
+from protocol.serving import AbortRequest, Busy, Generate, Goodbye, Heartbeat, SamplingSpec
+from protocol.serving import TokenEvent as WireTokenEvent
+
+from .admission import AdmissionQueue
+from .backend import Backend, GenerationRequest, NoCapacity, SamplingOptions, TokenEvent, TokenLogprob
+from .breaker import CircuitBreaker
+from .completion_order import CompletionOrder
+from .metrics import GatewayMetrics
+from .registry import Role, WorkerRegistry
+from .router import RouteDecision, Router, RouterParams
+from .worker_link import WorkerLink
+
+log = logging.getLogger("pdserve.gateway")
+
+
+@dataclass(slots=True)
+class ZmqBackendParams:
+    host: str  # interface of the worker ROUTER
+    worker_port: int  # 0: any free port (tests)
+    router: RouterParams
+    max_queued_requests: int = 64  # decode pool admission queue bound
+    queue_timeout_s: float = 5.0
+    retry_after_s: int = 1
+    default_timeout_s: float = 600.0  # deadline of a request that brings none
+    max_frame_bytes: int = 1 << 20
+    breaker_threshold: int = 3
+    breaker_cooldown_s: float = 10.0
+    expiry_interval_s: float = 0.5  # how often silent workers are looked for
+
+
+@dataclass(slots=True)
+class WorkerGone:
+    """Queued to a request when a worker serving it left (expired, restarted, goodbye, unreachable)."""
+
+    worker_id: str
+    reason: str
+
+
+class _Flight:
+    """One request in flight: which workers serve it, and the records that came back for it."""
+
+    __slots__ = ("rid", "events", "decode_worker", "prefill_worker", "is_done", "is_aborted")
+
+    def __init__(self, rid: str) -> None:
+        self.rid = rid
+        self.events: asyncio.Queue = asyncio.Queue()  # WireTokenEvent | Busy | WorkerGone | None (aborted)
+        self.decode_worker: str | None = None
+        self.prefill_worker: str | None = None
+        self.is_done = False  # finished, failed or aborted: the workers need no more abort
+        self.is_aborted = False  # the HTTP layer gave up on it (client gone, stop string, shutdown)
+
+    def workers(self) -> list[str]:
+        return [w for w in (self.decode_worker, self.prefill_worker) if w is not None]
+
+
+class ZmqBackend(Backend):
+    def __init__(self, registry: WorkerRegistry, metrics: GatewayMetrics, params: ZmqBackendParams) -> None:
+        self._registry = registry
+        self._metrics = metrics
+        self._params = params
+        self._router = Router(registry, params.router)
+        self._breaker = CircuitBreaker(params.breaker_threshold, params.breaker_cooldown_s)
+        self._queue = AdmissionQueue(params.max_queued_requests)
+        self._link = WorkerLink(params.host, params.worker_port, params.max_frame_bytes, self._on_record,
+                                self._on_malformed)
+        self._flights: dict[str, _Flight] = {}
+        self._expiry_task: asyncio.Task | None = None
+        self._update_pool_gauges()
+
+    @property
+    def address(self) -> str:
+        """The bound worker endpoint (tcp://host:port), once started."""
+        return self._link.address
+
+    # --- Backend interface -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        await self._link.start()
+        self._expiry_task = asyncio.create_task(self._expire_loop(), name="gateway-worker-expiry")
+        log.info("worker link bound at %s", self.address)
+
+    async def stop(self) -> None:
+        for rid in list(self._flights):
+            await self.abort(rid)
+        if self._expiry_task is not None:
+            self._expiry_task.cancel()
+            try:
+                await self._expiry_task
+            except asyncio.CancelledError:
+                pass
+        await self._link.close()
+
+    def is_ready(self) -> bool:
+        return bool(self._registry.accepting(Role.DECODE))
+
+    def has_capacity(self) -> bool:
+        return self.is_ready() and not self._queue.is_full
+
+    async def abort(self, request_id: str) -> None:
+        flight = self._flights.get(request_id)
+        if flight is not None and not flight.is_done:
+            flight.is_aborted = True
+            await self._abort_workers(flight, "aborted by the gateway")
+            flight.events.put_nowait(None)  # wakes the generator, which ends
+
+    async def generate(self, request: GenerationRequest):
+        if request.request_id in self._flights:
+            raise ValueError(f"request id {request.request_id} is already in flight")
+        flight = _Flight(request.request_id)
+        self._flights[flight.rid] = flight
+        try:
+            first = await self._place(request, flight)
+            order = CompletionOrder(request.sampling.n)
+            event = first
+            queue_time: float | None = time.monotonic() - request.arrival_time
+            while True:
+                if not isinstance(event, WireTokenEvent):  # aborted, lost, deadline
+                    if event is not None:
+                        yield TokenEvent(error=_describe(event))
+                    return
+                if event.error:
+                    yield TokenEvent(index=event.index, error=f"worker {flight.decode_worker}: {event.error}")
+                    return
+                try:
+                    released = order.push(event)
+                except ValueError as e:
+                    yield TokenEvent(error=str(e))
+                    return
+                for e in released:
+                    yield _to_backend_event(e, queue_time)
+                    queue_time = None
+                if order.is_finished:
+                    flight.is_done = True  # the workers finished it themselves: nothing to abort
+                    return
+                event = await self._next(flight, request)
+        finally:
+            if not flight.is_done:
+                await self._abort_workers(flight, "request ended in the gateway")
+            del self._flights[flight.rid]
+            self._queue.notify()  # its KV is about to be freed: queued requests may fit now
+
+    # --- placement: route, send, wait for the first answer ------------------------------------------
+
+    async def _place(self, request: GenerationRequest, flight: _Flight):
+        """Returns the first TokenEvent (or a terminal record to turn into an error); raises NoCapacity."""
+        policy = self._params.router.policy.value
+        tried: set[str] = set()  # said Busy for this request, or failed it
+        retries_left = 1
+        while True:
+            decision = await self._route(request, tried)
+            flight.decode_worker, flight.prefill_worker = decision.decode_worker, decision.prefill_worker
+            flight.events = asyncio.Queue()  # nothing left over from an earlier attempt
+            prefill = self._registry.get(decision.prefill_worker) if decision.prefill_worker else None
+            generate = Generate(flight.rid, request.prompt_token_ids, _spec(request.sampling),
+                                prefill.address if prefill is not None else "", self._wall_deadline(request))
+            if await self._link.send(decision.decode_worker, generate):
+                answer = await self._next(flight, request)
+            else:
+                answer = WorkerGone(decision.decode_worker, "not connected")
+            if isinstance(answer, WireTokenEvent) and not answer.error:
+                for worker_id in flight.workers():
+                    self._breaker.record_success(worker_id)
+                return answer
+            if isinstance(answer, Busy):
+                self._metrics.route_decisions.labels(policy, "busy").inc()
+                tried.add(decision.decode_worker)
+                flight.decode_worker = flight.prefill_worker = None  # a Busy worker kept nothing
+                continue
+            if answer is None or (isinstance(answer, WorkerGone) and answer.reason == "deadline"):
+                return answer  # aborted or out of time: nothing to retry
+            failed = answer.worker_id if isinstance(answer, WorkerGone) else decision.decode_worker
+            self._breaker.record_failure(failed, time.monotonic())
+            await self._abort_workers(flight, f"attempt failed: {_describe(answer)}")
+            if flight.is_aborted:
+                return None
+            flight.is_done = False  # the request itself goes on
+            if retries_left == 0:
+                return answer
+            retries_left -= 1
+            tried.add(failed)
+            self._metrics.route_decisions.labels(policy, "retry").inc()
+            log.warning("request %s: %s before the first token; retrying elsewhere", flight.rid,
+                        _describe(answer))
+
+    async def _route(self, request: GenerationRequest, tried: set[str]) -> RouteDecision:
+        """A decision, waiting in the admission queue while workers exist but lack KV room."""
+        policy = self._params.router.policy.value
+        give_up = time.monotonic() + self._params.queue_timeout_s
+        while True:
+            excluded = tried | self._breaker.open_workers(time.monotonic())
+            decision = self._router.route(request.prompt_token_ids, frozenset(excluded))
+            if decision is not None:
+                result = "local" if decision.prefill_worker is None else "disaggregated"
+                self._metrics.route_decisions.labels(policy, result).inc()
+                return decision
+            candidates = [w for w in self._registry.accepting(Role.DECODE) if w.worker_id not in excluded]
+            if not candidates:
+                self._metrics.route_decisions.labels(policy, "no_capacity").inc()
+                why = "every decode worker is busy" if tried else "no decode worker is available"
+                raise NoCapacity(self._params.retry_after_s, why)
+            if self._queue.is_full:
+                self._metrics.route_decisions.labels(policy, "queue_full").inc()
+                raise NoCapacity(self._params.retry_after_s,
+                                 f"the decode pool's queue is full ({self._queue.max_waiting} waiting)")
+            remaining = give_up - time.monotonic()
+            if request.deadline is not None:
+                remaining = min(remaining, request.deadline - time.monotonic())
+            self._metrics.admission_queue.labels(Role.DECODE.value).inc()
+            try:
+                woken = remaining > 0 and await self._queue.wait(remaining)
+            finally:
+                self._metrics.admission_queue.labels(Role.DECODE.value).dec()
+            if not woken:
+                self._metrics.route_decisions.labels(policy, "no_capacity").inc()
+                raise NoCapacity(self._params.retry_after_s, "no decode worker had KV room in time")
+
+    async def _next(self, flight: _Flight, request: GenerationRequest):
+        """The next record for ``flight``; WorkerGone(reason="deadline") when the deadline passes first."""
+        if request.deadline is None:
+            return await flight.events.get()
+        try:
+            return await asyncio.wait_for(flight.events.get(), max(0.0, request.deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            return WorkerGone(flight.decode_worker or "", "deadline")
+
+    async def _abort_workers(self, flight: _Flight, reason: str) -> None:
+        flight.is_done = True
+        for worker_id in flight.workers():
+            await self._link.send(worker_id, AbortRequest(flight.rid, reason))
+
+    def _wall_deadline(self, request: GenerationRequest) -> float:
+        """The request's monotonic deadline on the wall clock, which other hosts share."""
+        if request.deadline is None:
+            return time.time() + self._params.default_timeout_s
+        return time.time() + (request.deadline - time.monotonic())
+
+    # --- records from workers ---------------------------------------------------------------------
+
+    def _on_record(self, worker_id: str, record) -> None:
+        if isinstance(record, Heartbeat):
+            self._on_heartbeat(worker_id, record)
+        elif isinstance(record, Goodbye):
+            if record.worker_id != worker_id:
+                self._on_malformed(f"goodbye for {record.worker_id[:64]!r} from {worker_id[:64]!r}")
+            elif self._registry.remove(worker_id):
+                self._metrics.workers_lost.labels("goodbye").inc()
+                self._worker_left(worker_id, "said goodbye")
+        else:  # TokenEvent or Busy: only the workers serving the request may speak for it
+            flight = self._flights.get(record.rid)
+            if flight is None or flight.is_done:
+                return  # finished or aborted already; late records are expected
+            if worker_id == flight.decode_worker or (isinstance(record, WireTokenEvent)
+                                                     and worker_id == flight.prefill_worker):
+                flight.events.put_nowait(record)
+
+    def _on_heartbeat(self, worker_id: str, hb: Heartbeat) -> None:
+        if hb.worker_id != worker_id:
+            self._on_malformed(f"heartbeat for {hb.worker_id[:64]!r} from {worker_id[:64]!r}")
+            return
+        known = self._registry.get(worker_id)
+        if known is not None and known.incarnation != hb.incarnation:
+            self._worker_left(worker_id, "restarted")  # its in-flight requests died with the old process
+        if known is None:
+            log.info("worker %s (%s) registered at %s", worker_id, hb.role, hb.address)
+        self._registry.observe(hb, time.monotonic())
+        self._update_pool_gauges()
+        self._queue.notify()
+
+    def _on_malformed(self, why: str) -> None:
+        self._metrics.worker_malformed_frames.inc()
+        log.warning("dropped a malformed frame from a worker: %s", why)
+
+    def _worker_left(self, worker_id: str, reason: str) -> None:
+        log.warning("worker %s left: %s", worker_id, reason)
+        self._router.forget([worker_id])
+        self._breaker.forget(worker_id)
+        for flight in self._flights.values():
+            if not flight.is_done and worker_id in flight.workers():
+                flight.events.put_nowait(WorkerGone(worker_id, reason))
+        self._update_pool_gauges()
+
+    async def _expire_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._params.expiry_interval_s)
+            for worker_id in self._registry.expire(time.monotonic()):
+                self._metrics.workers_lost.labels("expired").inc()
+                self._worker_left(worker_id, "heartbeats stopped")
+
+    def _update_pool_gauges(self) -> None:
+        m = self._metrics
+        for role in Role:
+            workers = self._registry.workers(role)
+            total = sum(w.heartbeat.kv_blocks_total for w in workers)
+            m.pool_workers.labels(role.value).set(len(workers))
+            m.pool_kv_cache_usage.labels(role.value).set(
+                sum(w.heartbeat.kv_blocks_in_use for w in workers) / total if total else 0.0)
+            m.pool_requests_running.labels(role.value).set(sum(w.heartbeat.num_running for w in workers))
+            m.pool_requests_waiting.labels(role.value).set(sum(w.heartbeat.num_waiting for w in workers))
+
+
+def _spec(options: SamplingOptions) -> SamplingSpec:
+    return SamplingSpec(**{f.name: getattr(options, f.name) for f in dataclasses.fields(SamplingSpec)})
+
+
+def _to_backend_event(e: WireTokenEvent, queue_time_s: float | None) -> TokenEvent:
+    logprobs = None if e.logprobs is None else [
+        TokenLogprob(r.token_id, r.logprob, list(zip(r.top_ids, r.top_logprobs))) for r in e.logprobs]
+    return TokenEvent(index=e.index, token_ids=list(e.token_ids), logprobs=logprobs,
+                      finish_reason=e.finish_reason or None,
+                      num_cached_tokens=e.num_cached_tokens if e.num_cached_tokens >= 0 else None,
+                      queue_time_s=queue_time_s)
+
+
+def _describe(answer) -> str:
+    if isinstance(answer, WorkerGone):
+        if answer.reason == "deadline":
+            return "the request's deadline passed"
+        return f"worker {answer.worker_id} {answer.reason}"
+    if isinstance(answer, WireTokenEvent):
+        return f"worker error: {answer.error[:200]}"
+    return "aborted"

@@ -1,0 +1,44 @@
+"""Builds a prefill server from the typed config: engine, metrics registry, sockets."""
+
+from __future__ import annotations
+
+import zmq
+from prometheus_client import CollectorRegistry
+
+from configs.schema import PdserveConfig
+from engine.llm import build_engine
+from prefill_node.metrics import PrefillMetrics
+from prefill_node.options import PrefillOptions
+from prefill_node.server import PrefillServer
+from protocol.kv_messages import TRANSPORTS
+from worker.identity import default_worker_id, kv_model_name
+
+
+def options_from_config(config: PdserveConfig) -> PrefillOptions:
+    transport = config.transfer.transport
+    return PrefillOptions(
+        worker_id=config.prefill.worker_id or default_worker_id("prefill"),
+        host=config.prefill.host,
+        port=config.prefill.port,
+        gateway_address=config.prefill.gateway_address,
+        heartbeat_s=config.gateway.worker_heartbeat_s or 5.0,
+        transports=TRANSPORTS if transport == "auto" else (transport,),
+        transfer_deadline_s=config.transfer.lease_seconds or 30.0,  # the receiver's lease: same horizon
+        drain_timeout_s=config.prefill.drain_timeout_s,
+        max_frame_bytes=config.transfer.max_frame_bytes,
+    )
+
+
+def resolve_model_path(config: PdserveConfig) -> str:
+    if config.model.path:
+        return config.model.path
+    from cluster.default_model import default_model_dir
+
+    return str(default_model_dir(config.model.cache_dir))
+
+
+def build_prefill_server(config: PdserveConfig, ctx: zmq.Context,
+                         registry: CollectorRegistry | None = None) -> PrefillServer:
+    engine = build_engine(resolve_model_path(config), config.model, config.engine)
+    metrics = PrefillMetrics(registry or CollectorRegistry())
+    return PrefillServer(engine, kv_model_name(config.model.path), ctx, options_from_config(config), metrics)

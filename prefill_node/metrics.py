@@ -1,0 +1,40 @@
+"""The prefill worker's Prometheus series: the shared engine set, the transfer plane, and its own."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter
+
+from engine.block_manager import BlockManager
+from engine.scheduler import Scheduler
+from kvtransfer.metrics import TransferMetrics
+from worker.metrics import EngineMetrics, EngineSnapshot
+
+
+class PrefillMetrics:
+    def __init__(self, registry: CollectorRegistry):
+        self.registry = registry
+        self.engine = EngineMetrics(registry)
+        self.transfer = TransferMetrics(registry)
+        self.jobs = Counter("pdserve:prefill_jobs", "Prefill jobs received", registry=registry)
+        self.jobs_rejected = Counter(
+            "pdserve:prefill_jobs_rejected", "Prefill jobs refused or failed (PrefillFailed sent)", ["reason"],
+            registry=registry)
+        self.jobs_aborted = Counter("pdserve:prefill_jobs_aborted", "Prefill jobs aborted by a peer", registry=registry)
+        self.malformed_frames = Counter(
+            "pdserve:prefill_malformed_frames", "Frames on the job socket that were not a valid record",
+            registry=registry)
+        self.computed_tokens = Counter(
+            "pdserve:prefill_computed_tokens", "Prompt tokens run through the model", registry=registry)
+
+    def update(self, scheduler: Scheduler, num_queued: int, num_transferring: int) -> None:
+        bm: BlockManager = scheduler.block_manager
+        self.engine.update(EngineSnapshot(
+            num_running=scheduler.num_running + num_transferring,
+            num_waiting=scheduler.num_waiting + num_queued,
+            kv_blocks_total=bm.num_blocks,
+            kv_blocks_in_use=bm.num_in_use_blocks,
+            kv_blocks_free=bm.num_allocatable_blocks,
+            prefix_query_tokens=bm.num_prefix_query_tokens,
+            prefix_hit_tokens=bm.num_prefix_hit_tokens,
+            num_preemptions=scheduler.num_preemptions,
+        ))

@@ -1,0 +1,28 @@
+"""The engine sampling parameters of a prefill job: the request's own, cut to its first token."""
+
+from __future__ import annotations
+
+from engine.sampling_params import SamplingParams
+from protocol.serving import SamplingSpec
+
+
+def first_token_params(spec: SamplingSpec) -> SamplingParams:
+    """One completion, one token, sampled as the request asks (seed, filters, logprobs, min_tokens).
+
+    ``n`` is 1 even for ``n > 1`` requests: those come with ``sample_first = False`` and the decode
+    worker forks the completions itself. Raises SamplingError for an out-of-range value.
+    """
+    return SamplingParams(
+        n=1, temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k, min_p=spec.min_p,
+        seed=spec.seed, presence_penalty=spec.presence_penalty, frequency_penalty=spec.frequency_penalty,
+        repetition_penalty=spec.repetition_penalty, max_tokens=1, min_tokens=min(spec.min_tokens, 1),
+        stop_token_ids=list(spec.stop_token_ids), ignore_eos=spec.ignore_eos, logprobs=spec.logprobs,
+    )
+
+
+def stop_ids(spec: SamplingSpec, eos_token_ids: list[int]) -> frozenset[int]:
+    """What the sampler masks while ``min_tokens`` is unmet: the request's stops plus EOS unless ignored."""
+    ids = set(spec.stop_token_ids)
+    if not spec.ignore_eos:
+        ids.update(eos_token_ids)
+    return frozenset(ids)

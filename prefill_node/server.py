@@ -1,0 +1,342 @@
+"""The prefill worker: chunked prefill for decode workers, KV pushed to them chunk by chunk.
+
+Life cycle of a request on this node:
+1. A decode worker sends ``PrefillJob{rid, token_ids, skip, dst blocks, generation, kv_address}`` to
+   our ROUTER. It is validated (vocabulary, block counts, deadline, sampling); a bad job is answered
+   ``PrefillFailed`` at once and counted, and the node keeps serving.
+2. The job queues until the blocks for its whole prompt fit under the admission budget (so the
+   scheduler never preempts a prefill whose blocks already went out), then becomes a Sequence with
+   ``max_tokens = 1`` in the engine's scheduler. The block manager reuses this node's prefix cache.
+3. Each step (one per loop turn) runs chunks of many jobs under the per-step token budget. After
+   ``runner.execute`` and before ``postprocess`` frees finished sequences, the blocks each job
+   finished that D lacks (index >= skip // block_size) are queued on the KV sender for its
+   ``kv_address`` (handshake once per receiver incarnation), mapped onto the job's dst block ids.
+4. On the last chunk the partial tail block goes out too; the job's blocks are pinned (held until
+   the transfer ends); with ``sample_first`` the first token goes to the gateway as
+   ``TokenEvent(index 0, offset 0)`` at once (TTFT) and rides in the transfer's ``Commit``.
+5. The receiver's ``CommitAck`` ends the job: the pin is dropped (full blocks stay in the prefix
+   cache). A failed transfer (receiver gone, deadline, rejected write) unpins at once and answers
+   ``PrefillFailed`` to D if it is reachable.
+6. ``AbortRequest`` (from D or the gateway) at any phase — queued, prefilling, transferring — frees
+   everything here and aborts the transfer. Past its deadline a job fails the same way.
+Around it: a Heartbeat to the gateway every interval (queued prefill tokens, KV block counts),
+/metrics, /health, /ready, and SIGTERM drain (no new jobs, finish in-flight, Goodbye, exit).
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import threading
+import time
+import uuid
+
+import zmq
+
+from engine.block_manager import cdiv
+from engine.llm_engine import LLMEngine
+from engine.scheduled_batch import ScheduledBatch
+from engine.scheduler import AdmissionError
+from engine.sequence import Sequence
+from kvtransfer.events import TransferEvent
+from kvtransfer.sender import HandshakeError
+from prefill_node.block_pins import BlockPins
+from prefill_node.block_push import blocks_to_push
+from prefill_node.job import JobPhase, JobState
+from prefill_node.job_check import JobLimits, check_job
+from prefill_node.kv_senders import KVSenders
+from prefill_node.metrics import PrefillMetrics
+from prefill_node.options import PrefillOptions
+from prefill_node.sampling import first_token_params, stop_ids
+from protocol.codec import WireError, decode, encode
+from protocol.serving import AbortRequest, Goodbye, Heartbeat, PrefillFailed, PrefillJob, TokenEvent, TokenLogprobRecord
+from protocol.zmq_util import bind, make_socket
+from worker.gateway_socket import WorkerSocket
+from worker.heartbeat import HeartbeatTimer
+
+log = logging.getLogger(__name__)
+
+
+class PrefillServer:
+    def __init__(self, engine: LLMEngine, model_name: str, ctx: zmq.Context, options: PrefillOptions,
+                 metrics: PrefillMetrics):
+        self.options = options
+        self.scheduler = engine.scheduler
+        self.runner = engine.runner
+        self.block_manager = engine.scheduler.block_manager
+        self.metrics = metrics
+        bm, cfg = self.block_manager, engine.model_config
+        self.limits = JobLimits(cfg.vocab_size, bm.block_size, bm.num_blocks, self.scheduler.config.max_model_len)
+        self._eos_token_ids = list(cfg.eos_token_ids)
+        self.router = make_socket(ctx, zmq.ROUTER, hwm=1024, max_msg_size=options.max_frame_bytes)
+        self.address = bind(self.router, options.host, options.port)  # our endpoint in heartbeats
+        self.gateway = WorkerSocket(ctx, options.gateway_address, options.worker_id, accepted=(AbortRequest,))
+        self.senders = KVSenders(ctx, self.runner.kv_pool, model_name, metrics.transfer,
+                                 transports=options.transports, deadline_s=options.transfer_deadline_s,
+                                 handshake_timeout_s=options.handshake_timeout_s,
+                                 max_frame_bytes=options.max_frame_bytes)
+        self.pins = BlockPins(bm)
+        self.incarnation = uuid.uuid4().hex
+        self.jobs: dict[str, JobState] = {}  # every live job, any phase
+        self._queue: collections.deque[JobState] = collections.deque()  # not yet admitted
+        self._by_seq: dict[int, JobState] = {}  # seq_id -> job, for jobs in the scheduler
+        self._seq_ids = itertools.count()
+        self._heartbeat = HeartbeatTimer(options.heartbeat_s)
+        self._poller = zmq.Poller()
+        self._poller.register(self.router, zmq.POLLIN)
+        self._poller.register(self.gateway.sock, zmq.POLLIN)
+        self._stop = threading.Event()
+        self.draining = False
+        self._drain_deadline = 0.0
+        self.is_done = False  # drained and said Goodbye
+
+    # ---- the loop ----
+    def serve_forever(self) -> None:
+        """Run until ``stop()`` or a finished drain; closes the sockets on the way out."""
+        try:
+            while not self._stop.is_set() and not self.is_done:
+                self.run_once()
+        finally:
+            self.close()
+
+    def run_once(self, timeout_ms: int | None = None) -> None:
+        """One loop turn: take messages (waiting only when idle), run a step, pump transfers."""
+        if timeout_ms is None:
+            timeout_ms = 0 if (self._queue or self.scheduler.has_unfinished()) else (
+                1 if self.jobs else self.options.idle_poll_ms)
+        self._receive(timeout_ms)
+        self._expire()
+        self._admit()
+        batch = self.scheduler.schedule()
+        if batch is not None:
+            self._step(batch)
+        self._on_transfer_events(self.senders.poll())
+        self._after_turn()
+
+    def stop(self) -> None:
+        """Thread-safe: ask ``serve_forever`` to return."""
+        self._stop.set()
+
+    def request_drain(self) -> None:
+        """SIGTERM: take no new jobs, finish in-flight ones up to the drain timeout, then Goodbye."""
+        if not self.draining:
+            self.draining = True
+            self._drain_deadline = time.monotonic() + self.options.drain_timeout_s
+            self._heartbeat.fire_now()
+            log.info("draining: %d jobs in flight", len(self.jobs))
+
+    def is_ready(self) -> bool:
+        return not self.draining and not self.is_done
+
+    def close(self) -> None:
+        self.senders.close()
+        self.router.close(linger=0)
+        self.gateway.close()
+
+    # ---- messages in ----
+    def _receive(self, timeout_ms: int) -> None:
+        if timeout_ms:
+            self._poller.poll(timeout_ms)
+        while True:
+            try:
+                frames = self.router.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            self._on_frames(frames)
+        for record in self.gateway.poll():
+            self._abort(record.rid, f"gateway: {record.reason}")
+
+    def _on_frames(self, frames: list[bytes]) -> None:
+        peer = frames[0]
+        try:
+            if len(frames) != 2:
+                raise WireError(f"{len(frames) - 1} frames, expected 1")
+            record = decode(frames[1], self.options.max_frame_bytes)
+            if not isinstance(record, (PrefillJob, AbortRequest)):
+                raise WireError(f"{type(record).__name__} is not a decode worker's message")
+        except WireError as exc:
+            self.metrics.malformed_frames.inc()
+            log.warning("rejected frame from %r: %s", peer[:32], str(exc)[:200])
+            return
+        if isinstance(record, AbortRequest):
+            self._abort(record.rid, f"decode worker: {record.reason}")
+        else:
+            self._on_job(peer, record)
+
+    def _on_job(self, peer: bytes, job: PrefillJob) -> None:
+        self.metrics.jobs.inc()
+        if job.rid in self.jobs:  # a retry under a new generation replaces the old attempt
+            self._abort(job.rid, "superseded")
+        reason = "draining" if self.draining else check_job(job, self.limits, time.time())
+        if reason:
+            self._reply_failed(peer, job.rid, job.generation, reason, label="bad_job" if reason != "draining" else "draining")
+            return
+        seq = Sequence(next(self._seq_ids), list(job.token_ids), first_token_params(job.sampling),
+                       stop_token_ids=stop_ids(job.sampling, self._eos_token_ids))
+        bs = self.block_manager.block_size
+        state = JobState(job, peer, seq, cdiv(len(job.token_ids), bs), time.monotonic(),
+                         next_block=job.skip_tokens // bs)
+        self.jobs[job.rid] = state
+        self._queue.append(state)
+        log.info("rid=%s job: %d tokens, skip %d, %d dst blocks, generation %d", job.rid, len(job.token_ids),
+                 job.skip_tokens, len(job.dst_block_ids), job.generation)
+
+    # ---- admission ----
+    def _admit(self) -> None:
+        # Budget: every admitted job may take blocks for its whole prompt, pinned jobs hold theirs.
+        # Staying under the pool size means the scheduler never has to preempt a prefill.
+        used = self.pins.num_pinned_blocks + sum(s.num_blocks_needed for s in self._by_seq.values())
+        while self._queue and used + self._queue[0].num_blocks_needed <= self.block_manager.num_blocks:
+            state = self._queue.popleft()
+            try:
+                self.scheduler.add(state.seq)
+            except AdmissionError as exc:
+                self._fail(state, str(exc), label="bad_job")
+                continue
+            state.in_scheduler = True
+            self._by_seq[state.seq.seq_id] = state
+            used += state.num_blocks_needed
+
+    # ---- one step ----
+    def _step(self, batch: ScheduledBatch) -> None:
+        sampled = self.runner.execute(batch)
+        self.metrics.computed_tokens.inc(batch.num_batched_tokens)
+        rows = {seq.seq_id: j for j, seq in enumerate(batch.sample_seqs)}
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            state = self._by_seq[seq.seq_id]
+            state.phase = JobPhase.PREFILLING
+            end = seq.num_computed_tokens + n  # postprocess advances the counter; the KV is there now
+            if not self._push(state, end) or end < len(state.job.token_ids):
+                continue
+            j = rows[seq.seq_id]
+            lp = sampled.logprobs[j] if sampled.logprobs is not None else None
+            self._finish_compute(state, sampled.token_ids[j], lp)
+        self.scheduler.postprocess(batch, sampled.token_ids, sampled.logprobs)
+        for seq in batch.seqs:
+            if seq.is_finished:
+                self._by_seq.pop(seq.seq_id, None)
+
+    def _push(self, state: JobState, end: int) -> bool:
+        """Queue the blocks this step finished that D lacks; False when the job failed instead."""
+        job, seq = state.job, state.seq
+        push = blocks_to_push(seq.block_table, job.dst_block_ids, job.skip_tokens, state.next_block, end,
+                              len(job.token_ids), self.block_manager.block_size)
+        state.next_block = push.next_block
+        if not push.src_block_ids:
+            return True
+        try:
+            sender = self.senders.get(job.kv_address)
+        except HandshakeError as exc:
+            self._fail(state, f"handshake with {job.kv_address} failed: {exc}", label="handshake")
+            return False
+        sender.send(job.rid, job.generation, push.src_block_ids, push.dst_block_ids)
+        state.is_sending = True
+        return True
+
+    def _finish_compute(self, state: JobState, token: int, lp) -> None:
+        job = state.job
+        self.pins.pin(job.rid, state.seq)  # before postprocess releases the sequence's blocks
+        state.phase = JobPhase.TRANSFERRING
+        sender = self.senders.get(job.kv_address)  # handshaken by _push this step
+        if not job.sample_first:
+            sender.commit(job.rid, job.generation)
+            return
+        records = None
+        if lp is not None:
+            top_ids, top_lps = [t for t, _ in lp.top], [v for _, v in lp.top]
+            records = [TokenLogprobRecord(token, lp.logprob, top_ids, top_lps)]
+        self.gateway.send(TokenEvent(job.rid, 0, 0, [token], records))
+        self.metrics.engine.time_to_first_token.observe(time.monotonic() - state.arrived_at)
+        if records is None:
+            sender.commit(job.rid, job.generation, token)
+        else:
+            sender.commit(job.rid, job.generation, token, lp.logprob, records[0].top_ids, records[0].top_logprobs)
+        log.info("rid=%s computed; first token %d sent", job.rid, token)
+
+    # ---- transfers ending ----
+    def _on_transfer_events(self, events: list[TransferEvent]) -> None:
+        for event in events:
+            state = self.jobs.get(event.rid)
+            if state is None or state.job.generation != event.generation:
+                continue  # an attempt we aborted or replaced already
+            state.is_sending = False
+            if event.ok:
+                self._drop(state)
+                log.info("rid=%s committed on the decode worker", event.rid)
+            else:
+                self._fail(state, f"transfer failed: {event.reason}", label="transfer")
+
+    # ---- ending a job early ----
+    def _abort(self, rid: str, reason: str) -> None:
+        state = self.jobs.get(rid)
+        if state is None:
+            return  # idempotent: unknown or finished
+        self.metrics.jobs_aborted.inc()
+        log.info("rid=%s aborted (%s) while %s", rid, reason, state.phase.name.lower())
+        self._drop(state, abort_reason=reason)
+
+    def _fail(self, state: JobState, reason: str, label: str) -> None:
+        log.warning("rid=%s failed: %s", state.rid, reason)
+        self._drop(state, abort_reason=reason)
+        self._reply_failed(state.peer, state.rid, state.job.generation, reason, label)
+
+    def _drop(self, state: JobState, abort_reason: str = "") -> None:
+        """Forget a job and free everything it holds here (idempotent per state)."""
+        job = state.job
+        if self.jobs.get(job.rid) is state:
+            del self.jobs[job.rid]
+        if state in self._queue:
+            self._queue.remove(state)
+        if state.in_scheduler and not state.seq.is_finished:
+            self.scheduler.abort(state.seq.seq_id)
+        self._by_seq.pop(state.seq.seq_id, None)
+        if abort_reason and state.is_sending:
+            self.senders.abort(job.kv_address, job.rid, job.generation, abort_reason)
+            state.is_sending = False
+        self.pins.unpin(job.rid)
+
+    def _reply_failed(self, peer: bytes, rid: str, generation: int, reason: str, label: str) -> None:
+        self.metrics.jobs_rejected.labels(label).inc()
+        try:
+            self.router.send_multipart([peer, encode(PrefillFailed(rid, generation, reason[:500]))], zmq.NOBLOCK)
+        except zmq.ZMQError:  # the decode worker is gone: nobody to tell
+            log.info("rid=%s could not report the failure: decode worker unreachable", rid)
+
+    def _expire(self) -> None:
+        now = time.time()
+        for state in [s for s in self.jobs.values() if s.job.deadline <= now]:
+            self._fail(state, "deadline passed", label="deadline")
+
+    # ---- around the work ----
+    def _after_turn(self) -> None:
+        num_transferring = sum(1 for s in self.jobs.values() if s.phase == JobPhase.TRANSFERRING)
+        self.metrics.update(self.scheduler, len(self._queue), num_transferring)
+        if self._heartbeat.due():
+            self.gateway.send(self.heartbeat())
+        if self.draining and (not self.jobs or time.monotonic() >= self._drain_deadline):
+            for state in list(self.jobs.values()):
+                self._fail(state, "worker shut down before the job finished", label="draining")
+            self.gateway.send(Goodbye(self.options.worker_id))
+            self.is_done = True
+            log.info("drained; goodbye")
+
+    def heartbeat(self) -> Heartbeat:
+        bm = self.block_manager
+        num_transferring = sum(1 for s in self.jobs.values() if s.phase == JobPhase.TRANSFERRING)
+        return Heartbeat(
+            worker_id=self.options.worker_id, role="prefill", address=self.address,
+            incarnation=self.incarnation, block_size=bm.block_size, kv_blocks_total=bm.num_blocks,
+            kv_blocks_free=bm.num_allocatable_blocks, kv_blocks_in_use=bm.num_in_use_blocks,
+            num_running=self.scheduler.num_running + num_transferring,
+            num_waiting=self.scheduler.num_waiting + len(self._queue),
+            queued_prefill_tokens=self.queued_prefill_tokens(), draining=self.draining,
+        )
+
+    def queued_prefill_tokens(self) -> int:
+        """Prompt tokens not yet computed across queued and running jobs."""
+        return sum(s.num_uncomputed_tokens for s in self.jobs.values())
+
+    def phase_of(self, rid: str) -> JobPhase | None:
+        state = self.jobs.get(rid)
+        return state.phase if state is not None else None

@@ -1,0 +1,201 @@
+"""Decode worker in-process (server loop on a thread) against a fake gateway: outputs equal the
+single-process engine's, aborts and Busy free everything, a remote prefill lands the right KV."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+import zmq
+
+from decode_node.node import DecodeNode
+from engine.llm import LLM, build_engine
+from engine.sampling_params import SamplingParams
+from kvtransfer.channel import ZmqClient
+from kvtransfer.sender import KVSender
+from protocol.codec import decode, encode
+from protocol.serving import AbortRequest, Busy, Generate, PrefillJob
+from protocol.zmq_util import bind, make_socket
+from tests.decode_harness import FakeGateway, decode_config, generate, scrape, tokens_of
+from tests.invariants import assert_no_leak
+from worker import kv_model_name
+
+PROMPT = [5, 17, 99, 3, 250, 41, 7, 300, 12, 64, 128, 9, 77]  # 13 tokens: 3 full blocks of 4 and 1 token
+
+
+class Running:
+    def __init__(self, **engine):
+        self.ctx = zmq.Context()
+        self.gateway = FakeGateway(self.ctx)
+        self.config = decode_config(self.gateway.address, **engine)
+        self.node = DecodeNode.start(self.config, self.ctx)
+        self.thread = threading.Thread(target=self.node.server.run, daemon=True)
+        self.thread.start()
+        self.gateway.wait_heartbeat(lambda hb: True)  # registered
+
+    def reference(self, prompt, params: SamplingParams):
+        llm = LLM(self.config.model.path, config=self.config)
+        return llm.generate([prompt], params)[0]
+
+    def close(self):
+        self.node.server.stop()
+        self.thread.join(timeout=10)
+        bm = self.node.server.block_manager
+        self.node.close()
+        self.ctx.destroy(linger=0)
+        return bm
+
+
+@pytest.fixture
+def node():
+    running = Running()
+    yield running
+    bm = running.close()
+    assert_no_leak(bm)
+
+
+def assert_idle(node: Running) -> None:
+    hb = node.gateway.wait_heartbeat(lambda hb: hb.kv_blocks_in_use == 0 and hb.num_running == 0 and hb.num_waiting == 0)
+    assert hb.kv_blocks_free == hb.kv_blocks_total == 32
+    assert scrape(node.node.http.port, "pdserve:kv_blocks_in_use") == 0
+    assert node.node.server.requests == {}
+
+
+def test_local_prefill_greedy_equals_engine(node):
+    params = dict(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=2)
+    node.gateway.send("d0", generate("r1", PROMPT, **params))
+    events = node.gateway.collect("r1")[0]
+    expected = node.reference(PROMPT, SamplingParams(**params)).outputs[0]
+    assert tokens_of(events) == expected.token_ids
+    assert events[-1].finish_reason == "length" and events[0].num_cached_tokens == 0
+    lps = [lp for e in events for lp in e.logprobs]
+    assert [lp.token_id for lp in lps] == expected.token_ids
+    assert [lp.logprob for lp in lps] == pytest.approx([lp.logprob for lp in expected.logprobs], abs=1e-5)
+    assert all(len(lp.top_ids) == 2 for lp in lps)
+    assert_idle(node)
+    # The same prompt again is a prefix hit: 3 full blocks (12 tokens) are not recomputed.
+    node.gateway.send("d0", generate("r2", PROMPT, **params))
+    again = node.gateway.collect("r2")[0]
+    assert tokens_of(again) == expected.token_ids and again[0].num_cached_tokens == 12
+    assert scrape(node.node.http.port, "pdserve:prefix_cache_hits_total") == 12
+    assert_idle(node)
+
+
+def test_n3_seeded_completions_equal_engine(node):
+    params = dict(max_tokens=6, n=3, temperature=1.0, seed=11, ignore_eos=True)
+    node.gateway.send("d0", generate("r", PROMPT, **params))
+    events = node.gateway.collect("r", n=3)
+    expected = node.reference(PROMPT, SamplingParams(**params))
+    assert [tokens_of(events[i]) for i in range(3)] == [o.token_ids for o in expected.outputs]
+    assert_idle(node)
+
+
+def test_abort_while_decoding_frees_everything(node):
+    node.gateway.send("d0", generate("long", PROMPT, max_tokens=100, ignore_eos=True, temperature=0.0))
+    node.gateway.recv(until=lambda r: getattr(r, "rid", "") == "long" and r.offset >= 1)
+    node.gateway.send("d0", AbortRequest("long", "client disconnected"))
+    assert_idle(node)
+    streamed = [r for r in node.gateway.others if getattr(r, "rid", "") == "long"]
+    assert not any(e.finish_reason or e.error for e in streamed)  # cut short, silently: the gateway asked
+    assert sum(len(e.token_ids) for e in streamed) < 100
+
+
+def test_busy_when_pool_cannot_hold_request(node):
+    prefill = make_socket(node.ctx, zmq.ROUTER)
+    prefill_address = bind(prefill, "127.0.0.1", 0)  # a prefill worker that never answers: "a" holds its blocks
+    node.gateway.send("d0", generate("a", list(range(1, 101)), prefill_address=prefill_address))
+    assert prefill.poll(30_000) and decode(prefill.recv_multipart()[1], expected=PrefillJob).rid == "a"
+    node.gateway.wait_heartbeat(lambda hb: hb.kv_blocks_in_use == 25)  # 100 tokens in blocks of 4
+    # 40 prompt tokens need 10 blocks + 1 to decode into; 7 are left. Local and remote alike.
+    node.gateway.send("d0", generate("b", list(range(1, 41))))
+    busy = node.gateway.recv(until=lambda r: isinstance(r, Busy))
+    assert busy.rid == "b" and busy.reason == "KV pool full: needs 11 blocks, 7 available"
+    node.gateway.send("d0", generate("c", list(range(1, 41)), prefill_address=prefill_address))
+    busy = node.gateway.recv(until=lambda r: isinstance(r, Busy))
+    assert busy.rid == "c" and busy.reason == "KV pool full: 7 blocks available"
+    node.gateway.send("d0", AbortRequest("a"))
+    assert decode(prefill.recv_multipart()[1], expected=AbortRequest).rid == "a"  # forwarded
+    prefill.close(linger=0)
+    assert_idle(node)
+
+
+def test_bad_request_gets_error_event(node):
+    node.gateway.send("d0", generate("bad", [5, 100000]))
+    [event] = node.gateway.collect("bad")[0]
+    assert event.error == "prompt token id 100000 is outside this model's vocabulary of 768 tokens"
+    node.gateway.send("d0", generate("long", list(range(1, 300))))
+    [event] = node.gateway.collect("long")[0]
+    assert "prompt has 299 tokens; this model's context is 256" in event.error
+    assert_idle(node)
+
+
+def test_remote_prefill_job_and_kv_land(node):
+    ctx = node.ctx
+    prefill = make_socket(ctx, zmq.ROUTER)
+    prefill_address = bind(prefill, "127.0.0.1", 0)
+    params = dict(max_tokens=8, temperature=0.0, ignore_eos=True)
+    expected = node.reference(PROMPT, SamplingParams(**params)).outputs[0].token_ids
+    node.gateway.send("d0", generate("r", PROMPT, prefill_address=prefill_address, **params))
+    assert prefill.poll(30_000)
+    identity, frame = prefill.recv_multipart()
+    job = decode(frame, expected=PrefillJob)
+    assert identity == b"d0"
+    # A fresh pool: nothing cached, 13 tokens -> blocks 0..3 from the FIFO free list.
+    assert (job.skip_tokens, job.dst_block_ids, job.token_ids, job.sample_first) == (0, [0, 1, 2, 3], PROMPT, True)
+    assert job.kv_address == node.node.server.options.kv_address
+    hb = node.gateway.wait_heartbeat(lambda hb: hb.num_waiting == 1)
+    assert hb.kv_blocks_in_use == 4
+
+    # Play the prefill worker: compute the prompt's KV in an engine of our own, ship it, commit.
+    p_engine = build_engine(node.config.model.path, node.config.model, node.config.engine)
+    p_engine.add_request(PROMPT, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    while p_engine.has_unfinished():
+        [out] = p_engine.step() or [None]
+    first_token = out.outputs[0].token_ids[0]
+    assert first_token == expected[0]
+    sender = KVSender(p_engine.runner.kv_pool, kv_model_name(node.config.model.path), ZmqClient(ctx, job.kv_address))
+    sender.handshake(timeout_s=10)
+    sender.send(job.rid, job.generation, [0, 1, 2, 3], job.dst_block_ids)  # P's own blocks 0..3 (fresh pool)
+    sender.commit(job.rid, job.generation, first_token=first_token)
+    events = []
+    while not events:
+        events = sender.poll()
+    assert events[0].ok, events[0].reason
+    got = node.gateway.collect("r")[0]
+    assert tokens_of(got, first_offset=1) == expected[1:]
+    assert got[0].num_cached_tokens == 0
+    assert torch.equal(node.node.receiver.pool.tensor[:, :, :3], p_engine.runner.kv_pool.tensor[:, :, :3])
+    prefill.close(linger=0)
+    assert_idle(node)
+
+
+def test_prefill_failed_ends_request_with_error_and_frees(node):
+    prefill = make_socket(node.ctx, zmq.ROUTER)
+    prefill_address = bind(prefill, "127.0.0.1", 0)
+    node.gateway.send("d0", generate("r", PROMPT, prefill_address=prefill_address, n=2))
+    assert prefill.poll(30_000)
+    identity, frame = prefill.recv_multipart()
+    job = decode(frame, expected=PrefillJob)
+    assert (job.token_ids, job.sample_first, job.dst_block_ids) == (PROMPT[:-1], False, [0, 1, 2])  # n > 1: all but the last
+    from protocol.serving import PrefillFailed
+    prefill.send_multipart([identity, encode(PrefillFailed("r", job.generation, "out of blocks"))])
+    events = node.gateway.collect("r", n=2)
+    assert [events[i][-1].error for i in range(2)] == ["prefill failed: out of blocks"] * 2
+    prefill.close(linger=0)
+    assert_idle(node)
+
+
+def test_abort_while_awaiting_kv_is_forwarded_and_frees(node):
+    prefill = make_socket(node.ctx, zmq.ROUTER)
+    prefill_address = bind(prefill, "127.0.0.1", 0)
+    node.gateway.send("d0", generate("r", PROMPT, prefill_address=prefill_address))
+    assert prefill.poll(30_000)
+    decode(prefill.recv_multipart()[1], expected=PrefillJob)
+    node.gateway.send("d0", AbortRequest("r", "client gone"))
+    assert prefill.poll(30_000)
+    forwarded = decode(prefill.recv_multipart()[1], expected=AbortRequest)
+    assert forwarded.rid == "r"
+    prefill.close(linger=0)
+    assert_idle(node)
+    assert node.node.receiver.table.held_blocks() == {}

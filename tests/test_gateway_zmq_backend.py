@@ -1,0 +1,355 @@
+"""The real ZeroMQ backend against fake workers that are real DEALER sockets speaking protocol/serving.py.
+
+A fake decode worker answers Generate with a deterministic token stream per completion (or Busy, or goes
+silent); a fake prefill worker sends the first token (offset 0) when the fake decode worker hands it the
+request, AFTER the decode worker's own events, so the gateway must put them back in order.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import zmq
+
+from gateway.app import GatewayParams, build_app
+from gateway.metrics import GatewayMetrics
+from gateway.registry import WorkerRegistry
+from gateway.router import Policy, RouterParams
+from gateway.serving import ServingLimits
+from gateway.tokenizer import Tokenizer
+from gateway.zmq_backend import ZmqBackend, ZmqBackendParams
+from protocol.codec import decode, encode
+from protocol.serving import AbortRequest, Busy, Generate, Goodbye, Heartbeat, TokenEvent
+from tests.fake_backend import MODEL, OUTPUT_TEXT, LiveServer, make_test_tokenizer, wait_until
+
+HEARTBEAT_S = 0.1
+OTHER_TEXT = "A cat sat on the mat."
+
+
+class FakeWorker:
+    """One worker process, reduced to its socket: heartbeats, and scripted answers to Generate."""
+
+    def __init__(self, address: str, worker_id: str, role: str = "decode", mode: str = "tokens",
+                 outputs: list[list[int]] | None = None, token_delay_s: float = 0.0, peer: FakeWorker | None = None,
+                 kv_blocks_in_use: int = 0) -> None:
+        self.worker_id, self.role, self.mode = worker_id, role, mode
+        self.address = f"tcp://127.0.0.1:{7000 + len(worker_id)}/{worker_id}"  # its own endpoint (never dialed)
+        self.outputs = outputs or []
+        self.token_delay_s = token_delay_s
+        self.peer = peer  # the prefill worker a disaggregated Generate names
+        self.kv_blocks_in_use = kv_blocks_in_use
+        self.received: list = []
+        self.is_heartbeating = True
+        self._outbox: list[tuple[float, object]] = []  # (due time, record)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._gateway = address
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def schedule(self, delay_s: float, record) -> None:
+        with self._lock:
+            self._outbox.append((time.monotonic() + delay_s, record))
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _heartbeat(self) -> Heartbeat:
+        return Heartbeat(self.worker_id, self.role, self.address, "inc-1", block_size=4, kv_blocks_total=1000,
+                         kv_blocks_free=1000 - self.kv_blocks_in_use, kv_blocks_in_use=self.kv_blocks_in_use,
+                         num_running=1, num_waiting=2, queued_prefill_tokens=0)
+
+    def _run(self) -> None:
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, self.worker_id.encode())
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self._gateway)
+        next_heartbeat = 0.0
+        while not self._stop.is_set():
+            now = time.monotonic()
+            if self.is_heartbeating and now >= next_heartbeat:
+                sock.send(encode(self._heartbeat()))
+                next_heartbeat = now + HEARTBEAT_S
+            with self._lock:
+                due = [r for t, r in self._outbox if t <= now]
+                self._outbox = [(t, r) for t, r in self._outbox if t > now]
+            for record in due:
+                sock.send(encode(record))
+            if sock.poll(5):
+                record = decode(sock.recv())
+                self.received.append(record)
+                self._handle(record)
+        sock.close()
+        ctx.term()
+
+    def _handle(self, record) -> None:
+        if isinstance(record, AbortRequest):
+            with self._lock:
+                self._outbox = [(t, r) for t, r in self._outbox if r.rid != record.rid]
+        elif isinstance(record, Generate) and self.mode == "busy":
+            self.schedule(0, Busy(record.rid, "no free KV blocks"))
+        elif isinstance(record, Generate) and self.mode == "die":
+            self.is_heartbeating = False  # gone silent, as a crashed process is
+        elif isinstance(record, Generate):
+            self._stream(record)
+
+    def _stream(self, g: Generate) -> None:
+        disaggregated = g.prefill_address != ""
+        if disaggregated:
+            assert self.peer is not None and g.prefill_address == self.peer.address
+        for j in range(g.sampling.n):
+            ids = self.outputs[j][: g.sampling.max_tokens]
+            finish = "length" if len(ids) < len(self.outputs[j]) else "stop"
+            start = 1 if disaggregated else 0
+            for k in range(start, len(ids)):
+                self.schedule(self.token_delay_s * k, TokenEvent(
+                    g.rid, j, k, [ids[k]], finish_reason=finish if k == len(ids) - 1 else "",
+                    num_cached_tokens=0 if k == start else -1))
+            if disaggregated:  # P's first token lands after D's events: the gateway reorders
+                self.peer.schedule(0.05, TokenEvent(g.rid, j, 0, [ids[0]]))
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    return make_test_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tok_dir):
+    return Tokenizer(tok_dir)
+
+
+@pytest.fixture
+def gateway(tok_dir, tokenizer):
+    registry = WorkerRegistry(heartbeat_interval_s=HEARTBEAT_S, max_missed=3)
+    metrics = GatewayMetrics()
+    params = ZmqBackendParams("127.0.0.1", 0, RouterParams(block_size=4, policy=Policy.PREFIX,
+                                                           local_prefill_max_tokens=4),
+                              queue_timeout_s=0.3, retry_after_s=4, expiry_interval_s=0.05)
+    backend = ZmqBackend(registry, metrics, params)
+    limits = ServingLimits(MODEL, max_model_len=128, retry_after_s=2, request_timeout_s=10.0)
+    app = build_app(GatewayParams(tokenizer, backend, limits, registry=registry, metrics=metrics))
+    workers: list[FakeWorker] = []
+    with LiveServer(app, lifespan="on") as server:
+        server.backend = backend
+        server.workers = workers
+        server.client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0)
+
+        def add(worker_id, **kw) -> FakeWorker:
+            kw.setdefault("outputs", [tokenizer.encode(OUTPUT_TEXT, add_special_tokens=False),
+                                      tokenizer.encode(OTHER_TEXT, add_special_tokens=False)])
+            w = FakeWorker(backend.address, worker_id, **kw)
+            workers.append(w)
+            wait_until(lambda: registry.get(worker_id) is not None, f"{worker_id} did not register")
+            return w
+
+        server.add = add
+        yield server
+        for w in workers:
+            w.close()
+
+
+def metric(base_url: str, name: str) -> float:
+    return sum(float(line.split()[-1]) for line in httpx.get(base_url + "/metrics").text.splitlines()
+               if line.startswith(name + " "))
+
+
+def worker_ids(base_url: str) -> list[str]:
+    return [w["id"] for w in httpx.get(base_url + "/v1/workers").json()["data"]]
+
+
+def generates(worker: FakeWorker) -> list[Generate]:
+    return [r for r in worker.received if isinstance(r, Generate)]
+
+
+def test_heartbeat_registers_and_silence_expires(gateway):
+    d1 = gateway.add("d1")
+    gateway.add("p1", role="prefill")
+    listed = httpx.get(gateway.base_url + "/v1/workers").json()["data"]
+    assert [(w["id"], w["role"], w["address"], w["load"]["num_waiting"]) for w in listed] == [
+        ("d1", "decode", d1.address, 2), ("p1", "prefill", gateway.workers[1].address, 2)]
+    assert metric(gateway.base_url, 'pdserve:pool_workers{role="decode"}') == 1
+    assert metric(gateway.base_url, 'pdserve:pool_num_requests_waiting{role="prefill"}') == 2
+    assert httpx.get(gateway.base_url + "/ready").status_code == 200
+    d1.is_heartbeating = False
+    wait_until(lambda: worker_ids(gateway.base_url) == ["p1"], "silent worker was not dropped", timeout_s=3)
+    assert metric(gateway.base_url, 'pdserve:workers_lost_total{reason="expired"}') == 1
+    assert metric(gateway.base_url, 'pdserve:pool_workers{role="decode"}') == 0
+    assert httpx.get(gateway.base_url + "/ready").status_code == 503
+
+
+def test_goodbye_removes_at_once_and_draining_gets_nothing(gateway, tokenizer):
+    d1 = gateway.add("d1")
+    d2 = gateway.add("d2")
+    d1.is_heartbeating = False  # drained: it says goodbye, long before it would expire
+    d1.schedule(0, Goodbye("d1"))
+    wait_until(lambda: worker_ids(gateway.base_url) == ["d2"], "goodbye did not remove the worker", timeout_s=0.25)
+    assert metric(gateway.base_url, 'pdserve:workers_lost_total{reason="goodbye"}') == 1
+    d2_hb = d2._heartbeat()
+    d2_hb.draining = True
+    d2.is_heartbeating = False
+    d2.schedule(0, d2_hb)
+    wait_until(lambda: gateway.backend.is_ready() is False, "draining worker still takes requests")
+    with pytest.raises(openai.APIStatusError) as info:
+        gateway.client.completions.create(model=MODEL, prompt="Hello", max_tokens=3)
+    assert info.value.status_code == 503 and generates(d2) == []
+
+
+def test_completion_and_stream_local_prefill(gateway, tokenizer):
+    d1 = gateway.add("d1")
+    r = gateway.client.completions.create(model=MODEL, prompt="Hi", max_tokens=100)
+    assert r.choices[0].text == OUTPUT_TEXT and r.choices[0].finish_reason == "stop"
+    (g,) = generates(d1)
+    assert g.prefill_address == "" and g.token_ids == tokenizer.encode("Hi") and g.sampling.max_tokens == 100
+    assert g.deadline == pytest.approx(time.time() + 10, abs=2)
+    chunks = list(gateway.client.completions.create(model=MODEL, prompt="Hi", max_tokens=3, stream=True))
+    ids = tokenizer.encode(OUTPUT_TEXT, add_special_tokens=False)[:3]
+    assert "".join(c.choices[0].text for c in chunks) == tokenizer.decode(ids)
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert metric(gateway.base_url, 'pdserve:route_decisions_total{policy="prefix",result="local"}') == 2
+
+
+def test_disaggregated_first_token_from_prefill_is_put_in_order(gateway, tokenizer):
+    p1 = gateway.add("p1", role="prefill")
+    d1 = gateway.add("d1", peer=p1)
+    prompt = "The quick brown fox jumps over the lazy dog."  # > 4 uncached tokens: prefill on P
+    chunks = list(gateway.client.completions.create(model=MODEL, prompt=prompt, max_tokens=100, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == OUTPUT_TEXT
+    (g,) = generates(d1)
+    assert g.prefill_address == p1.address
+    assert metric(gateway.base_url, 'pdserve:route_decisions_total{policy="prefix",result="disaggregated"}') == 1
+
+
+def test_n2_is_one_generate_routed_by_index(gateway):
+    d1 = gateway.add("d1")
+    r = gateway.client.completions.create(model=MODEL, prompt="Hi", max_tokens=100, n=2)
+    assert [(c.index, c.text) for c in r.choices] == [(0, OUTPUT_TEXT), (1, OTHER_TEXT)]
+    (g,) = generates(d1)
+    assert g.sampling.n == 2
+
+
+def test_busy_goes_to_another_decode_worker_and_all_busy_is_503(gateway):
+    d1 = gateway.add("d1", mode="busy")  # lowest id: the first choice on a tie
+    d2 = gateway.add("d2")
+    r = gateway.client.completions.create(model=MODEL, prompt="Hi", max_tokens=100)
+    assert r.choices[0].text == OUTPUT_TEXT
+    assert len(generates(d1)) == 1 and len(generates(d2)) == 1
+    assert metric(gateway.base_url, 'pdserve:route_decisions_total{policy="prefix",result="busy"}') == 1
+    d2.mode = "busy"
+    r = httpx.post(gateway.base_url + "/v1/completions", json={"model": MODEL, "prompt": "Yo", "max_tokens": 5})
+    assert r.status_code == 503 and r.headers["Retry-After"] == "4"
+    assert "every decode worker is busy" in r.json()["error"]["message"]
+
+
+def test_no_worker_is_503_with_retry_after(gateway):
+    r = httpx.post(gateway.base_url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 5})
+    assert r.status_code == 503 and r.headers["Retry-After"] == "2"
+    assert r.json()["error"]["code"] == "no_capacity"
+
+
+def test_full_pool_waits_in_the_queue_then_503(gateway):
+    gateway.add("d1", kv_blocks_in_use=1000)  # registered, but no KV room
+    t0 = time.monotonic()
+    r = httpx.post(gateway.base_url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 5})
+    assert r.status_code == 503 and r.headers["Retry-After"] == "4"
+    assert time.monotonic() - t0 >= 0.3  # waited the queue timeout for room first
+    assert "KV room" in r.json()["error"]["message"]
+
+
+def test_client_disconnect_aborts_decode_and_prefill(gateway):
+    p1 = gateway.add("p1", role="prefill")
+    d1 = gateway.add("d1", peer=p1, token_delay_s=0.1)
+    body = {"model": MODEL, "prompt": "The quick brown fox jumps over the lazy dog.", "max_tokens": 100,
+            "stream": True}
+    with httpx.stream("POST", gateway.base_url + "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        next(line for line in r.iter_lines() if line.startswith("data: "))
+    (g,) = generates(d1)
+    for w in (d1, p1):
+        wait_until(lambda: any(isinstance(x, AbortRequest) and x.rid == g.rid for x in w.received),
+                   f"{w.worker_id} got no AbortRequest")
+
+
+def test_malformed_frames_are_counted_and_ignored(gateway):
+    gateway.add("d1")
+    ctx = zmq.Context()
+    junk = ctx.socket(zmq.DEALER)
+    junk.setsockopt(zmq.LINGER, 0)
+    junk.setsockopt(zmq.IDENTITY, b"junk")
+    junk.connect(gateway.backend.address)
+    junk.send(b"\xc1 not msgpack")
+    junk.send(encode(AbortRequest("x")))  # a valid record, but not one a worker sends
+    junk.send_multipart([b"a", b"b"])
+    hb = Heartbeat("d1", "decode", "tcp://evil", "inc-9", 4, 10, 10, 0, 0, 0, 0)
+    junk.send(encode(hb))  # claims another worker's id
+    wait_until(lambda: metric(gateway.base_url, "pdserve:worker_malformed_frames_total") == 4,
+               "malformed frames not counted")
+    assert gateway.backend._registry.get("d1").incarnation == "inc-1"
+    r = gateway.client.completions.create(model=MODEL, prompt="Hi", max_tokens=100)
+    assert r.choices[0].text == OUTPUT_TEXT
+    junk.close()
+    ctx.term()
+
+
+def test_worker_dying_before_first_token_is_retried_once_elsewhere(gateway):
+    d1 = gateway.add("d1", mode="die")
+    d2 = gateway.add("d2")
+    r = gateway.client.completions.create(model=MODEL, prompt="Hi", max_tokens=100)
+    assert r.choices[0].text == OUTPUT_TEXT
+    assert len(generates(d1)) == 1 and len(generates(d2)) == 1
+    assert metric(gateway.base_url, 'pdserve:route_decisions_total{policy="prefix",result="retry"}') == 1
+    assert worker_ids(gateway.base_url) == ["d2"]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_process_entry_serves_and_stops_on_sigterm(tok_dir, tmp_path):
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    http_port, worker_port = _free_port(), _free_port()
+    config = tmp_path / "gw.yaml"
+    config.write_text(f"model:\n  max_model_len: 128\ngateway:\n  worker_port: {worker_port}\n"
+                      f"  worker_heartbeat_s: 0.1\n  worker_timeout_s: 0.3\n")
+    proc = subprocess.Popen([sys.executable, "-m", "gateway", "--config", str(config), "--model", str(tok_dir),
+                             "--port", str(http_port), "--api-key", "k1", "--log-level", "warning"],
+                            cwd=Path(__file__).resolve().parents[1])
+    base = f"http://127.0.0.1:{http_port}"
+    worker = None
+    try:
+        def up() -> bool:
+            try:
+                return httpx.get(base + "/health").status_code == 200
+            except httpx.TransportError:
+                return False
+
+        wait_until(up, "gateway process did not start", timeout_s=20)
+        tok = Tokenizer(tok_dir)
+        worker = FakeWorker(f"tcp://127.0.0.1:{worker_port}", "d1",
+                            outputs=[tok.encode(OUTPUT_TEXT, add_special_tokens=False)])
+        wait_until(lambda: httpx.get(base + "/ready").status_code == 200, "worker did not register")
+        client = openai.OpenAI(base_url=base + "/v1", api_key="k1", max_retries=0)
+        r = client.completions.create(model=str(tok_dir), prompt="Hi", max_tokens=100)
+        assert r.choices[0].text == OUTPUT_TEXT
+        assert httpx.get(base + "/v1/workers").status_code == 401  # --api-key took effect
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0
+    finally:
+        if worker is not None:
+            worker.close()
+        if proc.poll() is None:
+            proc.kill()

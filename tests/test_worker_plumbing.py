@@ -1,0 +1,82 @@
+"""worker/: the gateway socket rejects bad frames and keeps going; HTTP endpoints; heartbeat timing."""
+
+from __future__ import annotations
+
+import sys
+import urllib.error
+import urllib.request
+
+import pytest
+import zmq
+from prometheus_client import CollectorRegistry
+
+from protocol.codec import decode, encode
+from protocol.serving import AbortRequest, Busy, Goodbye
+from protocol.zmq_util import bind, make_socket
+from worker import EngineMetrics, EngineSnapshot, HeartbeatTimer, WorkerSocket, serve_http
+
+
+def test_worker_socket_round_trip_and_rejects_bad_frames():
+    ctx = zmq.Context()
+    try:
+        router = make_socket(ctx, zmq.ROUTER)
+        ws = WorkerSocket(ctx, bind(router, "127.0.0.1", 0), "w1")
+        assert ws.send(Goodbye("w1"))
+        assert router.poll(5000)
+        identity, frame = router.recv_multipart()
+        assert identity == b"w1" and decode(frame) == Goodbye("w1")
+        for bad in [b"\xc1garbage", encode(Busy("r", "x")), encode(AbortRequest("r"))[:-1]]:
+            router.send_multipart([b"w1", bad])  # not msgpack / not a gateway message / truncated
+        router.send_multipart([b"w1", encode(AbortRequest("r9", "gone"))])
+        records = []
+        while not records:
+            records = ws.poll(1000)
+        assert records == [AbortRequest("r9", "gone")] and ws.num_rejected == 3
+        ws.close()
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_http_metrics_health_ready():
+    registry = CollectorRegistry()
+    metrics = EngineMetrics(registry)
+    metrics.update(EngineSnapshot(2, 1, 100, 25, 75, 64, 16, 0))
+    ready = [False]
+    handle = serve_http("127.0.0.1", 0, registry, lambda: ready[0])
+    url = f"http://127.0.0.1:{handle.port}"
+    try:
+        body = urllib.request.urlopen(url + "/metrics", timeout=5).read().decode()
+        assert "pdserve:kv_blocks_in_use 25.0" in body and "pdserve:kv_cache_usage_perc 0.25" in body
+        assert "pdserve:prefix_cache_hits_total 16.0" in body and "pdserve:num_requests_running 2.0" in body
+        assert urllib.request.urlopen(url + "/health", timeout=5).status == 200
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(url + "/ready", timeout=5)
+        assert info.value.code == 503
+        ready[0] = True
+        assert urllib.request.urlopen(url + "/ready", timeout=5).status == 200
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(url + "/nope", timeout=5)
+        assert info.value.code == 404
+    finally:
+        handle.close()
+    with pytest.raises(ValueError, match="refusing to bind all interfaces"):
+        serve_http("0.0.0.0", 0, registry, lambda: True)
+
+
+def test_heartbeat_timer_fires_at_once_then_per_interval():
+    now = [100.0]
+    timer = HeartbeatTimer(5.0, clock=lambda: now[0])
+    assert timer.due() and not timer.due()
+    now[0] = 104.9
+    assert not timer.due() and timer.seconds_left() == pytest.approx(0.1)
+    now[0] = 105.0
+    assert timer.due() and not timer.due()
+    timer.fire_now()
+    assert timer.due()
+
+
+def test_worker_package_is_torch_free():
+    import subprocess
+
+    code = "import sys, worker; assert 'torch' not in sys.modules, 'worker imported torch'"
+    subprocess.run([sys.executable, "-c", code], check=True)

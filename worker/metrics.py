@@ -1,0 +1,74 @@
+"""The engine-side series every node exports, vLLM suffixes under the ``pdserve:`` prefix.
+
+Torch-free on purpose: ``update`` takes plain numbers, so either node (and tests) can feed it.
+Counters that the engine keeps as running totals (prefix cache tokens, preemptions) are advanced by
+the difference since the last update, so Prometheus sees monotonic counters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+@dataclass(slots=True)
+class EngineSnapshot:
+    """Totals read from a node's block manager and scheduler at one moment."""
+
+    num_running: int
+    num_waiting: int
+    kv_blocks_total: int
+    kv_blocks_in_use: int  # referenced by live requests or reservations (excludes evictable cache)
+    kv_blocks_free: int  # free + evictable cached
+    prefix_query_tokens: int  # running totals since start
+    prefix_hit_tokens: int
+    num_preemptions: int
+
+
+class EngineMetrics:
+    def __init__(self, registry: CollectorRegistry):
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"pdserve:{name}", doc, registry=registry)
+
+        def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
+            return Counter(f"pdserve:{name}", doc, labels, registry=registry)
+
+        self.num_requests_running = gauge("num_requests_running", "Requests in the running batch")
+        self.num_requests_waiting = gauge("num_requests_waiting", "Requests queued (incl. waiting for KV)")
+        self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "Fraction of KV blocks in use, 0..1")
+        self.kv_blocks_in_use = gauge("kv_blocks_in_use", "KV blocks referenced by live requests or reservations")
+        self.kv_blocks_free = gauge("kv_blocks_free", "KV blocks free or evictable")
+        self.kv_blocks_total = gauge("kv_blocks_total", "KV blocks in the pool")
+        self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
+        self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache")
+        self.num_preemptions = counter("num_preemptions", "Sequences preempted (recomputed later)")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of admitted requests")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated")
+        self.request_success = counter("request_success", "Finished requests", ("finished_reason",))
+        self.request_failure = counter("request_failure", "Requests failed or refused", ("reason",))
+        self.time_to_first_token = Histogram(
+            "pdserve:time_to_first_token_seconds", "Arrival to first token on this node",
+            buckets=_LATENCY_BUCKETS, registry=registry)
+        self.inter_token_latency = Histogram(
+            "pdserve:inter_token_latency_seconds", "Between a completion's consecutive tokens",
+            buckets=_LATENCY_BUCKETS, registry=registry)
+        self.e2e_request_latency = Histogram(
+            "pdserve:e2e_request_latency_seconds", "Arrival to finish on this node",
+            buckets=_LATENCY_BUCKETS, registry=registry)
+        self._last = EngineSnapshot(0, 0, 0, 0, 0, 0, 0, 0)
+
+    def update(self, s: EngineSnapshot) -> None:
+        self.num_requests_running.set(s.num_running)
+        self.num_requests_waiting.set(s.num_waiting)
+        self.kv_blocks_in_use.set(s.kv_blocks_in_use)
+        self.kv_blocks_free.set(s.kv_blocks_free)
+        self.kv_blocks_total.set(s.kv_blocks_total)
+        self.kv_cache_usage_perc.set(s.kv_blocks_in_use / s.kv_blocks_total if s.kv_blocks_total else 0.0)
+        last = self._last
+        self.prefix_cache_queries.inc(max(s.prefix_query_tokens - last.prefix_query_tokens, 0))
+        self.prefix_cache_hits.inc(max(s.prefix_hit_tokens - last.prefix_hit_tokens, 0))
+        self.num_preemptions.inc(max(s.num_preemptions - last.num_preemptions, 0))
+        self._last = s
