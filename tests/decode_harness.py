@@ -58,9 +58,12 @@ class FakeGateway:
         raise TimeoutError("no matching record from the worker")
 
     def wait_heartbeat(self, check, timeout_s: float = 30.0) -> Heartbeat:
+        """The first heartbeat sent after this call began for which ``check`` holds (older ones may
+        describe the worker before the messages the test just sent)."""
         give_up = time.monotonic() + timeout_s
+        seen = len(self.heartbeats)
         while time.monotonic() < give_up:
-            if self.heartbeats and check(self.heartbeats[-1]):
+            if len(self.heartbeats) > seen and check(self.heartbeats[-1]):
                 return self.heartbeats[-1]
             try:
                 self.recv(0.1, until=lambda r: False)
