@@ -10,6 +10,7 @@ import sys
 SUBCOMMANDS = {
     "make-model": ("cluster.make_model", "write a random-weight Hugging Face checkpoint (demo/test model)"),
     "generate": ("cluster.generate", "offline generation in one process"),
+    "serve": ("cluster.serve", "a whole local cluster: gateway + prefill + decode workers"),
 }
 
 

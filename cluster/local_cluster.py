@@ -1,0 +1,117 @@
+"""A whole pdserve cluster on one machine: the gateway plus N prefill and M decode workers, each its own
+OS process (``python -m <role>``), supervised.
+
+- Workers bind port 0 (any free port) and find each other through the gateway they register with, so
+  only the gateway's two ports are fixed.
+- A member that exits on its own is restarted (with a short backoff); the count is kept per member.
+- ``stop`` sends SIGTERM to the workers first (they drain: finish in-flight work, deregister), then to
+  the gateway, and SIGKILLs whatever is still alive after the deadline. Children also get SIGTERM
+  from the kernel if this supervisor dies (PR_SET_PDEATHSIG), so no process is left behind.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+PR_SET_PDEATHSIG = 1
+RESTART_BACKOFF_S = 1.0
+
+
+def _die_with_parent() -> None:
+    # Runs in the child between fork and exec: ask the kernel for SIGTERM when the supervisor dies.
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass  # not Linux: stop() still cleans up on a normal exit
+
+
+@dataclass(slots=True)
+class Member:
+    name: str  # "gateway", "prefill-0", "decode-1", ...
+    argv: list[str]
+    proc: subprocess.Popen | None = None
+    restarts: int = 0
+    died_at: float | None = None  # when an unexpected exit was noticed (restart after the backoff)
+
+
+@dataclass(slots=True)
+class ClusterSpec:
+    config_path: str | None  # YAML handed to every member
+    env: dict[str, str]  # PDSERVE_* settings shared by every member (model path, ports, keys, ...)
+    num_prefill: int
+    num_decode: int
+    threads_per_worker: int
+    drain_timeout_s: float = 30.0
+    members: list[Member] = field(default_factory=list)
+
+
+def worker_argv(role: str, index: int, spec: ClusterSpec) -> list[str]:
+    argv = [sys.executable, "-m", f"{role}_node"]
+    if spec.config_path:
+        argv += ["--config", spec.config_path]
+    for key, value in ((f"{role}.port", 0), (f"{role}.http_port", 0), (f"{role}.worker_id", f"{role}-{index}"),
+                       ("engine.num_threads", spec.threads_per_worker)):
+        argv += ["--set", f"{key}={value}"]
+    if role == "decode":
+        argv += ["--set", "decode.kv_port=0"]
+    return argv
+
+
+class LocalCluster:
+    def __init__(self, spec: ClusterSpec):
+        self.spec = spec
+        gateway = [sys.executable, "-m", "gateway"] + (["--config", spec.config_path] if spec.config_path else [])
+        self.members = [Member("gateway", gateway)]
+        self.members += [Member(f"prefill-{i}", worker_argv("prefill", i, spec)) for i in range(spec.num_prefill)]
+        self.members += [Member(f"decode-{i}", worker_argv("decode", i, spec)) for i in range(spec.num_decode)]
+        self._stopping = False
+
+    def start(self) -> None:
+        for member in self.members:
+            self._launch(member)
+
+    def _launch(self, member: Member) -> None:
+        env = {**os.environ, **self.spec.env, "OMP_NUM_THREADS": str(self.spec.threads_per_worker)}
+        member.proc = subprocess.Popen(member.argv, env=env, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+        member.died_at = None
+
+    def supervise_once(self, now: float | None = None) -> list[str]:
+        """Restart members that exited on their own; returns the names restarted now."""
+        now = time.monotonic() if now is None else now
+        restarted = []
+        for member in self.members:
+            if self._stopping or member.proc is None or member.proc.poll() is None:
+                continue
+            if member.died_at is None:
+                member.died_at = now
+                print(f"pdserve: {member.name} exited with code {member.proc.returncode}; restarting", flush=True)
+            elif now - member.died_at >= RESTART_BACKOFF_S:
+                member.restarts += 1
+                self._launch(member)
+                restarted.append(member.name)
+        return restarted
+
+    def stop(self) -> None:
+        """Drain workers, then stop the gateway; nothing is left running afterwards."""
+        self._stopping = True
+        workers = [m for m in self.members if m.name != "gateway"]
+        gateway = [m for m in self.members if m.name == "gateway"]
+        for group in (workers, gateway):
+            for member in group:
+                if member.proc is not None and member.proc.poll() is None:
+                    member.proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + self.spec.drain_timeout_s + 5.0
+            for member in group:
+                if member.proc is None:
+                    continue
+                try:
+                    member.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    member.proc.kill()
+                    member.proc.wait()

@@ -1,0 +1,105 @@
+"""``pdserve serve``: the whole product on this machine — gateway + N prefill + M decode workers.
+
+Prints the URL at once and ``pdserve: ready`` when ``/ready`` answers 200. Ctrl-C or SIGTERM drains
+every worker and stops everything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+import urllib.error
+import urllib.request
+
+from cluster.local_cluster import ClusterSpec, LocalCluster
+from configs.schema import ConfigError, load_config
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="pdserve serve", description=__doc__.splitlines()[0])
+    p.add_argument("--model", help="HF directory or hub id (default: the embedded small model, made on first use)")
+    p.add_argument("--host", help="gateway interface (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="gateway HTTP port (default 8000)")
+    p.add_argument("--prefill", type=int, help="prefill workers (default 1; 0 = decode workers prefill locally)")
+    p.add_argument("--decode", type=int, help="decode workers (default 1)")
+    p.add_argument("--api-key", action="append", help="accepted API key; repeat for several")
+    p.add_argument("--config", help="YAML config file shared by every process")
+    p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for /ready")
+    return p.parse_args(argv)
+
+
+def cluster_env(args: argparse.Namespace, model: str, host: str, worker_port: int) -> dict[str, str]:
+    """Settings every member shares, passed as PDSERVE_* variables (they rank below each --set)."""
+    env = {"PDSERVE_MODEL_PATH": model}
+    if args.host:
+        env["PDSERVE_GATEWAY_HOST"] = args.host
+    if args.port is not None:
+        env["PDSERVE_GATEWAY_PORT"] = str(args.port)
+    if args.api_key:
+        env["PDSERVE_GATEWAY_API_KEYS"] = ",".join(args.api_key)
+    for role in ("PREFILL", "DECODE"):
+        env[f"PDSERVE_{role}_GATEWAY_ADDRESS"] = f"tcp://{host}:{worker_port}"
+    return env
+
+
+def wait_ready(url: str, cluster: LocalCluster, timeout_s: float) -> bool:
+    give_up = time.monotonic() + timeout_s
+    while time.monotonic() < give_up:
+        cluster.supervise_once()
+        try:
+            with urllib.request.urlopen(f"{url}/ready", timeout=2) as response:
+                if response.status == 200:
+                    return True
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.3)
+    return False
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    try:
+        config = load_config(args.config)
+    except ConfigError as exc:
+        print(f"pdserve serve: {exc}", file=sys.stderr)
+        return 2
+    model = args.model or config.model.path
+    if not model:
+        from cluster.default_model import default_model_dir  # made once, before any member starts
+
+        print("pdserve: preparing the embedded default model (first run only) ...", flush=True)
+        model = str(default_model_dir(config.model.cache_dir))
+    num_prefill = config.cluster.num_prefill if args.prefill is None else args.prefill
+    num_decode = config.cluster.num_decode if args.decode is None else args.decode
+    if num_prefill < 0 or num_decode < 1:
+        print("pdserve serve: needs --prefill >= 0 and --decode >= 1", file=sys.stderr)
+        return 2
+    host = args.host or config.gateway.host
+    port = config.gateway.port if args.port is None else args.port
+    threads = max(1, (os.cpu_count() or 1) // (num_prefill + num_decode))
+    spec = ClusterSpec(args.config, cluster_env(args, model, host, config.gateway.worker_port),
+                       num_prefill, num_decode, threads, drain_timeout_s=config.decode.drain_timeout_s)
+    cluster = LocalCluster(spec)
+    stop = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.append(True))
+    url = f"http://{host}:{port}"
+    print(f"pdserve: gateway {url}  ({num_prefill} prefill + {num_decode} decode workers, "
+          f"{threads} thread(s) each, model {model})", flush=True)
+    cluster.start()
+    try:
+        if not wait_ready(url, cluster, args.ready_timeout) and not stop:
+            print(f"pdserve: {url}/ready did not answer 200 within {args.ready_timeout:.0f} s", file=sys.stderr)
+            return 1
+        if not stop:
+            print(f"pdserve: ready — OpenAI API at {url}/v1", flush=True)
+        while not stop:
+            cluster.supervise_once()
+            time.sleep(0.5)
+        print("pdserve: draining and stopping ...", flush=True)
+        return 0
+    finally:
+        cluster.stop()
