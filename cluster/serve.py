@@ -72,6 +72,7 @@ def main(argv: list[str]) -> int:
 
         print("pdserve: preparing the embedded default model (first run only) ...", flush=True)
         model = str(default_model_dir(config.model.cache_dir))
+        os.environ.setdefault("PDSERVE_MODEL_SERVED_MODEL_NAME", "pdserve-small")
     num_prefill = config.cluster.num_prefill if args.prefill is None else args.prefill
     num_decode = config.cluster.num_decode if args.decode is None else args.decode
     if num_prefill < 0 or num_decode < 1:

@@ -30,6 +30,7 @@ class ModelConfig:
     dtype: str = _field("auto", choices=DTYPES)  # weights and KV dtype; auto: bfloat16 on GPU, float32 on CPU
     max_model_len: int | None = _field(None, minimum=1)  # context limit in tokens; None: the model's own
     cache_dir: str = ""  # where the embedded default model is made on first use; "" = ~/.cache/pdserve
+    served_model_name: str = ""  # the name clients put in "model"; "" = path as given (the default model: "pdserve-small")
 
 
 @dataclass(slots=True)

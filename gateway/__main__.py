@@ -17,6 +17,9 @@ from pathlib import Path
 from configs.schema import ConfigError, PdserveConfig, load_config
 
 
+DEFAULT_MODEL_NAME = "pdserve-small"  # what clients call the embedded default model
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m gateway", description="pdserve OpenAI-compatible gateway")
     p.add_argument("--config", help="YAML config file")
@@ -69,7 +72,7 @@ def build(config: PdserveConfig):
     backend = ZmqBackend(registry, metrics, ZmqBackendParams(
         g.host, g.worker_port, router, max_queued_requests=g.max_queued_requests, queue_timeout_s=g.queue_timeout_s,
         default_timeout_s=g.request_timeout_s))
-    name = config.model.path or path.name
+    name = config.model.served_model_name or config.model.path or DEFAULT_MODEL_NAME
     limits = ServingLimits(name, context_length(path, config.model.max_model_len),
                            request_timeout_s=g.request_timeout_s or None)
     params = GatewayParams(Tokenizer(path), backend, limits, api_keys=list(g.api_keys),
