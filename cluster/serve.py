@@ -80,7 +80,8 @@ def main(argv: list[str]) -> int:
         return 2
     host = args.host or config.gateway.host
     port = config.gateway.port if args.port is None else args.port
-    threads = max(1, (os.cpu_count() or 1) // (num_prefill + num_decode))
+    cores = len(os.sched_getaffinity(0))  # the cores this process may use (taskset, cgroups), not the host's
+    threads = max(1, cores // (num_prefill + num_decode))
     spec = ClusterSpec(args.config, cluster_env(args, model, host, config.gateway.worker_port),
                        num_prefill, num_decode, threads, drain_timeout_s=config.decode.drain_timeout_s)
     cluster = LocalCluster(spec)

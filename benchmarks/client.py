@@ -1,0 +1,166 @@
+"""Asyncio streaming client for the gateway's ``/v1/completions``: open loop (scheduled arrivals) or
+closed loop (a fixed number of requests in flight), recording each request's timeline.
+
+Every request sends token ids, greedy, ``ignore_eos`` and ``max_tokens`` = the workload's output
+length, with ``stream: true`` and ``stream_options.include_usage`` so the server's token count comes
+back in the last chunk. A chunk whose ``choices`` is non-empty carries tokens and is timestamped.
+
+While a run is in flight an optional sampler polls a worker's ``/metrics`` for KV blocks in use and
+pairs each reading with the tokens the client knows to be live (prompt + chunks received, for every
+request sent and not finished) — the data for the KV memory utilisation figure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+from benchmarks.serve_metrics import RequestTimeline
+from benchmarks.serve_workloads import Scheduled
+from benchmarks.workload import BenchRequest
+
+
+@dataclass(slots=True)
+class Target:
+    url: str  # gateway base URL, e.g. http://127.0.0.1:8000
+    model: str  # the served model id (from /v1/models)
+
+
+@dataclass(slots=True)
+class LiveTokens:
+    """Tokens of requests in flight, as the client sees them (chunks count as one token each, which can
+    only undercount: a chunk carries at least one token)."""
+
+    by_index: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_index.values())
+
+
+def request_body(target: Target, r: BenchRequest) -> dict:
+    return {
+        "model": target.model, "prompt": list(r.prompt_token_ids), "max_tokens": r.output_len,
+        "temperature": 0.0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+    }
+
+
+async def send_one(client: httpx.AsyncClient, target: Target, item: Scheduled, live: LiveTokens) -> RequestTimeline:
+    r = item.request
+    t = RequestTimeline(r.index, item.tag, r.prompt_len, r.output_len, send_s=time.perf_counter())
+    live.by_index[r.index] = r.prompt_len
+    try:
+        async with client.stream("POST", f"{target.url}/v1/completions", json=request_body(target, r)) as response:
+            if response.status_code != 200:
+                t.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                return t
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                now = time.perf_counter()
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    t.error = str(chunk["error"])[:200]
+                    return t
+                if chunk.get("choices"):
+                    t.chunk_s.append(now)
+                    live.by_index[r.index] += 1
+                if chunk.get("usage"):
+                    t.output_tokens = int(chunk["usage"]["completion_tokens"])
+        if t.output_tokens != r.output_len:
+            t.error = f"asked for {r.output_len} tokens, usage says {t.output_tokens}"
+    except httpx.HTTPError as exc:
+        t.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        live.by_index.pop(r.index, None)
+    return t
+
+
+def _client() -> httpx.AsyncClient:
+    return httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=httpx.Limits(max_connections=512))
+
+
+async def run_open_loop(target: Target, schedule: list[Scheduled], sampler: "KvSampler | None" = None
+                        ) -> tuple[list[RequestTimeline], float]:
+    """Sends each request at its ``at_s``; returns the timelines (workload order) and the wall time
+    from the start to the last response."""
+    live = LiveTokens()
+    async with _client() as client:
+        sampling = asyncio.create_task(sampler.run(client, live)) if sampler else None
+        start = time.perf_counter()
+        tasks = []
+        for item in schedule:
+            delay = start + item.at_s - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(send_one(client, target, item, live)))
+        timelines = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+        if sampling:
+            sampling.cancel()
+    return sorted(timelines, key=lambda t: t.index), duration
+
+
+async def run_closed_loop(target: Target, requests: list[BenchRequest], concurrency: int, tag: str,
+                          sampler: "KvSampler | None" = None) -> tuple[list[RequestTimeline], float]:
+    """``concurrency`` requests in flight at all times (a new one as soon as one finishes)."""
+    queue: asyncio.Queue[BenchRequest] = asyncio.Queue()
+    for r in requests:
+        queue.put_nowait(r)
+    live, timelines = LiveTokens(), []
+
+    async def worker(client: httpx.AsyncClient) -> None:
+        while not queue.empty():
+            r = queue.get_nowait()
+            timelines.append(await send_one(client, target, Scheduled(0.0, r, tag), live))
+
+    async with _client() as client:
+        sampling = asyncio.create_task(sampler.run(client, live)) if sampler else None
+        start = time.perf_counter()
+        await asyncio.gather(*(worker(client) for _ in range(concurrency)))
+        duration = time.perf_counter() - start
+        if sampling:
+            sampling.cancel()
+    return sorted(timelines, key=lambda t: t.index), duration
+
+
+def parse_metric(body: str, name: str) -> float:
+    """Sum of every sample of ``name`` (any labels) in a Prometheus text exposition."""
+    total = 0.0
+    for line in body.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+@dataclass(slots=True)
+class KvSampler:
+    """Pairs the decode workers' KV blocks in use with the client's live tokens. A reading counts only
+    when the workers' running requests equal the client's in-flight ones before and after the poll:
+    then every live token's request holds its blocks, and none is queued or finished unseen."""
+
+    metrics_urls: list[str]  # /metrics of every worker that holds decode KV
+    block_size: int
+    interval_s: float = 0.25
+    samples: list[tuple[int, int]] = field(default_factory=list)  # (live tokens, allocated slots)
+    num_discarded: int = 0
+
+    async def run(self, client: httpx.AsyncClient, live: LiveTokens) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            in_flight, before = len(live.by_index), live.total
+            try:
+                bodies = [(await client.get(url, timeout=5.0)).text for url in self.metrics_urls]
+            except httpx.HTTPError:
+                continue
+            running = sum(parse_metric(b, "pdserve:num_requests_running") for b in bodies)
+            blocks = sum(parse_metric(b, "pdserve:kv_blocks_in_use") for b in bodies)
+            if not in_flight or running != in_flight or len(live.by_index) != in_flight:
+                self.num_discarded += 1
+                continue
+            # Average the client's view over the poll, which took a few milliseconds.
+            self.samples.append(((before + live.total) // 2, int(blocks) * self.block_size))

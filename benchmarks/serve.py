@@ -1,0 +1,165 @@
+"""Serving benchmark: pdserve disaggregated vs colocated vs prefix cache off vs transformers static
+batching, side by side in one run, on the ``small`` model.
+
+    python -m benchmarks.serve [--quick] [--plots-dir docs] [--json FILE]
+
+1. transformers static batching (batch 16, offline, greedy, EOS ignored) on the mixed workload, with
+   torch threads = the benchmark's cores.
+2. For each pdserve system (benchmarks/serve_plan.py): start ``pdserve serve`` pinned to the same
+   cores, warm it up, then run its workloads with the streaming client (benchmarks/client.py):
+   mixed at Poisson rates, mixed closed loop (16 in flight, for throughput and KV utilisation),
+   shared prefix at one Poisson rate, interference (short stream + 2048-token bursts). CPU-seconds
+   and peak RSS of each process of the serve tree are read from /proc around the runs.
+3. The table, per-process costs, the targets next to the measured values, optional plots and JSON;
+   the last line is ``vs_hf_static=<x> tpot_p99_disagg_vs_coloc=<y> prefix_ttft_gain=<z>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import os
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks import serve_workloads as workloads
+from benchmarks.client import KvSampler, Target, run_closed_loop, run_open_loop
+from benchmarks.serve_launcher import ServedSystem
+from benchmarks.serve_metrics import Slo, kv_utilization, summarize
+from benchmarks.serve_plan import STATIC_BATCH_SIZE, Plan, SystemSpec, plan
+from benchmarks.serve_procs import cpu_delta, sample_tree, self_sample
+from benchmarks.serve_report import HEADER, Report, make_run, print_procs, print_targets, run_row, write_json
+from benchmarks.workload import BenchRequest
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.serve", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="smaller workloads, fewer rates (< 10 min on 2 cores)")
+    p.add_argument("--model", default=None, help="HF model directory (default: the cached llama-small)")
+    p.add_argument("--cpus", default=None, help="CPU list for every system, e.g. 0,1 (default: this process's)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--slo-ttft", type=float, default=2.0, help="goodput TTFT SLO, seconds")
+    p.add_argument("--slo-tpot", type=float, default=0.1, help="goodput TPOT SLO, seconds")
+    p.add_argument("--plots-dir", default=None, help="write PNG plots here (needs matplotlib: the 'plots' extra)")
+    p.add_argument("--json", default=None, help="write every number to this JSON file")
+    p.add_argument("--skip-hf", action="store_true", help="no transformers baseline (vs_hf_static is nan)")
+    return p.parse_args(argv)
+
+
+def prompt_vocab(model_dir: Path) -> int:
+    """Token ids the gateway accepts: its tokenizer's vocabulary (it may be smaller than the model's)."""
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(model_dir / "tokenizer.json")).get_vocab_size()
+
+
+def run_hf_static(model_dir: Path, requests: list[BenchRequest], threads: int, report: Report) -> None:
+    import torch
+
+    from benchmarks import hf_baseline
+
+    torch.set_num_threads(threads)
+    model = hf_baseline.load_hf_model(model_dir)
+    hf_baseline.generate_batch(model, [r.prompt_token_ids[:16] for r in requests[:2]], 2)  # warm-up
+    result = hf_baseline.run_static_batching(model, requests, STATIC_BATCH_SIZE)
+    report.hf_tps = result.tokens_per_s
+    me = self_sample("benchmark (hf)")
+    report.hf_row = (f"{'hf':<9}{'mixed':<20}{f'offline b={STATIC_BATCH_SIZE}':<17}"
+                     f"{f'{len(requests)}/{len(requests)}':>7}{result.tokens_per_s:>10.1f}   "
+                     f"(wall {result.wall_s:.1f} s, {result.cpu_s:.1f} CPU-s, {threads} threads, "
+                     f"process peak RSS {me.peak_rss_mb:.0f} MB)")
+    print(report.hf_row, flush=True)
+
+
+def warm_up(target: Target, vocab: int) -> None:
+    requests = [BenchRequest(i, tuple((7 * i + j) % vocab for j in range(24 + 8 * i)), 4) for i in range(2)]
+    asyncio.run(run_closed_loop(target, requests, 2, "warmup"))
+
+
+def run_system(spec: SystemSpec, p: Plan, args, model_dir: Path, vocab: int, cpus: set[int],
+               workdir: Path, report: Report) -> None:
+    system = ServedSystem(spec.name, model_dir, workdir, cpus, spec.num_prefill, spec.num_decode, spec.sections)
+    try:
+        target = Target(system.url, system.model)
+        warm_up(target, vocab)
+        system.wait_idle()
+        before = sample_tree(system.proc.pid)
+        slo = Slo(args.slo_ttft, args.slo_tpot)
+
+        def record(workload: str, load: str, rate: float, timelines, duration) -> None:
+            for tag in sorted({t.tag for t in timelines}) if workload == "interference" else [None]:
+                picked = [t for t in timelines if tag is None or t.tag == tag]
+                name = workload if tag is None else f"{workload}:{tag}"
+                run = make_run(spec.name, name, load, rate, summarize(picked, duration, slo), picked)
+                report.runs.append(run)
+                print(run_row(run), flush=True)
+            system.wait_idle()
+
+        if "mixed_rates" in spec.workloads:
+            mixed = workloads.mixed(vocab, p.rate_requests, args.seed)
+            for rate in p.rates_rps:
+                schedule = workloads.poisson_schedule(mixed, rate, "mixed", args.seed)
+                record("mixed", f"poisson {rate:g} rps", rate, *asyncio.run(run_open_loop(target, schedule)))
+        if "mixed_closed" in spec.workloads:
+            sampler = KvSampler(system.metrics_urls("decode"), spec.sections.get("engine", {}).get("block_size", 16))
+            mixed = workloads.mixed(vocab, p.closed_requests, args.seed)
+            result = asyncio.run(run_closed_loop(target, mixed, p.concurrency, "mixed", sampler))
+            record("mixed", f"closed c={p.concurrency}", float("inf"), *result)
+            report.kv_util[spec.name] = (kv_utilization(sampler.samples), len(sampler.samples), sampler.num_discarded)
+        if "prefix" in spec.workloads:
+            prefix = workloads.shared_prefix(workloads.SharedPrefixSpec(vocab, p.prefix_requests, seed=args.seed))
+            schedule = workloads.poisson_schedule(prefix, p.prefix_rate_rps, "prefix", args.seed)
+            record("prefix", f"poisson {p.prefix_rate_rps:g} rps", p.prefix_rate_rps,
+                   *asyncio.run(run_open_loop(target, schedule)))
+        if "interference" in spec.workloads:
+            schedule = workloads.interference(workloads.InterferenceSpec(
+                vocab, p.short_requests, p.short_rate_rps, num_bursts=p.num_bursts, burst_size=p.burst_size,
+                seed=args.seed))
+            record("interference", f"{p.short_rate_rps:g} rps+bursts", p.short_rate_rps,
+                   *asyncio.run(run_open_loop(target, schedule)))
+        report.procs += [(spec.name, s) for s in cpu_delta(before, sample_tree(system.proc.pid))]
+        print(f"  ({spec.name}: {system.threads_per_worker} thread(s) per worker; log {system.log_path})", flush=True)
+    finally:
+        system.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    started = time.perf_counter()
+    cpus = {int(c) for c in args.cpus.split(",")} if args.cpus else os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)  # the client and the offline baseline share the systems' cores
+    from cluster.default_model import default_model_dir
+
+    model_dir = Path(args.model) if args.model else default_model_dir()
+    vocab = prompt_vocab(model_dir)
+    p = plan(args.quick)
+    print(f"pdserve serving benchmark{' (--quick)' if args.quick else ''}: model {model_dir}, cpus {sorted(cpus)}, "
+          f"{platform.processor() or platform.machine()}, {datetime.datetime.now():%Y-%m-%d %H:%M}; "
+          f"prompt ids from a vocab of {vocab}; SLO TTFT {args.slo_ttft} s, TPOT {args.slo_tpot} s")
+    report = Report()
+    print(f"\n{HEADER}", flush=True)
+    if not args.skip_hf:
+        run_hf_static(model_dir, workloads.mixed(vocab, p.hf_requests, args.seed), len(cpus), report)
+    logs = Path(tempfile.mkdtemp(prefix="pdserve-bench-"))  # kept: each system's serve log
+    for spec in p.systems:
+        run_system(spec, p, args, model_dir, vocab, cpus, logs, report)
+    print_procs(report)
+    headline = print_targets(report)
+    if args.json:
+        write_json(report, Path(args.json), {"quick": args.quick, "cpus": sorted(cpus), "model": str(model_dir)})
+    if args.plots_dir:
+        from benchmarks.plots import write_plots
+
+        for path in write_plots(report, Path(args.plots_dir)):
+            print(f"plot: {path}")
+    print(f"(total {time.perf_counter() - started:.0f} s)")
+    print(f"vs_hf_static={headline[0]:.2f} tpot_p99_disagg_vs_coloc={headline[1]:.2f} prefix_ttft_gain={headline[2]:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,66 @@
+"""What the serving benchmark runs: the systems under test and, per mode, the workload sizes and loads.
+
+Systems (each its own ``pdserve serve``, the same cores):
+- disagg: 1 prefill + 1 decode worker, one core each (``pdserve serve`` gives each worker
+  cores // workers threads).
+- coloc: ``--prefill 0 --decode 1``: the decode worker prefills locally on all the cores.
+- nocache: disagg with ``engine.enable_prefix_caching=false``.
+The transformers static-batching baseline (batch 16) runs offline on the mixed workload, same cores.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+STATIC_BATCH_SIZE = 16
+
+
+@dataclass(slots=True, frozen=True)
+class SystemSpec:
+    name: str
+    num_prefill: int
+    num_decode: int
+    sections: dict  # YAML config sections given to pdserve serve
+    workloads: tuple[str, ...]  # which of "mixed_rates", "mixed_closed", "prefix", "interference" it runs
+
+
+@dataclass(slots=True, frozen=True)
+class Plan:
+    hf_requests: int  # mixed requests for the offline transformers baseline (multiple of 16)
+    closed_requests: int  # mixed requests in the closed-loop (throughput) run
+    concurrency: int  # closed loop: requests in flight, the baseline's batch size
+    rate_requests: int  # mixed requests per Poisson rate
+    rates_rps: tuple[float, ...]  # Poisson rates for latency vs load
+    prefix_requests: int
+    prefix_rate_rps: float
+    short_requests: int  # interference: short decode-heavy requests
+    short_rate_rps: float
+    num_bursts: int
+    burst_size: int  # 2048-token prompts per burst
+    systems: tuple[SystemSpec, ...] = field(default=())
+
+
+def _sections(prefix_caching: bool = True) -> dict:
+    # Long enough for 2048-token prompts; pools sized so no workload preempts.
+    return {"model": {"max_model_len": 4096},
+            "engine": {"enable_prefix_caching": prefix_caching, "max_num_seqs": 64, "kv_cache_memory_mb": 1024}}
+
+
+def systems(quick: bool) -> tuple[SystemSpec, ...]:
+    everything = ("mixed_rates", "mixed_closed", "prefix", "interference")
+    return (
+        SystemSpec("disagg", 1, 1, _sections(), everything),
+        SystemSpec("coloc", 0, 1, _sections(), everything if not quick else ("mixed_rates", "mixed_closed", "interference")),
+        SystemSpec("nocache", 1, 1, _sections(prefix_caching=False),
+                   ("mixed_closed", "prefix") + (() if quick else ("mixed_rates",))),
+    )
+
+
+def plan(quick: bool) -> Plan:
+    if quick:
+        return Plan(hf_requests=32, closed_requests=32, concurrency=STATIC_BATCH_SIZE, rate_requests=12,
+                    rates_rps=(0.5, 1.0), prefix_requests=16, prefix_rate_rps=1.0, short_requests=24,
+                    short_rate_rps=1.5, num_bursts=2, burst_size=2, systems=systems(True))
+    return Plan(hf_requests=64, closed_requests=64, concurrency=STATIC_BATCH_SIZE, rate_requests=32,
+                rates_rps=(0.25, 0.5, 1.0, 2.0), prefix_requests=48, prefix_rate_rps=0.5, short_requests=72,
+                short_rate_rps=1.5, num_bursts=4, burst_size=2, systems=systems(False))

@@ -1,0 +1,105 @@
+"""The serving benchmark's tables, targets and headline (plain text on stdout), and its JSON record."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from benchmarks.serve_metrics import RequestTimeline, Summary
+from benchmarks.serve_procs import ProcSample
+
+TARGET_VS_STATIC = 2.0
+TARGET_TPOT_RATIO = 0.5
+TARGET_PREFIX_GAIN = 3.0
+TARGET_KV_UTIL = 0.95
+
+
+@dataclass(slots=True)
+class Run:
+    system: str
+    workload: str  # "mixed", "prefix", "interference:short", ...
+    load: str  # "closed c=16", "poisson 1.0 rps"
+    rate_rps: float  # offered rate (inf for closed loop)
+    summary: Summary
+    tpots: list[float] = field(default_factory=list)  # per request, for the distribution plot
+
+
+@dataclass(slots=True)
+class Report:
+    runs: list[Run] = field(default_factory=list)
+    procs: list[tuple[str, ProcSample]] = field(default_factory=list)  # (system, process)
+    hf_tps: float = math.nan
+    hf_row: str = ""
+    kv_util: dict[str, tuple[float, int, int]] = field(default_factory=dict)  # system -> (util, samples, discarded)
+
+    def find(self, system: str, workload: str, load_prefix: str = "") -> Run | None:
+        return next((r for r in self.runs if r.system == system and r.workload == workload
+                     and r.load.startswith(load_prefix)), None)
+
+
+def make_run(system: str, workload: str, load: str, rate: float, summary: Summary,
+             timelines: list[RequestTimeline]) -> Run:
+    tpots = [t.tpot for t in timelines if t.ok and t.tpot is not None]
+    return Run(system, workload, load, rate, summary, tpots)
+
+
+HEADER = (f"{'system':<9}{'workload':<20}{'load':<17}{'ok':>7}{'out tok/s':>10}{'TTFT p50':>9}{'p99':>8}"
+          f"{'TPOT p50':>9}{'p99':>8}{'ITL p99':>8}{'e2e p50':>8}{'good':>6}")
+
+
+def _ms(x: float) -> str:
+    return "nan" if math.isnan(x) else f"{x * 1000:.0f}"
+
+
+def run_row(r: Run) -> str:
+    s = r.summary
+    return (f"{r.system:<9}{r.workload:<20}{r.load:<17}{f'{s.num_ok}/{s.num_requests}':>7}{s.output_tps:>10.1f}"
+            f"{_ms(s.ttft['p50']):>9}{_ms(s.ttft['p99']):>8}{_ms(s.tpot['p50']):>9}{_ms(s.tpot['p99']):>8}"
+            f"{_ms(s.itl['p99']):>8}{_ms(s.e2e['p50']):>8}{s.goodput_share:>6.2f}")
+
+
+def print_procs(report: Report) -> None:
+    print(f"\n{'system':<9}{'process':<16}{'CPU-s':>8}{'peak RSS MB':>13}   (CPU over the measured runs)")
+    for system, p in report.procs:
+        print(f"{system:<9}{p.name:<16}{p.cpu_s:>8.1f}{p.peak_rss_mb:>13.0f}")
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b and not math.isnan(a) and not math.isnan(b) else math.nan
+
+
+def _verdict(ok: bool) -> str:
+    return "MET" if ok else "NOT MET"
+
+
+def print_targets(report: Report) -> tuple[float, float, float]:
+    """The four targets next to the measured values; returns the headline's three numbers."""
+    closed = report.find("disagg", "mixed", "closed")
+    vs_static = _ratio(closed.summary.output_tps if closed else math.nan, report.hf_tps)
+    dis, col = report.find("disagg", "interference:short"), report.find("coloc", "interference:short")
+    tpot_ratio = _ratio(dis.summary.tpot["p99"] if dis else math.nan, col.summary.tpot["p99"] if col else math.nan)
+    cached, uncached = report.find("disagg", "prefix"), report.find("nocache", "prefix")
+    gain = _ratio(uncached.summary.ttft["p50"] if uncached else math.nan, cached.summary.ttft["p50"] if cached else math.nan)
+    print("\ntargets:")
+    print(f"  mixed output throughput, disagg closed loop / hf static batch=16: {vs_static:.2f}x "
+          f"(target >= {TARGET_VS_STATIC}x) {_verdict(vs_static >= TARGET_VS_STATIC)}")
+    print(f"  interference short-request TPOT p99, disagg / coloc: {tpot_ratio:.2f} "
+          f"(target <= {TARGET_TPOT_RATIO}) {_verdict(tpot_ratio <= TARGET_TPOT_RATIO)}")
+    print(f"  shared-prefix TTFT p50, cache off / cache on: {gain:.2f}x "
+          f"(target >= {TARGET_PREFIX_GAIN}x) {_verdict(gain >= TARGET_PREFIX_GAIN)}")
+    for system, (util, n, dropped) in report.kv_util.items():
+        print(f"  KV memory utilisation ({system} decode, live tokens / allocated slots, {n} samples, "
+              f"{dropped} dropped): {util:.3f} (target >= {TARGET_KV_UTIL}) {_verdict(util >= TARGET_KV_UTIL)}")
+    return vs_static, tpot_ratio, gain
+
+
+def write_json(report: Report, path: Path, meta: dict) -> None:
+    record = {"meta": meta, "hf_static_tps": report.hf_tps, "kv_util": report.kv_util,
+              "runs": [{**asdict(r.summary), "output_tps": r.summary.output_tps, "system": r.system,
+                        "workload": r.workload, "load": r.load, "rate_rps": r.rate_rps, "tpots": r.tpots}
+                       for r in report.runs],
+              "procs": [{"system": s, **asdict(p)} for s, p in report.procs]}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=1, default=str))
