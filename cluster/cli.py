@@ -6,11 +6,15 @@ from __future__ import annotations
 import importlib
 import sys
 
-# subcommand -> (module with a main(argv) function, one-line help)
+# subcommand -> ("module" with a main(argv) function, or "module:function"; one-line help)
 SUBCOMMANDS = {
     "make-model": ("cluster.make_model", "write a random-weight Hugging Face checkpoint (demo/test model)"),
     "generate": ("cluster.generate", "offline generation in one process"),
     "serve": ("cluster.serve", "a whole local cluster: gateway + prefill + decode workers"),
+    "gateway": ("cluster.roles:gateway_main", "run the gateway alone (containers, Kubernetes)"),
+    "prefill": ("cluster.roles:prefill_main", "run one prefill worker (containers, Kubernetes)"),
+    "decode": ("cluster.roles:decode_main", "run one decode worker (containers, Kubernetes)"),
+    "status": ("cluster.status", "the workers registered with a gateway and their load"),
 }
 
 
@@ -30,8 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     if name not in SUBCOMMANDS:
         print(f"pdserve: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
         return 2
-    module = importlib.import_module(SUBCOMMANDS[name][0])
-    return module.main(rest) or 0
+    module_name, _, function = SUBCOMMANDS[name][0].partition(":")
+    entry = getattr(importlib.import_module(module_name), function or "main")
+    return entry(rest) or 0
 
 
 if __name__ == "__main__":

@@ -7,6 +7,9 @@ OS process (``python -m <role>``), supervised.
 - ``stop`` sends SIGTERM to the workers first (they drain: finish in-flight work, deregister), then to
   the gateway, and SIGKILLs whatever is still alive after the deadline. Children also get SIGTERM
   from the kernel if this supervisor dies (PR_SET_PDEATHSIG), so no process is left behind.
+- A worker killed outright cannot unlink its /dev/shm files (KV pool, fence); their names carry its
+  pid (``pdserve-<kind>-<pid>-<uuid>``, kvtransfer/shm_pool.py), so the supervisor removes them when it
+  sees the process gone, before a restart and at stop.
 """
 
 from __future__ import annotations
@@ -21,6 +24,25 @@ from dataclasses import dataclass, field
 
 PR_SET_PDEATHSIG = 1
 RESTART_BACKOFF_S = 1.0
+SHM_DIR = "/dev/shm"
+
+
+def remove_shm_segments(pid: int, shm_dir: str = SHM_DIR) -> list[str]:
+    """Unlink the shared-memory files a (dead) worker with ``pid`` left; returns their names."""
+    try:
+        names = os.listdir(shm_dir)
+    except OSError:
+        return []  # no /dev/shm here: nothing was ever shared
+    removed = []
+    for name in names:
+        parts = name.split("-")  # pdserve, kind, pid, uuid
+        if len(parts) == 4 and parts[0] == "pdserve" and parts[2] == str(pid):
+            try:
+                os.unlink(os.path.join(shm_dir, name))
+                removed.append(name)
+            except FileNotFoundError:
+                pass
+    return removed
 
 
 def _die_with_parent() -> None:
@@ -90,6 +112,7 @@ class LocalCluster:
                 continue
             if member.died_at is None:
                 member.died_at = now
+                remove_shm_segments(member.proc.pid)
                 print(f"pdserve: {member.name} exited with code {member.proc.returncode}; restarting", flush=True)
             elif now - member.died_at >= RESTART_BACKOFF_S:
                 member.restarts += 1
@@ -115,3 +138,4 @@ class LocalCluster:
                 except subprocess.TimeoutExpired:
                     member.proc.kill()
                     member.proc.wait()
+                remove_shm_segments(member.proc.pid)  # a clean exit left none; a killed one may have

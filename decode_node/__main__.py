@@ -1,12 +1,13 @@
 """``python -m decode_node --config FILE [--set section.field=value ...]``: run one decode worker.
 
-Prints one line ``READY http_port=<p> kv_address=<endpoint> worker_id=<id>`` on stdout once serving
+Prints one line ``READY http_port=<p> kv_address=<endpoint> worker_id=<id> pid=<pid>`` on stdout once serving
 (tests and supervisors asking for port 0 read the ports from it). SIGTERM drains, then exits 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from configs.schema import ConfigError, load_config
@@ -39,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     node = DecodeNode.start(config)
     install_drain(node.server.request_drain)
     print(f"READY http_port={node.http.port} kv_address={node.server.options.kv_address} "
-          f"worker_id={node.server.options.worker_id}", flush=True)
+          f"worker_id={node.server.options.worker_id} pid={os.getpid()}", flush=True)
     try:
         node.server.run()
     finally:

@@ -7,6 +7,7 @@ caller runs ``node.server.run()`` on the thread that owns the sockets and calls 
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 import zmq
@@ -21,6 +22,7 @@ from kvtransfer.channel import ZmqServer
 from kvtransfer.compat import new_incarnation
 from kvtransfer.metrics import TransferMetrics
 from kvtransfer.receiver import KVReceiver
+from kvtransfer.shm_pool import SharedTensor, create_shared
 from worker import EngineMetrics, HttpHandle, WorkerSocket, default_worker_id, kv_model_name, serve_http
 
 log = logging.getLogger(__name__)
@@ -38,6 +40,7 @@ class DecodeNode:
     http: HttpHandle
     registry: CollectorRegistry
     ctx: zmq.Context
+    shm_pool: SharedTensor | None = None  # the KV pool's /dev/shm file when the shm transport is offered
 
     @classmethod
     def start(cls, config: PdserveConfig, ctx: zmq.Context | None = None) -> DecodeNode:
@@ -46,9 +49,11 @@ class DecodeNode:
         model_path = config.model.path or str(default_model_dir(config.model.cache_dir))
         engine = build_engine(model_path, config.model, config.engine)
         registry = CollectorRegistry()
+        shm_pool = _share_pool(engine, config.transfer.transport)
         kv_server = ZmqServer(ctx, dc.host, dc.kv_port, max_msg_size=config.transfer.max_frame_bytes)
         receiver = KVReceiver(engine.runner.kv_pool, kv_model_name(config.model.path), kv_server,
-                              _keep_with_sequence, TransferMetrics(registry), lease_s=config.transfer.lease_seconds)
+                              _keep_with_sequence, TransferMetrics(registry), lease_s=config.transfer.lease_seconds,
+                              shm_pool_name=shm_pool.name if shm_pool else None)
         worker_id = dc.worker_id or default_worker_id("decode")
         options = DecodeOptions(worker_id, kv_server.endpoint, new_incarnation(),
                                 heartbeat_s=config.gateway.worker_heartbeat_s or 5.0,
@@ -59,10 +64,25 @@ class DecodeNode:
         log.info("decode worker %s: kv %s, http %s:%d, gateway %s, %d KV blocks of %d tokens", worker_id,
                  kv_server.endpoint, dc.host, http.port, dc.gateway_address, engine.block_manager.num_blocks,
                  engine.block_manager.block_size)
-        return cls(server, receiver, http, registry, ctx)
+        return cls(server, receiver, http, registry, ctx, shm_pool)
 
     def close(self) -> None:
         self.http.close()
         self.server.gateway.close()
         self.server.prefill.close()
         self.receiver.close()
+        if self.shm_pool is not None:
+            self.shm_pool.unlink()  # peers that mapped it keep their mapping; the name goes now
+
+
+def _share_pool(engine, transport: str) -> SharedTensor | None:
+    """Move a CPU KV pool into /dev/shm so a same-host prefill worker writes straight into reserved
+    blocks (the shm transport). The file name carries our pid: a supervisor that sees this process
+    die removes ``pdserve-*-<pid>-*`` (cluster/local_cluster.py)."""
+    pool = engine.runner.kv_pool
+    if transport not in ("auto", "shm") or pool.tensor.is_cuda:
+        return None
+    shared = create_shared(pool.layout.shape, pool.layout.dtype, prefix=f"kv-{os.getpid()}")
+    shared.tensor.copy_(pool.tensor)  # a fresh pool is zeros, but keep whatever was there
+    pool.tensor = shared.tensor  # the runner reads pool.tensor on every step; nothing cached it yet
+    return shared

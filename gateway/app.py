@@ -48,7 +48,13 @@ def error_response(e: APIError) -> JSONResponse:
 
 
 async def read_json(request: Request, max_bytes: int):
-    """The body parsed as JSON; 413 past ``max_bytes`` (checked before and while reading), 400 if malformed."""
+    """The body parsed as JSON; 413 past ``max_bytes`` (checked before and while reading), 400 if malformed,
+    415 when it is declared as something other than JSON (a browser may send text/plain or a form
+    cross-site without a CORS preflight; refusing those keeps such pages from driving the API)."""
+    media_type = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
+    if media_type != "application/json" and not media_type.endswith("+json"):
+        raise APIError(415, f"content-type must be application/json, got {media_type[:100]!r}",
+                       code="unsupported_media_type")
     too_large = APIError(413, f"request body is larger than the limit of {max_bytes} bytes",
                          code="request_too_large")
     declared = request.headers.get("content-length")
@@ -60,9 +66,18 @@ async def read_json(request: Request, max_bytes: int):
         if len(body) > max_bytes:
             raise too_large
     try:
-        return json.loads(body)
+        parsed = json.loads(body)
+        # "\ud800" is valid JSON but not text: it would fail later, in the tokenizer or in the UTF-8
+        # encoding of an error message that quotes it (a 500); refuse it here, as malformed input.
+        json.dumps(parsed, ensure_ascii=False).encode("utf-8")
+        return parsed
+    except UnicodeEncodeError:
+        raise bad_request("request body has a string with a lone surrogate (\\ud800-\\udfff); "
+                          "strings must be valid Unicode") from None
     except (ValueError, UnicodeDecodeError) as e:
         raise bad_request(f"request body is not valid JSON: {str(e)[:200]}") from None
+    except RecursionError:  # json recurses once per nesting level: [[[[...]]]] must not be a 500
+        raise bad_request("request body is nested too deeply") from None
 
 
 def build_app(params: GatewayParams) -> Starlette:
@@ -116,7 +131,8 @@ def build_app(params: GatewayParams) -> Starlette:
     async def detokenize(request: Request):
         authorize(request)
         body = await read_json(request, params.max_body_bytes)
-        if not isinstance(body, dict) or not isinstance(body.get("tokens"), list):
+        tokens = body.get("tokens") if isinstance(body, dict) else None
+        if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
             raise bad_request("tokens must be a list of token ids", "tokens")
         serving.check_model(body.get("model"))
         ids = serving.tokenize_prompt(body["tokens"], "tokens") if body["tokens"] else []

@@ -14,6 +14,7 @@ from .request_fields import Fields
 
 MAX_N = 16  # completions per prompt
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
+MAX_SCALE = 2.0 ** 16  # temperature and repetition_penalty: the engine (SamplingParams) refuses more
 MAX_PROMPTS = 64  # prompts in one completion request
 
 
@@ -47,14 +48,14 @@ def _common(f: Fields, chat: bool) -> dict:
     if max_tokens is None:
         max_tokens = f.int("max_tokens", None, lo=1)
     sampling = dict(
-        temperature=f.float("temperature", 1.0, lo=0.0),
+        temperature=f.float("temperature", 1.0, lo=0.0, hi=MAX_SCALE),
         top_p=f.float("top_p", 1.0, lo=0.0, hi=1.0, lo_open=True),
         top_k=f.int("top_k", 0, lo=-1),
         min_p=f.float("min_p", 0.0, lo=0.0, hi=1.0),
         seed=f.int("seed", None),
         presence_penalty=f.float("presence_penalty", 0.0, lo=-2.0, hi=2.0),
         frequency_penalty=f.float("frequency_penalty", 0.0, lo=-2.0, hi=2.0),
-        repetition_penalty=f.float("repetition_penalty", 1.0, lo=0.0, lo_open=True),
+        repetition_penalty=f.float("repetition_penalty", 1.0, lo=0.0, hi=MAX_SCALE, lo_open=True),
         min_tokens=f.int("min_tokens", 0, lo=0),
         stop_token_ids=f.token_ids("stop_token_ids"),
         ignore_eos=f.bool("ignore_eos", False),

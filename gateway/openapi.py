@@ -8,8 +8,39 @@ _JSON = {"application/json": {"schema": {"type": "object"}}}
 _ERROR = {"description": "OpenAI error object", "content": _JSON}
 
 
-def _post(summary: str) -> dict:
-    return {"post": {"summary": summary, "requestBody": {"required": True, "content": _JSON},
+# Request bodies with vLLM's ranges (gateway/openai_request.py enforces them): fuzzers such as
+# schemathesis generate from these, so the closer they are, the deeper the generated requests reach.
+_TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}}
+_SAMPLING = {
+    "model": {"type": "string"}, "max_tokens": {"type": "integer", "minimum": 1},
+    "temperature": {"type": "number", "minimum": 0}, "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+    "top_k": {"type": "integer", "minimum": -1}, "min_p": {"type": "number", "minimum": 0, "maximum": 1},
+    "n": {"type": "integer", "minimum": 1}, "seed": {"type": "integer"}, "stream": {"type": "boolean"},
+    "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
+    "stop": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "maxItems": 4}]},
+    "stop_token_ids": _TOKEN_IDS, "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2},
+    "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
+    "repetition_penalty": {"type": "number", "exclusiveMinimum": 0}, "ignore_eos": {"type": "boolean"},
+    "min_tokens": {"type": "integer", "minimum": 0}, "user": {"type": "string"},
+}
+_PROMPT = {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}, _TOKEN_IDS,
+                     {"type": "array", "items": _TOKEN_IDS}]}
+_MESSAGES = {"type": "array", "items": {"type": "object", "required": ["role", "content"], "properties": {
+    "role": {"enum": ["system", "user", "assistant"]}, "content": {"type": "string"}}}}
+_BODIES = {
+    "completion": {"required": ["prompt"], "properties": {
+        **_SAMPLING, "prompt": _PROMPT, "logprobs": {"type": "integer", "minimum": 0}}},
+    "chat": {"required": ["messages"], "properties": {
+        **_SAMPLING, "messages": _MESSAGES, "max_completion_tokens": {"type": "integer", "minimum": 1},
+        "logprobs": {"type": "boolean"}, "top_logprobs": {"type": "integer", "minimum": 0}}},
+    "tokenize": {"properties": {"model": {"type": "string"}, "prompt": {"type": "string"}, "messages": _MESSAGES}},
+    "detokenize": {"required": ["tokens"], "properties": {"model": {"type": "string"}, "tokens": _TOKEN_IDS}},
+}
+
+
+def _post(summary: str, body: str) -> dict:
+    content = {"application/json": {"schema": {"type": "object", **_BODIES[body]}}}
+    return {"post": {"summary": summary, "requestBody": {"required": True, "content": content},
                      "responses": {"200": {"description": "OK (text/event-stream when stream is true)",
                                            "content": _JSON},
                                    "400": _ERROR, "401": _ERROR, "404": _ERROR, "413": _ERROR, "503": _ERROR}}}
@@ -25,12 +56,12 @@ def openapi_spec() -> dict:
         "info": {"title": "pdserve gateway", "version": __version__},
         "components": {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
         "paths": {
-            "/v1/completions": _post("Text completion (OpenAI compatible)"),
-            "/v1/chat/completions": _post("Chat completion (OpenAI compatible)"),
+            "/v1/completions": _post("Text completion (OpenAI compatible)", "completion"),
+            "/v1/chat/completions": _post("Chat completion (OpenAI compatible)", "chat"),
             "/v1/models": _get("Served models"),
             "/v1/workers": _get("Registered prefill and decode workers"),
-            "/tokenize": _post("Prompt or messages to token ids"),
-            "/detokenize": _post("Token ids to text"),
+            "/tokenize": _post("Prompt or messages to token ids", "tokenize"),
+            "/detokenize": _post("Token ids to text", "detokenize"),
             "/health": _get("Liveness"),
             "/ready": _get("Readiness: 200 once a worker can serve, else 503"),
             "/metrics": _get("Prometheus metrics"),

@@ -8,6 +8,7 @@ from typing import Any
 from .errors import bad_request
 
 _MISSING = object()
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 
 def _is_int(v: Any) -> bool:
@@ -42,6 +43,8 @@ class Fields:
             return None
         if not _is_int(v) or (lo is not None and v < lo) or (hi is not None and v > hi):
             raise bad_request(f"{name} must be an integer{_range(lo, hi)}, got {_show(v)}", name)
+        if not _INT64_MIN <= v <= _INT64_MAX:  # msgpack (the wire to workers) and torch stop at 64 bits
+            raise bad_request(f"{name} must be a 64-bit integer, got {_show(v)}", name)
         return v
 
     def float(self, name: str, default: float, lo: float | None = None, hi: float | None = None,
@@ -76,7 +79,7 @@ class Fields:
 
     def token_ids(self, name: str) -> list[int]:
         v = self.raw(name, [])
-        if not isinstance(v, list) or not all(_is_int(t) and t >= 0 for t in v):
+        if not isinstance(v, list) or not all(_is_int(t) and 0 <= t <= _INT64_MAX for t in v):
             raise bad_request(f"{name} must be a list of non-negative integers", name)
         return v
 

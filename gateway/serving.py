@@ -75,6 +75,8 @@ class OpenAIServing:
         return self._tok.encode(text, add_special_tokens=False)
 
     def check_model(self, model: str | None) -> None:
+        if model is not None and not isinstance(model, str):  # /tokenize and /detokenize pass it unparsed
+            raise bad_request(f"model must be a string, got {type(model).__name__}", "model")
         if model is not None and model != self._limits.model_name:
             raise APIError(404, f"The model `{model[:200]}` does not exist; this server serves "
                                 f"`{self._limits.model_name}`", param="model", code="model_not_found")

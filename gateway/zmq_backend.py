@@ -117,7 +117,9 @@ class ZmqBackend(Backend):
         return bool(self._registry.accepting(Role.DECODE))
 
     def has_capacity(self) -> bool:
-        return self.is_ready() and not self._queue.is_full
+        # A full queue turns new arrivals away before tokenizing, but a queue of size 0 is always "full":
+        # then nobody waits, and whether a worker has room right now is the router's call, not this one.
+        return self.is_ready() and (self._queue.max_waiting == 0 or not self._queue.is_full)
 
     async def abort(self, request_id: str) -> None:
         flight = self._flights.get(request_id)

@@ -11,6 +11,7 @@ Life of one transfer on the receiver:
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 import warnings
@@ -61,7 +62,8 @@ class KVReceiver:
         self._clock = clock
         self.table = OwnershipTable(self._release, clock=clock, lease_s=lease_s)
         # The fence is always shared memory: shm and cuda_ipc senders in other processes read it.
-        self._fence: SharedTensor = create_shared((pool.layout.num_blocks,), torch.int64, prefix="fence")
+        self._fence: SharedTensor = create_shared((pool.layout.num_blocks,), torch.int64,
+                                                    prefix=f"fence-{os.getpid()}")  # pid: a supervisor cleans up after us
         self._peer_of: dict[bytes, str] = {}  # channel peer id -> sender incarnation
         self._transport_of: dict[str, str] = {}  # sender incarnation -> transport
         self._events: list[TransferEvent] = []

@@ -4,6 +4,10 @@ The decode node allocates its KV pool here when it offers the ``shm`` transport,
 ``KVPool(layout, tensor=shared.tensor)``; the prefill node maps the same file and writes straight into
 reserved blocks. ``torch.from_file(shared=True)`` maps the file without the buffer-export and
 resource-tracker pitfalls of ``multiprocessing.shared_memory``.
+
+Names are ``pdserve-<prefix>-<uuid>``; the decode worker's prefixes end in its pid (``kv-<pid>``,
+``fence-<pid>``) so a supervisor can remove the files of a worker that was killed (it cannot unlink
+them itself): see ``cluster/local_cluster.py``.
 """
 
 from __future__ import annotations

@@ -1,12 +1,13 @@
 """``python -m prefill_node --config FILE [--set section.field=value ...]``: run one prefill worker.
 
-Prints one line ``READY http_port=<p> address=<job endpoint> worker_id=<id>`` on stdout once serving
+Prints one line ``READY http_port=<p> address=<job endpoint> worker_id=<id> pid=<pid>`` on stdout once serving
 (tests and supervisors asking for port 0 read the ports from it). SIGTERM drains, then exits 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import zmq
@@ -42,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging("prefill", server.options.worker_id, args.log_level)
     http = serve_http(config.prefill.host, config.prefill.http_port, server.metrics.registry, server.is_ready)
     install_drain(server.request_drain)
-    print(f"READY http_port={http.port} address={server.address} worker_id={server.options.worker_id}", flush=True)
+    print(f"READY http_port={http.port} address={server.address} worker_id={server.options.worker_id} pid={os.getpid()}", flush=True)
     try:
         server.serve_forever()
     finally:

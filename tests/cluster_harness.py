@@ -4,6 +4,7 @@ and reads what the test needs from it: the URL, each worker's metrics port, the 
 from __future__ import annotations
 
 import json
+import os
 import queue
 import re
 import signal
@@ -18,6 +19,7 @@ from pathlib import Path
 import yaml
 
 READY_LINE = re.compile(r"READY http_port=(\d+) .*worker_id=(\S+)")
+READY_PID = re.compile(r"READY .* pid=(\d+)")
 
 
 def free_port() -> int:
@@ -39,6 +41,7 @@ class ServeProcess:
         self.lines: queue.Queue[str] = queue.Queue()
         self.log: list[str] = []
         self.worker_http: dict[str, int] = {}  # worker_id -> metrics port (latest incarnation)
+        self.worker_pid: dict[str, int] = {}  # worker_id -> OS pid (latest incarnation)
         threading.Thread(target=self._read, daemon=True).start()
         self.url = f"http://127.0.0.1:{self.port}"
         self._wait_for("pdserve: ready", timeout_s=240)
@@ -47,6 +50,8 @@ class ServeProcess:
         for line in self.proc.stdout:
             self.log.append(line)
             if match := READY_LINE.search(line):
+                if pid := READY_PID.search(line):
+                    self.worker_pid[match.group(2)] = int(pid.group(1))
                 self.worker_http[match.group(2)] = int(match.group(1))
             self.lines.put(line)
 
@@ -84,6 +89,62 @@ class ServeProcess:
                 total += float(line.rsplit(" ", 1)[1])
         return total
 
+    def registered(self, worker_id: str) -> dict | None:
+        """The gateway's /v1/workers entry of the worker; None while it is not registered."""
+        return next((w for w in self.workers() if w["id"] == worker_id), None)
+
+    def load(self, worker_id: str) -> dict | None:
+        """The worker's last heartbeat load as the gateway sees it; None while it is not registered."""
+        entry = self.registered(worker_id)
+        return entry["load"] if entry else None
+
+    def wait_until(self, predicate, what: str, timeout_s: float = 30.0, poll_s: float = 0.05):
+        give_up = time.monotonic() + timeout_s
+        while time.monotonic() < give_up:
+            if value := predicate():
+                return value
+            time.sleep(poll_s)
+        raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}; log tail:\n"
+                             + "".join([line for line in self.log if " HTTP/1.1" not in line][-40:]))
+
+    def signal(self, worker_id: str, sig: int) -> int:
+        """Send ``sig`` to the worker's current process; returns its pid."""
+        pid = self.worker_pid[worker_id]
+        os.kill(pid, sig)
+        return pid
+
+    def wait_restarted(self, worker_id: str, old_incarnation: str, timeout_s: float = 60.0) -> int:
+        """The supervisor restarted the worker and the new process registered with the gateway (a new
+        incarnation); returns the new pid."""
+        self.wait_until(lambda: (w := self.registered(worker_id)) and w["incarnation"] != old_incarnation,
+                        f"{worker_id} registered again", timeout_s, poll_s=0.2)
+        return self.worker_pid[worker_id]
+
     def stop(self) -> int:
         self.proc.send_signal(signal.SIGTERM)
         return self.proc.wait(timeout=60)
+
+
+class RawStream:
+    """A streaming completion on a bare socket, so a test can hang up at any moment (the gateway sees
+    the client disconnect and aborts the request on every worker that holds it)."""
+
+    def __init__(self, url: str, body: dict):
+        host, port = url.removeprefix("http://").split(":")
+        payload = json.dumps({**body, "stream": True}).encode()
+        self.sock = socket.create_connection((host, int(port)), timeout=60)
+        self.sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                          + f"content-length: {len(payload)}\r\n\r\n".encode() + payload)
+        self.received = b""
+
+    def read_until(self, text: bytes, count: int = 1, timeout_s: float = 60.0) -> bytes:
+        self.sock.settimeout(timeout_s)
+        while self.received.count(text) < count:
+            chunk = self.sock.recv(65536)
+            if not chunk:
+                break
+            self.received += chunk
+        return self.received
+
+    def hang_up(self) -> None:
+        self.sock.close()

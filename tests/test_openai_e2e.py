@@ -1,0 +1,229 @@
+"""Issue 6 acceptance: the official openai client, in strict mode, against a real ``pdserve serve``
+(gateway + prefill + decode processes). Every feature a client uses is checked against an independent
+expectation: the single-process engine (``engine.llm.LLM``) for text, tokens and logprobs, the chat
+template applied by ``transformers`` for chat prompts, and the SDK's own exception classes for errors.
+
+The cluster is sized so that each error is reachable on purpose: a context of 1024 tokens (longer
+prompts: 400) but a KV pool of 40 blocks x 16 tokens = 640 tokens and no admission queue, so a prompt
+that fits the context but not the pool is a 503 with Retry-After."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+
+import httpx
+import openai
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+from tests.cluster_harness import ServeProcess
+from tests.model_factory import tiny_model_dir
+
+KEY = "sk-e2e-test-key"
+BLOCK = 16
+CONTEXT = 1024
+POOL_BLOCKS = 40  # 640 tokens: less than the context on purpose (503 below)
+MODEL = str(tiny_model_dir("llama"))
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    serve = ServeProcess(
+        tiny_model_dir("llama"), tmp_path_factory.mktemp("cluster"),
+        model={"max_model_len": CONTEXT},
+        engine={"block_size": BLOCK, "num_kv_blocks": POOL_BLOCKS, "prefill_chunk_size": 32},
+        gateway={"api_keys": [KEY], "max_queued_requests": 0, "local_prefill_max_tokens": 0},
+    )
+    yield serve
+    assert serve.stop() == 0, "".join(serve.log[-30:])
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return LLM(MODEL, block_size=BLOCK)
+
+
+@pytest.fixture(scope="module")
+def hf_tok():
+    return AutoTokenizer.from_pretrained(MODEL)
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    return openai.OpenAI(base_url=f"{cluster.url}/v1", api_key=KEY, max_retries=0, timeout=120,
+                         _strict_response_validation=True)
+
+
+@pytest.fixture(scope="module")
+def loose_client(cluster):
+    """For legacy completion streams only: the SDK types CompletionChoice.finish_reason as non-optional, so
+    strict validation rejects the ``finish_reason: null`` that OpenAI itself sends in every non-final chunk."""
+    return openai.OpenAI(base_url=f"{cluster.url}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def prompt_of(length: int, seed: int) -> list[int]:
+    return torch.randint(5, 768, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def engine_output(reference: LLM, prompt: list[int], **params):
+    [out] = reference.generate([prompt], SamplingParams(**params))
+    return out.outputs
+
+
+def wait_idle(cluster: ServeProcess) -> None:
+    """The harness's wait_idle without auth: /v1/workers needs the key here."""
+    request = urllib.request.Request(f"{cluster.url}/v1/workers", headers={"Authorization": f"Bearer {KEY}"})
+    for _ in range(150):
+        workers = json.loads(urllib.request.urlopen(request, timeout=5).read())["data"]
+        if workers and all(w["load"]["kv_blocks_in_use"] == 0 and w["load"]["num_running"] == 0 for w in workers):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"workers not idle: {workers}")
+
+
+def test_completion_greedy_equals_engine_stream_and_not(client, loose_client, reference, cluster):
+    prompt = prompt_of(37, seed=1)
+    [expected] = engine_output(reference, prompt, temperature=0.0, max_tokens=10, ignore_eos=True)
+    text = reference.tokenizer.decode(expected.token_ids)
+    r = client.completions.create(model=MODEL, prompt=[prompt], max_tokens=10, temperature=0.0,
+                                  extra_body={"ignore_eos": True})
+    assert r.choices[0].text == text and r.choices[0].finish_reason == "length"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (37, 10, 47)
+    chunks = list(loose_client.completions.create(model=MODEL, prompt=[prompt], max_tokens=10, temperature=0.0,
+                                                  stream=True, stream_options={"include_usage": True},
+                                                  extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+    assert chunks[-1].usage.prompt_tokens == 37
+    assert all(c.usage is None for c in chunks[:-1])
+    wait_idle(cluster)
+
+
+def test_chat_greedy_equals_engine_on_the_chat_template(client, reference, hf_tok, cluster):
+    messages = [{"role": "user", "content": "Tell me a story about a fox."}]
+    ids = list(hf_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+    [expected] = engine_output(reference, ids, temperature=0.0, max_tokens=8, ignore_eos=True)
+    text = reference.tokenizer.decode(expected.token_ids)
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=8, temperature=0.0,
+                                       extra_body={"ignore_eos": True})
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == text
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == 8
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0.0,
+                                            stream=True, stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == len(ids) + 8
+    wait_idle(cluster)
+
+
+def test_n2_with_seed_equals_engine_and_repeats(client, reference, cluster):
+    prompt = prompt_of(21, seed=2)
+    expected = engine_output(reference, prompt, n=2, temperature=1.0, seed=77, max_tokens=6, ignore_eos=True)
+    want = [reference.tokenizer.decode(c.token_ids) for c in expected]
+    for _ in range(2):  # same seed -> same text, every time
+        r = client.completions.create(model=MODEL, prompt=[prompt], n=2, temperature=1.0, seed=77, max_tokens=6,
+                                      extra_body={"ignore_eos": True})
+        assert [c.text for c in sorted(r.choices, key=lambda c: c.index)] == want
+    assert want[0] != want[1]  # the two choices really are different samples
+    chat = [client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=2,
+                                           seed=5, temperature=1.0, max_tokens=6, extra_body={"ignore_eos": True})
+            for _ in range(2)]
+    assert [c.message.content for c in chat[0].choices] == [c.message.content for c in chat[1].choices]
+    assert [c.index for c in chat[0].choices] == [0, 1]
+    wait_idle(cluster)
+
+
+def test_stop_string_truncates_and_never_leaks(client, loose_client, reference, cluster):
+    prompt = prompt_of(19, seed=3)
+    [expected] = engine_output(reference, prompt, temperature=0.0, max_tokens=16, ignore_eos=True)
+    full = reference.tokenizer.decode(expected.token_ids)
+    stop = full[len(full) // 2: len(full) // 2 + 3]
+    assert stop.strip(), full
+    want = full[: full.find(stop)]
+    r = client.completions.create(model=MODEL, prompt=[prompt], max_tokens=16, temperature=0.0, stop=[stop],
+                                  extra_body={"ignore_eos": True})
+    assert r.choices[0].text == want and r.choices[0].finish_reason == "stop"
+    chunks = list(loose_client.completions.create(model=MODEL, prompt=[prompt], max_tokens=16, temperature=0.0,
+                                                  stop=stop, stream=True, extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks) == want
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    wait_idle(cluster)
+
+
+def test_logprobs_equal_the_engine(client, reference, cluster):
+    prompt = prompt_of(25, seed=4)
+    [expected] = engine_output(reference, prompt, temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=2)
+    r = client.completions.create(model=MODEL, prompt=[prompt], max_tokens=5, temperature=0.0, logprobs=2,
+                                  extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    assert lp.tokens == [reference.tokenizer.decode([t]) for t in expected.token_ids]
+    assert lp.token_logprobs == pytest.approx([t.logprob for t in expected.logprobs], abs=1e-3)
+    for got, want in zip(lp.top_logprobs, expected.logprobs):
+        assert len(got) == 2
+        assert list(got.values()) == pytest.approx([p for _, p in want.top], abs=1e-3)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hello"}],
+                                          max_tokens=4, temperature=0.0, logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert all(len(c.top_logprobs) == 3 and c.top_logprobs[0].logprob >= c.logprob - 1e-6 for c in content)
+    assert "".join(c.token for c in content) == chat.choices[0].message.content
+    wait_idle(cluster)
+
+
+def test_invalid_field_is_400_naming_it(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=4, temperature=-1.0)
+    assert info.value.status_code == 400 and "temperature" in info.value.message
+    assert info.value.body["param"] == "temperature"
+
+
+def test_prompt_longer_than_context_is_400_with_both_numbers(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt=[prompt_of(CONTEXT + 76, seed=5)], max_tokens=4)
+    assert str(CONTEXT + 76) in info.value.message and str(CONTEXT) in info.value.message
+
+
+def test_missing_or_wrong_key_is_401(cluster):
+    wrong = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="sk-wrong", max_retries=0,
+                          _strict_response_validation=True)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    response = httpx.post(f"{cluster.url}/v1/completions", json={"model": MODEL, "prompt": "hi"})
+    assert response.status_code == 401 and response.json()["error"]["type"]
+
+
+def test_unknown_model_is_404(client):
+    with pytest.raises(openai.NotFoundError) as info:
+        client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "hi"}])
+    assert "no-such-model" in info.value.message
+
+
+def test_body_too_large_is_413(client):
+    with pytest.raises(openai.APIStatusError) as info:
+        client.completions.create(model=MODEL, prompt="x" * (2 << 20), max_tokens=2)
+    assert info.value.status_code == 413
+    assert info.value.body["type"]
+
+
+def test_no_decode_room_is_503_with_retry_after(client, cluster):
+    # 800 tokens fit the 1024-token context but need 51 blocks of a 40-block pool; no queue -> 503 now.
+    with pytest.raises(openai.InternalServerError) as info:
+        client.completions.create(model=MODEL, prompt=[prompt_of(800, seed=6)], max_tokens=4)
+    assert info.value.status_code == 503
+    assert int(info.value.response.headers["retry-after"]) >= 1
+    # and the cluster still serves
+    r = client.completions.create(model=MODEL, prompt=[prompt_of(8, seed=7)], max_tokens=2,
+                                  extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 2
+    wait_idle(cluster)
