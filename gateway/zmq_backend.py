@@ -171,8 +171,14 @@ class ZmqBackend(Backend):
         policy = self._params.router.policy.value
         tried: set[str] = set()  # said Busy for this request, or failed it
         retries_left = 1
+        failure = None  # the last attempt's failure: what the client hears if no retry is possible
         while True:
-            decision = await self._route(request, tried)
+            try:
+                decision = await self._route(request, tried)
+            except NoCapacity:
+                if failure is not None:
+                    return failure
+                raise
             flight.decode_worker, flight.prefill_worker = decision.decode_worker, decision.prefill_worker
             flight.events = asyncio.Queue()  # nothing left over from an earlier attempt
             prefill = self._registry.get(decision.prefill_worker) if decision.prefill_worker else None
@@ -193,7 +199,10 @@ class ZmqBackend(Backend):
                 continue
             if answer is None or (isinstance(answer, WorkerGone) and answer.reason == "deadline"):
                 return answer  # aborted or out of time: nothing to retry
-            failed = answer.worker_id if isinstance(answer, WorkerGone) else decision.decode_worker
+            if isinstance(answer, WorkerGone):
+                failed = answer.worker_id
+            else:  # the decode worker is alive and answered an error: blame the prefill worker it relied on
+                failed = decision.prefill_worker or decision.decode_worker
             self._breaker.record_failure(failed, time.monotonic())
             await self._abort_workers(flight, f"attempt failed: {_describe(answer)}")
             if flight.is_aborted:
@@ -203,6 +212,7 @@ class ZmqBackend(Backend):
                 return answer
             retries_left -= 1
             tried.add(failed)
+            failure = answer
             self._metrics.route_decisions.labels(policy, "retry").inc()
             log.warning("request %s: %s before the first token; retrying elsewhere", flight.rid,
                         _describe(answer))

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import random
-import re
 import socket
 import time
 import urllib.request
@@ -43,13 +42,11 @@ def cluster(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def endpoints(cluster) -> dict[str, str]:
-    log = "".join(cluster.log)
     worker_port = yaml.safe_load(cluster.config_path.read_text())["gateway"]["worker_port"]
-    return {
-        "gateway": f"tcp://127.0.0.1:{worker_port}",
-        "prefill": re.search(r"READY .*address=(\S+) worker_id=prefill-0", log).group(1),
-        "decode_kv": re.search(r"READY .*kv_address=(\S+) worker_id=decode-0", log).group(1),
-    }
+    # heartbeat addresses: a prefill worker's job ROUTER, a decode worker's KV receiver
+    address = {w["id"]: w["address"] for w in cluster.workers()}
+    return {"gateway": f"tcp://127.0.0.1:{worker_port}", "prefill": address["prefill-0"],
+            "decode_kv": address["decode-0"]}
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,232 @@
+"""pdserve across hosts: the gateway, 2 prefill and 2 decode workers each in its own network namespace
+(one veth each, joined by a bridge), started as a container would start them
+(``pdserve <role> --config configs/multinode.yaml``: interface eth0, the gateway by name). KV blocks
+cross namespaces over the zmq transport; greedy output equals the single engine's. A third decode worker
+joins at run time and takes traffic; one is stopped with SIGTERM mid-stream: it drains and no request
+fails. Without root (or where `ip netns add` fails) the same scenario runs on loopback, and says so."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+from tests.model_factory import tiny_model_dir
+
+ROOT = Path(__file__).resolve().parents[1]
+PRESET = str(ROOT / "configs" / "multinode.yaml")
+SUBNET = "10.77.{}.{}"
+READY = re.compile(r"READY http_port=(\d+)")
+
+
+def _run(*argv: str) -> None:
+    subprocess.run(argv, check=True, capture_output=True, text=True, timeout=10)
+
+
+class Network:
+    """Hosts for the scenario: one namespace per host on a bridge, or loopback where that is impossible."""
+
+    def __init__(self) -> None:
+        tag = uuid.uuid4().hex[:5]
+        self.bridge, self.prefix, self.net = f"pdbr{tag}", f"pd{tag}", int(tag, 16) % 200 + 20
+        self.namespaces: list[str] = []
+        self.links: list[str] = []
+        self.isolated = os.geteuid() == 0 and shutil.which("ip") is not None
+        if self.isolated:
+            try:
+                _run("ip", "link", "add", self.bridge, "type", "bridge")
+                self.links.append(self.bridge)
+                _run("ip", "addr", "add", f"{SUBNET.format(self.net, 1)}/24", "dev", self.bridge)
+                _run("ip", "link", "set", self.bridge, "up")
+            except (subprocess.CalledProcessError, OSError) as exc:
+                self.isolated = False
+                self.reason = f"cannot create a bridge: {getattr(exc, 'stderr', exc)}"
+        else:
+            self.reason = "not root or no `ip` command"
+        print(f"multihost: {'network namespaces on bridge ' + self.bridge if self.isolated else 'LOOPBACK fallback: ' + self.reason}")
+
+    def add_host(self, name: str, index: int) -> tuple[str, list[str]]:
+        """(address, argv prefix) of a new host; the gateway is host index 10 and answers to 'gateway'."""
+        if not self.isolated:
+            return "127.0.0.1", []
+        ns, veth = f"{self.prefix}-{name}", f"{self.prefix}{index}"
+        _run("ip", "netns", "add", ns)
+        self.namespaces.append(ns)
+        _run("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
+        self.links.append(veth)
+        _run("ip", "link", "set", veth, "master", self.bridge, "up")
+        address = SUBNET.format(self.net, index)
+        for cmd in (["addr", "add", f"{address}/24", "dev", "eth0"], ["link", "set", "eth0", "up"], ["link", "set", "lo", "up"]):
+            _run("ip", "netns", "exec", ns, "ip", *cmd)
+        etc = Path("/etc/netns") / ns  # `ip netns exec` mounts this over /etc: the gateway's name resolves
+        etc.mkdir(parents=True, exist_ok=True)
+        (etc / "hosts").write_text(f"127.0.0.1 localhost\n{SUBNET.format(self.net, 10)} gateway\n")
+        return address, ["ip", "netns", "exec", ns]
+
+    def close(self) -> None:
+        for ns in self.namespaces:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+            shutil.rmtree(Path("/etc/netns") / ns, ignore_errors=True)
+        for link in reversed(self.links):
+            subprocess.run(["ip", "link", "del", link], capture_output=True)
+
+
+class Host:
+    """One pdserve process on one host."""
+
+    def __init__(self, net: Network, name: str, index: int, role: str, sets: dict[str, object]):
+        self.address, prefix = net.add_host(name, index)
+        argv = prefix + [sys.executable, "-m", "cluster", role, "--config", PRESET]
+        argv += [arg for key, value in sets.items() for arg in ("--set", f"{key}={value}")]
+        self.proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.log: list[str] = []
+        self.http_port: int | None = None
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.log.append(line)
+            if (match := READY.search(line)) and self.http_port is None:
+                self.http_port = int(match.group(1))
+
+    def metric(self, name: str, **labels: str) -> float:
+        body = urllib.request.urlopen(f"http://{self.address}:{self.http_port}/metrics", timeout=5).read().decode()
+        total = 0.0
+        for line in body.splitlines():
+            if line.startswith((name + " ", name + "{")) and all(f'{k}="{v}"' in line for k, v in labels.items()):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+
+def wait_until(predicate, what: str, timeout_s: float = 60.0, hosts: dict | None = None):
+    give_up = time.monotonic() + timeout_s
+    while time.monotonic() < give_up:
+        try:
+            if value := predicate():
+                return value
+        except OSError:
+            pass
+        time.sleep(0.05)
+    tails = "".join(f"--- {n}\n" + "".join(h.log[-8:]) for n, h in (hosts or {}).items())
+    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}\n{tails}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def prompt_of(length: int, seed: int) -> list[int]:
+    return torch.randint(5, 768, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_pools_across_namespaces_scale_and_drain():
+    model = str(tiny_model_dir("llama"))
+    reference = LLM(model, block_size=16)
+    net = Network()
+    hosts: dict[str, Host] = {}
+    gw_port, worker_port = (8000, 8001) if net.isolated else (free_port(), free_port())
+    common = {"model.path": model, "engine.block_size": 16, "engine.num_kv_blocks": 96, "engine.num_threads": 1,
+              "engine.prefill_chunk_size": 24, "gateway.worker_heartbeat_s": 0.2, "gateway.worker_port": worker_port}
+    if not net.isolated:  # one host: every worker on loopback, each on free ports
+        common.update({"gateway.host": "127.0.0.1", "prefill.host": "127.0.0.1", "decode.host": "127.0.0.1",
+                       "prefill.port": 0, "prefill.http_port": 0, "decode.port": 0, "decode.kv_port": 0,
+                       "decode.http_port": 0, "prefill.gateway_address": f"tcp://127.0.0.1:{worker_port}",
+                       "decode.gateway_address": f"tcp://127.0.0.1:{worker_port}"})
+
+    def start(name: str, index: int, role: str) -> Host:
+        # round robin: a worker that joins idle is chosen on the next turn (prefix/least-loaded routing
+        # would let ties on idle workers go to the lowest id); every prompt goes through a prefill worker
+        extra = {"gateway.port": gw_port, "gateway.local_prefill_max_tokens": 0,
+                 "gateway.routing_policy": "round_robin"} if role == "gateway" else \
+            {f"{role}.worker_id": name, f"{role}.drain_timeout_s": 30}
+        hosts[name] = Host(net, name, index, role, {**common, **extra})
+        return hosts[name]
+
+    def workers() -> dict[str, dict]:
+        with urllib.request.urlopen(f"{url}/v1/workers", timeout=5) as response:
+            return {w["id"]: w for w in json.loads(response.read())["data"]}
+
+    def complete(prompt: list[int], max_tokens: int) -> tuple[int, str]:
+        body = json.dumps({"model": model, "prompt": [prompt], "max_tokens": max_tokens, "temperature": 0.0,
+                           "ignore_eos": True}).encode()
+        request = urllib.request.Request(f"{url}/v1/completions", body, {"content-type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=120) as response:
+                return response.status, json.loads(response.read())["choices"][0]["text"]
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read().decode()
+
+    def expected(prompt: list[int], max_tokens: int) -> str:
+        [out] = reference.generate([prompt], SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+        return reference.tokenizer.decode(out.outputs[0].token_ids, skip_special_tokens=True)
+
+    try:
+        gateway = start("gw", 10, "gateway")
+        url = f"http://{gateway.address}:{gw_port}"
+        for name, index, role in (("p0", 11, "prefill"), ("p1", 12, "prefill"), ("d0", 21, "decode"), ("d1", 22, "decode")):
+            start(name, index, role)
+        wait_until(lambda: {"p0", "p1", "d0", "d1"} <= workers().keys(), "4 workers registered", 90, hosts)
+        listed = workers()
+        for name in ("p0", "p1", "d0", "d1"):  # each advertises its own host's address, not a name or 0.0.0.0
+            assert listed[name]["address"].startswith(f"tcp://{hosts[name].address}:"), listed[name]
+
+        # KV crosses hosts over zmq: every prompt is prefilled on P and decoded on D
+        prompts = [prompt_of(40 + 9 * i, seed=i) for i in range(6)]
+        with ThreadPoolExecutor(6) as pool:
+            results = list(pool.map(lambda p: complete(p, 8), prompts))
+        assert results == [(200, expected(p, 8)) for p in prompts]
+        assert sum(hosts[d].metric("pdserve:kv_transfer_bytes_count", transport="zmq") for d in ("d0", "d1")) >= 6
+        assert sum(hosts[p].metric("pdserve:prefill_jobs_total") for p in ("p0", "p1")) >= 6
+
+        # scale out: a third decode worker joins at run time, registers and takes traffic
+        start("d2", 23, "decode")
+        wait_until(lambda: "d2" in workers(), "d2 registered", 60, hosts)
+        fresh = [prompt_of(33 + 5 * i, seed=100 + i) for i in range(6)]
+        with ThreadPoolExecutor(6) as pool:
+            results = list(pool.map(lambda p: complete(p, 8), fresh))
+        assert results == [(200, expected(p, 8)) for p in fresh]
+        assert hosts["d2"].metric("pdserve:generation_tokens_total") > 0
+        assert hosts["d2"].metric("pdserve:kv_transfer_bytes_count", transport="zmq") > 0
+
+        # scale in: SIGTERM a decode worker while it streams; it drains, exits 0, and no request fails
+        long = [prompt_of(30 + 3 * i, seed=200 + i) for i in range(8)]
+        with ThreadPoolExecutor(8) as pool:
+            futures = [pool.submit(complete, p, 48) for p in long]
+            wait_until(lambda: hosts["d0"].metric("pdserve:num_requests_running") > 0, "d0 running a request", 60, hosts)
+            hosts["d0"].proc.send_signal(signal.SIGTERM)
+            results = [f.result() for f in futures]
+        assert results == [(200, expected(p, 48)) for p in long]
+        assert hosts["d0"].proc.wait(timeout=45) == 0, "".join(hosts["d0"].log[-20:])
+        wait_until(lambda: "d0" not in workers(), "d0 gone from the registry", 30, hosts)
+        assert complete(prompts[0], 8) == (200, expected(prompts[0], 8))  # the rest keep serving
+    finally:
+        for host in hosts.values():
+            if host.proc.poll() is None:
+                host.proc.send_signal(signal.SIGTERM)
+        for host in hosts.values():
+            try:
+                host.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                host.proc.kill()
+                host.proc.wait()
+        net.close()
+    assert not [ns for ns in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+                if ns.startswith(net.prefix)] if net.isolated else True
