@@ -1,0 +1,32 @@
+"""The command line both worker kinds share: ``--config FILE [--set section.field=value ...] [--log-level]``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from configs.schema import ConfigError, PdserveConfig, load_config
+
+
+def parse_overrides(items: list[str]) -> dict[str, str]:
+    overrides = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"--set expects section.field=value, got {item!r}")
+        overrides[key] = value
+    return overrides
+
+
+def load_worker_config(prog: str, description: str, argv: list[str] | None) -> tuple[PdserveConfig, str] | None:
+    """(config, log level) from the command line, or None after printing a config error."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser.add_argument("--config", help="YAML config file (configs/schema.py lists every field)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
+    parser.add_argument("--log-level", default="INFO")
+    args = parser.parse_args(argv)
+    try:
+        return load_config(args.config, overrides=parse_overrides(args.set)), args.log_level
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return None
