@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from engine.block_manager import BlockManager
 from engine.scheduler import Scheduler
@@ -25,8 +25,12 @@ class PrefillMetrics:
             registry=registry)
         self.computed_tokens = Counter(
             "pdserve:prefill_computed_tokens", "Prompt tokens run through the model", registry=registry)
+        self.queued_tokens = Gauge(  # the prefill pool's autoscaling signal
+            "pdserve:prefill_queued_tokens", "Prompt tokens queued or still to compute on this worker",
+            registry=registry)
 
-    def update(self, scheduler: Scheduler, num_queued: int, num_transferring: int) -> None:
+    def update(self, scheduler: Scheduler, num_queued: int, num_transferring: int, queued_tokens: int) -> None:
+        self.queued_tokens.set(queued_tokens)
         bm: BlockManager = scheduler.block_manager
         self.engine.update(EngineSnapshot(
             num_running=scheduler.num_running + num_transferring,

@@ -311,7 +311,7 @@ class PrefillServer:
     # ---- around the work ----
     def _after_turn(self) -> None:
         num_transferring = sum(1 for s in self.jobs.values() if s.phase == JobPhase.TRANSFERRING)
-        self.metrics.update(self.scheduler, len(self._queue), num_transferring)
+        self.metrics.update(self.scheduler, len(self._queue), num_transferring, self.queued_prefill_tokens())
         if self._heartbeat.due():
             self.gateway.send(self.heartbeat())
         if self.draining and (not self.jobs or time.monotonic() >= self._drain_deadline):
