@@ -45,10 +45,12 @@ def bind(sock: zmq.Socket, interface: str, port: int = 0, *, allow_all_interface
     if interface in ("*", "0.0.0.0", "::", "") and not allow_all_interfaces:
         raise ValueError(f"refusing to bind all interfaces ({interface!r}); name one, e.g. 127.0.0.1")
     if port == 0:
-        bound = sock.bind_to_random_port(f"tcp://{interface}")
-        return f"tcp://{interface}:{bound}"
-    sock.bind(f"tcp://{interface}:{port}")
-    return f"tcp://{interface}:{port}"
+        sock.bind_to_random_port(f"tcp://{interface}")
+    else:
+        sock.bind(f"tcp://{interface}:{port}")
+    # What ZeroMQ actually bound: an interface name (eth0) or hostname comes back as its IP, which is
+    # what peers must be told.
+    return sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
 
 def connect(sock: zmq.Socket, endpoint: str) -> None:
