@@ -152,3 +152,12 @@ def test_kernel_reference_halves_match_naive():
     prefill = make_case([3, 8, 27], [3, 2, 10], **common)
     assert_matches_naive(paged_prefill_reference(*prefill.args()), prefill)
     assert_matches_naive(paged_attention_reference(*prefill.args()), prefill)
+
+
+def test_kernel_reference_decode_buckets_by_length_match_naive():
+    """Over 16 decode rows the CPU path sorts requests by context length into buckets: the unsorted,
+    permuted result must still land on each request's own row."""
+    lengths = torch.randint(1, 90, (37,), generator=torch.Generator().manual_seed(3)).tolist()
+    case = make_case(lengths, [1] * len(lengths), heads=8, kv_heads=2, head_dim=64, block_size=8,
+                     dtype=torch.float32, seed=17)
+    assert_matches_naive(kernels.paged_attention(*case.args()), case)
