@@ -359,6 +359,8 @@ class DecodeServer:
 
     def _update_metrics(self) -> None:
         self.metrics.update(self.snapshot())
+        is_idle = not self.requests and not self.scheduler.has_unfinished()
+        self.metrics.check_integrity_if_idle(self.block_manager, is_idle, time.monotonic())
 
     def _heartbeat_record(self) -> Heartbeat:
         snap = self.snapshot()

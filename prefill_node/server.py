@@ -312,6 +312,7 @@ class PrefillServer:
     def _after_turn(self) -> None:
         num_transferring = sum(1 for s in self.jobs.values() if s.phase == JobPhase.TRANSFERRING)
         self.metrics.update(self.scheduler, len(self._queue), num_transferring, self.queued_prefill_tokens())
+        self.metrics.engine.check_integrity_if_idle(self.block_manager, not self.jobs, time.monotonic())
         if self._heartbeat.due():
             self.gateway.send(self.heartbeat())
         if self.draining and (not self.jobs or time.monotonic() >= self._drain_deadline):

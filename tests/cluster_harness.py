@@ -71,15 +71,28 @@ class ServeProcess:
             return json.loads(response.read())["data"]
 
     def wait_idle(self, timeout_s: float = 30.0) -> list[dict]:
-        """Registered workers once every one reports no KV block in use and nothing running."""
+        """Registered workers once every one reports no KV block in use and nothing running, and each
+        has run its idle block-integrity check since then with no violation ever."""
         give_up = time.monotonic() + timeout_s
         while time.monotonic() < give_up:
             workers = self.workers()
             if workers and all(w["load"]["kv_blocks_in_use"] == 0 and w["load"]["num_running"] == 0
                                and w["load"]["num_waiting"] == 0 for w in workers):
+                self._assert_integrity_checked([w["id"] for w in workers], give_up)
                 return workers
             time.sleep(0.2)
         raise AssertionError(f"workers not idle: {self.workers()}")
+
+    def _assert_integrity_checked(self, worker_ids: list[str], give_up: float) -> None:
+        for worker_id in worker_ids:
+            if worker_id not in self.worker_http:
+                continue  # started outside this harness
+            checks = self.metric(worker_id, "pdserve:kv_integrity_checks_total")
+            while checks < 1 and time.monotonic() < give_up:
+                time.sleep(0.2)
+                checks = self.metric(worker_id, "pdserve:kv_integrity_checks_total")
+            assert checks >= 1, f"{worker_id} never ran its idle integrity check"
+            assert self.metric(worker_id, "pdserve:kv_integrity_violations_total") == 0, f"{worker_id}: integrity violated"
 
     def metric(self, worker_id: str, name: str) -> float:
         body = urllib.request.urlopen(f"http://127.0.0.1:{self.worker_http[worker_id]}/metrics", timeout=5).read()

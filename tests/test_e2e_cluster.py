@@ -4,6 +4,7 @@ engine's, for every prompt shape the KV hand-off can get wrong; the cluster ends
 
 from __future__ import annotations
 
+import signal
 import time
 
 import openai
@@ -98,21 +99,24 @@ def test_n_completions_equal_the_engine_and_share_one_transfer(cluster, client, 
 
 
 def test_client_disconnect_mid_stream_frees_everything(cluster, client):
+    failures_before = cluster.metric("decode-0", "pdserve:request_failure_total")
     stream = client.completions.create(model=str(tiny_model_dir("llama")), prompt=[prompt_of(40, seed=5)],
                                        max_tokens=2000, temperature=0.0, stream=True,
                                        extra_body={"ignore_eos": True})
-    received = 0
-    for chunk in stream:
-        received += len(chunk.choices[0].text) > 0 if chunk.choices else 0
-        if received >= 3:
-            break
-    stream.close()
+    first = next(iter(stream))
+    # The tiny model writes 2000 tokens in about a second: freeze the decode worker so the hang-up
+    # surely lands mid-generation, then let it see the abort.
+    cluster.signal("decode-0", signal.SIGSTOP)
+    try:
+        assert first.choices[0].finish_reason is None
+        stream.close()
+        time.sleep(0.5)  # the gateway notices the disconnect and sends AbortRequest
+    finally:
+        cluster.signal("decode-0", signal.SIGCONT)
+    cluster.wait_until(lambda: cluster.metric("decode-0", "pdserve:request_failure_total") > failures_before,
+                       "the decode worker counts the aborted request")
     workers = cluster.wait_idle()
     assert {w["id"] for w in workers} == {"prefill-0", "decode-0"}
-    give_up = time.monotonic() + 10
-    while cluster.metric("decode-0", "pdserve:request_failure_total") < 1 and time.monotonic() < give_up:
-        time.sleep(0.1)
-    assert cluster.metric("decode-0", "pdserve:request_failure_total") >= 1  # counted as aborted
 
 
 def test_errors_reach_the_client_as_openai_errors(cluster, client):
