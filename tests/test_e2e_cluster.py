@@ -4,6 +4,7 @@ engine's, for every prompt shape the KV hand-off can get wrong; the cluster ends
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 
@@ -29,8 +30,9 @@ def cluster(tmp_path_factory):
         gateway={"local_prefill_max_tokens": 0},  # every uncached prompt goes through the prefill worker
     )
     yield serve
+    pids = list(serve.worker_pid.values())
     assert serve.stop() == 0, "".join(serve.log[-30:])
-    assert serve.proc.poll() == 0
+    assert pids and not [pid for pid in pids if os.path.exists(f"/proc/{pid}")], "a worker outlived pdserve serve"
 
 
 @pytest.fixture(scope="module")
