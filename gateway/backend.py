@@ -13,6 +13,8 @@ import abc
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from protocol.serving import SamplingSpec
+
 
 class NoCapacity(Exception):
     """Raised by ``generate`` before the first event when no worker can take the request now."""
@@ -24,34 +26,10 @@ class NoCapacity(Exception):
 
 
 @dataclass(slots=True)
-class SamplingOptions:
-    """What the workers need to sample; the ranges were checked by the gateway (vLLM's ranges)."""
-
-    max_tokens: int
-    n: int = 1  # completions of the prompt; the worker seeds completion j with seed + j
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 disables
-    min_p: float = 0.0
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_tokens: int = 0
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    logprobs: int | None = None  # None: none; k: the sampled token's logprob plus the top k
-
-    def __post_init__(self) -> None:
-        assert self.max_tokens >= 1 and 0 <= self.min_tokens <= self.max_tokens, (self.max_tokens, self.min_tokens)
-        assert self.n >= 1, self.n
-
-
-@dataclass(slots=True)
 class GenerationRequest:
     request_id: str  # unique per prompt; the key for abort
     prompt_token_ids: list[int]
-    sampling: SamplingOptions
+    sampling: SamplingSpec  # the wire record itself: what the workers need to sample
     arrival_time: float  # time.monotonic() when the HTTP request arrived
     deadline: float | None = None  # time.monotonic() after which workers drop the request
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .backend import SamplingOptions
+from protocol.serving import SamplingSpec
 from .errors import bad_request
 from .request_fields import Fields
 
@@ -29,14 +29,14 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     logprobs: int | None  # top alternatives per token; None: no logprobs
-    sampling: dict = field(default_factory=dict)  # SamplingOptions fields except max_tokens, logprobs
+    sampling: dict = field(default_factory=dict)  # SamplingSpec fields except max_tokens, n, logprobs
     user: str | None = None
 
-    def sampling_options(self, max_tokens: int) -> SamplingOptions:
+    def sampling_options(self, max_tokens: int) -> SamplingSpec:
         if self.sampling.get("min_tokens", 0) > max_tokens:
             raise bad_request(f"min_tokens ({self.sampling['min_tokens']}) must be <= max_tokens ({max_tokens})",
                               "min_tokens")
-        return SamplingOptions(max_tokens=max_tokens, n=self.n, logprobs=self.logprobs, **self.sampling)
+        return SamplingSpec(max_tokens=max_tokens, n=self.n, logprobs=self.logprobs, **self.sampling)
 
 
 def _common(f: Fields, chat: bool) -> dict:

@@ -16,16 +16,15 @@ Life cycle of one request (one prompt, ``n`` completions) in the gateway:
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 from dataclasses import dataclass
 
-from protocol.serving import AbortRequest, Busy, Generate, Goodbye, Heartbeat, SamplingSpec
+from protocol.serving import AbortRequest, Busy, Generate, Goodbye, Heartbeat
 from protocol.serving import TokenEvent as WireTokenEvent
 
 from .admission import AdmissionQueue
-from .backend import Backend, GenerationRequest, NoCapacity, SamplingOptions, TokenEvent, TokenLogprob
+from .backend import Backend, GenerationRequest, NoCapacity, TokenEvent, TokenLogprob
 from .breaker import CircuitBreaker
 from .completion_order import CompletionOrder
 from .metrics import GatewayMetrics
@@ -182,7 +181,7 @@ class ZmqBackend(Backend):
             flight.decode_worker, flight.prefill_worker = decision.decode_worker, decision.prefill_worker
             flight.events = asyncio.Queue()  # nothing left over from an earlier attempt
             prefill = self._registry.get(decision.prefill_worker) if decision.prefill_worker else None
-            generate = Generate(flight.rid, request.prompt_token_ids, _spec(request.sampling),
+            generate = Generate(flight.rid, request.prompt_token_ids, request.sampling,
                                 prefill.address if prefill is not None else "", self._wall_deadline(request))
             if await self._link.send(decision.decode_worker, generate):
                 answer = await self._next(flight, request)
@@ -331,10 +330,6 @@ class ZmqBackend(Backend):
                 sum(w.heartbeat.kv_blocks_in_use for w in workers) / total if total else 0.0)
             m.pool_requests_running.labels(role.value).set(sum(w.heartbeat.num_running for w in workers))
             m.pool_requests_waiting.labels(role.value).set(sum(w.heartbeat.num_waiting for w in workers))
-
-
-def _spec(options: SamplingOptions) -> SamplingSpec:
-    return SamplingSpec(**{f.name: getattr(options, f.name) for f in dataclasses.fields(SamplingSpec)})
 
 
 def _to_backend_event(e: WireTokenEvent, queue_time_s: float | None) -> TokenEvent:

@@ -54,6 +54,7 @@ class SamplingSpec:
 
     def __post_init__(self) -> None:
         assert self.max_tokens >= 1 and self.n >= 1, (self.max_tokens, self.n)
+        assert 0 <= self.min_tokens <= self.max_tokens, (self.min_tokens, self.max_tokens)
 
 
 @wire_record("serve.generate")
