@@ -34,3 +34,8 @@ def default_model_dir(cache_dir: str = "", family: str = DEFAULT_FAMILY, size: s
     except OSError:  # another process won the race; its checkpoint is identical (same seed)
         shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+def configured_model_path(path: str, cache_dir: str = "") -> str:
+    """The config's ``model.path``, or (when empty) the embedded default model, made on first use."""
+    return path or str(default_model_dir(cache_dir))

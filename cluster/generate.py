@@ -49,12 +49,9 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"pdserve generate: {e}", file=sys.stderr)
         return 2
-    model = args.model or config.model.path
-    if not model:
-        from cluster.default_model import default_model_dir
+    from cluster.default_model import configured_model_path
 
-        model = str(default_model_dir(config.model.cache_dir))
-    llm = LLM(model, config=config)
+    llm = LLM(configured_model_path(args.model or config.model.path, config.model.cache_dir), config=config)
     prompts = [llm.apply_chat_template(p) for p in args.prompt] if args.chat else args.prompt
     try:
         results = llm.generate(prompts, params)

@@ -68,10 +68,10 @@ def main(argv: list[str]) -> int:
         return 2
     model = args.model or config.model.path
     if not model:
-        from cluster.default_model import default_model_dir  # made once, before any member starts
+        from cluster.default_model import configured_model_path  # made once, before any member starts
 
         print("pdserve: preparing the embedded default model (first run only) ...", flush=True)
-        model = str(default_model_dir(config.model.cache_dir))
+        model = configured_model_path("", config.model.cache_dir)
         os.environ.setdefault("PDSERVE_MODEL_SERVED_MODEL_NAME", "pdserve-small")
     num_prefill = config.cluster.num_prefill if args.prefill is None else args.prefill
     num_decode = config.cluster.num_decode if args.decode is None else args.decode

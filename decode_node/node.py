@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import zmq
 from prometheus_client import CollectorRegistry
 
-from cluster.default_model import default_model_dir
+from cluster.default_model import configured_model_path
 from configs.schema import PdserveConfig
 from decode_node.prefill_links import PrefillLinks
 from decode_node.server import DecodeOptions, DecodeServer
@@ -46,7 +46,7 @@ class DecodeNode:
     def start(cls, config: PdserveConfig, ctx: zmq.Context | None = None) -> DecodeNode:
         ctx = ctx or zmq.Context()
         dc = config.decode
-        model_path = config.model.path or str(default_model_dir(config.model.cache_dir))
+        model_path = configured_model_path(config.model.path, config.model.cache_dir)
         engine = build_engine(model_path, config.model, config.engine)
         registry = CollectorRegistry()
         shm_pool = _share_pool(engine, config.transfer.transport)

@@ -39,11 +39,9 @@ def overrides_of(args: argparse.Namespace) -> dict:
 
 
 def model_dir(config: PdserveConfig) -> Path:
-    if config.model.path:
-        return Path(config.model.path)
-    from cluster.default_model import default_model_dir  # makes it (with torch) only if not cached yet
+    from cluster.default_model import configured_model_path  # makes it (with torch) only if not cached yet
 
-    return default_model_dir(config.model.cache_dir)
+    return Path(configured_model_path(config.model.path, config.model.cache_dir))
 
 
 def context_length(path: Path, configured: int | None) -> int:

@@ -30,11 +30,9 @@ def options_from_config(config: PdserveConfig) -> PrefillOptions:
 
 
 def resolve_model_path(config: PdserveConfig) -> str:
-    if config.model.path:
-        return config.model.path
-    from cluster.default_model import default_model_dir
+    from cluster.default_model import configured_model_path
 
-    return str(default_model_dir(config.model.cache_dir))
+    return configured_model_path(config.model.path, config.model.cache_dir)
 
 
 def build_prefill_server(config: PdserveConfig, ctx: zmq.Context,
