@@ -145,8 +145,11 @@ class KVSender:
         if t is None or t.generation != generation:
             t = self._transfers[rid] = _Transfer(rid, generation, self._clock() + self.deadline_s)
         assert t.commit is None, f"{rid} is already committing"
-        for start in range(0, len(src_block_ids), self._window):
-            t.queued.append((src_block_ids[start : start + self._window], dst_block_ids[start : start + self._window]))
+        # Pieces of half a window: two are in flight at once, so the receiver's copy of one overlaps
+        # the wire time of the next (a whole-window piece would wait for its own credit).
+        piece = max(1, self._window // 2)
+        for start in range(0, len(src_block_ids), piece):
+            t.queued.append((src_block_ids[start : start + piece], dst_block_ids[start : start + piece]))
 
     def commit(self, rid: str, generation: int, first_token: int | None = None, first_logprob: float | None = None,
                top_token_ids: list[int] | None = None, top_logprobs: list[float] | None = None) -> bool:

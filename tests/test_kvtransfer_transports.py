@@ -150,7 +150,8 @@ def test_late_write_after_abort_and_reuse_is_rejected(node):
     assert torch.equal(node.rx.pool.tensor[:, :, [4, 3]], fresh.pool.tensor[:, :, [6, 7]])  # new owner intact
     assert node.rx.table.get("new").state.name == "COMMITTED"
     if node.transport == "zmq":  # the receiver saw and refused it; direct transports never wrote it
-        assert node.sample("pdserve:kv_rejected_writes_total", reason="stale") == 1
+        # One refusal per piece: a 3-credit window ships pieces of one block, so 2 blocks = 2 pieces.
+        assert node.sample("pdserve:kv_rejected_writes_total", reason="stale") == 2
 
 
 def test_retry_generation_fences_off_the_previous_attempt(node):
