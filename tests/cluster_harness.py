@@ -44,7 +44,11 @@ class ServeProcess:
         self.worker_pid: dict[str, int] = {}  # worker_id -> OS pid (latest incarnation)
         threading.Thread(target=self._read, daemon=True).start()
         self.url = f"http://127.0.0.1:{self.port}"
-        self._wait_for("pdserve: ready", timeout_s=240)
+        try:
+            self._wait_for("pdserve: ready", timeout_s=240)
+        except BaseException:
+            self.stop()  # never leave a half-started cluster behind for later tests to trip over
+            raise
 
     def _read(self) -> None:
         for line in self.proc.stdout:
