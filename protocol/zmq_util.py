@@ -30,6 +30,9 @@ def make_socket(
         sock.setsockopt(zmq.MAXMSGSIZE, max_msg_size)
     if kind == zmq.ROUTER:
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        # A restarted peer reconnects under its old identity (its worker id) before the dead
+        # connection is noticed; without handover ZeroMQ would ignore the new one until then.
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
     return sock
 
 
