@@ -46,6 +46,10 @@ class ServeProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         try:
             self._wait_for("pdserve: ready", timeout_s=240)
+            # /ready needs only one decode worker: wait for every member to register and announce itself.
+            expected = {f"prefill-{i}" for i in range(num_prefill)} | {f"decode-{i}" for i in range(num_decode)}
+            self.wait_until(lambda: {w["id"] for w in self.workers()} == expected and expected <= set(self.worker_http),
+                            "every worker registered", timeout_s=120, poll_s=0.1)
         except BaseException:
             self.stop()  # never leave a half-started cluster behind for later tests to trip over
             raise
