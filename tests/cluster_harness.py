@@ -33,6 +33,7 @@ class ServeProcess:
         self.port = free_port()
         config = dict(sections)
         config["gateway"] = {**{"worker_port": free_port(), "worker_heartbeat_s": 0.2}, **sections.get("gateway", {})}
+        self.config = config
         self.config_path = tmp / "cluster.yaml"
         self.config_path.write_text(yaml.safe_dump(config))
         argv = [sys.executable, "-m", "cluster", "serve", "--model", str(model_dir), "--port", str(self.port),
@@ -75,7 +76,10 @@ class ServeProcess:
         raise TimeoutError(f"'{text}' not printed; log tail:\n{''.join(self.log[-30:])}")
 
     def workers(self) -> list[dict]:
-        with urllib.request.urlopen(f"{self.url}/v1/workers", timeout=5) as response:
+        keys = self.config["gateway"].get("api_keys") or []
+        headers = {"Authorization": f"Bearer {keys[0]}"} if keys else {}
+        request = urllib.request.Request(f"{self.url}/v1/workers", headers=headers)
+        with urllib.request.urlopen(request, timeout=5) as response:
             return json.loads(response.read())["data"]
 
     def wait_idle(self, timeout_s: float = 30.0) -> list[dict]:
