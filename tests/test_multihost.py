@@ -8,19 +8,12 @@ fails. Without root (or where `ip netns add` fails) the same scenario runs on lo
 from __future__ import annotations
 
 import json
-import os
-import re
-import shutil
 import signal
 import socket
 import subprocess
-import sys
-import threading
 import time
 import urllib.request
-import uuid
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 import torch
@@ -28,90 +21,9 @@ import torch
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from tests.model_factory import tiny_model_dir
+from tests.netns import ROOT, Host, Network
 
-ROOT = Path(__file__).resolve().parents[1]
 PRESET = str(ROOT / "configs" / "multinode.yaml")
-SUBNET = "10.77.{}.{}"
-READY = re.compile(r"READY http_port=(\d+)")
-
-
-def _run(*argv: str) -> None:
-    subprocess.run(argv, check=True, capture_output=True, text=True, timeout=10)
-
-
-class Network:
-    """Hosts for the scenario: one namespace per host on a bridge, or loopback where that is impossible."""
-
-    def __init__(self) -> None:
-        tag = uuid.uuid4().hex[:5]
-        self.bridge, self.prefix, self.net = f"pdbr{tag}", f"pd{tag}", int(tag, 16) % 200 + 20
-        self.namespaces: list[str] = []
-        self.links: list[str] = []
-        self.isolated = os.geteuid() == 0 and shutil.which("ip") is not None and not os.environ.get("MULTIHOST_LOOPBACK")
-        if self.isolated:
-            try:
-                _run("ip", "link", "add", self.bridge, "type", "bridge")
-                self.links.append(self.bridge)
-                _run("ip", "addr", "add", f"{SUBNET.format(self.net, 1)}/24", "dev", self.bridge)
-                _run("ip", "link", "set", self.bridge, "up")
-            except (subprocess.CalledProcessError, OSError) as exc:
-                self.isolated = False
-                self.reason = f"cannot create a bridge: {getattr(exc, 'stderr', exc)}"
-        else:
-            self.reason = "not root, no `ip` command, or MULTIHOST_LOOPBACK set"
-        print(f"multihost: {'network namespaces on bridge ' + self.bridge if self.isolated else 'LOOPBACK fallback: ' + self.reason}")
-
-    def add_host(self, name: str, index: int) -> tuple[str, list[str]]:
-        """(address, argv prefix) of a new host; the gateway is host index 10 and answers to 'gateway'."""
-        if not self.isolated:
-            return "127.0.0.1", []
-        ns, veth = f"{self.prefix}-{name}", f"{self.prefix}{index}"
-        _run("ip", "netns", "add", ns)  # a failure here fails the test: the bridge worked, so this should
-        self.namespaces.append(ns)
-        _run("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
-        self.links.append(veth)
-        _run("ip", "link", "set", veth, "master", self.bridge, "up")
-        address = SUBNET.format(self.net, index)
-        for cmd in (["addr", "add", f"{address}/24", "dev", "eth0"], ["link", "set", "eth0", "up"], ["link", "set", "lo", "up"]):
-            _run("ip", "netns", "exec", ns, "ip", *cmd)
-        etc = Path("/etc/netns") / ns  # `ip netns exec` mounts this over /etc: the gateway's name resolves
-        etc.mkdir(parents=True, exist_ok=True)
-        (etc / "hosts").write_text(f"127.0.0.1 localhost\n{SUBNET.format(self.net, 10)} gateway\n")
-        return address, ["ip", "netns", "exec", ns]
-
-    def close(self) -> None:
-        for ns in self.namespaces:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-            shutil.rmtree(Path("/etc/netns") / ns, ignore_errors=True)
-        for link in reversed(self.links):
-            subprocess.run(["ip", "link", "del", link], capture_output=True)
-
-
-class Host:
-    """One pdserve process on one host."""
-
-    def __init__(self, net: Network, name: str, index: int, role: str, sets: dict[str, object]):
-        self.address, prefix = net.add_host(name, index)
-        argv = prefix + [sys.executable, "-m", "cluster", role, "--config", PRESET]
-        argv += [arg for key, value in sets.items() for arg in ("--set", f"{key}={value}")]
-        self.proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.log: list[str] = []
-        self.http_port: int | None = None
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.log.append(line)
-            if (match := READY.search(line)) and self.http_port is None:
-                self.http_port = int(match.group(1))
-
-    def metric(self, name: str, **labels: str) -> float:
-        body = urllib.request.urlopen(f"http://{self.address}:{self.http_port}/metrics", timeout=5).read().decode()
-        total = 0.0
-        for line in body.splitlines():
-            if line.startswith((name + " ", name + "{")) and all(f'{k}="{v}"' in line for k, v in labels.items()):
-                total += float(line.rsplit(" ", 1)[1])
-        return total
 
 
 def wait_until(predicate, what: str, timeout_s: float = 60.0, hosts: dict | None = None):
@@ -157,7 +69,7 @@ def test_pools_across_namespaces_scale_and_drain():
         extra = {"gateway.port": gw_port, "gateway.local_prefill_max_tokens": 0,
                  "gateway.routing_policy": "round_robin"} if role == "gateway" else \
             {f"{role}.worker_id": name, f"{role}.drain_timeout_s": 30}
-        hosts[name] = Host(net, name, index, role, {**common, **extra})
+        hosts[name] = Host(net, name, index, role, {**common, **extra}, PRESET)
         return hosts[name]
 
     def workers() -> dict[str, dict]:

@@ -1,0 +1,80 @@
+"""python -m tests.chaos [--runs N] [--scenarios PATTERN ...] [--report docs/reliability.md]
+
+Runs the chaos scenarios (fault x target x phase, tests/chaos/scenario.py) and regenerates the report.
+A pattern matches ``fault:target:phase`` with shell wildcards, e.g. ``sigkill:*:*`` or ``*:gateway:decoding``.
+Exits 1 when any run failed a check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from tests.chaos.clusters import BLOCK, NetnsCluster, ServeCluster
+from tests.chaos.load import make_prompts
+from tests.chaos.report import write_report
+from tests.chaos.scenario import RunResult, Scenario, matrix, run_once
+from tests.model_factory import tiny_model_dir
+
+PROMPTS = 256
+PROMPTS_PER_RUN = 48  # each run starts elsewhere in the pool: mostly fresh prompts, few prefix hits
+
+
+def select(patterns: list[str]) -> list[Scenario]:
+    return [s for s in matrix() if any(fnmatch.fnmatch(f"{s.fault}:{s.target}:{s.phase}", p) for p in patterns)]
+
+
+def run_all(scenarios: list[Scenario], runs: int, log=print) -> tuple[list[RunResult], dict[Scenario, str]]:
+    model = str(tiny_model_dir("llama"))
+    prompts = make_prompts(model, BLOCK, PROMPTS)
+    results: list[RunResult] = []
+    not_run: dict[Scenario, str] = {}
+    for kind in (ServeCluster, NetnsCluster):
+        mine = [s for s in scenarios if s.fault in kind.faults]
+        if not mine:
+            continue
+        try:
+            cluster = ServeCluster(model, Path(tempfile.mkdtemp(prefix="chaos-"))) if kind is ServeCluster \
+                else NetnsCluster(model)
+        except RuntimeError as exc:  # no namespaces here: say so instead of faking the scenario
+            not_run.update({s: str(exc) for s in mine})
+            continue
+        try:
+            for scenario in mine:
+                for run in range(runs):
+                    offset = len(results) * PROMPTS_PER_RUN % PROMPTS
+                    result = run_once(cluster, scenario, prompts[offset:] + prompts[:offset], run)
+                    results.append(result)
+                    recover = f"{result.recover_s:.1f} s" if result.recover_s is not None else "—"
+                    log(f"chaos: {scenario.name:<32} {result.member:<10} {dict(result.outcomes)} recover {recover} "
+                        f"leaked {result.leaked_blocks} " + ("pass" if not result.failures else f"FAIL {result.failures}"))
+                    if result.failures:
+                        log(cluster.logs())
+        finally:
+            cluster.close()
+    return results, not_run
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tests.chaos", description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=1, help="runs per scenario (alternating the pool's workers)")
+    parser.add_argument("--scenarios", nargs="+", default=["*"], help="fault:target:phase patterns")
+    parser.add_argument("--report", type=Path, default=Path("docs/reliability.md"))
+    args = parser.parse_args(argv)
+    scenarios = select(args.scenarios)
+    if not scenarios:
+        parser.error(f"no scenario matches {args.scenarios}")
+    started = time.monotonic()
+    results, not_run = run_all(scenarios, args.runs)
+    command = "python -m tests.chaos " + " ".join(argv)
+    write_report(args.report, command.strip(), scenarios, results, not_run, time.monotonic() - started)
+    print(f"chaos: report written to {args.report}")
+    return 1 if any(r.failures for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

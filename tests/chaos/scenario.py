@@ -1,0 +1,174 @@
+"""One chaos scenario: a fault hits one member of a loaded 2 + 2 cluster at one phase of a request.
+
+A run: wait until every member is registered and idle; start the load; wait for the phase on the
+target; inject the fault (SIGSTOP and link-down are healed after OUTAGE_S, longer than the lease and the
+gateway's worker timeout, so both expire); then check, and measure:
+1. a killed worker is dropped from routing (gone from /v1/workers, or back with a new incarnation);
+2. recovery: every worker registered again (a killed one with a new incarnation) and a request that
+   started after that came back exact; time to recover = fault -> that answer;
+3. the replacement (or the healed member) is picked up: it serves work again;
+4. every request ended within its deadline with the exact reference text or a clear error (HTTP 5xx
+   with an OpenAI error body; a refused or reset connection only when the gateway itself was hit);
+5. once idle, every worker reports kv_blocks_in_use == 0, nothing running or waiting, nothing held
+   for a peer, and has run its block-integrity check with no violation; what is still in use after
+   SETTLE_S counts as leaked.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+from tests.chaos.clusters import DECODE, PREFILL, WORKER_TIMEOUT_S, WORKERS
+from tests.chaos.load import Load, Prompt
+from tests.chaos.phases import PHASES, wait_for_phase
+
+FAULTS = ("sigkill", "sigstop", "linkdown")
+TARGETS = ("prefill", "decode", "gateway")
+OUTAGE_S = 3.0
+RECOVER_S = 90.0
+SETTLE_S = 40.0  # past the gateway's 30 s request deadline: whatever a dead request held must be back
+SERVED = {"prefill": "pdserve:prefill_jobs_total", "decode": "pdserve:request_success_total"}
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    fault: str
+    target: str
+    phase: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.fault} {self.target} @ {self.phase}"
+
+    def member(self, run: int) -> str:
+        """Runs alternate between the two workers of the target's pool."""
+        return "gateway" if self.target == "gateway" else f"{self.target}-{run % 2}"
+
+
+@dataclass(slots=True)
+class RunResult:
+    scenario: Scenario
+    member: str
+    outcomes: Counter = field(default_factory=Counter)  # kind -> requests
+    failures: list[str] = field(default_factory=list)
+    recover_s: float | None = None
+    leaked_blocks: int = 0
+
+
+def _poll(predicate, timeout_s: float, poll_s: float = 0.1):
+    give_up = time.monotonic() + timeout_s
+    while time.monotonic() < give_up:
+        try:
+            if value := predicate():
+                return value
+        except OSError:
+            pass  # a member between incarnations, or cut off
+        time.sleep(poll_s)
+    return None
+
+
+def _incarnations(cluster) -> dict[str, str]:
+    return {w["id"]: w["incarnation"] for w in cluster.workers()}
+
+
+def _all_registered(cluster) -> dict[str, str] | None:
+    found = _incarnations(cluster)
+    return found if set(WORKERS) <= found.keys() else None
+
+
+def run_once(cluster, scenario: Scenario, prompts: list[Prompt], run: int) -> RunResult:
+    member = scenario.member(run)
+    result = RunResult(scenario, member)
+    if not _poll(lambda: _all_registered(cluster), 120) or not settle(cluster, SETTLE_S)[0]:
+        result.failures.append("cluster not whole and idle before the fault")
+        return result
+    before = _all_registered(cluster)
+    pool = member.split("-")[0]
+    load = Load(cluster.url, cluster.model, prompts).start()
+    try:
+        if not wait_for_phase(cluster, member, scenario.phase, PREFILL, DECODE):
+            result.failures.append(f"phase {scenario.phase} never observed on {member}")
+        else:
+            served_before = 0.0 if scenario.fault == "sigkill" or pool == "gateway" else cluster.metric(member, SERVED[pool])
+            faulted_at = time.monotonic()
+            _inject(cluster, scenario, member, before, result)
+            result.recover_s = _recover(cluster, scenario, member, before, load, faulted_at, result)
+            if pool != "gateway" and not _poll(lambda: cluster.metric(member, SERVED[pool]) > served_before, 30):
+                result.failures.append(f"{member} not picked up again: served nothing after the fault")
+    finally:
+        outcomes = load.stop()
+    result.outcomes = Counter(o.kind for o in outcomes)
+    allowed = {"ok", "error"} | ({"disconnected"} if scenario.target == "gateway" else set())
+    for o in outcomes:
+        if o.kind not in allowed:
+            result.failures.append(f"request {o.kind}: {o.detail}")
+    idle, result.leaked_blocks = settle(cluster, SETTLE_S)
+    if not idle:
+        result.failures.append(f"not idle {SETTLE_S:.0f} s after the load: {result.leaked_blocks} KV blocks in use")
+    result.failures += integrity_failures(cluster)
+    return result
+
+
+def _inject(cluster, scenario: Scenario, member: str, before: dict[str, str], result: RunResult) -> None:
+    cluster.fault(scenario.fault, member)
+    if scenario.fault == "sigkill" and member != "gateway":
+        dropped = _poll(lambda: _incarnations(cluster).get(member) != before[member], WORKER_TIMEOUT_S + 5)
+        if not dropped:
+            result.failures.append(f"killed {member} still routed to {WORKER_TIMEOUT_S + 5:.0f} s after the kill")
+    if scenario.fault != "sigkill":
+        time.sleep(OUTAGE_S)
+        cluster.heal(scenario.fault, member)
+
+
+def _recover(cluster, scenario: Scenario, member: str, before: dict[str, str], load: Load, faulted_at: float,
+             result: RunResult) -> float | None:
+    def whole() -> bool:
+        now = _all_registered(cluster)
+        return bool(now) and (scenario.fault != "sigkill" or member == "gateway" or now[member] != before[member])
+
+    if not _poll(whole, RECOVER_S):
+        result.failures.append(f"not every worker registered again within {RECOVER_S:.0f} s")
+        return None
+    whole_at = time.monotonic()
+    if not _poll(lambda: load.num_ok_since(whole_at) > 0, RECOVER_S, poll_s=0.02):
+        result.failures.append("no exact answer after every worker registered again")
+        return None
+    return next(o.ended for o in sorted(load.outcomes, key=lambda o: o.ended)
+                if o.kind == "ok" and o.started >= whole_at) - faulted_at
+
+
+IDLE_GAUGES = ("kv_blocks_in_use", "num_requests_running", "num_requests_waiting", "kv_blocks_held_for_peer")
+
+
+def settle(cluster, timeout_s: float) -> tuple[bool, int]:
+    """(idle, leaked): idle once every worker's own /metrics shows nothing in use, running, waiting or held
+    for a peer; leaked = the KV blocks still in use when ``timeout_s`` ran out (0 when idle)."""
+    def idle() -> bool:
+        return all(cluster.metric(w, f"pdserve:{name}") == 0 for w in WORKERS for name in IDLE_GAUGES)
+
+    if _poll(idle, timeout_s, poll_s=0.2):
+        return True, 0
+    return False, sum(int(_try(lambda w=w: cluster.metric(w, "pdserve:kv_blocks_in_use")) or 0) for w in WORKERS)
+
+
+def _try(read):
+    try:
+        return read()
+    except OSError:
+        return None
+
+
+def integrity_failures(cluster) -> list[str]:
+    failures = []
+    for w in WORKERS:
+        if not _poll(lambda w=w: cluster.metric(w, "pdserve:kv_integrity_checks_total") >= 1, 10):
+            failures.append(f"{w} never ran its idle integrity check")
+        if _try(lambda w=w: cluster.metric(w, "pdserve:kv_integrity_violations_total")) != 0:
+            failures.append(f"{w}: block integrity violated")
+    return failures
+
+
+def matrix(faults=FAULTS, targets=TARGETS, phases=PHASES) -> list[Scenario]:
+    return [Scenario(f, t, p) for f in faults for t in targets for p in phases]
