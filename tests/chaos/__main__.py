@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from tests.chaos.clusters import BLOCK, NetnsCluster, ServeCluster
-from tests.chaos.load import make_prompts
+from tests.chaos.load import Prompt, make_prompts
 from tests.chaos.report import write_report
 from tests.chaos.scenario import RunResult, Scenario, matrix, run_once
 from tests.model_factory import tiny_model_dir
@@ -28,9 +28,12 @@ def select(patterns: list[str]) -> list[Scenario]:
     return [s for s in matrix() if any(fnmatch.fnmatch(f"{s.fault}:{s.target}:{s.phase}", p) for p in patterns)]
 
 
-def run_all(scenarios: list[Scenario], runs: int, log=print) -> tuple[list[RunResult], dict[Scenario, str]]:
+def run_all(scenarios: list[Scenario], runs: int, prompts: list[Prompt] | None = None,
+            log=print) -> tuple[list[RunResult], dict[Scenario, str]]:
+    """Every run of every scenario, each fault family on its own cluster; scenarios that cannot run
+    here map to the reason."""
     model = str(tiny_model_dir("llama"))
-    prompts = make_prompts(model, BLOCK, PROMPTS)
+    prompts = prompts or make_prompts(model, BLOCK, PROMPTS)
     results: list[RunResult] = []
     not_run: dict[Scenario, str] = {}
     for kind in (ServeCluster, NetnsCluster):
@@ -46,7 +49,7 @@ def run_all(scenarios: list[Scenario], runs: int, log=print) -> tuple[list[RunRe
         try:
             for scenario in mine:
                 for run in range(runs):
-                    offset = len(results) * PROMPTS_PER_RUN % PROMPTS
+                    offset = len(results) * PROMPTS_PER_RUN % len(prompts)
                     result = run_once(cluster, scenario, prompts[offset:] + prompts[:offset], run)
                     results.append(result)
                     recover = f"{result.recover_s:.1f} s" if result.recover_s is not None else "—"

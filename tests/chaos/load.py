@@ -107,9 +107,11 @@ class Load:
             if outcome.kind != "ok":
                 time.sleep(0.2)  # a gateway that is down refuses at once: do not spin
 
-    def num_ok_since(self, since: float) -> int:
+    def first_ok_since(self, since: float) -> Outcome | None:
+        """The earliest-answered exact request among those sent at or after ``since``."""
         with self._lock:
-            return sum(o.kind == "ok" and o.started >= since for o in self.outcomes)
+            return min((o for o in self.outcomes if o.kind == "ok" and o.started >= since),
+                       key=lambda o: o.ended, default=None)
 
     def stop(self) -> list[Outcome]:
         """Stop sending; every request in flight ends by its deadline (the client's timeout)."""

@@ -132,11 +132,10 @@ def _recover(cluster, scenario: Scenario, member: str, before: dict[str, str], l
         result.failures.append(f"not every worker registered again within {RECOVER_S:.0f} s")
         return None
     whole_at = time.monotonic()
-    if not _poll(lambda: load.num_ok_since(whole_at) > 0, RECOVER_S, poll_s=0.02):
+    if not (first := _poll(lambda: load.first_ok_since(whole_at), RECOVER_S, poll_s=0.02)):
         result.failures.append("no exact answer after every worker registered again")
         return None
-    return next(o.ended for o in sorted(load.outcomes, key=lambda o: o.ended)
-                if o.kind == "ok" and o.started >= whole_at) - faulted_at
+    return first.ended - faulted_at
 
 
 IDLE_GAUGES = ("kv_blocks_in_use", "num_requests_running", "num_requests_waiting", "kv_blocks_held_for_peer")
