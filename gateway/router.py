@@ -121,7 +121,11 @@ class Router:
     def _tracked_for(self, worker: WorkerInfo) -> _TrackedBlocks:
         tracked = self._tracked.get(worker.worker_id)
         if tracked is None or tracked.incarnation != worker.incarnation:  # restarted: its cache is empty
-            tracked = _TrackedBlocks(worker.incarnation, self._params.max_tracked_blocks)
+            # The worker caches at most its pool's blocks: a hash older than the newest kv_blocks_total
+            # sent to it can only predict a hit that is not there, and kept it would grow the gateway by
+            # ~100 bytes per block up to max_tracked_blocks (found by the soak, tests/soak.py).
+            limit = min(self._params.max_tracked_blocks, worker.heartbeat.kv_blocks_total)
+            tracked = _TrackedBlocks(worker.incarnation, limit)
             self._tracked[worker.worker_id] = tracked
         return tracked
 

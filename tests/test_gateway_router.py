@@ -53,6 +53,16 @@ def test_restart_forgets_the_prefix():
     assert router.route(list(range(8))).decode_cached_tokens == 0
 
 
+def test_tracked_prefix_is_bounded_by_the_workers_pool():
+    # d1 holds 100 blocks: once 100 newer blocks went there, the oldest prompt cannot still be cached.
+    router = Router(registry({"d1": 0}), RouterParams(BS, local_prefill_max_tokens=1000))
+    prompts = [[i * 9 + k for k in range(9)] for i in range(51)]  # 2 full blocks each: 102 hashes
+    for prompt in prompts:
+        router.route(prompt)
+    assert router.route(prompts[1]).decode_cached_tokens == 2 * BS  # among the newest 100
+    assert router.route(prompts[0]).decode_cached_tokens == 0  # forgotten, oldest first
+
+
 def test_disaggregation_long_uncached_suffix_goes_to_prefill():
     reg = registry({"d1": 0}, {"p1": 500, "p2": 100})
     router = Router(reg, RouterParams(BS, local_prefill_max_tokens=8))
