@@ -68,6 +68,7 @@ async def send_one(client: httpx.AsyncClient, target: Target, item: Scheduled, l
                     return t
                 if chunk.get("choices"):
                     t.chunk_s.append(now)
+                    t.text += chunk["choices"][0].get("text") or ""
                     live.by_index[r.index] += 1
                 if chunk.get("usage"):
                     t.output_tokens = int(chunk["usage"]["completion_tokens"])

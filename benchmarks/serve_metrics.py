@@ -29,6 +29,7 @@ class RequestTimeline:
     chunk_s: list[float] = field(default_factory=list)  # arrival of each chunk with tokens, in order
     output_tokens: int = 0  # from the usage chunk (0 until it arrives)
     error: str = ""  # non-empty: the request failed; it counts in no latency
+    text: str = ""  # the streamed text, concatenated (checked against a reference by the soak test)
 
     @property
     def ok(self) -> bool:
