@@ -132,7 +132,10 @@ class KVReceiver:
             self._on_commit(peer, record)
         elif isinstance(record, Abort):
             r = self.table.get(record.rid)
-            if r is not None and r.sender_incarnation in (None, record.sender_incarnation):
+            # Once committed the range is the decode node's (a "committed" event may already be on its
+            # way to it): a sender's abort arriving after its own commit has nothing left to abort.
+            live = r is not None and r.state != RangeState.COMMITTED
+            if live and r.sender_incarnation in (None, record.sender_incarnation):
                 if self.table.abort(record.rid, record.generation):
                     self._fail(record.rid, record.generation, f"aborted by sender: {record.reason}", r.block_ids)
 

@@ -199,6 +199,24 @@ def test_sender_abort_frees_receiver_range_at_once(node):
     assert node.free == set(range(16)) and tx.pinned_blocks() == []
 
 
+def test_sender_abort_after_commit_leaves_the_committed_range_to_the_receiver(node):
+    # Found by the chaos tool: P committed, then an AbortRequest reached P before the CommitAck came
+    # back; both frames landed in one receiver poll, the abort freed the committed range behind the
+    # pending "committed" event, and the decode node's adopt() raised (the process died).
+    tx = node.sender()
+    node.reserve("r", 1, [1, 2])
+    tx.send("r", 1, [0, 3], [1, 2])
+    tx.commit("r", 1, first_token=9)
+    for _ in range(50):  # commit on the wire, not yet read by the receiver
+        tx.poll()
+    tx.abort("r", 1, reason="gateway: client gone")
+    time.sleep(0.2)  # the abort too
+    rx_events = node.rx.poll()
+    assert [(e.ok, e.rid) for e in rx_events] == [(True, "r")]  # no failure after the commit
+    assert node.rx.adopt("r") == (1, 2) and node.free == set(range(16)) - {1, 2}  # the decode node owns them
+    assert node.sample("pdserve:kv_blocks_held_for_peer") == 0
+
+
 def test_restarted_receiver_makes_the_sender_handshake_again():
     node = Node("zmq")
     try:
