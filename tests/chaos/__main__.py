@@ -14,7 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tests.chaos.clusters import BLOCK, NetnsCluster, ServeCluster
+from tests.chaos.clusters import BLOCK, NetnsCluster, NoNamespaces, ServeCluster
 from tests.chaos.load import Prompt, make_prompts
 from tests.chaos.report import write_report
 from tests.chaos.scenario import RunResult, Scenario, matrix, run_once
@@ -43,7 +43,7 @@ def run_all(scenarios: list[Scenario], runs: int, prompts: list[Prompt] | None =
         try:
             cluster = ServeCluster(model, Path(tempfile.mkdtemp(prefix="chaos-"))) if kind is ServeCluster \
                 else NetnsCluster(model)
-        except RuntimeError as exc:  # no namespaces here: say so instead of faking the scenario
+        except NoNamespaces as exc:  # no namespaces here: say so instead of faking the scenario
             not_run.update({s: str(exc) for s in mine})
             continue
         try:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import tempfile
+import time
 import urllib.request
 from pathlib import Path
 
@@ -89,6 +91,10 @@ class ServeCluster:
         assert self.serve.stop() == 0, "".join(self.log[-30:])
 
 
+class NoNamespaces(RuntimeError):
+    """Network namespaces cannot be made here: link-down scenarios are reported as not run."""
+
+
 class NetnsCluster:
     faults = ("linkdown",)
 
@@ -97,7 +103,7 @@ class NetnsCluster:
         self.net = Network()
         if not self.net.isolated:
             self.net.close()
-            raise RuntimeError(f"no network namespaces: {self.net.reason}")
+            raise NoNamespaces(f"no network namespaces: {self.net.reason}")
         self.hosts: dict[str, Host] = {}
         self.log: list[str] = []
         common = {f"{section}.{key}": value for section, fields in SETTINGS.items() for key, value in fields.items()}
@@ -108,6 +114,11 @@ class NetnsCluster:
                 sets = common if role == "gateway" else {**common, f"{role}.worker_id": member}
                 self.hosts[member] = Host(self.net, member, index, role, sets, str(ROOT / "configs" / "multinode.yaml"))
             self.url = f"http://{self.hosts['gateway'].address}:8000"
+            give_up = time.monotonic() + 120
+            while any(h.http_port is None for name, h in self.hosts.items() if name != "gateway"):
+                if time.monotonic() > give_up:  # every worker prints READY with its metrics port
+                    raise RuntimeError(f"workers did not start:\n{self.logs()}")
+                time.sleep(0.2)
         except BaseException:
             self.close()
             raise
@@ -131,3 +142,7 @@ class NetnsCluster:
         for host in self.hosts.values():
             host.stop()
         self.net.close()
+        logs = Path(tempfile.mkdtemp(prefix="chaos-netns-logs-"))  # whole logs, for a failure's post-mortem
+        for name, host in self.hosts.items():
+            (logs / f"{name}.log").write_text("".join(host.log))
+        print(f"chaos: link-down cluster logs in {logs}")
