@@ -5,9 +5,9 @@ Every request sends token ids, greedy, ``ignore_eos`` and ``max_tokens`` = the w
 length, with ``stream: true`` and ``stream_options.include_usage`` so the server's token count comes
 back in the last chunk. A chunk whose ``choices`` is non-empty carries tokens and is timestamped.
 
-While a run is in flight an optional sampler polls a worker's ``/metrics`` for KV blocks in use and
-pairs each reading with the tokens the client knows to be live (prompt + chunks received, for every
-request sent and not finished) — the data for the KV memory utilisation figure.
+While a run is in flight an optional sampler polls the decode workers' ``/metrics`` for the KV slots
+of their in-use blocks and how many of those hold a live token (one scrape, one consistent reading
+of the block manager) — the data for the KV memory utilisation figure.
 """
 
 from __future__ import annotations
@@ -30,18 +30,6 @@ class Target:
     model: str  # the served model id (from /v1/models)
 
 
-@dataclass(slots=True)
-class LiveTokens:
-    """Tokens of requests in flight, as the client sees them (chunks count as one token each, which can
-    only undercount: a chunk carries at least one token)."""
-
-    by_index: dict[int, int] = field(default_factory=dict)
-
-    @property
-    def total(self) -> int:
-        return sum(self.by_index.values())
-
-
 def request_body(target: Target, r: BenchRequest) -> dict:
     return {
         "model": target.model, "prompt": list(r.prompt_token_ids), "max_tokens": r.output_len,
@@ -49,10 +37,9 @@ def request_body(target: Target, r: BenchRequest) -> dict:
     }
 
 
-async def send_one(client: httpx.AsyncClient, target: Target, item: Scheduled, live: LiveTokens) -> RequestTimeline:
+async def send_one(client: httpx.AsyncClient, target: Target, item: Scheduled) -> RequestTimeline:
     r = item.request
     t = RequestTimeline(r.index, item.tag, r.prompt_len, r.output_len, send_s=time.perf_counter())
-    live.by_index[r.index] = r.prompt_len
     try:
         async with client.stream("POST", f"{target.url}/v1/completions", json=request_body(target, r)) as response:
             if response.status_code != 200:
@@ -69,15 +56,12 @@ async def send_one(client: httpx.AsyncClient, target: Target, item: Scheduled, l
                 if chunk.get("choices"):
                     t.chunk_s.append(now)
                     t.text += chunk["choices"][0].get("text") or ""
-                    live.by_index[r.index] += 1
                 if chunk.get("usage"):
                     t.output_tokens = int(chunk["usage"]["completion_tokens"])
         if t.output_tokens != r.output_len:
             t.error = f"asked for {r.output_len} tokens, usage says {t.output_tokens}"
     except httpx.HTTPError as exc:
         t.error = f"{type(exc).__name__}: {exc}"
-    finally:
-        live.by_index.pop(r.index, None)
     return t
 
 
@@ -89,16 +73,15 @@ async def run_open_loop(target: Target, schedule: list[Scheduled], sampler: "KvS
                         ) -> tuple[list[RequestTimeline], float]:
     """Sends each request at its ``at_s``; returns the timelines (workload order) and the wall time
     from the start to the last response."""
-    live = LiveTokens()
     async with _client() as client:
-        sampling = asyncio.create_task(sampler.run(client, live)) if sampler else None
+        sampling = asyncio.create_task(sampler.run(client)) if sampler else None
         start = time.perf_counter()
         tasks = []
         for item in schedule:
             delay = start + item.at_s - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(send_one(client, target, item, live)))
+            tasks.append(asyncio.create_task(send_one(client, target, item)))
         timelines = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
         if sampling:
@@ -112,15 +95,15 @@ async def run_closed_loop(target: Target, requests: list[BenchRequest], concurre
     queue: asyncio.Queue[BenchRequest] = asyncio.Queue()
     for r in requests:
         queue.put_nowait(r)
-    live, timelines = LiveTokens(), []
+    timelines: list[RequestTimeline] = []
 
     async def worker(client: httpx.AsyncClient) -> None:
         while not queue.empty():
             r = queue.get_nowait()
-            timelines.append(await send_one(client, target, Scheduled(0.0, r, tag), live))
+            timelines.append(await send_one(client, target, Scheduled(0.0, r, tag)))
 
     async with _client() as client:
-        sampling = asyncio.create_task(sampler.run(client, live)) if sampler else None
+        sampling = asyncio.create_task(sampler.run(client)) if sampler else None
         start = time.perf_counter()
         await asyncio.gather(*(worker(client) for _ in range(concurrency)))
         duration = time.perf_counter() - start
@@ -140,28 +123,24 @@ def parse_metric(body: str, name: str) -> float:
 
 @dataclass(slots=True)
 class KvSampler:
-    """Pairs the decode workers' KV blocks in use with the client's live tokens. A reading counts only
-    when the workers' running requests equal the client's in-flight ones before and after the poll:
-    then every live token's request holds its blocks, and none is queued or finished unseen."""
+    """Reads the decode workers' exact KV gauges while a run is in flight: the live token slots and the
+    blocks in use, both from one scrape of each worker (set together, after the same engine step)."""
 
     metrics_urls: list[str]  # /metrics of every worker that holds decode KV
     block_size: int
     interval_s: float = 0.25
-    samples: list[tuple[int, int]] = field(default_factory=list)  # (live tokens, allocated slots)
-    num_discarded: int = 0
+    samples: list[tuple[int, int]] = field(default_factory=list)  # (live token slots, allocated slots)
+    num_discarded: int = 0  # scrapes that failed
 
-    async def run(self, client: httpx.AsyncClient, live: LiveTokens) -> None:
+    async def run(self, client: httpx.AsyncClient) -> None:
         while True:
             await asyncio.sleep(self.interval_s)
-            in_flight, before = len(live.by_index), live.total
             try:
                 bodies = [(await client.get(url, timeout=5.0)).text for url in self.metrics_urls]
             except httpx.HTTPError:
-                continue
-            running = sum(parse_metric(b, "pdserve:num_requests_running") for b in bodies)
-            blocks = sum(parse_metric(b, "pdserve:kv_blocks_in_use") for b in bodies)
-            if not in_flight or running != in_flight or len(live.by_index) != in_flight:
                 self.num_discarded += 1
                 continue
-            # Average the client's view over the poll, which took a few milliseconds.
-            self.samples.append(((before + live.total) // 2, int(blocks) * self.block_size))
+            live = sum(parse_metric(b, "pdserve:kv_live_slots") for b in bodies)
+            blocks = sum(parse_metric(b, "pdserve:kv_blocks_in_use") for b in bodies)
+            if blocks:  # an idle moment says nothing about how well blocks are filled
+                self.samples.append((int(live), int(blocks) * self.block_size))

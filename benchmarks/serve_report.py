@@ -32,7 +32,7 @@ class Report:
     procs: list[tuple[str, ProcSample]] = field(default_factory=list)  # (system, process)
     hf_tps: float = math.nan
     hf_row: str = ""
-    kv_util: dict[str, tuple[float, int, int]] = field(default_factory=dict)  # system -> (util, samples, discarded)
+    kv_util: dict[str, tuple[float, int, int]] = field(default_factory=dict)  # system -> (util, busy samples, failed scrapes)
 
     def find(self, system: str, workload: str, load_prefix: str = "") -> Run | None:
         return next((r for r in self.runs if r.system == system and r.workload == workload
@@ -89,9 +89,9 @@ def print_targets(report: Report) -> tuple[float, float, float]:
           f"(target <= {TARGET_TPOT_RATIO}) {_verdict(tpot_ratio <= TARGET_TPOT_RATIO)}")
     print(f"  shared-prefix TTFT p50, cache off / cache on: {gain:.2f}x "
           f"(target >= {TARGET_PREFIX_GAIN}x) {_verdict(gain >= TARGET_PREFIX_GAIN)}")
-    for system, (util, n, dropped) in report.kv_util.items():
-        print(f"  KV memory utilisation ({system} decode, live tokens / allocated slots, {n} samples, "
-              f"{dropped} dropped): {util:.3f} (target >= {TARGET_KV_UTIL}) {_verdict(util >= TARGET_KV_UTIL)}")
+    for system, (util, n, failed) in report.kv_util.items():
+        print(f"  KV memory utilisation ({system} decode, pdserve:kv_live_slots / slots of kv_blocks_in_use, "
+              f"{n} busy samples, {failed} failed scrapes): {util:.3f} (target >= {TARGET_KV_UTIL}) {_verdict(util >= TARGET_KV_UTIL)}")
     return vs_static, tpot_ratio, gain
 
 

@@ -354,7 +354,7 @@ class DecodeServer:
             num_running=s.num_running, num_waiting=s.num_waiting + awaiting, kv_blocks_total=bm.num_blocks,
             kv_blocks_in_use=bm.num_in_use_blocks, kv_blocks_free=bm.num_allocatable_blocks,
             prefix_query_tokens=bm.num_prefix_query_tokens, prefix_hit_tokens=bm.num_prefix_hit_tokens,
-            num_preemptions=s.num_preemptions,
+            num_preemptions=s.num_preemptions, kv_live_slots=bm.num_live_slots, block_size=bm.block_size,
         )
 
     def _update_metrics(self) -> None:

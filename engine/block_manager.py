@@ -69,6 +69,22 @@ class BlockManager:
         return len(self._free) + len(self._evictable)
 
     @property
+    def num_live_slots(self) -> int:
+        """Slots of in-use blocks that hold (or are reserved for) a token of a live sequence; a block
+        shared by several sequences counts once. Over ``num_in_use_blocks * block_size`` it is the KV
+        memory utilisation: what paging wastes is each sequence's partly filled last block."""
+        bs = self.block_size
+        full: set[int] = set()
+        partial: dict[int, int] = {}  # block -> most slots any sharer fills
+        for seq in self._live.values():
+            num_full = min(len(seq.block_table), seq.num_tokens // bs)
+            full.update(seq.block_table[:num_full])
+            if num_full < len(seq.block_table) and (rest := seq.num_tokens - num_full * bs) > 0:
+                block = seq.block_table[num_full]
+                partial[block] = max(partial.get(block, 0), rest)
+        return len(full) * bs + sum(n for block, n in partial.items() if block not in full)
+
+    @property
     def usage(self) -> float:
         """Fraction of blocks held by live sequences (kv_cache_usage_perc)."""
         return self.num_in_use_blocks / self.num_blocks

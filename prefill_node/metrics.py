@@ -41,4 +41,6 @@ class PrefillMetrics:
             prefix_query_tokens=bm.num_prefix_query_tokens,
             prefix_hit_tokens=bm.num_prefix_hit_tokens,
             num_preemptions=scheduler.num_preemptions,
+            kv_live_slots=bm.num_live_slots,
+            block_size=bm.block_size,
         ))

@@ -206,3 +206,28 @@ def test_integrity_check_catches_a_double_owner():
     assert_integrity(bm)
     bm.deallocate(a)
     assert_no_leak(bm)
+
+
+def test_live_slots_count_each_block_once_and_only_live_tokens():
+    """KV utilisation's numerator: tokens in in-use blocks, a shared block counted once."""
+    bm = BlockManager(num_blocks=16, block_size=4)
+    a = make_seq(0, list(range(10)))
+    compute(bm, a, 10)  # blocks [0, 1, 2]: 4 + 4 + 2 live slots
+    assert bm.num_live_slots == 10 and bm.num_in_use_blocks * 4 == 12
+    b = make_seq(1, list(range(8)) + [100, 101, 102])
+    compute(bm, b, 3)  # shares full blocks 0 and 1; its own block 3 holds 3 tokens
+    assert b.block_table == [0, 1, 3]
+    assert bm.num_live_slots == 10 + 3
+    child = make_seq(-1, list(b.token_ids))
+    bm.fork(b, child)  # shares b's partial block 3 too: counted once
+    assert bm.num_live_slots == 13
+    child.token_ids.append(7)
+    compute(bm, child, 1)  # copy-on-write: block 4 holds 4 tokens, b's block 3 still 3
+    assert child.block_table == [0, 1, 4] and bm.num_live_slots == 13 + 4
+    r = make_seq(2, list(range(200, 209)))
+    assert bm.reserve(r, 9) == [5, 6, 7]  # reserved for 9 tokens another node will write
+    assert bm.num_live_slots == 17 + 9 and bm.num_in_use_blocks == 8
+    for seq in (a, b, child, r):
+        bm.deallocate(seq)
+    assert bm.num_live_slots == 0
+    assert_no_leak(bm)

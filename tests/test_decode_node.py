@@ -107,6 +107,9 @@ def test_busy_when_pool_cannot_hold_request(node):
     node.gateway.send("d0", generate("a", list(range(1, 101)), prefill_address=prefill_address))
     assert prefill.poll(30_000) and decode(prefill.recv_multipart()[1], expected=PrefillJob).rid == "a"
     node.gateway.wait_heartbeat(lambda hb: hb.kv_blocks_in_use == 25)  # 100 tokens in blocks of 4
+    # The reservation's 100 slots are all spoken for: the utilisation gauges count them live.
+    assert scrape(node.node.http.port, "pdserve:kv_live_slots") == 100
+    assert scrape(node.node.http.port, "pdserve:kv_slot_utilization") == 1.0
     # 40 prompt tokens need 10 blocks + 1 to decode into; 7 are left. Local and remote alike.
     node.gateway.send("d0", generate("b", list(range(1, 41))))
     busy = node.gateway.recv(until=lambda r: isinstance(r, Busy))

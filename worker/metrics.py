@@ -30,6 +30,8 @@ class EngineSnapshot:
     prefix_query_tokens: int  # running totals since start
     prefix_hit_tokens: int
     num_preemptions: int
+    kv_live_slots: int = 0  # slots of in-use blocks holding a live token (BlockManager.num_live_slots)
+    block_size: int = 0
 
 
 class EngineMetrics:
@@ -46,6 +48,9 @@ class EngineMetrics:
         self.kv_blocks_in_use = gauge("kv_blocks_in_use", "KV blocks referenced by live requests or reservations")
         self.kv_blocks_free = gauge("kv_blocks_free", "KV blocks free or evictable")
         self.kv_blocks_total = gauge("kv_blocks_total", "KV blocks in the pool")
+        self.kv_live_slots = gauge("kv_live_slots", "Token slots of in-use KV blocks that hold a live token")
+        self.kv_slot_utilization = gauge(
+            "kv_slot_utilization", "Live tokens / slots of in-use KV blocks, 0..1 (0 when none is in use)")
         self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache")
         self.num_preemptions = counter("num_preemptions", "Sequences preempted (recomputed later)")
@@ -76,6 +81,9 @@ class EngineMetrics:
         self.kv_blocks_free.set(s.kv_blocks_free)
         self.kv_blocks_total.set(s.kv_blocks_total)
         self.kv_cache_usage_perc.set(s.kv_blocks_in_use / s.kv_blocks_total if s.kv_blocks_total else 0.0)
+        self.kv_live_slots.set(s.kv_live_slots)
+        slots = s.kv_blocks_in_use * s.block_size
+        self.kv_slot_utilization.set(s.kv_live_slots / slots if slots else 0.0)
         last = self._last
         self.prefix_cache_queries.inc(max(s.prefix_query_tokens - last.prefix_query_tokens, 0))
         self.prefix_cache_hits.inc(max(s.prefix_hit_tokens - last.prefix_hit_tokens, 0))
