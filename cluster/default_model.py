@@ -12,7 +12,7 @@ from pathlib import Path
 
 DEFAULT_FAMILY = "llama"
 DEFAULT_SIZE = "small"
-CHECKPOINT_VERSION = 2  # bump when make_model's output changes, so stale caches are not reused
+CHECKPOINT_VERSION = 3  # bump when make_model's output changes, so stale caches are not reused
 
 
 def default_model_dir(cache_dir: str = "", family: str = DEFAULT_FAMILY, size: str = DEFAULT_SIZE) -> Path:

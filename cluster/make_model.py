@@ -87,8 +87,8 @@ def english_like_corpus(num_chars: int, seed: int = 1234) -> list[str]:
 
 
 def build_tokenizer(vocab_size: int):
-    """A byte-level BPE ``PreTrainedTokenizerFast`` with at most ``vocab_size`` tokens."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    """A byte-level BPE ``PreTrainedTokenizerFast`` with exactly ``vocab_size`` tokens."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tokenizer = Tokenizer(models.BPE())
@@ -102,6 +102,13 @@ def build_tokenizer(vocab_size: int):
     )
     tokenizer.train_from_iterator(english_like_corpus(300_000), trainer=trainer)
     assert tokenizer.get_vocab_size() <= vocab_size, (tokenizer.get_vocab_size(), vocab_size)
+    # The corpus runs out of merges long before a 32000 vocabulary. Fill the rest with plain word
+    # tokens, so every id the model can emit decodes to text as in a released checkpoint: random
+    # weights sample all ids alike, and an id with no text would stream as nothing at all.
+    fillers = [AddedToken(f" w{i}", normalized=False, special=False)
+               for i in range(tokenizer.get_vocab_size(), vocab_size)]
+    tokenizer.add_tokens(fillers)
+    assert tokenizer.get_vocab_size() == vocab_size, (tokenizer.get_vocab_size(), vocab_size)
     assert [tokenizer.token_to_id(t) for t in SPECIAL_TOKENS] == list(range(len(SPECIAL_TOKENS)))
     return PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,

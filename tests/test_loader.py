@@ -10,7 +10,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from cluster.make_model import BOS_ID, EOS_ID, IM_END_ID, PAD_ID, build_config, build_tokenizer, main, make_model
+from cluster.make_model import (BOS_ID, EOS_ID, IM_END_ID, PAD_ID, SPECIAL_TOKENS, build_config, build_tokenizer,
+                                main, make_model)
 from engine.loader import load_model
 from engine.model_config import ModelConfig
 from tests.model_factory import tiny_model_dir
@@ -156,12 +157,17 @@ def test_tiny_tokenizer_round_trips_and_matches_config():
     assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 
 
-def test_small_tokenizer_fits_the_vocab():
+def test_small_tokenizer_covers_the_vocab():
+    """Every id the model can emit decodes to text (the BPE runs out of merges before 32000)."""
     tokenizer = build_tokenizer(32000)
     text = "Prefill and decode workers share one cache of 1024 blocks."
     ids = tokenizer(text).input_ids
-    assert len(tokenizer) <= 32000 and max(ids) < 32000
+    assert len(tokenizer) == 32000 and max(ids) < 32000
     assert tokenizer.decode(ids) == text
+    assert tokenizer.decode([31999]) == " w31999"
+    assert all(tokenizer.decode([i]) for i in range(len(SPECIAL_TOKENS), 32000, 97))
+    # A filler streams like any word: it round-trips through encode as the same id.
+    assert tokenizer(" w31999 w5000").input_ids == [31999, 5000]
 
 
 def test_make_model_is_deterministic_per_seed(tmp_path):
