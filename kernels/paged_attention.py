@@ -36,16 +36,17 @@ def paged_attention_reference(
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     # Decode rows: their single query token is query_start_loc[i].
     dec_tokens = query_start_loc[:-1][is_decode].long()  # [num_decode]
-    out[dec_tokens] = paged_decode_reference(
-        q[dec_tokens], k_cache, v_cache, block_tables[is_decode], context_lens[is_decode], scale)
+    out.index_copy_(0, dec_tokens, paged_decode_reference(
+        q.index_select(0, dec_tokens), k_cache, v_cache, block_tables[is_decode], context_lens[is_decode], scale))
     # Prefill rows: repack their chunks densely, run them, and put them back in query order.
     pre = ~is_decode
     pre_lens = q_lens[pre]
     pre_loc = torch.zeros(pre_lens.shape[0] + 1, dtype=query_start_loc.dtype, device=q.device)
     torch.cumsum(pre_lens, 0, out=pre_loc[1:])
     token_is_pre = torch.repeat_interleave(pre, q_lens, output_size=q.shape[0])  # [num_tokens]
-    out[token_is_pre] = paged_prefill_reference(
-        q[token_is_pre], k_cache, v_cache, block_tables[pre], context_lens[pre], pre_loc, scale)
+    pre_tokens = token_is_pre.nonzero()[:, 0]
+    out.index_copy_(0, pre_tokens, paged_prefill_reference(
+        q.index_select(0, pre_tokens), k_cache, v_cache, block_tables[pre], context_lens[pre], pre_loc, scale))
     return out
 
 
