@@ -81,10 +81,9 @@ class Tokenizer:
         self._template = _compile_template(source) if source else None
         eos = self.special_tokens.get("eos_token")
         self.eos_token_id: int | None = self._tok.token_to_id(eos) if eos else None
-
-    @property
-    def vocab_size(self) -> int:
-        return self._tok.get_vocab_size(with_added_tokens=True)
+        # Read once: the library walks every added token on each call (0.6 ms with 29k of them, paid per
+        # prompt id by is_valid_id).
+        self.vocab_size: int = self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
