@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
+import importlib.util
 import os
 import platform
 import tempfile
@@ -129,6 +130,8 @@ def run_system(spec: SystemSpec, p: Plan, args, model_dir: Path, vocab: int, cpu
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.plots_dir and importlib.util.find_spec("matplotlib") is None:  # fail now, not after the runs
+        raise SystemExit("--plots-dir needs matplotlib: pip install -e '.[plots]'")
     started = time.perf_counter()
     cpus = {int(c) for c in args.cpus.split(",")} if args.cpus else os.sched_getaffinity(0)
     os.sched_setaffinity(0, cpus)  # the client and the offline baseline share the systems' cores
