@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 import urllib.request
 import uuid
 from pathlib import Path
@@ -18,6 +19,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SUBNET = "10.77.{}.{}"
 READY = re.compile(r"READY http_port=(\d+)")
+
+
+def poll_until(predicate, timeout_s: float, poll_s: float = 0.1):
+    """``predicate()``'s first truthy value within ``timeout_s``, else None. OSError counts as "not yet":
+    a member between incarnations, or behind a link that is down, refuses connections."""
+    give_up = time.monotonic() + timeout_s
+    while time.monotonic() < give_up:
+        try:
+            if value := predicate():
+                return value
+        except OSError:
+            pass
+        time.sleep(poll_s)
+    return None
 
 
 def _run(*argv: str) -> None:

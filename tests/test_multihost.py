@@ -11,7 +11,6 @@ import json
 import signal
 import socket
 import subprocess
-import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -21,20 +20,14 @@ import torch
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from tests.model_factory import tiny_model_dir
-from tests.netns import ROOT, Host, Network
+from tests.netns import ROOT, Host, Network, poll_until
 
 PRESET = str(ROOT / "configs" / "multinode.yaml")
 
 
 def wait_until(predicate, what: str, timeout_s: float = 60.0, hosts: dict | None = None):
-    give_up = time.monotonic() + timeout_s
-    while time.monotonic() < give_up:
-        try:
-            if value := predicate():
-                return value
-        except OSError:
-            pass
-        time.sleep(0.05)
+    if value := poll_until(predicate, timeout_s, poll_s=0.05):
+        return value
     tails = "".join(f"--- {n}\n" + "".join(h.log[-8:]) for n, h in (hosts or {}).items())
     raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}\n{tails}")
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from tests.chaos.clusters import DECODE, PREFILL, WORKER_TIMEOUT_S, WORKERS
 from tests.chaos.load import Load, Prompt
 from tests.chaos.phases import PHASES, wait_for_phase
+from tests.netns import poll_until
 
 FAULTS = ("sigkill", "sigstop", "linkdown")
 TARGETS = ("prefill", "decode", "gateway")
@@ -57,18 +58,6 @@ class RunResult:
     leaked_blocks: int = 0
 
 
-def _poll(predicate, timeout_s: float, poll_s: float = 0.1):
-    give_up = time.monotonic() + timeout_s
-    while time.monotonic() < give_up:
-        try:
-            if value := predicate():
-                return value
-        except OSError:
-            pass  # a member between incarnations, or cut off
-        time.sleep(poll_s)
-    return None
-
-
 def _incarnations(cluster) -> dict[str, str]:
     return {w["id"]: w["incarnation"] for w in cluster.workers()}
 
@@ -81,7 +70,7 @@ def _all_registered(cluster) -> dict[str, str] | None:
 def run_once(cluster, scenario: Scenario, prompts: list[Prompt], run: int) -> RunResult:
     member = scenario.member(run)
     result = RunResult(scenario, member)
-    if not _poll(lambda: _all_registered(cluster), 120) or not settle(cluster, SETTLE_S)[0]:
+    if not poll_until(lambda: _all_registered(cluster), 120) or not settle(cluster, SETTLE_S)[0]:
         result.failures.append("cluster not whole and idle before the fault")
         return result
     before = _all_registered(cluster)
@@ -95,7 +84,7 @@ def run_once(cluster, scenario: Scenario, prompts: list[Prompt], run: int) -> Ru
             faulted_at = time.monotonic()
             _inject(cluster, scenario, member, before, result)
             result.recover_s = _recover(cluster, scenario, member, before, load, faulted_at, result)
-            if pool != "gateway" and not _poll(lambda: cluster.metric(member, SERVED[pool]) > served_before, 30):
+            if pool != "gateway" and not poll_until(lambda: cluster.metric(member, SERVED[pool]) > served_before, 30):
                 result.failures.append(f"{member} not picked up again: served nothing after the fault")
     finally:
         outcomes = load.stop()
@@ -114,7 +103,7 @@ def run_once(cluster, scenario: Scenario, prompts: list[Prompt], run: int) -> Ru
 def _inject(cluster, scenario: Scenario, member: str, before: dict[str, str], result: RunResult) -> None:
     cluster.fault(scenario.fault, member)
     if scenario.fault == "sigkill" and member != "gateway":
-        dropped = _poll(lambda: _incarnations(cluster).get(member) != before[member], WORKER_TIMEOUT_S + 5)
+        dropped = poll_until(lambda: _incarnations(cluster).get(member) != before[member], WORKER_TIMEOUT_S + 5)
         if not dropped:
             result.failures.append(f"killed {member} still routed to {WORKER_TIMEOUT_S + 5:.0f} s after the kill")
     if scenario.fault != "sigkill":
@@ -128,11 +117,11 @@ def _recover(cluster, scenario: Scenario, member: str, before: dict[str, str], l
         now = _all_registered(cluster)
         return bool(now) and (scenario.fault != "sigkill" or member == "gateway" or now[member] != before[member])
 
-    if not _poll(whole, RECOVER_S):
+    if not poll_until(whole, RECOVER_S):
         result.failures.append(f"not every worker registered again within {RECOVER_S:.0f} s")
         return None
     whole_at = time.monotonic()
-    if not (first := _poll(lambda: load.first_ok_since(whole_at), RECOVER_S, poll_s=0.02)):
+    if not (first := poll_until(lambda: load.first_ok_since(whole_at), RECOVER_S, poll_s=0.02)):
         result.failures.append("no exact answer after every worker registered again")
         return None
     return first.ended - faulted_at
@@ -147,7 +136,7 @@ def settle(cluster, timeout_s: float) -> tuple[bool, int]:
     def idle() -> bool:
         return all(cluster.metric(w, f"pdserve:{name}") == 0 for w in WORKERS for name in IDLE_GAUGES)
 
-    if _poll(idle, timeout_s, poll_s=0.2):
+    if poll_until(idle, timeout_s, poll_s=0.2):
         return True, 0
     return False, sum(int(_try(lambda w=w: cluster.metric(w, "pdserve:kv_blocks_in_use")) or 0) for w in WORKERS)
 
@@ -162,7 +151,7 @@ def _try(read):
 def integrity_failures(cluster) -> list[str]:
     failures = []
     for w in WORKERS:
-        if not _poll(lambda w=w: cluster.metric(w, "pdserve:kv_integrity_checks_total") >= 1, 10):
+        if not poll_until(lambda w=w: cluster.metric(w, "pdserve:kv_integrity_checks_total") >= 1, 10):
             failures.append(f"{w} never ran its idle integrity check")
         if _try(lambda w=w: cluster.metric(w, "pdserve:kv_integrity_violations_total")) != 0:
             failures.append(f"{w}: block integrity violated")
