@@ -28,10 +28,11 @@ class AdmissionQueue:
         assert not self.is_full
         waiter = asyncio.get_running_loop().create_future()
         self._waiters.add(waiter)
-        try:
-            await asyncio.wait_for(waiter, max(0.0, timeout_s))
+        try:  # not asyncio.wait_for, which can drop a cancel (see deadline.py)
+            async with asyncio.timeout(max(0.0, timeout_s)):
+                await waiter
             return True
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return False
         finally:
             self._waiters.discard(waiter)

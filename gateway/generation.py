@@ -22,6 +22,7 @@ import anyio
 
 from .backend import Backend, GenerationRequest, NoCapacity, TokenEvent
 from .choice import ChoiceDelta, ChoiceState
+from .deadline import get_by
 from .errors import APIError, no_capacity
 from .metrics import GatewayMetrics
 
@@ -97,11 +98,9 @@ class Generation:
 
     async def _next_event(self) -> tuple[int, TokenEvent]:
         deadline = self._requests[0].deadline  # one HTTP request: every choice shares the deadline
-        if deadline is None:
-            return await self._queue.get()
         try:
-            return await asyncio.wait_for(self._queue.get(), max(0.0, deadline - time.monotonic()))
-        except asyncio.TimeoutError:
+            return await get_by(self._queue, deadline)
+        except TimeoutError:
             waited = deadline - self._requests[0].arrival_time
             raise GenerationFailed(f"request timed out after {waited:.1f} s") from None
 

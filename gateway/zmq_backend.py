@@ -27,6 +27,7 @@ from .admission import AdmissionQueue
 from .backend import Backend, GenerationRequest, NoCapacity, TokenEvent, TokenLogprob
 from .breaker import CircuitBreaker
 from .completion_order import CompletionOrder
+from .deadline import get_by
 from .metrics import GatewayMetrics
 from .registry import Role, WorkerRegistry
 from .router import RouteDecision, Router, RouterParams
@@ -250,11 +251,9 @@ class ZmqBackend(Backend):
 
     async def _next(self, flight: _Flight, request: GenerationRequest):
         """The next record for ``flight``; WorkerGone(reason="deadline") when the deadline passes first."""
-        if request.deadline is None:
-            return await flight.events.get()
         try:
-            return await asyncio.wait_for(flight.events.get(), max(0.0, request.deadline - time.monotonic()))
-        except asyncio.TimeoutError:
+            return await get_by(flight.events, request.deadline)
+        except TimeoutError:
             return WorkerGone(flight.decode_worker or "", "deadline")
 
     async def _abort_workers(self, flight: _Flight, reason: str) -> None:

@@ -81,6 +81,10 @@ class KVSender:
         self._metrics = metrics
         # True until a handshake succeeds, and again once the receiver no longer knows us (it restarted).
         self.needs_handshake = True
+        self.handshake_error: HandshakeError | None = None  # why the last handshake failed
+        self._handshake_give_up: float | None = None  # set while a handshake is in flight
+        self._handshake_sent = False
+        self._handshake_reply: HandshakeReply | None = None
         self._clock = clock
         self.transport = ""  # chosen at handshake
         self.peer_incarnation = ""
@@ -92,29 +96,53 @@ class KVSender:
         self._events: list[TransferEvent] = []
 
     # -- handshake ---------------------------------------------------------------------------
+    def start_handshake(self, timeout_s: float = 10.0) -> None:
+        """Offer a Handshake without waiting for the answer: ``poll`` takes the reply (or gives up
+        after ``timeout_s``), so a prefill loop keeps running while a receiver is slow or gone."""
+        self.handshake_error = None
+        self._handshake_give_up = self._clock() + timeout_s
+        self._handshake_sent = False
+        self._offer_handshake()
+
+    @property
+    def handshake_pending(self) -> bool:
+        return self._handshake_give_up is not None
+
     def handshake(self, timeout_s: float = 10.0) -> HandshakeReply:
-        device = self.pool.tensor.device.index if self.pool.tensor.is_cuda else None
-        hs = Handshake(self.compat, self.incarnation, socket.gethostname(), list(self.transports), device)
-        give_up = time.monotonic() + timeout_s
-        while not self.channel.send([encode(hs)]):
-            self._wait(give_up, "receiver not reachable")
-        reply = None
-        while reply is None:  # replies to an earlier conversation may still be queued ahead of it
-            frames = self.channel.recv()
-            if frames is None:
-                self._wait(give_up, "no handshake reply")
-                continue
-            try:
-                reply = decode(frames[0], expected=HandshakeReply)
-            except WireError:
-                pass
+        """Blocking form of ``start_handshake`` + ``poll``, for tools and tests."""
+        self.start_handshake(timeout_s)
+        while self.handshake_pending:
+            self.poll()
+            time.sleep(0.001)
+        if self.handshake_error is not None:
+            raise self.handshake_error
+        return self._handshake_reply
+
+    def _offer_handshake(self) -> None:
+        if not self._handshake_sent:
+            device = self.pool.tensor.device.index if self.pool.tensor.is_cuda else None
+            hs = Handshake(self.compat, self.incarnation, socket.gethostname(), list(self.transports), device)
+            self._handshake_sent = self.channel.send([encode(hs)])
+        if self._clock() > self._handshake_give_up:
+            self._end_handshake(HandshakeError(
+                "no handshake reply" if self._handshake_sent else "receiver not reachable"))
+
+    def _on_handshake_reply(self, reply: HandshakeReply) -> None:
+        if not self._handshake_sent:
+            return  # a reply to an earlier conversation, queued ahead of ours
         if not reply.accepted:
-            raise HandshakeError(reply.error, reply.mismatched_field)
+            self._end_handshake(HandshakeError(reply.error, reply.mismatched_field))
+            return
         self._attach(reply)
         self.transport, self.peer_incarnation = reply.transport, reply.receiver_incarnation
         self._credits = self._window = reply.credits
         self.needs_handshake = False
-        return reply
+        self._handshake_reply = reply
+        self._end_handshake(None)
+
+    def _end_handshake(self, error: HandshakeError | None) -> None:
+        self.handshake_error = error
+        self._handshake_give_up = None
 
     def _attach(self, reply: HandshakeReply) -> None:
         layout = self.pool.layout
@@ -129,11 +157,6 @@ class KVSender:
             self._target = (remote, fence)
         assert reply.transport == "zmq" or self._target is not None, reply.transport
         assert reply.num_blocks == layout.num_blocks or reply.transport == "zmq"
-
-    def _wait(self, give_up: float, what: str) -> None:
-        if time.monotonic() > give_up:
-            raise HandshakeError(what)
-        time.sleep(0.001)
 
     # -- prefill-node calls --------------------------------------------------------------------
     def send(self, rid: str, generation: int, src_block_ids: list[int], dst_block_ids: list[int]) -> None:
@@ -182,6 +205,8 @@ class KVSender:
     def poll(self) -> list[TransferEvent]:
         while (frames := self.channel.recv()) is not None:
             self._on_message(frames)
+        if self.handshake_pending:
+            self._offer_handshake()
         now = self._clock()
         for t in list(self._transfers.values()):
             if now >= t.deadline:
@@ -229,6 +254,10 @@ class KVSender:
             msg = decode(frames[0])
         except WireError:
             return  # a broken reply: the deadline decides
+        if isinstance(msg, HandshakeReply):
+            if self.handshake_pending:
+                self._on_handshake_reply(msg)
+            return
         if not isinstance(msg, (Credit, WriteRejected, CommitAck)):
             return
         if isinstance(msg, Credit):  # credits belong to the pair, even when the transfer is over

@@ -3,12 +3,15 @@
 The handshake picks the transport (the receiver chooses among what we offer: shm on one host on CPU,
 cuda_ipc on one host on GPU, zmq otherwise; loopback only exists inside one process). A sender whose
 receiver restarted (a WriteRejected for an unknown incarnation) asks for a new handshake before its
-next transfer.
+next transfer. Handshakes never block the prefill loop: a job waits in the admission queue while the
+handshake for its receiver is in flight, and fails at once when that handshake failed.
 """
 
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 
 import zmq
 
@@ -24,7 +27,7 @@ log = logging.getLogger(__name__)
 class KVSenders:
     def __init__(self, ctx: zmq.Context, pool: KVPool, model_name: str, metrics: TransferMetrics, *,
                  transports: tuple[str, ...], deadline_s: float, handshake_timeout_s: float = 5.0,
-                 max_frame_bytes: int = 64 << 20):
+                 max_frame_bytes: int = 64 << 20, clock: Callable[[], float] = time.monotonic):
         self._ctx = ctx
         self._pool = pool
         self._model_name = model_name
@@ -33,28 +36,36 @@ class KVSenders:
         self._deadline_s = deadline_s
         self._handshake_timeout_s = handshake_timeout_s
         self._max_frame_bytes = max_frame_bytes
+        self._clock = clock
         self._senders: dict[str, KVSender] = {}  # kv address -> sender
+        # address -> (error, until): jobs for a receiver that just failed its handshake fail at once
+        # instead of each waiting out a handshake of its own.
+        self._failed: dict[str, tuple[HandshakeError, float]] = {}
 
-    def get(self, address: str) -> KVSender:
-        """The handshaken sender for ``address``; raises HandshakeError when the receiver refuses us
-        or does not answer in time (blocks up to the handshake timeout)."""
+    def prepare(self, address: str) -> bool:
+        """True when the sender for ``address`` is handshaken. False while its handshake is in flight
+        (started here; ``poll`` finishes it). Raises the HandshakeError when the receiver refused us
+        or did not answer within the last ``handshake_timeout_s``. Never blocks."""
+        failed = self._failed.get(address)
+        if failed is not None:
+            if self._clock() < failed[1]:
+                raise failed[0]
+            del self._failed[address]
         sender = self._senders.get(address)
         if sender is None:
             channel = ZmqClient(self._ctx, address, max_msg_size=self._max_frame_bytes)
             sender = KVSender(self._pool, self._model_name, channel, deadline_s=self._deadline_s,
-                              transports=self._transports, metrics=self._metrics)
+                              transports=self._transports, metrics=self._metrics, clock=self._clock)
             self._senders[address] = sender
-        if sender.needs_handshake:
-            try:
-                reply = sender.handshake(self._handshake_timeout_s)
-            except HandshakeError as exc:
-                self._metrics.handshakes.labels("failed").inc()
-                if not exc.field:  # unreachable: start from a fresh socket next time
-                    sender.channel.close()
-                    del self._senders[address]
-                raise
-            log.info("handshake with %s: transport %s, %d credits", address, reply.transport, reply.credits)
-        return sender
+        if sender.needs_handshake and not sender.handshake_pending:
+            sender.start_handshake(self._handshake_timeout_s)
+        return not sender.needs_handshake
+
+    def get(self, address: str) -> KVSender | None:
+        """The handshaken sender for ``address``; None when there is none (never handshaken, or the
+        receiver restarted since: its reservations are gone with it)."""
+        sender = self._senders.get(address)
+        return sender if sender is not None and not sender.needs_handshake else None
 
     def abort(self, address: str, rid: str, generation: int, reason: str) -> None:
         """Abort a transfer (unpins its pieces, tells the receiver); a no-op without a sender."""
@@ -64,9 +75,24 @@ class KVSenders:
 
     def poll(self) -> list[TransferEvent]:
         events: list[TransferEvent] = []
-        for sender in self._senders.values():
+        for address, sender in list(self._senders.items()):
+            pending = sender.handshake_pending
             events += sender.poll()
+            if pending and not sender.handshake_pending:
+                self._on_handshake_end(address, sender)
         return events
+
+    def _on_handshake_end(self, address: str, sender: KVSender) -> None:
+        error = sender.handshake_error
+        if error is None:
+            log.info("handshake with %s: transport %s", address, sender.transport)
+            return
+        self._metrics.handshakes.labels("failed").inc()
+        log.warning("handshake with %s failed: %s", address, error)
+        self._failed[address] = (error, self._clock() + self._handshake_timeout_s)
+        if not error.field:  # unreachable: start from a fresh socket next time
+            sender.channel.close()
+            del self._senders[address]
 
     def pinned_blocks(self) -> list[int]:
         return [b for s in self._senders.values() for b in s.pinned_blocks()]

@@ -103,8 +103,8 @@ class PrefillServer:
     def run_once(self, timeout_ms: int | None = None) -> None:
         """One loop turn: take messages (waiting only when idle), run a step, pump transfers."""
         if timeout_ms is None:
-            timeout_ms = 0 if (self._queue or self.scheduler.has_unfinished()) else (
-                1 if self.jobs else self.options.idle_poll_ms)
+            # Queued jobs wait for blocks or a handshake: both come back through polling, not compute.
+            timeout_ms = 0 if self.scheduler.has_unfinished() else (1 if self.jobs else self.options.idle_poll_ms)
         self._receive(timeout_ms)
         self._expire()
         self._admit()
@@ -185,10 +185,19 @@ class PrefillServer:
     # ---- admission ----
     def _admit(self) -> None:
         # Budget: every admitted job may take blocks for its whole prompt, pinned jobs hold theirs.
-        # Staying under the pool size means the scheduler never has to preempt a prefill.
+        # Staying under the pool size means the scheduler never has to preempt a prefill. A job
+        # whose receiver is still handshaking waits without holding up jobs for other receivers.
         used = self.pins.num_pinned_blocks + sum(s.num_blocks_needed for s in self._by_seq.values())
-        while self._queue and used + self._queue[0].num_blocks_needed <= self.block_manager.num_blocks:
-            state = self._queue.popleft()
+        for state in list(self._queue):
+            try:
+                if not self.senders.prepare(state.job.kv_address):
+                    continue
+            except HandshakeError as exc:
+                self._fail(state, f"handshake with {state.job.kv_address} failed: {exc}", label="handshake")
+                continue
+            if used + state.num_blocks_needed > self.block_manager.num_blocks:
+                break  # first come, first served: no overtaking a job that waits for blocks
+            self._queue.remove(state)
             try:
                 self.scheduler.add(state.seq)
             except AdmissionError as exc:
@@ -225,10 +234,9 @@ class PrefillServer:
         state.next_block = push.next_block
         if not push.src_block_ids:
             return True
-        try:
-            sender = self.senders.get(job.kv_address)
-        except HandshakeError as exc:
-            self._fail(state, f"handshake with {job.kv_address} failed: {exc}", label="handshake")
+        sender = self.senders.get(job.kv_address)  # handshaken before admission
+        if sender is None:
+            self._fail(state, f"the KV receiver at {job.kv_address} restarted", label="transfer")
             return False
         sender.send(job.rid, job.generation, push.src_block_ids, push.dst_block_ids)
         state.is_sending = True
@@ -236,9 +244,12 @@ class PrefillServer:
 
     def _finish_compute(self, state: JobState, token: int, lp) -> None:
         job = state.job
+        sender = self.senders.get(job.kv_address)
+        if sender is None:
+            self._fail(state, f"the KV receiver at {job.kv_address} restarted", label="transfer")
+            return
         self.pins.pin(job.rid, state.seq)  # before postprocess releases the sequence's blocks
         state.phase = JobPhase.TRANSFERRING
-        sender = self.senders.get(job.kv_address)  # handshaken by _push this step
         if not job.sample_first:
             sender.commit(job.rid, job.generation)
             return

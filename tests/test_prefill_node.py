@@ -172,16 +172,27 @@ class FakeGateway:
 class Cluster:
     """A prefill server (driven by the test, or on its own thread), a fake gateway, a fake decode worker."""
 
-    def __init__(self, transport: str = "shm", credits: int = 64, deadline_s: float = 30.0, **engine_overrides):
+    def __init__(self, transport: str = "shm", credits: int = 64, deadline_s: float = 30.0,
+                 handshake_timeout_s: float = 5.0, **engine_overrides):
         self.ctx = zmq.Context()
         self.gateway = FakeGateway(self.ctx)
         self.engine = build(**engine_overrides)
         options = PrefillOptions(worker_id="prefill-test", gateway_address=self.gateway.address, heartbeat_s=0.2,
-                                 transfer_deadline_s=deadline_s, drain_timeout_s=5.0)
+                                 transfer_deadline_s=deadline_s, drain_timeout_s=5.0,
+                                 handshake_timeout_s=handshake_timeout_s)
         self.metrics = PrefillMetrics(CollectorRegistry())
         self.server = PrefillServer(self.engine, kv_model_name(model_path()), self.ctx, options, self.metrics)
         self.decode = FakeDecode(self.ctx, self.engine.runner.kv_pool.layout, self.server.address, transport, credits)
         self.thread: threading.Thread | None = None
+        self.handshake()
+
+    def handshake(self) -> None:
+        """Handshake with the fake decode worker up front, so the tests' step counts are exact."""
+        give_up = time.monotonic() + 10
+        while not self.server.senders.prepare(self.decode.server.endpoint):
+            assert time.monotonic() < give_up, "no handshake reply"
+            self.server.senders.poll()
+            time.sleep(0.001)
 
     def start(self) -> None:
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
@@ -353,6 +364,37 @@ def test_abort_while_queued_prefilling_and_transferring_frees_everything(cluster
     c.assert_idle_no_leak()
     assert c.sample("pdserve:prefill_jobs_aborted_total") == 3
     assert c.decode.free == set(range(48))  # every reserved range came back on D
+
+
+@pytest.mark.parametrize("cluster", [{"handshake_timeout_s": 3.0}], indirect=True)
+def test_unreachable_receiver_fails_its_jobs_without_stalling_the_others(cluster):
+    # A handshake used to block the loop for up to its timeout, once per job for a dead receiver:
+    # a decode worker killed with several jobs queued here froze this worker for many seconds.
+    c = cluster
+    probe = make_socket(c.ctx, zmq.ROUTER)
+    dead_address = bind(probe, "127.0.0.1")
+    probe.close(linger=0)  # nothing listens there any more
+
+    def dead_job(rid: str) -> PrefillJob:
+        tokens = prompt(12, seed=6)
+        return PrefillJob(rid, tokens, 0, [0, 1, 2], 1, dead_address, True,
+                          SamplingSpec(max_tokens=4, temperature=0.0), time.time() + 30)
+
+    c.start()
+    c.decode.send(dead_job("dead-1"))
+    c.decode.send(dead_job("dead-2"))
+    c.decode.send(c.decode.job("live", prompt(12, seed=7)))
+    assert c.decode.wait_event("live").ok  # computed and committed while the other handshake waits
+    assert c.server.phase_of("dead-1") is JobPhase.QUEUED
+    failures = {f.rid: f.reason for f in (c.decode.recv_failed(), c.decode.recv_failed())}
+    assert failures.keys() == {"dead-1", "dead-2"}
+    assert all(r.startswith(f"handshake with {dead_address} failed: ") for r in failures.values())
+    c.decode.send(dead_job("dead-3"))  # right after a failed handshake: fails at once, no new wait
+    started = time.monotonic()
+    assert c.decode.recv_failed(timeout_ms=10000).rid == "dead-3" and time.monotonic() - started < 1.5
+    assert c.sample("pdserve:kv_handshakes_total", result="failed") == 1
+    c.decode.adopt("live")
+    c.assert_idle_no_leak()
 
 
 def test_malformed_frames_and_bad_jobs_are_rejected_and_counted(cluster):
