@@ -114,8 +114,14 @@ def test_receiver_killed_mid_transfer_leaves_nothing_pinned():
         rx.wait(timeout=10)
         failed = c.decode.recv_failed(timeout_ms=15000)  # after P's 1 s transfer deadline
         assert failed.rid == "k1" and "receiver silent past deadline" in failed.reason
-        hb = c.gateway.wait(Heartbeat, lambda h: h.kv_blocks_in_use == 0 and h.num_running == 0)
-        assert hb.queued_prefill_tokens == 0
+        # P is back to idle: its second heartbeat from now on (the first may have left before the
+        # failure) shows nothing in use, running or queued.
+        c.gateway.records.clear()
+        while c.gateway.sock.poll(0):
+            c.gateway.sock.recv_multipart()
+        c.gateway.wait(Heartbeat)
+        hb = c.gateway.wait(Heartbeat, lambda h: h is not c.gateway.records[0])
+        assert (hb.kv_blocks_in_use, hb.num_running, hb.num_waiting, hb.queued_prefill_tokens) == (0, 0, 0, 0)
         c.stop()
         with c.decode.lock:
             c.decode.rx.abort("k1")  # the test's own (unused) reservation for this rid
