@@ -57,7 +57,8 @@ class GatewayConfig:
     worker_port: int = _field(8001, minimum=0)  # ZeroMQ ROUTER port workers connect their DEALERs to
     max_queued_requests: int = _field(64, minimum=0)  # per pool: requests waiting for KV room; beyond: 503
     queue_timeout_s: float = _field(5.0, minimum=0.0)  # a queued request gives up (503) after this
-    local_prefill_max_tokens: int = _field(256, minimum=0)  # shorter uncached suffixes prefill on D itself
+    # Uncached suffixes up to this prefill on D itself while every P has more than this waiting.
+    local_prefill_max_tokens: int = _field(256, minimum=0)
     routing_policy: str = _field("prefix", choices=("prefix", "least_loaded", "round_robin"))  # picks D
 
 

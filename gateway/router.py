@@ -7,12 +7,18 @@ Policies for D:
   it remembers the block hashes it sent to each worker (bounded, LRU), which is what a worker most likely
   still caches. A worker restart (new incarnation) forgets them.
 
-Disaggregation: the prompt's uncached suffix on D is prefilled locally on D when it is short
-(<= ``local_prefill_max_tokens``) or when no prefill worker exists; otherwise the P with the longest
-prefix hit (then the fewest queued prefill tokens) prefills it.
+Disaggregation: the prompt's uncached suffix on D goes to the P with the longest prefix hit (then the
+smallest backlog). D prefills it itself only when no prefill worker exists, when it fits in one block
+(and in ``local_prefill_max_tokens``; 0 sends everything to P), or when it is short (<= ``local_prefill_max_tokens``) and every P is backed up by more than that many
+tokens: there it would wait longer than D takes to compute it. An idle P always takes it, so D's decode steps stay steady (a
+256-token prefill on a CPU decode worker stalls every running stream for a quarter of a second).
+
+A P's backlog is the larger of the queued prefill tokens in its last heartbeat (every gateway's work,
+up to a heartbeat old) and the uncached tokens this gateway sent it that have not produced a first
+token yet (``prefill_sent`` / ``prefill_done``: exact, and current between heartbeats).
 
     prompt tokens:  [ cached on D | uncached suffix ............................ ]
-                                    \\_ local on D if short, else on P ________/
+                                    \\_ on P; on D if short and every P is busy _/
 """
 
 from __future__ import annotations
@@ -83,6 +89,7 @@ class Router:
         self._params = params
         self._tracked: dict[str, _TrackedBlocks] = {}
         self._next_rr = 0
+        self._sent_prefill_tokens: dict[str, int] = {}  # P -> uncached tokens sent, no first token yet
 
     def route(self, prompt_ids: list[int], exclude: frozenset[str] = frozenset()) -> RouteDecision | None:
         """Where to run ``prompt_ids``; None when no decode worker has KV room for it (answer 503).
@@ -100,10 +107,14 @@ class Router:
         d_cached = self._hits(d, hashes) * bs
         uncached = len(prompt_ids) - d_cached
         prefillers = [w for w in self._registry.accepting(Role.PREFILL) if w.worker_id not in exclude]
-        if uncached <= self._params.local_prefill_max_tokens or not prefillers:
+        local_max = self._params.local_prefill_max_tokens
+        # Within one block a suffix adds less to D's step than the round trip through a P would cost.
+        tiny = uncached <= min(bs, local_max)
+        busy = uncached <= local_max and min(map(self.backlog, prefillers), default=0) > local_max
+        if not prefillers or tiny or busy:
             decision = RouteDecision(d.worker_id, None, d_cached, 0)
         else:
-            p = min(prefillers, key=lambda w: (-self._hits(w, hashes), w.heartbeat.queued_prefill_tokens, w.worker_id))
+            p = min(prefillers, key=lambda w: (-self._hits(w, hashes), self.backlog(w), w.worker_id))
             decision = RouteDecision(d.worker_id, p.worker_id, d_cached, self._hits(p, hashes) * bs)
         self._record(decision, hashes)
         return decision
@@ -137,10 +148,27 @@ class Router:
             if worker_id is not None:
                 self._tracked_for(self._registry.get(worker_id)).add(hashes)
 
+    def backlog(self, prefiller: WorkerInfo) -> int:
+        """Prefill tokens waiting on a P, as far as this gateway knows (see the module docstring)."""
+        sent = self._sent_prefill_tokens.get(prefiller.worker_id, 0)
+        return max(prefiller.heartbeat.queued_prefill_tokens, sent)
+
+    def prefill_sent(self, worker_id: str, num_tokens: int) -> None:
+        self._sent_prefill_tokens[worker_id] = self._sent_prefill_tokens.get(worker_id, 0) + num_tokens
+
+    def prefill_done(self, worker_id: str, num_tokens: int) -> None:
+        """The P answered (first token or failure) or the request ended: its tokens are off the backlog."""
+        left = self._sent_prefill_tokens.get(worker_id, 0) - num_tokens
+        if left > 0:
+            self._sent_prefill_tokens[worker_id] = left
+        else:
+            self._sent_prefill_tokens.pop(worker_id, None)
+
     def forget(self, worker_ids: list[str]) -> None:
         """Drop what is known about workers that left the registry."""
         for worker_id in worker_ids:
             self._tracked.pop(worker_id, None)
+            self._sent_prefill_tokens.pop(worker_id, None)
 
 
 def _load_key(w: WorkerInfo) -> tuple:

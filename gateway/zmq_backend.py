@@ -184,10 +184,18 @@ class ZmqBackend(Backend):
             prefill = self._registry.get(decision.prefill_worker) if decision.prefill_worker else None
             generate = Generate(flight.rid, request.prompt_token_ids, request.sampling,
                                 prefill.address if prefill is not None else "", self._wall_deadline(request))
-            if await self._link.send(decision.decode_worker, generate):
-                answer = await self._next(flight, request)
-            else:
-                answer = WorkerGone(decision.decode_worker, "not connected")
+            # Until the first answer the prompt counts on its P's backlog (the router's local-prefill rule).
+            backlog = len(request.prompt_token_ids) - decision.prefill_cached_tokens if prefill is not None else 0
+            if backlog:
+                self._router.prefill_sent(prefill.worker_id, backlog)
+            try:
+                if await self._link.send(decision.decode_worker, generate):
+                    answer = await self._next(flight, request)
+                else:
+                    answer = WorkerGone(decision.decode_worker, "not connected")
+            finally:
+                if backlog:
+                    self._router.prefill_done(prefill.worker_id, backlog)
             if isinstance(answer, WireTokenEvent) and not answer.error:
                 for worker_id in flight.workers():
                     self._breaker.record_success(worker_id)

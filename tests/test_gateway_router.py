@@ -67,7 +67,7 @@ def test_disaggregation_long_uncached_suffix_goes_to_prefill():
     reg = registry({"d1": 0}, {"p1": 500, "p2": 100})
     router = Router(reg, RouterParams(BS, local_prefill_max_tokens=8))
     short = router.route(list(range(8)))
-    assert short.prefill_worker is None  # 8 uncached tokens: prefilled locally on D
+    assert short.prefill_worker is None  # 8 uncached tokens and every P has more queued: local on D
     long_prompt = list(range(100, 140))
     decision = router.route(long_prompt)
     assert decision == RouteDecision("d1", "p2", 0, 0)  # fewest queued prefill tokens
@@ -77,6 +77,23 @@ def test_disaggregation_long_uncached_suffix_goes_to_prefill():
     # D has the first 40 tokens (10 blocks); 40 uncached > 8, so P: p2 holds the prefix despite its queue
     assert decision == RouteDecision("d1", "p2", 40, 40)
     assert router.route(long_prompt).prefill_worker is None  # now fully cached on D: local
+
+
+def test_short_suffix_goes_to_an_idle_prefill_worker_and_stays_on_d_while_every_p_is_busy():
+    reg = registry({"d1": 0}, {"p1": 0, "p2": 300})
+    router = Router(reg, RouterParams(BS, local_prefill_max_tokens=64))
+    assert router.route(list(range(40))).prefill_worker == "p1"  # short, but p1 is idle: D keeps decoding
+    assert router.route(list(range(100, 104))).prefill_worker is None  # one block: not worth the round trip
+    # The gateway's own sends count at once, before any heartbeat shows them.
+    router.prefill_sent("p1", 65)
+    assert router.route(list(range(200, 240))).prefill_worker is None  # p1: 65 > 64 waiting; p2: 300
+    router.prefill_done("p1", 65)  # its first token came back
+    assert router.route(list(range(300, 340))).prefill_worker == "p1"
+    reg.observe(hb("p1", Role.PREFILL, queued=500), 1.0)  # another gateway's work, seen in a heartbeat
+    assert router.route(list(range(400, 440))).prefill_worker is None
+    assert router.route(list(range(500, 600))).prefill_worker == "p2"  # long: to the smaller backlog
+    router.forget(["p1"])
+    assert router.backlog(reg.get("p2")) == 300
 
 
 def test_no_prefill_pool_means_local_prefill():

@@ -227,6 +227,7 @@ def test_disaggregated_first_token_from_prefill_is_put_in_order(gateway, tokeniz
     (g,) = generates(d1)
     assert g.prefill_address == p1.address
     assert metric(gateway.base_url, 'pdserve:route_decisions_total{policy="prefix",result="disaggregated"}') == 1
+    assert gateway.backend._router._sent_prefill_tokens == {}  # off P's backlog once the first token came
 
 
 def test_n2_is_one_generate_routed_by_index(gateway):
@@ -277,6 +278,7 @@ def test_client_disconnect_aborts_decode_and_prefill(gateway):
     for w in (d1, p1):
         wait_until(lambda: any(isinstance(x, AbortRequest) and x.rid == g.rid for x in w.received),
                    f"{w.worker_id} got no AbortRequest")
+    assert gateway.backend._router._sent_prefill_tokens == {}
 
 
 def test_malformed_frames_are_counted_and_ignored(gateway):
