@@ -101,8 +101,7 @@ def run_system(spec: SystemSpec, p: Plan, args, model_dir: Path, vocab: int, cpu
             system.wait_idle()
 
         if "mixed_rates" in spec.workloads:
-            mixed = workloads.mixed(vocab, p.rate_requests, args.seed)
-            for rate in p.rates_rps:
+            for rate, mixed in workloads.rate_sweep(vocab, p.rate_requests, p.rates_rps, args.seed):
                 schedule = workloads.poisson_schedule(mixed, rate, "mixed", args.seed)
                 record("mixed", f"poisson {rate:g} rps", rate, *asyncio.run(run_open_loop(target, schedule)))
         if "mixed_closed" in spec.workloads:

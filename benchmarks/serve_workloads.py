@@ -46,6 +46,14 @@ def mixed(vocab_size: int, num_requests: int, seed: int = 0) -> list[BenchReques
     return make_workload(WorkloadSpec(vocab_size=vocab_size, num_requests=num_requests, seed=seed))
 
 
+def rate_sweep(vocab_size: int, num_requests: int, rates_rps: tuple[float, ...],
+               seed: int = 0) -> list[tuple[float, list[BenchRequest]]]:
+    """The mixed workload once per rate, with fresh prompts each time: replayed prompts would hit the
+    prefix cache the run before filled, and ``mixed(..., seed)`` itself is kept for the closed loop
+    (the requests transformers gets), which must find nothing cached either."""
+    return [(rate, mixed(vocab_size, num_requests, seed + 1 + k)) for k, rate in enumerate(rates_rps)]
+
+
 def poisson_schedule(requests: list[BenchRequest], rate_rps: float, tag: str, seed: int = 0) -> list[Scheduled]:
     offsets = poisson_offsets(len(requests), rate_rps, seed + 1)
     return [Scheduled(at, r, tag) for at, r in zip(offsets, requests)]
