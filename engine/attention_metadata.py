@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels import AttentionPlan
+
 
 @dataclass(slots=True)
 class AttentionMetadata:
@@ -16,6 +18,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [batch, max_blocks] int32: each request's blocks, padded with 0
     context_lens: torch.Tensor  # [batch] int32: tokens of context after this step (cached + new)
     query_start_loc: torch.Tensor  # [batch + 1] int32: request i's new tokens are [loc[i], loc[i+1])
+    plan: AttentionPlan | None = None  # CPU only: how the torch path splits this batch (kernels.plan_attention)
 
     def __post_init__(self) -> None:
         assert self.query_start_loc.shape[0] == self.block_tables.shape[0] + 1

@@ -78,7 +78,7 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache
         kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = kernels.paged_attention(
-            q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.query_start_loc, self.scale
+            q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.query_start_loc, self.scale, meta.plan
         )  # [T, H, D]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 

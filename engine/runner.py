@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+import kernels
 from engine.attention_metadata import AttentionMetadata
 from engine.kv_pool import KVPool
 from engine.model import CausalLM
@@ -68,10 +69,13 @@ class ModelRunner:
         positions = (start_t[seq_of_token] + offsets).long()  # [num_tokens]
         blocks = block_tables[seq_of_token, positions // self.block_size].long()
         slot_mapping = blocks * self.block_size + positions % self.block_size
+        context_lens = start_t + count_t
         meta = AttentionMetadata(
             slot_mapping=slot_mapping,
             block_tables=block_tables,
-            context_lens=start_t + count_t,
+            context_lens=context_lens,
             query_start_loc=query_start_loc,
+            plan=None if device.type == "cuda" else kernels.plan_attention(
+                block_tables, context_lens, query_start_loc, self.block_size),
         )
         return torch.tensor(input_ids, dtype=torch.long, device=device), positions, meta

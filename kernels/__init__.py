@@ -18,7 +18,7 @@ from kernels.block_copy import (
     scatter_blocks_reference,
     scatter_blocks_triton,
 )
-from kernels.paged_attention import paged_attention_reference, paged_attention_triton
+from kernels.paged_attention import AttentionPlan, paged_attention_reference, paged_attention_triton, plan_attention
 from kernels.store_kv import store_kv_reference, store_kv_triton
 
 
@@ -29,10 +29,11 @@ def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
         store_kv_reference(key, value, k_cache, v_cache, slot_mapping)
 
 
-def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale):
+def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, plan=None):
+    """``plan``: the CPU path's ``plan_attention`` of this step, made once for every layer (optional)."""
     if q.is_cuda:
         return paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale)
-    return paged_attention_reference(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale)
+    return paged_attention_reference(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, plan)
 
 
 def gather_blocks(pool, block_ids):
@@ -48,4 +49,4 @@ def scatter_blocks(pool, block_ids, buffer) -> None:
         scatter_blocks_reference(pool, block_ids, buffer)
 
 
-__all__ = ["gather_blocks", "paged_attention", "scatter_blocks", "store_kv"]
+__all__ = ["AttentionPlan", "gather_blocks", "paged_attention", "plan_attention", "scatter_blocks", "store_kv"]

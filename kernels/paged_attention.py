@@ -10,10 +10,52 @@ Every request in a batch has at least one query token (the runner schedules no e
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from kernels.paged_decode import paged_decode_reference, paged_decode_triton
+from kernels.paged_decode import DecodeBucket, paged_decode_reference, paged_decode_triton, plan_decode
 from kernels.paged_prefill import paged_prefill_reference, paged_prefill_triton
+
+
+@dataclass(slots=True)
+class PrefillRows:
+    """The prefill requests of a mixed step, repacked densely (what paged_prefill_reference takes)."""
+
+    tokens: torch.Tensor  # [n] int64: their query tokens' indices in the step
+    block_tables: torch.Tensor
+    context_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+
+
+@dataclass(slots=True)
+class AttentionPlan:
+    """How the CPU path splits one step's batch. It depends on the step only: the runner makes it once
+    and every layer reuses it, instead of each layer re-deriving it from the tensors."""
+
+    decode: list[DecodeBucket] | None  # buckets of the decode requests; None: no request decodes
+    decode_tokens: torch.Tensor | None  # [d] int64: each decode request's token; None: every one decodes
+    prefill: PrefillRows | None  # set in mixed steps only
+
+
+def plan_attention(block_tables: torch.Tensor, context_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                   block_size: int) -> AttentionPlan:
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]  # [batch]
+    is_decode = q_lens == 1
+    num_decode = int(is_decode.sum())
+    if num_decode == q_lens.shape[0]:
+        return AttentionPlan(plan_decode(block_tables, context_lens, block_size), None, None)
+    if num_decode == 0:
+        return AttentionPlan(None, None, None)
+    decode = plan_decode(block_tables[is_decode], context_lens[is_decode], block_size)
+    dec_tokens = query_start_loc[:-1][is_decode].long()  # a decode request's one query token
+    pre = ~is_decode
+    pre_lens = q_lens[pre]
+    pre_loc = torch.zeros(pre_lens.shape[0] + 1, dtype=query_start_loc.dtype, device=q_lens.device)
+    torch.cumsum(pre_lens, 0, out=pre_loc[1:])
+    token_is_pre = torch.repeat_interleave(pre, q_lens, output_size=int(query_start_loc[-1]))  # [num_tokens]
+    prefill = PrefillRows(token_is_pre.nonzero()[:, 0], block_tables[pre], context_lens[pre], pre_loc)
+    return AttentionPlan(decode, dec_tokens, prefill)
 
 
 def paged_attention_reference(
@@ -24,29 +66,23 @@ def paged_attention_reference(
     context_lens: torch.Tensor,  # [batch] int, tokens of context including this step's
     query_start_loc: torch.Tensor,  # [batch + 1] int, cumulative query lengths
     scale: float,
+    plan: AttentionPlan | None = None,  # plan_attention(...) of these tensors, made once per step
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """The engine's CPU path: decode rows by batched matmul, prefill rows by padded SDPA."""
-    q_lens = query_start_loc[1:] - query_start_loc[:-1]  # [batch]
-    is_decode = q_lens == 1
-    if bool(is_decode.all()):
-        return paged_decode_reference(q, k_cache, v_cache, block_tables, context_lens, scale)
-    if not bool(is_decode.any()):
+    """The engine's CPU path: decode rows by batched matmul, prefill rows by SDPA per request."""
+    if plan is None:
+        plan = plan_attention(block_tables, context_lens, query_start_loc, k_cache.shape[1])
+    if plan.decode is None:
         return paged_prefill_reference(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale)
+    if plan.decode_tokens is None:
+        return paged_decode_reference(q, k_cache, v_cache, block_tables, context_lens, scale, plan.decode)
 
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    # Decode rows: their single query token is query_start_loc[i].
-    dec_tokens = query_start_loc[:-1][is_decode].long()  # [num_decode]
-    out.index_copy_(0, dec_tokens, paged_decode_reference(
-        q.index_select(0, dec_tokens), k_cache, v_cache, block_tables[is_decode], context_lens[is_decode], scale))
-    # Prefill rows: repack their chunks densely, run them, and put them back in query order.
-    pre = ~is_decode
-    pre_lens = q_lens[pre]
-    pre_loc = torch.zeros(pre_lens.shape[0] + 1, dtype=query_start_loc.dtype, device=q.device)
-    torch.cumsum(pre_lens, 0, out=pre_loc[1:])
-    token_is_pre = torch.repeat_interleave(pre, q_lens, output_size=q.shape[0])  # [num_tokens]
-    pre_tokens = token_is_pre.nonzero()[:, 0]
-    out.index_copy_(0, pre_tokens, paged_prefill_reference(
-        q.index_select(0, pre_tokens), k_cache, v_cache, block_tables[pre], context_lens[pre], pre_loc, scale))
+    dec, pre = plan.decode_tokens, plan.prefill
+    out.index_copy_(0, dec, paged_decode_reference(q.index_select(0, dec), k_cache, v_cache, None, None, scale,
+                                                   plan.decode))
+    # Prefill rows: run densely repacked, put back in query order.
+    out.index_copy_(0, pre.tokens, paged_prefill_reference(
+        q.index_select(0, pre.tokens), k_cache, v_cache, pre.block_tables, pre.context_lens, pre.query_start_loc, scale))
     return out
 
 
