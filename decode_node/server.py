@@ -56,7 +56,7 @@ from kvtransfer.receiver import KVReceiver
 from protocol.serving import (
     AbortRequest, Busy, Generate, Goodbye, Heartbeat, PrefillFailed, PrefillJob,
 )
-from worker import EngineMetrics, EngineSnapshot, HeartbeatTimer, WorkerSocket
+from worker import Drain, EngineMetrics, EngineSnapshot, HeartbeatTimer, WorkerSocket
 
 log = logging.getLogger(__name__)
 
@@ -89,22 +89,17 @@ class DecodeServer:
         self._seq_ids = itertools.count()
         self._generations = itertools.count(1)
         self._heartbeat = HeartbeatTimer(options.heartbeat_s)
-        self._drain_requested = False
-        self._drain_deadline: float | None = None  # time.monotonic(); set once draining started
+        self._drain = Drain(options.drain_timeout_s)
         self._stopped = False
         self.is_running = False  # the loop has started and not ended (readiness)
 
     # ---- the loop ----
-    @property
-    def is_draining(self) -> bool:
-        return self._drain_deadline is not None
-
     def is_ready(self) -> bool:
-        return self.is_running and not self.is_draining and not self._drain_requested
+        return self.is_running and not self._drain.requested
 
     def request_drain(self) -> None:
         """Signal-safe: only sets a flag the loop reads."""
-        self._drain_requested = True
+        self._drain.request()
 
     def stop(self) -> None:
         """Leave the loop at the next iteration without draining (tests, fatal errors)."""
@@ -152,7 +147,7 @@ class DecodeServer:
         if gen.rid in self.requests:
             self._send_error_all(gen.rid, gen.sampling.n, "request id already in use on this worker")
             return
-        if self.is_draining or self._drain_requested:
+        if self._drain.requested:
             self._busy(gen.rid, "worker is draining")
             return
         try:
@@ -371,18 +366,14 @@ class DecodeServer:
             incarnation=self.options.incarnation, block_size=self.block_manager.block_size,
             kv_blocks_total=snap.kv_blocks_total, kv_blocks_free=snap.kv_blocks_free,
             kv_blocks_in_use=snap.kv_blocks_in_use, num_running=snap.num_running, num_waiting=snap.num_waiting,
-            queued_prefill_tokens=queued, draining=self.is_draining or self._drain_requested,
+            queued_prefill_tokens=queued, draining=self._drain.requested,
         )
 
     def _drain_tick(self) -> None:
-        if self._drain_requested and not self.is_draining:
-            self._drain_deadline = time.monotonic() + self.options.drain_timeout_s
-            log.info("draining: %d requests in flight, %.1f s to finish", len(self.requests),
-                     self.options.drain_timeout_s)
+        if self._drain.start_if_requested():
+            log.info("draining: %d requests in flight, %.1f s to finish", len(self.requests), self._drain.timeout_s)
             self.gateway.send(self._heartbeat_record())  # tell the gateway now, not at the next interval
-        if not self.is_draining:
-            return
-        if self.requests and time.monotonic() < self._drain_deadline:
+        if not self._drain.is_over(in_flight=bool(self.requests)):
             return
         for req in list(self.requests.values()):
             self._fail(req, "decode worker shut down before the request finished")

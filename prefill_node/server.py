@@ -53,6 +53,7 @@ from protocol.codec import WireError, decode, encode
 from protocol.serving import AbortRequest, Goodbye, Heartbeat, PrefillFailed, PrefillJob, TokenEvent, TokenLogprobRecord
 from protocol.zmq_util import bind, make_socket
 from worker.gateway_socket import WorkerSocket
+from worker.drain import Drain
 from worker.heartbeat import HeartbeatTimer
 
 log = logging.getLogger(__name__)
@@ -87,8 +88,7 @@ class PrefillServer:
         self._poller.register(self.router, zmq.POLLIN)
         self._poller.register(self.gateway.sock, zmq.POLLIN)
         self._stop = threading.Event()
-        self.draining = False
-        self._drain_deadline = 0.0
+        self._drain = Drain(options.drain_timeout_s)
         self.is_done = False  # drained and said Goodbye
 
     # ---- the loop ----
@@ -119,12 +119,13 @@ class PrefillServer:
         self._stop.set()
 
     def request_drain(self) -> None:
-        """SIGTERM: take no new jobs, finish in-flight ones up to the drain timeout, then Goodbye."""
-        if not self.draining:
-            self.draining = True
-            self._drain_deadline = time.monotonic() + self.options.drain_timeout_s
-            self._heartbeat.fire_now()
-            log.info("draining: %d jobs in flight", len(self.jobs))
+        """SIGTERM (signal-safe, a flag): take no new jobs, finish in-flight ones up to the drain
+        timeout, then Goodbye."""
+        self._drain.request()
+
+    @property
+    def draining(self) -> bool:
+        return self._drain.requested
 
     def is_ready(self) -> bool:
         return not self.draining and not self.is_done
@@ -324,9 +325,12 @@ class PrefillServer:
         num_transferring = sum(1 for s in self.jobs.values() if s.phase == JobPhase.TRANSFERRING)
         self.metrics.update(self.scheduler, len(self._queue), num_transferring, self.queued_prefill_tokens())
         self.metrics.engine.check_integrity_if_idle(self.block_manager, not self.jobs, time.monotonic())
+        if self._drain.start_if_requested():
+            log.info("draining: %d jobs in flight, %.1f s to finish", len(self.jobs), self._drain.timeout_s)
+            self._heartbeat.fire_now()  # tell the gateway now, not at the next interval
         if self._heartbeat.due():
             self.gateway.send(self.heartbeat())
-        if self.draining and (not self.jobs or time.monotonic() >= self._drain_deadline):
+        if self._drain.is_over(in_flight=bool(self.jobs)):
             for state in list(self.jobs.values()):
                 self._fail(state, "worker shut down before the job finished", label="draining")
             self.gateway.send(Goodbye(self.options.worker_id))

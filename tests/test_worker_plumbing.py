@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry
 from protocol.codec import decode, encode
 from protocol.serving import AbortRequest, Busy, Goodbye
 from protocol.zmq_util import bind, make_socket
-from worker import EngineMetrics, EngineSnapshot, HeartbeatTimer, WorkerSocket, serve_http
+from worker import Drain, EngineMetrics, EngineSnapshot, HeartbeatTimer, WorkerSocket, serve_http
 
 
 def test_worker_socket_round_trip_and_rejects_bad_frames():
@@ -74,6 +74,23 @@ def test_heartbeat_timer_fires_at_once_then_per_interval():
     assert timer.due() and not timer.due()
     timer.fire_now()
     assert timer.due()
+
+
+def test_drain_requested_then_started_once_then_over_when_idle_or_at_the_deadline():
+    now = [100.0]
+    drain = Drain(timeout_s=30.0, clock=lambda: now[0])
+    assert (drain.requested, drain.started, drain.start_if_requested(), drain.is_over(in_flight=False)) == (
+        False, False, False, False)  # nothing asked: never over, even when idle
+    drain.request()
+    assert (drain.requested, drain.started, drain.is_over(in_flight=False)) == (True, False, False)
+    assert drain.start_if_requested() is True
+    assert drain.start_if_requested() is False  # exactly once
+    assert drain.is_over(in_flight=True) is False
+    now[0] = 129.9
+    assert drain.is_over(in_flight=True) is False
+    assert drain.is_over(in_flight=False) is True  # the last request finished before the deadline
+    now[0] = 130.0
+    assert drain.is_over(in_flight=True) is True  # the deadline: what is left gets failed
 
 
 def test_worker_package_is_torch_free():

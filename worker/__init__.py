@@ -4,12 +4,12 @@
 - ``HeartbeatTimer``: when the next Heartbeat is due
 - ``serve_http``: /metrics (Prometheus), /health, /ready on a daemon thread
 - ``EngineMetrics``: the vLLM-named gauges and counters every node exports (``pdserve:`` prefix)
-- ``install_drain``: SIGTERM -> the node's drain handler
+- ``install_drain``: SIGTERM -> the node's drain handler; ``Drain``: requested -> started -> over
 - ``setup_logging``: one log format for every worker, request ids as ``rid=...``
 - ``default_worker_id`` / ``kv_model_name``: the names a worker goes by
 """
 
-from worker.drain import install_drain
+from worker.drain import Drain, install_drain
 from worker.heartbeat import HeartbeatTimer
 from worker.identity import default_worker_id, kv_model_name
 from worker.http_server import HttpHandle, serve_http
@@ -18,4 +18,4 @@ from worker.metrics import EngineMetrics, EngineSnapshot
 from worker.gateway_socket import WorkerSocket
 
 __all__ = [
-    "EngineMetrics", "EngineSnapshot", "default_worker_id", "kv_model_name", "HeartbeatTimer", "HttpHandle", "WorkerSocket", "install_drain", "serve_http", "setup_logging"]
+    "Drain", "EngineMetrics", "EngineSnapshot", "default_worker_id", "kv_model_name", "HeartbeatTimer", "HttpHandle", "WorkerSocket", "install_drain", "serve_http", "setup_logging"]
