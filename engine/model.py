@@ -49,9 +49,13 @@ class CausalLM(nn.Module):
         hidden = self.norm(hidden)
         if hidden.is_cuda:
             return F.linear(hidden, self.lm_head).float()
-        # On CPU, one sgemm against the whole vocab-sized weight with few rows (a decode batch) runs far
-        # below the rate of the same work in slices of _CPU_LM_HEAD_SLICE vocab rows: measured -9% per
-        # decode step at batch 16 on one thread, -2% at batch 64 on two (interleaved A/B, torch 2.13).
-        w = self.lm_head
-        return torch.cat([F.linear(hidden, w[s : s + _CPU_LM_HEAD_SLICE])
-                          for s in range(0, w.shape[0], _CPU_LM_HEAD_SLICE)], dim=1).float()
+        # On CPU, transposed and slice by slice: logits^T[rows] = W[rows] @ hidden^T. MKL runs the plain
+        # [S, hidden] x [hidden, vocab] product with a decode batch's few rows S at about half its rate;
+        # this form measured -6% per decode step at batch 16 and -17% at batch 4 on one thread, -10% at
+        # batch 8 and -6% at batch 64 on two (interleaved A/B against F.linear, torch 2.13).
+        w, step = self.lm_head, _CPU_LM_HEAD_SLICE
+        logits_t = torch.empty(w.shape[0], hidden.shape[0], dtype=hidden.dtype)  # [vocab, S]
+        hidden_t = hidden.t()
+        for s in range(0, w.shape[0], step):
+            torch.mm(w[s : s + step], hidden_t, out=logits_t[s : s + step])
+        return logits_t.t().contiguous().float()
