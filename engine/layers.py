@@ -13,6 +13,7 @@ from torch import nn
 
 import kernels
 from engine.attention_metadata import AttentionMetadata
+from engine.cpu_linear import Linear
 from engine.model_config import ModelConfig
 from engine.rope import apply_rotary
 
@@ -22,7 +23,7 @@ def meta_parameter(*shape: int) -> nn.Parameter:
 
 
 def _linear(in_features: int, out_features: int, bias: bool) -> nn.Linear:
-    return nn.Linear(in_features, out_features, bias=bias, device="meta").requires_grad_(False)
+    return Linear(in_features, out_features, bias=bias, device="meta").requires_grad_(False)
 
 
 class RMSNorm(nn.Module):

@@ -12,12 +12,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention_metadata import AttentionMetadata
+from engine.cpu_linear import LM_HEAD_SLICE_ROWS, linear_transposed
 from engine.kv_pool import KVPool
 from engine.layers import DecoderLayer, RMSNorm, meta_parameter
 from engine.model_config import ModelConfig
 from engine.rope import RotaryEmbedding
-
-_CPU_LM_HEAD_SLICE = 1024  # vocab rows per LM-head matmul on CPU (see compute_logits)
 
 
 class CausalLM(nn.Module):
@@ -49,13 +48,5 @@ class CausalLM(nn.Module):
         hidden = self.norm(hidden)
         if hidden.is_cuda:
             return F.linear(hidden, self.lm_head).float()
-        # On CPU, transposed and slice by slice: logits^T[rows] = W[rows] @ hidden^T. MKL runs the plain
-        # [S, hidden] x [hidden, vocab] product with a decode batch's few rows S at about half its rate;
-        # this form measured -6% per decode step at batch 16 and -17% at batch 4 on one thread, -10% at
-        # batch 8 and -6% at batch 64 on two (interleaved A/B against F.linear, torch 2.13).
-        w, step = self.lm_head, _CPU_LM_HEAD_SLICE
-        logits_t = torch.empty(w.shape[0], hidden.shape[0], dtype=hidden.dtype)  # [vocab, S]
-        hidden_t = hidden.t()
-        for s in range(0, w.shape[0], step):
-            torch.mm(w[s : s + step], hidden_t, out=logits_t[s : s + step])
-        return logits_t.t().contiguous().float()
+        # On CPU in the transposed, sliced form whatever the thread count (see engine/cpu_linear.py).
+        return linear_transposed(hidden, self.lm_head, LM_HEAD_SLICE_ROWS).float()
