@@ -4,8 +4,8 @@ The plain product ``[rows, in] x [in, out]`` with few rows leaves MKL little to 
 and runs well below its rate; the transposed ``W @ x^T`` splits the long ``out`` side instead.
 Measured (interleaved A/B of whole decode steps of the ``small`` model, against ``F.linear``):
 
-- layer projections, two threads: -20% per step at batch 8, -8% at 32, -9% at 64; one thread: -1.5%
-  at batch 16 (not worth it); a 2,048-token prefill step: +31% (so only up to ``FEW_ROWS``);
+- layer projections, two threads: -15% per step at batch 8, -10% at 64; one thread: -1.5% at batch
+  16, inside that A/B's noise (not worth it); a 2,048-token prefill step: +31% (so only up to ``FEW_ROWS``);
 - LM head (32,000 x 512), also sliced by 1,024 vocab rows: -17% at batch 4 and -6% at 16 on one
   thread, -10% at 8 and -6% at 64 on two.
 """
@@ -23,7 +23,7 @@ LM_HEAD_SLICE_ROWS = 1024  # weight rows per matmul in the sliced form
 def linear_transposed(x: torch.Tensor, weight: torch.Tensor, slice_rows: int | None = None) -> torch.Tensor:
     """``F.linear(x, weight)`` computed as ``(weight @ x^T)^T``, optionally ``slice_rows`` weight rows
     at a time into contiguous rows of the transposed result. Returns a contiguous ``[rows, out]``."""
-    out_t = torch.empty(weight.shape[0], x.shape[0], dtype=x.dtype)  # [out, rows]
+    out_t = torch.empty(weight.shape[0], x.shape[0], dtype=x.dtype, device=x.device)  # [out, rows]
     step = slice_rows or weight.shape[0]
     x_t = x.t()
     for s in range(0, weight.shape[0], step):
