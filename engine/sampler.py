@@ -52,7 +52,9 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         assert logits.dim() == 2 and logits.shape[0] == len(seqs), "one logits row per sequence"
         raw = logits.float()  # [S, V]; left untouched for logprobs
-        x = raw.clone()  # [S, V]; processed in place below
+        # Processed in place below: a copy only when some row gets edited, so neither the caller's
+        # logits nor the raw values logprobs read ever change (an all-greedy batch edits nothing).
+        x = raw.clone() if any(_edits_logits(s) for s in seqs) else raw  # [S, V]
         apply_min_tokens_(x, seqs)
         apply_penalties_(x, seqs)
         tokens = x.argmax(dim=1)  # [S]; final for greedy rows
@@ -100,6 +102,13 @@ class Sampler:
             else:
                 self._shared.manual_seed(self._seed)
         return self._shared
+
+
+def _edits_logits(seq: Sequence) -> bool:
+    """Whether min_tokens, a penalty or the filters of a sampled (non-greedy) row may edit its logits."""
+    p = seq.params
+    return (p.temperature >= _GREEDY_EPS or seq.num_output_tokens < p.min_tokens or p.repetition_penalty != 1.0
+            or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0)
 
 
 def _generator_of(seq: Sequence, device: torch.device) -> torch.Generator:

@@ -172,6 +172,21 @@ def test_greedy_is_argmax_and_input_untouched():
     assert out.logprobs == [None] * 6
 
 
+def test_greedy_rows_that_edit_their_logits_leave_the_input_untouched():
+    # Only an all-plain greedy batch is read in place; penalties and min_tokens edit a private copy.
+    torch.manual_seed(5)
+    logits = torch.randn(3, 50)
+    before = logits.clone()
+    seqs = [
+        make_seq([3, 3], [8], temperature=0.0, repetition_penalty=1.5),
+        make_seq([1], [2, 2], temperature=0.0, presence_penalty=1.0, frequency_penalty=0.5),
+        make_seq([1], [], stops={int(logits[2].argmax())}, temperature=0.0, min_tokens=1),
+    ]
+    out = Sampler(seed=0)(logits, seqs)
+    assert torch.equal(logits, before)
+    assert out.token_ids[2] == int(logits[2].topk(2).indices[1])  # the stop token was masked for this step
+
+
 def test_greedy_large_batch():
     torch.manual_seed(3)
     logits = torch.randn(64, 32000)
