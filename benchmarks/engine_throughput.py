@@ -8,7 +8,8 @@ tokens count), (3) pdserve ``LLM.generate`` over the whole workload. All greedy,
 the same torch thread count. Model loading is not timed; each system gets one short warm-up.
 
 Reported per system: output tokens/s, output tokens per process CPU-second, wall time. Then the
-compute roofline of the pdserve run (see benchmarks/roofline.py), the targets, and a token-for-token
+compute roofline of the pdserve run (see benchmarks/roofline.py) next to the highest fraction this
+machine allows for these steps (the matmul floor, benchmarks/matmul_floor.py), the targets, and a token-for-token
 cross-check of pdserve's greedy output against transformers. The last line is
 
     vs_hf_static=<pdserve tok/s / static tok/s> roofline=<fraction>
@@ -23,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import hf_baseline, roofline
+from benchmarks import hf_baseline, matmul_floor, roofline
 from benchmarks.workload import BenchRequest, SystemResult, WorkloadSpec, make_workload, total_output_tokens
 
 TARGET_VS_STATIC = 2.5
@@ -156,13 +157,19 @@ def main(argv: list[str] | None = None) -> int:
 def print_summary(shape: roofline.DecoderShape, requests: list[BenchRequest],
                   one: SystemResult, static: SystemResult, pd: SystemResult) -> None:
     """Roofline, speed-ups against the targets, the greedy cross-check, and the one-line result."""
-    required = roofline.workload_flops(shape, [(r.prompt_len, r.output_len) for r in requests])
+    lengths = [(r.prompt_len, r.output_len) for r in requests]
+    required = roofline.workload_flops(shape, lengths)
     matmul_flops = roofline.measure_matmul_flops(shape)
     fraction = roofline.roofline_fraction(required, matmul_flops, pd.wall_s)
+    floor = matmul_floor.matmul_floor(shape, lengths, required, matmul_flops)
     vs_static = pd.tokens_per_s / static.tokens_per_s
     print()
     print(f"roofline: required {required / 1e9:.1f} GFLOP / measured fp32 mm {matmul_flops / 1e9:.1f} GFLOP/s "
           f"= {required / matmul_flops:.2f} s ideal; pdserve wall {pd.wall_s:.2f} s")
+    print(f"matmul floor: {floor.floor_s:.2f} s (the {floor.num_decode_steps} decode steps' projections take "
+          f"{floor.decode_measured_s:.2f} s measured at their row counts against {floor.decode_ideal_s:.2f} s at "
+          f"the peak), so no engine running these steps here exceeds roofline {floor.roofline_at_floor:.2f}; "
+          f"pdserve's wall is {pd.wall_s / floor.floor_s:.2f}x the floor")
     print(f"pdserve vs hf one-at-a-time: {pd.tokens_per_s / one.tokens_per_s:.2f}x"
           + (" (one-at-a-time extrapolated)" if one.note else ""))
     print(f"pdserve vs hf static batching: {vs_static:.2f}x   (target >= {TARGET_VS_STATIC}x) "

@@ -6,7 +6,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from benchmarks import hf_baseline, roofline
+from benchmarks import hf_baseline, matmul_floor, roofline
 from benchmarks.workload import WorkloadSpec, make_workload
 
 
@@ -81,3 +81,23 @@ def test_causal_attention_flops_and_request_accounting():
     expected = roofline.linear_flops(shape, 4, 2) + roofline.causal_attention_flops(shape, 4)
     assert roofline.request_flops(shape, 3, 2) == expected
     assert roofline.linear_flops(shape, 1, 0) == 2 * 2 * (2 * 8 * 8 + 2 * 8 * 4 + 3 * 8 * 8)
+
+
+def test_decode_rows_count_the_requests_still_decoding_at_each_step():
+    # Outputs 1, 3 and 2: each samples its first token in prefill; steps 1 and 2 decode {3, 2} then {3}.
+    assert matmul_floor.decode_rows([1, 3, 2]) == [2, 1]
+    assert matmul_floor.decode_rows([1, 1]) == []
+
+
+def test_matmul_floor_replaces_the_decode_projections_ideal_time_by_the_measured_one():
+    shape = roofline.DecoderShape(num_layers=2, hidden_size=8, intermediate_size=8, num_heads=2,
+                                  num_kv_heads=1, head_dim=4, vocab_size=10)
+    lengths = [(5, 3), (4, 2)]  # decode steps of 2 rows, then 1 row
+    required = roofline.workload_flops(shape, lengths)
+    floor = matmul_floor.matmul_floor(shape, lengths, required, flops_per_s=1e9, repeats=1)
+    decode_flops = roofline.linear_flops(shape, 2, 2) + roofline.linear_flops(shape, 1, 1)
+    assert floor.num_decode_steps == 2
+    assert floor.ideal_s == required / 1e9 and floor.decode_ideal_s == decode_flops / 1e9
+    assert floor.decode_measured_s > 0
+    assert floor.floor_s == floor.ideal_s - floor.decode_ideal_s + floor.decode_measured_s
+    assert floor.roofline_at_floor == floor.ideal_s / floor.floor_s
