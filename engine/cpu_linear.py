@@ -1,23 +1,56 @@
-"""``x @ W^T`` on CPU for a decode step's few rows, in the form MKL runs fastest (torch 2.13, fp32).
+"""``x @ W^T`` on CPU in whichever of two forms this machine runs faster, chosen by timing at load.
 
-The plain product ``[rows, in] x [in, out]`` with few rows leaves MKL little to split across threads
-and runs well below its rate; the transposed ``W @ x^T`` splits the long ``out`` side instead.
-Measured (interleaved A/B of whole decode steps of the ``small`` model, against ``F.linear``):
+With few rows (a decode step) the plain product ``[rows, in] x [in, out]`` can leave MKL little to
+split across threads; the transposed ``W @ x^T`` splits the long ``out`` side instead. Which form wins,
+and up to how many rows, depends on the CPU, so it is measured rather than assumed. Two machines,
+same code, whole decode steps of the ``small`` model on two threads:
 
-- layer projections, two threads: -15% per step at batch 8, -10% at 64; one thread: -1.5% at batch
-  16, inside that A/B's noise (not worth it); a 2,048-token prefill step: +31% (so only up to ``FEW_ROWS``);
-- LM head (32,000 x 512), also sliced by 1,024 vocab rows: -17% at batch 4 and -6% at 16 on one
-  thread, -10% at 8 and -6% at 64 on two.
+- a 2-core AMD EPYC: the transposed form was faster up to 64 rows (-15% per step at batch 8, -10% at
+  64 for the projections; the LM head -10% at 8, -6% at 64);
+- a 2-core AVX-512 Xeon: faster at 16-32 rows but slower at 64 (projections 12.4 vs 10.2 ms, LM head
+  9.2 vs 6.8 ms), and the whole 64-request engine benchmark ran 7% faster with the plain form above
+  32 rows.
+
+So ``time_forms`` times both forms for one weight at the row counts of ``ROW_BUCKETS`` (``x.shape[0]``
+goes to the first bucket that holds it); more rows than the last bucket (prefill) always take the
+plain form, which wins there everywhere measured (+31% for the transposed form on a 2,048-token step).
+Both forms give the same values up to float rounding (tests/test_cpu_linear.py).
 """
 
 from __future__ import annotations
+
+import time
+from bisect import bisect_left
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-FEW_ROWS = 64  # up to this many rows the transposed form wins (it loses from ~96 on)
-LM_HEAD_SLICE_ROWS = 1024  # weight rows per matmul in the sliced form
+ROW_BUCKETS = (1, 4, 8, 16, 32, 48, 64, 96, 128)  # row counts timed at load
+LM_HEAD_SLICE_ROWS = 1024  # weight rows per matmul in the LM head's transposed form
+
+
+@dataclass(slots=True, frozen=True)
+class MatmulForms:
+    """For one weight: per row bucket, whether the transposed form is the faster one."""
+
+    transposed: tuple[bool, ...] = ()  # one flag per ROW_BUCKETS entry; () = always plain
+    slice_rows: int | None = None  # the transposed form's weight rows per matmul (None: all at once)
+
+    def __post_init__(self) -> None:
+        assert len(self.transposed) in (0, len(ROW_BUCKETS)), self.transposed
+
+    def use_transposed(self, rows: int) -> bool:
+        bucket = bisect_left(ROW_BUCKETS, rows)
+        return bucket < len(self.transposed) and self.transposed[bucket]
+
+    def describe(self) -> str:
+        rows = [str(r) for r, t in zip(ROW_BUCKETS, self.transposed) if t]
+        return f"transposed at {'/'.join(rows)} rows" if rows else "plain"
+
+
+PLAIN = MatmulForms()
 
 
 def linear_transposed(x: torch.Tensor, weight: torch.Tensor, slice_rows: int | None = None) -> torch.Tensor:
@@ -31,11 +64,43 @@ def linear_transposed(x: torch.Tensor, weight: torch.Tensor, slice_rows: int | N
     return out_t.t().contiguous()
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           forms: MatmulForms = PLAIN) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` in the form ``forms`` picks for ``x``'s row count (plain on CUDA)."""
+    if x.is_cuda or not forms.use_transposed(x.shape[0]):
+        return F.linear(x, weight, bias)
+    out = linear_transposed(x, weight, forms.slice_rows)
+    return out if bias is None else out.add_(bias)
+
+
+def time_forms(weight: torch.Tensor, slice_rows: int | None = None, repeats: int = 3) -> MatmulForms:
+    """Times both forms on ``weight`` (CPU, at the current torch thread count) at every row bucket."""
+    x = torch.randn(ROW_BUCKETS[-1], weight.shape[1], dtype=weight.dtype)
+    flags = []
+    for rows in ROW_BUCKETS:
+        rows_x = x[:rows]
+        plain = _best_seconds(lambda: F.linear(rows_x, weight), repeats)
+        transposed = _best_seconds(lambda: linear_transposed(rows_x, weight, slice_rows), repeats)
+        flags.append(transposed < plain)
+    return MatmulForms(tuple(flags), slice_rows)
+
+
+def _best_seconds(run, repeats: int) -> float:
+    run()  # warm-up: first-call allocation and kernel selection
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
 class Linear(nn.Linear):
-    """``nn.Linear`` that takes the transposed form on CPU for up to FEW_ROWS rows on several threads."""
+    """``nn.Linear`` that takes the form ``self.forms`` picks (plain until ``time_forms`` sets it)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.forms = PLAIN
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda or x.shape[0] > FEW_ROWS or torch.get_num_threads() == 1:
-            return F.linear(x, self.weight, self.bias)
-        out = linear_transposed(x, self.weight)
-        return out if self.bias is None else out.add_(self.bias)
+        return linear(x, self.weight, self.bias, self.forms)

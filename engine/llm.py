@@ -6,6 +6,7 @@ KV pool from the memory budget, and wires block manager, scheduler, runner and s
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence as Seq
 
 import torch
@@ -19,6 +20,8 @@ from engine.runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 
+log = logging.getLogger(__name__)
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -28,6 +31,9 @@ def build_engine(model_path: str, model_cfg: ModelSection, engine_cfg: EngineCon
         torch.set_num_threads(engine_cfg.num_threads)
     dtype = DTYPES.get(model_cfg.dtype)  # None ("auto"): the loader picks by device
     model, config = load_model(model_path, dtype=dtype, device=device)
+    if device == "cpu":  # after set_num_threads: which form wins depends on the thread count
+        forms = model.choose_cpu_matmul_forms()
+        log.info("CPU matmul forms by weight: %s", ", ".join(f"{k} {f.describe()}" for k, f in forms.items()))
     max_model_len = model_cfg.max_model_len or config.max_position_embeddings
     if max_model_len > config.max_position_embeddings:
         raise ValueError(f"max_model_len {max_model_len} exceeds the model's {config.max_position_embeddings} positions")

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention_metadata import AttentionMetadata
-from engine.cpu_linear import LM_HEAD_SLICE_ROWS, linear_transposed
+from engine.cpu_linear import LM_HEAD_SLICE_ROWS, PLAIN, Linear, MatmulForms, linear, time_forms
 from engine.kv_pool import KVPool
 from engine.layers import DecoderLayer, RMSNorm, meta_parameter
 from engine.model_config import ModelConfig
@@ -30,6 +30,7 @@ class CausalLM(nn.Module):
         self.lm_head = meta_parameter(config.vocab_size, config.hidden_size)
         # Not a submodule: its float32 table lives on `device` whatever dtype the weights get.
         self.rotary = RotaryEmbedding(config, device)
+        self.lm_head_forms = PLAIN  # CPU matmul forms of the LM head (choose_cpu_matmul_forms)
 
     def forward(
         self,
@@ -45,8 +46,19 @@ class CausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] -> [S, vocab] float32
-        hidden = self.norm(hidden)
-        if hidden.is_cuda:
-            return F.linear(hidden, self.lm_head).float()
-        # On CPU in the transposed, sliced form whatever the thread count (see engine/cpu_linear.py).
-        return linear_transposed(hidden, self.lm_head, LM_HEAD_SLICE_ROWS).float()
+        return linear(self.norm(hidden), self.lm_head, forms=self.lm_head_forms).float()
+
+    def choose_cpu_matmul_forms(self) -> dict[str, MatmulForms]:
+        """Times the plain and transposed matmul forms on this machine for every distinct projection
+        shape and the LM head (engine/cpu_linear.py), at the current thread count, and uses the faster
+        per row count from now on. Returns the choice by weight shape, for the log."""
+        by_shape: dict[str, MatmulForms] = {}
+        for module in self.modules():
+            if isinstance(module, Linear):
+                key = "x".join(map(str, module.weight.shape))
+                if key not in by_shape:
+                    by_shape[key] = time_forms(module.weight)
+                module.forms = by_shape[key]
+        self.lm_head_forms = time_forms(self.lm_head, LM_HEAD_SLICE_ROWS)
+        by_shape["lm_head"] = self.lm_head_forms
+        return by_shape
