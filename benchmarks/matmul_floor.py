@@ -20,7 +20,6 @@ engine running these steps on this machine could show.
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 from dataclasses import dataclass
 
@@ -28,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.roofline import DecoderShape, linear_flops
-from engine.cpu_linear import LM_HEAD_SLICE_ROWS, linear_transposed
+from engine.cpu_linear import LM_HEAD_SLICE_ROWS, best_seconds, linear_transposed
 
 
 @dataclass(slots=True, frozen=True)
@@ -85,15 +84,6 @@ def _measure_steps(shape: DecoderShape, row_counts: list[int], repeats: int) -> 
                     linear_transposed(inputs[w.shape[1]], w)
             linear_transposed(inputs[shape.hidden_size], lm_head, LM_HEAD_SLICE_ROWS)
 
-        seconds[n] = min(_best_of(form, repeats) for form in (plain, transposed))
+        seconds[n] = min(best_seconds(form, repeats) for form in (plain, transposed))
     return seconds
 
-
-def _best_of(run, repeats: int) -> float:
-    run()  # warm-up: first-call allocation and kernel selection
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        best = min(best, time.perf_counter() - start)
-    return best

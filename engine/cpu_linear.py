@@ -79,13 +79,14 @@ def time_forms(weight: torch.Tensor, slice_rows: int | None = None, repeats: int
     flags = []
     for rows in ROW_BUCKETS:
         rows_x = x[:rows]
-        plain = _best_seconds(lambda: F.linear(rows_x, weight), repeats)
-        transposed = _best_seconds(lambda: linear_transposed(rows_x, weight, slice_rows), repeats)
+        plain = best_seconds(lambda: F.linear(rows_x, weight), repeats)
+        transposed = best_seconds(lambda: linear_transposed(rows_x, weight, slice_rows), repeats)
         flags.append(transposed < plain)
     return MatmulForms(tuple(flags), slice_rows)
 
 
-def _best_seconds(run, repeats: int) -> float:
+def best_seconds(run, repeats: int) -> float:
+    """The fastest of ``repeats`` timed calls of ``run``, after one untimed warm-up call."""
     run()  # warm-up: first-call allocation and kernel selection
     best = float("inf")
     for _ in range(repeats):
