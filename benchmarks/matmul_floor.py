@@ -86,4 +86,3 @@ def _measure_steps(shape: DecoderShape, row_counts: list[int], repeats: int) -> 
 
         seconds[n] = min(best_seconds(form, repeats) for form in (plain, transposed))
     return seconds
-
