@@ -16,10 +16,11 @@ token is never fed back) at positions 0 .. P + L - 2, and samples L times.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
+
+from engine.cpu_linear import best_seconds
 
 
 @dataclass(slots=True, frozen=True)
@@ -99,14 +100,8 @@ def measure_matmul_flops(shape: DecoderShape, num_rows: int = 512, repeats: int 
     for d_in, d_out in shape.linear_shapes():
         x = torch.randn(num_rows, d_in, generator=gen)  # [rows, in]
         w = torch.randn(d_in, d_out, generator=gen)  # [in, out]
-        torch.mm(x, w)  # warm-up: first-call allocation and kernel selection
-        best = float("inf")
-        for _ in range(repeats):
-            start = time.perf_counter()
-            torch.mm(x, w)  # [rows, out]
-            best = min(best, time.perf_counter() - start)
         total_flops += 2.0 * num_rows * d_in * d_out
-        total_s += best
+        total_s += best_seconds(lambda: torch.mm(x, w), repeats)  # [rows, out]; warmed up once first
     return total_flops / total_s
 
 
