@@ -156,7 +156,7 @@ def test_kernel_reference_halves_match_naive():
 
 
 def test_kernel_reference_decode_buckets_by_length_match_naive():
-    """Over 16 decode rows the CPU path sorts requests by context length into buckets: the unsorted,
+    """Over 4 decode rows the CPU path sorts requests by context length into buckets: the unsorted,
     permuted result must still land on each request's own row."""
     lengths = torch.randint(1, 90, (37,), generator=torch.Generator().manual_seed(3)).tolist()
     case = make_case(lengths, [1] * len(lengths), heads=8, kv_heads=2, head_dim=64, block_size=8,
@@ -166,7 +166,7 @@ def test_kernel_reference_decode_buckets_by_length_match_naive():
 
 def test_plan_made_once_serves_every_layer_of_a_mixed_step():
     """The runner plans a step once (plan_attention) and every layer reuses the plan: decode requests
-    bucketed shortest first in groups of 16, prefill requests repacked; each layer's caches differ."""
+    bucketed shortest first in groups of 4, prefill requests repacked; each layer's caches differ."""
     q_lens = [1] * 20 + [5, 1, 7]
     lengths = torch.randint(1, 70, (23,), generator=torch.Generator().manual_seed(8)).tolist()
     lengths = [max(n, q) for n, q in zip(lengths, q_lens)]
@@ -175,8 +175,8 @@ def test_plan_made_once_serves_every_layer_of_a_mixed_step():
     layers = [first, dataclasses.replace(first, q=other.q, k_cache=other.k_cache, v_cache=other.v_cache)]
     plan = kernels.plan_attention(first.block_tables, first.context_lens, first.query_start_loc, 8)
     decode_lens = [n for n, q in zip(lengths, q_lens) if q == 1]
-    assert [len(b.rows) for b in plan.decode] == [16, 5]
-    assert [b.max_ctx for b in plan.decode] == [sorted(decode_lens)[15], max(decode_lens)]
+    assert [len(b.rows) for b in plan.decode] == [4, 4, 4, 4, 4, 1]
+    assert [b.max_ctx for b in plan.decode] == [sorted(decode_lens)[i] for i in (3, 7, 11, 15, 19, 20)]
     assert plan.decode_tokens.tolist() == [i for i in range(20)] + [25]  # token index of each decode row
     assert plan.prefill.tokens.tolist() == [20, 21, 22, 23, 24] + [26, 27, 28, 29, 30, 31, 32]
     for case in layers:

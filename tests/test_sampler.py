@@ -15,6 +15,7 @@ from engine.sampler import (
     apply_min_p_,
     apply_penalties_,
     apply_top_k_top_p_,
+    first_max_index,
 )
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
@@ -192,6 +193,19 @@ def test_greedy_large_batch():
     logits = torch.randn(64, 32000)
     out = Sampler()(logits, [make_seq([1], temperature=0.0)] * 64)
     assert out.token_ids == logits.argmax(dim=1).tolist()
+
+
+def test_first_max_index_breaks_ties_and_nan_like_argmax():
+    # Greedy picks by max(dim=1); argmax's contract is the first index of the maximum, NaN counting as it.
+    torch.manual_seed(4)
+    ties = torch.randint(0, 20, (64, 32000)).float()  # every row holds its maximum many times
+    expected = [int((row == row.max()).nonzero()[0]) for row in ties]
+    assert first_max_index(ties).tolist() == expected
+    special = torch.randn(3, 1000)
+    special[0, [7, 900]] = float("nan")
+    special[1, [5, 999]] = float("inf")
+    special[2, :] = float("-inf")
+    assert first_max_index(special).tolist() == [7, 5, 0] == special.argmax(dim=1).tolist()
 
 
 def test_min_tokens_masks_stop_tokens_until_reached():
