@@ -76,6 +76,6 @@ class ModelRunner:
             context_lens=context_lens,
             query_start_loc=query_start_loc,
             plan=None if device.type == "cuda" else kernels.plan_attention(
-                block_tables, context_lens, query_start_loc, self.block_size),
+                block_tables, context_lens, query_start_loc, self.kv_pool.tensor[0, 0]),
         )
         return torch.tensor(input_ids, dtype=torch.long, device=device), positions, meta

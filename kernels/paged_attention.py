@@ -39,15 +39,16 @@ class AttentionPlan:
 
 
 def plan_attention(block_tables: torch.Tensor, context_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                   block_size: int) -> AttentionPlan:
+                   cache: torch.Tensor) -> AttentionPlan:
+    """``cache``: any one layer's K cache (the buckets depend on its block size and bytes per token)."""
     q_lens = query_start_loc[1:] - query_start_loc[:-1]  # [batch]
     is_decode = q_lens == 1
     num_decode = int(is_decode.sum())
     if num_decode == q_lens.shape[0]:
-        return AttentionPlan(plan_decode(block_tables, context_lens, block_size), None, None)
+        return AttentionPlan(plan_decode(block_tables, context_lens, cache), None, None)
     if num_decode == 0:
         return AttentionPlan(None, None, None)
-    decode = plan_decode(block_tables[is_decode], context_lens[is_decode], block_size)
+    decode = plan_decode(block_tables[is_decode], context_lens[is_decode], cache)
     dec_tokens = query_start_loc[:-1][is_decode].long()  # a decode request's one query token
     pre = ~is_decode
     pre_lens = q_lens[pre]
@@ -70,7 +71,7 @@ def paged_attention_reference(
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """The engine's CPU path: decode rows by batched matmul, prefill rows by SDPA per request."""
     if plan is None:
-        plan = plan_attention(block_tables, context_lens, query_start_loc, k_cache.shape[1])
+        plan = plan_attention(block_tables, context_lens, query_start_loc, k_cache)
     if plan.decode is None:
         return paged_prefill_reference(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale)
     if plan.decode_tokens is None:

@@ -36,11 +36,15 @@ def _gather(cache: torch.Tensor, block_ids: torch.Tensor, batch: int, max_ctx: i
     return gathered.view(batch, -1, *cache.shape[2:])[:, :max_ctx]
 
 
-# CPU decode: requests of similar length padded together. Few rows per bucket keep a bucket's gathered
-# K and V (~0.6 MB a row at 600 tokens of the small model) in the core's cache for the bmm that reads
-# them next. Whole decode steps of the small model, 4 rows against 16, 2026-11-24 Xeon: one thread
-# 3-7% faster at batch 8-32 (36.2 vs 38.8 ms at 16), two threads within 1% at batch 16-64.
-_ROWS_PER_BUCKET = 4
+# CPU decode buckets: requests of similar context length, padded together. A bucket holds as many rows
+# as keep its gathered K and V within _BUCKET_BYTES (one core's L2 here), so the bmm that reads them
+# next finds them in cache; short contexts fill up to _MAX_ROWS_PER_BUCKET rows, where fewer, smaller
+# calls would cost more in per-call overhead than the cache saves. Whole decode steps of the small model
+# (~0.6 MB of K+V a row at 600 tokens), 2026-11-24 Xeon, 4 rows a bucket against 16: one thread 3-7%
+# faster at batch 8-32 with 64-512-token prompts, two threads within 1% at batch 16-64; with 16-64-token
+# prompts, 4 rows cost two threads 6% at batch 64 (hence the byte budget, not a fixed row count).
+_BUCKET_BYTES = 2 << 20
+_MAX_ROWS_PER_BUCKET = 16
 
 
 @dataclass(slots=True)
@@ -53,10 +57,14 @@ class DecodeBucket:
     padding: torch.Tensor  # [r, 1, max_ctx] bool: True past a row's context
 
 
-def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int) -> list[DecodeBucket]:
+def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, cache: torch.Tensor) -> list[DecodeBucket]:
     """The CPU decode path's buckets. They depend on the step only, so the runner plans once per step
-    and every layer reuses the plan (planning in each layer was ~5% of a decode step at batch 64)."""
-    groups = [None] if block_tables.shape[0] <= _ROWS_PER_BUCKET else torch.argsort(context_lens).split(_ROWS_PER_BUCKET)
+    and every layer reuses the plan (planning in each layer was ~5% of a decode step at batch 64).
+    ``cache``: any one layer's K cache, for its block size and bytes per token."""
+    block_size = cache.shape[1]
+    order = torch.argsort(context_lens)
+    sizes = bucket_sizes(context_lens.index_select(0, order).tolist(), 2 * cache[0, 0].nbytes)
+    groups = [None] if len(sizes) == 1 else order.split(sizes)
     buckets = []
     for rows in groups:
         tables = block_tables if rows is None else block_tables.index_select(0, rows)
@@ -68,6 +76,18 @@ def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, block_si
     return buckets
 
 
+def bucket_sizes(sorted_lens: list[int], token_bytes: int) -> list[int]:
+    """Rows of each bucket over context lengths sorted ascending: a bucket's K and V padded to its
+    longest context (``token_bytes`` per token, K and V) stay within _BUCKET_BYTES, or it has one row."""
+    sizes, rows = [], 0
+    for length in sorted_lens:  # ascending: this length is the longest of the bucket so far
+        if rows and (rows == _MAX_ROWS_PER_BUCKET or (rows + 1) * length * token_bytes > _BUCKET_BYTES):
+            sizes.append(rows)
+            rows = 0
+        rows += 1
+    return sizes + [rows]
+
+
 def paged_decode_reference(
     q: torch.Tensor,  # [batch, num_heads, head_dim], request i's query is token context_lens[i] - 1
     k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
@@ -75,12 +95,12 @@ def paged_decode_reference(
     block_tables: torch.Tensor,  # [batch, max_blocks]
     context_lens: torch.Tensor,  # [batch]
     scale: float,
-    plan: list[DecodeBucket] | None = None,  # plan_decode(block_tables, context_lens, block_size)
+    plan: list[DecodeBucket] | None = None,  # plan_decode(block_tables, context_lens, k_cache)
 ) -> torch.Tensor:  # [batch, num_heads, head_dim]
-    """Requests sorted by context length go in buckets of up to 16, each padded only to its own
+    """Requests sorted by context length go in buckets (see bucket_sizes), each padded only to its own
     longest context: a few batched calls, far less padding than one call padded to the batch's max."""
     if plan is None:
-        plan = plan_decode(block_tables, context_lens, k_cache.shape[1])
+        plan = plan_decode(block_tables, context_lens, k_cache)
     if len(plan) == 1 and plan[0].rows is None:
         return _decode_bucket(q, k_cache, v_cache, plan[0], scale)
     out = torch.empty_like(q)

@@ -15,7 +15,7 @@ import torch
 
 import kernels
 from kernels.paged_attention import paged_attention_reference, paged_attention_triton
-from kernels.paged_decode import paged_decode_reference, paged_decode_triton
+from kernels.paged_decode import bucket_sizes, paged_decode_reference, paged_decode_triton
 from kernels.paged_prefill import paged_prefill_reference, paged_prefill_triton
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
@@ -156,7 +156,7 @@ def test_kernel_reference_halves_match_naive():
 
 
 def test_kernel_reference_decode_buckets_by_length_match_naive():
-    """Over 4 decode rows the CPU path sorts requests by context length into buckets: the unsorted,
+    """With several buckets the CPU path sorts requests by context length into them: the unsorted,
     permuted result must still land on each request's own row."""
     lengths = torch.randint(1, 90, (37,), generator=torch.Generator().manual_seed(3)).tolist()
     case = make_case(lengths, [1] * len(lengths), heads=8, kv_heads=2, head_dim=64, block_size=8,
@@ -164,19 +164,33 @@ def test_kernel_reference_decode_buckets_by_length_match_naive():
     assert_matches_naive(kernels.paged_attention(*case.args()), case)
 
 
+def test_decode_buckets_keep_their_padded_kv_within_the_byte_budget():
+    # 1 KiB of K+V a token: a bucket of r rows padded to length n holds r * n KiB, at most 2 MiB = 2048 KiB.
+    lens = [100] * 5 + [500] * 5 + [3000]
+    assert bucket_sizes(lens, 1024) == [5, 4, 1, 1]  # 6 x 500 and 5 x 500 overflow; 3000 alone overflows too
+    assert bucket_sizes([10] * 20, 1024) == [16, 4]  # short contexts: the row cap
+    assert bucket_sizes([7], 1 << 30) == [1]
+    # The plan follows them: sorted rows, each bucket padded to its own longest context.
+    case = make_case([500, 100, 3000, 100, 500], [1] * 5, heads=8, kv_heads=2, head_dim=64, block_size=16,
+                     dtype=torch.float32, seed=5)  # 2 KV heads x 64 x 4 bytes x (K, V) = 1 KiB a token
+    plan = kernels.plan_attention(case.block_tables, case.context_lens, case.query_start_loc, case.k_cache)
+    assert [(sorted(b.rows.tolist()), b.max_ctx) for b in plan.decode] == [([0, 1, 3, 4], 500), ([2], 3000)]
+    assert_matches_naive(kernels.paged_attention(*case.args(), plan=plan), case)
+
+
 def test_plan_made_once_serves_every_layer_of_a_mixed_step():
     """The runner plans a step once (plan_attention) and every layer reuses the plan: decode requests
-    bucketed shortest first in groups of 4, prefill requests repacked; each layer's caches differ."""
+    bucketed shortest first (16 rows at most), prefill requests repacked; each layer's caches differ."""
     q_lens = [1] * 20 + [5, 1, 7]
     lengths = torch.randint(1, 70, (23,), generator=torch.Generator().manual_seed(8)).tolist()
     lengths = [max(n, q) for n, q in zip(lengths, q_lens)]
     first, other = (make_case(lengths, q_lens, heads=8, kv_heads=2, head_dim=64, block_size=8, dtype=torch.float32,
                               seed=seed) for seed in (1, 2))
     layers = [first, dataclasses.replace(first, q=other.q, k_cache=other.k_cache, v_cache=other.v_cache)]
-    plan = kernels.plan_attention(first.block_tables, first.context_lens, first.query_start_loc, 8)
+    plan = kernels.plan_attention(first.block_tables, first.context_lens, first.query_start_loc, first.k_cache)
     decode_lens = [n for n, q in zip(lengths, q_lens) if q == 1]
-    assert [len(b.rows) for b in plan.decode] == [4, 4, 4, 4, 4, 1]
-    assert [b.max_ctx for b in plan.decode] == [sorted(decode_lens)[i] for i in (3, 7, 11, 15, 19, 20)]
+    assert [len(b.rows) for b in plan.decode] == [16, 5]  # 16 rows of < 70 tokens: 1.1 MB of K+V, in budget
+    assert [b.max_ctx for b in plan.decode] == [sorted(decode_lens)[15], max(decode_lens)]
     assert plan.decode_tokens.tolist() == [i for i in range(20)] + [25]  # token index of each decode row
     assert plan.prefill.tokens.tolist() == [20, 21, 22, 23, 24] + [26, 27, 28, 29, 30, 31, 32]
     for case in layers:
