@@ -7,11 +7,16 @@ Policies for D:
   it remembers the block hashes it sent to each worker (bounded, LRU), which is what a worker most likely
   still caches. A worker restart (new incarnation) forgets them.
 
-Disaggregation: the prompt's uncached suffix on D goes to the P with the longest prefix hit (then the
-smallest backlog). D prefills it itself only when no prefill worker exists, when it fits in one block
-(and in ``local_prefill_max_tokens``; 0 sends everything to P), or when it is short (<= ``local_prefill_max_tokens``) and every P is backed up by more than that many
-tokens: there it would wait longer than D takes to compute it. An idle P always takes it, so D's decode steps stay steady (a
-256-token prefill on a CPU decode worker stalls every running stream for a quarter of a second).
+Disaggregation: the prompt's uncached suffix on D goes to the P expected to finish it first: the
+smallest backlog plus the prompt tokens it would compute (those past its tracked prefix hit), as
+Dynamo's KV router weighs load against overlap; then the longer hit, then the id. A hit alone must not
+decide: a P that rejoins or is added holds no tracked prefix and would get nothing while another P holds
+them all, however backed up that one is. D prefills the suffix itself only when no prefill worker
+exists, when it fits in one block (and in ``local_prefill_max_tokens``; 0 sends everything to P), or
+when it is short (<= ``local_prefill_max_tokens``) and every P is backed up by more than that many
+tokens: there it would wait longer than D takes to compute it. An idle P always takes it, so D's decode
+steps stay steady (a 256-token prefill on a CPU decode worker stalls every running stream for a quarter
+of a second).
 
 A P's backlog is the larger of the queued prefill tokens in its last heartbeat (every gateway's work,
 up to a heartbeat old) and the uncached tokens this gateway sent it that have not produced a first
@@ -114,7 +119,7 @@ class Router:
         if not prefillers or tiny or busy:
             decision = RouteDecision(d.worker_id, None, d_cached, 0)
         else:
-            p = min(prefillers, key=lambda w: (-self._hits(w, hashes), self.backlog(w), w.worker_id))
+            p = min(prefillers, key=lambda w: self._prefill_cost(w, prompt_ids, hashes))
             decision = RouteDecision(d.worker_id, p.worker_id, d_cached, self._hits(p, hashes) * bs)
         self._record(decision, hashes)
         return decision
@@ -128,6 +133,10 @@ class Router:
         if policy is Policy.LEAST_LOADED:
             return min(decoders, key=_load_key)
         return min(decoders, key=lambda w: (-self._hits(w, hashes), *_load_key(w)))
+
+    def _prefill_cost(self, prefiller: WorkerInfo, prompt_ids: list[int], hashes: list[int]) -> tuple:
+        hit_tokens = self._hits(prefiller, hashes) * self._params.block_size
+        return (self.backlog(prefiller) + len(prompt_ids) - hit_tokens, -hit_tokens, prefiller.worker_id)
 
     def _tracked_for(self, worker: WorkerInfo) -> _TrackedBlocks:
         tracked = self._tracked.get(worker.worker_id)

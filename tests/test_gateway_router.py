@@ -71,12 +71,17 @@ def test_disaggregation_long_uncached_suffix_goes_to_prefill():
     long_prompt = list(range(100, 140))
     decision = router.route(long_prompt)
     assert decision == RouteDecision("d1", "p2", 0, 0)  # fewest queued prefill tokens
-    reg.observe(hb("p2", Role.PREFILL, queued=900), 1.0)
+    reg.observe(hb("p2", Role.PREFILL, queued=520), 1.0)
     follow_up = long_prompt + list(range(200, 240))
     decision = router.route(follow_up)
-    # D has the first 40 tokens (10 blocks); 40 uncached > 8, so P: p2 holds the prefix despite its queue
+    # D has the first 40 tokens (10 blocks); 40 uncached > 8, so P. p2 holds those 40 too:
+    # 520 queued + 40 to compute < p1's 500 + 80.
     assert decision == RouteDecision("d1", "p2", 40, 40)
     assert router.route(long_prompt).prefill_worker is None  # now fully cached on D: local
+    reg.observe(hb("p2", Role.PREFILL, queued=560), 2.0)
+    other_follow_up = long_prompt + list(range(300, 340))
+    # p2: 560 + 40 = 600 > p1: 500 + 80 = 580. The hit no longer pays for the queue.
+    assert router.route(other_follow_up) == RouteDecision("d1", "p1", 40, 0)
 
 
 def test_short_suffix_goes_to_an_idle_prefill_worker_and_stays_on_d_while_every_p_is_busy():
@@ -94,6 +99,23 @@ def test_short_suffix_goes_to_an_idle_prefill_worker_and_stays_on_d_while_every_
     assert router.route(list(range(500, 600))).prefill_worker == "p2"  # long: to the smaller backlog
     router.forget(["p1"])
     assert router.backlog(reg.get("p2")) == 300
+
+
+def test_a_rejoined_prefill_worker_gets_work_while_the_other_holds_every_prefix():
+    # p1 dropped out (forgotten, then seen again): p2 served every prompt meanwhile and holds their hashes.
+    reg = registry({"d1": 0}, {"p1": 0, "p2": 0})
+    router = Router(reg, RouterParams(BS, local_prefill_max_tokens=0))
+    prompts = [list(range(i * 100, i * 100 + 40)) for i in range(4)]
+    router.forget(["p1"])
+    for prompt in prompts:
+        assert router.route(prompt, exclude=frozenset({"p1"})).prefill_worker == "p2"
+    router.prefill_sent("p2", 120)  # three of them still queued there
+    # Follow-ups: 40 tokens cached on D and on p2, 40 new. p2: 120 queued + 40; p1: 0 + 80.
+    follow_ups = [p + list(range(5000 + 100 * i, 5040 + 100 * i)) for i, p in enumerate(prompts)]
+    assert [router.route(f).prefill_worker for f in follow_ups[:3]] == ["p1", "p1", "p1"]
+    router.prefill_done("p2", 120)
+    # p2 idle again: its hit decides (p2: 0 + 40 < p1: 0 + 80).
+    assert router.route(follow_ups[3]) == RouteDecision("d1", "p2", 40, 40)
 
 
 def test_no_prefill_pool_means_local_prefill():
