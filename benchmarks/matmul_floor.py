@@ -13,8 +13,8 @@ workload stays far below the roofline whatever the engine does. The floor makes 
 Decode step t = 1 .. max(L) - 1 has ``#{requests with L > t}`` rows: the most favourable schedule,
 with every request decoding in one batch from the first step (fewer rows per step never costs less
 per token). Each row count is timed with weights of the model's shapes, one copy per layer (so a step
-streams all of them, as the model does), in the faster of the plain and the transposed product
-(engine/cpu_linear.py), best of ``repeats``. ``ideal / floor`` is the highest roofline fraction an
+streams all of them, as the model does), in the fastest of the plain, the transposed and the packed
+product (engine/cpu_linear.py), best of ``repeats``. ``ideal / floor`` is the highest roofline fraction an
 engine running these steps on this machine could show.
 """
 
@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.roofline import DecoderShape, linear_flops
-from engine.cpu_linear import LM_HEAD_SLICE_ROWS, best_seconds, linear_transposed
+from engine.cpu_linear import LM_HEAD_SLICE_ROWS, best_seconds, linear_packed, linear_transposed, pack_weight
 
 
 @dataclass(slots=True, frozen=True)
@@ -68,6 +68,8 @@ def _measure_steps(shape: DecoderShape, row_counts: list[int], repeats: int) -> 
     layers = [[torch.randn(d_out, d_in, generator=gen) for d_in, d_out in shape.linear_shapes()]
               for _ in range(shape.num_layers)]  # [out, in] each, as nn.Linear holds them
     lm_head = torch.randn(shape.vocab_size, shape.hidden_size, generator=gen)
+    packed_layers = [[pack_weight(w) for w in weights] for weights in layers]
+    packed_lm_head = pack_weight(lm_head)
     seconds = {}
     for n in row_counts:
         inputs = {d_in: torch.randn(n, d_in, generator=gen) for d_in, _ in shape.linear_shapes()}
@@ -84,5 +86,12 @@ def _measure_steps(shape: DecoderShape, row_counts: list[int], repeats: int) -> 
                     linear_transposed(inputs[w.shape[1]], w)
             linear_transposed(inputs[shape.hidden_size], lm_head, LM_HEAD_SLICE_ROWS)
 
-        seconds[n] = min(best_seconds(form, repeats) for form in (plain, transposed))
+        def packed() -> None:
+            for weights in packed_layers:
+                for w, p in zip(layers[0], weights):
+                    linear_packed(inputs[w.shape[1]], p)
+            linear_packed(inputs[shape.hidden_size], packed_lm_head)
+
+        forms = (plain, transposed) if packed_lm_head is None else (plain, transposed, packed)
+        seconds[n] = min(best_seconds(form, repeats) for form in forms)
     return seconds

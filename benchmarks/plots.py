@@ -2,7 +2,7 @@
 
 - latency vs request rate per system (TTFT p50 and TPOT p50 of the mixed workload's Poisson runs)
 - TPOT distribution of the short requests under interference (one CDF per system)
-- output throughput per system (mixed, closed loop) next to transformers static batching
+- output throughput per system (mixed, all requests at once) next to transformers static batching
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from benchmarks.serve_report import Report
+from benchmarks.serve_report import ALL_AT_ONCE, Report
 
 
 def write_plots(report: Report, out_dir: Path) -> list[Path]:
@@ -55,7 +55,7 @@ def write_plots(report: Report, out_dir: Path) -> list[Path]:
         names.append("hf static b=16")
         values.append(report.hf_tps)
     for system in systems:
-        run = report.find(system, "mixed", "closed")
+        run = report.find(system, "mixed", ALL_AT_ONCE)
         if run:
             names.append(system)
             values.append(run.summary.output_tps)

@@ -7,7 +7,8 @@ batching, side by side in one run, on the ``small`` model.
    torch threads = the benchmark's cores.
 2. For each pdserve system (benchmarks/serve_plan.py): start ``pdserve serve`` pinned to the same
    cores, warm it up, then run its workloads with the streaming client (benchmarks/client.py):
-   mixed at Poisson rates, mixed closed loop (16 in flight, for throughput and KV utilisation),
+   mixed at Poisson rates, mixed closed loop with 16 in flight (the baseline's batch size), the same
+   requests all at once (the served throughput, as vLLM's ``--request-rate inf``; KV utilisation over both),
    shared prefix at one Poisson rate, interference (short stream + 2048-token bursts). CPU-seconds
    and peak RSS of each process of the serve tree are read from /proc around the runs.
 3. The table, per-process costs, the targets next to the measured values, optional plots and JSON;
@@ -32,7 +33,7 @@ from benchmarks.serve_launcher import ServedSystem
 from benchmarks.serve_metrics import Slo, kv_utilization, summarize
 from benchmarks.serve_plan import STATIC_BATCH_SIZE, Plan, SystemSpec, plan
 from benchmarks.serve_procs import cpu_delta, sample_tree, self_sample
-from benchmarks.serve_report import HEADER, Report, make_run, print_procs, print_targets, run_row, write_json
+from benchmarks.serve_report import ALL_AT_ONCE, HEADER, Report, make_run, print_procs, print_targets, run_row, write_json
 from benchmarks.workload import BenchRequest
 
 
@@ -106,9 +107,12 @@ def run_system(spec: SystemSpec, p: Plan, args, model_dir: Path, vocab: int, cpu
                 record("mixed", f"poisson {rate:g} rps", rate, *asyncio.run(run_open_loop(target, schedule)))
         if "mixed_closed" in spec.workloads:
             sampler = KvSampler(system.metrics_urls("decode"), spec.sections.get("engine", {}).get("block_size", 16))
-            mixed = workloads.mixed(vocab, p.closed_requests, args.seed)
-            result = asyncio.run(run_closed_loop(target, mixed, p.concurrency, "mixed", sampler))
-            record("mixed", f"closed c={p.concurrency}", float("inf"), *result)
+            paced = workloads.paced_mixed(vocab, p.closed_requests, args.seed)
+            mixed = workloads.mixed(vocab, p.closed_requests, args.seed)  # the baseline's requests
+            for requests, concurrency, load in ((paced, p.concurrency, f"closed c={p.concurrency}"),
+                                                (mixed, len(mixed), ALL_AT_ONCE)):
+                result = asyncio.run(run_closed_loop(target, requests, concurrency, "mixed", sampler))
+                record("mixed", load, float("inf"), *result)
             report.kv_util[spec.name] = (kv_utilization(sampler.samples), len(sampler.samples), sampler.num_discarded)
         if "prefix" in spec.workloads:
             prefix = workloads.shared_prefix(workloads.SharedPrefixSpec(vocab, p.prefix_requests, seed=args.seed))
@@ -145,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     report = Report()
     print(f"\n{HEADER}", flush=True)
     if not args.skip_hf:
-        run_hf_static(model_dir, workloads.mixed(vocab, p.hf_requests, args.seed), len(cpus), report)
+        run_hf_static(model_dir, workloads.mixed(vocab, p.closed_requests, args.seed), len(cpus), report)
     logs = Path(tempfile.mkdtemp(prefix="pdserve-bench-"))  # kept: each system's serve log
     for spec in p.systems:
         run_system(spec, p, args, model_dir, vocab, cpus, logs, report)

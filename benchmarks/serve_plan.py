@@ -5,7 +5,8 @@ Systems (each its own ``pdserve serve``, the same cores):
   cores // workers threads).
 - coloc: ``--prefill 0 --decode 1``: the decode worker prefills locally on all the cores.
 - nocache: disagg with ``engine.enable_prefix_caching=false``.
-The transformers static-batching baseline (batch 16) runs offline on the mixed workload, same cores.
+The transformers static-batching baseline (batch 16) runs offline on the same mixed requests as the
+closed loops (64: four full batches), same cores.
 """
 
 from __future__ import annotations
@@ -26,9 +27,8 @@ class SystemSpec:
 
 @dataclass(slots=True, frozen=True)
 class Plan:
-    hf_requests: int  # mixed requests for the offline transformers baseline (multiple of 16)
-    closed_requests: int  # mixed requests in the closed-loop (throughput) run
-    concurrency: int  # closed loop: requests in flight, the baseline's batch size
+    closed_requests: int  # mixed requests in the closed-loop runs and the offline transformers baseline
+    concurrency: int  # the first closed loop: requests in flight, the baseline's batch size
     rate_requests: int  # mixed requests per Poisson rate
     rates_rps: tuple[float, ...]  # Poisson rates for latency vs load
     prefix_requests: int
@@ -58,9 +58,9 @@ def systems(quick: bool) -> tuple[SystemSpec, ...]:
 
 def plan(quick: bool) -> Plan:
     if quick:
-        return Plan(hf_requests=32, closed_requests=32, concurrency=STATIC_BATCH_SIZE, rate_requests=12,
+        return Plan(closed_requests=64, concurrency=STATIC_BATCH_SIZE, rate_requests=12,
                     rates_rps=(0.5, 1.0), prefix_requests=16, prefix_rate_rps=1.0, short_requests=24,
                     short_rate_rps=1.5, num_bursts=2, burst_size=2, systems=systems(True))
-    return Plan(hf_requests=64, closed_requests=64, concurrency=STATIC_BATCH_SIZE, rate_requests=32,
+    return Plan(closed_requests=64, concurrency=STATIC_BATCH_SIZE, rate_requests=32,
                 rates_rps=(0.25, 0.5, 1.0, 2.0), prefix_requests=48, prefix_rate_rps=0.5, short_requests=72,
                 short_rate_rps=1.5, num_bursts=4, burst_size=2, systems=systems(False))

@@ -46,6 +46,13 @@ def mixed(vocab_size: int, num_requests: int, seed: int = 0) -> list[BenchReques
     return make_workload(WorkloadSpec(vocab_size=vocab_size, num_requests=num_requests, seed=seed))
 
 
+def paced_mixed(vocab_size: int, num_requests: int, seed: int = 0) -> list[BenchRequest]:
+    """The mixed workload for the closed loop at the baseline's batch size, a fresh draw (seed + 1000,
+    clear of the rate sweep's): it runs on the server that also gets ``mixed(seed)`` all at once, and
+    either run replaying the other's prompts would hit the cache it filled."""
+    return mixed(vocab_size, num_requests, seed + 1000)
+
+
 def rate_sweep(vocab_size: int, num_requests: int, rates_rps: tuple[float, ...],
                seed: int = 0) -> list[tuple[float, list[BenchRequest]]]:
     """The mixed workload once per rate, with fresh prompts each time: replayed prompts would hit the

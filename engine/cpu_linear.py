@@ -14,7 +14,14 @@ same code, whole decode steps of the ``small`` model on two threads:
 So ``time_forms`` times both forms for one weight at the row counts of ``ROW_BUCKETS`` (``x.shape[0]``
 goes to the first bucket that holds it); more rows than the last bucket (prefill) always take the
 plain form, which wins there everywhere measured (+31% for the transposed form on a 2,048-token step).
-Both forms give the same values up to float rounding (tests/test_cpu_linear.py).
+A third form keeps the weight in oneDNN's blocked layout (packed once at load): the product then reads
+it without MKL repacking the weight on every call, which is what makes the two dense forms slow at a
+few rows. Whole-model weight passes (every projection and the LM head of the ``small`` model, cold in
+cache as in a real step), 2026-11-24 Xeon, one thread: 4 rows 11.6 ms packed against 16.6 ms for the
+better dense form, 8 rows 13.7 vs 22.0, 16 rows 16.4 vs 22.5, 64 rows 35.0 vs 38.0, 512 rows 228 vs
+230; one row 9.5 vs 7.9. Storing both would double the weights' memory, so a weight is either packed
+(when the packed form is the faster one at most row buckets) or dense, and then packed for every row
+count, prefill included. All forms give the same values up to float rounding (tests/test_cpu_linear.py).
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ class MatmulForms:
 
     transposed: tuple[bool, ...] = ()  # one flag per ROW_BUCKETS entry; () = always plain
     slice_rows: int | None = None  # the transposed form's weight rows per matmul (None: all at once)
+    packed: bool = False  # the weight is held packed (pack_weight) and every row count takes that form
 
     def __post_init__(self) -> None:
         assert len(self.transposed) in (0, len(ROW_BUCKETS)), self.transposed
@@ -46,6 +54,8 @@ class MatmulForms:
         return bucket < len(self.transposed) and self.transposed[bucket]
 
     def describe(self) -> str:
+        if self.packed:
+            return "packed (oneDNN)"
         rows = [str(r) for r, t in zip(ROW_BUCKETS, self.transposed) if t]
         return f"transposed at {'/'.join(rows)} rows" if rows else "plain"
 
@@ -64,9 +74,26 @@ def linear_transposed(x: torch.Tensor, weight: torch.Tensor, slice_rows: int | N
     return out_t.t().contiguous()
 
 
+def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """``weight`` ([out, in], float32, CPU) in oneDNN's blocked layout for ``linear_packed``; None where
+    this torch has no oneDNN or the weight is not one it is measured on here."""
+    if weight.device.type != "cpu" or weight.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+        return None
+    return torch.ops.mkldnn._reorder_linear_weight(weight)
+
+
+def linear_packed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` with ``packed = pack_weight(weight)``."""
+    # oneDNN reads x as if it were contiguous: the MLP's strided down_proj input gave wrong values.
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            forms: MatmulForms = PLAIN) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` in the form ``forms`` picks for ``x``'s row count (plain on CUDA)."""
+    """``F.linear(x, weight, bias)`` in the form ``forms`` picks for ``x``'s row count (plain on CUDA).
+    ``weight`` is the dense one, or the packed one when ``forms.packed``."""
+    if forms.packed:
+        return linear_packed(x, weight, bias)
     if x.is_cuda or not forms.use_transposed(x.shape[0]):
         return F.linear(x, weight, bias)
     out = linear_transposed(x, weight, forms.slice_rows)
@@ -74,15 +101,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def time_forms(weight: torch.Tensor, slice_rows: int | None = None, repeats: int = 3) -> MatmulForms:
-    """Times both forms on ``weight`` (CPU, at the current torch thread count) at every row bucket."""
+    """Times the forms on ``weight`` (CPU, at the current torch thread count) at every row bucket."""
     x = torch.randn(ROW_BUCKETS[-1], weight.shape[1], dtype=weight.dtype)
-    flags = []
+    packed = pack_weight(weight)
+    flags, packed_wins = [], 0
     for rows in ROW_BUCKETS:
         rows_x = x[:rows]
         plain = best_seconds(lambda: F.linear(rows_x, weight), repeats)
         transposed = best_seconds(lambda: linear_transposed(rows_x, weight, slice_rows), repeats)
         flags.append(transposed < plain)
-    return MatmulForms(tuple(flags), slice_rows)
+        if packed is not None:
+            packed_wins += best_seconds(lambda: linear_packed(rows_x, packed), repeats) < min(plain, transposed)
+    return MatmulForms(tuple(flags), slice_rows, packed=2 * packed_wins > len(ROW_BUCKETS))
 
 
 def best_seconds(run, repeats: int) -> float:
@@ -97,11 +127,19 @@ def best_seconds(run, repeats: int) -> float:
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` that takes the form ``self.forms`` picks (plain until ``time_forms`` sets it)."""
+    """``nn.Linear`` that takes the form ``self.forms`` picks (plain until ``use_forms`` sets it)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.forms = PLAIN
+        self.packed_weight: torch.Tensor | None = None
+
+    def use_forms(self, forms: MatmulForms) -> None:
+        """From now on compute in ``forms``; a packed form replaces the dense weight (freed)."""
+        if forms.packed:
+            self.packed_weight = pack_weight(self.weight)
+            self.weight = None
+        self.forms = forms
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.forms)
+        return linear(x, self.packed_weight if self.forms.packed else self.weight, self.bias, self.forms)

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention_metadata import AttentionMetadata
-from engine.cpu_linear import LM_HEAD_SLICE_ROWS, PLAIN, Linear, MatmulForms, linear, time_forms
+from engine.cpu_linear import LM_HEAD_SLICE_ROWS, PLAIN, Linear, MatmulForms, linear, pack_weight, time_forms
 from engine.kv_pool import KVPool
 from engine.layers import DecoderLayer, RMSNorm, meta_parameter
 from engine.model_config import ModelConfig
@@ -31,6 +31,7 @@ class CausalLM(nn.Module):
         # Not a submodule: its float32 table lives on `device` whatever dtype the weights get.
         self.rotary = RotaryEmbedding(config, device)
         self.lm_head_forms = PLAIN  # CPU matmul forms of the LM head (choose_cpu_matmul_forms)
+        self.lm_head_packed: torch.Tensor | None = None  # the LM head in the packed form, if chosen
 
     def forward(
         self,
@@ -46,19 +47,24 @@ class CausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] -> [S, vocab] float32
-        return linear(self.norm(hidden), self.lm_head, forms=self.lm_head_forms).float()
+        weight = self.lm_head_packed if self.lm_head_forms.packed else self.lm_head
+        return linear(self.norm(hidden), weight, forms=self.lm_head_forms).float()
 
     def choose_cpu_matmul_forms(self) -> dict[str, MatmulForms]:
-        """Times the plain and transposed matmul forms on this machine for every distinct projection
-        shape and the LM head (engine/cpu_linear.py), at the current thread count, and uses the faster
-        per row count from now on. Returns the choice by weight shape, for the log."""
+        """Times the plain, transposed and packed matmul forms on this machine for every distinct
+        projection shape and the LM head (engine/cpu_linear.py), at the current thread count, and uses
+        the faster from now on. Returns the choice by weight shape, for the log."""
         by_shape: dict[str, MatmulForms] = {}
         for module in self.modules():
             if isinstance(module, Linear):
-                key = "x".join(map(str, module.weight.shape))
+                key = f"{module.out_features}x{module.in_features}"
                 if key not in by_shape:
                     by_shape[key] = time_forms(module.weight)
-                module.forms = by_shape[key]
+                module.use_forms(by_shape[key])
         self.lm_head_forms = time_forms(self.lm_head, LM_HEAD_SLICE_ROWS)
+        if self.lm_head_forms.packed:
+            self.lm_head_packed = pack_weight(self.lm_head)
+            if self.lm_head is not self.embed_tokens:  # tied: the embedding still reads it
+                self.lm_head = None
         by_shape["lm_head"] = self.lm_head_forms
         return by_shape

@@ -91,16 +91,16 @@ def test_mixed_workload_is_the_engine_benchmarks():
     assert W.mixed(500, 16, seed=2) == make_workload(WorkloadSpec(vocab_size=500, num_requests=16, seed=2))
 
 
-def test_rate_sweep_runs_share_no_prompt_block_with_each_other_or_the_closed_loop():
+def test_rate_sweep_runs_share_no_prompt_block_with_each_other_or_the_closed_loops():
     # Found in the 2026-11-23 run: every rate replayed the same prompts, so the second rate's TTFT was
     # a prefix-cache hit (70 ms against 308 ms at the first rate).
     from protocol.hashing import block_hashes
 
     sweep = W.rate_sweep(32000, 12, (0.5, 1.0, 2.0), seed=0)
     assert [rate for rate, _ in sweep] == [0.5, 1.0, 2.0] and all(len(reqs) == 12 for _, reqs in sweep)
-    runs = [reqs for _, reqs in sweep] + [W.mixed(32000, 32, seed=0)]
+    runs = [reqs for _, reqs in sweep] + [W.mixed(32000, 32, seed=0), W.paced_mixed(32000, 32, seed=0)]
     first_blocks = [{block_hashes(list(r.prompt_token_ids), 16)[0] for r in reqs} for reqs in runs]
-    assert sum(map(len, first_blocks)) == len(set().union(*first_blocks)) == 3 * 12 + 32
+    assert sum(map(len, first_blocks)) == len(set().union(*first_blocks)) == 3 * 12 + 2 * 32
 
 
 def test_shared_prefix_shape():

@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.cpu_linear import LM_HEAD_SLICE_ROWS, PLAIN, ROW_BUCKETS, Linear, MatmulForms, linear_transposed
+from engine.cpu_linear import (LM_HEAD_SLICE_ROWS, PLAIN, ROW_BUCKETS, Linear, MatmulForms, linear_packed,
+                               linear_transposed, pack_weight)
 from engine.loader import load_model
 from tests.model_factory import tiny_model_dir
 
@@ -32,7 +33,26 @@ def test_linear_transposed_reads_a_strided_input():
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [1, 5, 64, 200])
+def test_linear_packed_equals_f_linear_with_bias_and_a_strided_input(rows):
+    gen = torch.Generator().manual_seed(rows)
+    weight, bias = torch.randn(300, 40, generator=gen), torch.randn(300, generator=gen)
+    packed = pack_weight(weight)  # the pinned CPU torch has oneDNN: None here would be a broken build
+    assert packed is not None and packed.is_mkldnn
+    gate_up = torch.randn(rows, 2 * 40, generator=gen)
+    strided = gate_up[:, :40]  # row stride 80: the MLP's down_proj input
+    for x in (strided.contiguous(), strided):
+        torch.testing.assert_close(linear_packed(x, packed, bias), F.linear(strided.contiguous(), weight, bias),
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_pack_weight_declines_what_it_was_not_measured_on():
+    assert pack_weight(torch.randn(8, 4, dtype=torch.float64)) is None
+    assert pack_weight(torch.randn(8, 4, dtype=torch.bfloat16)) is None
+
+
 ALL_TRANSPOSED = MatmulForms((True,) * len(ROW_BUCKETS))
+PACKED = MatmulForms(packed=True)
 
 
 def test_a_row_count_takes_the_form_of_the_first_bucket_that_holds_it():
@@ -44,7 +64,7 @@ def test_a_row_count_takes_the_form_of_the_first_bucket_that_holds_it():
         MatmulForms((True,))  # one flag per bucket or none
 
 
-@pytest.mark.parametrize("forms", [PLAIN, ALL_TRANSPOSED], ids=["plain", "transposed"])
+@pytest.mark.parametrize("forms", [PLAIN, ALL_TRANSPOSED, PACKED], ids=["plain", "transposed", "packed"])
 @pytest.mark.parametrize("rows", [3, ROW_BUCKETS[-1], ROW_BUCKETS[-1] + 1])
 def test_linear_module_matches_nn_linear_with_bias(forms, rows):
     gen = torch.Generator().manual_seed(rows)
@@ -54,7 +74,7 @@ def test_linear_module_matches_nn_linear_with_bias(forms, rows):
         reference.bias.copy_(torch.randn(20, generator=gen))
     layer = Linear(32, 20, bias=True)
     layer.load_state_dict(reference.state_dict())
-    layer.forms = forms
+    layer.use_forms(forms)
     x = torch.randn(rows, 32, generator=gen)
     with torch.inference_mode():
         torch.testing.assert_close(layer(x), reference(x), rtol=1e-5, atol=1e-5)
@@ -64,17 +84,20 @@ def test_timed_forms_cover_every_projection_shape_once_and_the_lm_head():
     model, _ = load_model(tiny_model_dir("qwen2"))  # qwen2: a bias on qkv_proj
     chosen = model.choose_cpu_matmul_forms()
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    shapes = {"x".join(map(str, m.weight.shape)) for m in linears}
+    shapes = {f"{m.out_features}x{m.in_features}" for m in linears}
     assert set(chosen) == shapes | {"lm_head"}
     for m in linears:  # one timing per shape, shared by every layer
-        assert m.forms is chosen["x".join(map(str, m.weight.shape))]
+        assert m.forms is chosen[f"{m.out_features}x{m.in_features}"]
         assert len(m.forms.transposed) == len(ROW_BUCKETS) and m.forms.slice_rows is None
+        # Exactly one copy of the weight is kept: the packed one or the dense one.
+        assert (m.packed_weight is not None, m.weight is None) == (m.forms.packed, m.forms.packed)
     assert model.lm_head_forms is chosen["lm_head"] and model.lm_head_forms.slice_rows == LM_HEAD_SLICE_ROWS
+    assert (model.lm_head_packed is not None) == model.lm_head_forms.packed
 
 
-def test_model_logits_are_the_same_in_either_form():
-    # Whatever the timing picks, the model computes the same logits (the parity tests check PLAIN
-    # against transformers).
+def test_model_logits_are_the_same_in_every_form():
+    # Whatever the timing picks, the model computes the same logits (the parity tests check the timed
+    # choice against transformers).
     model, config = load_model(tiny_model_dir("qwen2"))
     hidden = torch.randn(5, config.hidden_size, generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
@@ -84,5 +107,11 @@ def test_model_logits_are_the_same_in_either_form():
             if isinstance(m, Linear):
                 m.forms = ALL_TRANSPOSED
         model.lm_head_forms = MatmulForms((True,) * len(ROW_BUCKETS), LM_HEAD_SLICE_ROWS)
+        torch.testing.assert_close(model.compute_logits(hidden), plain_logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(model.layers[0].mlp(hidden), plain_mlp, rtol=1e-5, atol=1e-5)
+        for m in model.modules():
+            if isinstance(m, Linear):
+                m.use_forms(PACKED)
+        model.lm_head_packed, model.lm_head_forms = pack_weight(model.lm_head), PACKED
         torch.testing.assert_close(model.compute_logits(hidden), plain_logits, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(model.layers[0].mlp(hidden), plain_mlp, rtol=1e-5, atol=1e-5)
