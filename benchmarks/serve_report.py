@@ -79,8 +79,8 @@ def _verdict(ok: bool) -> str:
 
 def print_targets(report: Report) -> tuple[float, float, float]:
     """The four targets next to the measured values; returns the headline's three numbers."""
-    closed = report.find("disagg", "mixed", ALL_AT_ONCE)
-    vs_static = _ratio(closed.summary.output_tps if closed else math.nan, report.hf_tps)
+    served = report.find("disagg", "mixed", ALL_AT_ONCE)
+    vs_static = _ratio(served.summary.output_tps if served else math.nan, report.hf_tps)
     dis, col = report.find("disagg", "interference:short"), report.find("coloc", "interference:short")
     tpot_ratio = _ratio(dis.summary.tpot["p99"] if dis else math.nan, col.summary.tpot["p99"] if col else math.nan)
     cached, uncached = report.find("disagg", "prefix"), report.find("nocache", "prefix")

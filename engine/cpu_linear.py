@@ -1,4 +1,4 @@
-"""``x @ W^T`` on CPU in whichever of two forms this machine runs faster, chosen by timing at load.
+"""``x @ W^T`` on CPU in whichever of three forms this machine runs faster, chosen by timing at load.
 
 With few rows (a decode step) the plain product ``[rows, in] x [in, out]`` can leave MKL little to
 split across threads; the transposed ``W @ x^T`` splits the long ``out`` side instead. Which form wins,

@@ -61,10 +61,14 @@ class CausalLM(nn.Module):
                 if key not in by_shape:
                     by_shape[key] = time_forms(module.weight)
                 module.use_forms(by_shape[key])
-        self.lm_head_forms = time_forms(self.lm_head, LM_HEAD_SLICE_ROWS)
-        if self.lm_head_forms.packed:
+        self.use_lm_head_forms(time_forms(self.lm_head, LM_HEAD_SLICE_ROWS))
+        by_shape["lm_head"] = self.lm_head_forms
+        return by_shape
+
+    def use_lm_head_forms(self, forms: MatmulForms) -> None:
+        """As ``Linear.use_forms``, for the LM head: a packed form frees the dense head unless tied."""
+        if forms.packed:
             self.lm_head_packed = pack_weight(self.lm_head)
             if self.lm_head is not self.embed_tokens:  # tied: the embedding still reads it
                 self.lm_head = None
-        by_shape["lm_head"] = self.lm_head_forms
-        return by_shape
+        self.lm_head_forms = forms

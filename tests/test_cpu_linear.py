@@ -55,6 +55,14 @@ ALL_TRANSPOSED = MatmulForms((True,) * len(ROW_BUCKETS))
 PACKED = MatmulForms(packed=True)
 
 
+def use_packed_forms(model) -> None:
+    """Every projection and the LM head packed, whatever timing would choose (tiny models: dense)."""
+    for m in model.modules():
+        if isinstance(m, Linear):
+            m.use_forms(PACKED)
+    model.use_lm_head_forms(PACKED)
+
+
 def test_a_row_count_takes_the_form_of_the_first_bucket_that_holds_it():
     only_16 = MatmulForms(tuple(rows == 16 for rows in ROW_BUCKETS))
     assert [r for r in range(1, 200) if only_16.use_transposed(r)] == list(range(9, 17))
@@ -109,9 +117,6 @@ def test_model_logits_are_the_same_in_every_form():
         model.lm_head_forms = MatmulForms((True,) * len(ROW_BUCKETS), LM_HEAD_SLICE_ROWS)
         torch.testing.assert_close(model.compute_logits(hidden), plain_logits, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(model.layers[0].mlp(hidden), plain_mlp, rtol=1e-5, atol=1e-5)
-        for m in model.modules():
-            if isinstance(m, Linear):
-                m.use_forms(PACKED)
-        model.lm_head_packed, model.lm_head_forms = pack_weight(model.lm_head), PACKED
+        use_packed_forms(model)
         torch.testing.assert_close(model.compute_logits(hidden), plain_logits, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(model.layers[0].mlp(hidden), plain_mlp, rtol=1e-5, atol=1e-5)

@@ -2,7 +2,9 @@
 
 Every case compares against ``transformers`` run on each whole sequence at once: one-shot prefill,
 chunked prefill over a permuted (non-contiguous) block table, a varlen batch of mixed lengths, and
-decode steps after a prefill.
+decode steps after a prefill. The batch and decode cases also run with every matmul in the packed
+CPU form (engine/cpu_linear.py), which load-time timing picks for real checkpoints but not for these
+tiny ones.
 """
 
 from __future__ import annotations
@@ -17,15 +19,18 @@ from engine.attention_metadata import AttentionMetadata
 from engine.kv_pool import KVLayout, KVPool
 from engine.loader import load_model
 from tests.model_factory import tiny_model_dir
+from tests.test_cpu_linear import use_packed_forms
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3"]
 ATOL = 1e-4
 
 
 @functools.cache
-def _models(family: str):
+def _models(family: str, packed: bool = False):
     path = tiny_model_dir(family)
     ours, config = load_model(path)
+    if packed:
+        use_packed_forms(ours)
     reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
     return ours, config, reference.eval()
 
@@ -107,9 +112,10 @@ def test_chunked_prefill_over_permuted_blocks(family, chunk, block_size):
     torch.testing.assert_close(torch.cat(pieces), _reference_logits(reference, prompt), atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_varlen_batch_of_mixed_lengths(family):
-    model, config, reference = _models(family)
+def test_varlen_batch_of_mixed_lengths(family, packed):
+    model, config, reference = _models(family, packed)
     lengths = [1, 37, 300, 5, 64, 2]
     prompts = [_prompt(config, n, seed=10 + i) for i, n in enumerate(lengths)]
     harness = PagedHarness(model, config, block_size=16, num_blocks=64)
@@ -118,9 +124,10 @@ def test_varlen_batch_of_mixed_lengths(family):
         torch.testing.assert_close(ours, _reference_logits(reference, prompt), atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_decode_steps_after_prefill(family):
-    model, config, reference = _models(family)
+def test_decode_steps_after_prefill(family, packed):
+    model, config, reference = _models(family, packed)
     prompts = [_prompt(config, 21, seed=20), _prompt(config, 9, seed=21)]
     continuations = [_prompt(config, 12, seed=22), _prompt(config, 12, seed=23)]
     harness = PagedHarness(model, config, block_size=8)
