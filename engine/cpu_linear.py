@@ -76,8 +76,10 @@ def linear_transposed(x: torch.Tensor, weight: torch.Tensor, slice_rows: int | N
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """``weight`` ([out, in], float32, CPU) in oneDNN's blocked layout for ``linear_packed``; None where
-    this torch has no oneDNN or the weight is not one it is measured on here."""
-    if weight.device.type != "cpu" or weight.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+    this torch has no oneDNN (or it is switched off: ``torch.backends.mkldnn.flags(enabled=False)``)
+    or the weight is not one it is measured on here."""
+    usable = torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
+    if weight.device.type != "cpu" or weight.dtype != torch.float32 or not usable:
         return None
     return torch.ops.mkldnn._reorder_linear_weight(weight)
 
