@@ -46,11 +46,12 @@ def test_linear_packed_equals_f_linear_with_bias_and_a_strided_input(rows):
                                    rtol=1e-5, atol=1e-5)
 
 
-def test_pack_weight_declines_what_it_was_not_measured_on_or_when_onednn_is_off():
+def test_pack_weight_declines_what_it_was_not_measured_on_or_when_onednn_is_off(monkeypatch):
     assert pack_weight(torch.randn(8, 4, dtype=torch.float64)) is None
     assert pack_weight(torch.randn(8, 4, dtype=torch.bfloat16)) is None
-    with torch.backends.mkldnn.flags(enabled=False):
-        assert pack_weight(torch.randn(8, 4)) is None
+    monkeypatch.setattr(torch.backends.mkldnn, "enabled", False)
+    assert not torch._C._get_mkldnn_enabled()
+    assert pack_weight(torch.randn(8, 4)) is None
 
 
 ALL_TRANSPOSED = MatmulForms((True,) * len(ROW_BUCKETS))
