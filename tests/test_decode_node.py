@@ -15,7 +15,7 @@ from engine.sampling_params import SamplingParams
 from kvtransfer.channel import ZmqClient
 from kvtransfer.sender import KVSender
 from protocol.codec import decode, encode
-from protocol.serving import AbortRequest, Busy, Generate, PrefillJob
+from protocol.serving import AbortRequest, Busy, PrefillJob
 from protocol.zmq_util import bind, make_socket
 from tests.decode_harness import FakeGateway, decode_config, generate, scrape, tokens_of
 from tests.invariants import assert_no_leak

@@ -7,7 +7,6 @@ import dataclasses
 from pathlib import Path
 
 import pytest
-import yaml
 
 from configs.schema import PdserveConfig, load_config
 

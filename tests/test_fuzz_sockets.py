@@ -78,7 +78,7 @@ def gateway_metric(cluster, name: str) -> float:
 
 def wait_for_count(read, expected: float, timeout_s: float = 30.0) -> float:
     give_up = time.monotonic() + timeout_s
-    while (value := read()) < expected and time.monotonic() < give_up:
+    while read() < expected and time.monotonic() < give_up:
         time.sleep(0.1)
     time.sleep(0.3)  # and not more than expected: a frame counted twice would show up by now
     return read()

@@ -14,7 +14,6 @@ import subprocess
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
-import pytest
 import torch
 
 from engine.llm import LLM
