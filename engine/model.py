@@ -69,6 +69,8 @@ class CausalLM(nn.Module):
         """As ``Linear.use_forms``, for the LM head: a packed form frees the dense head unless tied."""
         if forms.packed:
             self.lm_head_packed = pack_weight(self.lm_head)
-            if self.lm_head is not self.embed_tokens:  # tied: the embedding still reads it
+            # Tied: the embedding still reads the dense table, so the packed head is a second copy
+            # (vocab x hidden more memory, e.g. 545 MB for a 151,936 x 896 fp32 head).
+            if self.lm_head is not self.embed_tokens:
                 self.lm_head = None
         self.lm_head_forms = forms
