@@ -43,6 +43,9 @@ class EngineConfig:
     prefill_chunk_size: int = _field(512, minimum=1)  # prompt tokens one request may compute per step
     enable_prefix_caching: bool = True  # reuse full blocks whose token hash chain matches
     num_threads: int | None = _field(None, minimum=1)  # torch CPU threads; None: torch's default
+    # CPU decode attention: "c" = the C kernel (kernels/cpu_decode.c), built at first use with the
+    # machine's compiler, torch where it cannot be built or has no copy for the model; "torch" = torch only
+    cpu_decode_attention: str = _field("c", choices=("c", "torch"))
 
 
 @dataclass(slots=True)

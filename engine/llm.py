@@ -16,7 +16,8 @@ from engine.block_manager import BlockManager
 from engine.kv_pool import KVLayout, KVPool, num_blocks_for_budget
 from engine.llm_engine import LLMEngine, RequestOutput
 from engine.loader import load_model
-from engine.runner import ModelRunner
+from engine.runner import ModelRunner, supports_native_decode
+from kernels import cpu_decode
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 
@@ -52,7 +53,20 @@ def build_engine(model_path: str, model_cfg: ModelSection, engine_cfg: EngineCon
         ),
         block_manager,
     )
-    return LLMEngine(config, scheduler, ModelRunner(model, pool))
+    return LLMEngine(config, scheduler, ModelRunner(model, pool, native_decode=_native_decode(engine_cfg, config, pool)))
+
+
+def _native_decode(engine_cfg: EngineConfig, config, pool: KVPool) -> cpu_decode.DecodeLibrary | None:
+    """The C decode kernel where it is asked for and runs this model on this pool; logs the choice."""
+    if pool.tensor.device.type != "cpu":
+        return None
+    library = cpu_decode.load() if engine_cfg.cpu_decode_attention == "c" else None
+    if library is not None and not supports_native_decode(library, config.num_heads, pool):
+        log.info("CPU decode attention: torch (the C kernel has no copy for %d heads over %d KV heads of %d, %s)",
+                 config.num_heads, config.num_kv_heads, config.head_dim, pool.layout.dtype)
+        return None
+    log.info("CPU decode attention: %s", "the C kernel" if library is not None else "torch")
+    return library
 
 
 class LLM:

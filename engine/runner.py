@@ -18,13 +18,26 @@ from engine.kv_pool import KVPool
 from engine.model import CausalLM
 from engine.sampler import Sampler, SamplerOutput
 from engine.scheduled_batch import ScheduledBatch
+from kernels.cpu_decode import DecodeLibrary
+
+
+def supports_native_decode(library: DecodeLibrary, num_heads: int, kv_pool: KVPool) -> bool:
+    """Whether the C decode kernel runs this model's attention: float32 K/V on CPU, a query group and
+    head size it has a compiled copy for."""
+    layout = kv_pool.layout
+    return (kv_pool.tensor.device.type == "cpu" and layout.dtype == torch.float32
+            and library.supports(num_heads // layout.kv_heads, layout.head_dim))
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, kv_pool: KVPool, sampler: Sampler | None = None):
+    def __init__(self, model: CausalLM, kv_pool: KVPool, sampler: Sampler | None = None,
+                 native_decode: DecodeLibrary | None = None):
+        """``native_decode``: the C decode kernel (CPU only), for a model and pool it supports
+        (``supports_native_decode``); None keeps decode attention on the torch path."""
         self.model = model
         self.kv_pool = kv_pool
         self.sampler = sampler or Sampler()
+        self.native_decode = native_decode
         self.block_size = kv_pool.layout.block_size
         self.device = kv_pool.tensor.device
 
@@ -76,6 +89,6 @@ class ModelRunner:
             context_lens=context_lens,
             query_start_loc=query_start_loc,
             plan=None if device.type == "cuda" else kernels.plan_attention(
-                block_tables, context_lens, query_start_loc, self.kv_pool.tensor[0, 0]),
+                block_tables, context_lens, query_start_loc, self.kv_pool.tensor[0, 0], self.native_decode),
         )
         return torch.tensor(input_ids, dtype=torch.long, device=device), positions, meta

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.paged_decode import DecodeBucket, paged_decode_reference, paged_decode_triton, plan_decode
+from kernels.cpu_decode import DecodeLibrary
+from kernels.paged_decode import DecodeBucket, NativeDecode, paged_decode_reference, paged_decode_triton, plan_decode
 from kernels.paged_prefill import paged_prefill_reference, paged_prefill_triton
 
 
@@ -33,22 +34,23 @@ class AttentionPlan:
     """How the CPU path splits one step's batch. It depends on the step only: the runner makes it once
     and every layer reuses it, instead of each layer re-deriving it from the tensors."""
 
-    decode: list[DecodeBucket] | None  # buckets of the decode requests; None: no request decodes
+    decode: list[DecodeBucket] | NativeDecode | None  # how the decode requests run; None: none decodes
     decode_tokens: torch.Tensor | None  # [d] int64: each decode request's token; None: every one decodes
     prefill: PrefillRows | None  # set in mixed steps only
 
 
 def plan_attention(block_tables: torch.Tensor, context_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                   cache: torch.Tensor) -> AttentionPlan:
-    """``cache``: any one layer's K cache (the buckets depend on its block size and bytes per token)."""
+                   cache: torch.Tensor, native: DecodeLibrary | None = None) -> AttentionPlan:
+    """``cache``: any one layer's K cache (the buckets depend on its block size and bytes per token).
+    ``native``: the C decode kernel, for a model it supports (else decode rows take the torch path)."""
     q_lens = query_start_loc[1:] - query_start_loc[:-1]  # [batch]
     is_decode = q_lens == 1
     num_decode = int(is_decode.sum())
     if num_decode == q_lens.shape[0]:
-        return AttentionPlan(plan_decode(block_tables, context_lens, cache), None, None)
+        return AttentionPlan(plan_decode(block_tables, context_lens, cache, native), None, None)
     if num_decode == 0:
         return AttentionPlan(None, None, None)
-    decode = plan_decode(block_tables[is_decode], context_lens[is_decode], cache)
+    decode = plan_decode(block_tables[is_decode], context_lens[is_decode], cache, native)
     dec_tokens = query_start_loc[:-1][is_decode].long()  # a decode request's one query token
     pre = ~is_decode
     pre_lens = q_lens[pre]
@@ -69,22 +71,28 @@ def paged_attention_reference(
     scale: float,
     plan: AttentionPlan | None = None,  # plan_attention(...) of these tensors, made once per step
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """The engine's CPU path: decode rows by batched matmul, prefill rows by SDPA per request."""
+    """The engine's CPU path: decode rows by the C kernel where the plan says so, else by batched
+    matmul; prefill rows by SDPA per request."""
     if plan is None:
         plan = plan_attention(block_tables, context_lens, query_start_loc, k_cache)
     if plan.decode is None:
         return paged_prefill_reference(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale)
     if plan.decode_tokens is None:
-        return paged_decode_reference(q, k_cache, v_cache, block_tables, context_lens, scale, plan.decode)
+        return _decode_rows(q, k_cache, v_cache, plan.decode, scale)
 
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dec, pre = plan.decode_tokens, plan.prefill
-    out.index_copy_(0, dec, paged_decode_reference(q.index_select(0, dec), k_cache, v_cache, None, None, scale,
-                                                   plan.decode))
+    out.index_copy_(0, dec, _decode_rows(q.index_select(0, dec), k_cache, v_cache, plan.decode, scale))
     # Prefill rows: run densely repacked, put back in query order.
     out.index_copy_(0, pre.tokens, paged_prefill_reference(
         q.index_select(0, pre.tokens), k_cache, v_cache, pre.block_tables, pre.context_lens, pre.query_start_loc, scale))
     return out
+
+
+def _decode_rows(q, k_cache, v_cache, decode: list[DecodeBucket] | NativeDecode, scale: float) -> torch.Tensor:
+    if isinstance(decode, NativeDecode):
+        return decode.run(q, k_cache, v_cache, scale)
+    return paged_decode_reference(q, k_cache, v_cache, None, None, scale, decode)
 
 
 def paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale):

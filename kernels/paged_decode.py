@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from kernels.attention_tile import load_kv_tile, online_softmax_step
+from kernels.cpu_decode import DecodeLibrary
 
 _LOG2E = 1.4426950408889634
 _MIN_SPLIT_TOKENS = 256  # below this a split's fixed cost outweighs the extra parallelism
@@ -57,10 +58,29 @@ class DecodeBucket:
     padding: torch.Tensor  # [r, 1, max_ctx] bool: True past a row's context
 
 
-def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, cache: torch.Tensor) -> list[DecodeBucket]:
-    """The CPU decode path's buckets. They depend on the step only, so the runner plans once per step
-    and every layer reuses the plan (planning in each layer was ~5% of a decode step at batch 64).
-    ``cache``: any one layer's K cache, for its block size and bytes per token."""
+@dataclass(slots=True)
+class NativeDecode:
+    """A step's decode rows for the C kernel (kernels/cpu_decode.c): its inputs, converted once per step."""
+
+    library: DecodeLibrary
+    block_tables: torch.Tensor  # [d, max_blocks] int64, contiguous
+    context_lens: torch.Tensor  # [d] int64
+    max_context: int
+
+    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        return self.library.paged_decode(q, k_cache, v_cache, self.block_tables, self.context_lens,
+                                         self.max_context, scale)
+
+
+def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, cache: torch.Tensor,
+                native: DecodeLibrary | None = None) -> list[DecodeBucket] | NativeDecode:
+    """How the CPU decodes a step's rows: the C kernel when ``native`` is given (the caller checked it
+    supports the model), else the torch path's buckets. Either depends on the step only, so the runner
+    plans once per step and every layer reuses the plan (planning in each layer was ~5% of a decode
+    step at batch 64). ``cache``: any one layer's K cache, for its block size and bytes per token."""
+    if native is not None:
+        return NativeDecode(native, block_tables.long().contiguous(), context_lens.long().contiguous(),
+                            int(context_lens.max()))
     block_size = cache.shape[1]
     token_bytes = 2 * cache[0, 0].nbytes  # one token's K and its V in one layer
     order = torch.argsort(context_lens)

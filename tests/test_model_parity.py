@@ -4,7 +4,7 @@ Every case compares against ``transformers`` run on each whole sequence at once:
 chunked prefill over a permuted (non-contiguous) block table, a varlen batch of mixed lengths, and
 decode steps after a prefill. The batch and decode cases also run with every matmul in the packed
 CPU form (engine/cpu_linear.py), which load-time timing picks for real checkpoints but not for these
-tiny ones.
+tiny ones; the decode case with decode attention both in torch and in the C kernel (kernels/cpu_decode.c).
 """
 
 from __future__ import annotations
@@ -15,9 +15,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+import kernels
 from engine.attention_metadata import AttentionMetadata
 from engine.kv_pool import KVLayout, KVPool
 from engine.loader import load_model
+from kernels import cpu_decode
 from tests.model_factory import tiny_model_dir
 from tests.test_cpu_linear import use_packed_forms
 
@@ -44,8 +46,10 @@ class PagedHarness:
     """Plays the block manager and the runner: hands out blocks in a shuffled order, builds the
     step's slot mapping and metadata by hand, runs the model, splits logits per request."""
 
-    def __init__(self, model, config, block_size: int, num_blocks: int = 96, seed: int = 0):
+    def __init__(self, model, config, block_size: int, num_blocks: int = 96, seed: int = 0,
+                 native_decode: cpu_decode.DecodeLibrary | None = None):
         self.model = model
+        self.native_decode = native_decode  # None: decode rows take the torch path
         self.pool = KVPool(
             KVLayout(config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim, torch.float32)
         )
@@ -73,12 +77,12 @@ class PagedHarness:
             self.num_computed[rid] = end
         max_blocks = max(len(self.tables[rid]) for rid, _ in chunks)
         tables = [self.tables[rid] + [0] * (max_blocks - len(self.tables[rid])) for rid, _ in chunks]
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long),
-            block_tables=torch.tensor(tables, dtype=torch.int32),
-            context_lens=torch.tensor([self.num_computed[rid] for rid, _ in chunks], dtype=torch.int32),
-            query_start_loc=torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32),
-        )
+        block_tables = torch.tensor(tables, dtype=torch.int32)
+        context_lens = torch.tensor([self.num_computed[rid] for rid, _ in chunks], dtype=torch.int32)
+        query_start_loc = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+        plan = kernels.plan_attention(block_tables, context_lens, query_start_loc, self.pool.tensor[0, 0],
+                                      self.native_decode)
+        meta = AttentionMetadata(torch.tensor(slots, dtype=torch.long), block_tables, context_lens, query_start_loc, plan)
         hidden = self.model(torch.tensor(input_ids), torch.tensor(positions), self.pool, meta)  # [T, hidden]
         assert hidden.shape == (len(input_ids), self.model.config.hidden_size)
         logits = self.model.compute_logits(hidden)  # [T, vocab]
@@ -124,13 +128,16 @@ def test_varlen_batch_of_mixed_lengths(family, packed):
         torch.testing.assert_close(ours, _reference_logits(reference, prompt), atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("attention", ["torch", "c"])
 @pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_decode_steps_after_prefill(family, packed):
+def test_decode_steps_after_prefill(family, packed, attention):
     model, config, reference = _models(family, packed)
     prompts = [_prompt(config, 21, seed=20), _prompt(config, 9, seed=21)]
     continuations = [_prompt(config, 12, seed=22), _prompt(config, 12, seed=23)]
-    harness = PagedHarness(model, config, block_size=8)
+    native = cpu_decode.load() if attention == "c" else None
+    assert attention == "torch" or native is not None, "the C decode kernel did not build here"
+    harness = PagedHarness(model, config, block_size=8, native_decode=native)
     prefill = harness.step([(0, prompts[0]), (1, prompts[1])])
     decoded = [[out[-1]] for out in prefill]  # logits predicting each request's next token
     for step in range(len(continuations[0])):

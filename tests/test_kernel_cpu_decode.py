@@ -1,0 +1,113 @@
+"""The C decode-attention kernel (kernels/cpu_decode.c): built here, against the naive float64
+attention of test_kernel_attention for every query group and head size it has a copy for, through the
+engine's plan, on one thread and two; its build cache; and what happens where it cannot be built."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import kernels
+from configs.schema import EngineConfig, ModelConfig
+from engine.kv_pool import KVLayout, KVPool
+from engine.llm import build_engine
+from engine.runner import supports_native_decode
+from kernels import cpu_decode
+from kernels.paged_decode import NativeDecode
+from tests.model_factory import tiny_model_dir
+from tests.test_kernel_attention import assert_matches_naive, make_case
+
+# A single token, one short of a 16-token chunk, one chunk, one past it, and lengths past the 32-token
+# prefetch distance; with block size 5 no chunk lines up with a page.
+CONTEXT_LENS = [1, 15, 16, 17, 33, 70, 300]
+
+
+@pytest.fixture(scope="module")
+def library() -> cpu_decode.DecodeLibrary:
+    lib = cpu_decode.load()
+    assert lib is not None, "the C decode kernel did not build on this machine (see the log)"
+    return lib
+
+
+def run_native(lib, case) -> torch.Tensor:
+    plan = kernels.plan_attention(case.block_tables, case.context_lens, case.query_start_loc, case.k_cache, lib)
+    assert isinstance(plan.decode, NativeDecode)
+    return kernels.paged_attention(*case.args(), plan=plan)
+
+
+@pytest.mark.parametrize("block_size", [5, 16])
+@pytest.mark.parametrize("head_dim", [16, 32, 64, 128])
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 7, 8])
+def test_c_decode_matches_naive(library, group, head_dim, block_size):
+    kv_heads = 2 if group < 8 else 1
+    case = make_case(CONTEXT_LENS, [1] * len(CONTEXT_LENS), heads=group * kv_heads, kv_heads=kv_heads,
+                     head_dim=head_dim, block_size=block_size, dtype=torch.float32, seed=group * head_dim + block_size,
+                     sharpness=4.0)
+    assert case.q.stride(0) != case.q.shape[1] * head_dim  # rows of a fused QKV tensor, as in the model
+    assert_matches_naive(run_native(library, case), case)
+
+
+def test_c_decode_in_a_mixed_step_matches_naive(library):
+    """Decode rows by the kernel, prefill rows by SDPA, each put back on its own token."""
+    q_lens = [1, 6, 1, 1, 20, 1]
+    case = make_case([9, 30, 1, 64, 45, 17], q_lens, heads=8, kv_heads=2, head_dim=64, block_size=8,
+                     dtype=torch.float32, seed=4)
+    assert_matches_naive(run_native(library, case), case)
+
+
+def test_c_decode_gives_the_same_bits_on_one_thread_and_two(library):
+    case = make_case([700, 3, 129, 64, 250], [1] * 5, heads=8, kv_heads=2, head_dim=64, block_size=16,
+                     dtype=torch.float32, seed=9)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run_native(library, case)
+        torch.set_num_threads(2)
+        two = run_native(library, case)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)  # each (request, kv head) is one thread's work, summed in one order
+    assert_matches_naive(two, case)
+
+
+def test_supported_shapes(library):
+    assert [g for g in range(0, 11) if library.supports(g, 64)] == list(range(1, 9))
+    assert [d for d in (8, 16, 32, 48, 64, 80, 96, 128, 256) if library.supports(4, d)] == [16, 32, 64, 128]
+    pool = KVPool(KVLayout(1, 4, 16, 2, 64, torch.float32))
+    assert supports_native_decode(library, 8, pool)
+    assert not supports_native_decode(library, 18, pool)  # a group of 9
+    assert not supports_native_decode(library, 8, KVPool(KVLayout(1, 4, 16, 2, 64, torch.bfloat16)))
+
+
+def test_the_engine_takes_the_kernel_unless_told_torch(library):
+    path = str(tiny_model_dir("llama"))
+    model = ModelConfig(path=path, dtype="float32")
+    assert build_engine(path, model, EngineConfig(kv_cache_memory_mb=4), device="cpu").runner.native_decode is library
+    torch_only = EngineConfig(kv_cache_memory_mb=4, cpu_decode_attention="torch")
+    assert build_engine(path, model, torch_only, device="cpu").runner.native_decode is None
+
+
+def test_a_built_library_is_reused(library, tmp_path, monkeypatch):
+    monkeypatch.setenv("PDSERVE_NATIVE_CACHE_DIR", str(tmp_path))
+    compiler = "cc"
+    first = cpu_decode.build(compiler)
+    assert first.parent == tmp_path and [p.name for p in tmp_path.iterdir()] == [first.name]  # no temp left
+    stamp = first.stat().st_mtime_ns
+    assert cpu_decode.build(compiler) == first and first.stat().st_mtime_ns == stamp
+
+
+@pytest.mark.parametrize("compiler", ["no-such-compiler-pdserve", "false"])
+def test_no_working_compiler_leaves_the_torch_path(compiler, tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("CC", compiler)
+    monkeypatch.setenv("PDSERVE_NATIVE_CACHE_DIR", str(tmp_path))
+    cpu_decode.load.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="kernels.cpu_decode"):
+            assert cpu_decode.load() is None
+        assert "torch path" in caplog.text
+        assert list(tmp_path.iterdir()) == []  # a failed build leaves nothing behind
+    finally:
+        cpu_decode.load.cache_clear()
+
