@@ -6,10 +6,10 @@
    pool through the block table, for the whole query group of its KV head (GQA).
 
    Built at first use by cpu_decode.py with the machine's C compiler (-O3 -march=native -fopenmp).
-   GCC vector extensions (16 floats) keep it portable: the compiler maps them to AVX-512, AVX2 or NEON.
+   GCC vector extensions (GCC 9 or later) keep it portable across x86 and Arm; see LANES.
 
    Per (request, kv head), one OpenMP task:
-     1. scores[g][t] = (q_g * scale) . k_t  for every context token t, 16 tokens at a time
+     1. scores[g][t] = (q_g * scale) . k_t  for every context token t, LANES tokens at a time
      2. p = exp(scores - max), sum per query head (a vectorised exp)
      3. out_g = sum_t p[g][t] v_t / sum_g
 */
@@ -17,62 +17,78 @@
 #include <stdint.h>
 #include <string.h>
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef int32_t i16 __attribute__((vector_size(64)));
-
+/* One vector register of floats: 16 lanes with AVX-512, else 8 (AVX2; NEON takes two registers).
+   Wider generic vectors than the hardware's are lowered to slow shuffles (4x slower with AVX2). */
+#if defined(__AVX512F__)
 #define LANES 16
+#else
+#define LANES 8
+#endif
+typedef float vf __attribute__((vector_size(4 * LANES)));
+typedef int32_t vi __attribute__((vector_size(4 * LANES)));
 #define PREFETCH_TOKENS 32 /* rows fetched ahead: pages lie at random places in the pool, where the
                               hardware prefetcher cannot follow (+25% at batch 64, one thread) */
 
-static inline v16 loadv(const float *p) { v16 v; memcpy(&v, p, sizeof v); return v; }
-static inline void storev(float *p, v16 v) { memcpy(p, &v, sizeof v); }
-static inline v16 splat(float x) { return (v16){0} + x; }
+static inline vf loadv(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
+static inline void storev(float *p, vf v) { memcpy(p, &v, sizeof v); }
+static inline vf splat(float x) { return (vf){0} + x; }
 
-static inline v16 select(i16 mask, v16 a, v16 b) { /* lanes where mask is -1 from a, the rest from b */
-    i16 ai, bi;
+static inline vf select(vi mask, vf a, vf b) { /* lanes where mask is -1 from a, the rest from b */
+    vi ai, bi;
     memcpy(&ai, &a, sizeof ai);
     memcpy(&bi, &b, sizeof bi);
-    const i16 r = (ai & mask) | (bi & ~mask);
-    v16 out;
+    const vi r = (ai & mask) | (bi & ~mask);
+    vf out;
     memcpy(&out, &r, sizeof out);
     return out;
 }
 
 /* e^x for x <= 0 (softmax arguments): 2^n * poly(r) with x = n ln2 + r, |r| <= ln2 / 2 (Cephes' expf
    polynomial, about 1 ulp); below -87 it returns e^-87, which the sum cannot tell from 0. */
-static inline v16 exp_nonpositive(v16 x) {
+static inline vf exp_nonpositive(vf x) {
     x = select(x < splat(-87.0f), splat(-87.0f), x);
-    const v16 round = splat(12582912.0f); /* 1.5 * 2^23: adding and subtracting it rounds to an integer */
-    const v16 n = (x * 1.44269504088896341f + round) - round;
-    const v16 r = x - n * 0.693359375f + n * 2.12194440e-4f; /* ln2 in two parts: exact n * ln2_hi */
-    v16 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    const vf round = splat(12582912.0f); /* 1.5 * 2^23: adding and subtracting it rounds to an integer */
+    const vf n = (x * 1.44269504088896341f + round) - round;
+    const vf r = x - n * 0.693359375f + n * 2.12194440e-4f; /* ln2 in two parts: exact n * ln2_hi */
+    vf p = r * 1.9875691500e-4f + 1.3981999507e-3f;
     p = p * r + 8.3334519073e-3f;
     p = p * r + 4.1665795894e-2f;
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.0f;
-    const i16 bits = (__builtin_convertvector(n, i16) + 127) << 23;
-    v16 two_n;
+    const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
+    vf two_n;
     memcpy(&two_n, &bits, sizeof two_n);
     return p * two_n;
 }
 
-static inline v16 pair_sum(v16 a, v16 b, i16 first, i16 second) {
+static inline vf pair_sum(vf a, vf b, vi first, vi second) {
     return __builtin_shuffle(a, b, first) + __builtin_shuffle(a, b, second);
 }
 
-/* Lane i of the result = the sum of the lanes of x[i], for 16 vectors at once: a transpose-and-add
-   tree of 30 shuffles and 15 adds, against ~8 operations per horizontal sum done one by one. */
-static inline v16 sum_lanes_16(const v16 *x) {
-    const i16 a = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
-    const i16 b = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
-    const i16 c = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
-    const i16 d = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
-    v16 y[8], z[4], w[2];
+/* Lane i of the result = the sum of the lanes of x[i], for LANES vectors at once: a transpose-and-add
+   tree (log2(LANES) levels, each halving the partial sums per vector and doubling the vectors per
+   register), against a full horizontal reduction per vector done one by one. */
+static inline vf sum_lanes(const vf *x) {
+#if LANES == 16
+    const vi a = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+    const vi b = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+    const vi c = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
+    const vi d = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+    vf y[8], z[4], w[2];
     for (int i = 0; i < 8; i++) y[i] = pair_sum(x[2 * i], x[2 * i + 1], a, a + 8);  /* 8 partials each */
     for (int i = 0; i < 4; i++) z[i] = pair_sum(y[2 * i], y[2 * i + 1], b, b + 4);  /* 4 */
     for (int i = 0; i < 2; i++) w[i] = pair_sum(z[2 * i], z[2 * i + 1], c, c + 2);  /* 2 */
     return pair_sum(w[0], w[1], d, d + 1);
+#else
+    const vi b = {0, 1, 2, 3, 8, 9, 10, 11};
+    const vi c = {0, 1, 4, 5, 8, 9, 12, 13};
+    const vi d = {0, 2, 4, 6, 8, 10, 12, 14};
+    vf z[4], w[2];
+    for (int i = 0; i < 4; i++) z[i] = pair_sum(x[2 * i], x[2 * i + 1], b, b + 4);  /* 4 partials each */
+    for (int i = 0; i < 2; i++) w[i] = pair_sum(z[2 * i], z[2 * i + 1], c, c + 2);  /* 2 */
+    return pair_sum(w[0], w[1], d, d + 1);
+#endif
 }
 
 /* Walks a request's context token by token through its block table, without a division per token. */
@@ -96,44 +112,45 @@ static inline const float *cursor_next(Cursor *c) {
     return row;
 }
 
-static inline void prefetch_row(const float *row, int chunks) {
-    for (int c = 0; c < chunks; c++) __builtin_prefetch(row + LANES * c);
+static inline void prefetch_row(const float *row, int floats) {
+    for (int i = 0; i < floats; i += 16) __builtin_prefetch(row + i); /* one 64-byte line per call */
 }
 
-/* One (request, kv head). G (query heads per kv head) and C (head_dim / 16) are constants in each
+/* One (request, kv head). G (query heads per kv head) and C (head_dim / LANES) are constants in each
    specialised copy, so q and the accumulators stay in registers. */
 static inline void decode_one(const float *q, const float *k_head, const float *v_head, const int64_t *table,
                               int64_t ctx, float *out, float *scores, int64_t block_size, int64_t token_stride,
                               int64_t ctx_pad, float scale, const int G, const int C) {
-    v16 qs[G * C];
+    vf qs[G * C];
     for (int i = 0; i < G * C; i++) qs[i] = loadv(q + LANES * i) * scale;
-    const v16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-    v16 running_max[G];
+    vf lane;
+    for (int i = 0; i < LANES; i++) lane[i] = (float)i;
+    vf running_max[G];
     for (int g = 0; g < G; g++) running_max[g] = splat(-FLT_MAX);
 
     Cursor k_rows = cursor_at(k_head, table, block_size, token_stride, 0);
     Cursor k_ahead = cursor_at(k_head, table, block_size, token_stride, PREFETCH_TOKENS);
     for (int64_t t0 = 0; t0 < ctx; t0 += LANES) {
         const int64_t n = ctx - t0 < LANES ? ctx - t0 : LANES;
-        v16 partial[G][LANES]; /* partial[g][t]: lanes of q_g * k_t; their sum is the score */
+        vf partial[G][LANES]; /* partial[g][t]: lanes of q_g * k_t; their sum is the score */
         for (int64_t t = 0; t < LANES; t++) {
-            if (t0 + PREFETCH_TOKENS + t < ctx) prefetch_row(cursor_next(&k_ahead), C);
+            if (t0 + PREFETCH_TOKENS + t < ctx) prefetch_row(cursor_next(&k_ahead), C * LANES);
             if (t >= n) {
-                for (int g = 0; g < G; g++) partial[g][t] = (v16){0};
+                for (int g = 0; g < G; g++) partial[g][t] = (vf){0};
                 continue;
             }
             const float *row = cursor_next(&k_rows);
-            v16 k[C];
+            vf k[C];
             for (int c = 0; c < C; c++) k[c] = loadv(row + LANES * c);
             for (int g = 0; g < G; g++) {
-                v16 s = qs[g * C] * k[0];
+                vf s = qs[g * C] * k[0];
                 for (int c = 1; c < C; c++) s += qs[g * C + c] * k[c];
                 partial[g][t] = s;
             }
         }
-        const i16 valid = lane < splat((float)n);
+        const vi valid = lane < splat((float)n);
         for (int g = 0; g < G; g++) {
-            const v16 s = select(valid, sum_lanes_16(partial[g]), splat(-FLT_MAX));
+            const vf s = select(valid, sum_lanes(partial[g]), splat(-FLT_MAX));
             storev(scores + g * ctx_pad + t0, s);
             running_max[g] = select(s > running_max[g], s, running_max[g]);
         }
@@ -143,10 +160,10 @@ static inline void decode_one(const float *q, const float *k_head, const float *
     for (int g = 0; g < G; g++) {
         float m = running_max[g][0];
         for (int i = 1; i < LANES; i++) m = running_max[g][i] > m ? running_max[g][i] : m;
-        v16 sum = {0};
+        vf sum = {0};
         for (int64_t t0 = 0; t0 < ctx; t0 += LANES) {
-            const v16 e = select(lane < splat((float)(ctx - t0)),
-                                 exp_nonpositive(loadv(scores + g * ctx_pad + t0) - m), (v16){0});
+            const vf e = select(lane < splat((float)(ctx - t0)),
+                                 exp_nonpositive(loadv(scores + g * ctx_pad + t0) - m), (vf){0});
             storev(scores + g * ctx_pad + t0, e);
             sum += e;
         }
@@ -155,14 +172,14 @@ static inline void decode_one(const float *q, const float *k_head, const float *
         inv_sum[g] = 1.0f / total;
     }
 
-    v16 acc[G * C];
-    for (int i = 0; i < G * C; i++) acc[i] = (v16){0};
+    vf acc[G * C];
+    for (int i = 0; i < G * C; i++) acc[i] = (vf){0};
     Cursor v_rows = cursor_at(v_head, table, block_size, token_stride, 0);
     Cursor v_ahead = cursor_at(v_head, table, block_size, token_stride, PREFETCH_TOKENS);
     for (int64_t t = 0; t < ctx; t++) {
-        if (t + PREFETCH_TOKENS < ctx) prefetch_row(cursor_next(&v_ahead), C);
+        if (t + PREFETCH_TOKENS < ctx) prefetch_row(cursor_next(&v_ahead), C * LANES);
         const float *row = cursor_next(&v_rows);
-        v16 v[C];
+        vf v[C];
         for (int c = 0; c < C; c++) v[c] = loadv(row + LANES * c);
         for (int g = 0; g < G; g++) {
             const float p = scores[g * ctx_pad + t];
@@ -207,10 +224,10 @@ void pdserve_paged_decode_f32(const float *q, int64_t q_stride, const float *k_c
         float *o = out + (b * num_heads + h * group) * head_dim;
         float *sc = scratch + item * group * ctx_pad;
         switch (head_dim) {
-        case 16: FOR_GROUP(1) break;
-        case 32: FOR_GROUP(2) break;
-        case 64: FOR_GROUP(4) break;
-        case 128: FOR_GROUP(8) break;
+        case 16: FOR_GROUP(16 / LANES) break;
+        case 32: FOR_GROUP(32 / LANES) break;
+        case 64: FOR_GROUP(64 / LANES) break;
+        case 128: FOR_GROUP(128 / LANES) break;
         }
     }
 }

@@ -79,8 +79,11 @@ def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, cache: t
     plans once per step and every layer reuses the plan (planning in each layer was ~5% of a decode
     step at batch 64). ``cache``: any one layer's K cache, for its block size and bytes per token."""
     if native is not None:
-        return NativeDecode(native, block_tables.long().contiguous(), context_lens.long().contiguous(),
-                            int(context_lens.max()))
+        tables = block_tables.long().contiguous()
+        # The C code indexes the pool with these ids unchecked: an id out of range must fail here.
+        if tables.numel() and not 0 <= int(tables.min()) <= int(tables.max()) < cache.shape[0]:
+            raise IndexError(f"block table ids span {int(tables.min())}..{int(tables.max())}, pool has {cache.shape[0]} blocks")
+        return NativeDecode(native, tables, context_lens.long().contiguous(), int(context_lens.max()))
     block_size = cache.shape[1]
     token_bytes = 2 * cache[0, 0].nbytes  # one token's K and its V in one layer
     order = torch.argsort(context_lens)

@@ -57,6 +57,13 @@ def test_c_decode_in_a_mixed_step_matches_naive(library):
     assert_matches_naive(run_native(library, case), case)
 
 
+def test_a_block_id_outside_the_pool_is_refused_before_the_kernel_reads(library):
+    case = make_case([20, 9], [1, 1], heads=4, kv_heads=2, head_dim=32, block_size=8, dtype=torch.float32, seed=6)
+    case.block_tables[1, 0] = case.k_cache.shape[0]  # one past the last block
+    with pytest.raises(IndexError, match=f"pool has {case.k_cache.shape[0]} blocks"):
+        run_native(library, case)
+
+
 def test_c_decode_gives_the_same_bits_on_one_thread_and_two(library):
     case = make_case([700, 3, 129, 64, 250], [1] * 5, heads=8, kv_heads=2, head_dim=64, block_size=16,
                      dtype=torch.float32, seed=9)
