@@ -26,6 +26,10 @@ count, prefill included. All forms give the same values up to float rounding (te
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import os
+import tempfile
 import time
 from bisect import bisect_left
 from dataclasses import dataclass
@@ -115,6 +119,27 @@ def time_forms(weight: torch.Tensor, slice_rows: int | None = None, repeats: int
         if packed is not None:
             packed_wins += best_seconds(lambda: linear_packed(rows_x, packed), repeats) < min(plain, transposed)
     return MatmulForms(tuple(flags), slice_rows, packed=2 * packed_wins > len(ROW_BUCKETS))
+
+
+@contextlib.contextmanager
+def exclusive_timing(lock_path: str | None = None):
+    """Held while a process times the forms, so the workers ``pdserve serve`` starts together on one
+    machine time one after another. Timed at once they contend for the memory bus in a way no served
+    step does: measured on the 2-core Xeon, two processes timing together picked the dense LM head on
+    every try (alone: packed on every try), and a decode worker started that way took 20-22 ms per
+    step at batch 2-4 where the packed head took 17-18, alone and beside a prefilling worker alike.
+    Where the lock file cannot be opened, timing goes ahead unlocked."""
+    path = lock_path or os.path.join(tempfile.gettempdir(), "pdserve-cpu-timing.lock")
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError:
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # released by the kernel if this process dies
+        yield
+    finally:
+        os.close(fd)
 
 
 def best_seconds(run, repeats: int) -> float:

@@ -13,6 +13,7 @@ import torch
 
 from configs.schema import EngineConfig, ModelConfig as ModelSection, PdserveConfig, load_config
 from engine.block_manager import BlockManager
+from engine.cpu_linear import exclusive_timing
 from engine.kv_pool import KVLayout, KVPool, num_blocks_for_budget
 from engine.llm_engine import LLMEngine, RequestOutput
 from engine.loader import load_model
@@ -33,7 +34,8 @@ def build_engine(model_path: str, model_cfg: ModelSection, engine_cfg: EngineCon
     dtype = DTYPES.get(model_cfg.dtype)  # None ("auto"): the loader picks by device
     model, config = load_model(model_path, dtype=dtype, device=device)
     if device == "cpu":  # after set_num_threads: which form wins depends on the thread count
-        forms = model.choose_cpu_matmul_forms()
+        with exclusive_timing():
+            forms = model.choose_cpu_matmul_forms()
         log.info("CPU matmul forms by weight: %s", ", ".join(f"{k} {f.describe()}" for k, f in forms.items()))
     max_model_len = model_cfg.max_model_len or config.max_position_embeddings
     if max_model_len > config.max_position_embeddings:

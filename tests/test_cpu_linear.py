@@ -3,12 +3,15 @@ gives them (the MLP's down_proj reads a strided half of gate_up), and how a row 
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.cpu_linear import (LM_HEAD_SLICE_ROWS, PLAIN, ROW_BUCKETS, Linear, MatmulForms, linear_packed,
-                               linear_transposed, pack_weight)
+from engine.cpu_linear import (LM_HEAD_SLICE_ROWS, PLAIN, ROW_BUCKETS, Linear, MatmulForms, exclusive_timing,
+                               linear_packed, linear_transposed, pack_weight)
 from engine.loader import load_model
 from tests.model_factory import tiny_model_dir
 
@@ -123,3 +126,21 @@ def test_model_logits_are_the_same_in_every_form():
         use_packed_forms(model)
         torch.testing.assert_close(model.compute_logits(hidden), plain_logits, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(model.layers[0].mlp(hidden), plain_mlp, rtol=1e-5, atol=1e-5)
+
+
+def test_form_timing_is_exclusive_across_processes(tmp_path):
+    """Workers started together time their forms one after another: each child holds the lock for
+    0.3 s and records when; no two holds overlap, and a lock file that cannot be opened blocks nothing."""
+    lock, log = tmp_path / "timing.lock", tmp_path / "holds"
+    child = ("import sys, time\n"
+             "from engine.cpu_linear import exclusive_timing\n"
+             "with exclusive_timing(sys.argv[1]):\n"
+             "    start = time.time(); time.sleep(0.3)\n"
+             "    open(sys.argv[2], 'a').write(f'{start} {time.time()}\\n')\n")
+    procs = [subprocess.Popen([sys.executable, "-c", child, str(lock), str(log)]) for _ in range(3)]
+    assert [p.wait(timeout=60) for p in procs] == [0, 0, 0]
+    holds = sorted(tuple(map(float, line.split())) for line in log.read_text().splitlines())
+    assert len(holds) == 3
+    assert all(earlier[1] <= later[0] for earlier, later in zip(holds, holds[1:]))
+    with exclusive_timing(str(tmp_path / "missing-dir" / "timing.lock")):  # cannot be created: no lock
+        pass
