@@ -18,9 +18,9 @@ from engine.kv_pool import KVLayout, KVPool, num_blocks_for_budget
 from engine.llm_engine import LLMEngine, RequestOutput
 from engine.loader import load_model
 from engine.runner import ModelRunner, supports_native_decode
-from kernels import cpu_decode
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
+from kernels import cpu_decode
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,8 @@ def build_engine(model_path: str, model_cfg: ModelSection, engine_cfg: EngineCon
         ),
         block_manager,
     )
-    return LLMEngine(config, scheduler, ModelRunner(model, pool, native_decode=_native_decode(engine_cfg, config, pool)))
+    runner = ModelRunner(model, pool, native_decode=_native_decode(engine_cfg, config, pool))
+    return LLMEngine(config, scheduler, runner)
 
 
 def _native_decode(engine_cfg: EngineConfig, config, pool: KVPool) -> cpu_decode.DecodeLibrary | None:

@@ -82,7 +82,8 @@ class PagedHarness:
         query_start_loc = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
         plan = kernels.plan_attention(block_tables, context_lens, query_start_loc, self.pool.tensor[0, 0],
                                       self.native_decode)
-        meta = AttentionMetadata(torch.tensor(slots, dtype=torch.long), block_tables, context_lens, query_start_loc, plan)
+        slot_mapping = torch.tensor(slots, dtype=torch.long)
+        meta = AttentionMetadata(slot_mapping, block_tables, context_lens, query_start_loc, plan)
         hidden = self.model(torch.tensor(input_ids), torch.tensor(positions), self.pool, meta)  # [T, hidden]
         assert hidden.shape == (len(input_ids), self.model.config.hidden_size)
         logits = self.model.compute_logits(hidden)  # [T, vocab]
