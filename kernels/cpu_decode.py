@@ -106,7 +106,7 @@ class DecodeLibrary:
         assert q.stride(2) == 1 and q.stride(1) == head_dim and k_cache.is_contiguous() and v_cache.is_contiguous()
         assert block_tables.dtype == context_lens.dtype == torch.int64 and block_tables.is_contiguous()
         assert context_lens.is_contiguous() and block_tables.shape[0] == batch == context_lens.shape[0]
-        assert block_tables.shape[1] * block_size >= max_context and self.supports(num_heads // kv_heads, head_dim)
+        assert block_tables.shape[1] * block_size >= max_context  # supports() was checked once, at engine build
         ctx_pad = -(-max_context // 16) * 16
         out = torch.empty((batch, num_heads, head_dim), dtype=torch.float32)
         scratch = torch.empty(batch * num_heads * ctx_pad, dtype=torch.float32)  # softmax rows

@@ -81,7 +81,7 @@ def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, cache: t
     if native is not None:
         tables = block_tables.long().contiguous()
         # The C code indexes the pool with these ids unchecked: an id out of range must fail here.
-        low, high = (int(tables.min()), int(tables.max())) if tables.numel() else (0, 0)
+        low, high = map(int, torch.aminmax(tables)) if tables.numel() else (0, 0)
         if low < 0 or high >= cache.shape[0]:
             raise IndexError(f"block table ids span {low}..{high}, pool has {cache.shape[0]} blocks")
         return NativeDecode(native, tables, context_lens.long().contiguous(), int(context_lens.max()))

@@ -117,4 +117,3 @@ def test_no_working_compiler_leaves_the_torch_path(compiler, tmp_path, monkeypat
         assert list(tmp_path.iterdir()) == []  # a failed build leaves nothing behind
     finally:
         cpu_decode.load.cache_clear()
-
