@@ -68,7 +68,15 @@ def _native_decode(engine_cfg: EngineConfig, config, pool: KVPool) -> cpu_decode
         log.info("CPU decode attention: torch (the C kernel has no copy for %d heads over %d KV heads of %d, %s)",
                  config.num_heads, config.num_kv_heads, config.head_dim, pool.layout.dtype)
         return None
-    log.info("CPU decode attention: %s", "the C kernel" if library is not None else "torch")
+    threads = torch.get_num_threads()
+    if library is not None and not library.threaded and threads > cpu_decode.SERIAL_MAX_THREADS:
+        log.info("CPU decode attention: torch (the C kernel was built without OpenMP, and torch has %d threads)",
+                 threads)
+        return None
+    if library is None:
+        log.info("CPU decode attention: torch")
+    else:
+        log.info("CPU decode attention: the C kernel%s", "" if library.threaded else ", on one thread (no OpenMP)")
     return library
 
 

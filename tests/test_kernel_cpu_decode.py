@@ -1,10 +1,13 @@
 """The C decode-attention kernel (kernels/cpu_decode.c): built here, against the naive float64
 attention of test_kernel_attention for every query group and head size it has a copy for, through the
-engine's plan, on one thread and two; its build cache; and what happens where it cannot be built."""
+engine's plan, on one thread and two, in every vector width and without OpenMP; its build cache; and
+what happens where it cannot be built, or only without OpenMP."""
 
 from __future__ import annotations
 
 import logging
+import os
+import stat
 
 import pytest
 import torch
@@ -31,6 +34,21 @@ def library() -> cpu_decode.DecodeLibrary:
     return lib
 
 
+# The engine's build, the one without OpenMP, and each vector width whatever this CPU's is (a width
+# wider than the hardware's is slow, not wrong): the code paths other machines take, run here.
+BUILDS = {"engine": None, "no-openmp": cpu_decode.SERIAL, "4-lanes": cpu_decode.Variant(lanes=4),
+          "8-lanes": cpu_decode.Variant(lanes=8), "16-lanes": cpu_decode.Variant(lanes=16)}
+
+
+@pytest.fixture(scope="module", params=list(BUILDS))
+def any_build(request, library) -> cpu_decode.DecodeLibrary:
+    variant = BUILDS[request.param]
+    compiler = os.environ.get("CC", "cc")  # the one load() builds the engine's copy with
+    lib = library if variant is None else cpu_decode.DecodeLibrary(cpu_decode.build(compiler, variant))
+    assert variant is None or lib.threaded == variant.openmp
+    return lib
+
+
 def run_native(lib, case) -> torch.Tensor:
     plan = kernels.plan_attention(case.block_tables, case.context_lens, case.query_start_loc, case.k_cache, lib)
     assert isinstance(plan.decode, NativeDecode)
@@ -40,21 +58,21 @@ def run_native(lib, case) -> torch.Tensor:
 @pytest.mark.parametrize("block_size", [5, 16])
 @pytest.mark.parametrize("head_dim", [16, 32, 64, 128])
 @pytest.mark.parametrize("group", [1, 2, 3, 4, 7, 8])
-def test_c_decode_matches_naive(library, group, head_dim, block_size):
+def test_c_decode_matches_naive(any_build, group, head_dim, block_size):
     kv_heads = 2 if group < 8 else 1
     case = make_case(CONTEXT_LENS, [1] * len(CONTEXT_LENS), heads=group * kv_heads, kv_heads=kv_heads,
                      head_dim=head_dim, block_size=block_size, dtype=torch.float32, seed=group * head_dim + block_size,
                      sharpness=4.0)
     assert case.q.stride(0) != case.q.shape[1] * head_dim  # rows of a fused QKV tensor, as in the model
-    assert_matches_naive(run_native(library, case), case)
+    assert_matches_naive(run_native(any_build, case), case)
 
 
-def test_c_decode_in_a_mixed_step_matches_naive(library):
+def test_c_decode_in_a_mixed_step_matches_naive(any_build):
     """Decode rows by the kernel, prefill rows by SDPA, each put back on its own token."""
     q_lens = [1, 6, 1, 1, 20, 1]
     case = make_case([9, 30, 1, 64, 45, 17], q_lens, heads=8, kv_heads=2, head_dim=64, block_size=8,
                      dtype=torch.float32, seed=4)
-    assert_matches_naive(run_native(library, case), case)
+    assert_matches_naive(run_native(any_build, case), case)
 
 
 def test_a_block_id_outside_the_pool_is_refused_before_the_kernel_reads(library):
@@ -64,15 +82,15 @@ def test_a_block_id_outside_the_pool_is_refused_before_the_kernel_reads(library)
         run_native(library, case)
 
 
-def test_c_decode_gives_the_same_bits_on_one_thread_and_two(library):
+def test_c_decode_gives_the_same_bits_on_one_thread_and_two(any_build):
     case = make_case([700, 3, 129, 64, 250], [1] * 5, heads=8, kv_heads=2, head_dim=64, block_size=16,
                      dtype=torch.float32, seed=9)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = run_native(library, case)
+        one = run_native(any_build, case)
         torch.set_num_threads(2)
-        two = run_native(library, case)
+        two = run_native(any_build, case)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, two)  # each (request, kv head) is one thread's work, summed in one order
@@ -96,6 +114,21 @@ def test_the_engine_takes_the_kernel_unless_told_torch(library):
     assert build_engine(path, model, torch_only, device="cpu").runner.native_decode is None
 
 
+def test_the_engine_takes_a_build_without_openmp_up_to_its_thread_limit(monkeypatch):
+    serial = cpu_decode.DecodeLibrary(cpu_decode.build(os.environ.get("CC", "cc"), cpu_decode.SERIAL))
+    monkeypatch.setattr(cpu_decode, "load", lambda: serial)
+    path = str(tiny_model_dir("llama"))
+    model = ModelConfig(path=path, dtype="float32")
+    threads = torch.get_num_threads()
+    try:
+        for num_threads, expected in ((2, serial), (cpu_decode.SERIAL_MAX_THREADS, serial),
+                                      (cpu_decode.SERIAL_MAX_THREADS + 1, None)):
+            engine = build_engine(path, model, EngineConfig(kv_cache_memory_mb=4, num_threads=num_threads), device="cpu")
+            assert engine.runner.native_decode is expected, num_threads
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_a_built_library_is_reused(library, tmp_path, monkeypatch):
     monkeypatch.setenv("PDSERVE_NATIVE_CACHE_DIR", str(tmp_path))
     compiler = "cc"
@@ -115,5 +148,51 @@ def test_no_working_compiler_leaves_the_torch_path(compiler, tmp_path, monkeypat
             assert cpu_decode.load() is None
         assert "torch path" in caplog.text
         assert list(tmp_path.iterdir()) == []  # a failed build leaves nothing behind
+    finally:
+        cpu_decode.load.cache_clear()
+
+
+def fake_compiler(tmp_path, body: str) -> str:
+    """A ``cc`` stand-in: a shell script that logs its arguments to ``calls``, then runs ``body``."""
+    script = tmp_path / "fake-cc"
+    script.write_text(f'#!/bin/sh\necho "$*" >> {tmp_path / "calls"}\n{body}\n')
+    script.chmod(script.stat().st_mode | stat.S_IXUSR)
+    return str(script)
+
+
+def test_without_openmp_it_builds_without_and_later_starts_reuse_that(tmp_path, monkeypatch, caplog):
+    # Apple's clang, or clang without libomp: -fopenmp fails, the same command without it works.
+    compiler = fake_compiler(tmp_path, 'case "$*" in *-fopenmp*) echo "unsupported option -fopenmp" >&2; exit 1;; esac\n'
+                                       'exec cc "$@"')
+    monkeypatch.setenv("CC", compiler)
+    monkeypatch.setenv("PDSERVE_NATIVE_CACHE_DIR", str(tmp_path / "cache"))
+    cpu_decode.load.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="kernels.cpu_decode"):
+            lib = cpu_decode.load()
+        assert lib is not None and not lib.threaded
+        assert "without OpenMP" in caplog.text and "unsupported option -fopenmp" in caplog.text
+        case = make_case([40, 7], [1, 1], heads=4, kv_heads=2, head_dim=32, block_size=8, dtype=torch.float32, seed=3)
+        assert_matches_naive(run_native(lib, case), case)
+        assert len((tmp_path / "calls").read_text().splitlines()) == 2  # -fopenmp, then without
+        cpu_decode.load.cache_clear()
+        assert cpu_decode.load() is not None
+        assert len((tmp_path / "calls").read_text().splitlines()) == 2  # the cached build, no new try
+    finally:
+        cpu_decode.load.cache_clear()
+
+
+def test_a_library_that_does_not_load_is_not_kept(tmp_path, monkeypatch, caplog):
+    # The compiler says yes but leaves something no loader takes (clang's OpenMP against libgomp
+    # leaves undefined symbols): refused at build time, never cached.
+    compiler = fake_compiler(tmp_path, 'while [ "$1" != -o ]; do shift; done\necho "not a library" > "$2"')
+    monkeypatch.setenv("CC", compiler)
+    monkeypatch.setenv("PDSERVE_NATIVE_CACHE_DIR", str(tmp_path / "cache"))
+    cpu_decode.load.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="kernels.cpu_decode"):
+            assert cpu_decode.load() is None
+        assert "does not load" in caplog.text and "torch path" in caplog.text
+        assert list((tmp_path / "cache").iterdir()) == []
     finally:
         cpu_decode.load.cache_clear()
