@@ -1,4 +1,4 @@
-"""``x @ W^T`` on CPU in whichever of three forms this machine runs faster, chosen by timing at load.
+"""``x @ W^T`` on CPU in whichever of four forms this machine runs faster, chosen by timing at load.
 
 With few rows (a decode step) the plain product ``[rows, in] x [in, out]`` can leave MKL little to
 split across threads; the transposed ``W @ x^T`` splits the long ``out`` side instead. Which form wins,
@@ -11,17 +11,23 @@ same code, whole decode steps of the ``small`` model on two threads:
   9.2 vs 6.8 ms), and the whole 64-request engine benchmark ran 7% faster with the plain form above
   32 rows.
 
-So ``time_forms`` times both forms for one weight at the row counts of ``ROW_BUCKETS`` (``x.shape[0]``
-goes to the first bucket that holds it); more rows than the last bucket (prefill) always take the
-plain form, which wins there everywhere measured (+31% for the transposed form on a 2,048-token step).
 A third form keeps the weight in oneDNN's blocked layout (packed once at load): the product then reads
 it without MKL repacking the weight on every call, which is what makes the two dense forms slow at a
-few rows. Whole-model weight passes (every projection and the LM head of the ``small`` model, cold in
-cache as in a real step), 2026-11-24 Xeon, one thread: 4 rows 11.6 ms packed against 16.6 ms for the
-better dense form, 8 rows 13.7 vs 22.0, 16 rows 16.4 vs 22.5, 64 rows 35.0 vs 38.0, 512 rows 228 vs
-230; one row 9.5 vs 7.9. Storing both would double the weights' memory, so a weight is either packed
-(when the packed form is the faster one at most row buckets) or dense, and then packed for every row
-count, prefill included. All forms give the same values up to float rounding (tests/test_cpu_linear.py).
+few rows. The fourth is the C linear (kernels/cpu_linear.c) on the dense weight, a stream over it at
+close to the memory's speed. Whole-model weight passes (every projection and the LM head of the
+``small`` model, cold in cache as in a real step), 2026-11-24 Xeon, one thread, ms:
+
+    rows      1     2     4     8    16    32    64
+    plain   7.5   7.7  15.1  22.5  19.2  23.4  35.8
+    packed  8.0   8.6   9.7  11.6  14.8  20.8  31.7
+    C       6.3   6.2   6.6   8.3  13.1  22.4  40.8
+
+So ``time_forms`` times every form at the row counts of ``ROW_BUCKETS`` (``x.shape[0]`` goes to the
+first bucket that holds it) and each bucket takes the fastest; more rows than the last bucket
+(prefill) take the packed form where that copy is held, else plain (512 rows: 228 vs 230 ms). Holding
+both a dense and a packed copy doubles the weight's memory, so without the C kernel a weight is one or
+the other (packed where it wins most buckets); the dense copy stays beside the packed one only for the
+buckets the C linear wins. All forms give the same values up to float rounding (tests/test_cpu_linear.py).
 """
 
 from __future__ import annotations
@@ -38,30 +44,51 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.cpu_native import NativeLibrary
+
 ROW_BUCKETS = (1, 4, 8, 16, 32, 48, 64, 96, 128)  # row counts timed at load
 LM_HEAD_SLICE_ROWS = 1024  # weight rows per matmul in the LM head's transposed form
 
 
+FORMS = ("plain", "transposed", "packed", "c")
+
+
 @dataclass(slots=True, frozen=True)
 class MatmulForms:
-    """For one weight: per row bucket, whether the transposed form is the faster one."""
+    """For one weight: the form each row bucket takes, and so which copies of the weight are held."""
 
-    transposed: tuple[bool, ...] = ()  # one flag per ROW_BUCKETS entry; () = always plain
+    per_bucket: tuple[str, ...] = ()  # a FORMS entry per ROW_BUCKETS entry; () = plain everywhere
     slice_rows: int | None = None  # the transposed form's weight rows per matmul (None: all at once)
-    packed: bool = False  # the weight is held packed (pack_weight) and every row count takes that form
+    native: NativeLibrary | None = None  # the C kernels, where some bucket takes "c"
 
     def __post_init__(self) -> None:
-        assert len(self.transposed) in (0, len(ROW_BUCKETS)), self.transposed
+        assert len(self.per_bucket) in (0, len(ROW_BUCKETS)) and set(self.per_bucket) <= set(FORMS), self.per_bucket
+        assert ("c" in self.per_bucket) == (self.native is not None)
 
-    def use_transposed(self, rows: int) -> bool:
+    @property
+    def holds_packed(self) -> bool:
+        return "packed" in self.per_bucket
+
+    @property
+    def holds_dense(self) -> bool:  # the C kernel and the two torch forms read the dense weight
+        return any(form != "packed" for form in self.per_bucket) or not self.per_bucket
+
+    def form_for(self, rows: int) -> str:
+        """The bucket's form; more rows than the last bucket (prefill) take the packed one where it is
+        held, else plain."""
         bucket = bisect_left(ROW_BUCKETS, rows)
-        return bucket < len(self.transposed) and self.transposed[bucket]
+        if bucket < len(self.per_bucket):
+            return self.per_bucket[bucket]
+        return "packed" if self.holds_packed else "plain"
 
     def describe(self) -> str:
-        if self.packed:
-            return "packed (oneDNN)"
-        rows = [str(r) for r, t in zip(ROW_BUCKETS, self.transposed) if t]
-        return f"transposed at {'/'.join(rows)} rows" if rows else "plain"
+        by_form: dict[str, list[str]] = {}
+        for rows, form in zip(ROW_BUCKETS, self.per_bucket):
+            by_form.setdefault(form, []).append(str(rows))
+        if len(by_form) <= 1:
+            return next(iter(by_form), "plain")
+        copies = " (dense and packed copies)" if self.holds_dense and self.holds_packed else ""
+        return ", ".join(f"{form} at {'/'.join(rows)}" for form, rows in by_form.items()) + " rows" + copies
 
 
 PLAIN = MatmulForms()
@@ -94,31 +121,80 @@ def linear_packed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           forms: MatmulForms = PLAIN) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None = None,
+           forms: MatmulForms = PLAIN, packed: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` in the form ``forms`` picks for ``x``'s row count (plain on CUDA).
-    ``weight`` is the dense one, or the packed one when ``forms.packed``."""
-    if forms.packed:
-        return linear_packed(x, weight, bias)
-    if x.is_cuda or not forms.use_transposed(x.shape[0]):
+    ``weight`` is the dense one (None where ``forms`` holds only the packed one), ``packed`` the packed
+    one where ``forms`` holds it."""
+    form = "plain" if x.is_cuda else forms.form_for(x.shape[0])
+    if form == "c":
+        return forms.native.linear(x, weight, bias)
+    if form == "packed":
+        return linear_packed(x, packed, bias)
+    if form == "plain":
         return F.linear(x, weight, bias)
     out = linear_transposed(x, weight, forms.slice_rows)
     return out if bias is None else out.add_(bias)
 
 
-def time_forms(weight: torch.Tensor, slice_rows: int | None = None, repeats: int = 3) -> MatmulForms:
-    """Times the forms on ``weight`` (CPU, at the current torch thread count) at every row bucket."""
-    x = torch.randn(ROW_BUCKETS[-1], weight.shape[1], dtype=weight.dtype)
-    packed = pack_weight(weight)
-    flags, packed_wins = [], 0
+def time_forms(groups: dict[str, list[torch.Tensor]], slice_rows: dict[str, int | None] | None = None,
+               repeats: int = 3, native: NativeLibrary | None = None) -> dict[str, MatmulForms]:
+    """Times the forms (CPU, at the current torch thread count) for each group of same-shape weights
+    (every layer's copy of one projection; the LM head alone) at every row bucket, and picks.
+
+    Each timed pass runs one form over every weight of every group in model order, as a step reads
+    them, and times each group's share: a weight then comes from the last-level cache or memory as
+    in a step. Timed one shape at a time, the weights stay in L2 or a warm L3 and the forms rank
+    differently than in steps (at 1-8 rows: the C linear 10-25% slower there, 20-30% faster in steps).
+
+    Which copies to hold: without the C kernel (``native`` None, or a shape it lacks), one: packed
+    where the packed form wins most buckets, else dense. Buckets where the C linear is the fastest of
+    all forms keep the dense copy too, and packed is then judged on the other buckets. Each bucket
+    takes the fastest form among the copies held."""
+    slice_rows = slice_rows or {}
+    widest = max(ws[0].shape[1] for ws in groups.values())
+    x = torch.randn(ROW_BUCKETS[-1], widest, dtype=next(iter(groups.values()))[0].dtype)
+    packs = {key: [pack_weight(w) for w in ws] for key, ws in groups.items()}
+    forms: dict[str, dict] = {key: {"plain": lambda rx, w, p, k=key: F.linear(rx, w),
+                                    "transposed": lambda rx, w, p, k=key: linear_transposed(rx, w, slice_rows.get(k))}
+                              for key in groups}
+    for key, ws in groups.items():
+        if packs[key][0] is not None:
+            forms[key]["packed"] = lambda rx, w, p: linear_packed(rx, p)
+        if native is not None and ws[0].dtype == torch.float32 and native.supports_linear(*ws[0].shape[::-1]):
+            forms[key]["c"] = lambda rx, w, p: native.linear(rx, w)
+    depth = max(len(ws) for ws in groups.values())
+    times = {key: [] for key in groups}  # per bucket: {form: seconds for the group's share of a pass}
     for rows in ROW_BUCKETS:
-        rows_x = x[:rows]
-        plain = best_seconds(lambda: F.linear(rows_x, weight), repeats)
-        transposed = best_seconds(lambda: linear_transposed(rows_x, weight, slice_rows), repeats)
-        flags.append(transposed < plain)
-        if packed is not None:
-            packed_wins += best_seconds(lambda: linear_packed(rows_x, packed), repeats) < min(plain, transposed)
-    return MatmulForms(tuple(flags), slice_rows, packed=2 * packed_wins > len(ROW_BUCKETS))
+        best = {key: {} for key in groups}
+        for form in FORMS:
+            for repeat in range(repeats + 1):  # the first pass warms up (allocation, kernel choice)
+                spent = dict.fromkeys(groups, 0.0)
+                for i in range(depth):
+                    for key, ws in groups.items():
+                        if i < len(ws) and form in forms[key]:
+                            rx = x[:rows, : ws[i].shape[1]]
+                            start = time.perf_counter()
+                            forms[key][form](rx, ws[i], packs[key][i])
+                            spent[key] += time.perf_counter() - start
+                if repeat:
+                    for key in groups:
+                        if form in forms[key]:
+                            best[key][form] = min(best[key].get(form, float("inf")), spent[key])
+        for key in groups:
+            times[key].append(best[key])
+    return {key: _pick(times[key], slice_rows.get(key), native) for key in groups}
+
+
+def _pick(times: list[dict[str, float]], slice_rows: int | None, native: NativeLibrary | None) -> MatmulForms:
+    c_best = [min(t, key=t.get) == "c" for t in times]
+    rest = [t for t, c in zip(times, c_best) if not c]
+    packed_wins = sum("packed" in t and t["packed"] < min(t["plain"], t["transposed"]) for t in rest)
+    held = {"packed"} if rest and 2 * packed_wins > len(rest) else set()
+    if any(c_best) or not held:
+        held |= {"plain", "transposed", "c"} if any(c_best) else {"plain", "transposed"}
+    per_bucket = tuple(min((f for f in t if f in held), key=t.get) for t in times)
+    return MatmulForms(per_bucket, slice_rows, native if "c" in per_bucket else None)
 
 
 @contextlib.contextmanager
@@ -162,11 +238,13 @@ class Linear(nn.Linear):
         self.packed_weight: torch.Tensor | None = None
 
     def use_forms(self, forms: MatmulForms) -> None:
-        """From now on compute in ``forms``; a packed form replaces the dense weight (freed)."""
-        if forms.packed:
+        """From now on compute in ``forms``; a packed form replaces the dense weight (freed) unless the
+        C kernel reads the dense one at few rows."""
+        if forms.holds_packed:
             self.packed_weight = pack_weight(self.weight)
-            self.weight = None
+            if not forms.holds_dense:
+                self.weight = None
         self.forms = forms
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.packed_weight if self.forms.packed else self.weight, self.bias, self.forms)
+        return linear(x, self.weight, self.bias, self.forms, self.packed_weight)

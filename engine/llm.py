@@ -20,7 +20,7 @@ from engine.loader import load_model
 from engine.runner import ModelRunner, supports_native_decode
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
-from kernels import cpu_decode
+from kernels import cpu_native
 
 log = logging.getLogger(__name__)
 
@@ -34,8 +34,9 @@ def build_engine(model_path: str, model_cfg: ModelSection, engine_cfg: EngineCon
     dtype = DTYPES.get(model_cfg.dtype)  # None ("auto"): the loader picks by device
     model, config = load_model(model_path, dtype=dtype, device=device)
     if device == "cpu":  # after set_num_threads: which form wins depends on the thread count
+        native = cpu_native.load() if engine_cfg.cpu_decode_linear == "c" else None
         with exclusive_timing():
-            forms = model.choose_cpu_matmul_forms()
+            forms = model.choose_cpu_matmul_forms(native)
         log.info("CPU matmul forms by weight: %s", ", ".join(f"{k} {f.describe()}" for k, f in forms.items()))
     max_model_len = model_cfg.max_model_len or config.max_position_embeddings
     if max_model_len > config.max_position_embeddings:
@@ -59,17 +60,17 @@ def build_engine(model_path: str, model_cfg: ModelSection, engine_cfg: EngineCon
     return LLMEngine(config, scheduler, runner)
 
 
-def _native_decode(engine_cfg: EngineConfig, config, pool: KVPool) -> cpu_decode.DecodeLibrary | None:
+def _native_decode(engine_cfg: EngineConfig, config, pool: KVPool) -> cpu_native.NativeLibrary | None:
     """The C decode kernel where it is asked for and runs this model on this pool; logs the choice."""
     if pool.tensor.device.type != "cpu":
         return None
-    library = cpu_decode.load() if engine_cfg.cpu_decode_attention == "c" else None
+    library = cpu_native.load() if engine_cfg.cpu_decode_attention == "c" else None
     if library is not None and not supports_native_decode(library, config.num_heads, pool):
         log.info("CPU decode attention: torch (the C kernel has no copy for %d heads over %d KV heads of %d, %s)",
                  config.num_heads, config.num_kv_heads, config.head_dim, pool.layout.dtype)
         return None
     threads = torch.get_num_threads()
-    if library is not None and not library.threaded and threads > cpu_decode.SERIAL_MAX_THREADS:
+    if library is not None and not library.threaded and threads > cpu_native.SERIAL_MAX_THREADS:
         log.info("CPU decode attention: torch (the C kernel was built without OpenMP, and torch has %d threads)",
                  threads)
         return None

@@ -17,6 +17,7 @@ from engine.kv_pool import KVPool
 from engine.layers import DecoderLayer, RMSNorm, meta_parameter
 from engine.model_config import ModelConfig
 from engine.rope import RotaryEmbedding
+from kernels.cpu_native import NativeLibrary
 
 
 class CausalLM(nn.Module):
@@ -47,30 +48,33 @@ class CausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] -> [S, vocab] float32
-        weight = self.lm_head_packed if self.lm_head_forms.packed else self.lm_head
-        return linear(self.norm(hidden), weight, forms=self.lm_head_forms).float()
+        return linear(self.norm(hidden), self.lm_head, forms=self.lm_head_forms, packed=self.lm_head_packed).float()
 
-    def choose_cpu_matmul_forms(self) -> dict[str, MatmulForms]:
-        """Times the plain, transposed and packed matmul forms on this machine for every distinct
-        projection shape and the LM head (engine/cpu_linear.py), at the current thread count, and uses
-        the faster from now on. Returns the choice by weight shape, for the log."""
-        by_shape: dict[str, MatmulForms] = {}
+    def choose_cpu_matmul_forms(self, native: NativeLibrary | None = None) -> dict[str, MatmulForms]:
+        """Times the plain, transposed and packed matmul forms on this machine, and the C linear of
+        ``native`` where given, for every distinct projection shape and the LM head
+        (engine/cpu_linear.py), at the current thread count, and uses the faster from now on. Returns
+        the choice by weight shape, for the log."""
+        groups: dict[str, list[Linear]] = {}
         for module in self.modules():
             if isinstance(module, Linear):
-                key = f"{module.out_features}x{module.in_features}"
-                if key not in by_shape:
-                    by_shape[key] = time_forms(module.weight)
-                module.use_forms(by_shape[key])
-        self.use_lm_head_forms(time_forms(self.lm_head, LM_HEAD_SLICE_ROWS))
-        by_shape["lm_head"] = self.lm_head_forms
-        return by_shape
+                groups.setdefault(f"{module.out_features}x{module.in_features}", []).append(module)
+        weights = {key: [m.weight for m in modules] for key, modules in groups.items()}
+        weights["lm_head"] = [self.lm_head]
+        chosen = time_forms(weights, {"lm_head": LM_HEAD_SLICE_ROWS}, native=native)
+        for key, modules in groups.items():
+            for module in modules:
+                module.use_forms(chosen[key])
+        self.use_lm_head_forms(chosen["lm_head"])
+        return chosen
 
     def use_lm_head_forms(self, forms: MatmulForms) -> None:
-        """As ``Linear.use_forms``, for the LM head: a packed form frees the dense head unless tied."""
-        if forms.packed:
+        """As ``Linear.use_forms``, for the LM head: a packed form frees the dense head unless tied or
+        read by the C kernel at few rows."""
+        if forms.holds_packed:
             self.lm_head_packed = pack_weight(self.lm_head)
             # Tied: the embedding still reads the dense table, so the packed head is a second copy
             # (vocab x hidden more memory, e.g. 545 MB for a 151,936 x 896 fp32 head).
-            if self.lm_head is not self.embed_tokens:
+            if self.lm_head is not self.embed_tokens and not forms.holds_dense:
                 self.lm_head = None
         self.lm_head_forms = forms

@@ -18,10 +18,10 @@ from engine.kv_pool import KVPool
 from engine.model import CausalLM
 from engine.sampler import Sampler, SamplerOutput
 from engine.scheduled_batch import ScheduledBatch
-from kernels.cpu_decode import DecodeLibrary
+from kernels.cpu_native import NativeLibrary
 
 
-def supports_native_decode(library: DecodeLibrary, num_heads: int, kv_pool: KVPool) -> bool:
+def supports_native_decode(library: NativeLibrary, num_heads: int, kv_pool: KVPool) -> bool:
     """Whether the C decode kernel runs this model's attention: float32 K/V on CPU, a query group and
     head size it has a compiled copy for."""
     layout = kv_pool.layout
@@ -31,7 +31,7 @@ def supports_native_decode(library: DecodeLibrary, num_heads: int, kv_pool: KVPo
 
 class ModelRunner:
     def __init__(self, model: CausalLM, kv_pool: KVPool, sampler: Sampler | None = None,
-                 native_decode: DecodeLibrary | None = None):
+                 native_decode: NativeLibrary | None = None):
         """``native_decode``: the C decode kernel (CPU only), for a model and pool it supports
         (``supports_native_decode``); None keeps decode attention on the torch path."""
         self.model = model

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.cpu_decode import DecodeLibrary
+from kernels.cpu_native import NativeLibrary
 from kernels.paged_decode import DecodeBucket, NativeDecode, paged_decode_reference, paged_decode_triton, plan_decode
 from kernels.paged_prefill import paged_prefill_reference, paged_prefill_triton
 
@@ -40,7 +40,7 @@ class AttentionPlan:
 
 
 def plan_attention(block_tables: torch.Tensor, context_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                   cache: torch.Tensor, native: DecodeLibrary | None = None) -> AttentionPlan:
+                   cache: torch.Tensor, native: NativeLibrary | None = None) -> AttentionPlan:
     """``cache``: any one layer's K cache (the buckets depend on its block size and bytes per token).
     ``native``: the C decode kernel, for a model it supports (else decode rows take the torch path)."""
     q_lens = query_start_loc[1:] - query_start_loc[:-1]  # [batch]

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from kernels.attention_tile import load_kv_tile, online_softmax_step
-from kernels.cpu_decode import DecodeLibrary
+from kernels.cpu_native import NativeLibrary
 
 _LOG2E = 1.4426950408889634
 _MIN_SPLIT_TOKENS = 256  # below this a split's fixed cost outweighs the extra parallelism
@@ -62,7 +62,7 @@ class DecodeBucket:
 class NativeDecode:
     """A step's decode rows for the C kernel (kernels/cpu_decode.c): its inputs, converted once per step."""
 
-    library: DecodeLibrary
+    library: NativeLibrary
     block_tables: torch.Tensor  # [d, max_blocks] int64, contiguous
     context_lens: torch.Tensor  # [d] int64
     max_context: int
@@ -73,7 +73,7 @@ class NativeDecode:
 
 
 def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, cache: torch.Tensor,
-                native: DecodeLibrary | None = None) -> list[DecodeBucket] | NativeDecode:
+                native: NativeLibrary | None = None) -> list[DecodeBucket] | NativeDecode:
     """How the CPU decodes a step's rows: the C kernel when ``native`` is given (the caller checked it
     supports the model), else the torch path's buckets. Either depends on the step only, so the runner
     plans once per step and every layer reuses the plan (planning in each layer was ~5% of a decode

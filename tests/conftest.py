@@ -1,8 +1,34 @@
-"""Shared test setup. Triton kernels run under the interpreter when no GPU is present."""
+"""Shared test setup. Triton kernels run under the interpreter when no GPU is present. Fixtures for the
+C kernels (kernels/cpu_native.py): the engine's build, and every build other machines would make."""
 
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from kernels import cpu_native  # noqa: E402 (after TRITON_INTERPRET: @triton.jit reads it)
+
+
+@pytest.fixture(scope="session")
+def library() -> cpu_native.NativeLibrary:
+    lib = cpu_native.load()
+    assert lib is not None, "the C kernels did not build on this machine (see the log)"
+    return lib
+
+
+# The engine's build, the one without OpenMP, and each vector width whatever this CPU's is (a width
+# wider than the hardware's is slow, not wrong): the code paths other machines take, run here.
+BUILDS = {"engine": None, "no-openmp": cpu_native.SERIAL, "4-lanes": cpu_native.Variant(lanes=4),
+          "8-lanes": cpu_native.Variant(lanes=8), "16-lanes": cpu_native.Variant(lanes=16)}
+
+
+@pytest.fixture(scope="session", params=list(BUILDS))
+def any_build(request, library) -> cpu_native.NativeLibrary:
+    variant = BUILDS[request.param]
+    compiler = os.environ.get("CC", "cc")  # the one load() builds the engine's copy with
+    lib = library if variant is None else cpu_native.NativeLibrary(cpu_native.build(compiler, variant))
+    assert variant is None or lib.threaded == variant.openmp
+    return lib

@@ -1,5 +1,6 @@
 """The CPU matmul forms of engine/cpu_linear.py against F.linear, on the shapes and strides the engine
-gives them (the MLP's down_proj reads a strided half of gate_up), and how a row count picks its form."""
+gives them (the MLP's down_proj reads a strided half of gate_up), how a row count picks its form, and
+how timings pick the forms and the copies of a weight to hold."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.cpu_linear import (LM_HEAD_SLICE_ROWS, PLAIN, ROW_BUCKETS, Linear, MatmulForms, exclusive_timing,
+from engine.cpu_linear import (LM_HEAD_SLICE_ROWS, PLAIN, ROW_BUCKETS, Linear, MatmulForms, _pick, exclusive_timing,
                                linear_packed, linear_transposed, pack_weight)
 from engine.loader import load_model
+from kernels import cpu_native
 from tests.model_factory import tiny_model_dir
 
 
@@ -57,59 +59,101 @@ def test_pack_weight_declines_what_it_was_not_measured_on_or_when_onednn_is_off(
     assert pack_weight(torch.randn(8, 4)) is None
 
 
-ALL_TRANSPOSED = MatmulForms((True,) * len(ROW_BUCKETS))
-PACKED = MatmulForms(packed=True)
+def everywhere(form: str, slice_rows: int | None = None) -> MatmulForms:
+    """``form`` at every row bucket (the C kernel built here for "c")."""
+    native = cpu_native.load() if form == "c" else None
+    assert form != "c" or native is not None, "the C kernels did not build here"
+    return MatmulForms((form,) * len(ROW_BUCKETS), slice_rows, native)
 
 
-def use_packed_forms(model) -> None:
-    """Every projection and the LM head packed, whatever timing would choose (tiny models: dense)."""
+ALL_TRANSPOSED = everywhere("transposed")
+PACKED = everywhere("packed")
+
+
+def use_forms_everywhere(model, form: str) -> None:
+    """Every projection and the LM head in ``form``, whatever timing would choose."""
     for m in model.modules():
         if isinstance(m, Linear):
-            m.use_forms(PACKED)
-    model.use_lm_head_forms(PACKED)
+            m.use_forms(everywhere(form))
+    model.use_lm_head_forms(everywhere(form, LM_HEAD_SLICE_ROWS))
 
 
 def test_a_row_count_takes_the_form_of_the_first_bucket_that_holds_it():
-    only_16 = MatmulForms(tuple(rows == 16 for rows in ROW_BUCKETS))
-    assert [r for r in range(1, 200) if only_16.use_transposed(r)] == list(range(9, 17))
-    assert not any(PLAIN.use_transposed(r) for r in range(1, 200))
-    assert not ALL_TRANSPOSED.use_transposed(ROW_BUCKETS[-1] + 1)  # past the last bucket: always plain
+    only_16 = MatmulForms(tuple("transposed" if rows == 16 else "plain" for rows in ROW_BUCKETS))
+    assert [r for r in range(1, 200) if only_16.form_for(r) == "transposed"] == list(range(9, 17))
+    assert {PLAIN.form_for(r) for r in range(1, 200)} == {"plain"}
+    assert ALL_TRANSPOSED.form_for(ROW_BUCKETS[-1] + 1) == "plain"  # past the last bucket: plain ...
+    assert PACKED.form_for(ROW_BUCKETS[-1] + 1) == "packed"  # ... or packed, where that copy is held
     with pytest.raises(AssertionError):
-        MatmulForms((True,))  # one flag per bucket or none
+        MatmulForms(("plain",))  # one form per bucket or none
+    with pytest.raises(AssertionError):
+        MatmulForms(("c",) * len(ROW_BUCKETS))  # the C form needs the kernels
 
 
-@pytest.mark.parametrize("forms", [PLAIN, ALL_TRANSPOSED, PACKED], ids=["plain", "transposed", "packed"])
+def bucket_times(**per_form: list[float]) -> list[dict[str, float]]:
+    return [{form: times[i] for form, times in per_form.items()} for i in range(len(ROW_BUCKETS))]
+
+
+def test_picking_forms_and_the_copies_to_hold():
+    native = cpu_native.load()
+    # buckets:        1   4   8   16  32  48  64  96  128
+    plain =          [5, 10, 20, 30, 40, 50, 60, 70, 80]
+    transposed =     [6, 9, 21, 31, 41, 51, 61, 71, 81]
+    packed_fast =    [7, 8, 10, 20, 30, 40, 50, 60, 70]  # wins 7 of 9 buckets against the dense forms
+    c_small =        [4, 5, 9, 40, 50, 60, 70, 80, 90]  # the fastest of all at 1, 4 and 8 rows
+    # Without the C kernel: one copy, packed where it wins most buckets, else dense.
+    only_packed = _pick(bucket_times(plain=plain, transposed=transposed, packed=packed_fast), None, None)
+    assert only_packed.per_bucket == ("packed",) * 9 and not only_packed.holds_dense
+    packed_slow = [p + 100 for p in packed_fast]
+    dense = _pick(bucket_times(plain=plain, transposed=transposed, packed=packed_slow), None, None)
+    assert dense.per_bucket == ("plain", "transposed") + ("plain",) * 7 and not dense.holds_packed
+    # Where the C linear is the fastest at some buckets, the dense copy stays for it, and packed is
+    # judged (and wins) on the other six; every bucket takes the fastest form held.
+    both = _pick(bucket_times(plain=plain, transposed=transposed, packed=packed_fast, c=c_small), None, native)
+    assert both.per_bucket == ("c", "c", "c") + ("packed",) * 6
+    assert both.holds_dense and both.holds_packed and both.native is native
+    # The C kernel never the fastest: as if it were not there.
+    c_slow = [t + 100 for t in c_small]
+    assert _pick(bucket_times(plain=plain, transposed=transposed, packed=packed_fast, c=c_slow), None, native) == only_packed
+
+
+@pytest.mark.parametrize("form", ["plain", "transposed", "packed", "c"])
 @pytest.mark.parametrize("rows", [3, ROW_BUCKETS[-1], ROW_BUCKETS[-1] + 1])
-def test_linear_module_matches_nn_linear_with_bias(forms, rows):
+def test_linear_module_matches_nn_linear_with_bias(form, rows):
     gen = torch.Generator().manual_seed(rows)
-    reference = torch.nn.Linear(32, 20, bias=True)
+    reference = torch.nn.Linear(32, 64, bias=True)  # 64 outputs: a shape the C kernel takes
     with torch.no_grad():
-        reference.weight.copy_(torch.randn(20, 32, generator=gen))
-        reference.bias.copy_(torch.randn(20, generator=gen))
-    layer = Linear(32, 20, bias=True)
+        reference.weight.copy_(torch.randn(64, 32, generator=gen))
+        reference.bias.copy_(torch.randn(64, generator=gen))
+    layer = Linear(32, 64, bias=True)
     layer.load_state_dict(reference.state_dict())
-    layer.use_forms(forms)
+    layer.use_forms(everywhere(form))
     x = torch.randn(rows, 32, generator=gen)
     with torch.inference_mode():
         torch.testing.assert_close(layer(x), reference(x), rtol=1e-5, atol=1e-5)
 
 
-def test_timed_forms_cover_every_projection_shape_once_and_the_lm_head():
+@pytest.mark.parametrize("with_c", [False, True], ids=["torch", "torch+c"])
+def test_timed_forms_cover_every_projection_shape_once_and_the_lm_head(with_c):
     model, _ = load_model(tiny_model_dir("qwen2"))  # qwen2: a bias on qkv_proj
-    chosen = model.choose_cpu_matmul_forms()
+    native = cpu_native.load() if with_c else None
+    chosen = model.choose_cpu_matmul_forms(native)
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     shapes = {f"{m.out_features}x{m.in_features}" for m in linears}
     assert set(chosen) == shapes | {"lm_head"}
     for m in linears:  # one timing per shape, shared by every layer
         assert m.forms is chosen[f"{m.out_features}x{m.in_features}"]
-        assert len(m.forms.transposed) == len(ROW_BUCKETS) and m.forms.slice_rows is None
-        # Exactly one copy of the weight is kept: the packed one or the dense one.
-        assert (m.packed_weight is not None, m.weight is None) == (m.forms.packed, m.forms.packed)
+        assert len(m.forms.per_bucket) == len(ROW_BUCKETS) and m.forms.slice_rows is None
+        assert m.forms.native in (None, native)
+        # The copies held are the ones the chosen forms read, and two only where the C kernel reads one.
+        assert (m.packed_weight is not None, m.weight is not None) == (m.forms.holds_packed, m.forms.holds_dense)
+        assert not (m.forms.holds_packed and m.forms.holds_dense) or "c" in m.forms.per_bucket
     assert model.lm_head_forms is chosen["lm_head"] and model.lm_head_forms.slice_rows == LM_HEAD_SLICE_ROWS
-    assert (model.lm_head_packed is not None) == model.lm_head_forms.packed
+    assert (model.lm_head_packed is not None) == model.lm_head_forms.holds_packed
 
 
-def test_model_logits_are_the_same_in_every_form():
+@pytest.mark.parametrize("form", ["transposed", "packed", "c"])
+def test_model_logits_are_the_same_in_every_form(form):
     # Whatever the timing picks, the model computes the same logits (the parity tests check the timed
     # choice against transformers).
     model, config = load_model(tiny_model_dir("qwen2"))
@@ -117,13 +161,7 @@ def test_model_logits_are_the_same_in_every_form():
     with torch.inference_mode():
         plain_logits = model.compute_logits(hidden)
         plain_mlp = model.layers[0].mlp(hidden)
-        for m in model.modules():
-            if isinstance(m, Linear):
-                m.forms = ALL_TRANSPOSED
-        model.lm_head_forms = MatmulForms((True,) * len(ROW_BUCKETS), LM_HEAD_SLICE_ROWS)
-        torch.testing.assert_close(model.compute_logits(hidden), plain_logits, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(model.layers[0].mlp(hidden), plain_mlp, rtol=1e-5, atol=1e-5)
-        use_packed_forms(model)
+        use_forms_everywhere(model, form)
         torch.testing.assert_close(model.compute_logits(hidden), plain_logits, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(model.layers[0].mlp(hidden), plain_mlp, rtol=1e-5, atol=1e-5)
 

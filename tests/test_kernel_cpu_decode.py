@@ -17,7 +17,7 @@ from configs.schema import EngineConfig, ModelConfig
 from engine.kv_pool import KVLayout, KVPool
 from engine.llm import build_engine
 from engine.runner import supports_native_decode
-from kernels import cpu_decode
+from kernels import cpu_native
 from kernels.paged_decode import NativeDecode
 from tests.model_factory import tiny_model_dir
 from tests.test_kernel_attention import assert_matches_naive, make_case
@@ -25,28 +25,6 @@ from tests.test_kernel_attention import assert_matches_naive, make_case
 # A single token, one short of a 16-token chunk, one chunk, one past it, and lengths past the 32-token
 # prefetch distance; with block size 5 no chunk lines up with a page.
 CONTEXT_LENS = [1, 15, 16, 17, 33, 70, 300]
-
-
-@pytest.fixture(scope="module")
-def library() -> cpu_decode.DecodeLibrary:
-    lib = cpu_decode.load()
-    assert lib is not None, "the C decode kernel did not build on this machine (see the log)"
-    return lib
-
-
-# The engine's build, the one without OpenMP, and each vector width whatever this CPU's is (a width
-# wider than the hardware's is slow, not wrong): the code paths other machines take, run here.
-BUILDS = {"engine": None, "no-openmp": cpu_decode.SERIAL, "4-lanes": cpu_decode.Variant(lanes=4),
-          "8-lanes": cpu_decode.Variant(lanes=8), "16-lanes": cpu_decode.Variant(lanes=16)}
-
-
-@pytest.fixture(scope="module", params=list(BUILDS))
-def any_build(request, library) -> cpu_decode.DecodeLibrary:
-    variant = BUILDS[request.param]
-    compiler = os.environ.get("CC", "cc")  # the one load() builds the engine's copy with
-    lib = library if variant is None else cpu_decode.DecodeLibrary(cpu_decode.build(compiler, variant))
-    assert variant is None or lib.threaded == variant.openmp
-    return lib
 
 
 def run_native(lib, case) -> torch.Tensor:
@@ -115,14 +93,14 @@ def test_the_engine_takes_the_kernel_unless_told_torch(library):
 
 
 def test_the_engine_takes_a_build_without_openmp_up_to_its_thread_limit(monkeypatch):
-    serial = cpu_decode.DecodeLibrary(cpu_decode.build(os.environ.get("CC", "cc"), cpu_decode.SERIAL))
-    monkeypatch.setattr(cpu_decode, "load", lambda: serial)
+    serial = cpu_native.NativeLibrary(cpu_native.build(os.environ.get("CC", "cc"), cpu_native.SERIAL))
+    monkeypatch.setattr(cpu_native, "load", lambda: serial)
     path = str(tiny_model_dir("llama"))
     model = ModelConfig(path=path, dtype="float32")
     threads = torch.get_num_threads()
     try:
-        for num_threads, expected in ((2, serial), (cpu_decode.SERIAL_MAX_THREADS, serial),
-                                      (cpu_decode.SERIAL_MAX_THREADS + 1, None)):
+        for num_threads, expected in ((2, serial), (cpu_native.SERIAL_MAX_THREADS, serial),
+                                      (cpu_native.SERIAL_MAX_THREADS + 1, None)):
             engine = build_engine(path, model, EngineConfig(kv_cache_memory_mb=4, num_threads=num_threads), device="cpu")
             assert engine.runner.native_decode is expected, num_threads
     finally:
@@ -132,24 +110,24 @@ def test_the_engine_takes_a_build_without_openmp_up_to_its_thread_limit(monkeypa
 def test_a_built_library_is_reused(library, tmp_path, monkeypatch):
     monkeypatch.setenv("PDSERVE_NATIVE_CACHE_DIR", str(tmp_path))
     compiler = "cc"
-    first = cpu_decode.build(compiler)
+    first = cpu_native.build(compiler)
     assert first.parent == tmp_path and [p.name for p in tmp_path.iterdir()] == [first.name]  # no temp left
     stamp = first.stat().st_mtime_ns
-    assert cpu_decode.build(compiler) == first and first.stat().st_mtime_ns == stamp
+    assert cpu_native.build(compiler) == first and first.stat().st_mtime_ns == stamp
 
 
 @pytest.mark.parametrize("compiler", ["no-such-compiler-pdserve", "false"])
 def test_no_working_compiler_leaves_the_torch_path(compiler, tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("CC", compiler)
     monkeypatch.setenv("PDSERVE_NATIVE_CACHE_DIR", str(tmp_path))
-    cpu_decode.load.cache_clear()
+    cpu_native.load.cache_clear()
     try:
-        with caplog.at_level(logging.WARNING, logger="kernels.cpu_decode"):
-            assert cpu_decode.load() is None
+        with caplog.at_level(logging.WARNING, logger="kernels.cpu_native"):
+            assert cpu_native.load() is None
         assert "torch path" in caplog.text
         assert list(tmp_path.iterdir()) == []  # a failed build leaves nothing behind
     finally:
-        cpu_decode.load.cache_clear()
+        cpu_native.load.cache_clear()
 
 
 def fake_compiler(tmp_path, body: str) -> str:
@@ -166,20 +144,20 @@ def test_without_openmp_it_builds_without_and_later_starts_reuse_that(tmp_path, 
                                        'exec cc "$@"')
     monkeypatch.setenv("CC", compiler)
     monkeypatch.setenv("PDSERVE_NATIVE_CACHE_DIR", str(tmp_path / "cache"))
-    cpu_decode.load.cache_clear()
+    cpu_native.load.cache_clear()
     try:
-        with caplog.at_level(logging.WARNING, logger="kernels.cpu_decode"):
-            lib = cpu_decode.load()
+        with caplog.at_level(logging.WARNING, logger="kernels.cpu_native"):
+            lib = cpu_native.load()
         assert lib is not None and not lib.threaded
         assert "without OpenMP" in caplog.text and "unsupported option -fopenmp" in caplog.text
         case = make_case([40, 7], [1, 1], heads=4, kv_heads=2, head_dim=32, block_size=8, dtype=torch.float32, seed=3)
         assert_matches_naive(run_native(lib, case), case)
         assert len((tmp_path / "calls").read_text().splitlines()) == 2  # -fopenmp, then without
-        cpu_decode.load.cache_clear()
-        assert cpu_decode.load() is not None
+        cpu_native.load.cache_clear()
+        assert cpu_native.load() is not None
         assert len((tmp_path / "calls").read_text().splitlines()) == 2  # the cached build, no new try
     finally:
-        cpu_decode.load.cache_clear()
+        cpu_native.load.cache_clear()
 
 
 def test_a_library_that_does_not_load_is_not_kept(tmp_path, monkeypatch, caplog):
@@ -188,11 +166,11 @@ def test_a_library_that_does_not_load_is_not_kept(tmp_path, monkeypatch, caplog)
     compiler = fake_compiler(tmp_path, 'while [ "$1" != -o ]; do shift; done\necho "not a library" > "$2"')
     monkeypatch.setenv("CC", compiler)
     monkeypatch.setenv("PDSERVE_NATIVE_CACHE_DIR", str(tmp_path / "cache"))
-    cpu_decode.load.cache_clear()
+    cpu_native.load.cache_clear()
     try:
-        with caplog.at_level(logging.WARNING, logger="kernels.cpu_decode"):
-            assert cpu_decode.load() is None
+        with caplog.at_level(logging.WARNING, logger="kernels.cpu_native"):
+            assert cpu_native.load() is None
         assert "does not load" in caplog.text and "torch path" in caplog.text
         assert list((tmp_path / "cache").iterdir()) == []
     finally:
-        cpu_decode.load.cache_clear()
+        cpu_native.load.cache_clear()

@@ -3,8 +3,9 @@
 Every case compares against ``transformers`` run on each whole sequence at once: one-shot prefill,
 chunked prefill over a permuted (non-contiguous) block table, a varlen batch of mixed lengths, and
 decode steps after a prefill. The batch and decode cases also run with every matmul in the packed
-CPU form (engine/cpu_linear.py), which load-time timing picks for real checkpoints but not for these
-tiny ones; the decode case with decode attention both in torch and in the C kernel (kernels/cpu_decode.c).
+CPU form and in the C linear (engine/cpu_linear.py, kernels/cpu_linear.c), which load-time timing picks
+at some row counts for real checkpoints; the decode case with decode attention both in torch and in the
+C kernel (kernels/cpu_decode.c).
 """
 
 from __future__ import annotations
@@ -19,20 +20,20 @@ import kernels
 from engine.attention_metadata import AttentionMetadata
 from engine.kv_pool import KVLayout, KVPool
 from engine.loader import load_model
-from kernels import cpu_decode
+from kernels import cpu_native
 from tests.model_factory import tiny_model_dir
-from tests.test_cpu_linear import use_packed_forms
+from tests.test_cpu_linear import use_forms_everywhere
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3"]
 ATOL = 1e-4
 
 
 @functools.cache
-def _models(family: str, packed: bool = False):
+def _models(family: str, form: str = "plain"):
     path = tiny_model_dir(family)
     ours, config = load_model(path)
-    if packed:
-        use_packed_forms(ours)
+    if form != "plain":
+        use_forms_everywhere(ours, form)
     reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
     return ours, config, reference.eval()
 
@@ -47,7 +48,7 @@ class PagedHarness:
     step's slot mapping and metadata by hand, runs the model, splits logits per request."""
 
     def __init__(self, model, config, block_size: int, num_blocks: int = 96, seed: int = 0,
-                 native_decode: cpu_decode.DecodeLibrary | None = None):
+                 native_decode: cpu_native.NativeLibrary | None = None):
         self.model = model
         self.native_decode = native_decode  # None: decode rows take the torch path
         self.pool = KVPool(
@@ -117,10 +118,10 @@ def test_chunked_prefill_over_permuted_blocks(family, chunk, block_size):
     torch.testing.assert_close(torch.cat(pieces), _reference_logits(reference, prompt), atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+@pytest.mark.parametrize("form", ["plain", "packed", "c"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_varlen_batch_of_mixed_lengths(family, packed):
-    model, config, reference = _models(family, packed)
+def test_varlen_batch_of_mixed_lengths(family, form):
+    model, config, reference = _models(family, form)
     lengths = [1, 37, 300, 5, 64, 2]
     prompts = [_prompt(config, n, seed=10 + i) for i, n in enumerate(lengths)]
     harness = PagedHarness(model, config, block_size=16, num_blocks=64)
@@ -130,13 +131,13 @@ def test_varlen_batch_of_mixed_lengths(family, packed):
 
 
 @pytest.mark.parametrize("attention", ["torch", "c"])
-@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+@pytest.mark.parametrize("form", ["plain", "packed", "c"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_decode_steps_after_prefill(family, packed, attention):
-    model, config, reference = _models(family, packed)
+def test_decode_steps_after_prefill(family, form, attention):
+    model, config, reference = _models(family, form)
     prompts = [_prompt(config, 21, seed=20), _prompt(config, 9, seed=21)]
     continuations = [_prompt(config, 12, seed=22), _prompt(config, 12, seed=23)]
-    native = cpu_decode.load() if attention == "c" else None
+    native = cpu_native.load() if attention == "c" else None
     assert attention == "torch" or native is not None, "the C decode kernel did not build here"
     harness = PagedHarness(model, config, block_size=8, native_decode=native)
     prefill = harness.step([(0, prompts[0]), (1, prompts[1])])

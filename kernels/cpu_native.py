@@ -1,6 +1,7 @@
-"""The C decode-attention kernel for CPU (cpu_decode.c): built on first use, called through ctypes.
+"""The CPU kernels in C, built on first use and called through ctypes: decode attention over the paged
+KV (cpu_decode.c) and ``x @ w^T`` for the few rows of a decode step (cpu_linear.c).
 
-``load()`` compiles cpu_decode.c with the machine's C compiler (``$CC``, else ``cc``; GCC or clang)
+``load()`` compiles them into one library with the machine's C compiler (``$CC``, else ``cc``; GCC or clang)
 for this very CPU (``-march=native``, ``-mcpu=native`` on Arm) into ``~/.cache/pdserve/native/``
 (``$PDSERVE_NATIVE_CACHE_DIR`` overrides), once per source, compiler and torch: later processes load
 the cached library (a build takes ~1 s). Where no compiler works, it logs why once and returns None,
@@ -8,7 +9,7 @@ and the engine keeps the torch path.
 
 With GCC it links the OpenMP runtime torch ships (``torch/lib/libgomp.so.1``) when there is one, so
 the kernel's threads are torch's threads rather than a second pool competing for the same cores.
-Where no OpenMP build works it builds without (``DecodeLibrary.threaded`` is then False), and the
+Where no OpenMP build works it builds without (``NativeLibrary.threaded`` is then False), and the
 engine uses that one-thread build up to ``SERIAL_MAX_THREADS``. ctypes releases the GIL around the call.
 """
 
@@ -30,7 +31,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_decode.c")
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_decode.c", "cpu_linear.c")]
+HEADERS = [Path(__file__).with_name("cpu_vector.h")]
 _FLAGS = ("-O3", "-fno-math-errno", "-Wno-psabi", "-shared", "-fPIC")
 _SIZE = ctypes.c_int64
 _PTR = ctypes.c_void_p
@@ -73,14 +75,14 @@ def _command(compiler: str, variant: Variant, output: str) -> list[str]:
         gomp = _torch_libgomp()
         if gomp is not None:  # else torch linked the system's runtime (or none): -fopenmp picks it
             link = [str(gomp), f"-Wl,-rpath,{gomp.parent}"]
-    return [compiler, *flags, str(SOURCE), "-o", output, *link]
+    return [compiler, *flags, *map(str, SOURCES), "-o", output, *link]
 
 
 def _target(compiler: str, variant: Variant) -> Path:
     recipe = " ".join(_command(compiler, variant, "")).encode()
-    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), recipe, torch.__version__.encode(),
-                                     os.uname().machine.encode()])).hexdigest()[:16]
-    return cache_dir() / f"cpu_decode-{key}.so"
+    code = [path.read_bytes() for path in SOURCES + HEADERS]
+    key = hashlib.sha256(b"\0".join([*code, recipe, torch.__version__.encode(), os.uname().machine.encode()]))
+    return cache_dir() / f"cpu_native-{key.hexdigest()[:16]}.so"
 
 
 def build(compiler: str, variant: Variant = THREADED) -> Path:
@@ -108,12 +110,13 @@ def build(compiler: str, variant: Variant = THREADED) -> Path:
     return target
 
 
-class DecodeLibrary:
-    """The loaded kernel: ``supports(group, head_dim)``, ``paged_decode(...)`` and ``threaded``."""
+class NativeLibrary:
+    """The loaded kernels: ``supports(group, head_dim)`` and ``paged_decode(...)`` for attention,
+    ``supports_linear(in, out)`` and ``linear(...)``; ``threaded``: whether they run on OpenMP threads."""
 
     def __init__(self, path: Path):
         self._lib = ctypes.CDLL(str(path))
-        self.threaded = bool(self._lib.pdserve_decode_threaded())  # False: it runs on the caller's thread
+        self.threaded = bool(self._lib.pdserve_native_threaded())  # False: it runs on the caller's thread
         self._supported = self._lib.pdserve_decode_supported
         self._supported.argtypes = [_SIZE, _SIZE]
         self._supported.restype = ctypes.c_int
@@ -121,6 +124,12 @@ class DecodeLibrary:
         self._decode.argtypes = [_PTR, _SIZE, _PTR, _PTR, _PTR, _SIZE, _PTR, _PTR, _PTR,
                                  _SIZE, _SIZE, _SIZE, _SIZE, _SIZE, _SIZE, ctypes.c_float, ctypes.c_int]
         self._decode.restype = None
+        self._linear_supported = self._lib.pdserve_linear_supported
+        self._linear_supported.argtypes = [_SIZE, _SIZE]
+        self._linear_supported.restype = ctypes.c_int
+        self._linear = self._lib.pdserve_linear_f32
+        self._linear.argtypes = [_PTR, _SIZE, _SIZE, _PTR, _SIZE, _PTR, _PTR, ctypes.c_int]
+        self._linear.restype = None
 
     def supports(self, group: int, head_dim: int) -> bool:
         return bool(self._supported(group, head_dim))
@@ -151,28 +160,43 @@ class DecodeLibrary:
                      batch, num_heads, kv_heads, head_dim, block_size, ctx_pad, scale, torch.get_num_threads())
         return out
 
+    def supports_linear(self, in_features: int, out_features: int) -> bool:
+        return bool(self._linear_supported(in_features, out_features))
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``F.linear(x, weight, bias)`` for x [rows, in] float32, weight [out, in] float32 contiguous,
+        a shape ``supports_linear`` accepts (checked once per weight). Returns [rows, out]."""
+        assert x.dtype == weight.dtype == torch.float32 and x.dim() == 2 and weight.is_contiguous()
+        assert bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())
+        x = x.contiguous()
+        out = torch.empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
+        self._linear(x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(), weight.shape[0],
+                     None if bias is None else bias.data_ptr(), out.data_ptr(), torch.get_num_threads())
+        return out
+
 
 @functools.cache
-def load() -> DecodeLibrary | None:
-    """The kernel, built if need be; None (logged once) where it cannot be built or loaded here.
+def load() -> NativeLibrary | None:
+    """The kernels, built if need be; None (logged once) where they cannot be built or loaded here.
 
     The OpenMP build first; where that fails (clang without libomp, Apple's clang, which has no
     -fopenmp) the build without it. A variant already in the cache is taken before any build is
     tried, so a failing OpenMP build costs its second or so once, not at every start."""
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
-        log.warning("no C compiler (CC=%s): CPU decode attention stays on the torch path", os.environ.get("CC", "cc"))
+        log.warning("no C compiler (CC=%s): CPU decode attention and linears stay on the torch path",
+                    os.environ.get("CC", "cc"))
         return None
     variants = sorted((THREADED, SERIAL), key=lambda v: not _target(compiler, v).exists())  # stable: cached first
     failures = []
     for variant in variants:
         try:
-            library = DecodeLibrary(build(compiler, variant))
+            library = NativeLibrary(build(compiler, variant))
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             failures.append(str(e))
             continue
         if failures:
-            log.warning("C decode kernel built without OpenMP, so it runs on one thread: %s", failures[0])
+            log.warning("C kernels built without OpenMP, so they run on one thread: %s", failures[0])
         return library
-    log.warning("C decode kernel unavailable, CPU decode attention stays on the torch path: %s", failures[-1])
+    log.warning("C kernels unavailable, CPU decode attention and linears stay on the torch path: %s", failures[-1])
     return None
