@@ -138,7 +138,7 @@ def test_decode_steps_after_prefill(family, form, attention):
     prompts = [_prompt(config, 21, seed=20), _prompt(config, 9, seed=21)]
     continuations = [_prompt(config, 12, seed=22), _prompt(config, 12, seed=23)]
     native = cpu_native.load() if attention == "c" else None
-    assert attention == "torch" or native is not None, "the C decode kernel did not build here"
+    assert attention == "torch" or native is not None, "the C kernels did not build here"
     harness = PagedHarness(model, config, block_size=8, native_decode=native)
     prefill = harness.step([(0, prompts[0]), (1, prompts[1])])
     decoded = [[out[-1]] for out in prefill]  # logits predicting each request's next token
