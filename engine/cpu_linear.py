@@ -38,6 +38,7 @@ import os
 import tempfile
 import time
 from bisect import bisect_left
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -152,47 +153,62 @@ def time_forms(groups: dict[str, list[torch.Tensor]], slice_rows: dict[str, int 
     all forms keep the dense copy too, and packed is then judged on the other buckets. Each bucket
     takes the fastest form among the copies held."""
     slice_rows = slice_rows or {}
-    widest = max(ws[0].shape[1] for ws in groups.values())
-    x = torch.randn(ROW_BUCKETS[-1], widest, dtype=next(iter(groups.values()))[0].dtype)
+    first = next(iter(groups.values()))[0]
+    x = torch.randn(ROW_BUCKETS[-1], max(ws[0].shape[1] for ws in groups.values()), dtype=first.dtype)
     packs = {key: [pack_weight(w) for w in ws] for key, ws in groups.items()}
-    forms: dict[str, dict] = {key: {"plain": lambda rx, w, p, k=key: F.linear(rx, w),
-                                    "transposed": lambda rx, w, p, k=key: linear_transposed(rx, w, slice_rows.get(k))}
-                              for key in groups}
-    for key, ws in groups.items():
-        if packs[key][0] is not None:
-            forms[key]["packed"] = lambda rx, w, p: linear_packed(rx, p)
-        if native is not None and ws[0].dtype == torch.float32 and native.supports_linear(*ws[0].shape[::-1]):
-            forms[key]["c"] = lambda rx, w, p: native.linear(rx, w)
-    depth = max(len(ws) for ws in groups.values())
-    times = {key: [] for key in groups}  # per bucket: {form: seconds for the group's share of a pass}
+    runners = {key: _runners(ws, packs[key][0] is not None, slice_rows.get(key), native) for key, ws in groups.items()}
+    times: dict[str, list[dict[str, float]]] = {key: [] for key in groups}  # per bucket: form -> seconds
     for rows in ROW_BUCKETS:
         best = {key: {} for key in groups}
         for form in FORMS:
             for repeat in range(repeats + 1):  # the first pass warms up (allocation, kernel choice)
-                spent = dict.fromkeys(groups, 0.0)
-                for i in range(depth):
-                    for key, ws in groups.items():
-                        if i < len(ws) and form in forms[key]:
-                            rx = x[:rows, : ws[i].shape[1]]
-                            start = time.perf_counter()
-                            forms[key][form](rx, ws[i], packs[key][i])
-                            spent[key] += time.perf_counter() - start
-                if repeat:
-                    for key in groups:
-                        if form in forms[key]:
-                            best[key][form] = min(best[key].get(form, float("inf")), spent[key])
+                spent = _timed_pass(groups, packs, runners, x[:rows], form)
+                for key, seconds in spent.items():
+                    if repeat:
+                        best[key][form] = min(best[key].get(form, float("inf")), seconds)
         for key in groups:
             times[key].append(best[key])
     return {key: _pick(times[key], slice_rows.get(key), native) for key in groups}
 
 
+def _runners(weights: list[torch.Tensor], can_pack: bool, slice_rows: int | None,
+             native: NativeLibrary | None) -> dict[str, Callable]:
+    """The forms one group can take, each a call ``(x, weight, packed weight)``."""
+    runners = {"plain": lambda x, w, p: F.linear(x, w),
+               "transposed": lambda x, w, p: linear_transposed(x, w, slice_rows)}
+    if can_pack:
+        runners["packed"] = lambda x, w, p: linear_packed(x, p)
+    if native is not None and weights[0].dtype == torch.float32 and native.supports_linear(*weights[0].shape[::-1]):
+        runners["c"] = lambda x, w, p: native.linear(x, w)
+    return runners
+
+
+def _timed_pass(groups: dict[str, list[torch.Tensor]], packs: dict[str, list], runners: dict[str, dict],
+                x: torch.Tensor, form: str) -> dict[str, float]:
+    """One pass of ``form`` over every layer's weights in model order: seconds spent per group (the
+    groups that have the form)."""
+    spent = {key: 0.0 for key in groups if form in runners[key]}
+    for i in range(max(len(ws) for ws in groups.values())):
+        for key in spent:
+            if i < len(groups[key]):
+                weight = groups[key][i]
+                start = time.perf_counter()
+                runners[key][form](x[:, : weight.shape[1]], weight, packs[key][i])
+                spent[key] += time.perf_counter() - start
+    return spent
+
+
 def _pick(times: list[dict[str, float]], slice_rows: int | None, native: NativeLibrary | None) -> MatmulForms:
+    """The forms from one group's times per bucket (``time_forms`` says how)."""
     c_best = [min(t, key=t.get) == "c" for t in times]
     rest = [t for t, c in zip(times, c_best) if not c]
     packed_wins = sum("packed" in t and t["packed"] < min(t["plain"], t["transposed"]) for t in rest)
-    held = {"packed"} if rest and 2 * packed_wins > len(rest) else set()
-    if any(c_best) or not held:
-        held |= {"plain", "transposed", "c"} if any(c_best) else {"plain", "transposed"}
+    packed_wins_most = bool(rest) and 2 * packed_wins > len(rest)
+    held = {"packed"} if packed_wins_most else set()
+    if any(c_best):
+        held |= {"plain", "transposed", "c"}
+    elif not packed_wins_most:
+        held |= {"plain", "transposed"}
     per_bucket = tuple(min((f for f in t if f in held), key=t.get) for t in times)
     return MatmulForms(per_bucket, slice_rows, native if "c" in per_bucket else None)
 
