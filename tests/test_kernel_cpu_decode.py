@@ -84,7 +84,8 @@ def test_supported_shapes(library):
     assert not supports_native_decode(library, 8, KVPool(KVLayout(1, 4, 16, 2, 64, torch.bfloat16)))
 
 
-def test_the_engine_takes_the_kernel_unless_told_torch(library):
+def test_the_engine_takes_the_kernel_unless_told_torch():
+    library = cpu_native.load()  # the engine's (other tests rebuild the loader's cache: not the fixture)
     path = str(tiny_model_dir("llama"))
     model = ModelConfig(path=path, dtype="float32")
     assert build_engine(path, model, EngineConfig(kv_cache_memory_mb=4), device="cpu").runner.native_decode is library

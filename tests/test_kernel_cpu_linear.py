@@ -10,6 +10,7 @@ import torch
 from configs.schema import EngineConfig, ModelConfig
 from engine.cpu_linear import Linear
 from engine.llm import build_engine
+from kernels import cpu_native
 from tests.model_factory import tiny_model_dir
 
 ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 30]
@@ -62,7 +63,8 @@ def test_shapes_the_c_linear_takes(library):
     assert [k for k in (0, 16, 18, 64, 896, 1001) if library.supports_linear(k, 64)] == [16, 64, 896]
 
 
-def test_the_engine_times_the_c_linear_unless_told_torch(library):
+def test_the_engine_times_the_c_linear_unless_told_torch():
+    library = cpu_native.load()  # the engine's (other tests rebuild the loader's cache: not the fixture)
     path = str(tiny_model_dir("llama"))
     model = ModelConfig(path=path, dtype="float32")
     for setting in ("c", "torch"):
