@@ -14,7 +14,7 @@ Decode step t = 1 .. max(L) - 1 has ``#{requests with L > t}`` rows: the most fa
 with every request decoding in one batch from the first step (fewer rows per step never costs less
 per token). Each row count is timed with weights of the model's shapes, one copy per layer (so a step
 streams all of them, as the model does), in the fastest of the plain, the transposed and the packed
-product (engine/cpu_linear.py), best of ``repeats``. ``ideal / floor`` is the highest roofline fraction an
+product and the C linear (engine/cpu_linear.py, kernels/cpu_linear.c), best of ``repeats``. ``ideal / floor`` is the highest roofline fraction an
 engine running these steps on this machine could show.
 """
 
@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from benchmarks.roofline import DecoderShape, linear_flops
 from engine.cpu_linear import LM_HEAD_SLICE_ROWS, best_seconds, linear_packed, linear_transposed, pack_weight
+from kernels import cpu_native
 
 
 @dataclass(slots=True, frozen=True)
@@ -70,6 +71,9 @@ def _measure_steps(shape: DecoderShape, row_counts: list[int], repeats: int) -> 
     lm_head = torch.randn(shape.vocab_size, shape.hidden_size, generator=gen)
     packed_layers = [[pack_weight(w) for w in weights] for weights in layers]
     packed_lm_head = pack_weight(lm_head)
+    native = cpu_native.load()
+    if native is not None and not all(native.supports_linear(*w.shape[::-1]) for w in layers[0] + [lm_head]):
+        native = None
     seconds = {}
     for n in row_counts:
         inputs = {d_in: torch.randn(n, d_in, generator=gen) for d_in, _ in shape.linear_shapes()}
@@ -92,6 +96,12 @@ def _measure_steps(shape: DecoderShape, row_counts: list[int], repeats: int) -> 
                     linear_packed(inputs[w.shape[1]], p)
             linear_packed(inputs[shape.hidden_size], packed_lm_head)
 
+        def c() -> None:
+            for weights in layers:
+                for w in weights:
+                    native.linear(inputs[w.shape[1]], w)
+            native.linear(inputs[shape.hidden_size], lm_head)
+
         forms = (plain, transposed) if packed_lm_head is None else (plain, transposed, packed)
-        seconds[n] = min(best_seconds(form, repeats) for form in forms)
+        seconds[n] = min(best_seconds(form, repeats) for form in forms + ((c,) if native is not None else ()))
     return seconds
