@@ -72,7 +72,7 @@ def _measure_steps(shape: DecoderShape, row_counts: list[int], repeats: int) -> 
     packed_layers = [[pack_weight(w) for w in weights] for weights in layers]
     packed_lm_head = pack_weight(lm_head)
     native = cpu_native.load()
-    if native is not None and not all(native.supports_linear(*w.shape[::-1]) for w in layers[0] + [lm_head]):
+    if native is not None and not all(native.takes_weight(w) for w in layers[0] + [lm_head]):
         native = None
     seconds = {}
     for n in row_counts:

@@ -161,11 +161,10 @@ def time_forms(groups: dict[str, list[torch.Tensor]], slice_rows: dict[str, int 
     for rows in ROW_BUCKETS:
         best = {key: {} for key in groups}
         for form in FORMS:
-            for repeat in range(repeats + 1):  # the first pass warms up (allocation, kernel choice)
-                spent = _timed_pass(groups, packs, runners, x[:rows], form)
-                for key, seconds in spent.items():
-                    if repeat:
-                        best[key][form] = min(best[key].get(form, float("inf")), seconds)
+            _timed_pass(groups, packs, runners, x[:rows], form)  # warm-up: allocation, kernel choice
+            for _ in range(repeats):
+                for key, seconds in _timed_pass(groups, packs, runners, x[:rows], form).items():
+                    best[key][form] = min(best[key].get(form, float("inf")), seconds)
         for key in groups:
             times[key].append(best[key])
     return {key: _pick(times[key], slice_rows.get(key), native) for key in groups}
@@ -178,7 +177,7 @@ def _runners(weights: list[torch.Tensor], can_pack: bool, slice_rows: int | None
                "transposed": lambda x, w, p: linear_transposed(x, w, slice_rows)}
     if can_pack:
         runners["packed"] = lambda x, w, p: linear_packed(x, p)
-    if native is not None and weights[0].dtype == torch.float32 and native.supports_linear(*weights[0].shape[::-1]):
+    if native is not None and native.takes_weight(weights[0]):
         runners["c"] = lambda x, w, p: native.linear(x, w)
     return runners
 

@@ -163,6 +163,10 @@ class NativeLibrary:
     def supports_linear(self, in_features: int, out_features: int) -> bool:
         return bool(self._linear_supported(in_features, out_features))
 
+    def takes_weight(self, weight: torch.Tensor) -> bool:
+        """Whether ``linear`` runs with this ``[out, in]`` weight (float32, a shape it has tiles for)."""
+        return weight.dtype == torch.float32 and self.supports_linear(weight.shape[1], weight.shape[0])
+
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``F.linear(x, weight, bias)`` for x [rows, in] float32, weight [out, in] float32 contiguous,
         a shape ``supports_linear`` accepts (checked once per weight). Returns [rows, out]."""
