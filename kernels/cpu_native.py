@@ -4,7 +4,8 @@ KV (cpu_decode.c) and ``x @ w^T`` for the few rows of a decode step (cpu_linear.
 ``load()`` compiles them into one library with the machine's C compiler (``$CC``, else ``cc``; GCC or clang)
 for this very CPU (``-march=native``, ``-mcpu=native`` on Arm) into ``~/.cache/pdserve/native/``
 (``$PDSERVE_NATIVE_CACHE_DIR`` overrides), once per source, compiler and torch: later processes load
-the cached library (a build takes ~1 s). Where no compiler works, it logs why once and returns None,
+the cached library (a build takes ~1 s; a library unused for 30 days is removed by the next build
+there). Where no compiler works, it logs why once and returns None,
 and the engine keeps the torch path.
 
 With GCC it links the OpenMP runtime torch ships (``torch/lib/libgomp.so.1``) when there is one, so
@@ -24,6 +25,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +43,10 @@ _PTR = ctypes.c_void_p
 # 2.67; context 64-600). With twice the threads torch would about catch up (estimated: this machine
 # has two cores), so past this many the engine keeps torch.
 SERIAL_MAX_THREADS = 4
+# Builds for other sources, compilers or torch versions pile up in the cache as pdserve is upgraded. A
+# library is touched whenever it is used, and a new build removes those unused for this long (a
+# process that has one loaded keeps its mapping: unlinking does not unmap it).
+STALE_AFTER_S = 30 * 24 * 3600
 
 
 @dataclass(slots=True, frozen=True)
@@ -89,6 +95,7 @@ def build(compiler: str, variant: Variant = THREADED) -> Path:
     """Compile (or find already compiled) the library; raises on a failed build."""
     target = _target(compiler, variant)
     if target.exists():
+        _touch(target)
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     # Into a temporary name, then renamed: processes starting together never load a half-written file.
@@ -107,7 +114,32 @@ def build(compiler: str, variant: Variant = THREADED) -> Path:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+    remove_stale(target.parent)
     return target
+
+
+def _touch(path: Path) -> None:
+    try:
+        os.utime(path)
+    except OSError:  # a read-only cache: the library still loads, it only ages
+        pass
+
+
+def remove_stale(directory: Path, now: float | None = None) -> list[Path]:
+    """Deletes libraries unused for ``STALE_AFTER_S``, and temporary files a crashed build left behind
+    (an hour old: no build takes that long); returns what it deleted."""
+    now = time.time() if now is None else now
+    removed = []
+    # cpu_decode-*: the library's name before it held the linear too.
+    for path in [*directory.glob("cpu_native-*.so"), *directory.glob("cpu_decode-*.so"), *directory.glob("tmp*.so")]:
+        max_age = 3600 if path.name.startswith("tmp") else STALE_AFTER_S
+        try:
+            if now - path.stat().st_mtime > max_age:
+                path.unlink()
+                removed.append(path)
+        except OSError:  # gone already (another process cleaning), or not ours to delete
+            continue
+    return removed
 
 
 class NativeLibrary:

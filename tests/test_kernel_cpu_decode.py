@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import stat
+import time
 
 import pytest
 import torch
@@ -113,8 +114,22 @@ def test_a_built_library_is_reused(library, tmp_path, monkeypatch):
     compiler = "cc"
     first = cpu_native.build(compiler)
     assert first.parent == tmp_path and [p.name for p in tmp_path.iterdir()] == [first.name]  # no temp left
-    stamp = first.stat().st_mtime_ns
-    assert cpu_native.build(compiler) == first and first.stat().st_mtime_ns == stamp
+    inode, long_ago = first.stat().st_ino, time.time() - 10 * 24 * 3600
+    os.utime(first, (long_ago, long_ago))
+    assert cpu_native.build(compiler) == first and first.stat().st_ino == inode  # not rebuilt
+    assert first.stat().st_mtime > long_ago + 9 * 24 * 3600  # touched: it counts as used now
+
+
+def test_a_build_removes_libraries_unused_for_a_month_and_dead_temporaries(tmp_path):
+    now, day = time.time(), 24 * 3600
+    ages = {"cpu_native-old.so": 31 * day, "cpu_native-recent.so": 29 * day, "cpu_decode-old.so": 31 * day,
+            "tmpdead.so": 2 * 3600, "tmplive.so": 10, "notes.txt": 365 * day}
+    for name, age in ages.items():
+        (tmp_path / name).write_bytes(b"")
+        os.utime(tmp_path / name, (now - age, now - age))
+    removed = cpu_native.remove_stale(tmp_path, now)
+    assert sorted(p.name for p in removed) == ["cpu_decode-old.so", "cpu_native-old.so", "tmpdead.so"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cpu_native-recent.so", "notes.txt", "tmplive.so"]
 
 
 @pytest.mark.parametrize("compiler", ["no-such-compiler-pdserve", "false"])
