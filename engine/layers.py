@@ -16,6 +16,7 @@ from engine.attention_metadata import AttentionMetadata
 from engine.cpu_linear import Linear
 from engine.model_config import ModelConfig
 from engine.rope import apply_rotary
+from kernels.cpu_native import NativeLibrary
 
 
 def meta_parameter(*shape: int) -> nn.Parameter:
@@ -27,14 +28,29 @@ def _linear(in_features: int, out_features: int, bias: bool) -> nn.Linear:
 
 
 class RMSNorm(nn.Module):
-    """Normalises in float32 and casts back before the weight multiply, as transformers does."""
+    """Normalises in float32 and casts back before the weight multiply, as transformers does.
+
+    ``norm(x)`` returns the normalised x; ``norm(x, residual)`` adds x to the residual stream first and
+    returns (normalised sum, sum), as vLLM's fused_add_rms_norm: the layer's two residual adds ride
+    on its norms. With ``native`` set (CPU, float32) 2-D inputs take the C kernel, which updates
+    ``residual`` in place; the torch path leaves its inputs alone."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = meta_parameter(dim)
         self.eps = eps
+        self.native: NativeLibrary | None = None  # set by CausalLM.use_native_layer_ops
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if self.native is not None and x.dim() == 2:
+            out = self.native.rms_norm(x, self.weight, self.eps, residual)
+            return out if residual is None else (out, residual)
+        if residual is not None:
+            x = x + residual
+            return self._norm(x), x
+        return self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -54,6 +70,7 @@ class Attention(nn.Module):
         self.o_proj = _linear(self.q_size, config.hidden_size, bias=False)
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.native: NativeLibrary | None = None  # set by CausalLM.use_native_layer_ops: RoPE + K/V store in C
 
     def forward(
         self,
@@ -65,6 +82,12 @@ class Attention(nn.Module):
     ) -> torch.Tensor:  # [T, hidden]
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
+        k_cache, v_cache = kv_cache
+        if self.native is not None and self.q_norm is None:
+            # q and k rotated in place in qkv, k and v stored: q stays a strided view of qkv.
+            self.native.rope_store(qkv, self.num_heads, self.num_kv_heads, cos, sin, meta.slot_mapping, k_cache, v_cache)
+            q = qkv[:, : self.q_size].view(num_tokens, self.num_heads, self.head_dim)
+            return self._attend(q, k_cache, v_cache, meta)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
         if self.q_norm is None:
@@ -76,12 +99,14 @@ class Attention(nn.Module):
             q = self.q_norm(q.view(num_tokens, self.num_heads, self.head_dim))  # [T, H, D]
             k = self.k_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim))  # [T, KVH, D]
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        k_cache, v_cache = kv_cache
         kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        return self._attend(q, k_cache, v_cache, meta)
+
+    def _attend(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:  # q [T, H, D] -> [T, hidden]
         out = kernels.paged_attention(
             q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.query_start_loc, self.scale, meta.plan
         )  # [T, H, D]
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return self.o_proj(out.reshape(q.shape[0], self.q_size))
 
 
 class MLP(nn.Module):
@@ -110,6 +135,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, kv_cache, meta) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, cos, sin, kv_cache, meta) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's output (the embeddings for the first layer), residual: the residual
+        stream before it (None for the first). Returns this layer's output and the stream before it;
+        their sum is what transformers' layer returns."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, cos, sin, kv_cache, meta)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual

@@ -38,6 +38,10 @@ def build_engine(model_path: str, model_cfg: ModelSection, engine_cfg: EngineCon
         with exclusive_timing():
             forms = model.choose_cpu_matmul_forms(native)
         log.info("CPU matmul forms by weight: %s", ", ".join(f"{k} {f.describe()}" for k, f in forms.items()))
+        layer_ops = cpu_native.load() if engine_cfg.cpu_layer_ops == "c" else None
+        if layer_ops is not None and next(model.parameters()).dtype == torch.float32:
+            model.use_native_layer_ops(layer_ops)
+        log.info("CPU norms and RoPE: %s", "C" if model.native_layer_ops else "torch")
     max_model_len = model_cfg.max_model_len or config.max_position_embeddings
     if max_model_len > config.max_position_embeddings:
         raise ValueError(f"max_model_len {max_model_len} exceeds the model's {config.max_position_embeddings} positions")

@@ -14,7 +14,7 @@ from torch import nn
 from engine.attention_metadata import AttentionMetadata
 from engine.cpu_linear import LM_HEAD_SLICE_ROWS, PLAIN, Linear, MatmulForms, linear, pack_weight, time_forms
 from engine.kv_pool import KVPool
-from engine.layers import DecoderLayer, RMSNorm, meta_parameter
+from engine.layers import Attention, DecoderLayer, RMSNorm, meta_parameter
 from engine.model_config import ModelConfig
 from engine.rope import RotaryEmbedding
 from kernels.cpu_native import NativeLibrary
@@ -33,6 +33,7 @@ class CausalLM(nn.Module):
         self.rotary = RotaryEmbedding(config, device)
         self.lm_head_forms = PLAIN  # CPU matmul forms of the LM head (choose_cpu_matmul_forms)
         self.lm_head_packed: torch.Tensor | None = None  # the LM head in the packed form, if chosen
+        self.native_layer_ops = False  # use_native_layer_ops
 
     def forward(
         self,
@@ -41,11 +42,22 @@ class CausalLM(nn.Module):
         kv_pool: KVPool,
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden], before the final norm
-        x = F.embedding(input_ids, self.embed_tokens)  # [T, hidden]
+        x = F.embedding(input_ids, self.embed_tokens)  # [T, hidden], a fresh tensor (the residual stream)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)  # each [T, 1, head_dim / 2], shared by all layers
+        if self.native_layer_ops:
+            check_slots(meta.slot_mapping, kv_pool.layer(0)[0])  # the C store writes where they point, unchecked
+        residual = None
         for index, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, kv_pool.layer(index), meta)
-        return x
+            x, residual = layer(x, residual, cos, sin, kv_pool.layer(index), meta)
+        return x + residual
+
+    def use_native_layer_ops(self, native: NativeLibrary) -> None:
+        """RMSNorm (with its residual add) and RoPE with the K/V store in C (kernels/cpu_layer_ops.c);
+        for float32 weights on CPU. Qwen3's per-head q/k norms stay in torch, and so its RoPE."""
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, Attention)):
+                module.native = native
+        self.native_layer_ops = True
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] -> [S, vocab] float32
         return linear(self.norm(hidden), self.lm_head, forms=self.lm_head_forms, packed=self.lm_head_packed).float()
@@ -78,3 +90,12 @@ class CausalLM(nn.Module):
             if self.lm_head is not self.embed_tokens and not forms.holds_dense:
                 self.lm_head = None
         self.lm_head_forms = forms
+
+
+def check_slots(slot_mapping: torch.Tensor, k_cache: torch.Tensor) -> None:
+    """Every slot inside the pool (``k_cache``: one layer's [num_blocks, block_size, ...])."""
+    if slot_mapping.numel():
+        low, high = map(int, torch.aminmax(slot_mapping))
+        num_slots = k_cache.shape[0] * k_cache.shape[1]
+        if low < 0 or high >= num_slots:
+            raise IndexError(f"KV slots span {low}..{high}, the pool has {num_slots}")

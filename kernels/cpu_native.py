@@ -1,5 +1,6 @@
 """The CPU kernels in C, built on first use and called through ctypes: decode attention over the paged
-KV (cpu_decode.c) and ``x @ w^T`` for the few rows of a decode step (cpu_linear.c).
+KV (cpu_decode.c), ``x @ w^T`` for the few rows of a decode step (cpu_linear.c), and a layer's RMSNorm
+with its residual add and its rotary embedding with the K/V store (cpu_layer_ops.c).
 
 ``load()`` compiles them into one library with the machine's C compiler (``$CC``, else ``cc``; GCC or clang)
 for this very CPU (``-march=native``, ``-mcpu=native`` on Arm) into ``~/.cache/pdserve/native/``
@@ -33,7 +34,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu_decode.c", "cpu_linear.c")]
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_decode.c", "cpu_linear.c", "cpu_layer_ops.c")]
 HEADERS = [Path(__file__).with_name("cpu_vector.h")]
 _FLAGS = ("-O3", "-fno-math-errno", "-Wno-psabi", "-shared", "-fPIC")
 _SIZE = ctypes.c_int64
@@ -162,6 +163,12 @@ class NativeLibrary:
         self._linear = self._lib.pdserve_linear_f32
         self._linear.argtypes = [_PTR, _SIZE, _SIZE, _PTR, _SIZE, _PTR, _PTR, ctypes.c_int]
         self._linear.restype = None
+        self._rms_norm = self._lib.pdserve_rms_norm_f32
+        self._rms_norm.argtypes = [_PTR, _SIZE, _PTR, _PTR, _PTR, _SIZE, _SIZE, ctypes.c_float, ctypes.c_int]
+        self._rms_norm.restype = None
+        self._rope_store = self._lib.pdserve_rope_store_f32
+        self._rope_store.argtypes = [_PTR, _SIZE, _SIZE, _SIZE, _SIZE, _SIZE, _PTR, _PTR, _PTR, _PTR, _PTR, ctypes.c_int]
+        self._rope_store.restype = None
 
     def supports(self, group: int, head_dim: int) -> bool:
         return bool(self._supported(group, head_dim))
@@ -209,6 +216,39 @@ class NativeLibrary:
         self._linear(x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(), weight.shape[0],
                      None if bias is None else bias.data_ptr(), out.data_ptr(), torch.get_num_threads())
         return out
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None) -> torch.Tensor:
+        """RMSNorm of the rows of x ([rows, dim] float32, rows may be strided) by ``weight`` ([dim]). With
+        ``residual`` ([rows, dim], contiguous): ``residual += x`` first, in place, and the sum is what is
+        normalised. Returns a new [rows, dim]."""
+        rows, dim = x.shape
+        assert x.dtype == weight.dtype == torch.float32 and x.stride(1) == 1 and weight.shape == (dim,)
+        assert weight.is_contiguous()
+        assert residual is None or (residual.dtype == torch.float32 and residual.is_contiguous()
+                                    and residual.shape == x.shape)
+        out = torch.empty((rows, dim), dtype=torch.float32)
+        self._rms_norm(x.data_ptr(), x.stride(0), None if residual is None else residual.data_ptr(),
+                       weight.data_ptr(), out.data_ptr(), rows, dim, eps, torch.get_num_threads())
+        return out
+
+    def rope_store(self, qkv: torch.Tensor, num_heads: int, kv_heads: int, cos: torch.Tensor, sin: torch.Tensor,
+                   slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        """Rotates the query and key heads of each ``qkv`` row ([tokens, >= (heads + 2 kv_heads) * head_dim]
+        float32, rows may be strided) in place with its ``cos``/``sin`` ([tokens, head_dim / 2] each,
+        contiguous; broadcast dims of size 1 allowed), then stores its K and V at cache slot
+        ``slots[t]`` (int64, every one below the caches' slots: the caller checks, the C code does not)."""
+        tokens = qkv.shape[0]
+        head_dim = k_cache.shape[-1]
+        assert qkv.dtype == cos.dtype == sin.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+        assert qkv.dim() == 2 and qkv.stride(1) == 1 and qkv.shape[1] >= (num_heads + 2 * kv_heads) * head_dim
+        assert cos.is_contiguous() and sin.is_contiguous() and cos.numel() == sin.numel() == tokens * (head_dim // 2)
+        assert slots.dtype == torch.int64 and slots.is_contiguous() and slots.shape == (tokens,)
+        assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
+        assert k_cache.shape[-2] == kv_heads and head_dim % 2 == 0
+        self._rope_store(qkv.data_ptr(), qkv.stride(0), tokens, num_heads, kv_heads, head_dim, cos.data_ptr(),
+                         sin.data_ptr(), slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                         torch.get_num_threads())
 
 
 @functools.cache

@@ -5,7 +5,8 @@ chunked prefill over a permuted (non-contiguous) block table, a varlen batch of 
 decode steps after a prefill. The batch and decode cases also run with every matmul in the packed
 CPU form and in the C linear (engine/cpu_linear.py, kernels/cpu_linear.c), which load-time timing picks
 at some row counts for real checkpoints; the decode case with decode attention both in torch and in the
-C kernel (kernels/cpu_decode.c).
+C kernel (kernels/cpu_decode.c). The prefill, batch and decode cases run with the layer's norms and RoPE
+both in torch and in C (kernels/cpu_layer_ops.c).
 """
 
 from __future__ import annotations
@@ -29,11 +30,15 @@ ATOL = 1e-4
 
 
 @functools.cache
-def _models(family: str, form: str = "plain"):
+def _models(family: str, form: str = "plain", layer_ops: str = "torch"):
     path = tiny_model_dir(family)
     ours, config = load_model(path)
     if form != "plain":
         use_forms_everywhere(ours, form)
+    if layer_ops == "c":
+        native = cpu_native.load()
+        assert native is not None, "the C kernels did not build here"
+        ours.use_native_layer_ops(native)
     reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
     return ours, config, reference.eval()
 
@@ -105,11 +110,12 @@ def test_whole_prompt_in_one_step(family):
     torch.testing.assert_close(ours, _reference_logits(reference, prompt), atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("layer_ops", ["torch", "c"])
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("chunk", [7, 64])
 @pytest.mark.parametrize("block_size", [8, 16])
-def test_chunked_prefill_over_permuted_blocks(family, chunk, block_size):
-    model, config, reference = _models(family)
+def test_chunked_prefill_over_permuted_blocks(family, chunk, block_size, layer_ops):
+    model, config, reference = _models(family, layer_ops=layer_ops)
     prompt = _prompt(config, 150, seed=2)
     harness = PagedHarness(model, config, block_size=block_size, seed=chunk)
     pieces = [harness.step([(0, prompt[i : i + chunk])])[0] for i in range(0, len(prompt), chunk)]
@@ -118,10 +124,11 @@ def test_chunked_prefill_over_permuted_blocks(family, chunk, block_size):
     torch.testing.assert_close(torch.cat(pieces), _reference_logits(reference, prompt), atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("layer_ops", ["torch", "c"])
 @pytest.mark.parametrize("form", ["plain", "packed", "c"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_varlen_batch_of_mixed_lengths(family, form):
-    model, config, reference = _models(family, form)
+def test_varlen_batch_of_mixed_lengths(family, form, layer_ops):
+    model, config, reference = _models(family, form, layer_ops)
     lengths = [1, 37, 300, 5, 64, 2]
     prompts = [_prompt(config, n, seed=10 + i) for i, n in enumerate(lengths)]
     harness = PagedHarness(model, config, block_size=16, num_blocks=64)
@@ -130,11 +137,12 @@ def test_varlen_batch_of_mixed_lengths(family, form):
         torch.testing.assert_close(ours, _reference_logits(reference, prompt), atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("layer_ops", ["torch", "c"])
 @pytest.mark.parametrize("attention", ["torch", "c"])
 @pytest.mark.parametrize("form", ["plain", "packed", "c"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_decode_steps_after_prefill(family, form, attention):
-    model, config, reference = _models(family, form)
+def test_decode_steps_after_prefill(family, form, attention, layer_ops):
+    model, config, reference = _models(family, form, layer_ops)
     prompts = [_prompt(config, 21, seed=20), _prompt(config, 9, seed=21)]
     continuations = [_prompt(config, 12, seed=22), _prompt(config, 12, seed=23)]
     native = cpu_native.load() if attention == "c" else None
@@ -153,9 +161,10 @@ def test_decode_steps_after_prefill(family, form, attention):
         torch.testing.assert_close(torch.stack(decoded[rid]), expected, atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("layer_ops", ["torch", "c"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_greedy_tokens_match_transformers_generate(family):
-    model, config, reference = _models(family)
+def test_greedy_tokens_match_transformers_generate(family, layer_ops):
+    model, config, reference = _models(family, layer_ops=layer_ops)
     prompt = _prompt(config, 13, seed=30)
     expected = reference.generate(
         torch.tensor([prompt]), max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0
