@@ -1,13 +1,14 @@
 """``pdserve serve``: the whole product on this machine — gateway + N prefill + M decode workers.
 
-Prints the URL at once and ``pdserve: ready`` when ``/ready`` answers 200. Ctrl-C or SIGTERM drains
-every worker and stops everything.
+Prints the URL at once and ``pdserve: ready`` when ``/ready`` answers 200 and every worker it started
+has registered with the gateway. Ctrl-C or SIGTERM drains every worker and stops everything.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import sys
 import time
@@ -27,7 +28,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--decode", type=int, help="decode workers (default 1)")
     p.add_argument("--api-key", action="append", help="accepted API key; repeat for several")
     p.add_argument("--config", help="YAML config file shared by every process")
-    p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for /ready")
+    p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for every worker")
     return p.parse_args(argv)
 
 
@@ -45,18 +46,33 @@ def cluster_env(args: argparse.Namespace, model: str, host: str, worker_port: in
     return env
 
 
-def wait_ready(url: str, cluster: LocalCluster, timeout_s: float) -> bool:
+def wait_ready(url: str, cluster: LocalCluster, timeout_s: float, expected: dict[str, int]) -> bool:
+    """Until ``/ready`` answers 200 and the gateway counts ``expected`` workers per role. ``/ready``
+    alone is satisfied by one decode worker, which serves by prefilling locally: clients let in before
+    the prefill workers join run on another system than the one asked for (the serving benchmark's
+    first prompts did, and the prefill worker's prefix cache then started without them)."""
     give_up = time.monotonic() + timeout_s
     while time.monotonic() < give_up:
         cluster.supervise_once()
         try:
             with urllib.request.urlopen(f"{url}/ready", timeout=2) as response:
-                if response.status == 200:
-                    return True
+                ready = response.status == 200
+            with urllib.request.urlopen(f"{url}/metrics", timeout=2) as response:
+                registered = registered_workers(response.read().decode())
+            if ready and all(registered.get(role, 0) >= n for role, n in expected.items()):
+                return True
         except (urllib.error.URLError, OSError):
             pass
         time.sleep(0.3)
     return False
+
+
+POOL_WORKERS = re.compile(r'^pdserve:pool_workers\{role="(\w+)"\} (\S+)$', re.MULTILINE)
+
+
+def registered_workers(metrics_text: str) -> dict[str, int]:
+    """Workers per role from the gateway's ``pdserve:pool_workers`` gauge (Prometheus text)."""
+    return {role: int(float(value)) for role, value in POOL_WORKERS.findall(metrics_text)}
 
 
 def main(argv: list[str]) -> int:
@@ -93,8 +109,9 @@ def main(argv: list[str]) -> int:
           f"{threads} thread(s) each, model {model})", flush=True)
     cluster.start()
     try:
-        if not wait_ready(url, cluster, args.ready_timeout) and not stop:
-            print(f"pdserve: {url}/ready did not answer 200 within {args.ready_timeout:.0f} s", file=sys.stderr)
+        if not wait_ready(url, cluster, args.ready_timeout, {"prefill": num_prefill, "decode": num_decode}) and not stop:
+            print(f"pdserve: {url}/ready did not answer 200 with all {num_prefill} prefill + {num_decode} decode "
+                  f"workers registered within {args.ready_timeout:.0f} s", file=sys.stderr)
             return 1
         if not stop:
             print(f"pdserve: ready — OpenAI API at {url}/v1", flush=True)
