@@ -50,8 +50,8 @@ class EngineConfig:
     # where it times faster than torch's forms at load (which may keep a weight both dense and packed);
     # "torch" = torch's forms only
     cpu_decode_linear: str = _field("c", choices=("c", "torch"))
-    # CPU layer steps: "c" = RMSNorm with its residual add, and RoPE with the K/V store, in C
-    # (kernels/cpu_layer_ops.c; float32 weights); "torch" = torch only
+    # CPU layer steps: "c" = RMSNorm with its residual add, RoPE with the K/V store and SwiGLU's product
+    # in C (kernels/cpu_layer_ops.c; float32 weights); "torch" = torch only
     cpu_layer_ops: str = _field("c", choices=("c", "torch"))
 
 

@@ -14,7 +14,7 @@ from torch import nn
 from engine.attention_metadata import AttentionMetadata
 from engine.cpu_linear import LM_HEAD_SLICE_ROWS, PLAIN, Linear, MatmulForms, linear, pack_weight, time_forms
 from engine.kv_pool import KVPool
-from engine.layers import Attention, DecoderLayer, RMSNorm, meta_parameter
+from engine.layers import MLP, Attention, DecoderLayer, RMSNorm, meta_parameter
 from engine.model_config import ModelConfig
 from engine.rope import RotaryEmbedding
 from kernels.cpu_native import NativeLibrary
@@ -52,10 +52,11 @@ class CausalLM(nn.Module):
         return x + residual
 
     def use_native_layer_ops(self, native: NativeLibrary) -> None:
-        """RMSNorm (with its residual add) and RoPE with the K/V store in C (kernels/cpu_layer_ops.c);
-        for float32 weights on CPU. Qwen3's per-head q/k norms stay in torch, and so its RoPE."""
+        """RMSNorm (with its residual add), RoPE with the K/V store and SwiGLU's product in C
+        (kernels/cpu_layer_ops.c); for float32 weights on CPU. Qwen3's per-head q/k norms stay in torch,
+        and so its RoPE."""
         for module in self.modules():
-            if isinstance(module, (RMSNorm, Attention)):
+            if isinstance(module, (RMSNorm, Attention, MLP)):
                 module.native = native
         self.native_layer_ops = True
 

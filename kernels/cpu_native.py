@@ -1,6 +1,6 @@
 """The CPU kernels in C, built on first use and called through ctypes: decode attention over the paged
 KV (cpu_decode.c), ``x @ w^T`` for the few rows of a decode step (cpu_linear.c), and a layer's RMSNorm
-with its residual add and its rotary embedding with the K/V store (cpu_layer_ops.c).
+with its residual add, its rotary embedding with the K/V store and its SwiGLU product (cpu_layer_ops.c).
 
 ``load()`` compiles them into one library with the machine's C compiler (``$CC``, else ``cc``; GCC or clang)
 for this very CPU (``-march=native``, ``-mcpu=native`` on Arm) into ``~/.cache/pdserve/native/``
@@ -169,6 +169,9 @@ class NativeLibrary:
         self._rope_store = self._lib.pdserve_rope_store_f32
         self._rope_store.argtypes = [_PTR, _SIZE, _SIZE, _SIZE, _SIZE, _SIZE, _PTR, _PTR, _PTR, _PTR, _PTR, ctypes.c_int]
         self._rope_store.restype = None
+        self._silu_mul = self._lib.pdserve_silu_mul_f32
+        self._silu_mul.argtypes = [_PTR, _SIZE, _PTR, _SIZE, _SIZE, ctypes.c_int]
+        self._silu_mul.restype = None
 
     def supports(self, group: int, head_dim: int) -> bool:
         return bool(self._supported(group, head_dim))
@@ -249,6 +252,15 @@ class NativeLibrary:
         self._rope_store(qkv.data_ptr(), qkv.stride(0), tokens, num_heads, kv_heads, head_dim, cos.data_ptr(),
                          sin.data_ptr(), slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                          torch.get_num_threads())
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` of each row ``[gate | up]`` of ``gate_up`` ([rows, 2 * inter] float32, rows
+        may be strided). Returns a new contiguous [rows, inter]."""
+        rows, width = gate_up.shape
+        assert gate_up.dtype == torch.float32 and gate_up.stride(1) == 1 and width % 2 == 0
+        out = torch.empty((rows, width // 2), dtype=torch.float32)
+        self._silu_mul(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), rows, width // 2, torch.get_num_threads())
+        return out
 
 
 @functools.cache

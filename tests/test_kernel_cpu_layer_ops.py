@@ -1,4 +1,4 @@
-"""The C norm and RoPE kernels (kernels/cpu_layer_ops.c) against float64 references, in every build of
+"""The C norm, RoPE and SwiGLU kernels (kernels/cpu_layer_ops.c) against float64 references, in every build of
 the C library (tests/conftest.py: with and without OpenMP, 4-, 8- and 16-float vectors). Their use in
 the model is checked against transformers in tests/test_model_parity.py."""
 
@@ -79,6 +79,19 @@ def test_rope_store_rotates_q_and_k_and_stores_k_and_v_at_their_slots(any_build,
     assert bool((flat_k[others] == SENTINEL).all()) and bool((flat_v[others] == SENTINEL).all())
 
 
+@pytest.mark.parametrize("rows", [1, 70])
+@pytest.mark.parametrize("inter", [1536, 40])  # 40: a tail past the last whole vector
+def test_silu_mul_matches_float64(any_build, rows, inter):
+    gen = torch.Generator().manual_seed(rows + inter)
+    wide = torch.randn(rows, 2 * inter + 3, generator=gen) * 6  # e^-x from ~e^-30 to ~e^30
+    wide[0, :4] = torch.tensor([100.0, -100.0, 0.0, -0.0])  # past exp's clamps, and both zeros
+    gate_up, before = wide[:, : 2 * inter], wide.clone()
+    out = any_build.silu_mul(gate_up)
+    assert torch.equal(wide, before) and out.shape == (rows, inter) and out.is_contiguous()
+    gate, up = gate_up.double().split(inter, dim=1)
+    torch.testing.assert_close(out.double(), gate * torch.sigmoid(gate) * up, atol=1e-6, rtol=1e-5)
+
+
 def test_a_slot_outside_the_pool_is_refused_before_any_write():
     k_cache = torch.zeros(3, 4, 2, 8)  # 12 slots
     check_slots(torch.tensor([0, 11, 5]), k_cache)
@@ -96,4 +109,5 @@ def test_the_engine_setting_picks_the_path(library, setting, expected):
     model = engine.runner.model
     assert model.native_layer_ops is expected
     for layer in model.layers:
-        assert (layer.input_layernorm.native is native) is expected and (layer.self_attn.native is native) is expected
+        for module in (layer.input_layernorm, layer.post_attention_layernorm, layer.self_attn, layer.mlp):
+            assert (module.native is native) is expected
