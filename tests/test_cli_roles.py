@@ -6,14 +6,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
 from cluster.roles import resolve_host, role_command
 from configs.schema import ConfigError
+from tests.fake_http import http_get_server
 
 ROOT = Path(__file__).resolve().parents[1]
 PRESET = str(ROOT / "configs" / "multinode.yaml")
@@ -63,22 +62,12 @@ WORKERS = {"object": "list", "data": [
 def fake_gateway():
     seen = []
 
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802
-            seen.append((self.path, self.headers.get("Authorization")))
-            body = json.dumps(WORKERS).encode()
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+    def answer(path, headers) -> bytes:
+        seen.append((path, headers.get("Authorization")))
+        return json.dumps(WORKERS).encode()
 
-        def log_message(self, *args):
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}", seen
-    server.shutdown()
+    with http_get_server(answer) as url:
+        yield url, seen
 
 
 def test_status_prints_a_table(fake_gateway):

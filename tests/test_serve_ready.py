@@ -3,11 +3,9 @@ is satisfied by one decode worker alone (cluster/serve.py)."""
 
 from __future__ import annotations
 
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
 from cluster.serve import registered_workers, wait_ready
 from gateway.metrics import GatewayMetrics
+from tests.fake_http import http_get_server
 
 
 def test_registered_workers_reads_the_gateway_gauge():
@@ -30,26 +28,13 @@ def test_ready_waits_for_the_prefill_workers_too():
     metrics = GatewayMetrics()
     metrics.pool_workers.labels("decode").set(1)  # /ready answers 200 from here on
 
-    class Gateway(BaseHTTPRequestHandler):
-        def do_GET(self):
-            body = b'{"status": "ready"}' if self.path == "/ready" else metrics.render()
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+    def answer(path, headers) -> bytes:
+        return b'{"status": "ready"}' if path == "/ready" else metrics.render()
 
-        def log_message(self, *args):
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Gateway)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    url, cluster = f"http://127.0.0.1:{server.server_address[1]}", _Cluster()
-    try:
+    cluster = _Cluster()
+    with http_get_server(answer) as url:
         assert not wait_ready(url, cluster, 1.0, {"prefill": 1, "decode": 1})
         assert cluster.ticks >= 2  # the workers stay supervised while it waits
         metrics.pool_workers.labels("prefill").set(1)
         assert wait_ready(url, cluster, 5.0, {"prefill": 1, "decode": 1})
         assert wait_ready(url, cluster, 5.0, {"prefill": 0, "decode": 1})  # --prefill 0: decode alone
-    finally:
-        server.shutdown()
-        server.server_close()
