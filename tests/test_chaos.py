@@ -8,7 +8,9 @@ block leaks and every worker's integrity check passes."""
 from __future__ import annotations
 
 import os
+import tempfile
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -49,7 +51,9 @@ def test_fault_under_load_on_pdserve_serve(serve, prompts, scenario):
 
 
 def test_link_down_of_a_prefill_worker_in_namespaces(prompts):
+    litter = set(Path(tempfile.gettempdir()).glob("chaos-*"))
     results, not_run = run_all([LINK_DOWN], runs=1, prompts=prompts)
+    assert set(Path(tempfile.gettempdir()).glob("chaos-*")) == litter  # logs are kept for failed runs only
     if not_run:  # only where namespaces cannot be made, and the report says why instead of faking it
         assert os.geteuid() != 0 or os.environ.get("MULTIHOST_LOOPBACK"), not_run
         assert not_run[LINK_DOWN].startswith("no network namespaces: ")

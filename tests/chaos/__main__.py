@@ -40,26 +40,36 @@ def run_all(scenarios: list[Scenario], runs: int, prompts: list[Prompt] | None =
         mine = [s for s in scenarios if s.fault in kind.faults]
         if not mine:
             continue
-        try:
-            cluster = ServeCluster(model, Path(tempfile.mkdtemp(prefix="chaos-"))) if kind is ServeCluster \
-                else NetnsCluster(model)
-        except NoNamespaces as exc:  # no namespaces here: say so instead of faking the scenario
-            not_run.update({s: str(exc) for s in mine})
-            continue
-        try:
-            for scenario in mine:
-                for run in range(runs):
-                    offset = len(results) * PROMPTS_PER_RUN % len(prompts)
-                    result = run_once(cluster, scenario, prompts[offset:] + prompts[:offset], run)
-                    results.append(result)
-                    recover = f"{result.recover_s:.1f} s" if result.recover_s is not None else "—"
-                    log(f"chaos: {scenario.name:<32} {result.member:<10} {dict(result.outcomes)} recover {recover} "
-                        f"leaked {result.leaked_blocks} " + ("pass" if not result.failures else f"FAIL {result.failures}"))
-                    if result.failures:
-                        log(cluster.logs())
-        finally:
-            cluster.close()
+        with tempfile.TemporaryDirectory(prefix="chaos-") as tmp:  # the serve cluster's config
+            try:
+                cluster = ServeCluster(model, Path(tmp)) if kind is ServeCluster else NetnsCluster(model)
+            except NoNamespaces as exc:  # no namespaces here: say so instead of faking the scenario
+                not_run.update({s: str(exc) for s in mine})
+                continue
+            failed = True  # an exception keeps the logs too
+            try:
+                failed = _run_scenarios(cluster, mine, runs, prompts, results, log)
+            finally:
+                cluster.close(keep_logs=failed)
     return results, not_run
+
+
+def _run_scenarios(cluster, scenarios: list[Scenario], runs: int, prompts: list[Prompt],
+                   results: list[RunResult], log) -> bool:
+    """Each scenario ``runs`` times on ``cluster``, appended to ``results``; whether any run failed."""
+    failed = False
+    for scenario in scenarios:
+        for run in range(runs):
+            offset = len(results) * PROMPTS_PER_RUN % len(prompts)
+            result = run_once(cluster, scenario, prompts[offset:] + prompts[:offset], run)
+            results.append(result)
+            recover = f"{result.recover_s:.1f} s" if result.recover_s is not None else "—"
+            log(f"chaos: {scenario.name:<32} {result.member:<10} {dict(result.outcomes)} recover {recover} "
+                f"leaked {result.leaked_blocks} " + ("pass" if not result.failures else f"FAIL {result.failures}"))
+            if result.failures:
+                failed = True
+                log(cluster.logs())
+    return failed
 
 
 def main(argv: list[str]) -> int:

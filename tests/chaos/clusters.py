@@ -85,10 +85,17 @@ class ServeCluster:
     def logs(self) -> str:
         return "".join([line for line in self.log if " HTTP/1.1" not in line][-30:])
 
-    def close(self) -> None:
+    def close(self, keep_logs: bool = False) -> None:
+        """``keep_logs``: write the cluster's whole log to a new file, for a failure's post-mortem."""
         if self._stopped:  # never leave a frozen member behind an interrupted scenario
             os.kill(self._stopped, signal.SIGCONT)
-        assert self.serve.stop() == 0, "".join(self.log[-30:])
+        stopped = self.serve.stop()
+        if keep_logs:
+            fd, path = tempfile.mkstemp(prefix="chaos-serve-", suffix=".log")
+            with os.fdopen(fd, "w") as f:
+                f.write("".join(self.log))
+            print(f"chaos: pdserve serve cluster log in {path}")
+        assert stopped == 0, "".join(self.log[-30:])
 
 
 class NoNamespaces(RuntimeError):
@@ -138,11 +145,13 @@ class NetnsCluster:
     def logs(self) -> str:
         return "".join(f"--- {n}\n" + "".join(h.log[-10:]) for n, h in self.hosts.items())
 
-    def close(self) -> None:
+    def close(self, keep_logs: bool = False) -> None:
+        """``keep_logs``: write every member's whole log to a new directory, for a failure's post-mortem."""
         for host in self.hosts.values():
             host.stop()
         self.net.close()
-        logs = Path(tempfile.mkdtemp(prefix="chaos-netns-logs-"))  # whole logs, for a failure's post-mortem
-        for name, host in self.hosts.items():
-            (logs / f"{name}.log").write_text("".join(host.log))
-        print(f"chaos: link-down cluster logs in {logs}")
+        if keep_logs:
+            logs = Path(tempfile.mkdtemp(prefix="chaos-netns-logs-"))
+            for name, host in self.hosts.items():
+                (logs / f"{name}.log").write_text("".join(host.log))
+            print(f"chaos: link-down cluster logs in {logs}")
