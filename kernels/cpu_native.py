@@ -6,8 +6,7 @@ with its residual add, its rotary embedding with the K/V store and its SwiGLU pr
 for this very CPU (``-march=native``, ``-mcpu=native`` on Arm) into ``~/.cache/pdserve/native/``
 (``$PDSERVE_NATIVE_CACHE_DIR`` overrides), once per source, compiler and torch: later processes load
 the cached library (a build takes ~1 s; a library unused for 30 days is removed by the next build
-there). Where no compiler works, it logs why once and returns None,
-and the engine keeps the torch path.
+there). Where no compiler works, it logs why once and returns None, and the engine keeps the torch path.
 
 With GCC it links the OpenMP runtime torch ships (``torch/lib/libgomp.so.1``) when there is one, so
 the kernel's threads are torch's threads rather than a second pool competing for the same cores.
@@ -272,7 +271,7 @@ def load() -> NativeLibrary | None:
     tried, so a failing OpenMP build costs its second or so once, not at every start."""
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
-        log.warning("no C compiler (CC=%s): CPU decode attention and linears stay on the torch path",
+        log.warning("no C compiler (CC=%s): CPU decode attention, linears and layer ops stay on the torch path",
                     os.environ.get("CC", "cc"))
         return None
     variants = sorted((THREADED, SERIAL), key=lambda v: not _target(compiler, v).exists())  # stable: cached first
@@ -286,5 +285,6 @@ def load() -> NativeLibrary | None:
         if failures:
             log.warning("C kernels built without OpenMP, so they run on one thread: %s", failures[0])
         return library
-    log.warning("C kernels unavailable, CPU decode attention and linears stay on the torch path: %s", failures[-1])
+    log.warning("C kernels unavailable, CPU decode attention, linears and layer ops stay on the torch path: %s",
+                failures[-1])
     return None
