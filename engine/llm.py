@@ -39,9 +39,9 @@ def build_engine(model_path: str, model_cfg: ModelSection, engine_cfg: EngineCon
             forms = model.choose_cpu_matmul_forms(native)
         log.info("CPU matmul forms by weight: %s", ", ".join(f"{k} {f.describe()}" for k, f in forms.items()))
         layer_ops = cpu_native.load() if engine_cfg.cpu_layer_ops == "c" else None
-        if layer_ops is not None and next(model.parameters()).dtype == torch.float32:
+        if layer_ops is not None and next(model.parameters()).dtype == torch.float32 and not _one_thread_too_few(layer_ops):
             model.use_native_layer_ops(layer_ops)
-        log.info("CPU norms and RoPE: %s", "C" if model.native_layer_ops else "torch")
+        log.info("CPU norms, RoPE and SwiGLU: %s", "C" if model.native_layer_ops else "torch")
     max_model_len = model_cfg.max_model_len or config.max_position_embeddings
     if max_model_len > config.max_position_embeddings:
         raise ValueError(f"max_model_len {max_model_len} exceeds the model's {config.max_position_embeddings} positions")
@@ -73,16 +73,21 @@ def _native_decode(engine_cfg: EngineConfig, config, pool: KVPool) -> cpu_native
         log.info("CPU decode attention: torch (the C kernel has no copy for %d heads over %d KV heads of %d, %s)",
                  config.num_heads, config.num_kv_heads, config.head_dim, pool.layout.dtype)
         return None
-    threads = torch.get_num_threads()
-    if library is not None and not library.threaded and threads > cpu_native.SERIAL_MAX_THREADS:
+    if library is not None and _one_thread_too_few(library):
         log.info("CPU decode attention: torch (the C kernel was built without OpenMP, and torch has %d threads)",
-                 threads)
+                 torch.get_num_threads())
         return None
     if library is None:
         log.info("CPU decode attention: torch")
     else:
         log.info("CPU decode attention: the C kernel%s", "" if library.threaded else ", on one thread (no OpenMP)")
     return library
+
+
+def _one_thread_too_few(library: cpu_native.NativeLibrary) -> bool:
+    """A build without OpenMP runs on the calling thread alone: past ``SERIAL_MAX_THREADS`` torch's
+    threads do the same work faster (the C linear needs no such rule: load-time timing judges it)."""
+    return not library.threaded and torch.get_num_threads() > cpu_native.SERIAL_MAX_THREADS
 
 
 class LLM:

@@ -105,6 +105,7 @@ def test_the_engine_takes_a_build_without_openmp_up_to_its_thread_limit(monkeypa
                                       (cpu_native.SERIAL_MAX_THREADS + 1, None)):
             engine = build_engine(path, model, EngineConfig(kv_cache_memory_mb=4, num_threads=num_threads), device="cpu")
             assert engine.runner.native_decode is expected, num_threads
+            assert engine.runner.model.native_layer_ops is (expected is not None), num_threads  # the same rule
     finally:
         torch.set_num_threads(threads)
 
