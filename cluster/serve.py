@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import signal
 import sys
 import time
 import urllib.error
 import urllib.request
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.local_cluster import ClusterSpec, LocalCluster
 from configs.schema import ConfigError, load_config
@@ -67,12 +68,10 @@ def wait_ready(url: str, cluster: LocalCluster, timeout_s: float, expected: dict
     return False
 
 
-POOL_WORKERS = re.compile(r'^pdserve:pool_workers\{role="(\w+)"\} (\S+)$', re.MULTILINE)
-
-
 def registered_workers(metrics_text: str) -> dict[str, int]:
     """Workers per role from the gateway's ``pdserve:pool_workers`` gauge (Prometheus text)."""
-    return {role: int(float(value)) for role, value in POOL_WORKERS.findall(metrics_text)}
+    return {sample.labels["role"]: int(sample.value) for family in text_string_to_metric_families(metrics_text)
+            for sample in family.samples if sample.name == "pdserve:pool_workers"}
 
 
 def main(argv: list[str]) -> int:

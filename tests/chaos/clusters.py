@@ -19,6 +19,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from benchmarks.client import parse_metric
 from tests.cluster_harness import ServeProcess
 from tests.netns import ROOT, Host, Network
 
@@ -38,9 +39,7 @@ SETTINGS = {  # section -> field -> value, the same in both clusters
 
 
 def read_metric(url: str, name: str) -> float:
-    body = urllib.request.urlopen(f"{url}/metrics", timeout=5).read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in body.splitlines()
-               if line.startswith((name + " ", name + "{")))
+    return parse_metric(urllib.request.urlopen(f"{url}/metrics", timeout=5).read().decode(), name)
 
 
 def registered_workers(url: str) -> list[dict]:
