@@ -10,7 +10,7 @@ import dataclasses
 
 from engine.model_config import ModelConfig
 from engine.sampling_params import SamplingError, SamplingParams
-from engine.sequence import Sequence
+from engine.sequence import Sequence, vocab_error
 from protocol.serving import Generate, SamplingSpec
 
 
@@ -21,6 +21,7 @@ class RequestError(ValueError):
 def sampling_params(spec: SamplingSpec) -> SamplingParams:
     """Field names and meanings are the same on both sides (protocol/serving.py)."""
     values = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}
+    values["logit_bias"] = spec.logit_bias_map()
     try:
         return SamplingParams(**values)
     except SamplingError as exc:
@@ -28,11 +29,9 @@ def sampling_params(spec: SamplingSpec) -> SamplingParams:
 
 
 def make_sequence(seq_id: int, gen: Generate, model: ModelConfig) -> Sequence:
-    vocab = model.vocab_size
-    bad = next((t for t in gen.token_ids if not 0 <= t < vocab), None)
-    if bad is not None:
-        raise RequestError(f"prompt token id {bad} is outside this model's vocabulary of {vocab} tokens")
     params = sampling_params(gen.sampling)
+    if error := vocab_error(gen.token_ids, params, model.vocab_size):
+        raise RequestError(error)
     stops = set(params.stop_token_ids)
     if not params.ignore_eos:
         stops.update(model.eos_token_ids)

@@ -19,7 +19,7 @@ from engine.model_config import ModelConfig
 from engine.runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from engine.sequence import Sequence, SequenceStatus
+from engine.sequence import Sequence, SequenceStatus, vocab_error
 
 FINISH_REASONS = {
     SequenceStatus.FINISHED_STOPPED: "stop",
@@ -66,10 +66,8 @@ class LLMEngine:
         return self.scheduler.block_manager
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"prompt token id {bad} is outside this model's vocabulary of {vocab} tokens")
+        if error := vocab_error(prompt_token_ids, params, self.model_config.vocab_size):
+            raise ValueError(error)
         stops = set(params.stop_token_ids)
         if not params.ignore_eos:
             stops.update(self.model_config.eos_token_ids)

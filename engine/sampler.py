@@ -3,7 +3,8 @@
 Order of operations on a row (vLLM v1's order):
 
     raw logits ─▶ logprobs: log_softmax of the RAW logits (vLLM's default), for requests that ask
-      ─▶ min_tokens: stop tokens masked ─▶ repetition penalty (HF) ─▶ presence/frequency (OpenAI)
+      ─▶ logit_bias added ─▶ min_tokens: stop tokens masked
+      ─▶ repetition penalty (HF) ─▶ presence/frequency (OpenAI)
       ─▶ greedy rows take the argmax here
       ─▶ temperature ─▶ min-p ─▶ top-k ─▶ top-p ─▶ softmax ─▶ exponential race
 
@@ -55,6 +56,7 @@ class Sampler:
         # Processed in place below: a copy only when some row gets edited, so neither the caller's
         # logits nor the raw values logprobs read ever change (an all-greedy batch edits nothing).
         x = raw.clone() if any(_edits_logits(s) for s in seqs) else raw  # [S, V]
+        apply_logit_bias_(x, seqs)
         apply_min_tokens_(x, seqs)
         apply_penalties_(x, seqs)
         tokens = first_max_index(x)  # [S]; final for greedy rows
@@ -115,7 +117,7 @@ def _edits_logits(seq: Sequence) -> bool:
     """Whether min_tokens, a penalty or the filters of a sampled (non-greedy) row may edit its logits."""
     p = seq.params
     return (p.temperature >= _GREEDY_EPS or seq.num_output_tokens < p.min_tokens or p.repetition_penalty != 1.0
-            or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0)
+            or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or bool(p.logit_bias))
 
 
 def _generator_of(seq: Sequence, device: torch.device) -> torch.Generator:
@@ -123,6 +125,21 @@ def _generator_of(seq: Sequence, device: torch.device) -> torch.Generator:
     if seq.generator is None:
         seq.generator = torch.Generator(device=device).manual_seed(seq.params.seed)
     return seq.generator
+
+
+def apply_logit_bias_(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    """Adds (in place) each request's logit_bias to its row. Requests are admitted only with ids < V
+    (engine.sequence.vocab_error); ids >= V are skipped all the same, as one must not fail the batch."""
+    vocab = logits.shape[1]
+    rows, cols, biases = [], [], []
+    for i, seq in enumerate(seqs):
+        for token_id, bias in (seq.params.logit_bias or {}).items():
+            if token_id < vocab:
+                rows.append(i)
+                cols.append(token_id)
+                biases.append(bias)
+    if rows:
+        logits[rows, cols] += logits.new_tensor(biases)
 
 
 def apply_min_tokens_(logits: torch.Tensor, seqs: list[Sequence]) -> None:

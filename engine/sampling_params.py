@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a token's bias: [-100, 100]
 
 
 class SamplingError(ValueError):
@@ -26,6 +29,7 @@ class SamplingParams:
     ignore_eos: bool = False  # keep generating past the model's EOS
     logprobs: int | None = None  # None: no logprobs; k >= 0: the sampled token's plus top-k
     max_logprobs: int = 20  # upper bound accepted for ``logprobs``
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before anything else
 
     def __post_init__(self) -> None:
         if self.top_k == -1:
@@ -39,7 +43,7 @@ class SamplingParams:
     def validate(self) -> None:
         def check(ok: bool, name: str, rule: str) -> None:
             if not ok:
-                raise SamplingError(f"{name} must be {rule}, got {getattr(self, name)!r}")
+                raise SamplingError(f"{name} must be {rule}, got {repr(getattr(self, name))[:200]}")
 
         check(isinstance(self.n, int) and self.n >= 1, "n", "an integer >= 1")
         check(0.0 <= self.temperature <= 2.0 ** 16, "temperature", ">= 0")
@@ -55,5 +59,10 @@ class SamplingParams:
         check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
               "stop_token_ids", "a list of non-negative integers")
         check(self.seed is None or isinstance(self.seed, int), "seed", "an integer")
+        check(self.logit_bias is None or all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 and isinstance(b, (int, float))
+            and not isinstance(b, bool) and math.isfinite(b) and abs(b) <= MAX_LOGIT_BIAS
+            for t, b in self.logit_bias.items()),
+            "logit_bias", f"a map of non-negative token ids to biases in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
         check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= self.max_logprobs),
               "logprobs", f"an integer in [0, {self.max_logprobs}]")

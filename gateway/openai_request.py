@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from protocol.serving import SamplingSpec
+from protocol.serving import SamplingSpec, TokenBias
 from .errors import bad_request
 from .request_fields import Fields
 
@@ -39,7 +39,43 @@ class ParsedRequest:
         return SamplingSpec(max_tokens=max_tokens, n=self.n, logprobs=self.logprobs, **self.sampling)
 
 
+# vLLM's structured-output and prompt-logprob extras: with any of them set the client wants an output
+# this server does not produce, so they are refused rather than ignored.
+_UNSUPPORTED_EXTRAS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
+                       "prompt_logprobs")
+
+
+def _refuse_unsupported(f: Fields, chat: bool) -> None:
+    """A 400 for a field whose meaning this server does not implement. Unknown fields are ignored, as
+    OpenAI and vLLM do; these are known ones, and an answer without them is not what was asked for."""
+    def refuse(name: str, what: str | None = None) -> None:
+        raise bad_request(f"{what or name} is not supported by this server", name)
+
+    for name in _UNSUPPORTED_EXTRAS:
+        if f.has(name):
+            refuse(name)
+    best_of = f.int("best_of", None, lo=1)
+    if best_of is not None and best_of != f.raw("n", 1):
+        refuse("best_of", "best_of other than n")
+    if not chat:
+        if f.bool("echo", False):
+            refuse("echo")
+        if f.raw("suffix", "") != "":
+            refuse("suffix")
+        return
+    response_format = f.object("response_format")
+    if response_format is not None and response_format.raw("type") != "text":
+        refuse("response_format", f"response_format of type {str(response_format.raw('type'))[:40]!r} (only 'text')")
+    for tools, choice in (("tools", "tool_choice"), ("functions", "function_call")):  # the legacy pair too
+        chosen = f.raw(choice, "auto" if f.raw(tools) else "none")
+        if f.raw(tools) and chosen != "none":
+            refuse(tools, f"tool calling ({tools} with {choice} other than 'none')")
+        if chosen not in ("none", "auto"):
+            refuse(choice, f"{choice} {str(chosen)[:60]!r}")
+
+
 def _common(f: Fields, chat: bool) -> dict:
+    _refuse_unsupported(f, chat)
     stream = f.bool("stream", False)
     options = f.object("stream_options")
     if options is not None and not stream:
@@ -59,6 +95,7 @@ def _common(f: Fields, chat: bool) -> dict:
         min_tokens=f.int("min_tokens", 0, lo=0),
         stop_token_ids=f.token_ids("stop_token_ids"),
         ignore_eos=f.bool("ignore_eos", False),
+        logit_bias=[TokenBias(t, b) for t, b in f.logit_bias().items()],
     )
     if sampling["top_k"] == -1:
         sampling["top_k"] = 0

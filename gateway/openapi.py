@@ -22,6 +22,8 @@ _SAMPLING = {
     "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
     "repetition_penalty": {"type": "number", "exclusiveMinimum": 0}, "ignore_eos": {"type": "boolean"},
     "min_tokens": {"type": "integer", "minimum": 0}, "user": {"type": "string"},
+    "logit_bias": {"type": "object", "propertyNames": {"pattern": "^[0-9]+$"},
+                   "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}},
 }
 _PROMPT = {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}, _TOKEN_IDS,
                      {"type": "array", "items": _TOKEN_IDS}]}

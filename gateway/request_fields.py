@@ -83,6 +83,21 @@ class Fields:
             raise bad_request(f"{name} must be a list of non-negative integers", name)
         return v
 
+    def logit_bias(self, name: str = "logit_bias", max_bias: float = 100.0) -> dict[int, float]:
+        """OpenAI's map of token ids (JSON object keys, so strings of digits) to a bias in [-100, 100]."""
+        v = self.raw(name, {})
+        if not isinstance(v, dict):
+            raise bad_request(f"{name} must be an object mapping token ids to numbers, got {_show(v)}", name)
+        out = {}
+        for key, bias in v.items():
+            if not (key.isascii() and key.isdigit() and int(key) <= _INT64_MAX):
+                raise bad_request(f"{name} keys must be token ids (non-negative integers), got {_show(key)}", name)
+            if not _is_number(bias) or abs(bias) > max_bias:
+                raise bad_request(f"{name}[{key[:20]}] must be a number in [-{max_bias:g}, {max_bias:g}], "
+                                  f"got {_show(bias)}", name)
+            out[int(key)] = float(bias)
+        return out
+
     def object(self, name: str) -> Fields | None:
         v = self.raw(name)
         if v is None:

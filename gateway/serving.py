@@ -88,6 +88,9 @@ class OpenAIServing:
             self._metrics.requests.labels("rejected").inc()
             raise no_capacity(self._limits.retry_after_s)
         prompts = [self.tokenize_messages(p.messages)] if chat else [self.tokenize_prompt(x) for x in p.prompts]
+        bad = [b.token_id for b in p.sampling["logit_bias"] if not self._tok.is_valid_id(b.token_id)]
+        if bad:
+            raise bad_request(f"logit_bias token id {bad[0]} is out of range [0, {self._tok.vocab_size})", "logit_bias")
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         requests, states = self._fan_out(rid, p, prompts, chat, arrival)
         generation = Generation(self._backend, requests, states, self._metrics, p.n)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from engine.block_manager import cdiv
 from engine.sampling_params import SamplingError
+from engine.sequence import vocab_error
 from prefill_node.sampling import first_token_params
 from protocol.serving import PrefillJob
 
@@ -21,9 +22,12 @@ class JobLimits:
 def check_job(job: PrefillJob, limits: JobLimits, now: float) -> str:
     """Empty string when ``job`` can run here, else the reason (names the limit and the value)."""
     n, bs = len(job.token_ids), limits.block_size
-    bad = next((t for t in job.token_ids if not 0 <= t < limits.vocab_size), None)
-    if bad is not None:
-        return f"token id {bad} is outside this model's vocabulary of {limits.vocab_size} tokens"
+    try:
+        params = first_token_params(job.sampling)
+    except SamplingError as exc:
+        return str(exc)
+    if error := vocab_error(job.token_ids, params, limits.vocab_size):
+        return error
     if n >= limits.max_model_len:
         return f"prompt has {n} tokens; this model's context is {limits.max_model_len}"
     if job.skip_tokens % bs:
@@ -38,8 +42,4 @@ def check_job(job: PrefillJob, limits: JobLimits, now: float) -> str:
         return f"prompt needs {cdiv(n, bs)} KV blocks; this node's pool holds {limits.num_blocks}"
     if job.deadline <= now:
         return f"deadline passed {now - job.deadline:.3f} s ago"
-    try:
-        first_token_params(job.sampling)
-    except SamplingError as exc:
-        return str(exc)
     return ""

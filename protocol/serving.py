@@ -32,6 +32,15 @@ ROLES = ("prefill", "decode")
 FINISH_REASONS = ("", "stop", "length")  # "" while the completion is still running
 
 
+@wire_record("serve.token_bias")
+@dataclass(slots=True)
+class TokenBias:
+    """One entry of a request's logit_bias (msgpack maps here have string keys only)."""
+
+    token_id: int
+    bias: float
+
+
 @wire_record("serve.sampling")
 @dataclass(slots=True)
 class SamplingSpec:
@@ -51,10 +60,15 @@ class SamplingSpec:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; k: the sampled token's logprob plus the top k
+    logit_bias: list[TokenBias] = field(default_factory=list)  # engine.SamplingParams.logit_bias as a list
 
     def __post_init__(self) -> None:
         assert self.max_tokens >= 1 and self.n >= 1, (self.max_tokens, self.n)
         assert 0 <= self.min_tokens <= self.max_tokens, (self.min_tokens, self.max_tokens)
+
+    def logit_bias_map(self) -> dict[int, float] | None:
+        """``logit_bias`` as engine.SamplingParams takes it (None when empty)."""
+        return {b.token_id: b.bias for b in self.logit_bias} or None
 
 
 @wire_record("serve.generate")

@@ -145,3 +145,20 @@ def test_protocol_package_is_torch_free():
     code = "import sys, protocol.codec, protocol.kv_messages, protocol.zmq_util; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_sampling_logit_bias_round_trips_and_rejects_a_wrong_entry():
+    from protocol.serving import SamplingSpec, TokenBias
+
+    spec = SamplingSpec(max_tokens=4, logit_bias=[TokenBias(5, -100.0), TokenBias(9, 2)])
+    back = decode(encode(spec), expected=SamplingSpec)
+    assert back == spec and back.logit_bias_map() == {5: -100.0, 9: 2.0}
+    assert SamplingSpec(max_tokens=1).logit_bias_map() is None
+    hostile = encode(spec).replace(b"serve.token_bias", b"serve.token_bia_")
+    with pytest.raises(WireError, match=r"serve.sampling.logit_bias\[0\]: expected a serve.token_bias record"):
+        decode(hostile)
+    wrong = _raw("serve.sampling", {**msgpack.unpackb(encode(spec))[1],
+                                    "logit_bias": [["serve.token_bias", {"token_id": "5", "bias": 1.0}]]})
+    with pytest.raises(WireError, match=r"serve.token_bias.token_id: expected int, got str"):
+        decode(wrong)
+

@@ -15,7 +15,7 @@ from engine.sampling_params import SamplingParams
 from kvtransfer.channel import ZmqClient
 from kvtransfer.sender import KVSender
 from protocol.codec import decode, encode
-from protocol.serving import AbortRequest, Busy, PrefillJob
+from protocol.serving import AbortRequest, Busy, PrefillJob, TokenBias
 from protocol.zmq_util import bind, make_socket
 from tests.decode_harness import FakeGateway, decode_config, generate, scrape, tokens_of
 from tests.invariants import assert_no_leak
@@ -127,6 +127,12 @@ def test_bad_request_gets_error_event(node):
     node.gateway.send("d0", generate("bad", [5, 100000]))
     [event] = node.gateway.collect("bad")[0]
     assert event.error == "prompt token id 100000 is outside this model's vocabulary of 768 tokens"
+    node.gateway.send("d0", generate("bias", [5, 6], logit_bias=[TokenBias(768, 1.0)]))
+    [event] = node.gateway.collect("bias")[0]
+    assert event.error == "logit_bias token id 768 is outside this model's vocabulary of 768 tokens"
+    node.gateway.send("d0", generate("range", [5, 6], logit_bias=[TokenBias(7, 101.0)]))
+    [event] = node.gateway.collect("range")[0]
+    assert event.error.startswith("logit_bias must be a map of non-negative token ids to biases in [-100, 100]")
     node.gateway.send("d0", generate("long", list(range(1, 300))))
     [event] = node.gateway.collect("long")[0]
     assert "prompt has 299 tokens; this model's context is 256" in event.error

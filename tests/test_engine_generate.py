@@ -55,6 +55,28 @@ def test_greedy_batch_equals_transformers(family: str, block_size: int, chunk: i
     assert_no_leak(llm.engine.block_manager)
 
 
+def test_logit_bias_greedy_equals_transformers_sequence_bias() -> None:
+    prompts, plain = hf_greedy("mistral")
+    path = tiny_model_dir("mistral")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    hf.generation_config.eos_token_id = None
+    # Per prompt: ban its plain greedy first and fifth tokens, favour two others (single-token sequence bias
+    # in transformers is exactly a logit bias).
+    biases = [{out[0]: -100.0, out[4]: -100.0, 11: 2.5, 700: 4.0} for out in plain[:4]]
+    expected = []
+    for prompt, bias in zip(prompts[:4], biases):
+        ids = torch.tensor([prompt])
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False,
+                          sequence_bias=[[[t], b] for t, b in bias.items()])
+        expected.append(out[0, len(prompt):].tolist())
+    llm = LLM(str(path), block_size=8, prefill_chunk_size=64)
+    outputs = llm.generate(prompts[:4], [SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True,
+                                                        logit_bias=b) for b in biases])
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert all(e != p and p[0] not in e for e, p in zip(expected, plain))  # the bias changed every output
+    assert_no_leak(llm.engine.block_manager)
+
+
 def test_preemption_under_a_tiny_pool_keeps_outputs_exact() -> None:
     prompts, expected = hf_greedy("llama")
     # 48 blocks of 8 tokens: the 300-token prompt alone needs 42 of them, so decode steps preempt.
@@ -137,3 +159,6 @@ def test_token_id_outside_vocabulary_is_refused() -> None:
     llm = LLM(str(tiny_model_dir("qwen3")))
     with pytest.raises(ValueError, match="token id 99999 is outside this model's vocabulary of 768 tokens"):
         llm.generate([[5, 99999]], GREEDY)
+    with pytest.raises(ValueError, match="logit_bias token id 768 is outside this model's vocabulary of 768 tokens"):
+        llm.generate([[5, 6]], SamplingParams(temperature=0.0, logit_bias={767: 1.0, 768: 1.0}))
+    assert_no_leak(llm.engine.block_manager)

@@ -10,7 +10,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from gateway.registry import WorkerRegistry
-from protocol.serving import Heartbeat
+from protocol.serving import Heartbeat, TokenBias
 from tests.fake_backend import (API_KEYS, MODEL, OUTPUT_TEXT, FakeBackend, LiveServer, make_gateway,
                                 make_test_tokenizer, num_requests_running, wait_until)
 
@@ -123,6 +123,15 @@ def test_chat_stream_role_first_and_usage_chunk_last(client, backend):
     assert all(c.choices[0].delta.content or c.choices[0].finish_reason for c in body)
     assert body[-1].choices[0].finish_reason == "stop"
     assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_logit_bias_reaches_the_backend_as_typed_entries(client, backend):
+    client.completions.create(model=MODEL, prompt="Hello", max_tokens=2, logit_bias={"7": -100, "42": 2.5})
+    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2,
+                                   logit_bias={"3": 100})
+    assert [r.sampling.logit_bias for r in backend.received] == [[TokenBias(7, -100.0), TokenBias(42, 2.5)],
+                                                                 [TokenBias(3, 100.0)]]
+    assert [type(b.bias) for b in backend.received[0].sampling.logit_bias] == [float, float]
 
 
 def test_n2_streams_two_choices_from_one_backend_request(loose_client, backend):

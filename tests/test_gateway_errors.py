@@ -115,6 +115,55 @@ def test_token_id_out_of_vocab(client):
     assert "1000000" in _error(info.value)["message"]
 
 
+@pytest.mark.parametrize("value, message", [
+    ([1, 2], "logit_bias must be an object mapping token ids to numbers"),
+    ({"abc": 1}, "logit_bias keys must be token ids (non-negative integers), got 'abc'"),
+    ({"-1": 1}, "logit_bias keys must be token ids"),
+    ({"5": 100.5}, "logit_bias[5] must be a number in [-100, 100], got 100.5"),
+    ({"5": "up"}, "logit_bias[5] must be a number in [-100, 100], got 'up'"),
+    ({"5": 1, "1000000": 1}, "logit_bias token id 1000000 is out of range [0, "),
+])
+def test_bad_logit_bias_is_400_naming_it(client, backend, value, message):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="Hello", max_tokens=1, logit_bias=value)
+    err = _error(info.value)
+    assert err["param"] == "logit_bias" and message in err["message"]
+    assert backend.received == []
+
+
+@pytest.mark.parametrize("chat, extra, param, message", [
+    (False, {"echo": True}, "echo", "echo is not supported by this server"),
+    (False, {"suffix": "x"}, "suffix", "suffix is not supported"),
+    (False, {"best_of": 3}, "best_of", "best_of other than n is not supported"),
+    (False, {"guided_json": {"type": "object"}}, "guided_json", "guided_json is not supported"),
+    (True, {"prompt_logprobs": 1}, "prompt_logprobs", "prompt_logprobs is not supported"),
+    (True, {"response_format": {"type": "json_object"}}, "response_format",
+     "response_format of type 'json_object' (only 'text') is not supported"),
+    (True, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools",
+     "tool calling (tools with tool_choice other than 'none') is not supported"),
+    (True, {"tool_choice": "required"}, "tool_choice", "tool_choice 'required' is not supported"),
+    (True, {"functions": [{"name": "f"}]}, "functions", "tool calling (functions with function_call"),
+])
+def test_a_field_this_server_cannot_honour_is_400_not_ignored(client, backend, chat, extra, param, message):
+    with pytest.raises(openai.BadRequestError) as info:
+        if chat:
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=1,
+                                           extra_body=extra)
+        else:
+            client.completions.create(model=MODEL, prompt="Hello", max_tokens=1, extra_body=extra)
+    err = _error(info.value)
+    assert err["param"] == param and message in err["message"]
+    assert backend.received == []
+
+
+def test_the_harmless_forms_of_those_fields_are_served(client, backend):
+    client.completions.create(model=MODEL, prompt="Hello", max_tokens=1, echo=False, best_of=2, n=2, suffix="")
+    client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=1, response_format={"type": "text"},
+        tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="none")
+    assert [r.sampling.n for r in backend.received] == [2, 1]
+
+
 def test_wrong_or_missing_key_is_401(live, backend):
     bad = openai.OpenAI(base_url=live.base_url + "/v1", api_key="nope", max_retries=0,
                         _strict_response_validation=True)

@@ -179,6 +179,26 @@ def test_logprobs_equal_the_engine(client, reference, cluster):
     wait_idle(cluster)
 
 
+def test_logit_bias_equals_the_engine_on_both_workers(client, reference, cluster):
+    # The prefill worker samples the first token and the decode worker the rest: both must apply it.
+    prompt = prompt_of(29, seed=6)
+    [plain] = engine_output(reference, prompt, temperature=0.0, max_tokens=8, ignore_eos=True)
+    bias = {plain.token_ids[0]: -100.0, plain.token_ids[4]: -100.0, 9: 3.0}
+    [expected] = engine_output(reference, prompt, temperature=0.0, max_tokens=8, ignore_eos=True, logit_bias=bias)
+    assert expected.token_ids[0] != plain.token_ids[0]
+    assert plain.token_ids[0] not in expected.token_ids and plain.token_ids[4] not in expected.token_ids
+    r = client.completions.create(model=MODEL, prompt=[prompt], max_tokens=8, temperature=0.0,
+                                  logit_bias={str(t): b for t, b in bias.items()}, extra_body={"ignore_eos": True})
+    assert r.choices[0].text == reference.tokenizer.decode(expected.token_ids)
+    forced = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5,
+                                            temperature=1.0, logit_bias={"400": 100}, logprobs=True)
+    assert forced.choices[0].message.content == reference.tokenizer.decode([400] * 5)
+    assert forced.usage.completion_tokens == 5
+    # Logprobs are the model's, before the bias (vLLM's default): far from the biased certainty of 0.
+    assert all(c.logprob < -1.0 for c in forced.choices[0].logprobs.content)
+    wait_idle(cluster)
+
+
 def test_invalid_field_is_400_naming_it(client):
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=MODEL, prompt="hi", max_tokens=4, temperature=-1.0)

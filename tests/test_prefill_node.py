@@ -25,7 +25,7 @@ from prefill_node.metrics import PrefillMetrics
 from prefill_node.options import PrefillOptions
 from prefill_node.server import PrefillServer
 from protocol.codec import decode, encode
-from protocol.serving import AbortRequest, Goodbye, Heartbeat, PrefillFailed, PrefillJob, SamplingSpec, TokenEvent
+from protocol.serving import AbortRequest, Goodbye, Heartbeat, PrefillFailed, PrefillJob, SamplingSpec, TokenBias, TokenEvent
 from protocol.zmq_util import bind, make_socket
 from tests.invariants import assert_integrity, assert_no_leak
 from tests.model_factory import tiny_model_dir
@@ -406,7 +406,11 @@ def test_malformed_frames_and_bad_jobs_are_rejected_and_counted(cluster):
     tokens = prompt(10, seed=6)
     bad_vocab = c.decode.job("v", tokens[:-1] + [768])
     c.decode.send(bad_vocab)
-    assert c.decode.recv_failed().reason == "token id 768 is outside this model's vocabulary of 768 tokens"
+    assert c.decode.recv_failed().reason == "prompt token id 768 is outside this model's vocabulary of 768 tokens"
+    bad_bias = c.decode.job("b", tokens)
+    bad_bias.sampling.logit_bias = [TokenBias(768, 1.0)]
+    c.decode.send(bad_bias)
+    assert c.decode.recv_failed().reason == "logit_bias token id 768 is outside this model's vocabulary of 768 tokens"
     bad_dst = c.decode.job("d", tokens)
     bad_dst.dst_block_ids = bad_dst.dst_block_ids[:-1]
     c.decode.send(bad_dst)
@@ -419,11 +423,11 @@ def test_malformed_frames_and_bad_jobs_are_rejected_and_counted(cluster):
     c.decode.send(good)
     assert c.decode.wait_event("g").ok  # still serving
     c.decode.adopt("g")
-    for rid in ("v", "d", "late"):
+    for rid in ("v", "b", "d", "late"):
         c.decode.rx.abort(rid)
     c.stop()
     assert c.sample("pdserve:prefill_malformed_frames_total") == 3
-    assert c.sample("pdserve:prefill_jobs_rejected_total", reason="bad_job") == 3
+    assert c.sample("pdserve:prefill_jobs_rejected_total", reason="bad_job") == 4
     c.assert_idle_no_leak()
 
 

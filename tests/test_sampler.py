@@ -2,6 +2,7 @@
 reproducibility across batch compositions, sampling frequencies against the filtered softmax."""
 
 import math
+import re
 import random
 from collections import Counter
 
@@ -316,3 +317,61 @@ def test_seeded_rows_sample_the_right_distribution():
     stat, dof = _chi_square(Counter(out.token_ids), want, n)
     assert stat < CHI2_CRIT_0001[dof], (stat, dof)
     assert all(isinstance(s.generator, torch.Generator) for s in seqs)
+
+
+# ---- logit_bias ------------------------------------------------------------------------------------
+
+def test_logit_bias_greedy_is_argmax_of_biased_logits_per_row():
+    torch.manual_seed(6)
+    logits = torch.randn(4, 300)
+    before = logits.clone()
+    top = logits.argmax(dim=1).tolist()
+    biases = [{top[0]: -100.0}, {17: 100.0}, {}, {top[3]: -1.5, 250: 2.5, 3: 0.25}]
+    seqs = [make_seq([1], temperature=0.0, logit_bias=b or None) for b in biases]
+    out = Sampler(seed=0)(logits, seqs)
+    expected = []
+    for r, bias in enumerate(biases):  # the reference: bias added to a copy of the row, one entry at a time
+        row = logits[r].tolist()
+        for token_id, value in bias.items():
+            row[token_id] += value
+        expected.append(max(range(len(row)), key=row.__getitem__))
+    assert out.token_ids == expected
+    assert out.token_ids[1] == 17 and out.token_ids[0] != top[0] and out.token_ids[2] == top[2]
+    assert torch.equal(logits, before)  # biased rows edit a private copy
+
+
+def test_logit_bias_leaves_logprobs_raw():
+    # vLLM's default: logprobs come from the model's logits, before any processing.
+    torch.manual_seed(7)
+    logits = torch.randn(1, 40)
+    out = Sampler(seed=0)(logits, [make_seq([1], temperature=0.0, logprobs=2, logit_bias={5: 100.0})])
+    assert out.token_ids == [5]
+    assert out.logprobs[0].logprob == pytest.approx(logits.log_softmax(dim=1)[0, 5].item(), abs=1e-6)
+
+
+def test_logit_bias_sampling_frequencies_match_biased_softmax():
+    row = [1.2, 0.3, -0.5, 2.0, 0.9]
+    bias = {3: -2.0, 1: 1.5}
+    want = ref_distribution([x + bias.get(i, 0.0) for i, x in enumerate(row)], temperature=0.8)
+    n = 20000
+    seq = make_seq([1], temperature=0.8, logit_bias=bias)
+    out = Sampler(seed=12)(torch.tensor([row]).expand(n, len(row)), [seq] * n)
+    stat, dof = _chi_square(Counter(out.token_ids), want, n)
+    assert stat < CHI2_CRIT_0001[dof], (stat, dof)
+
+
+def test_logit_bias_id_past_the_logits_is_skipped_not_fatal():
+    logits = torch.tensor([[0.0, 1.0, 0.5]])
+    out = Sampler(seed=0)(logits, [make_seq([1], temperature=0.0, logit_bias={2: 1.0, 99: 100.0})])
+    assert out.token_ids == [2]
+
+
+@pytest.mark.parametrize("bias, message", [
+    ({3: 100.5}, "logit_bias must be a map of non-negative token ids to biases in [-100, 100]"),
+    ({-1: 1.0}, "logit_bias must be"),
+    ({3: float("nan")}, "logit_bias must be"),
+    ({True: 1.0}, "logit_bias must be"),
+])
+def test_logit_bias_out_of_range_names_the_parameter(bias, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        SamplingParams(logit_bias=bias)
