@@ -2,6 +2,7 @@
 batching, side by side in one run, on the ``small`` model.
 
     python -m benchmarks.serve [--quick] [--plots-dir docs] [--json FILE]
+                               [--systems disagg,coloc] [--workloads interference] [--set SECTION.KEY=VALUE]
 
 1. transformers static batching (batch 16, offline, greedy, EOS ignored) on the mixed workload, with
    torch threads = the benchmark's cores.
@@ -13,6 +14,9 @@ batching, side by side in one run, on the ``small`` model.
    and peak RSS of each process of the serve tree are read from /proc around the runs.
 3. The table, per-process costs, the targets next to the measured values, optional plots and JSON;
    the last line is ``vs_hf_static=<x> tpot_p99_disagg_vs_coloc=<y> prefix_ttft_gain=<z>``.
+
+``--systems``, ``--workloads`` and ``--set`` narrow a run to an A/B of one setting on one workload
+(``serve_plan.select``); a headline ratio whose runs were left out is nan.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from benchmarks import serve_workloads as workloads
 from benchmarks.client import KvSampler, Target, run_closed_loop, run_open_loop
 from benchmarks.serve_launcher import ServedSystem
 from benchmarks.serve_metrics import Slo, kv_utilization, summarize
-from benchmarks.serve_plan import STATIC_BATCH_SIZE, Plan, SystemSpec, plan
+from benchmarks.serve_plan import STATIC_BATCH_SIZE, Plan, SystemSpec, plan, select
 from benchmarks.serve_procs import cpu_delta, sample_tree, self_sample
 from benchmarks.serve_report import ALL_AT_ONCE, HEADER, Report, make_run, print_procs, print_targets, run_row, write_json
 from benchmarks.workload import BenchRequest
@@ -49,7 +53,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--plots-dir", default=None, help="write PNG plots here (needs matplotlib: the 'plots' extra)")
     p.add_argument("--json", default=None, help="write every number to this JSON file")
     p.add_argument("--skip-hf", action="store_true", help="no transformers baseline (vs_hf_static is nan)")
+    p.add_argument("--systems", default=None, help="only these of disagg,coloc,nocache (comma-separated)")
+    p.add_argument("--workloads", default=None,
+                   help="only these of mixed_rates,mixed_closed,prefix,interference (comma-separated); the "
+                        "transformers baseline runs only with mixed_closed")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", dest="overrides",
+                   help="config of every pdserve system, e.g. gateway.local_prefill_max_tokens=0 (repeatable)")
     return p.parse_args(argv)
+
+
+def _names(text: str | None) -> list[str] | None:
+    return [x.strip() for x in text.split(",") if x.strip()] if text else None
 
 
 def prompt_vocab(model_dir: Path) -> int:
@@ -142,13 +156,19 @@ def main(argv: list[str] | None = None) -> int:
 
     model_dir = Path(args.model) if args.model else default_model_dir()
     vocab = prompt_vocab(model_dir)
-    p = plan(args.quick)
+    try:
+        p = select(plan(args.quick), _names(args.systems), _names(args.workloads), args.overrides)
+    except ValueError as exc:
+        raise SystemExit(f"python -m benchmarks.serve: {exc}") from None
     print(f"pdserve serving benchmark{' (--quick)' if args.quick else ''}: model {model_dir}, cpus {sorted(cpus)}, "
           f"{platform.processor() or platform.machine()}, {datetime.datetime.now():%Y-%m-%d %H:%M}; "
           f"prompt ids from a vocab of {vocab}; SLO TTFT {args.slo_ttft} s, TPOT {args.slo_tpot} s")
+    selection = {"systems": {spec.name: list(spec.workloads) for spec in p.systems}, "overrides": args.overrides}
+    if args.systems or args.workloads or args.overrides:
+        print(f"selected: {selection['systems']}; config overrides {args.overrides}")
     report = Report()
     print(f"\n{HEADER}", flush=True)
-    if not args.skip_hf:
+    if not args.skip_hf and any("mixed_closed" in spec.workloads for spec in p.systems):
         run_hf_static(model_dir, workloads.mixed(vocab, p.closed_requests, args.seed), len(cpus), report)
     logs = Path(tempfile.mkdtemp(prefix="pdserve-bench-"))  # kept: each system's serve log
     for spec in p.systems:
@@ -156,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     print_procs(report)
     headline = print_targets(report)
     if args.json:
-        write_json(report, Path(args.json), {"quick": args.quick, "cpus": sorted(cpus), "model": str(model_dir)})
+        write_json(report, Path(args.json), {"quick": args.quick, "cpus": sorted(cpus), "model": str(model_dir),
+                                             **selection})
     if args.plots_dir:
         from benchmarks.plots import write_plots
 

@@ -11,9 +11,12 @@ closed loops (64: four full batches), same cores.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+
+import yaml
 
 STATIC_BATCH_SIZE = 16
+WORKLOADS = ("mixed_rates", "mixed_closed", "prefix", "interference")
 
 
 @dataclass(slots=True, frozen=True)
@@ -47,10 +50,9 @@ def _sections(prefix_caching: bool = True) -> dict:
 
 
 def systems(quick: bool) -> tuple[SystemSpec, ...]:
-    everything = ("mixed_rates", "mixed_closed", "prefix", "interference")
     return (
-        SystemSpec("disagg", 1, 1, _sections(), everything),
-        SystemSpec("coloc", 0, 1, _sections(), everything if not quick else ("mixed_rates", "mixed_closed", "interference")),
+        SystemSpec("disagg", 1, 1, _sections(), WORKLOADS),
+        SystemSpec("coloc", 0, 1, _sections(), WORKLOADS if not quick else ("mixed_rates", "mixed_closed", "interference")),
         SystemSpec("nocache", 1, 1, _sections(prefix_caching=False),
                    ("mixed_closed", "prefix") + (() if quick else ("mixed_rates",))),
     )
@@ -64,3 +66,30 @@ def plan(quick: bool) -> Plan:
     return Plan(closed_requests=64, concurrency=STATIC_BATCH_SIZE, rate_requests=32,
                 rates_rps=(0.25, 0.5, 1.0, 2.0), prefix_requests=48, prefix_rate_rps=0.5, short_requests=72,
                 short_rate_rps=1.5, num_bursts=4, burst_size=2, systems=systems(False))
+
+
+def select(p: Plan, systems: list[str] | None = None, workloads: list[str] | None = None,
+           overrides: list[str] = ()) -> Plan:
+    """``p`` narrowed to some systems and workloads (each system keeps only those of its own it is
+    asked for), with ``SECTION.KEY=VALUE`` config overrides (VALUE read as YAML) on every system:
+    for A/B runs of one setting on one workload. Raises ValueError naming a wrong name or override."""
+    known = [s.name for s in p.systems]
+    for name, given, valid in (("system", systems, known), ("workload", workloads, WORKLOADS)):
+        wrong = [x for x in given or () if x not in valid]
+        if wrong:
+            raise ValueError(f"unknown {name}(s) {wrong}; choose from {list(valid)}")
+    changes: dict[str, dict] = {}
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        section, dot, field_name = key.partition(".")
+        if not (sep and dot and section and field_name):
+            raise ValueError(f"override {item!r} is not SECTION.KEY=VALUE")
+        changes.setdefault(section, {})[field_name] = yaml.safe_load(value)
+    chosen = []
+    for spec in p.systems:
+        if systems and spec.name not in systems:
+            continue
+        names = tuple(w for w in spec.workloads if not workloads or w in workloads)
+        sections = {k: {**spec.sections.get(k, {}), **changes.get(k, {})} for k in {*spec.sections, *changes}}
+        chosen.append(replace(spec, workloads=names, sections=sections))
+    return replace(p, systems=tuple(chosen))

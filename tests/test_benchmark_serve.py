@@ -7,10 +7,12 @@ from __future__ import annotations
 import math
 import os
 import random
+import re
 
 import numpy as np
 import pytest
 
+from benchmarks import serve_plan as P
 from benchmarks import serve_workloads as W
 from benchmarks.client import parse_metric
 from benchmarks.serve_metrics import RequestTimeline, Slo, is_good, kv_utilization, percentile, summarize
@@ -138,3 +140,30 @@ def test_interference_shape():
     horizon = max(s.at_s for s in shorts)
     burst_times = sorted({s.at_s for s in longs})
     assert burst_times == pytest.approx([horizon * (k + 0.5) / 3 for k in range(3)])
+
+
+def test_select_narrows_the_plan_and_overrides_every_system():
+    full = P.plan(quick=True)
+    picked = P.select(full, ["coloc", "disagg"], ["interference", "prefix"],
+                      ["gateway.local_prefill_max_tokens=0", "engine.prefill_chunk_size=256", "engine.max_num_seqs=8"])
+    assert [(s.name, s.workloads) for s in picked.systems] == [("disagg", ("prefix", "interference")),
+                                                              ("coloc", ("interference",))]  # quick coloc has no prefix
+    for spec in picked.systems:
+        assert spec.sections["gateway"] == {"local_prefill_max_tokens": 0}
+        assert spec.sections["engine"] == {"enable_prefix_caching": True, "max_num_seqs": 8,
+                                           "kv_cache_memory_mb": 1024, "prefill_chunk_size": 256}
+        assert spec.sections["model"] == {"max_model_len": 4096}
+    assert (picked.short_requests, picked.num_bursts) == (full.short_requests, full.num_bursts)
+    assert P.select(full) == full
+    assert full.systems[0].sections["engine"]["max_num_seqs"] == 64  # the plan itself is untouched
+
+
+@pytest.mark.parametrize("args, message", [
+    ((["disag"], None, []), "unknown system(s) ['disag']; choose from ['disagg', 'coloc', 'nocache']"),
+    ((None, ["mixed"], []), "unknown workload(s) ['mixed']"),
+    ((None, None, ["local_prefill_max_tokens=0"]), "override 'local_prefill_max_tokens=0' is not SECTION.KEY=VALUE"),
+    ((None, None, ["gateway.x"]), "override 'gateway.x' is not SECTION.KEY=VALUE"),
+])
+def test_select_names_what_is_wrong(args, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        P.select(P.plan(quick=False), *args)
