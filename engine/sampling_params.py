@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a token's bias: [-100, 100]
+from protocol.serving import MAX_LOGIT_BIAS
 
 
 class SamplingError(ValueError):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from protocol.serving import SamplingSpec, TokenBias
+from protocol.serving import MAX_LOGIT_BIAS, SamplingSpec, TokenBias
 from .errors import bad_request
 from .request_fields import Fields
 
@@ -95,7 +95,7 @@ def _common(f: Fields, chat: bool) -> dict:
         min_tokens=f.int("min_tokens", 0, lo=0),
         stop_token_ids=f.token_ids("stop_token_ids"),
         ignore_eos=f.bool("ignore_eos", False),
-        logit_bias=[TokenBias(t, b) for t, b in f.logit_bias().items()],
+        logit_bias=[TokenBias(t, b) for t, b in f.logit_bias("logit_bias", MAX_LOGIT_BIAS).items()],
     )
     if sampling["top_k"] == -1:
         sampling["top_k"] = 0

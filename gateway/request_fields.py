@@ -83,8 +83,8 @@ class Fields:
             raise bad_request(f"{name} must be a list of non-negative integers", name)
         return v
 
-    def logit_bias(self, name: str = "logit_bias", max_bias: float = 100.0) -> dict[int, float]:
-        """OpenAI's map of token ids (JSON object keys, so strings of digits) to a bias in [-100, 100]."""
+    def logit_bias(self, name: str, max_bias: float) -> dict[int, float]:
+        """OpenAI's map of token ids (JSON object keys, so strings of digits) to a bias in [-max_bias, max_bias]."""
         v = self.raw(name, {})
         if not isinstance(v, dict):
             raise bad_request(f"{name} must be an object mapping token ids to numbers, got {_show(v)}", name)

@@ -32,6 +32,9 @@ ROLES = ("prefill", "decode")
 FINISH_REASONS = ("", "stop", "length")  # "" while the completion is still running
 
 
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a token's bias: [-100, 100] (gateway and engine both check it)
+
+
 @wire_record("serve.token_bias")
 @dataclass(slots=True)
 class TokenBias:
