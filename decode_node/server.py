@@ -21,7 +21,9 @@ Life cycle of a request on this node:
    may retry it elsewhere.
 5. Every engine step (decode tokens and local prefill chunks in one batch; n > 1 forks copy-on-write;
    preemption recomputes here) streams each completion's new tokens as a TokenEvent ordered by offset,
-   with logprobs when asked, and a finish reason on its last one.
+   with logprobs when asked, and a finish reason on its last one. A prompt prefilled here sends its
+   prompt logprobs, when asked, just before its first event (``PromptLogprobs``); n > 1 with prompt
+   logprobs is always prefilled here, since the prefill worker would not compute the last token.
 6. On finish the full blocks stay in the prefix cache and the rest are freed. ``AbortRequest`` or the
    deadline, at any phase, frees everything (and forwards the abort to the prefill worker while its
    job is out).
@@ -57,6 +59,7 @@ from protocol.serving import (
     AbortRequest, Busy, Generate, Goodbye, Heartbeat, PrefillFailed, PrefillJob,
 )
 from worker import Drain, EngineMetrics, EngineSnapshot, HeartbeatTimer, WorkerSocket
+from worker.logprob_records import prompt_logprobs_frames
 
 log = logging.getLogger(__name__)
 
@@ -163,7 +166,9 @@ class DecodeServer:
             return
         remote_tokens = self._kv_needed_from_prefill(seq)
         _, hit_tokens = self.block_manager.prefix_hit(seq)
-        if gen.prefill_address and remote_tokens > hit_tokens:
+        # Prompt logprobs come from whoever computes the whole prompt; with n > 1 that is this worker.
+        computes_prompt_here = seq.params.prompt_logprobs is not None and seq.params.n > 1
+        if gen.prefill_address and remote_tokens > hit_tokens and not computes_prompt_here:
             self._start_remote_prefill(req, gen, remote_tokens)
         else:
             self._start_local_prefill(req)
@@ -275,6 +280,9 @@ class DecodeServer:
         event = new_tokens_event(req.rid, index, seq, req.num_sent[index], req.wants_logprobs, num_cached)
         if event is None:
             return
+        if index == 0 and not req.announced[0] and req.num_sent[0] == 0 and seq.params.prompt_logprobs is not None:
+            for frame in prompt_logprobs_frames(req.rid, seq.prompt_logprobs):  # prefilled here: ours to send
+                self.gateway.send(frame)
         req.announced[index] = True
         now = time.monotonic()
         if event.token_ids:

@@ -6,15 +6,11 @@
 
 from __future__ import annotations
 
-from engine.sampler import TokenLogprobs
 from engine.sequence import Sequence, SequenceStatus
-from protocol.serving import TokenEvent, TokenLogprobRecord
+from protocol.serving import TokenEvent
+from worker.logprob_records import logprob_record
 
 FINISH_REASONS = {SequenceStatus.FINISHED_STOPPED: "stop", SequenceStatus.FINISHED_LENGTH: "length"}
-
-
-def logprob_record(lp: TokenLogprobs) -> TokenLogprobRecord:
-    return TokenLogprobRecord(lp.token_id, float(lp.logprob), [t for t, _ in lp.top], [float(v) for _, v in lp.top])
 
 
 def new_tokens_event(rid: str, index: int, seq: Sequence, num_sent: int, wants_logprobs: bool,

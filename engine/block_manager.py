@@ -99,7 +99,10 @@ class BlockManager:
         return self._walk(block_hashes(token_ids, self.block_size))
 
     def prefix_hit(self, seq: Sequence) -> tuple[list[int], int]:
-        """What ``allocate`` would reuse for ``seq`` now: full blocks within its first num_tokens - 1 tokens."""
+        """What ``allocate`` would reuse for ``seq`` now: full blocks within its first num_tokens - 1 tokens
+        (none for a sequence that needs its prompt logprobs: those come only from computing the prompt)."""
+        if seq.needs_prompt_logprobs:
+            return [], 0
         num_full = (seq.num_tokens - 1) // self.block_size
         return self._walk(self._seq_hashes(seq, num_full)[:num_full])
 

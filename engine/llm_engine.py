@@ -43,6 +43,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     num_cached_tokens: int  # prompt tokens taken from the prefix cache, not recomputed
     outputs: list[CompletionOutput] = field(default_factory=list)
+    prompt_logprobs: list | None = None  # when asked: None for token 0, then a TokenLogprobs per prompt token
 
 
 @dataclass(slots=True)
@@ -101,7 +102,10 @@ class LLMEngine:
             return None
         del self._requests[request_id]
         request.finished.sort(key=self.scheduler.completion_index_of)
-        output = RequestOutput(request_id, request.prompt_token_ids, request.finished[0].num_cached_tokens)
+        first = request.finished[0]
+        output = RequestOutput(request_id, request.prompt_token_ids, first.num_cached_tokens)
+        if request.params.prompt_logprobs is not None:
+            output.prompt_logprobs = [None, *first.prompt_logprobs]
         for index, done in enumerate(request.finished):
             logprobs = done.output_logprobs if request.params.logprobs is not None else None
             output.outputs.append(

@@ -16,6 +16,7 @@ import kernels
 from engine.attention_metadata import AttentionMetadata
 from engine.kv_pool import KVPool
 from engine.model import CausalLM
+from engine.prompt_logprobs import record_prompt_logprobs
 from engine.sampler import Sampler, SamplerOutput
 from engine.scheduled_batch import ScheduledBatch
 from kernels.cpu_native import NativeLibrary
@@ -43,10 +44,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> SamplerOutput:
-        """Compute the batch's tokens; sample one token for each of ``batch.sample_seqs``."""
+        """Compute the batch's tokens; sample one token for each of ``batch.sample_seqs``; record the
+        prompt logprobs of the sequences that ask (engine/prompt_logprobs.py)."""
         self._copy_blocks(batch.block_copies)
         input_ids, positions, meta = self._prepare(batch)
         hidden = self.model(input_ids, positions, self.kv_pool, meta)  # [num_tokens, hidden]
+        record_prompt_logprobs(self.model.compute_logits, hidden, batch, meta.query_start_loc)
         last_token_rows = meta.query_start_loc[1:].long() - 1  # [batch]: each seq's last new token
         rows = last_token_rows[torch.tensor(batch.sample_rows, dtype=torch.long, device=self.device)]
         logits = self.model.compute_logits(hidden[rows])  # [num_samples, vocab]

@@ -35,6 +35,7 @@ class TokenLogprobs:
     token_id: int  # the sampled token
     logprob: float  # its log-probability under the raw model distribution
     top: list[tuple[int, float]]  # (token, logprob) of the params.logprobs most likely, most likely first
+    rank: int = 0  # prompt logprobs: the token's rank, 1 = most likely (0: not computed)
 
 
 @dataclass(slots=True)

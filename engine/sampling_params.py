@@ -30,6 +30,9 @@ class SamplingParams:
     logprobs: int | None = None  # None: no logprobs; k >= 0: the sampled token's plus top-k
     max_logprobs: int = 20  # upper bound accepted for ``logprobs``
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before anything else
+    # None: none; k >= 0: every prompt token's logprob (after the first) plus the top k. The prompt is
+    # then computed in full, never read from the prefix cache: cached tokens have no logits.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.top_k == -1:
@@ -66,3 +69,6 @@ class SamplingParams:
             "logit_bias", f"a map of non-negative token ids to biases in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
         check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= self.max_logprobs),
               "logprobs", f"an integer in [0, {self.max_logprobs}]")
+        check(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int)
+                                               and 0 <= self.prompt_logprobs <= self.max_logprobs),
+              "prompt_logprobs", f"an integer in [0, {self.max_logprobs}]")

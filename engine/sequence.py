@@ -44,6 +44,7 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache, never recomputed
     generator: object | None = None  # torch.Generator of a seeded request (owned by the sampler)
     output_logprobs: list = field(default_factory=list)  # one entry per generated token when asked
+    prompt_logprobs: list = field(default_factory=list)  # TokenLogprobs of prompt tokens 1, 2, ... when asked
 
     def __post_init__(self) -> None:
         if self.num_prompt_tokens < 0:
@@ -65,6 +66,12 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Asked for prompt logprobs that are not all computed yet (so its prompt must be computed here,
+        not taken from the prefix cache)."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
 
     @property
     def is_finished(self) -> bool:

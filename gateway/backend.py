@@ -44,6 +44,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)
+    rank: int | None = None  # prompt logprobs: the token's rank under the model, 1 = most likely
 
 
 @dataclass(slots=True)
@@ -57,6 +58,8 @@ class TokenEvent:
     num_cached_tokens: int | None = None  # prompt tokens not recomputed; sent with the first event
     queue_time_s: float | None = None  # time the request waited for a worker; sent with the first event
     error: str | None = None  # the request failed in a worker; no more events follow
+    # Asked-for prompt logprobs, on each completion's first event: one per prompt token after the first.
+    prompt_logprobs: list[TokenLogprob] | None = None
 
     def __post_init__(self) -> None:
         assert self.finish_reason in (None, "stop", "length"), self.finish_reason

@@ -29,22 +29,27 @@ class ChoiceDelta:
 class ChoiceState:
     """Text, token count and finish reason of one choice (one backend request)."""
 
-    __slots__ = ("index", "request_id", "num_prompt_tokens", "num_output_tokens", "num_cached_tokens", "text",
-                 "finish_reason", "_detok", "_stop", "_held_logprobs", "_all_logprobs")
+    __slots__ = ("index", "request_id", "prompt_ids", "num_output_tokens", "num_cached_tokens", "text",
+                 "finish_reason", "prompt_logprobs", "_detok", "_stop", "_held_logprobs", "_all_logprobs")
 
     def __init__(self, index: int, request_id: str, tokenizer: Tokenizer, prompt_ids: list[int],
                  stop: list[str]) -> None:
         self.index = index
         self.request_id = request_id
-        self.num_prompt_tokens = len(prompt_ids)
+        self.prompt_ids = prompt_ids
         self.num_output_tokens = 0
         self.num_cached_tokens = 0
-        self.text = ""  # everything emitted so far
+        self.text = ""  # everything emitted so far (an echoed prompt is the response's business, not in here)
         self.finish_reason: str | None = None
+        self.prompt_logprobs: list[TokenLogprob] | None = None  # when asked: one per prompt token after the first
         self._detok = IncrementalDetokenizer(tokenizer, prompt_ids)
         self._stop = StopStringMatcher(stop)
         self._held_logprobs: list[TokenLogprob] = []
         self._all_logprobs: list[TokenLogprob] = []
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
 
     @property
     def is_finished(self) -> bool:
@@ -58,6 +63,8 @@ class ChoiceState:
         assert not self.is_finished, f"event after finish for {self.request_id}"
         if event.num_cached_tokens is not None:
             self.num_cached_tokens = event.num_cached_tokens
+        if event.prompt_logprobs is not None:
+            self.prompt_logprobs = event.prompt_logprobs
         self.num_output_tokens += len(event.token_ids)
         if event.logprobs:
             self._held_logprobs.extend(event.logprobs)

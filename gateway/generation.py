@@ -89,12 +89,24 @@ class Generation:
             i = r * n + event.index
             if self.states[i].is_finished:  # ended here by a stop string; the worker had not heard yet
                 continue
+            self._check_prompt_logprobs(r, self.states[i], event)
             self._observe_latency(i, r, event)
             delta = self.states[i].feed(event)
             if delta.stopped_by_string and all(s.is_finished for s in self._choices_of(r)):
                 self._pumps[r].cancel()
                 await self._backend.abort(self._requests[r].request_id)
             yield i, delta
+
+    def _check_prompt_logprobs(self, r: int, state: ChoiceState, event: TokenEvent) -> None:
+        """Asked-for prompt logprobs come on a completion's first event, one per prompt token after the
+        first: the responses index them by prompt position."""
+        if self._requests[r].sampling.prompt_logprobs is None or state.prompt_logprobs is not None:
+            return
+        prompt = self._requests[r].prompt_token_ids
+        got = event.prompt_logprobs
+        if got is None or [e.token_id for e in got] != prompt[1:]:
+            what = "no" if got is None else f"{len(got)} (not matching the prompt's tokens)"
+            raise GenerationFailed(f"worker sent {what} prompt logprobs for a prompt of {len(prompt)} tokens")
 
     async def _next_event(self) -> tuple[int, TokenEvent]:
         deadline = self._requests[0].deadline  # one HTTP request: every choice shares the deadline

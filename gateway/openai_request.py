@@ -29,20 +29,29 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     logprobs: int | None  # top alternatives per token; None: no logprobs
-    sampling: dict = field(default_factory=dict)  # SamplingSpec fields except max_tokens, n, logprobs
+    sampling: dict = field(default_factory=dict)  # SamplingSpec fields except max_tokens, n and the logprobs
     user: str | None = None
+    echo: bool = False  # completions: each choice's text (and logprobs) starts with its prompt
+    prompt_logprobs: int | None = None  # asked for explicitly: the response carries a prompt_logprobs field
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """Top-k of the prompt logprobs the workers compute. Echo with logprobs needs them for the prompt's
+        part (vLLM's rule); asked for both ways, the larger k serves both and each keeps its own top."""
+        wanted = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None) if k is not None]
+        return max(wanted) if wanted else None
 
     def sampling_options(self, max_tokens: int) -> SamplingSpec:
         if self.sampling.get("min_tokens", 0) > max_tokens:
             raise bad_request(f"min_tokens ({self.sampling['min_tokens']}) must be <= max_tokens ({max_tokens})",
                               "min_tokens")
-        return SamplingSpec(max_tokens=max_tokens, n=self.n, logprobs=self.logprobs, **self.sampling)
+        return SamplingSpec(max_tokens=max_tokens, n=self.n, logprobs=self.logprobs,
+                            prompt_logprobs=self.num_prompt_logprobs, **self.sampling)
 
 
-# vLLM's structured-output and prompt-logprob extras: with any of them set the client wants an output
-# this server does not produce, so they are refused rather than ignored.
-_UNSUPPORTED_EXTRAS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
-                       "prompt_logprobs")
+# vLLM's structured-output extras: with any of them set the client wants an output this server does not
+# produce, so they are refused rather than ignored.
+_UNSUPPORTED_EXTRAS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
 
 
 def _refuse_unsupported(f: Fields, chat: bool) -> None:
@@ -58,11 +67,11 @@ def _refuse_unsupported(f: Fields, chat: bool) -> None:
     if best_of is not None and best_of != f.raw("n", 1):
         refuse("best_of", "best_of other than n")
     if not chat:
-        if f.bool("echo", False):
-            refuse("echo")
         if f.raw("suffix", "") != "":
             refuse("suffix")
         return
+    if f.bool("echo", False):  # vLLM's chat echo repeats the last message in the reply, not the prompt
+        refuse("echo", "echo (the last message repeated in the reply) for chat completions")
     response_format = f.object("response_format")
     if response_format is not None and response_format.raw("type") != "text":
         refuse("response_format", f"response_format of type {str(response_format.raw('type'))[:40]!r} (only 'text')")
@@ -83,6 +92,9 @@ def _common(f: Fields, chat: bool) -> dict:
     max_tokens = f.int("max_completion_tokens", None, lo=1) if chat else None
     if max_tokens is None:
         max_tokens = f.int("max_tokens", None, lo=1)
+    prompt_logprobs = f.int("prompt_logprobs", None, lo=0, hi=MAX_LOGPROBS)
+    if prompt_logprobs is not None and stream:  # as vLLM: stream chunks have no place for them
+        raise bad_request("prompt_logprobs is not available when stream is true", "prompt_logprobs")
     sampling = dict(
         temperature=f.float("temperature", 1.0, lo=0.0, hi=MAX_SCALE),
         top_p=f.float("top_p", 1.0, lo=0.0, hi=1.0, lo_open=True),
@@ -103,7 +115,7 @@ def _common(f: Fields, chat: bool) -> dict:
         model=f.str("model", None), max_tokens=max_tokens, n=f.int("n", 1, lo=1, hi=MAX_N),
         stop=f.stop_strings(), stream=stream,
         include_usage=options.bool("include_usage", False) if options else False,
-        sampling=sampling, user=f.str("user", None),
+        sampling=sampling, user=f.str("user", None), prompt_logprobs=prompt_logprobs,
     )
 
 
@@ -111,7 +123,8 @@ def parse_completion(body) -> ParsedRequest:
     f = Fields(body)
     common = _common(f, chat=False)
     logprobs = f.int("logprobs", None, lo=0, hi=MAX_LOGPROBS)
-    return ParsedRequest(prompts=_prompts(f.raw("prompt")), messages=None, logprobs=logprobs, **common)
+    return ParsedRequest(prompts=_prompts(f.raw("prompt")), messages=None, logprobs=logprobs,
+                         echo=f.bool("echo", False), **common)
 
 
 def parse_chat(body) -> ParsedRequest:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from . import __version__
+from .openai_request import MAX_LOGPROBS
 
 _JSON = {"application/json": {"schema": {"type": "object"}}}
 _ERROR = {"description": "OpenAI error object", "content": _JSON}
@@ -24,6 +25,8 @@ _SAMPLING = {
     "min_tokens": {"type": "integer", "minimum": 0}, "user": {"type": "string"},
     "logit_bias": {"type": "object", "propertyNames": {"pattern": "^[0-9]+$"},
                    "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}},
+    # vLLM's: each prompt token's logprob and rank plus the top k; not with stream (400)
+    "prompt_logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS},
 }
 _PROMPT = {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}, _TOKEN_IDS,
                      {"type": "array", "items": _TOKEN_IDS}]}
@@ -31,7 +34,8 @@ _MESSAGES = {"type": "array", "items": {"type": "object", "required": ["role", "
     "role": {"enum": ["system", "user", "assistant"]}, "content": {"type": "string"}}}}
 _BODIES = {
     "completion": {"required": ["prompt"], "properties": {
-        **_SAMPLING, "prompt": _PROMPT, "logprobs": {"type": "integer", "minimum": 0}}},
+        **_SAMPLING, "prompt": _PROMPT, "logprobs": {"type": "integer", "minimum": 0},
+        "echo": {"type": "boolean"}}},  # the prompt leads each choice's text and logprobs
     "chat": {"required": ["messages"], "properties": {
         **_SAMPLING, "messages": _MESSAGES, "max_completion_tokens": {"type": "integer", "minimum": 1},
         "logprobs": {"type": "boolean"}, "top_logprobs": {"type": "integer", "minimum": 0}}},

@@ -2,9 +2,24 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from .backend import TokenLogprob
 from .choice import ChoiceDelta, ChoiceState
 from .tokenizer import Tokenizer
+
+
+@dataclass(slots=True)
+class ResponseOptions:
+    """What the client asked to see besides the generated text; fixed once the request is tokenized."""
+
+    logprobs: int | None  # top alternatives per token; None: no logprobs
+    prompt_logprobs: int | None  # vLLM's prompt_logprobs, asked for explicitly; None: no such field
+    num_choices_per_prompt: int = 1  # n: choice i answers prompt i // n
+    echo_texts: list[str] | None = None  # completions with echo: each prompt's text, put before its choices'
+
+    def echo_of(self, state: ChoiceState) -> str | None:
+        return None if self.echo_texts is None else self.echo_texts[state.index // self.num_choices_per_prompt]
 
 
 def usage(states: list[ChoiceState], n: int) -> dict:
@@ -37,43 +52,94 @@ class LogprobFormatter:
         return {"content": content, "refusal": None}
 
     def completion(self, entries: list[TokenLogprob], text_offset: int) -> dict:
+        return self._completion([(e.token_id, e) for e in entries], text_offset)
+
+    def echoed_completion(self, state: ChoiceState, echo: str, k: int, entries: list[TokenLogprob],
+                          text_offset: int) -> dict:
+        """``completion`` of an echoed prompt, then of ``entries``: the prompt's first token has no logprob
+        (None, as in vLLM), the others their own top ``k``. ``entries`` start where the prompt's text ends,
+        so their offsets stay right whatever the prompt's tokens decode to one by one."""
+        head = self._completion([(state.prompt_ids[0], None)] + [
+            (e.token_id, TokenLogprob(e.token_id, e.logprob, e.top[:k])) for e in state.prompt_logprobs],
+            text_offset)
+        tail = self.completion(entries, text_offset + len(echo))
+        return {key: head[key] + tail[key] for key in head}
+
+    def _completion(self, steps: list[tuple[int, TokenLogprob | None]], text_offset: int) -> dict:
+        """OpenAI's legacy logprobs object over (token id, its logprob or None) steps."""
         tokens, offsets = [], []
-        for e in entries:
+        for token_id, _ in steps:
             offsets.append(text_offset)
-            tokens.append(self._token(e.token_id))
+            tokens.append(self._token(token_id))
             text_offset += len(tokens[-1])
-        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
-                "top_logprobs": [{self._token(t): lp for t, lp in e.top} for e in entries],
+        return {"tokens": tokens, "token_logprobs": [None if e is None else e.logprob for _, e in steps],
+                "top_logprobs": [None if e is None else {self._token(t): lp for t, lp in e.top} for _, e in steps],
                 "text_offset": offsets}
 
+    def prompt_logprobs(self, entries: list[TokenLogprob], k: int) -> list[dict | None]:
+        """vLLM's prompt_logprobs: None for the first prompt token, then for each one a map from token id to
+        logprob, rank and text holding the prompt token and the top ``k`` (the prompt token once)."""
+        def one(token_id: int, logprob: float, rank: int | None) -> dict:
+            return {"logprob": logprob, "rank": rank, "decoded_token": self._token(token_id)}
 
-def completion_body(rid: str, created: int, model: str, states: list[ChoiceState], n: int,
-                    fmt: LogprobFormatter, want_logprobs: bool) -> dict:
-    choices = [{"index": s.index, "text": s.text, "finish_reason": s.finish_reason,
-                "logprobs": fmt.completion(s.logprobs, 0) if want_logprobs else None} for s in states]
+        out: list[dict | None] = [None]
+        for e in entries:
+            ranked = {str(e.token_id): one(e.token_id, e.logprob, e.rank)}
+            for rank, (token_id, logprob) in enumerate(e.top[:k], start=1):
+                ranked.setdefault(str(token_id), one(token_id, logprob, rank))
+            out.append(ranked)
+        return out
+
+
+def _completion_logprobs(fmt: LogprobFormatter, opts: ResponseOptions, state: ChoiceState, echo: str | None,
+                         entries: list[TokenLogprob], text_offset: int) -> dict | None:
+    """Logprobs of one choice's text or of one chunk of it; ``echo``: the prompt text leads this part."""
+    if opts.logprobs is None:
+        return None
+    if echo is None:
+        return fmt.completion(entries, text_offset)
+    return fmt.echoed_completion(state, echo, opts.logprobs, entries, text_offset)
+
+
+def completion_body(rid: str, created: int, model: str, states: list[ChoiceState], fmt: LogprobFormatter,
+                    opts: ResponseOptions) -> dict:
+    choices = []
+    for s in states:
+        echo = opts.echo_of(s)
+        choice = {"index": s.index, "text": (echo or "") + s.text, "finish_reason": s.finish_reason,
+                  "logprobs": _completion_logprobs(fmt, opts, s, echo, s.logprobs, 0)}
+        if opts.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = fmt.prompt_logprobs(s.prompt_logprobs, opts.prompt_logprobs)
+        choices.append(choice)
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": choices, "usage": usage(states, n)}
+            "choices": choices, "usage": usage(states, opts.num_choices_per_prompt)}
 
 
-def chat_body(rid: str, created: int, model: str, states: list[ChoiceState], n: int,
-              fmt: LogprobFormatter, want_logprobs: bool) -> dict:
+def chat_body(rid: str, created: int, model: str, states: list[ChoiceState], fmt: LogprobFormatter,
+              opts: ResponseOptions) -> dict:
+    want_logprobs = opts.logprobs is not None
     choices = [{"index": s.index, "message": {"role": "assistant", "content": s.text},
                 "finish_reason": s.finish_reason,
                 "logprobs": fmt.chat(s.logprobs) if want_logprobs else None} for s in states]
-    return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-            "choices": choices, "usage": usage(states, n)}
+    body = {"id": rid, "object": "chat.completion", "created": created, "model": model,
+            "choices": choices, "usage": usage(states, opts.num_choices_per_prompt)}
+    if opts.prompt_logprobs is not None:  # one prompt, so one list for the response, as vLLM places it
+        body["prompt_logprobs"] = fmt.prompt_logprobs(states[0].prompt_logprobs, opts.prompt_logprobs)
+    return body
 
 
 class ChunkBuilder:
-    """Stream chunks of one response; tracks each choice's text offset for completion logprobs."""
+    """Stream chunks of one response; tracks each choice's text offset for completion logprobs, and
+    whether its echoed prompt went out yet (with its first chunk)."""
 
-    __slots__ = ("_rid", "_created", "_model", "_chat", "_fmt", "_want_logprobs", "_offsets")
+    __slots__ = ("_rid", "_created", "_model", "_chat", "_fmt", "_opts", "_offsets", "_has_echoed")
 
     def __init__(self, rid: str, created: int, model: str, chat: bool, fmt: LogprobFormatter,
-                 want_logprobs: bool, num_choices: int) -> None:
+                 opts: ResponseOptions, num_choices: int) -> None:
         self._rid, self._created, self._model, self._chat = rid, created, model, chat
-        self._fmt, self._want_logprobs = fmt, want_logprobs
+        self._fmt, self._opts = fmt, opts
         self._offsets = [0] * num_choices
+        self._has_echoed = [False] * num_choices
 
     def _wrap(self, choices: list[dict], usage_: dict | None = None) -> dict:
         chunk = {"id": self._rid, "object": "chat.completion.chunk" if self._chat else "text_completion",
@@ -87,18 +153,19 @@ class ChunkBuilder:
         return self._wrap([{"index": index, "delta": {"role": "assistant", "content": ""},
                             "logprobs": None, "finish_reason": None}])
 
-    def delta(self, index: int, d: ChoiceDelta) -> dict:
-        logprobs = None
-        if self._want_logprobs:
-            logprobs = (self._fmt.chat(d.logprobs) if self._chat
-                        else self._fmt.completion(d.logprobs, self._offsets[index]))
-        self._offsets[index] += len(d.text)
+    def delta(self, state: ChoiceState, d: ChoiceDelta) -> dict:
+        index = state.index
         if self._chat:
+            logprobs = self._fmt.chat(d.logprobs) if self._opts.logprobs is not None else None
             choice = {"index": index, "delta": {"content": d.text} if d.text else {}, "logprobs": logprobs,
                       "finish_reason": d.finish_reason}
-        else:
-            choice = {"index": index, "text": d.text, "logprobs": logprobs, "finish_reason": d.finish_reason}
-        return self._wrap([choice])
+            return self._wrap([choice])
+        echo = None if self._has_echoed[index] else self._opts.echo_of(state)
+        self._has_echoed[index] = True
+        logprobs = _completion_logprobs(self._fmt, self._opts, state, echo, d.logprobs, self._offsets[index])
+        text = (echo or "") + d.text
+        self._offsets[index] += len(text)
+        return self._wrap([{"index": index, "text": text, "logprobs": logprobs, "finish_reason": d.finish_reason}])
 
-    def usage(self, states: list[ChoiceState], n: int) -> dict:
-        return self._wrap([], usage(states, n))
+    def usage(self, states: list[ChoiceState]) -> dict:
+        return self._wrap([], usage(states, self._opts.num_choices_per_prompt))

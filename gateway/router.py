@@ -96,31 +96,35 @@ class Router:
         self._next_rr = 0
         self._sent_prefill_tokens: dict[str, int] = {}  # P -> uncached tokens sent, no first token yet
 
-    def route(self, prompt_ids: list[int], exclude: frozenset[str] = frozenset()) -> RouteDecision | None:
+    def route(self, prompt_ids: list[int], exclude: frozenset[str] = frozenset(), whole_prompt: bool = False,
+              prefill_on_decode: bool = False) -> RouteDecision | None:
         """Where to run ``prompt_ids``; None when no decode worker has KV room for it (answer 503).
 
         ``exclude`` holds workers not to use (said Busy for this request, failed, or circuit-broken);
-        draining workers are never chosen."""
+        draining workers are never chosen. ``whole_prompt``: the workers compute every prompt token
+        whatever they cache (prompt logprobs), so no prefix hit counts; ``prefill_on_decode``: D
+        prefills it itself (prompt logprobs with n > 1)."""
         bs = self._params.block_size
         hashes = block_hashes(prompt_ids, bs)
+        hit_hashes = [] if whole_prompt else hashes
         num_blocks_needed = -(-(len(prompt_ids) + 1) // bs)  # the prompt plus the first generated token
         decoders = [w for w in self._registry.accepting(Role.DECODE)
                     if w.worker_id not in exclude and w.kv_blocks_free >= num_blocks_needed]
         if not decoders:
             return None
-        d = self._pick_decode(decoders, hashes)
-        d_cached = self._hits(d, hashes) * bs
+        d = self._pick_decode(decoders, hit_hashes)
+        d_cached = self._hits(d, hit_hashes) * bs
         uncached = len(prompt_ids) - d_cached
         prefillers = [w for w in self._registry.accepting(Role.PREFILL) if w.worker_id not in exclude]
         local_max = self._params.local_prefill_max_tokens
         # Within one block a suffix adds less to D's step than the round trip through a P would cost.
         tiny = uncached <= min(bs, local_max)
         busy = uncached <= local_max and min(map(self.backlog, prefillers), default=0) > local_max
-        if not prefillers or tiny or busy:
+        if not prefillers or tiny or busy or prefill_on_decode:
             decision = RouteDecision(d.worker_id, None, d_cached, 0)
         else:
-            p = min(prefillers, key=lambda w: self._prefill_cost(w, prompt_ids, hashes))
-            decision = RouteDecision(d.worker_id, p.worker_id, d_cached, self._hits(p, hashes) * bs)
+            p = min(prefillers, key=lambda w: self._prefill_cost(w, prompt_ids, hit_hashes))
+            decision = RouteDecision(d.worker_id, p.worker_id, d_cached, self._hits(p, hit_hashes) * bs)
         self._record(decision, hashes)
         return decision
 

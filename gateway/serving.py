@@ -27,7 +27,7 @@ from .errors import APIError, bad_request, no_capacity
 from .generation import Generation
 from .metrics import GatewayMetrics
 from .openai_request import ParsedRequest, parse_chat, parse_completion, resolve_max_tokens
-from .responses import ChunkBuilder, LogprobFormatter, chat_body, completion_body, usage
+from .responses import ChunkBuilder, LogprobFormatter, ResponseOptions, chat_body, completion_body, usage
 from .sse import DONE, EventStreamResponse, error_event, sse_event, wait_for_disconnect
 from .tokenizer import ChatTemplateError, Tokenizer
 
@@ -93,6 +93,7 @@ class OpenAIServing:
             raise bad_request(f"logit_bias token id {bad[0]} is out of range [0, {self._tok.vocab_size})", "logit_bias")
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         requests, states = self._fan_out(rid, p, prompts, chat, arrival)
+        opts = ResponseOptions(p.logprobs, p.prompt_logprobs, p.n, self._echo_texts(p, prompts) if p.echo else None)
         generation = Generation(self._backend, requests, states, self._metrics, p.n)
         self.num_in_flight += 1
         self._metrics.num_requests_running.inc()
@@ -103,9 +104,18 @@ class OpenAIServing:
             raise
         model, created = self._limits.model_name, int(time.time())
         if p.stream:
-            return EventStreamResponse(self._stream(generation, p, rid, created, model, chat, arrival),
+            chunks = ChunkBuilder(rid, created, model, chat, self._fmt, opts, len(generation.states))
+            return EventStreamResponse(self._stream(generation, p.include_usage, chunks, rid, chat, arrival),
                                        on_close=lambda: self._close(generation, arrival, "aborted"))
-        return await self._collect(request, generation, p, rid, created, model, chat, arrival)
+        if not await self._collect(request, generation, arrival):
+            return JSONResponse({}, status_code=499)  # the client left; nobody reads this
+        build = chat_body if chat else completion_body
+        return JSONResponse(build(rid, created, model, generation.states, self._fmt, opts))
+
+    def _echo_texts(self, p: ParsedRequest, prompts: list[list[int]]) -> list[str]:
+        """The prompt as sent; a token-id prompt decoded with its special tokens, as vLLM echoes it."""
+        return [sent if isinstance(sent, str) else self._tok.decode(ids, skip_special_tokens=False)
+                for sent, ids in zip(p.prompts, prompts)]
 
     def _fan_out(self, rid: str, p: ParsedRequest, prompts: list[list[int]], chat: bool, arrival: float):
         deadline = arrival + self._limits.request_timeout_s if self._limits.request_timeout_s else None
@@ -118,8 +128,8 @@ class OpenAIServing:
                 states.append(ChoiceState(prompt_index * p.n + j, request_id, self._tok, ids, p.stop))
         return requests, states
 
-    async def _collect(self, request: Request, generation: Generation, p: ParsedRequest, rid: str,
-                       created: int, model: str, chat: bool, arrival: float):
+    async def _collect(self, request: Request, generation: Generation, arrival: float) -> bool:
+        """Runs the generation to its end: True once every choice finished, False if the client left."""
         outcome = "aborted"
         failure: list[APIError] = []  # kept out of the task group, which would wrap it in an ExceptionGroup
         try:
@@ -139,16 +149,14 @@ class OpenAIServing:
                 outcome = "failed"
                 raise failure[0]
             if not all(s.is_finished for s in generation.states):
-                return JSONResponse({}, status_code=499)
+                return False
             outcome = "success"
         finally:
             await self._close(generation, arrival, outcome)
-        build = chat_body if chat else completion_body
-        return JSONResponse(build(rid, created, model, generation.states, p.n, self._fmt, p.logprobs is not None))
+        return True
 
-    async def _stream(self, generation: Generation, p: ParsedRequest, rid: str, created: int, model: str,
+    async def _stream(self, generation: Generation, include_usage: bool, chunks: ChunkBuilder, rid: str,
                       chat: bool, arrival: float) -> AsyncGenerator[bytes, None]:
-        chunks = ChunkBuilder(rid, created, model, chat, self._fmt, p.logprobs is not None, len(generation.states))
         outcome = "aborted"
         try:
             if chat:
@@ -157,9 +165,9 @@ class OpenAIServing:
             try:
                 async for index, delta in generation.deltas():
                     if not delta.is_empty:
-                        yield sse_event(chunks.delta(index, delta))
-                if p.include_usage:
-                    yield sse_event(chunks.usage(generation.states, p.n))
+                        yield sse_event(chunks.delta(generation.states[index], delta))
+                if include_usage:
+                    yield sse_event(chunks.usage(generation.states))
                 outcome = "success"
             except APIError as e:
                 outcome = "failed"

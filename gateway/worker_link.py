@@ -16,12 +16,12 @@ import zmq
 import zmq.asyncio
 
 from protocol.codec import WireError, decode, encode
-from protocol.serving import Busy, Goodbye, Heartbeat, TokenEvent
+from protocol.serving import Busy, Goodbye, Heartbeat, PromptLogprobs, TokenEvent
 from protocol.zmq_util import bind, make_socket
 
 log = logging.getLogger("pdserve.gateway")
 
-FROM_WORKERS = (Heartbeat, TokenEvent, Busy, Goodbye)
+FROM_WORKERS = (Heartbeat, TokenEvent, PromptLogprobs, Busy, Goodbye)
 _ROUTER_HWM = 10_000  # token events of every in-flight request pass here; bounded, but not tight
 
 

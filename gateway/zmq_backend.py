@@ -9,6 +9,8 @@ Life cycle of one request (one prompt, ``n`` completions) in the gateway:
    said goodbye, unreachable) or an error before any token -> abort what it held, retry once elsewhere.
 4. stream: TokenEvents (from P: offset 0; from D: the rest) are put back in order per completion
    (gateway/completion_order.py) and handed to the HTTP layer; a worker lost now is an in-band error.
+   Asked-for prompt logprobs arrive as PromptLogprobs frames before the first TokenEvent, from the
+   same worker, and ride on every completion's first event.
 5. end: every completion finished, an error, the deadline, or an abort (client gone, stop string) ->
    AbortRequest to the decode worker and the prefill worker it used, unless it finished by itself.
 """
@@ -20,7 +22,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from protocol.serving import AbortRequest, Busy, Generate, Goodbye, Heartbeat
+from protocol.serving import AbortRequest, Busy, Generate, Goodbye, Heartbeat, PromptLogprobs
 from protocol.serving import TokenEvent as WireTokenEvent
 
 from .admission import AdmissionQueue
@@ -62,11 +64,13 @@ class WorkerGone:
 class _Flight:
     """One request in flight: which workers serve it, and the records that came back for it."""
 
-    __slots__ = ("rid", "events", "decode_worker", "prefill_worker", "is_done", "is_aborted")
+    __slots__ = ("rid", "events", "prompt_logprobs", "decode_worker", "prefill_worker", "is_done", "is_aborted")
 
     def __init__(self, rid: str) -> None:
         self.rid = rid
         self.events: asyncio.Queue = asyncio.Queue()  # WireTokenEvent | Busy | WorkerGone | None (aborted)
+        # From PromptLogprobs frames, which precede the first TokenEvent; None once a frame was out of order.
+        self.prompt_logprobs: list[TokenLogprob] | None = []
         self.decode_worker: str | None = None
         self.prefill_worker: str | None = None
         self.is_done = False  # finished, failed or aborted: the workers need no more abort
@@ -152,8 +156,11 @@ class ZmqBackend(Backend):
                     yield TokenEvent(error=str(e))
                     return
                 for e in released:
-                    yield _to_backend_event(e, queue_time)
+                    out = _to_backend_event(e, queue_time)
                     queue_time = None
+                    if e.offset == 0 and request.sampling.prompt_logprobs is not None:  # each completion's first
+                        out.prompt_logprobs = flight.prompt_logprobs  # checked against the prompt by Generation
+                    yield out
                 if order.is_finished:
                     flight.is_done = True  # the workers finished it themselves: nothing to abort
                     return
@@ -180,7 +187,7 @@ class ZmqBackend(Backend):
                     return failure
                 raise
             flight.decode_worker, flight.prefill_worker = decision.decode_worker, decision.prefill_worker
-            flight.events = asyncio.Queue()  # nothing left over from an earlier attempt
+            flight.events, flight.prompt_logprobs = asyncio.Queue(), []  # nothing left from an earlier attempt
             prefill = self._registry.get(decision.prefill_worker) if decision.prefill_worker else None
             generate = Generate(flight.rid, request.prompt_token_ids, request.sampling,
                                 prefill.address if prefill is not None else "", self._wall_deadline(request))
@@ -231,7 +238,9 @@ class ZmqBackend(Backend):
         give_up = time.monotonic() + self._params.queue_timeout_s
         while True:
             excluded = tried | self._breaker.open_workers(time.monotonic())
-            decision = self._router.route(request.prompt_token_ids, frozenset(excluded))
+            whole_prompt = request.sampling.prompt_logprobs is not None  # cached tokens have no logits
+            decision = self._router.route(request.prompt_token_ids, frozenset(excluded), whole_prompt,
+                                          prefill_on_decode=whole_prompt and request.sampling.n > 1)
             if decision is not None:
                 result = "local" if decision.prefill_worker is None else "disaggregated"
                 self._metrics.route_decisions.labels(policy, result).inc()
@@ -286,13 +295,16 @@ class ZmqBackend(Backend):
             elif self._registry.remove(worker_id):
                 self._metrics.workers_lost.labels("goodbye").inc()
                 self._worker_left(worker_id, "said goodbye")
-        else:  # TokenEvent or Busy: only the workers serving the request may speak for it
+        else:  # TokenEvent, PromptLogprobs or Busy: only the workers serving the request may speak for it
             flight = self._flights.get(record.rid)
             if flight is None or flight.is_done:
                 return  # finished or aborted already; late records are expected
-            if worker_id == flight.decode_worker or (isinstance(record, WireTokenEvent)
+            if worker_id == flight.decode_worker or (isinstance(record, (WireTokenEvent, PromptLogprobs))
                                                      and worker_id == flight.prefill_worker):
-                flight.events.put_nowait(record)
+                if isinstance(record, PromptLogprobs):
+                    _add_prompt_logprobs(flight, record)
+                else:
+                    flight.events.put_nowait(record)
 
     def _on_heartbeat(self, worker_id: str, hb: Heartbeat) -> None:
         if hb.worker_id != worker_id:
@@ -337,6 +349,14 @@ class ZmqBackend(Backend):
                 sum(w.heartbeat.kv_blocks_in_use for w in workers) / total if total else 0.0)
             m.pool_requests_running.labels(role.value).set(sum(w.heartbeat.num_running for w in workers))
             m.pool_requests_waiting.labels(role.value).set(sum(w.heartbeat.num_waiting for w in workers))
+
+
+def _add_prompt_logprobs(flight: _Flight, frame: PromptLogprobs) -> None:
+    if flight.prompt_logprobs is None or frame.start != len(flight.prompt_logprobs):
+        flight.prompt_logprobs = None  # a gap or a repeat: the request fails at its first token (Generation)
+        return
+    flight.prompt_logprobs += [TokenLogprob(r.token_id, r.logprob, list(zip(r.top_ids, r.top_logprobs)), rank)
+                               for r, rank in zip(frame.logprobs, frame.ranks)]
 
 
 def _to_backend_event(e: WireTokenEvent, queue_time_s: float | None) -> TokenEvent:

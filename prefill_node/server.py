@@ -13,7 +13,8 @@ Life cycle of a request on this node:
    ``kv_address`` (handshake once per receiver incarnation), mapped onto the job's dst block ids.
 4. On the last chunk the partial tail block goes out too; the job's blocks are pinned (held until
    the transfer ends); with ``sample_first`` the first token goes to the gateway as
-   ``TokenEvent(index 0, offset 0)`` at once (TTFT) and rides in the transfer's ``Commit``.
+   ``TokenEvent(index 0, offset 0)`` at once (TTFT) and rides in the transfer's ``Commit``; prompt
+   logprobs, when asked, go to the gateway just before it (``PromptLogprobs`` frames).
 5. The receiver's ``CommitAck`` ends the job: the pin is dropped (full blocks stay in the prefix
    cache). A failed transfer (receiver gone, deadline, rejected write) unpins at once and answers
    ``PrefillFailed`` to D if it is reachable.
@@ -50,11 +51,12 @@ from prefill_node.metrics import PrefillMetrics
 from prefill_node.options import PrefillOptions
 from prefill_node.sampling import first_token_params, stop_ids
 from protocol.codec import WireError, decode, encode
-from protocol.serving import AbortRequest, Goodbye, Heartbeat, PrefillFailed, PrefillJob, TokenEvent, TokenLogprobRecord
+from protocol.serving import AbortRequest, Goodbye, Heartbeat, PrefillFailed, PrefillJob, TokenEvent
 from protocol.zmq_util import bind, make_socket
 from worker.gateway_socket import WorkerSocket
 from worker.drain import Drain
 from worker.heartbeat import HeartbeatTimer
+from worker.logprob_records import logprob_record, prompt_logprobs_frames
 
 log = logging.getLogger(__name__)
 
@@ -254,10 +256,9 @@ class PrefillServer:
         if not job.sample_first:
             sender.commit(job.rid, job.generation)
             return
-        records = None
-        if lp is not None:
-            top_ids, top_lps = [t for t, _ in lp.top], [v for _, v in lp.top]
-            records = [TokenLogprobRecord(token, lp.logprob, top_ids, top_lps)]
+        records = None if lp is None else [logprob_record(lp)]
+        for frame in prompt_logprobs_frames(job.rid, state.seq.prompt_logprobs):
+            self.gateway.send(frame)  # before the first token, on the same socket: the gateway has them first
         self.gateway.send(TokenEvent(job.rid, 0, 0, [token], records))
         self.metrics.engine.time_to_first_token.observe(time.monotonic() - state.arrived_at)
         if records is None:

@@ -4,7 +4,8 @@ Sockets (every bind on a configured interface, never all interfaces by default):
 
     gateway   ROUTER bound at gateway.host:gateway.worker_port. Each worker connects one DEALER whose
               ZeroMQ identity is its worker_id.
-              worker -> gateway: Heartbeat (also the registration), TokenEvent, Busy, Goodbye
+              worker -> gateway: Heartbeat (also the registration), TokenEvent, PromptLogprobs, Busy,
+              Goodbye
               gateway -> worker: Generate (decode only), AbortRequest (both roles)
     prefill   ROUTER bound at prefill.host:prefill.port (its ``address`` in heartbeats).
               decode -> prefill: PrefillJob, AbortRequest;  prefill -> decode: PrefillFailed
@@ -64,6 +65,7 @@ class SamplingSpec:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; k: the sampled token's logprob plus the top k
     logit_bias: list[TokenBias] = field(default_factory=list)  # engine.SamplingParams.logit_bias as a list
+    prompt_logprobs: int | None = None  # None: none; k: each prompt token's logprob plus the top k
 
     def __post_init__(self) -> None:
         assert self.max_tokens >= 1 and self.n >= 1, (self.max_tokens, self.n)
@@ -127,6 +129,25 @@ class TokenEvent:
     def __post_init__(self) -> None:
         assert self.finish_reason in FINISH_REASONS, self.finish_reason
         assert self.logprobs is None or len(self.logprobs) == len(self.token_ids)
+
+
+PROMPT_LOGPROBS_PER_FRAME = 256  # a PromptLogprobs frame with top-20 entries stays near 100 KB
+
+
+@wire_record("serve.prompt_logprobs")
+@dataclass(slots=True)
+class PromptLogprobs:
+    """worker -> gateway, before the request's first TokenEvent and from the same worker: the logprobs of
+    prompt tokens ``start + 1 .. start + len(logprobs)`` (token 0 has none), in frames of at most
+    PROMPT_LOGPROBS_PER_FRAME entries. Sent by whoever computed the whole prompt."""
+
+    rid: str
+    start: int  # entries before this frame's first one
+    logprobs: list[TokenLogprobRecord]  # the prompt token's logprob and the top k, one per token
+    ranks: list[int]  # each prompt token's rank under the model (1 = most likely)
+
+    def __post_init__(self) -> None:
+        assert self.start >= 0 and len(self.ranks) == len(self.logprobs) <= PROMPT_LOGPROBS_PER_FRAME
 
 
 @wire_record("serve.busy")

@@ -32,3 +32,18 @@ def any_build(request, library) -> cpu_native.NativeLibrary:
     lib = library if variant is None else cpu_native.NativeLibrary(cpu_native.build(compiler, variant))
     assert variant is None or lib.threaded == variant.openmp
     return lib
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    """The gateway tests' tokenizer: a small byte-level BPE trained offline (tests/fake_backend.py)."""
+    from tests.fake_backend import make_test_tokenizer
+
+    return make_test_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+@pytest.fixture(scope="module")
+def hf_tok(tok_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tok_dir))

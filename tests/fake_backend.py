@@ -1,13 +1,16 @@
 """A deterministic stand-in for the worker pools, a test tokenizer, and a live uvicorn server for tests.
 
 FakeBackend answers every request with the same token sequence (cut at max_tokens) for each of its n
-completions (events interleaved by index), with made-up but deterministic logprobs, and reports
-prefix-cache hits from the block hashes of prompts it has seen.
+completions (events interleaved by index), with made-up but deterministic logprobs (and prompt logprobs,
+when asked, on each completion's first event), and reports prefix-cache hits from the block hashes of
+prompts it has seen.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import threading
 import time
 from dataclasses import dataclass, field
@@ -66,6 +69,13 @@ class FakeBackend(Backend):
     aborted: list[str] = field(default_factory=list)
     _seen_hashes: set[int] = field(default_factory=set)
 
+    def reset(self) -> FakeBackend:
+        """Back to a fresh backend's state with the same outputs (tests share one live server)."""
+        fresh = FakeBackend(output_ids=self.output_ids)
+        for f in dataclasses.fields(FakeBackend):
+            setattr(self, f.name, getattr(fresh, f.name))
+        return self
+
     def is_ready(self) -> bool:
         return self.ready
 
@@ -95,6 +105,27 @@ class FakeBackend(Backend):
                              [(t + j, self.logprob_of(start + i) - j) for j in range(k)])
                 for i, t in enumerate(ids)]
 
+    @staticmethod
+    def prompt_logprob_of(position: int) -> tuple[float, int]:
+        """(logprob, rank) of prompt token ``position`` (>= 1): ranks cycle 1, 2, 3 so that the token is
+        sometimes in a top-k and sometimes not."""
+        return -1.0 - 0.5 * position, 1 + position % 3
+
+    @staticmethod
+    def prompt_top(token_id: int, position: int, k: int) -> list[tuple[int, float]]:
+        """The top ``k`` at prompt position ``position``: the prompt token at its rank, other ids (single
+        bytes, valid in any byte-level vocabulary) around it, each 0.25 less likely than the one before."""
+        logprob, rank = FakeBackend.prompt_logprob_of(position)
+        return [(token_id if j == rank - 1 else (token_id + 1 + j) % 256, logprob + 0.25 * (rank - 1 - j))
+                for j in range(k)]
+
+    def _prompt_logprobs(self, prompt: list[int], k: int) -> list[TokenLogprob]:
+        out = []
+        for position in range(1, len(prompt)):  # the first prompt token has no logprob
+            logprob, rank = self.prompt_logprob_of(position)
+            out.append(TokenLogprob(prompt[position], logprob, self.prompt_top(prompt[position], position, k), rank))
+        return out
+
     async def generate(self, request: GenerationRequest):
         if self.no_capacity_retry_after is not None:
             raise NoCapacity(self.no_capacity_retry_after, "all decode workers are full")
@@ -103,6 +134,8 @@ class FakeBackend(Backend):
         out = self.output_ids[: s.max_tokens]
         finish = "length" if len(out) < len(self.output_ids) else "stop"
         cached = self._cached_tokens(request.prompt_token_ids)
+        prompt_logprobs = (None if s.prompt_logprobs is None
+                           else self._prompt_logprobs(request.prompt_token_ids, s.prompt_logprobs))
         for start in range(0, len(out), self.tokens_per_event):
             if self.error_after_tokens is not None and start >= self.error_after_tokens:
                 yield TokenEvent(error="decode worker lost")
@@ -116,7 +149,8 @@ class FakeBackend(Backend):
                                  self._logprobs(start, ids, s.logprobs) if s.logprobs is not None else None,
                                  finish_reason=finish if last else None,
                                  num_cached_tokens=cached if start == 0 else None,
-                                 queue_time_s=0.001 if start == 0 else None)
+                                 queue_time_s=0.001 if start == 0 else None,
+                                 prompt_logprobs=prompt_logprobs if start == 0 else None)
 
 
 class LiveServer:
@@ -161,6 +195,15 @@ def make_gateway(tokenizer_dir: Path, max_model_len: int = 64, max_body_bytes: i
     params = GatewayParams(tokenizer, backend, limits, api_keys=list(API_KEYS), max_body_bytes=max_body_bytes,
                            registry=registry)
     return build_app(params), backend
+
+
+@contextlib.contextmanager
+def live_gateway(tokenizer_dir: Path, **gateway_kwargs):
+    """``make_gateway`` served by a LiveServer; ``server.backend`` is its FakeBackend."""
+    app, backend = make_gateway(tokenizer_dir, **gateway_kwargs)
+    with LiveServer(app) as server:
+        server.backend = backend
+        yield server
 
 
 def num_requests_running(base_url: str) -> float:

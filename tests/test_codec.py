@@ -162,3 +162,17 @@ def test_sampling_logit_bias_round_trips_and_rejects_a_wrong_entry():
     with pytest.raises(WireError, match=r"serve.token_bias.token_id: expected int, got str"):
         decode(wrong)
 
+
+
+def test_prompt_logprobs_frame_round_trips_and_rejects_a_wrong_one():
+    from protocol.serving import PROMPT_LOGPROBS_PER_FRAME, PromptLogprobs, TokenLogprobRecord
+
+    frame = PromptLogprobs("r", 256, [TokenLogprobRecord(7, -1.5, [3, 7], [-0.5, -1.5])], [2])
+    assert decode(encode(frame), expected=PromptLogprobs) == frame
+    fields = msgpack.unpackb(encode(frame))[1]
+    for wrong, why in (({"ranks": [2, 1]}, "invalid record"), ({"start": -1}, "invalid record"),
+                       ({"logprobs": fields["logprobs"] * (PROMPT_LOGPROBS_PER_FRAME + 1),
+                         "ranks": [1] * (PROMPT_LOGPROBS_PER_FRAME + 1)}, "invalid record"),
+                       ({"ranks": ["2"]}, "expected int, got str")):
+        with pytest.raises(WireError, match=why):
+            decode(_raw("serve.prompt_logprobs", {**fields, **wrong}))

@@ -91,6 +91,30 @@ def test_n3_seeded_completions_equal_engine(node):
     assert_idle(node)
 
 
+def test_prompt_logprobs_with_n2_are_computed_here_in_full_and_sent_first(node):
+    prefill = make_socket(node.ctx, zmq.ROUTER)  # a prefill worker that must not be asked: n > 1 prefills here
+    prefill_address = bind(prefill, "127.0.0.1", 0)
+    node.gateway.send("d0", generate("warm", PROMPT, max_tokens=2))  # caches the prompt's 3 full blocks
+    node.gateway.collect("warm")
+    params = dict(max_tokens=4, n=2, temperature=0.0, ignore_eos=True, prompt_logprobs=2)
+    node.gateway.send("d0", generate("r", PROMPT, prefill_address=prefill_address, **params))
+    events = node.gateway.collect("r", n=2)
+    expected = node.reference(PROMPT, SamplingParams(**params))
+    mine = [r for r in node.gateway.others if getattr(r, "rid", "") == "r"]
+    assert type(mine[0]).__name__ == "PromptLogprobs" and isinstance(mine[1], type(events[0][0]))
+    frame = mine[0]
+    assert frame.start == 0 and [r.token_id for r in frame.logprobs] == PROMPT[1:]
+    want = expected.prompt_logprobs[1:]
+    assert frame.ranks == [e.rank for e in want]
+    assert [r.top_ids for r in frame.logprobs] == [[t for t, _ in e.top] for e in want]
+    assert [r.logprob for r in frame.logprobs] == pytest.approx([e.logprob for e in want], abs=1e-5)
+    assert [tokens_of(events[i]) for i in range(2)] == [o.token_ids for o in expected.outputs]
+    assert events[0][0].num_cached_tokens == 0  # the cached prefix was not used: it has no logits
+    assert not prefill.poll(100)
+    prefill.close(linger=0)
+    assert_idle(node)
+
+
 def test_abort_while_decoding_frees_everything(node):
     node.gateway.send("d0", generate("long", PROMPT, max_tokens=100, ignore_eos=True, temperature=0.0))
     node.gateway.recv(until=lambda r: getattr(r, "rid", "") == "long" and r.offset >= 1)

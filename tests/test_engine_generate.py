@@ -112,6 +112,59 @@ def test_prefix_cache_computes_only_the_uncached_suffix() -> None:
     assert_no_leak(cold.engine.block_manager)
 
 
+@functools.cache
+def hf_prompt_logprobs(family: str, prompts: tuple[tuple[int, ...], ...]) -> list[torch.Tensor]:
+    """transformers' log-softmax over the vocabulary at every prompt position but the last, per prompt."""
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir(family), dtype=torch.float32,
+                                              attn_implementation="eager").eval()
+    with torch.no_grad():
+        return [hf(torch.tensor([p])).logits[0, :-1].float().log_softmax(-1) for p in prompts]
+
+
+@pytest.mark.parametrize("chunk", [7, 4096])
+def test_prompt_logprobs_equal_transformers_and_bypass_the_prefix_cache(chunk: int) -> None:
+    path = str(tiny_model_dir("qwen3"))
+    shared, tail_a, tail_b = random_prompts([48, 9, 30], 768, seed=11)
+    prompts = (tuple(shared + tail_a), tuple(shared + tail_b), (5,))
+    expected = hf_prompt_logprobs("qwen3", prompts)
+    llm = LLM(path, block_size=8, prefill_chunk_size=chunk, max_num_batched_tokens=max(chunk, 64))
+    llm.generate([list(prompts[0])], SamplingParams(temperature=0.0, max_tokens=2))  # caches the shared prefix
+    before = llm.engine.num_computed_tokens
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, prompt_logprobs=4)
+    outs = llm.generate([list(p) for p in prompts], params)
+    # Every prompt computed in full despite the 48 cached tokens: cached tokens have no logits.
+    assert llm.engine.num_computed_tokens - before == sum(map(len, prompts)) + 3 * (3 - 1)
+    for prompt, out, ref in zip(prompts, outs, expected):
+        assert out.num_cached_tokens == 0
+        assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
+        for p, entry in enumerate(out.prompt_logprobs[1:]):
+            row, token = ref[p], prompt[p + 1]
+            assert entry.token_id == token
+            assert abs(entry.logprob - row[token].item()) < 1e-4
+            assert entry.rank == int((row > row[token]).sum()) + 1
+            top = row.topk(4)
+            assert [t for t, _ in entry.top] == top.indices.tolist()
+            assert max(abs(lp - v) for (_, lp), v in zip(entry.top, top.values.tolist())) < 1e-4
+    plain = llm.generate([list(prompts[1])], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))[0]
+    assert plain.prompt_logprobs is None and plain.outputs[0].token_ids == outs[1].outputs[0].token_ids
+    assert_no_leak(llm.engine.block_manager)
+
+
+def test_prompt_logprobs_survive_preemption() -> None:
+    prompts, expected = hf_greedy("llama")
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, prompt_logprobs=1)
+    roomy = LLM(str(tiny_model_dir("llama")), block_size=8).generate(prompts, params)
+    tight = LLM(str(tiny_model_dir("llama")), block_size=8, num_kv_blocks=48, max_num_seqs=8)
+    got = tight.generate(prompts, params)
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in got] == expected
+    for a, b, prompt in zip(got, roomy, prompts):
+        assert len(a.prompt_logprobs) == len(prompt)
+        assert [e.token_id for e in a.prompt_logprobs[1:]] == prompt[1:]
+        assert [e.logprob for e in a.prompt_logprobs[1:]] == pytest.approx([e.logprob for e in b.prompt_logprobs[1:]], abs=1e-5)
+    assert_no_leak(tight.engine.block_manager)
+
+
 def test_n_completions_share_the_prompt_and_seeds_reproduce() -> None:
     path = str(tiny_model_dir("llama"))
     [prompt] = random_prompts([40], 768, seed=3)
@@ -149,7 +202,8 @@ def test_prompt_longer_than_context_names_both_numbers() -> None:
 
 
 @pytest.mark.parametrize("field,value", [("temperature", -0.5), ("top_p", 1.5), ("top_k", -3), ("min_p", 2.0),
-                                         ("presence_penalty", 3.0), ("repetition_penalty", 0.0), ("max_tokens", 0)])
+                                         ("presence_penalty", 3.0), ("repetition_penalty", 0.0), ("max_tokens", 0),
+                                         ("prompt_logprobs", 21), ("prompt_logprobs", -1)])
 def test_out_of_range_sampling_value_names_the_parameter(field: str, value: float) -> None:
     with pytest.raises(SamplingError, match=rf"^{field} must be .*got {value}"):
         SamplingParams(**{field: value})

@@ -2,27 +2,15 @@
 
 from __future__ import annotations
 
-import dataclasses
 
 import httpx
 import openai
 import pytest
-from transformers import AutoTokenizer
 
 from gateway.registry import WorkerRegistry
 from protocol.serving import Heartbeat, TokenBias
-from tests.fake_backend import (API_KEYS, MODEL, OUTPUT_TEXT, FakeBackend, LiveServer, make_gateway,
-                                make_test_tokenizer, num_requests_running, wait_until)
-
-
-@pytest.fixture(scope="module")
-def tok_dir(tmp_path_factory):
-    return make_test_tokenizer(tmp_path_factory.mktemp("tok"))
-
-
-@pytest.fixture(scope="module")
-def hf_tok(tok_dir):
-    return AutoTokenizer.from_pretrained(str(tok_dir))
+from tests.fake_backend import (API_KEYS, MODEL, OUTPUT_TEXT, FakeBackend, live_gateway, num_requests_running,
+                                wait_until)
 
 
 @pytest.fixture(scope="module")
@@ -31,19 +19,13 @@ def live(tok_dir):
     registry.observe(Heartbeat("decode-0", "decode", "tcp://127.0.0.1:7101", "inc-1", block_size=4, kv_blocks_total=64,
                                kv_blocks_free=57, kv_blocks_in_use=7, num_running=2, num_waiting=0,
                                queued_prefill_tokens=0), now=0.0)
-    app, backend = make_gateway(tok_dir, max_model_len=128, registry=registry)
-    with LiveServer(app) as server:
-        server.backend = backend
+    with live_gateway(tok_dir, max_model_len=128, registry=registry) as server:
         yield server
 
 
 @pytest.fixture
 def backend(live) -> FakeBackend:
-    b: FakeBackend = live.backend
-    fresh = FakeBackend(output_ids=b.output_ids)
-    for f in dataclasses.fields(FakeBackend):  # every test starts from a fresh backend state
-        setattr(b, f.name, getattr(fresh, f.name))
-    return b
+    return live.backend.reset()
 
 
 @pytest.fixture

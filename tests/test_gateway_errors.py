@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import dataclasses
 
 import httpx
 import openai
 import pytest
 
-from tests.fake_backend import (API_KEYS, MODEL, FakeBackend, LiveServer, make_gateway, make_test_tokenizer,
+from tests.fake_backend import (API_KEYS, MODEL, FakeBackend, live_gateway, make_test_tokenizer,
                                 num_requests_running)
 
 MAX_MODEL_LEN = 32
@@ -17,20 +16,14 @@ MAX_BODY = 4096
 
 @pytest.fixture(scope="module")
 def live(tmp_path_factory):
-    app, backend = make_gateway(make_test_tokenizer(tmp_path_factory.mktemp("tok")),
-                                max_model_len=MAX_MODEL_LEN, max_body_bytes=MAX_BODY, request_timeout_s=1.0)
-    with LiveServer(app) as server:
-        server.backend = backend
+    with live_gateway(make_test_tokenizer(tmp_path_factory.mktemp("tok")), max_model_len=MAX_MODEL_LEN,
+                      max_body_bytes=MAX_BODY, request_timeout_s=1.0) as server:
         yield server
 
 
 @pytest.fixture
 def backend(live) -> FakeBackend:
-    b: FakeBackend = live.backend
-    fresh = FakeBackend(output_ids=b.output_ids)
-    for f in dataclasses.fields(FakeBackend):
-        setattr(b, f.name, getattr(fresh, f.name))
-    return b
+    return live.backend.reset()
 
 
 @pytest.fixture
@@ -132,11 +125,10 @@ def test_bad_logit_bias_is_400_naming_it(client, backend, value, message):
 
 
 @pytest.mark.parametrize("chat, extra, param, message", [
-    (False, {"echo": True}, "echo", "echo is not supported by this server"),
     (False, {"suffix": "x"}, "suffix", "suffix is not supported"),
     (False, {"best_of": 3}, "best_of", "best_of other than n is not supported"),
     (False, {"guided_json": {"type": "object"}}, "guided_json", "guided_json is not supported"),
-    (True, {"prompt_logprobs": 1}, "prompt_logprobs", "prompt_logprobs is not supported"),
+    (True, {"echo": True}, "echo", "echo (the last message repeated in the reply) for chat completions is not"),
     (True, {"response_format": {"type": "json_object"}}, "response_format",
      "response_format of type 'json_object' (only 'text') is not supported"),
     (True, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools",

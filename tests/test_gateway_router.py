@@ -140,3 +140,15 @@ def test_draining_and_excluded_workers_get_nothing_new():
     assert router.route(list(range(20))) == RouteDecision("d2", "p2", 0, 0)
     assert router.route(list(range(100, 120)), exclude=frozenset({"p2"})) == RouteDecision("d2", None, 0, 0)
     assert router.route(list(range(200, 220)), exclude=frozenset({"d2"})) is None
+
+
+def test_prompt_logprobs_count_no_prefix_hit_and_with_n_over_1_stay_on_decode():
+    reg = registry({"d1": 0}, {"p1": 0})
+    router = Router(reg, RouterParams(BS, local_prefill_max_tokens=16))
+    prompt = list(range(40))
+    assert router.route(prompt) == RouteDecision("d1", "p1", 0, 0)
+    assert router.route(prompt) == RouteDecision("d1", None, 40, 0)  # cached on D now: nothing for P
+    # Prompt logprobs: every token is computed whatever is cached, so the 40 tokens go to P again...
+    assert router.route(prompt, whole_prompt=True) == RouteDecision("d1", "p1", 0, 0)
+    # ...unless D computes the prompt itself (n > 1).
+    assert router.route(prompt, whole_prompt=True, prefill_on_decode=True) == RouteDecision("d1", None, 0, 0)

@@ -10,7 +10,6 @@ from transformers import AutoTokenizer
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.stop_strings import StopStringMatcher
 from gateway.tokenizer import ChatTemplateError, Tokenizer
-from tests.fake_backend import make_test_tokenizer
 
 TEXTS = ["Hello world", "  leading spaces and\ttabs\n\nnew lines", "日本語のテキスト", "émoji 🙂 mix ß ü",
          "The quick brown fox. Stop here!", ""]
@@ -19,11 +18,6 @@ CONVERSATIONS = [
     [{"role": "system", "content": "  Be brief.  "}, {"role": "user", "content": "Hi"},
      {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "日本語?"}],
 ]
-
-
-@pytest.fixture(scope="module")
-def tok_dir(tmp_path_factory):
-    return make_test_tokenizer(tmp_path_factory.mktemp("tok"))
 
 
 @pytest.fixture(scope="module")

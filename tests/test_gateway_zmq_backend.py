@@ -23,8 +23,9 @@ from gateway.serving import ServingLimits
 from gateway.tokenizer import Tokenizer
 from gateway.zmq_backend import ZmqBackend, ZmqBackendParams
 from protocol.codec import decode, encode
-from protocol.serving import AbortRequest, Busy, Generate, Goodbye, Heartbeat, TokenEvent
-from tests.fake_backend import MODEL, OUTPUT_TEXT, LiveServer, make_test_tokenizer, wait_until
+from protocol.serving import (AbortRequest, Busy, Generate, Goodbye, Heartbeat, PromptLogprobs, TokenEvent,
+                              TokenLogprobRecord)
+from tests.fake_backend import MODEL, OUTPUT_TEXT, LiveServer, wait_until
 
 HEARTBEAT_S = 0.1
 OTHER_TEXT = "A cat sat on the mat."
@@ -103,6 +104,8 @@ class FakeWorker:
         disaggregated = g.prefill_address != ""
         if disaggregated:
             assert self.peer is not None and g.prefill_address == self.peer.address
+        if g.sampling.prompt_logprobs is not None:  # from whoever computes the prompt, before its first token
+            (self.peer if disaggregated else self).schedule(0, prompt_logprobs_frame(g.rid, g.token_ids, self.mode))
         for j in range(g.sampling.n):
             ids = self.outputs[j][: g.sampling.max_tokens]
             finish = "length" if len(ids) < len(self.outputs[j]) else "stop"
@@ -115,9 +118,11 @@ class FakeWorker:
                 self.peer.schedule(0.05, TokenEvent(g.rid, j, 0, [ids[0]]))
 
 
-@pytest.fixture(scope="module")
-def tok_dir(tmp_path_factory):
-    return make_test_tokenizer(tmp_path_factory.mktemp("tok"))
+def prompt_logprobs_frame(rid: str, prompt: list[int], mode: str) -> PromptLogprobs:
+    """Prompt token p + 1 gets logprob -p / 10, rank p + 1, and one top entry: token 7. Mode "gap" claims
+    the frame starts at entry 1, leaving entry 0 unsent."""
+    entries = [TokenLogprobRecord(t, -p / 10, [7], [-0.01]) for p, t in enumerate(prompt[1:])]
+    return PromptLogprobs(rid, 1 if mode == "gap" else 0, entries, list(range(1, len(entries) + 1)))
 
 
 @pytest.fixture(scope="module")
@@ -279,6 +284,31 @@ def test_client_disconnect_aborts_decode_and_prefill(gateway):
         wait_until(lambda: any(isinstance(x, AbortRequest) and x.rid == g.rid for x in w.received),
                    f"{w.worker_id} got no AbortRequest")
     assert gateway.backend._router._sent_prefill_tokens == {}
+
+
+@pytest.mark.parametrize("disaggregated", [False, True])
+def test_prompt_logprobs_frames_reach_the_response(gateway, tokenizer, disaggregated):
+    p1 = gateway.add("p1", role="prefill") if disaggregated else None
+    gateway.add("d1", peer=p1)
+    prompt = "The quick brown fox jumps over the lazy dog."  # > 4 tokens: prefilled on P when there is one
+    ids = tokenizer.encode(prompt)
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "prompt_logprobs": 1}
+    r = httpx.post(gateway.base_url + "/v1/completions", json=body, timeout=10)
+    assert r.status_code == 200, r.text
+    got = r.json()["choices"][0]["prompt_logprobs"]
+    assert got[0] is None and len(got) == len(ids)
+    for p, (entry, token) in enumerate(zip(got[1:], ids[1:])):
+        assert entry[str(token)]["logprob"] == pytest.approx(-p / 10) and entry[str(token)]["rank"] == p + 1
+        assert entry["7"]["rank"] == 1 or token == 7
+
+
+def test_a_gap_in_prompt_logprobs_frames_fails_the_request(gateway):
+    gateway.add("d1", mode="gap")
+    body = {"model": MODEL, "prompt": "Hi there", "max_tokens": 2, "prompt_logprobs": 0}
+    r = httpx.post(gateway.base_url + "/v1/completions", json=body, timeout=10)
+    assert r.status_code == 500 and r.json()["error"]["code"] == "generation_failed"
+    assert "worker sent no prompt logprobs" in r.json()["error"]["message"]
+    assert gateway.client.completions.create(model=MODEL, prompt="Hi", max_tokens=100).choices[0].text == OUTPUT_TEXT
 
 
 def test_malformed_frames_are_counted_and_ignored(gateway):

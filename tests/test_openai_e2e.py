@@ -199,6 +199,44 @@ def test_logit_bias_equals_the_engine_on_both_workers(client, reference, cluster
     wait_idle(cluster)
 
 
+def test_echo_logprobs_score_the_prompt_as_transformers_does(client, loose_client, reference, cluster):
+    """What lm-evaluation-harness's loglikelihood asks of a completions server: echo, logprobs, max_tokens 1.
+    The prompt is prefilled on the prefill worker (n = 1) after an identical prompt filled the caches."""
+    from transformers import AutoModelForCausalLM
+
+    prompt = prompt_of(45, seed=8)
+    hf = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()
+    with torch.no_grad():
+        rows = hf(torch.tensor([prompt])).logits[0, :-1].log_softmax(-1)  # row p predicts prompt token p + 1
+    want = [rows[p, t].item() for p, t in enumerate(prompt[1:])]
+    [generated] = engine_output(reference, prompt, temperature=0.0, max_tokens=1, logprobs=1)
+    client.completions.create(model=MODEL, prompt=[prompt], max_tokens=1, temperature=0.0)  # warms both caches
+    # Loose: the SDK types token_logprobs as floats, but the first prompt token has none (as in vLLM).
+    r = loose_client.completions.create(model=MODEL, prompt=[prompt], max_tokens=1, temperature=0.0, logprobs=1,
+                                        echo=True)
+    choice, tok = r.choices[0], reference.tokenizer
+    assert choice.text == tok.decode(prompt) + tok.decode(generated.token_ids)
+    lp = choice.logprobs
+    assert lp.tokens == [tok.decode([t]) for t in prompt + generated.token_ids]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:-1] == pytest.approx(want, abs=1e-4)
+    assert lp.token_logprobs[-1] == pytest.approx(generated.logprobs[0].logprob, abs=1e-4)
+    assert [list(top) for top in lp.top_logprobs[1:-1]] == [[tok.decode([int(rows[p].argmax())])] for p in range(44)]
+    assert r.usage.prompt_tokens_details.cached_tokens == 0  # the prompt was computed: cached tokens have no logits
+    # vLLM's prompt_logprobs, with n = 2 (prefilled on the decode worker): the token's rank and the top 2.
+    r = client.completions.create(model=MODEL, prompt=[prompt], max_tokens=2, temperature=0.0, n=2,
+                                  extra_body={"prompt_logprobs": 2})
+    for choice in r.choices:
+        got = choice.model_extra["prompt_logprobs"]
+        assert got[0] is None and len(got) == 45
+        for p, entry in enumerate(got[1:]):
+            token, top = prompt[p + 1], rows[p].topk(2)
+            assert entry[str(token)]["logprob"] == pytest.approx(want[p], abs=1e-4)
+            assert entry[str(token)]["rank"] == int((rows[p] > rows[p, token]).sum()) + 1
+            assert set(entry) == {str(token), *map(str, top.indices.tolist())}
+    wait_idle(cluster)
+
+
 def test_invalid_field_is_400_naming_it(client):
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=MODEL, prompt="hi", max_tokens=4, temperature=-1.0)

@@ -298,6 +298,38 @@ def test_skip_tokens_sends_only_missing_blocks_and_prefix_cache_skips_compute(cl
     c.assert_idle_no_leak()
 
 
+def test_prompt_logprobs_reach_the_gateway_before_the_first_token(cluster, monkeypatch):
+    monkeypatch.setattr("worker.logprob_records.PROMPT_LOGPROBS_PER_FRAME", 8)  # 18 entries: frames of 8, 8, 2
+    c = cluster
+    tokens = prompt(19, seed=4)
+    ref = build(enable_prefix_caching=False)
+    ref.add_request(tokens, SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=3))
+    while not (outs := ref.step()):
+        pass
+    expected = outs[0].prompt_logprobs[1:]
+    c.start()
+    c.decode.send(c.decode.job("warm", tokens))  # P's prefix cache now holds the prompt's 4 full blocks
+    assert c.decode.wait_event("warm").ok
+    c.decode.adopt("warm")
+    job = c.decode.job("p", tokens)
+    job.sampling.prompt_logprobs = 3
+    c.decode.send(job)
+    assert c.decode.wait_event("p").ok
+    c.gateway.wait(TokenEvent, lambda e: e.rid == "p")
+    mine = [r for r in c.gateway.records if getattr(r, "rid", None) == "p"]
+    assert [type(r).__name__ for r in mine] == ["PromptLogprobs"] * 3 + ["TokenEvent"]
+    assert [f.start for f in mine[:3]] == [0, 8, 16]
+    got = [(r, rank) for f in mine[:3] for r, rank in zip(f.logprobs, f.ranks)]
+    assert [r.token_id for r, _ in got] == tokens[1:]
+    for (r, rank), e in zip(got, expected):
+        assert (r.token_id, rank, r.top_ids) == (e.token_id, e.rank, [t for t, _ in e.top])
+        assert r.logprob == pytest.approx(e.logprob, abs=1e-5)
+    c.decode.adopt("p")
+    c.stop()
+    assert c.sample("pdserve:prefill_computed_tokens_total") == 19 + 19  # the cached prefix was recomputed
+    c.assert_idle_no_leak()
+
+
 def test_many_jobs_are_batched_and_each_gets_its_own_kv(cluster):
     c = cluster
     prompts = {f"m{i}": prompt(9 + 3 * i, seed=10 + i) for i in range(5)}
