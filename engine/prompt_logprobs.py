@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.sampler import TokenLogprobs
+from engine.sampler import token_logprobs
 from engine.scheduled_batch import ScheduledBatch
 
 # Logits rows computed at once: bounds the [rows, vocab] float32 block (256 x 152k vocab = 156 MB).
@@ -41,16 +41,7 @@ def record_prompt_logprobs(compute_logits, hidden: torch.Tensor, batch: Schedule
         targets = torch.tensor(seq.token_ids[first + 1 : last + 1], device=hidden.device)
         entries = []
         for s in range(0, rows.shape[0], ROWS_PER_SLICE):
-            entries += _logprobs(compute_logits(rows[s : s + ROWS_PER_SLICE]), targets[s : s + ROWS_PER_SLICE],
-                                 seq.params.prompt_logprobs)
+            entries += token_logprobs(compute_logits(rows[s : s + ROWS_PER_SLICE]), targets[s : s + ROWS_PER_SLICE],
+                                      seq.params.prompt_logprobs)
         del seq.prompt_logprobs[first:]
         seq.prompt_logprobs.extend(entries)
-
-
-def _logprobs(logits: torch.Tensor, targets: torch.Tensor, num_top: int) -> list[TokenLogprobs]:
-    lp = logits.float().log_softmax(dim=1)  # [R, V]
-    chosen = lp.gather(1, targets.unsqueeze(1))  # [R, 1]
-    ranks = (lp > chosen).sum(dim=1) + 1  # [R]: 1 + tokens strictly more likely
-    top_lp, top_ids = lp.topk(num_top, dim=1) if num_top else (lp[:, :0], lp[:, :0].long())
-    return [TokenLogprobs(t, c, list(zip(ids, lps)), r) for t, c, ids, lps, r in zip(
-        targets.tolist(), chosen.squeeze(1).tolist(), top_ids.tolist(), top_lp.tolist(), ranks.tolist())]

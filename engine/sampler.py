@@ -35,7 +35,7 @@ class TokenLogprobs:
     token_id: int  # the sampled token
     logprob: float  # its log-probability under the raw model distribution
     top: list[tuple[int, float]]  # (token, logprob) of the params.logprobs most likely, most likely first
-    rank: int = 0  # prompt logprobs: the token's rank, 1 = most likely (0: not computed)
+    rank: int = 0  # the token's rank, 1 = most likely (0: not computed)
 
 
 @dataclass(slots=True)
@@ -263,13 +263,20 @@ def _logprobs(raw: torch.Tensor, seqs: list[Sequence], token_ids: list[int]) -> 
     if not asked:
         return out
     idx = torch.tensor(asked, dtype=torch.long, device=raw.device)
-    lp = raw[idx].log_softmax(dim=1)  # [R, V]
-    chosen = lp.gather(1, torch.tensor([token_ids[i] for i in asked], device=raw.device).unsqueeze(1))  # [R, 1]
-    num_top = max(seqs[i].params.logprobs for i in asked)
-    top_lp, top_ids = lp.topk(num_top, dim=1)  # [R, num_top], most likely first
-    chosen_l, top_lp_l, top_ids_l = chosen.squeeze(1).tolist(), top_lp.tolist(), top_ids.tolist()
-    for r, i in enumerate(asked):
-        n = seqs[i].params.logprobs
-        top = list(zip(top_ids_l[r][:n], top_lp_l[r][:n]))
-        out[i] = TokenLogprobs(token_id=token_ids[i], logprob=chosen_l[r], top=top)
+    targets = torch.tensor([token_ids[i] for i in asked], device=raw.device)
+    entries = token_logprobs(raw[idx], targets, max(seqs[i].params.logprobs for i in asked))
+    for i, entry in zip(asked, entries):
+        del entry.top[seqs[i].params.logprobs :]
+        out[i] = entry
     return out
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, num_top: int) -> list[TokenLogprobs]:
+    """Per row of ``logits`` [R, V]: the log-probability and rank of ``targets`` [R] and the ``num_top``
+    most likely tokens, under log_softmax of the raw logits."""
+    lp = logits.float().log_softmax(dim=1)  # [R, V]
+    chosen = lp.gather(1, targets.unsqueeze(1))  # [R, 1]
+    ranks = (lp > chosen).sum(dim=1) + 1  # [R]: 1 + tokens strictly more likely
+    top_lp, top_ids = lp.topk(num_top, dim=1)  # [R, num_top], most likely first (num_top may be 0)
+    return [TokenLogprobs(t, c, list(zip(ids, lps)), r) for t, c, ids, lps, r in zip(
+        targets.tolist(), chosen.squeeze(1).tolist(), top_ids.tolist(), top_lp.tolist(), ranks.tolist())]
