@@ -64,10 +64,12 @@ class WorkerGone:
 class _Flight:
     """One request in flight: which workers serve it, and the records that came back for it."""
 
-    __slots__ = ("rid", "events", "prompt_logprobs", "decode_worker", "prefill_worker", "is_done", "is_aborted")
+    __slots__ = ("rid", "num_prompt_tokens", "events", "prompt_logprobs", "decode_worker", "prefill_worker",
+                 "is_done", "is_aborted")
 
-    def __init__(self, rid: str) -> None:
+    def __init__(self, rid: str, num_prompt_tokens: int) -> None:
         self.rid = rid
+        self.num_prompt_tokens = num_prompt_tokens
         self.events: asyncio.Queue = asyncio.Queue()  # WireTokenEvent | Busy | WorkerGone | None (aborted)
         # From PromptLogprobs frames, which precede the first TokenEvent; None once a frame was out of order.
         self.prompt_logprobs: list[TokenLogprob] | None = []
@@ -135,7 +137,7 @@ class ZmqBackend(Backend):
     async def generate(self, request: GenerationRequest):
         if request.request_id in self._flights:
             raise ValueError(f"request id {request.request_id} is already in flight")
-        flight = _Flight(request.request_id)
+        flight = _Flight(request.request_id, len(request.prompt_token_ids))
         self._flights[flight.rid] = flight
         try:
             first = await self._place(request, flight)
@@ -302,9 +304,24 @@ class ZmqBackend(Backend):
             if worker_id == flight.decode_worker or (isinstance(record, (WireTokenEvent, PromptLogprobs))
                                                      and worker_id == flight.prefill_worker):
                 if isinstance(record, PromptLogprobs):
-                    _add_prompt_logprobs(flight, record)
+                    self._add_prompt_logprobs(worker_id, flight, record)
                 else:
                     flight.events.put_nowait(record)
+
+    def _add_prompt_logprobs(self, worker_id: str, flight: _Flight, frame: PromptLogprobs) -> None:
+        have = flight.prompt_logprobs
+        if have is None:
+            return  # already failed
+        if frame.start != len(have) or len(have) + len(frame.logprobs) > flight.num_prompt_tokens - 1:
+            # A gap, a repeat or more than the prompt has: counted, and the request fails at its first
+            # token (Generation checks the prompt logprobs against the prompt); nothing piles up here.
+            flight.prompt_logprobs = None
+            self._on_malformed(f"prompt logprobs for {flight.rid[:64]} from {worker_id[:64]!r}: entries "
+                               f"{frame.start}..{frame.start + len(frame.logprobs)} for a prompt of "
+                               f"{flight.num_prompt_tokens} tokens, {len(have)} received")
+            return
+        have += [TokenLogprob(r.token_id, r.logprob, list(zip(r.top_ids, r.top_logprobs)), rank)
+                 for r, rank in zip(frame.logprobs, frame.ranks)]
 
     def _on_heartbeat(self, worker_id: str, hb: Heartbeat) -> None:
         if hb.worker_id != worker_id:
@@ -349,14 +366,6 @@ class ZmqBackend(Backend):
                 sum(w.heartbeat.kv_blocks_in_use for w in workers) / total if total else 0.0)
             m.pool_requests_running.labels(role.value).set(sum(w.heartbeat.num_running for w in workers))
             m.pool_requests_waiting.labels(role.value).set(sum(w.heartbeat.num_waiting for w in workers))
-
-
-def _add_prompt_logprobs(flight: _Flight, frame: PromptLogprobs) -> None:
-    if flight.prompt_logprobs is None or frame.start != len(flight.prompt_logprobs):
-        flight.prompt_logprobs = None  # a gap or a repeat: the request fails at its first token (Generation)
-        return
-    flight.prompt_logprobs += [TokenLogprob(r.token_id, r.logprob, list(zip(r.top_ids, r.top_logprobs)), rank)
-                               for r, rank in zip(frame.logprobs, frame.ranks)]
 
 
 def _to_backend_event(e: WireTokenEvent, queue_time_s: float | None) -> TokenEvent:

@@ -120,8 +120,10 @@ class FakeWorker:
 
 def prompt_logprobs_frame(rid: str, prompt: list[int], mode: str) -> PromptLogprobs:
     """Prompt token p + 1 gets logprob -p / 10, rank p + 1, and one top entry: token 7. Mode "gap" claims
-    the frame starts at entry 1, leaving entry 0 unsent."""
+    the frame starts at entry 1, leaving entry 0 unsent; mode "surplus" sends one entry more than the prompt has."""
     entries = [TokenLogprobRecord(t, -p / 10, [7], [-0.01]) for p, t in enumerate(prompt[1:])]
+    if mode == "surplus":
+        entries.append(TokenLogprobRecord(7, -1.0, [7], [-0.01]))
     return PromptLogprobs(rid, 1 if mode == "gap" else 0, entries, list(range(1, len(entries) + 1)))
 
 
@@ -302,12 +304,14 @@ def test_prompt_logprobs_frames_reach_the_response(gateway, tokenizer, disaggreg
         assert entry["7"]["rank"] == 1 or token == 7
 
 
-def test_a_gap_in_prompt_logprobs_frames_fails_the_request(gateway):
-    gateway.add("d1", mode="gap")
+@pytest.mark.parametrize("mode", ["gap", "surplus"])
+def test_prompt_logprobs_frames_out_of_line_fail_the_request_and_are_counted(gateway, mode):
+    gateway.add("d1", mode=mode)
     body = {"model": MODEL, "prompt": "Hi there", "max_tokens": 2, "prompt_logprobs": 0}
     r = httpx.post(gateway.base_url + "/v1/completions", json=body, timeout=10)
     assert r.status_code == 500 and r.json()["error"]["code"] == "generation_failed"
     assert "worker sent no prompt logprobs" in r.json()["error"]["message"]
+    assert metric(gateway.base_url, "pdserve:worker_malformed_frames_total") == 1
     assert gateway.client.completions.create(model=MODEL, prompt="Hi", max_tokens=100).choices[0].text == OUTPUT_TEXT
 
 
