@@ -21,7 +21,8 @@ import zmq
 from protocol.codec import decode, encode
 from protocol.kv_messages import (KV_PROTOCOL_VERSION, Abort, BlockWrite, Commit, CommitAck, Credit, Handshake,
                                   HandshakeReply, KVCompat, WriteRejected)
-from protocol.serving import AbortRequest, Heartbeat, PrefillJob, SamplingSpec, TokenEvent
+from protocol.serving import (AbortRequest, Heartbeat, PrefillJob, PromptLogprobs, SamplingSpec, TokenEvent,
+                              TokenLogprobRecord)
 from tests.cluster_harness import ServeProcess
 from tests.model_factory import tiny_model_dir
 
@@ -129,11 +130,13 @@ def test_gateway_worker_router_rejects_and_counts(cluster, endpoints, baseline, 
     messages = garbage_messages(seed=1)
     sampling = SamplingSpec(max_tokens=1)
     messages += [[encode(PrefillJob("r", [1], 0, [0], 1, "tcp://x:1", True, sampling, time.time() + 9))],  # wrong way
-                 [encode(Heartbeat("decode-0", "decode", "tcp://127.0.0.1:1", "fake", 16, 9, 9, 0, 0, 0, 0))]]  # spoofed id
+                 [encode(Heartbeat("decode-0", "decode", "tcp://127.0.0.1:1", "fake", 16, 9, 9, 0, 0, 0, 0))],  # spoofed id
+                 [msgpack.packb(["serve.prompt_logprobs", {"rid": "r", "start": 0, "logprobs": [], "ranks": [1]}])]]
     send_all(sock, messages)
     assert wait_for_count(lambda: gateway_metric(cluster, name), before + len(messages)) == before + len(messages)
     # Late or forged token events for requests that do not exist are dropped without effect.
     sock.send(encode(TokenEvent("cmpl-does-not-exist", 0, 0, [1, 2, 3])))
+    sock.send(encode(PromptLogprobs("cmpl-does-not-exist", 0, [TokenLogprobRecord(3, -1.0)], [1])))
     sock.send(b"\x00" * (2 * (1 << 20)))  # over MAXMSGSIZE: zmq drops the connection before our code sees it
     assert greedy_text(cluster) == baseline
     assert {w["id"] for w in cluster.wait_idle()} == {"prefill-0", "decode-0"}  # no impostor registered
