@@ -166,9 +166,7 @@ class DecodeServer:
             return
         remote_tokens = self._kv_needed_from_prefill(seq)
         _, hit_tokens = self.block_manager.prefix_hit(seq)
-        # Prompt logprobs come from whoever computes the whole prompt; with n > 1 that is this worker.
-        computes_prompt_here = seq.params.prompt_logprobs is not None and seq.params.n > 1
-        if gen.prefill_address and remote_tokens > hit_tokens and not computes_prompt_here:
+        if gen.prefill_address and remote_tokens > hit_tokens and not gen.sampling.prefills_on_decode:
             self._start_remote_prefill(req, gen, remote_tokens)
         else:
             self._start_local_prefill(req)

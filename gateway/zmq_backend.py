@@ -22,7 +22,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from protocol.serving import AbortRequest, Busy, Generate, Goodbye, Heartbeat, PromptLogprobs
+from protocol.serving import AbortRequest, Busy, Generate, Goodbye, Heartbeat, PromptLogprobs, TokenLogprobRecord
 from protocol.serving import TokenEvent as WireTokenEvent
 
 from .admission import AdmissionQueue
@@ -240,9 +240,9 @@ class ZmqBackend(Backend):
         give_up = time.monotonic() + self._params.queue_timeout_s
         while True:
             excluded = tried | self._breaker.open_workers(time.monotonic())
-            whole_prompt = request.sampling.prompt_logprobs is not None  # cached tokens have no logits
-            decision = self._router.route(request.prompt_token_ids, frozenset(excluded), whole_prompt,
-                                          prefill_on_decode=whole_prompt and request.sampling.n > 1)
+            spec = request.sampling
+            decision = self._router.route(request.prompt_token_ids, frozenset(excluded), spec.computes_whole_prompt,
+                                          prefill_on_decode=spec.prefills_on_decode)
             if decision is not None:
                 result = "local" if decision.prefill_worker is None else "disaggregated"
                 self._metrics.route_decisions.labels(policy, result).inc()
@@ -320,8 +320,7 @@ class ZmqBackend(Backend):
                                f"{frame.start}..{frame.start + len(frame.logprobs)} for a prompt of "
                                f"{flight.num_prompt_tokens} tokens, {len(have)} received")
             return
-        have += [TokenLogprob(r.token_id, r.logprob, list(zip(r.top_ids, r.top_logprobs)), rank)
-                 for r, rank in zip(frame.logprobs, frame.ranks)]
+        have += [_to_logprob(r, rank) for r, rank in zip(frame.logprobs, frame.ranks)]
 
     def _on_heartbeat(self, worker_id: str, hb: Heartbeat) -> None:
         if hb.worker_id != worker_id:
@@ -368,9 +367,12 @@ class ZmqBackend(Backend):
             m.pool_requests_waiting.labels(role.value).set(sum(w.heartbeat.num_waiting for w in workers))
 
 
+def _to_logprob(r: TokenLogprobRecord, rank: int | None = None) -> TokenLogprob:
+    return TokenLogprob(r.token_id, r.logprob, list(zip(r.top_ids, r.top_logprobs)), rank)
+
+
 def _to_backend_event(e: WireTokenEvent, queue_time_s: float | None) -> TokenEvent:
-    logprobs = None if e.logprobs is None else [
-        TokenLogprob(r.token_id, r.logprob, list(zip(r.top_ids, r.top_logprobs))) for r in e.logprobs]
+    logprobs = None if e.logprobs is None else [_to_logprob(r) for r in e.logprobs]
     return TokenEvent(index=e.index, token_ids=list(e.token_ids), logprobs=logprobs,
                       finish_reason=e.finish_reason or None,
                       num_cached_tokens=e.num_cached_tokens if e.num_cached_tokens >= 0 else None,

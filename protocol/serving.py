@@ -71,6 +71,18 @@ class SamplingSpec:
         assert self.max_tokens >= 1 and self.n >= 1, (self.max_tokens, self.n)
         assert 0 <= self.min_tokens <= self.max_tokens, (self.min_tokens, self.max_tokens)
 
+    @property
+    def computes_whole_prompt(self) -> bool:
+        """Prompt logprobs: every prompt token is computed, whatever a worker caches (cached tokens have
+        no logits)."""
+        return self.prompt_logprobs is not None
+
+    @property
+    def prefills_on_decode(self) -> bool:
+        """Prompt logprobs with n > 1: the decode worker prefills the prompt itself, since a prefill
+        worker's job would stop short of the last prompt token (see the module docstring)."""
+        return self.computes_whole_prompt and self.n > 1
+
     def logit_bias_map(self) -> dict[int, float] | None:
         """``logit_bias`` as engine.SamplingParams takes it (None when empty)."""
         return {b.token_id: b.bias for b in self.logit_bias} or None
