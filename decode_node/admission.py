@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from engine.model_config import ModelConfig
+from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingError, SamplingParams
 from engine.sequence import Sequence, vocab_error
+from engine.structured_output import StructuredOutputError
 from protocol.serving import Generate, SamplingSpec
 
 
@@ -28,11 +29,16 @@ def sampling_params(spec: SamplingSpec) -> SamplingParams:
         raise RequestError(str(exc)) from None
 
 
-def make_sequence(seq_id: int, gen: Generate, model: ModelConfig) -> Sequence:
+def make_sequence(seq_id: int, gen: Generate, engine: LLMEngine) -> Sequence:
     params = sampling_params(gen.sampling)
+    model = engine.model_config
     if error := vocab_error(gen.token_ids, params, model.vocab_size):
         raise RequestError(error)
     stops = set(params.stop_token_ids)
     if not params.ignore_eos:
         stops.update(model.eos_token_ids)
-    return Sequence(seq_id, list(gen.token_ids), params, stop_token_ids=frozenset(stops))
+    try:
+        guide = engine.new_guide(params)
+    except StructuredOutputError as exc:
+        raise RequestError(str(exc)) from None
+    return Sequence(seq_id, list(gen.token_ids), params, stop_token_ids=frozenset(stops), guide=guide)

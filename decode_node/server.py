@@ -154,11 +154,11 @@ class DecodeServer:
             self._busy(gen.rid, "worker is draining")
             return
         try:
-            seq = make_sequence(next(self._seq_ids), gen, self.engine.model_config)
+            seq = make_sequence(next(self._seq_ids), gen, self.engine)
             self.scheduler.check_admissible(seq)
         except (RequestError, AdmissionError) as exc:
             self.metrics.request_failure.labels("invalid").inc()
-            self._send_error_all(gen.rid, gen.sampling.n, str(exc))
+            self._send_error_all(gen.rid, gen.sampling.n, str(exc), refused=True)
             return
         req = DecodeRequest(gen.rid, seq, gen.deadline, time.monotonic(), Phase.SCHEDULED)
         if gen.deadline <= time.time():
@@ -230,6 +230,10 @@ class DecodeServer:
         req.prefill_address = ""
         if seq.params.n == 1 and commit.first_token is None:
             self._fail(req, "prefill worker committed without the first token", abort_receiver=False)
+            return
+        if seq.params.n == 1 and seq.guide is not None and not seq.guide.accept(commit.first_token):
+            self._fail(req, f"prefill worker's first token {commit.first_token} is outside the request's grammar",
+                       abort_receiver=False)
             return
         req.phase = Phase.SCHEDULED
         num_computed = self._kv_needed_from_prefill(seq)
@@ -342,10 +346,10 @@ class DecodeServer:
         log.info("rid=%s busy: %s", rid, reason)
         self.gateway.send(Busy(rid, reason))
 
-    def _send_error_all(self, rid: str, n: int, error: str) -> None:
+    def _send_error_all(self, rid: str, n: int, error: str, refused: bool = False) -> None:
         log.warning("rid=%s refused: %s", rid, error)
         for index in range(n):
-            self.gateway.send(error_event(rid, index, 0, error))
+            self.gateway.send(error_event(rid, index, 0, error, refused))
 
     # ---- load, metrics, drain ----
     def snapshot(self) -> EngineSnapshot:

@@ -27,5 +27,5 @@ def new_tokens_event(rid: str, index: int, seq: Sequence, num_sent: int, wants_l
     return TokenEvent(rid, index, num_sent, tokens, logprobs, finish_reason, num_cached_tokens)
 
 
-def error_event(rid: str, index: int, offset: int, error: str) -> TokenEvent:
-    return TokenEvent(rid, index, offset, [], error=error[:1000])
+def error_event(rid: str, index: int, offset: int, error: str, refused: bool = False) -> TokenEvent:
+    return TokenEvent(rid, index, offset, [], error=error[:1000], refused=refused)

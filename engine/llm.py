@@ -20,6 +20,7 @@ from engine.loader import load_model
 from engine.runner import ModelRunner, supports_native_decode
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
+from engine.structured_output import Grammars
 from kernels import cpu_native
 
 log = logging.getLogger(__name__)
@@ -61,7 +62,7 @@ def build_engine(model_path: str, model_cfg: ModelSection, engine_cfg: EngineCon
         block_manager,
     )
     runner = ModelRunner(model, pool, native_decode=_native_decode(engine_cfg, config, pool))
-    return LLMEngine(config, scheduler, runner)
+    return LLMEngine(config, scheduler, runner, Grammars(model_path, config.vocab_size, config.eos_token_ids))
 
 
 def _native_decode(engine_cfg: EngineConfig, config, pool: KVPool) -> cpu_native.NativeLibrary | None:

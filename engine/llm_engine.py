@@ -2,7 +2,8 @@
 
 Life cycle of a request here:
 1. ``add_request`` validates the prompt against the context, makes its Sequence (stop ids = the
-   request's plus the model's EOS unless ``ignore_eos``) and queues it.
+   request's plus the model's EOS unless ``ignore_eos``; the matcher of its structured output) and
+   queues it.
 2. ``step`` asks the scheduler for a batch (prefill chunks and decode tokens), the runner computes it
    and samples, the scheduler appends the tokens, checks stops and frees finished sequences' blocks.
 3. Finished sequences are reported grouped by request: a request with ``n > 1`` finishes when all its
@@ -20,6 +21,7 @@ from engine.runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus, vocab_error
+from engine.structured_output import Grammars, StructuredOutputError
 
 FINISH_REASONS = {
     SequenceStatus.FINISHED_STOPPED: "stop",
@@ -54,10 +56,13 @@ class _Request:
 
 
 class LLMEngine:
-    def __init__(self, model_config: ModelConfig, scheduler: Scheduler, runner: ModelRunner):
+    def __init__(self, model_config: ModelConfig, scheduler: Scheduler, runner: ModelRunner,
+                 grammars: Grammars | None = None):
+        """``grammars``: compiles structured outputs against the model's tokenizer; None refuses them."""
         self.model_config = model_config
         self.scheduler = scheduler
         self.runner = runner
+        self.grammars = grammars
         self._requests: dict[int, _Request] = {}
         self._ids = itertools.count()
         self.num_computed_tokens = 0  # tokens run through the model (prefill chunks + decodes), all time
@@ -73,10 +78,20 @@ class LLMEngine:
         if not params.ignore_eos:
             stops.update(self.model_config.eos_token_ids)
         request_id = next(self._ids)
-        seq = Sequence(request_id, list(prompt_token_ids), params, stop_token_ids=frozenset(stops))
+        seq = Sequence(request_id, list(prompt_token_ids), params, stop_token_ids=frozenset(stops),
+                       guide=self.new_guide(params))
         self.scheduler.add(seq)
         self._requests[request_id] = _Request(list(prompt_token_ids), params)
         return request_id
+
+    def new_guide(self, params: SamplingParams):
+        """The Guide of ``params.structured_output`` for a new sequence (None without one); raises
+        StructuredOutputError for a grammar that does not compile."""
+        if params.structured_output is None:
+            return None
+        if self.grammars is None:
+            raise StructuredOutputError("structured outputs need the model's tokenizer; this engine has none")
+        return self.grammars.guide(params.structured_output)
 
     def abort(self, request_id: int) -> None:
         self.scheduler.abort(request_id)

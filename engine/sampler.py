@@ -2,7 +2,8 @@
 
 Order of operations on a row (vLLM v1's order):
 
-    raw logits ─▶ logprobs: log_softmax of the RAW logits (vLLM's default), for requests that ask
+    raw logits ─▶ structured outputs: tokens the request's grammar refuses set to -inf
+      ─▶ logprobs: log_softmax of these RAW logits (vLLM's default), for requests that ask
       ─▶ logit_bias added ─▶ min_tokens: stop tokens masked
       ─▶ repetition penalty (HF) ─▶ presence/frequency (OpenAI)
       ─▶ greedy rows take the argmax here
@@ -23,6 +24,7 @@ from itertools import chain
 import torch
 
 from engine.sequence import Sequence
+from engine.structured_output import apply_grammars_
 
 # Temperatures below this are greedy (as in vLLM): dividing by them would overflow the logits.
 _GREEDY_EPS = 1e-5
@@ -53,12 +55,17 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         assert logits.dim() == 2 and logits.shape[0] == len(seqs), "one logits row per sequence"
-        raw = logits.float()  # [S, V]; left untouched for logprobs
+        raw = logits.float()  # [S, V]; left untouched for logprobs once grammars have masked it
+        if any(s.guide is not None for s in seqs):
+            raw = raw.clone() if raw is logits else raw
+            only_stop = apply_grammars_(raw, seqs)
+        else:
+            only_stop = set()
         # Processed in place below: a copy only when some row gets edited, so neither the caller's
         # logits nor the raw values logprobs read ever change (an all-greedy batch edits nothing).
         x = raw.clone() if any(_edits_logits(s) for s in seqs) else raw  # [S, V]
         apply_logit_bias_(x, seqs)
-        apply_min_tokens_(x, seqs)
+        apply_min_tokens_(x, seqs, except_rows=only_stop)
         apply_penalties_(x, seqs)
         tokens = first_max_index(x)  # [S]; final for greedy rows
 
@@ -143,12 +150,13 @@ def apply_logit_bias_(logits: torch.Tensor, seqs: list[Sequence]) -> None:
         logits[rows, cols] += logits.new_tensor(biases)
 
 
-def apply_min_tokens_(logits: torch.Tensor, seqs: list[Sequence]) -> None:
-    """Masks (in place) the stop tokens of every sequence with fewer than min_tokens outputs."""
+def apply_min_tokens_(logits: torch.Tensor, seqs: list[Sequence], except_rows: set[int] = frozenset()) -> None:
+    """Masks (in place) the stop tokens of every sequence with fewer than min_tokens outputs, but for
+    ``except_rows``: those whose grammar has ended and allows nothing else."""
     vocab = logits.shape[1]
     rows, cols = [], []
     for i, seq in enumerate(seqs):
-        if seq.num_output_tokens < seq.params.min_tokens:
+        if seq.num_output_tokens < seq.params.min_tokens and i not in except_rows:
             stops = [t for t in seq.stop_token_ids if t < vocab]
             rows += [i] * len(stops)
             cols += stops

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from protocol.serving import MAX_LOGIT_BIAS
+from protocol.serving import MAX_LOGIT_BIAS, StructuredOutput
 
 
 class SamplingError(ValueError):
@@ -33,6 +33,9 @@ class SamplingParams:
     # None: none; k >= 0: every prompt token's logprob (after the first) plus the top k. The prompt is
     # then computed in full, never read from the prefix cache: cached tokens have no logits.
     prompt_logprobs: int | None = None
+    # None: any output; else the grammar the output follows (engine/structured_output.py). Compiled at
+    # admission into the sequence's matcher, which masks the logits of every step.
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if self.top_k == -1:
@@ -72,3 +75,5 @@ class SamplingParams:
         check(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int)
                                                and 0 <= self.prompt_logprobs <= self.max_logprobs),
               "prompt_logprobs", f"an integer in [0, {self.max_logprobs}]")
+        check(self.structured_output is None or isinstance(self.structured_output, StructuredOutput),
+              "structured_output", "a StructuredOutput")

@@ -20,12 +20,15 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager, cdiv
 from engine.scheduled_batch import ScheduledBatch
 from engine.sequence import Sequence, SequenceStatus
+
+log = logging.getLogger(__name__)
 
 
 class AdmissionError(ValueError):
@@ -236,7 +239,7 @@ class Scheduler:
             child = Sequence(
                 next(self._child_ids), list(parent.token_ids), params,
                 stop_token_ids=parent.stop_token_ids, num_prompt_tokens=parent.num_prompt_tokens,
-                status=SequenceStatus.RUNNING,
+                status=SequenceStatus.RUNNING, guide=None if parent.guide is None else parent.guide.fork(),
             )
             self.block_manager.fork(parent, child)
             self._origin[child.seq_id] = (parent.seq_id, index)
@@ -273,6 +276,13 @@ class Scheduler:
         for j, (seq, token) in enumerate(zip(batch.sample_seqs, token_ids)):
             if seq.is_finished:
                 continue
+            if seq.guide is not None and not seq.guide.accept(token):
+                # Unreachable while the sampler masks what the grammar refuses: a bug, not the request's.
+                log.error("seq %d: sampled token %d is outside its grammar; stopping it", seq.seq_id, token)
+                self.running.remove(seq)
+                self._finish(seq, SequenceStatus.FINISHED_STOPPED)
+                finished.append(seq)
+                continue
             seq.token_ids.append(token)
             if logprobs is not None:
                 seq.output_logprobs.append(logprobs[j])
@@ -286,6 +296,8 @@ class Scheduler:
     def _stop_status(self, seq: Sequence, token: int) -> SequenceStatus | None:
         # Stop tokens count only after min_tokens earlier outputs (the sampler masks them until then).
         if token in seq.stop_token_ids and seq.num_output_tokens - 1 >= seq.params.min_tokens:
+            return SequenceStatus.FINISHED_STOPPED
+        if seq.guide is not None and seq.guide.is_ended:  # the grammar took its stop token
             return SequenceStatus.FINISHED_STOPPED
         if seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.config.max_model_len:
             return SequenceStatus.FINISHED_LENGTH

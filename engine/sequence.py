@@ -19,6 +19,7 @@ import enum
 from dataclasses import dataclass, field
 
 from engine.sampling_params import SamplingParams
+from engine.structured_output import Guide
 
 
 class SequenceStatus(enum.IntEnum):
@@ -43,6 +44,7 @@ class Sequence:
     num_computed_tokens: int = 0  # leading tokens whose KV is in the pool
     num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache, never recomputed
     generator: object | None = None  # torch.Generator of a seeded request (owned by the sampler)
+    guide: Guide | None = None  # a structured output's place in its grammar, fed every output token
     output_logprobs: list = field(default_factory=list)  # one entry per generated token when asked
     prompt_logprobs: list = field(default_factory=list)  # TokenLogprobs of prompt tokens 1, 2, ... when asked
 

@@ -58,6 +58,7 @@ class TokenEvent:
     num_cached_tokens: int | None = None  # prompt tokens not recomputed; sent with the first event
     queue_time_s: float | None = None  # time the request waited for a worker; sent with the first event
     error: str | None = None  # the request failed in a worker; no more events follow
+    refused: bool = False  # with error: refused as invalid before any work (the client's fault: a 400)
     # Asked-for prompt logprobs, on each completion's first event: one per prompt token after the first.
     prompt_logprobs: list[TokenLogprob] | None = None
 

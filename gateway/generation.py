@@ -5,7 +5,8 @@
 
 Life cycle:
 1. ``start``: every request's generator is asked for its first event before the response begins, so
-   "no capacity" is still a 503 (with Retry-After) and not an error inside a 200 stream.
+   "no capacity" is still a 503 (with Retry-After), and a worker's refusal of an invalid request (a
+   grammar that does not compile, say) a 400, not an error inside a 200 stream.
 2. ``deltas``: one pump task per request feeds a queue; the consumer routes each event to its choice by
    ``index``, turns it into a ``ChoiceDelta``, records latency metrics, and aborts a request once every
    one of its choices is over (a stop string may end a choice before the worker does).
@@ -23,7 +24,7 @@ import anyio
 from .backend import Backend, GenerationRequest, NoCapacity, TokenEvent
 from .choice import ChoiceDelta, ChoiceState
 from .deadline import get_by
-from .errors import APIError, no_capacity
+from .errors import APIError, bad_request, no_capacity
 from .metrics import GatewayMetrics
 
 _MAX_ERROR_CHARS = 300
@@ -62,6 +63,9 @@ class Generation:
             if busy:
                 raise no_capacity(max(b.retry_after_s for b in busy), busy[0].reason)
             raise GenerationFailed(type(failed[0]).__name__ + ": " + str(failed[0]))
+        refused = [e for e in results if e.refused]
+        if refused:  # a request no worker could ever serve: the client's to fix, so a 400 before any output
+            raise bad_request(refused[0].error)
         self._firsts = results
 
     @staticmethod

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from protocol.serving import MAX_LOGIT_BIAS, SamplingSpec, TokenBias
+from protocol.serving import MAX_LOGIT_BIAS, SamplingSpec, StructuredOutput, TokenBias
 from .errors import bad_request
 from .request_fields import Fields
+from .structured_fields import parse_structured_output
 
 MAX_N = 16  # completions per prompt
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
@@ -33,6 +34,7 @@ class ParsedRequest:
     user: str | None = None
     echo: bool = False  # completions: each choice's text (and logprobs) starts with its prompt
     prompt_logprobs: int | None = None  # asked for explicitly: the response carries a prompt_logprobs field
+    structured_output: StructuredOutput | None = None  # the grammar the output follows
 
     @property
     def num_prompt_logprobs(self) -> int | None:
@@ -46,12 +48,8 @@ class ParsedRequest:
             raise bad_request(f"min_tokens ({self.sampling['min_tokens']}) must be <= max_tokens ({max_tokens})",
                               "min_tokens")
         return SamplingSpec(max_tokens=max_tokens, n=self.n, logprobs=self.logprobs,
-                            prompt_logprobs=self.num_prompt_logprobs, **self.sampling)
-
-
-# vLLM's structured-output extras: with any of them set the client wants an output this server does not
-# produce, so they are refused rather than ignored.
-_UNSUPPORTED_EXTRAS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
+                            prompt_logprobs=self.num_prompt_logprobs, structured_output=self.structured_output,
+                            **self.sampling)
 
 
 def _refuse_unsupported(f: Fields, chat: bool) -> None:
@@ -60,9 +58,6 @@ def _refuse_unsupported(f: Fields, chat: bool) -> None:
     def refuse(name: str, what: str | None = None) -> None:
         raise bad_request(f"{what or name} is not supported by this server", name)
 
-    for name in _UNSUPPORTED_EXTRAS:
-        if f.has(name):
-            refuse(name)
     best_of = f.int("best_of", None, lo=1)
     if best_of is not None and best_of != f.raw("n", 1):
         refuse("best_of", "best_of other than n")
@@ -72,9 +67,6 @@ def _refuse_unsupported(f: Fields, chat: bool) -> None:
         return
     if f.bool("echo", False):  # vLLM's chat echo repeats the last message in the reply, not the prompt
         refuse("echo", "echo (the last message repeated in the reply) for chat completions")
-    response_format = f.object("response_format")
-    if response_format is not None and response_format.raw("type") != "text":
-        refuse("response_format", f"response_format of type {str(response_format.raw('type'))[:40]!r} (only 'text')")
     for tools, choice in (("tools", "tool_choice"), ("functions", "function_call")):  # the legacy pair too
         chosen = f.raw(choice, "auto" if f.raw(tools) else "none")
         if f.raw(tools) and chosen != "none":
@@ -111,11 +103,13 @@ def _common(f: Fields, chat: bool) -> dict:
     )
     if sampling["top_k"] == -1:
         sampling["top_k"] = 0
+    structured_output = parse_structured_output(f)
     return dict(
         model=f.str("model", None), max_tokens=max_tokens, n=f.int("n", 1, lo=1, hi=MAX_N),
         stop=f.stop_strings(), stream=stream,
         include_usage=options.bool("include_usage", False) if options else False,
         sampling=sampling, user=f.str("user", None), prompt_logprobs=prompt_logprobs,
+        structured_output=structured_output,
     )
 
 

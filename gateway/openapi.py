@@ -12,6 +12,7 @@ _ERROR = {"description": "OpenAI error object", "content": _JSON}
 # Request bodies with vLLM's ranges (gateway/openai_request.py enforces them): fuzzers such as
 # schemathesis generate from these, so the closer they are, the deeper the generated requests reach.
 _TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}}
+_CHOICES = {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}}
 _SAMPLING = {
     "model": {"type": "string"}, "max_tokens": {"type": "integer", "minimum": 1},
     "temperature": {"type": "number", "minimum": 0}, "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
@@ -27,6 +28,16 @@ _SAMPLING = {
                    "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}},
     # vLLM's: each prompt token's logprob and rank plus the top k; not with stream (400)
     "prompt_logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS},
+    # structured outputs (gateway/structured_fields.py): one of these per request
+    "response_format": {"type": "object", "required": ["type"], "properties": {
+        "type": {"enum": ["text", "json_object", "json_schema"]},
+        "json_schema": {"type": "object", "required": ["schema"], "properties": {
+            "name": {"type": "string"}, "schema": {"type": "object"}, "strict": {"type": "boolean"}}}}},
+    "structured_outputs": {"type": "object", "minProperties": 1, "maxProperties": 1, "properties": {
+        "json": {"type": "object"}, "json_object": {"const": True}, "regex": {"type": "string", "minLength": 1},
+        "choice": _CHOICES, "grammar": {"type": "string", "minLength": 1}}},
+    "guided_json": {"type": "object"}, "guided_regex": {"type": "string", "minLength": 1},
+    "guided_choice": _CHOICES, "guided_grammar": {"type": "string", "minLength": 1},
 }
 _PROMPT = {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}, _TOKEN_IDS,
                      {"type": "array", "items": _TOKEN_IDS}]}

@@ -150,7 +150,9 @@ class ZmqBackend(Backend):
                         yield TokenEvent(error=_describe(event))
                     return
                 if event.error:
-                    yield TokenEvent(index=event.index, error=f"worker {flight.decode_worker}: {event.error}")
+                    # A refusal speaks to the client about its request; a failure names the worker.
+                    error = event.error if event.refused else f"worker {flight.decode_worker}: {event.error}"
+                    yield TokenEvent(index=event.index, error=error, refused=event.refused)
                     return
                 try:
                     released = order.push(event)

@@ -8,7 +8,7 @@ from protocol.serving import SamplingSpec
 
 def first_token_params(spec: SamplingSpec) -> SamplingParams:
     """One completion, one token, sampled as the request asks (seed, filters, logit_bias, logprobs,
-    prompt logprobs, min_tokens).
+    prompt logprobs, min_tokens, structured output).
 
     ``n`` is 1 even for ``n > 1`` requests: those come with ``sample_first = False`` and the decode
     worker forks the completions itself. Raises SamplingError for an out-of-range value.
@@ -19,6 +19,7 @@ def first_token_params(spec: SamplingSpec) -> SamplingParams:
         repetition_penalty=spec.repetition_penalty, max_tokens=1, min_tokens=min(spec.min_tokens, 1),
         stop_token_ids=list(spec.stop_token_ids), ignore_eos=spec.ignore_eos, logprobs=spec.logprobs,
         logit_bias=spec.logit_bias_map(), prompt_logprobs=spec.prompt_logprobs,
+        structured_output=spec.structured_output,
     )
 
 

@@ -6,7 +6,8 @@ Life cycle of a request on this node:
    ``PrefillFailed`` at once and counted, and the node keeps serving.
 2. The job queues until the blocks for its whole prompt fit under the admission budget (so the
    scheduler never preempts a prefill whose blocks already went out), then becomes a Sequence with
-   ``max_tokens = 1`` in the engine's scheduler. The block manager reuses this node's prefix cache.
+   ``max_tokens = 1`` in the engine's scheduler (with its grammar's matcher for a structured output;
+   a grammar that does not compile fails the job). The block manager reuses this node's prefix cache.
 3. Each step (one per loop turn) runs chunks of many jobs under the per-step token budget. After
    ``runner.execute`` and before ``postprocess`` frees finished sequences, the blocks each job
    finished that D lacks (index >= skip // block_size) are queued on the KV sender for its
@@ -40,6 +41,7 @@ from engine.llm_engine import LLMEngine
 from engine.scheduled_batch import ScheduledBatch
 from engine.scheduler import AdmissionError
 from engine.sequence import Sequence
+from engine.structured_output import StructuredOutputError
 from kvtransfer.events import TransferEvent
 from kvtransfer.sender import HandshakeError
 from prefill_node.block_pins import BlockPins
@@ -67,6 +69,7 @@ class PrefillServer:
         self.options = options
         self.scheduler = engine.scheduler
         self.runner = engine.runner
+        self.new_guide = engine.new_guide  # a structured output's matcher for a job's sequence
         self.block_manager = engine.scheduler.block_manager
         self.metrics = metrics
         bm, cfg = self.block_manager, engine.model_config
@@ -175,8 +178,14 @@ class PrefillServer:
         if reason:
             self._reply_failed(peer, job.rid, job.generation, reason, label="bad_job" if reason != "draining" else "draining")
             return
-        seq = Sequence(next(self._seq_ids), list(job.token_ids), first_token_params(job.sampling),
-                       stop_token_ids=stop_ids(job.sampling, self._eos_token_ids))
+        params = first_token_params(job.sampling)
+        try:
+            guide = self.new_guide(params)
+        except StructuredOutputError as exc:
+            self._reply_failed(peer, job.rid, job.generation, str(exc), label="bad_job")
+            return
+        seq = Sequence(next(self._seq_ids), list(job.token_ids), params,
+                       stop_token_ids=stop_ids(job.sampling, self._eos_token_ids), guide=guide)
         bs = self.block_manager.block_size
         state = JobState(job, peer, seq, cdiv(len(job.token_ids), bs), time.monotonic(),
                          next_block=job.skip_tokens // bs)

@@ -34,6 +34,10 @@ FINISH_REASONS = ("", "stop", "length")  # "" while the completion is still runn
 
 
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a token's bias: [-100, 100] (gateway and engine both check it)
+# What a structured output may ask for (engine/structured_output.py), and how long its text may be: a
+# Generate frame also carries the prompt, all within the codec's 1 MB.
+STRUCTURED_OUTPUT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+MAX_STRUCTURED_OUTPUT_CHARS = 64 * 1024
 
 
 @wire_record("serve.token_bias")
@@ -43,6 +47,21 @@ class TokenBias:
 
     token_id: int
     bias: float
+
+
+@wire_record("serve.structured_output")
+@dataclass(slots=True)
+class StructuredOutput:
+    """The grammar a request's output must follow (vLLM's structured outputs, OpenAI's response_format)."""
+
+    kind: str  # one of STRUCTURED_OUTPUT_KINDS
+    # json: the JSON schema's text; json_object: ""; regex: the pattern; choice: a JSON list of the
+    # strings allowed; grammar: EBNF (xgrammar's dialect, GBNF-like, with a ``root`` rule)
+    spec: str = ""
+
+    def __post_init__(self) -> None:
+        assert self.kind in STRUCTURED_OUTPUT_KINDS, f"unknown structured output kind {self.kind[:40]!r}"
+        assert len(self.spec) <= MAX_STRUCTURED_OUTPUT_CHARS, f"{len(self.spec)} characters of grammar"
 
 
 @wire_record("serve.sampling")
@@ -66,6 +85,7 @@ class SamplingSpec:
     logprobs: int | None = None  # None: none; k: the sampled token's logprob plus the top k
     logit_bias: list[TokenBias] = field(default_factory=list)  # engine.SamplingParams.logit_bias as a list
     prompt_logprobs: int | None = None  # None: none; k: each prompt token's logprob plus the top k
+    structured_output: StructuredOutput | None = None  # None: any output
 
     def __post_init__(self) -> None:
         assert self.max_tokens >= 1 and self.n >= 1, (self.max_tokens, self.n)
@@ -137,6 +157,9 @@ class TokenEvent:
     finish_reason: str = ""  # "" while running; "stop" | "length" on the completion's last event
     num_cached_tokens: int = -1  # prompt tokens not recomputed; >= 0 on the decode worker's first event
     error: str = ""  # non-empty: the request failed on the worker; nothing more follows for it
+    # With error: the worker refused the request as one it can never serve (the client's fault: a bad
+    # grammar, a prompt past the context), before doing any work for it.
+    refused: bool = False
 
     def __post_init__(self) -> None:
         assert self.finish_reason in FINISH_REASONS, self.finish_reason

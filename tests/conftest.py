@@ -47,3 +47,20 @@ def hf_tok(tok_dir):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(tok_dir))
+
+
+@pytest.fixture
+def backend(live):
+    """The FakeBackend behind a module's ``live`` gateway (tests/fake_backend.py), fresh for each test."""
+    return live.backend.reset()
+
+
+@pytest.fixture
+def client(live, backend):
+    """The stock openai client, in strict mode, on a module's ``live`` gateway."""
+    import openai
+
+    from tests.fake_backend import API_KEYS
+
+    return openai.OpenAI(base_url=live.base_url + "/v1", api_key=API_KEYS[0], max_retries=0,
+                         _strict_response_validation=True)

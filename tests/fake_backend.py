@@ -64,6 +64,7 @@ class FakeBackend(Backend):
     capacity: bool = True  # has_capacity(); False -> the gateway's own admission says 503
     no_capacity_retry_after: int | None = None  # set: generate raises NoCapacity(this)
     error_after_tokens: int | None = None  # set: an error event after this many tokens
+    refusal: str | None = None  # set: the first event refuses the request as invalid, with this error
     ready: bool = True
     received: list[GenerationRequest] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
@@ -130,6 +131,9 @@ class FakeBackend(Backend):
         if self.no_capacity_retry_after is not None:
             raise NoCapacity(self.no_capacity_retry_after, "all decode workers are full")
         self.received.append(request)
+        if self.refusal is not None:
+            yield TokenEvent(error=self.refusal, refused=True)
+            return
         s = request.sampling
         out = self.output_ids[: s.max_tokens]
         finish = "length" if len(out) < len(self.output_ids) else "stop"

@@ -24,11 +24,6 @@ def live(tok_dir):
 
 
 @pytest.fixture
-def backend(live) -> FakeBackend:
-    return live.backend.reset()
-
-
-@pytest.fixture
 def client(live, backend):
     return openai.OpenAI(base_url=live.base_url + "/v1", api_key=API_KEYS[1], max_retries=0,
                          _strict_response_validation=True)

@@ -24,11 +24,6 @@ def live(tok_dir):
         yield server
 
 
-@pytest.fixture
-def backend(live) -> FakeBackend:
-    return live.backend.reset()
-
-
 def post(live, path: str, **body) -> httpx.Response:
     return httpx.post(live.base_url + path, json={"model": MODEL, **body}, headers=HEADERS, timeout=10)
 

@@ -7,7 +7,7 @@ import httpx
 import openai
 import pytest
 
-from tests.fake_backend import (API_KEYS, MODEL, FakeBackend, live_gateway, make_test_tokenizer,
+from tests.fake_backend import (API_KEYS, MODEL, live_gateway, make_test_tokenizer,
                                 num_requests_running)
 
 MAX_MODEL_LEN = 32
@@ -19,17 +19,6 @@ def live(tmp_path_factory):
     with live_gateway(make_test_tokenizer(tmp_path_factory.mktemp("tok")), max_model_len=MAX_MODEL_LEN,
                       max_body_bytes=MAX_BODY, request_timeout_s=1.0) as server:
         yield server
-
-
-@pytest.fixture
-def backend(live) -> FakeBackend:
-    return live.backend.reset()
-
-
-@pytest.fixture
-def client(live, backend):
-    return openai.OpenAI(base_url=live.base_url + "/v1", api_key=API_KEYS[0], max_retries=0,
-                         _strict_response_validation=True)
 
 
 def _error(e: openai.APIStatusError) -> dict:
@@ -127,10 +116,7 @@ def test_bad_logit_bias_is_400_naming_it(client, backend, value, message):
 @pytest.mark.parametrize("chat, extra, param, message", [
     (False, {"suffix": "x"}, "suffix", "suffix is not supported"),
     (False, {"best_of": 3}, "best_of", "best_of other than n is not supported"),
-    (False, {"guided_json": {"type": "object"}}, "guided_json", "guided_json is not supported"),
     (True, {"echo": True}, "echo", "echo (the last message repeated in the reply) for chat completions is not"),
-    (True, {"response_format": {"type": "json_object"}}, "response_format",
-     "response_format of type 'json_object' (only 'text') is not supported"),
     (True, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools",
      "tool calling (tools with tool_choice other than 'none') is not supported"),
     (True, {"tool_choice": "required"}, "tool_choice", "tool_choice 'required' is not supported"),

@@ -199,6 +199,52 @@ def test_logit_bias_equals_the_engine_on_both_workers(client, reference, cluster
     wait_idle(cluster)
 
 
+def test_structured_outputs_equal_the_engine_on_both_workers(client, loose_client, reference, cluster):
+    """The prefill worker samples the first token under the grammar, the decode worker feeds it to its own
+    matcher and goes on: greedy output equals the single engine's, and it parses."""
+    from protocol.serving import StructuredOutput
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "maximum": 99999}, "ok": {"type": "boolean"}},
+              "required": ["n", "ok"], "additionalProperties": False}
+    messages = [{"role": "user", "content": "Give me JSON."}]
+    ids = list(reference.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                       return_dict=False))
+    [expected] = engine_output(reference, ids, temperature=0.0, max_tokens=40,
+                               structured_output=StructuredOutput("json", json.dumps(schema)))
+    r = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=40, temperature=0.0,
+        response_format={"type": "json_schema", "json_schema": {"name": "reply", "schema": schema, "strict": True}})
+    content = r.choices[0].message.content
+    assert content == reference.tokenizer.decode(expected.token_ids, skip_special_tokens=True)
+    assert r.choices[0].finish_reason == "stop"
+    reply = json.loads(content)
+    assert set(reply) == {"n", "ok"} and isinstance(reply["n"], int) and isinstance(reply["ok"], bool)
+
+    choices = ["red", "green", "blue"]
+    prompt = prompt_of(23, seed=9)
+    got = client.completions.create(model=MODEL, prompt=[prompt], max_tokens=10, temperature=1.0, seed=3, n=2,
+                                    extra_body={"guided_choice": choices})
+    assert [c.text in choices and c.finish_reason == "stop" for c in got.choices] == [True, True]
+    streamed = list(loose_client.completions.create(model=MODEL, prompt=[prompt], max_tokens=12, temperature=0.0,
+                                                    stream=True, extra_body={"guided_regex": r"[0-9]{3}-[a-z]{2}"}))
+    text = "".join(c.choices[0].text for c in streamed if c.choices)
+    [regex_expected] = engine_output(reference, prompt, temperature=0.0, max_tokens=12,
+                                     structured_output=StructuredOutput("regex", r"[0-9]{3}-[a-z]{2}"))
+    assert text == reference.tokenizer.decode(regex_expected.token_ids, skip_special_tokens=True)
+    assert len(text) == 6 and text[3] == "-"
+    wait_idle(cluster)
+
+
+def test_a_grammar_that_does_not_compile_is_400_with_the_reason(client, cluster):
+    for extra, reason in (({"guided_regex": "a(b"}, "invalid regex: Regex parsing error at position 4"),
+                          ({"guided_json": {"type": "nope"}}, 'invalid JSON schema: Unsupported type "nope"')):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=4,
+                                           extra_body=extra)
+        assert reason in info.value.response.json()["error"]["message"]
+    wait_idle(cluster)
+
+
 def test_echo_logprobs_score_the_prompt_as_transformers_does(client, loose_client, reference, cluster):
     """What lm-evaluation-harness's loglikelihood asks of a completions server: echo, logprobs, max_tokens 1.
     The prompt is prefilled on the prefill worker (n = 1) after an identical prompt filled the caches."""
