@@ -12,6 +12,7 @@ from protocol.serving import MAX_LOGIT_BIAS, SamplingSpec, StructuredOutput, Tok
 from .errors import bad_request
 from .request_fields import Fields
 from .structured_fields import parse_structured_output
+from .tool_calls import ToolChoice, parse_tool_choice
 
 MAX_N = 16  # completions per prompt
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
@@ -35,6 +36,7 @@ class ParsedRequest:
     echo: bool = False  # completions: each choice's text (and logprobs) starts with its prompt
     prompt_logprobs: int | None = None  # asked for explicitly: the response carries a prompt_logprobs field
     structured_output: StructuredOutput | None = None  # the grammar the output follows
+    tool_choice: ToolChoice | None = None  # chat: a forced tool call (its grammar is structured_output)
 
     @property
     def num_prompt_logprobs(self) -> int | None:
@@ -67,12 +69,11 @@ def _refuse_unsupported(f: Fields, chat: bool) -> None:
         return
     if f.bool("echo", False):  # vLLM's chat echo repeats the last message in the reply, not the prompt
         refuse("echo", "echo (the last message repeated in the reply) for chat completions")
-    for tools, choice in (("tools", "tool_choice"), ("functions", "function_call")):  # the legacy pair too
-        chosen = f.raw(choice, "auto" if f.raw(tools) else "none")
-        if f.raw(tools) and chosen != "none":
-            refuse(tools, f"tool calling ({tools} with {choice} other than 'none')")
-        if chosen not in ("none", "auto"):
-            refuse(choice, f"{choice} {str(chosen)[:60]!r}")
+    chosen = f.raw("function_call", "auto" if f.raw("functions") else "none")  # the legacy form of tools
+    if f.raw("functions") and chosen != "none":
+        refuse("functions", "tool calling with the legacy functions (use tools)")
+    if chosen not in ("none", "auto"):
+        refuse("function_call", f"function_call {str(chosen)[:60]!r}")
 
 
 def _common(f: Fields, chat: bool) -> dict:
@@ -129,7 +130,13 @@ def parse_chat(body) -> ParsedRequest:
     if top is not None and not wants_logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
     logprobs = (top or 0) if wants_logprobs else None
-    return ParsedRequest(prompts=[], messages=parse_messages(f.raw("messages")), logprobs=logprobs, **common)
+    tool_choice = parse_tool_choice(f)
+    if tool_choice is not None:
+        if common["structured_output"] is not None:
+            raise bad_request("tool_choice and a structured output both constrain the output; use one", "tool_choice")
+        common["structured_output"] = tool_choice.structured_output()
+    return ParsedRequest(prompts=[], messages=parse_messages(f.raw("messages")), logprobs=logprobs,
+                         tool_choice=tool_choice, **common)
 
 
 def _prompts(prompt) -> list[str | list[int]]:

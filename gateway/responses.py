@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from .backend import TokenLogprob
 from .choice import ChoiceDelta, ChoiceState
 from .tokenizer import Tokenizer
+from .tool_calls import ToolCallStream, ToolChoice
 
 
 @dataclass(slots=True)
@@ -17,6 +18,7 @@ class ResponseOptions:
     prompt_logprobs: int | None  # vLLM's prompt_logprobs, asked for explicitly; None: no such field
     num_choices_per_prompt: int = 1  # n: choice i answers prompt i // n
     echo_texts: list[str] | None = None  # completions with echo: each prompt's text, put before its choices'
+    tool_choice: ToolChoice | None = None  # chat: choices answer tool_calls instead of text
 
     def echo_of(self, state: ChoiceState) -> str | None:
         return None if self.echo_texts is None else self.echo_texts[state.index // self.num_choices_per_prompt]
@@ -118,9 +120,16 @@ def completion_body(rid: str, created: int, model: str, states: list[ChoiceState
 def chat_body(rid: str, created: int, model: str, states: list[ChoiceState], fmt: LogprobFormatter,
               opts: ResponseOptions) -> dict:
     want_logprobs = opts.logprobs is not None
-    choices = [{"index": s.index, "message": {"role": "assistant", "content": s.text},
-                "finish_reason": s.finish_reason,
-                "logprobs": fmt.chat(s.logprobs) if want_logprobs else None} for s in states]
+    choices = []
+    for s in states:
+        message, finish_reason = {"role": "assistant", "content": s.text}, s.finish_reason
+        calls = None
+        if opts.tool_choice is not None:
+            calls, finish_reason = opts.tool_choice.calls(s.text, finish_reason)
+        if calls is not None:
+            message = {"role": "assistant", "content": None, "tool_calls": calls}
+        choices.append({"index": s.index, "message": message, "finish_reason": finish_reason,
+                        "logprobs": fmt.chat(s.logprobs) if want_logprobs else None})
     body = {"id": rid, "object": "chat.completion", "created": created, "model": model,
             "choices": choices, "usage": usage(states, opts.num_choices_per_prompt)}
     if opts.prompt_logprobs is not None:  # one prompt, so one list for the response, as vLLM places it
@@ -132,7 +141,7 @@ class ChunkBuilder:
     """Stream chunks of one response; tracks each choice's text offset for completion logprobs, and
     whether its echoed prompt went out yet (with its first chunk)."""
 
-    __slots__ = ("_rid", "_created", "_model", "_chat", "_fmt", "_opts", "_offsets", "_has_echoed")
+    __slots__ = ("_rid", "_created", "_model", "_chat", "_fmt", "_opts", "_offsets", "_has_echoed", "_tool_calls")
 
     def __init__(self, rid: str, created: int, model: str, chat: bool, fmt: LogprobFormatter,
                  opts: ResponseOptions, num_choices: int) -> None:
@@ -140,6 +149,7 @@ class ChunkBuilder:
         self._fmt, self._opts = fmt, opts
         self._offsets = [0] * num_choices
         self._has_echoed = [False] * num_choices
+        self._tool_calls = ToolCallStream(opts.tool_choice) if opts.tool_choice is not None else None
 
     def _wrap(self, choices: list[dict], usage_: dict | None = None) -> dict:
         chunk = {"id": self._rid, "object": "chat.completion.chunk" if self._chat else "text_completion",
@@ -157,8 +167,10 @@ class ChunkBuilder:
         index = state.index
         if self._chat:
             logprobs = self._fmt.chat(d.logprobs) if self._opts.logprobs is not None else None
-            choice = {"index": index, "delta": {"content": d.text} if d.text else {}, "logprobs": logprobs,
-                      "finish_reason": d.finish_reason}
+            delta, finish_reason = {"content": d.text} if d.text else {}, d.finish_reason
+            if self._tool_calls is not None:
+                delta, finish_reason = self._tool_calls.delta(index, d.text, d.finish_reason)
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
             return self._wrap([choice])
         echo = None if self._has_echoed[index] else self._opts.echo_of(state)
         self._has_echoed[index] = True

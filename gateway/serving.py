@@ -67,9 +67,9 @@ class OpenAIServing:
             raise bad_request(f"token id {bad[0]} is out of range [0, {self._tok.vocab_size})", param)
         return list(prompt)
 
-    def tokenize_messages(self, messages: list[dict]) -> list[int]:
+    def tokenize_messages(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         try:
-            text = self._tok.apply_chat_template(messages, add_generation_prompt=True)
+            text = self._tok.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
         except ChatTemplateError as e:
             raise bad_request(str(e), "messages") from None
         return self._tok.encode(text, add_special_tokens=False)
@@ -87,13 +87,15 @@ class OpenAIServing:
         if self.num_in_flight >= self._limits.max_concurrent_requests or not self._backend.has_capacity():
             self._metrics.requests.labels("rejected").inc()
             raise no_capacity(self._limits.retry_after_s)
-        prompts = [self.tokenize_messages(p.messages)] if chat else [self.tokenize_prompt(x) for x in p.prompts]
+        tools = p.tool_choice.tools if p.tool_choice is not None else None
+        prompts = [self.tokenize_messages(p.messages, tools)] if chat else [self.tokenize_prompt(x) for x in p.prompts]
         bad = [b.token_id for b in p.sampling["logit_bias"] if not self._tok.is_valid_id(b.token_id)]
         if bad:
             raise bad_request(f"logit_bias token id {bad[0]} is out of range [0, {self._tok.vocab_size})", "logit_bias")
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         requests, states = self._fan_out(rid, p, prompts, chat, arrival)
-        opts = ResponseOptions(p.logprobs, p.prompt_logprobs, p.n, self._echo_texts(p, prompts) if p.echo else None)
+        opts = ResponseOptions(p.logprobs, p.prompt_logprobs, p.n, self._echo_texts(p, prompts) if p.echo else None,
+                               p.tool_choice)
         generation = Generation(self._backend, requests, states, self._metrics, p.n)
         self.num_in_flight += 1
         self._metrics.num_requests_running.inc()

@@ -95,14 +95,16 @@ class Tokenizer:
     def is_valid_id(self, token_id: int) -> bool:
         return 0 <= token_id < self.vocab_size
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The prompt text for ``messages``; special tokens in the result are encoded as such."""
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
+        """The prompt text for ``messages`` (and ``tools``, for templates that show them to the model);
+        special tokens in the result are encoded as such."""
         if self._template is None:
             raise ChatTemplateError("this model has no chat template; use /v1/completions")
         # like transformers: None-valued keys are dropped (templates handle a missing key better)
         messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
         try:
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         tools=None, documents=None, **self.special_tokens)
+                                         tools=tools, documents=None, **self.special_tokens)
         except jinja2.exceptions.TemplateError as e:
             raise ChatTemplateError(f"chat template error: {e}") from None

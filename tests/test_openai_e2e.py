@@ -235,6 +235,38 @@ def test_structured_outputs_equal_the_engine_on_both_workers(client, loose_clien
     wait_idle(cluster)
 
 
+def test_forced_tool_calls_equal_the_engine_under_the_same_schema(client, reference, cluster):
+    from gateway.tool_calls import ToolChoice
+    from protocol.serving import StructuredOutput
+
+    weather = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+               "required": ["city"], "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": weather}},
+             {"type": "function", "function": {"name": "get_time"}}]
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    ids = list(reference.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                                       tokenize=True, return_dict=False))
+    [expected] = engine_output(reference, ids, temperature=0.0, max_tokens=40,
+                               structured_output=StructuredOutput("json", json.dumps(weather)))
+    r = client.chat.completions.create(model=MODEL, messages=messages, tools=tools, max_tokens=40, temperature=0.0,
+                                       tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    [call] = r.choices[0].message.tool_calls
+    assert call.function.name == "get_weather"
+    assert call.function.arguments == reference.tokenizer.decode(expected.token_ids, skip_special_tokens=True)
+    assert set(json.loads(call.function.arguments)) == {"city"}
+    # "required": the engine under the array-of-calls schema (gateway/tool_calls.py) gives the calls.
+    [expected] = engine_output(reference, ids, temperature=0.0, max_tokens=120,
+                               structured_output=ToolChoice(tools, None).structured_output())
+    assert expected.finish_reason == "stop"
+    calls = json.loads(reference.tokenizer.decode(expected.token_ids, skip_special_tokens=True))
+    required = client.chat.completions.create(model=MODEL, messages=messages, tools=tools, max_tokens=120,
+                                              temperature=0.0, tool_choice="required")
+    assert required.choices[0].finish_reason == "tool_calls"
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in required.choices[0].message.tool_calls] == [
+        (c["name"], c["parameters"]) for c in calls]
+    wait_idle(cluster)
+
+
 def test_a_grammar_that_does_not_compile_is_400_with_the_reason(client, cluster):
     for extra, reason in (({"guided_regex": "a(b"}, "invalid regex: Regex parsing error at position 4"),
                           ({"guided_json": {"type": "nope"}}, 'invalid JSON schema: Unsupported type "nope"')):
