@@ -56,11 +56,9 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         assert logits.dim() == 2 and logits.shape[0] == len(seqs), "one logits row per sequence"
         raw = logits.float()  # [S, V]; left untouched for logprobs once grammars have masked it
-        if any(s.guide is not None for s in seqs):
-            raw = raw.clone() if raw is logits else raw
-            only_stop = apply_grammars_(raw, seqs)
-        else:
-            only_stop = set()
+        if raw is logits and any(s.guide is not None for s in seqs):
+            raw = raw.clone()  # the grammars' masks must not reach the caller's logits
+        only_stop = apply_grammars_(raw, seqs)  # no-op without a grammar
         # Processed in place below: a copy only when some row gets edited, so neither the caller's
         # logits nor the raw values logprobs read ever change (an all-greedy batch edits nothing).
         x = raw.clone() if any(_edits_logits(s) for s in seqs) else raw  # [S, V]
