@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.local_cluster import ClusterSpec, LocalCluster
 from configs.schema import ConfigError, load_config
+from gateway.__main__ import add_chat_parser_args
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -28,6 +29,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--prefill", type=int, help="prefill workers (default 1; 0 = decode workers prefill locally)")
     p.add_argument("--decode", type=int, help="decode workers (default 1)")
     p.add_argument("--api-key", action="append", help="accepted API key; repeat for several")
+    add_chat_parser_args(p)
     p.add_argument("--config", help="YAML config file shared by every process")
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for every worker")
     return p.parse_args(argv)
@@ -42,6 +44,9 @@ def cluster_env(args: argparse.Namespace, model: str, host: str, worker_port: in
         env["PDSERVE_GATEWAY_PORT"] = str(args.port)
     if args.api_key:
         env["PDSERVE_GATEWAY_API_KEYS"] = ",".join(args.api_key)
+    for name in ("reasoning_parser", "tool_call_parser"):
+        if getattr(args, name):
+            env[f"PDSERVE_GATEWAY_{name.upper()}"] = getattr(args, name)
     for role in ("PREFILL", "DECODE"):
         env[f"PDSERVE_{role}_GATEWAY_ADDRESS"] = f"tcp://{host}:{worker_port}"
     return env

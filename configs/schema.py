@@ -70,6 +70,11 @@ class GatewayConfig:
     # Uncached suffixes up to this prefill on D itself while every P has more than this waiting.
     local_prefill_max_tokens: int = _field(256, minimum=0)
     routing_policy: str = _field("prefix", choices=("prefix", "least_loaded", "round_robin"))  # picks D
+    # Chat output readers, as vLLM's --reasoning-parser and --tool-call-parser: <think> reasoning into the
+    # message's reasoning field (gateway/reasoning.py); the model's own tool calls for tool_choice "auto"
+    # (gateway/tool_parsers.py). "none": off (reasoning stays in content; "auto" is a 400).
+    reasoning_parser: str = _field("none", choices=("none", "deepseek_r1", "qwen3"))
+    tool_call_parser: str = _field("none", choices=("none", "hermes", "llama3_json"))
 
 
 @dataclass(slots=True)

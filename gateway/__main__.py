@@ -1,4 +1,5 @@
-"""``python -m gateway --config FILE [--host H] [--port P] [--model PATH] [--api-key KEY ...]``.
+"""``python -m gateway --config FILE [--host H] [--port P] [--model PATH] [--api-key KEY ...]
+[--reasoning-parser NAME] [--tool-call-parser NAME]``.
 
 Loads configs.schema (CLI > env PDSERVE_* > YAML > defaults), the tokenizer from the model directory,
 binds the worker ROUTER at gateway.host:gateway.worker_port, and serves the app with uvicorn. SIGINT or
@@ -28,13 +29,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--worker-port", type=int, help="ZeroMQ port for workers (gateway.worker_port)")
     p.add_argument("--model", help="model directory (model.path); its tokenizer is loaded")
     p.add_argument("--api-key", action="append", help="accepted bearer key; repeat for several")
+    add_chat_parser_args(p)
     p.add_argument("--log-level", default="info")
     return p.parse_args(argv)
 
 
+def add_chat_parser_args(p: argparse.ArgumentParser) -> None:
+    """vLLM's flags for the chat output readers; ``pdserve serve`` takes them too."""
+    from .reasoning import REASONING_PARSERS
+    from .tool_parsers import TOOL_CALL_PARSERS
+
+    p.add_argument("--reasoning-parser", choices=("none",) + REASONING_PARSERS,
+                   help="split <think> reasoning into the message's reasoning field (gateway.reasoning_parser)")
+    p.add_argument("--tool-call-parser", choices=("none",) + TOOL_CALL_PARSERS,
+                   help="read the model's own tool calls, for tool_choice 'auto' (gateway.tool_call_parser)")
+
+
 def overrides_of(args: argparse.Namespace) -> dict:
     given = {"gateway.host": args.host, "gateway.port": args.port, "gateway.worker_port": args.worker_port,
-             "model.path": args.model, "gateway.api_keys": args.api_key}
+             "model.path": args.model, "gateway.api_keys": args.api_key,
+             "gateway.reasoning_parser": args.reasoning_parser, "gateway.tool_call_parser": args.tool_call_parser}
     return {k: v for k, v in given.items() if v is not None}
 
 
@@ -54,6 +68,7 @@ def context_length(path: Path, configured: int | None) -> int:
 def build(config: PdserveConfig):
     """(app, backend) for ``config``; torch-free."""
     from .app import GatewayParams, build_app
+    from .chat_output import ChatParsers
     from .metrics import GatewayMetrics
     from .registry import WorkerRegistry
     from .router import Policy, RouterParams
@@ -73,8 +88,10 @@ def build(config: PdserveConfig):
     name = config.model.served_model_name or config.model.path or DEFAULT_MODEL_NAME
     limits = ServingLimits(name, context_length(path, config.model.max_model_len),
                            request_timeout_s=g.request_timeout_s or None)
+    parsers = ChatParsers(None if g.reasoning_parser == "none" else g.reasoning_parser,
+                          None if g.tool_call_parser == "none" else g.tool_call_parser)
     params = GatewayParams(Tokenizer(path), backend, limits, api_keys=list(g.api_keys),
-                           max_body_bytes=g.max_body_bytes, registry=registry, metrics=metrics)
+                           max_body_bytes=g.max_body_bytes, registry=registry, metrics=metrics, chat_parsers=parsers)
     return build_app(params), backend
 
 

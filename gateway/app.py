@@ -21,6 +21,7 @@ from starlette.routing import Route
 from . import __version__
 from .auth import ApiKeys
 from .backend import Backend
+from .chat_output import ChatParsers
 from .errors import APIError, bad_request
 from .metrics import CONTENT_TYPE, GatewayMetrics
 from .openapi import openapi_spec
@@ -41,6 +42,7 @@ class GatewayParams:
     max_body_bytes: int = 1 << 20
     registry: WorkerRegistry | None = None  # shown at /v1/workers
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)  # shared with the backend's pool gauges
+    chat_parsers: ChatParsers = ChatParsers()  # reasoning and tool-call parsers of chat output
 
 
 def error_response(e: APIError) -> JSONResponse:
@@ -82,7 +84,7 @@ async def read_json(request: Request, max_bytes: int):
 
 def build_app(params: GatewayParams) -> Starlette:
     metrics = params.metrics
-    serving = OpenAIServing(params.tokenizer, params.backend, params.limits, metrics)
+    serving = OpenAIServing(params.tokenizer, params.backend, params.limits, metrics, params.chat_parsers)
     keys = ApiKeys(params.api_keys)
     limits = params.limits
     started = int(time.time())

@@ -36,7 +36,9 @@ class ParsedRequest:
     echo: bool = False  # completions: each choice's text (and logprobs) starts with its prompt
     prompt_logprobs: int | None = None  # asked for explicitly: the response carries a prompt_logprobs field
     structured_output: StructuredOutput | None = None  # the grammar the output follows
-    tool_choice: ToolChoice | None = None  # chat: a forced tool call (its grammar is structured_output)
+    tool_choice: ToolChoice | None = None  # chat: forced (its grammar is structured_output) or "auto" tool calls
+    include_reasoning: bool = True  # chat, vLLM's: False drops the reasoning a reasoning parser splits off
+    chat_template_kwargs: dict = field(default_factory=dict)  # chat, vLLM's: extra chat template variables
 
     @property
     def num_prompt_logprobs(self) -> int | None:
@@ -122,7 +124,8 @@ def parse_completion(body) -> ParsedRequest:
                          echo=f.bool("echo", False), **common)
 
 
-def parse_chat(body) -> ParsedRequest:
+def parse_chat(body, tool_call_parser: str | None = None) -> ParsedRequest:
+    """``tool_call_parser``: the server's reader of free-form tool calls (tool_choice "auto")."""
     f = Fields(body)
     common = _common(f, chat=True)
     top = f.int("top_logprobs", None, lo=0, hi=MAX_LOGPROBS)
@@ -130,13 +133,32 @@ def parse_chat(body) -> ParsedRequest:
     if top is not None and not wants_logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
     logprobs = (top or 0) if wants_logprobs else None
-    tool_choice = parse_tool_choice(f)
-    if tool_choice is not None:
+    tool_choice = parse_tool_choice(f, tool_call_parser)
+    forced = tool_choice.structured_output() if tool_choice is not None else None
+    if forced is not None:
         if common["structured_output"] is not None:
             raise bad_request("tool_choice and a structured output both constrain the output; use one", "tool_choice")
-        common["structured_output"] = tool_choice.structured_output()
+        common["structured_output"] = forced
     return ParsedRequest(prompts=[], messages=parse_messages(f.raw("messages")), logprobs=logprobs,
-                         tool_choice=tool_choice, **common)
+                         tool_choice=tool_choice, include_reasoning=f.bool("include_reasoning", True),
+                         chat_template_kwargs=_template_kwargs(f.raw("chat_template_kwargs")), **common)
+
+
+RESERVED_TEMPLATE_VARIABLES = ("messages", "tools", "documents", "add_generation_prompt")
+
+
+def _template_kwargs(kwargs) -> dict:
+    """vLLM's chat_template_kwargs (e.g. Qwen3's enable_thinking): variables the template sees, beside
+    the ones the server sets itself."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict):
+        raise bad_request("chat_template_kwargs must be an object", "chat_template_kwargs")
+    taken = [k for k in RESERVED_TEMPLATE_VARIABLES if k in kwargs]
+    if taken:
+        raise bad_request(f"chat_template_kwargs must not set {taken[0]!r}; the request's own fields do",
+                          "chat_template_kwargs")
+    return kwargs
 
 
 def _prompts(prompt) -> list[str | list[int]]:

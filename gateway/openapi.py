@@ -50,13 +50,15 @@ _BODIES = {
     "chat": {"required": ["messages"], "properties": {
         **_SAMPLING, "messages": _MESSAGES, "max_completion_tokens": {"type": "integer", "minimum": 1},
         "logprobs": {"type": "boolean"}, "top_logprobs": {"type": "integer", "minimum": 0},
-        # forced tool calls (gateway/tool_calls.py); "auto" is a 400
+        # tool calls (gateway/tool_calls.py): forced, or "auto" where gateway.tool_call_parser is set (else a 400)
         "tools": {"type": "array", "minItems": 1, "items": {"type": "object", "required": ["type", "function"],
                   "properties": {"type": {"const": "function"}, "function": {
                       "type": "object", "required": ["name"], "properties": {
                           "name": {"type": "string", "minLength": 1}, "parameters": {"type": "object"}}}}}},
-        "tool_choice": {"oneOf": [{"enum": ["none", "required"]}, {"type": "object", "properties": {
-            "type": {"const": "function"}, "function": {"type": "object", "properties": {"name": {"type": "string"}}}}}]}}},
+        "tool_choice": {"oneOf": [{"enum": ["none", "auto", "required"]}, {"type": "object", "properties": {
+            "type": {"const": "function"}, "function": {"type": "object", "properties": {"name": {"type": "string"}}}}}]},
+        # vLLM's: variables for the chat template (e.g. enable_thinking); dropping a reasoning parser's split
+        "chat_template_kwargs": {"type": "object"}, "include_reasoning": {"type": "boolean"}}},
     "tokenize": {"properties": {"model": {"type": "string"}, "prompt": {"type": "string"}, "messages": _MESSAGES}},
     "detokenize": {"required": ["tokens"], "properties": {"model": {"type": "string"}, "tokens": _TOKEN_IDS}},
 }

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .backend import TokenLogprob
+from .chat_output import ChatOutput, ChatShape, chat_message
 from .choice import ChoiceDelta, ChoiceState
 from .tokenizer import Tokenizer
-from .tool_calls import ToolCallStream, ToolChoice
 
 
 @dataclass(slots=True)
@@ -18,7 +18,7 @@ class ResponseOptions:
     prompt_logprobs: int | None  # vLLM's prompt_logprobs, asked for explicitly; None: no such field
     num_choices_per_prompt: int = 1  # n: choice i answers prompt i // n
     echo_texts: list[str] | None = None  # completions with echo: each prompt's text, put before its choices'
-    tool_choice: ToolChoice | None = None  # chat: choices answer tool_calls instead of text
+    chat_shape: ChatShape = ChatShape()  # chat: how the text is read into reasoning, content and tool calls
 
     def echo_of(self, state: ChoiceState) -> str | None:
         return None if self.echo_texts is None else self.echo_texts[state.index // self.num_choices_per_prompt]
@@ -122,12 +122,7 @@ def chat_body(rid: str, created: int, model: str, states: list[ChoiceState], fmt
     want_logprobs = opts.logprobs is not None
     choices = []
     for s in states:
-        message, finish_reason = {"role": "assistant", "content": s.text}, s.finish_reason
-        calls = None
-        if opts.tool_choice is not None:
-            calls, finish_reason = opts.tool_choice.calls(s.text, finish_reason)
-        if calls is not None:
-            message = {"role": "assistant", "content": None, "tool_calls": calls}
+        message, finish_reason = chat_message(opts.chat_shape, s.text, s.finish_reason)
         choices.append({"index": s.index, "message": message, "finish_reason": finish_reason,
                         "logprobs": fmt.chat(s.logprobs) if want_logprobs else None})
     body = {"id": rid, "object": "chat.completion", "created": created, "model": model,
@@ -141,7 +136,7 @@ class ChunkBuilder:
     """Stream chunks of one response; tracks each choice's text offset for completion logprobs, and
     whether its echoed prompt went out yet (with its first chunk)."""
 
-    __slots__ = ("_rid", "_created", "_model", "_chat", "_fmt", "_opts", "_offsets", "_has_echoed", "_tool_calls")
+    __slots__ = ("_rid", "_created", "_model", "_chat", "_fmt", "_opts", "_offsets", "_has_echoed", "_outputs")
 
     def __init__(self, rid: str, created: int, model: str, chat: bool, fmt: LogprobFormatter,
                  opts: ResponseOptions, num_choices: int) -> None:
@@ -149,7 +144,7 @@ class ChunkBuilder:
         self._fmt, self._opts = fmt, opts
         self._offsets = [0] * num_choices
         self._has_echoed = [False] * num_choices
-        self._tool_calls = ToolCallStream(opts.tool_choice) if opts.tool_choice is not None else None
+        self._outputs = [ChatOutput(opts.chat_shape) for _ in range(num_choices)] if chat else []
 
     def _wrap(self, choices: list[dict], usage_: dict | None = None) -> dict:
         chunk = {"id": self._rid, "object": "chat.completion.chunk" if self._chat else "text_completion",
@@ -163,13 +158,14 @@ class ChunkBuilder:
         return self._wrap([{"index": index, "delta": {"role": "assistant", "content": ""},
                             "logprobs": None, "finish_reason": None}])
 
-    def delta(self, state: ChoiceState, d: ChoiceDelta) -> dict:
+    def delta(self, state: ChoiceState, d: ChoiceDelta) -> dict | None:
+        """The chunk of ``d``; None where a chat parser holds all of its text back and nothing else is new."""
         index = state.index
         if self._chat:
             logprobs = self._fmt.chat(d.logprobs) if self._opts.logprobs is not None else None
-            delta, finish_reason = {"content": d.text} if d.text else {}, d.finish_reason
-            if self._tool_calls is not None:
-                delta, finish_reason = self._tool_calls.delta(index, d.text, d.finish_reason)
+            delta, finish_reason = self._outputs[index].feed(d.text, d.finish_reason)
+            if not (delta or finish_reason or logprobs):
+                return None
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
             return self._wrap([choice])
         echo = None if self._has_echoed[index] else self._opts.echo_of(state)

@@ -22,11 +22,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from .backend import Backend, GenerationRequest
+from .chat_output import ChatParsers, ChatShape
 from .choice import ChoiceState
 from .errors import APIError, bad_request, no_capacity
 from .generation import Generation
 from .metrics import GatewayMetrics
 from .openai_request import ParsedRequest, parse_chat, parse_completion, resolve_max_tokens
+from .reasoning import prompt_opens_reasoning
 from .responses import ChunkBuilder, LogprobFormatter, ResponseOptions, chat_body, completion_body, usage
 from .sse import DONE, EventStreamResponse, error_event, sse_event, wait_for_disconnect
 from .tokenizer import ChatTemplateError, Tokenizer
@@ -45,8 +47,9 @@ class ServingLimits:
 
 class OpenAIServing:
     def __init__(self, tokenizer: Tokenizer, backend: Backend, limits: ServingLimits,
-                 metrics: GatewayMetrics) -> None:
+                 metrics: GatewayMetrics, parsers: ChatParsers = ChatParsers()) -> None:
         self._tok = tokenizer
+        self._parsers = parsers
         self._backend = backend
         self._limits = limits
         self._metrics = metrics
@@ -57,7 +60,7 @@ class OpenAIServing:
         return await self._serve(request, parse_completion(body), chat=False)
 
     async def chat(self, request: Request, body) -> object:
-        return await self._serve(request, parse_chat(body), chat=True)
+        return await self._serve(request, parse_chat(body, self._parsers.tool_calls), chat=True)
 
     def tokenize_prompt(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
         if isinstance(prompt, str):
@@ -67,12 +70,16 @@ class OpenAIServing:
             raise bad_request(f"token id {bad[0]} is out of range [0, {self._tok.vocab_size})", param)
         return list(prompt)
 
-    def tokenize_messages(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    def tokenize_messages(self, messages: list[dict], tools: list[dict] | None = None,
+                          template_kwargs: dict | None = None) -> list[int]:
+        return self._tok.encode(self._render(messages, tools, template_kwargs), add_special_tokens=False)
+
+    def _render(self, messages: list[dict], tools: list[dict] | None, template_kwargs: dict | None) -> str:
         try:
-            text = self._tok.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
+            return self._tok.apply_chat_template(messages, add_generation_prompt=True, tools=tools,
+                                                 **(template_kwargs or {}))
         except ChatTemplateError as e:
             raise bad_request(str(e), "messages") from None
-        return self._tok.encode(text, add_special_tokens=False)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and not isinstance(model, str):  # /tokenize and /detokenize pass it unparsed
@@ -87,15 +94,21 @@ class OpenAIServing:
         if self.num_in_flight >= self._limits.max_concurrent_requests or not self._backend.has_capacity():
             self._metrics.requests.labels("rejected").inc()
             raise no_capacity(self._limits.retry_after_s)
-        tools = p.tool_choice.tools if p.tool_choice is not None else None
-        prompts = [self.tokenize_messages(p.messages, tools)] if chat else [self.tokenize_prompt(x) for x in p.prompts]
+        shape = ChatShape()
+        if chat:
+            tools = p.tool_choice.tools if p.tool_choice is not None else None
+            prompt_text = self._render(p.messages, tools, p.chat_template_kwargs)
+            prompts = [self._tok.encode(prompt_text, add_special_tokens=False)]
+            shape = self._chat_shape(p, prompt_text)
+        else:
+            prompts = [self.tokenize_prompt(x) for x in p.prompts]
         bad = [b.token_id for b in p.sampling["logit_bias"] if not self._tok.is_valid_id(b.token_id)]
         if bad:
             raise bad_request(f"logit_bias token id {bad[0]} is out of range [0, {self._tok.vocab_size})", "logit_bias")
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         requests, states = self._fan_out(rid, p, prompts, chat, arrival)
         opts = ResponseOptions(p.logprobs, p.prompt_logprobs, p.n, self._echo_texts(p, prompts) if p.echo else None,
-                               p.tool_choice)
+                               shape)
         generation = Generation(self._backend, requests, states, self._metrics, p.n)
         self.num_in_flight += 1
         self._metrics.num_requests_running.inc()
@@ -113,6 +126,13 @@ class OpenAIServing:
             return JSONResponse({}, status_code=499)  # the client left; nobody reads this
         build = chat_body if chat else completion_body
         return JSONResponse(build(rid, created, model, generation.states, self._fmt, opts))
+
+    def _chat_shape(self, p: ParsedRequest, prompt_text: str) -> ChatShape:
+        """Reasoning is split off only from free output: under a structured output (a forced tool call
+        included) the grammar holds from the first token, so there is no thinking to split."""
+        reasoning = self._parsers.reasoning is not None and p.structured_output is None
+        return ChatShape(reasoning, reasoning and prompt_opens_reasoning(prompt_text), p.include_reasoning,
+                         p.tool_choice)
 
     def _echo_texts(self, p: ParsedRequest, prompts: list[list[int]]) -> list[str]:
         """The prompt as sent; a token-id prompt decoded with its special tokens, as vLLM echoes it."""
@@ -166,8 +186,9 @@ class OpenAIServing:
                     yield sse_event(chunks.role(state.index))
             try:
                 async for index, delta in generation.deltas():
-                    if not delta.is_empty:
-                        yield sse_event(chunks.delta(generation.states[index], delta))
+                    chunk = None if delta.is_empty else chunks.delta(generation.states[index], delta)
+                    if chunk is not None:
+                        yield sse_event(chunk)
                 if include_usage:
                     yield sse_event(chunks.usage(generation.states))
                 outcome = "success"

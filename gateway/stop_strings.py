@@ -2,6 +2,8 @@
 across several deltas. Text that could still be the start of a stop string is held back:
 
     text:  "... emitted ... | held: a suffix that is a prefix of some stop string"
+
+The same holding back finds the tags of reasoning and tool calls in streamed text (``cut_at``).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ class StopStringMatcher:
             self.stopped = True
             self._pending = ""
             return text[: min(hits)], True
-        held = self._held_suffix_len(text)
+        held = held_suffix_len(text, self._stops)
         self._pending = text[len(text) - held:]
         return text[: len(text) - held], False
 
@@ -36,12 +38,25 @@ class StopStringMatcher:
         text, self._pending = self._pending, ""
         return text
 
-    def _held_suffix_len(self, text: str) -> int:
-        # longest suffix of text that is a proper prefix of a stop string
-        best = 0
-        for stop in self._stops:
-            for n in range(min(len(stop) - 1, len(text)), best, -1):
-                if text.endswith(stop[:n]):
-                    best = n
-                    break
-        return best
+
+def held_suffix_len(text: str, strings: list[str]) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of one of ``strings``: the part
+    to hold back, since the next delta may complete it."""
+    best = 0
+    for s in strings:
+        for n in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:n]):
+                best = n
+                break
+    return best
+
+
+def cut_at(text: str, tag: str, final: bool) -> tuple[str, str, bool]:
+    """(head, rest, found) of streamed ``text`` at ``tag``: found, head is the text before it and rest the
+    text after it; not found, head is the text that cannot begin the tag and rest is held back for the
+    next delta (nothing is held back once ``final``)."""
+    at = text.find(tag)
+    if at >= 0:
+        return text[:at], text[at + len(tag):], True
+    held = 0 if final else held_suffix_len(text, [tag])
+    return text[: len(text) - held], text[len(text) - held:], False

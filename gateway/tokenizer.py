@@ -96,15 +96,16 @@ class Tokenizer:
         return 0 <= token_id < self.vocab_size
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None) -> str:
-        """The prompt text for ``messages`` (and ``tools``, for templates that show them to the model);
-        special tokens in the result are encoded as such."""
+                            tools: list[dict] | None = None, **template_kwargs) -> str:
+        """The prompt text for ``messages`` (and ``tools``, for templates that show them to the model;
+        ``template_kwargs``: more variables, such as Qwen3's ``enable_thinking``); special tokens in
+        the result are encoded as such."""
         if self._template is None:
             raise ChatTemplateError("this model has no chat template; use /v1/completions")
         # like transformers: None-valued keys are dropped (templates handle a missing key better)
         messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
         try:
-            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         tools=tools, documents=None, **self.special_tokens)
+            return self._template.render(**{**self.special_tokens, **template_kwargs}, messages=messages,
+                                         add_generation_prompt=add_generation_prompt, tools=tools, documents=None)
         except jinja2.exceptions.TemplateError as e:
             raise ChatTemplateError(f"chat template error: {e}") from None

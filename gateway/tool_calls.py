@@ -1,34 +1,40 @@
-"""Forced tool calls in chat: ``tool_choice`` "required" or a named function, as vLLM serves them.
+"""Tool calls in chat, as vLLM serves them: forced (``tool_choice`` "required" or a named function) or
+the model's own choice ("auto", where a parser of its free-form calls is configured).
 
-The output is generated under a structured output, so it always parses:
+A forced call is generated under a structured output, so it always parses:
 
     named function f   the JSON schema of f's ``parameters``: the text IS the call's arguments
     "required"        a JSON array of one or more ``{"name": <a tool's name>, "parameters": {...}}``
 
 and the response carries ``tool_calls`` instead of text (finish_reason "tool_calls" for "required";
-"stop" for a named function, as OpenAI and vLLM answer a forced call). "auto" needs a model-specific
-parser of free text, which this server does not have: a 400, as vLLM without ``--tool-call-parser``.
-An output cut by max_tokens cannot be parsed: "required" then answers its text with finish_reason
-"length"; a named call keeps its (partial) arguments, with "length".
+"stop" for a named function, as OpenAI and vLLM answer a forced call). "auto" generates freely and
+reads the calls out of the text with ``gateway.tool_call_parser`` (gateway/tool_parsers.py); without
+one it is a 400, as in vLLM without ``--tool-call-parser``. An output cut by max_tokens cannot be
+parsed: "required" then answers its text with finish_reason "length"; a named call keeps its
+(partial) arguments, with "length".
 """
 
 from __future__ import annotations
 
 import json
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from protocol.serving import StructuredOutput
 from .errors import bad_request
 from .request_fields import Fields
+from .tool_parsers import make_reader
 
 
 @dataclass(slots=True)
 class ToolChoice:
     tools: list[dict]  # the request's tools, as sent (the chat template may show them to the model)
-    name: str | None  # the named function; None: "required"
+    name: str | None  # the named function; None: "required" or "auto"
+    auto_parser: str | None = None  # "auto": the parser of the model's own calls
 
-    def structured_output(self) -> StructuredOutput:
+    def structured_output(self) -> StructuredOutput | None:
+        if self.auto_parser is not None:
+            return None
         if self.name is not None:
             return StructuredOutput("json", json.dumps(_parameters(self._tool(self.name)), ensure_ascii=False))
         calls = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
@@ -37,22 +43,13 @@ class ToolChoice:
         schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
         return StructuredOutput("json", json.dumps(schema, ensure_ascii=False))
 
-    def calls(self, text: str, finish_reason: str | None) -> tuple[list[dict] | None, str | None]:
-        """(tool_calls, finish_reason) of a finished choice; tool_calls None: answer the text instead."""
-        if self.name is not None:
-            return [_call(self.name, text)], finish_reason
-        try:
-            parsed = json.loads(text)
-        except ValueError:
-            return None, finish_reason  # cut by max_tokens
-        return [_call(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in parsed], "tool_calls"
-
     def _tool(self, name: str) -> dict:
         return next(t for t in self.tools if t["function"]["name"] == name)
 
 
-def parse_tool_choice(f: Fields) -> ToolChoice | None:
-    """The chat request's forced tool call, or None (tools absent, or tool_choice "none")."""
+def parse_tool_choice(f: Fields, auto_parser: str | None = None) -> ToolChoice | None:
+    """The chat request's tool choice, or None (tools absent, or tool_choice "none"); ``auto_parser``:
+    the configured reader of free-form calls, without which "auto" is refused."""
     tools = f.raw("tools")
     if tools is not None and not (isinstance(tools, list) and tools and all(_is_tool(t) for t in tools)):
         raise bad_request("tools must be a non-empty list of {\"type\": \"function\", \"function\": {\"name\": "
@@ -63,8 +60,11 @@ def parse_tool_choice(f: Fields) -> ToolChoice | None:
     if not tools:
         raise bad_request("tool_choice other than 'none' needs tools", "tool_choice")
     if choice == "auto":
-        raise bad_request("tool_choice 'auto' needs a parser of the model's free-form tool calls, which this "
-                          "server does not have; use 'required' or name a function", "tool_choice")
+        if auto_parser is None:
+            raise bad_request("tool_choice 'auto' needs a parser of the model's free-form tool calls: start the "
+                              "server with --tool-call-parser (gateway.tool_call_parser), or use 'required' or "
+                              "name a function", "tool_choice")
+        return ToolChoice(tools, None, auto_parser)
     if choice == "required":
         return ToolChoice(tools, None)
     name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
@@ -76,33 +76,48 @@ def parse_tool_choice(f: Fields) -> ToolChoice | None:
     return ToolChoice(tools, name)
 
 
-@dataclass(slots=True)
-class ToolCallStream:
-    """Chat stream deltas of forced tool calls: a named call streams its arguments as they come; the
-    calls of "required" go out whole once the choice ends (the array parses only then)."""
+class ToolCallReader:
+    """One choice's text in, (content, OpenAI tool_call delta entries, finish_reason) out, as it streams:
+    a named call streams its arguments as they come; the calls of "required" go out whole once the
+    choice ends (the array parses only then); "auto" ones as its parser finds them."""
 
-    choice: ToolChoice
-    _texts: dict[int, str] = field(default_factory=dict)  # choice index -> output so far
-    _ids: dict[int, str] = field(default_factory=dict)  # choice index -> the named call's id
+    __slots__ = ("_choice", "_text", "_named_id", "_free", "_num_calls")
 
-    def delta(self, index: int, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
-        """(the chunk's delta, its finish_reason) for new output ``text`` of choice ``index``."""
-        if self.choice.name is not None:
-            if not text:
-                return {}, finish_reason
-            if index in self._ids:
-                return {"tool_calls": [{"index": 0, "function": {"arguments": text}}]}, finish_reason
-            self._ids[index] = _call_id()
-            return {"tool_calls": [{"index": 0, "id": self._ids[index], "type": "function",
-                                    "function": {"name": self.choice.name, "arguments": text}}]}, finish_reason
-        self._texts[index] = self._texts.get(index, "") + text
-        if finish_reason is None:
-            return {}, None
-        whole = self._texts.pop(index)
-        calls, finish_reason = self.choice.calls(whole, finish_reason)
-        if calls is None:
-            return {"content": whole}, finish_reason
-        return {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}, finish_reason
+    def __init__(self, choice: ToolChoice) -> None:
+        self._choice = choice
+        self._text = ""  # "required": the output so far
+        self._named_id: str | None = None
+        self._free = make_reader(choice.auto_parser) if choice.auto_parser is not None else None
+        self._num_calls = 0
+
+    def feed(self, text: str, finish_reason: str | None) -> tuple[str, list[dict], str | None]:
+        final = finish_reason is not None
+        if self._free is not None:
+            content, calls = self._free.feed(text, final)
+            entries = self._entries(calls)
+            return content, entries, "tool_calls" if final and self._num_calls else finish_reason
+        if self._choice.name is not None:
+            if self._named_id is not None:
+                return "", [{"index": 0, "function": {"arguments": text}}] if text else [], finish_reason
+            if not (text or final):
+                return "", [], None
+            self._named_id, self._num_calls = _call_id(), 1
+            return "", [{"index": 0, "id": self._named_id, "type": "function",
+                         "function": {"name": self._choice.name, "arguments": text}}], finish_reason
+        self._text += text
+        if not final:
+            return "", [], None
+        try:
+            parsed = json.loads(self._text)
+        except ValueError:
+            return self._text, [], finish_reason  # cut by max_tokens
+        calls = [(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in parsed]
+        return "", self._entries(calls), "tool_calls"
+
+    def _entries(self, calls: list[tuple[str, str]]) -> list[dict]:
+        first, self._num_calls = self._num_calls, self._num_calls + len(calls)
+        return [{"index": first + i, "id": _call_id(), "type": "function",
+                 "function": {"name": name, "arguments": arguments}} for i, (name, arguments) in enumerate(calls)]
 
 
 def _is_tool(t) -> bool:
@@ -113,10 +128,6 @@ def _is_tool(t) -> bool:
 
 def _parameters(tool: dict) -> dict:
     return tool["function"].get("parameters") or {"type": "object", "properties": {}}
-
-
-def _call(name: str, arguments: str) -> dict:
-    return {"id": _call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
 def _call_id() -> str:

@@ -56,6 +56,13 @@ def backend(live):
 
 
 @pytest.fixture
+def answering(backend, hf_tok):
+    """Makes the backend generate ``text``."""
+    def answer(text: str) -> None:
+        backend.output_ids = hf_tok.encode(text, add_special_tokens=False)
+    return answer
+
+@pytest.fixture
 def client(live, backend):
     """The stock openai client, in strict mode, on a module's ``live`` gateway."""
     import openai

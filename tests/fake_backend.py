@@ -38,7 +38,7 @@ TRAINING_TEXT = ("The quick brown fox jumps over the lazy dog. Hello world, hell
                  "Stop here. A cat sat on the mat and it was happy. ") * 20
 
 
-def make_test_tokenizer(directory: Path) -> Path:
+def make_test_tokenizer(directory: Path, chat_template: str = CHAT_TEMPLATE) -> Path:
     """Byte-level BPE trained in memory, saved the way real checkpoints are (transformers' save_pretrained)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -50,7 +50,7 @@ def make_test_tokenizer(directory: Path) -> Path:
                                   special_tokens=["<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>"])
     tok.train_from_iterator([TRAINING_TEXT], trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = chat_template
     fast.save_pretrained(str(directory))
     return directory
 
@@ -186,7 +186,7 @@ API_KEYS = ["key-one", "key-two"]
 
 
 def make_gateway(tokenizer_dir: Path, max_model_len: int = 64, max_body_bytes: int = 1 << 16, registry=None,
-                 request_timeout_s: float | None = None):
+                 request_timeout_s: float | None = None, chat_parsers=None):
     """The app over a FakeBackend answering OUTPUT_TEXT; returns (app, backend)."""
     from gateway.app import GatewayParams, build_app
     from gateway.serving import ServingLimits
@@ -198,6 +198,8 @@ def make_gateway(tokenizer_dir: Path, max_model_len: int = 64, max_body_bytes: i
                            retry_after_s=3, request_timeout_s=request_timeout_s)
     params = GatewayParams(tokenizer, backend, limits, api_keys=list(API_KEYS), max_body_bytes=max_body_bytes,
                            registry=registry)
+    if chat_parsers is not None:
+        params.chat_parsers = chat_parsers
     return build_app(params), backend
 
 

@@ -27,13 +27,6 @@ def live(tok_dir):
         yield server
 
 
-@pytest.fixture
-def answering(backend, hf_tok):
-    """Makes the backend generate ``text``."""
-    def answer(text: str) -> None:
-        backend.output_ids = hf_tok.encode(text, add_special_tokens=False)
-    return answer
-
 
 def test_a_named_function_follows_its_parameters_and_answers_a_tool_call(client, backend, answering):
     answering(ARGS)

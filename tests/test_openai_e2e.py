@@ -37,7 +37,8 @@ def cluster(tmp_path_factory):
         tiny_model_dir("llama"), tmp_path_factory.mktemp("cluster"),
         model={"max_model_len": CONTEXT},
         engine={"block_size": BLOCK, "num_kv_blocks": POOL_BLOCKS, "prefill_chunk_size": 32},
-        gateway={"api_keys": [KEY], "max_queued_requests": 0, "local_prefill_max_tokens": 0},
+        gateway={"api_keys": [KEY], "max_queued_requests": 0, "local_prefill_max_tokens": 0,
+                 "tool_call_parser": "hermes", "reasoning_parser": "qwen3"},
     )
     yield serve
     assert serve.stop() == 0, "".join(serve.log[-30:])
@@ -264,6 +265,36 @@ def test_forced_tool_calls_equal_the_engine_under_the_same_schema(client, refere
     assert required.choices[0].finish_reason == "tool_calls"
     assert [(c.function.name, json.loads(c.function.arguments)) for c in required.choices[0].message.tool_calls] == [
         (c["name"], c["parameters"]) for c in calls]
+    wait_idle(cluster)
+
+
+def test_auto_tool_calls_are_read_out_of_the_model_text(client, reference, cluster):
+    """tool_choice "auto" with the cluster's hermes parser. A random model makes no calls of its own, so a
+    regex holds its greedy output to the hermes shape; the call the gateway reads must be the one in the
+    engine's text under the same regex, and without tools the same text is the plain answer."""
+    import re
+
+    from protocol.serving import StructuredOutput
+
+    pattern = r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "[a-z]{1,8}"\}\}\n</tool_call>'
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    ids = list(reference.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                                       tokenize=True, return_dict=False))
+    [expected] = engine_output(reference, ids, temperature=0.0, max_tokens=150,
+                               structured_output=StructuredOutput("regex", pattern))
+    text = reference.tokenizer.decode(expected.token_ids, skip_special_tokens=True)
+    assert expected.finish_reason == "stop" and re.fullmatch(pattern, text)
+    arguments = json.loads(text.removeprefix("<tool_call>\n").removesuffix("\n</tool_call>"))["arguments"]
+    r = client.chat.completions.create(model=MODEL, messages=messages, tools=tools, tool_choice="auto", max_tokens=150,
+                                       temperature=0.0, extra_body={"guided_regex": pattern})
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", arguments)
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=150, temperature=0.0,
+                                           extra_body={"guided_regex": pattern})
+    assert plain.choices[0].message.content == text and plain.choices[0].message.tool_calls is None
     wait_idle(cluster)
 
 

@@ -1,0 +1,161 @@
+"""The chat output readers on their own: reasoning split off at <think>...</think>, and a model's own tool
+calls read out of hermes and llama3_json text. Each case states the exact expected (reasoning, content,
+calls), and the same text streamed in every possible two-piece split, and one character at a time, must
+add up to exactly that: a tag or a call cut across deltas never leaks or gets lost."""
+
+from __future__ import annotations
+
+import functools
+import json
+import operator
+
+import pytest
+
+from gateway.chat_output import ChatOutput, ChatShape, chat_message
+from gateway.reasoning import ReasoningStream, prompt_opens_reasoning
+from gateway.tool_calls import ToolChoice
+from gateway.tool_parsers import make_reader
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+PARIS = ("get_weather", '{"city": "Paris"}')
+ROME = ("get_weather", '{"city": "Rome", "days": 2}')
+
+
+def splits(text: str) -> list[list[str]]:
+    """The text whole, in every split into two pieces, and one character at a time."""
+    return [[text]] + [[text[:i], text[i:]] for i in range(1, len(text))] + [list(text)]
+
+
+def fed(feed, pieces: list[str]) -> tuple:
+    """``feed(piece, final)`` over the pieces, the parts of its answers added up."""
+    answers = [feed(piece, k == len(pieces) - 1) for k, piece in enumerate(pieces)]
+    return tuple(functools.reduce(operator.add, parts) for parts in zip(*answers))
+
+
+def read_tools(parser: str, pieces: list[str]) -> tuple[str, list[tuple[str, str]]]:
+    return fed(make_reader(parser).feed, pieces)
+
+
+@pytest.mark.parametrize("text, content, calls", [
+    ("Sunny today.", "Sunny today.", []),
+    ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>', "", [PARIS]),
+    ('Let me check.\n<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>\n'
+     '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome", "days": 2}}</tool_call>',
+     "Let me check.", [PARIS, ROME]),  # the space around the calls is not part of the answer
+    # cut off before the closing tag (max_tokens, or a stop token right after the JSON): still a call
+    ('<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}', "", [PARIS]),
+    # not a call after all: the text comes back as it was
+    ("<tool_call>{not json}</tool_call> ok", "<tool_call>{not json}</tool_call> ok", []),
+    ('<tool_call>{"name": "get_weather", "arguments": {"ci', '<tool_call>{"name": "get_weather", "arguments": {"ci', []),
+    ('<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}</tool_call>', []),
+    ("a < b and <tool", "a < b and <tool", []),
+])
+def test_hermes_reads_calls_at_every_split(text, content, calls):
+    for pieces in splits(text):
+        assert read_tools("hermes", pieces) == (content, calls), pieces
+
+
+@pytest.mark.parametrize("text, content, calls", [
+    ('{"name": "get_weather", "parameters": {"city": "Paris"}}', "", [PARIS]),
+    ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}', "", [PARIS]),
+    ('  {"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "get_weather", "arguments": '
+     '{"city": "Rome", "days": 2}}\n', "", [PARIS, ROME]),
+    ("It is sunny.", "It is sunny.", []),
+    ('{"answer": 42}', '{"answer": 42}', []),  # JSON, but not a call
+    ('{"name": "get_weather", "parameters": {"city": "Paris"}} and more', '{"name": "get_weather", '
+     '"parameters": {"city": "Paris"}} and more', []),
+    ('{"name": "get_weather", "parameters": {"ci', '{"name": "get_weather", "parameters": {"ci', []),
+])
+def test_llama3_json_reads_calls_at_every_split(text, content, calls):
+    for pieces in splits(text):
+        assert read_tools("llama3_json", pieces) == (content, calls), pieces
+
+
+def test_llama3_json_streams_plain_text_without_waiting_for_the_end():
+    reader = make_reader("llama3_json")
+    assert reader.feed("  ", final=False) == ("", [])  # could still become a call
+    assert reader.feed("It", final=False) == ("  It", [])
+    assert reader.feed(" is", final=False) == (" is", [])
+
+
+def test_hermes_streams_text_up_to_a_possible_tag():
+    reader = make_reader("hermes")
+    assert reader.feed("Let me <to", final=False) == ("Let me", [])  # the space waits: a call may follow
+    assert reader.feed("day>", final=False) == (" <today>", [])
+
+
+def read_reasoning(opened_by_prompt: bool, pieces: list[str]) -> tuple[str, str]:
+    return fed(ReasoningStream(opened_by_prompt).feed, pieces)
+
+
+@pytest.mark.parametrize("opened_by_prompt, text, reasoning, content", [
+    (False, "<think>\nStep one.\n</think>\n\nThe answer.", "\nStep one.\n", "\n\nThe answer."),
+    (False, "\n<think>a</think>b", "a", "b"),
+    (False, "The answer, no thinking.", "", "The answer, no thinking."),
+    (False, "<thinking is fun", "", "<thinking is fun"),
+    (False, "<think>cut off by max_tokens", "cut off by max_tokens", ""),
+    (True, "Step one.</think>The answer.", "Step one.", "The answer."),
+    (True, "<think>Step one.</think>The answer.", "Step one.", "The answer."),  # the tag repeated
+    (True, "never closed", "never closed", ""),
+    (False, "<think></think>x </think> y", "", "x </think> y"),
+])
+def test_reasoning_splits_at_every_split(opened_by_prompt, text, reasoning, content):
+    for pieces in splits(text):
+        assert read_reasoning(opened_by_prompt, pieces) == (reasoning, content), pieces
+
+
+def test_a_prompt_opens_reasoning_when_it_ends_with_think():
+    assert prompt_opens_reasoning("<|assistant|>\n<think>\n")
+    assert not prompt_opens_reasoning("<|assistant|>\n<think>\n\n</think>\n\n")
+    assert not prompt_opens_reasoning("<|assistant|>\n")
+
+
+def stream(shape: ChatShape, pieces: list[str], finish_reason: str) -> tuple[dict, str | None]:
+    """The deltas of ``pieces`` added up the way a client does, with the last finish_reason."""
+    out, total, last = ChatOutput(shape), {"reasoning": "", "content": "", "calls": {}}, None
+    for k, piece in enumerate(pieces):
+        delta, finish = out.feed(piece, finish_reason if k == len(pieces) - 1 else None)
+        assert delta.get("reasoning") == delta.get("reasoning_content")
+        total["reasoning"] += delta.get("reasoning", "")
+        total["content"] += delta.get("content", "")
+        for call in delta.get("tool_calls", ()):
+            entry = total["calls"].setdefault(call["index"], {"id": call.get("id"), "name": None, "arguments": ""})
+            entry["name"] = call["function"].get("name", entry["name"])
+            entry["arguments"] += call["function"]["arguments"]
+        last = finish or last
+    return total, last
+
+
+def test_reasoning_then_a_hermes_call_streamed_equals_the_whole_message():
+    shape = ChatShape(reasoning=True, tool_choice=ToolChoice(TOOLS, None, "hermes"))
+    text = ('<think>Paris weather needs a tool.</think>\n\n<tool_call>\n{"name": "get_weather", '
+            '"arguments": {"city": "Paris"}}\n</tool_call>')
+    message, finish = chat_message(shape, text, "stop")
+    assert finish == "tool_calls"
+    assert message["reasoning"] == message["reasoning_content"] == "Paris weather needs a tool."
+    assert message["content"] is None  # the blank line between reasoning and call is not an answer
+    [call] = message["tool_calls"]
+    assert (call["type"], call["function"]) == ("function", {"name": "get_weather", "arguments": '{"city": "Paris"}'})
+    for pieces in (list(text), [text[:40], text[40:90], text[90:]]):
+        total, last = stream(shape, pieces, "stop")
+        assert last == "tool_calls" and total["reasoning"] == message["reasoning"] and total["content"] == ""
+        assert [(c["name"], c["arguments"]) for c in total["calls"].values()] == [("get_weather", '{"city": "Paris"}')]
+        assert all(c["id"].startswith("call_") for c in total["calls"].values())
+
+
+def test_include_reasoning_false_drops_the_reasoning_but_still_splits_it_off():
+    message, finish = chat_message(ChatShape(reasoning=True, include_reasoning=False), "<think>hm</think>Yes.", "stop")
+    assert message == {"role": "assistant", "content": "Yes."} and finish == "stop"
+
+
+def test_without_parsers_the_text_is_the_content_as_generated():
+    text = "<think>hm</think><tool_call>{}</tool_call>"
+    assert chat_message(ChatShape(), text, "length") == ({"role": "assistant", "content": text}, "length")
+
+
+def test_auto_with_no_call_keeps_the_finish_reason_and_the_text():
+    shape = ChatShape(tool_choice=ToolChoice(TOOLS, None, "llama3_json"))
+    assert chat_message(shape, "Sunny.", "length") == ({"role": "assistant", "content": "Sunny."}, "length")
+    message, finish = chat_message(shape, json.dumps({"name": "get_weather", "parameters": {"city": "Paris"}}), "stop")
+    assert finish == "tool_calls" and message["content"] is None
+    assert [c["function"]["arguments"] for c in message["tool_calls"]] == ['{"city": "Paris"}']
