@@ -11,7 +11,6 @@ import dataclasses
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingError, SamplingParams
 from engine.sequence import Sequence, vocab_error
-from engine.structured_output import StructuredOutputError
 from protocol.serving import Generate, SamplingSpec
 
 
@@ -37,8 +36,5 @@ def make_sequence(seq_id: int, gen: Generate, engine: LLMEngine) -> Sequence:
     stops = set(params.stop_token_ids)
     if not params.ignore_eos:
         stops.update(model.eos_token_ids)
-    try:
-        guide = engine.new_guide(params)
-    except StructuredOutputError as exc:
-        raise RequestError(str(exc)) from None
-    return Sequence(seq_id, list(gen.token_ids), params, stop_token_ids=frozenset(stops), guide=guide)
+    # A structured output's guide comes later, from its compile (the server's COMPILING phase).
+    return Sequence(seq_id, list(gen.token_ids), params, stop_token_ids=frozenset(stops))

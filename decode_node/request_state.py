@@ -9,6 +9,7 @@ from engine.sequence import Sequence
 
 
 class Phase(enum.IntEnum):
+    COMPILING = -1  # its structured output's grammar compiles on the grammar thread; nothing held yet
     AWAITING_KV = 0  # blocks reserved here, PrefillJob out: the prefill worker is writing the prompt's KV
     SCHEDULED = 1  # in the engine scheduler: waiting, prefilling locally, or decoding
 

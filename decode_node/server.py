@@ -3,7 +3,9 @@
 Life cycle of a request on this node:
 1. ``Generate`` arrives from the gateway over the worker DEALER. A bad request (token ids outside the
    vocabulary, sampling out of range, prompt longer than the context) gets a TokenEvent(error) at once;
-   while draining, or when the pool cannot hold it now, the answer is ``Busy`` at once.
+   while draining, or when the pool cannot hold it now, the answer is ``Busy`` at once. A structured
+   output's grammar first compiles on the grammar thread (``COMPILING``: nothing held, the other
+   requests keep decoding); one that does not compile is refused as a bad request is.
 2. The prompt is matched against this node's prefix cache. The KV this node still needs:
 
        n == 1:  token_ids [ cached here (skip) | from the prefill worker ........ ]   P samples token 0
@@ -30,8 +32,8 @@ Life cycle of a request on this node:
 Alongside: a Heartbeat (load from the block manager) every interval; SIGTERM drains: Busy to new work,
 in-flight requests get ``drain_timeout_s``, then ``Goodbye`` and the loop returns.
 
-One thread runs everything: it polls the sockets (briefly when idle) and runs an engine step when
-there is work. Nothing in a step waits on the network.
+One thread runs everything but grammar compiles: it polls the sockets (briefly when idle) and runs an
+engine step when there is work. Nothing in a step waits on the network.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import itertools
 import logging
 import math
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import zmq
@@ -53,6 +56,7 @@ from engine.llm_engine import LLMEngine
 from engine.sampler import TokenLogprobs
 from engine.scheduler import AdmissionError
 from engine.sequence import SequenceStatus
+from engine.structured_output import StructuredOutputError
 from kvtransfer.events import TransferEvent
 from kvtransfer.receiver import KVReceiver
 from protocol.serving import (
@@ -88,6 +92,7 @@ class DecodeServer:
         self.metrics = metrics
         self.options = options
         self.requests: dict[str, DecodeRequest] = {}
+        self._compiling: dict[str, tuple[Generate, Future]] = {}  # COMPILING requests: what they asked, their guide
         self._by_seq_id: dict[int, DecodeRequest] = {}
         self._seq_ids = itertools.count()
         self._generations = itertools.count(1)
@@ -127,6 +132,7 @@ class DecodeServer:
             self._on_prefill_failed(failed)
         for event in self.receiver.poll():
             self._on_transfer(event)
+        self._on_compiled()
         self._expire_deadlines()
         if self.scheduler.has_unfinished():
             self._step()
@@ -138,7 +144,7 @@ class DecodeServer:
     def _wait_for_messages(self) -> None:
         if self.scheduler.has_unfinished():
             return  # work to do: look at sockets without waiting
-        awaiting = any(r.phase == Phase.AWAITING_KV for r in self.requests.values())
+        awaiting = bool(self._compiling) or any(r.phase == Phase.AWAITING_KV for r in self.requests.values())
         timeout = KV_POLL_MS if awaiting else min(IDLE_POLL_MS, int(self._heartbeat.seconds_left() * 1000) + 1)
         poller = zmq.Poller()
         for sock in [self.gateway.sock, *self.prefill.sockets()]:
@@ -164,6 +170,31 @@ class DecodeServer:
         if gen.deadline <= time.time():
             self._send_error_all(gen.rid, seq.params.n, "deadline passed before the request arrived")
             return
+        if seq.params.structured_output is not None:
+            req.phase = Phase.COMPILING
+            self._compiling[gen.rid] = (gen, self.engine.new_guide_async(seq.params))
+            self._track(req)
+            return
+        self._start(req, gen)
+
+    def _on_compiled(self) -> None:
+        """Requests whose grammar compiled go on where _on_generate left them; a grammar that does not
+        compile refuses its request (a 400 at the gateway), as if it had been refused on arrival."""
+        for rid, (gen, future) in [(rid, entry) for rid, entry in self._compiling.items() if entry[1].done()]:
+            del self._compiling[rid]
+            req = self.requests[rid]
+            self._forget(req)
+            try:
+                req.seq.guide = future.result()
+            except StructuredOutputError as exc:
+                self.metrics.request_failure.labels("invalid").inc()
+                self._send_error_all(rid, req.seq.params.n, str(exc), refused=True)
+                continue
+            req.phase = Phase.SCHEDULED
+            self._start(req, gen)
+
+    def _start(self, req: DecodeRequest, gen: Generate) -> None:
+        seq = req.seq
         remote_tokens = self._kv_needed_from_prefill(seq)
         _, hit_tokens = self.block_manager.prefix_hit(seq)
         if gen.prefill_address and remote_tokens > hit_tokens and not gen.sampling.prefills_on_decode:
@@ -327,7 +358,9 @@ class DecodeServer:
 
     def _release(self, req: DecodeRequest, *, abort_receiver: bool = True) -> None:
         """Free everything the request holds, whatever its phase."""
-        if req.phase == Phase.AWAITING_KV:
+        if req.phase == Phase.COMPILING:
+            self._compiling.pop(req.rid, None)  # a compile under way ends on its thread, unread
+        elif req.phase == Phase.AWAITING_KV:
             if abort_receiver:
                 self.receiver.abort(req.rid)  # idempotent; the fence comes down before the blocks are reused
             if req.prefill_address:
@@ -354,7 +387,7 @@ class DecodeServer:
     # ---- load, metrics, drain ----
     def snapshot(self) -> EngineSnapshot:
         bm, s = self.block_manager, self.scheduler
-        awaiting = sum(r.phase == Phase.AWAITING_KV for r in self.requests.values())
+        awaiting = sum(r.phase <= Phase.AWAITING_KV for r in self.requests.values())  # and COMPILING
         return EngineSnapshot(
             num_running=s.num_running, num_waiting=s.num_waiting + awaiting, kv_blocks_total=bm.num_blocks,
             kv_blocks_in_use=bm.num_in_use_blocks, kv_blocks_free=bm.num_allocatable_blocks,

@@ -13,6 +13,7 @@ Life cycle of a request here:
 from __future__ import annotations
 
 import itertools
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
@@ -92,6 +93,17 @@ class LLMEngine:
         if self.grammars is None:
             raise StructuredOutputError("structured outputs need the model's tokenizer; this engine has none")
         return self.grammars.guide(params.structured_output)
+
+    def new_guide_async(self, params: SamplingParams) -> Future:
+        """``new_guide(params)`` compiled off the caller's thread (Grammars.guide_async)."""
+        if self.grammars is None or params.structured_output is None:
+            future: Future = Future()
+            try:
+                future.set_result(self.new_guide(params))
+            except StructuredOutputError as exc:
+                future.set_exception(exc)
+            return future
+        return self.grammars.guide_async(params.structured_output)
 
     def abort(self, request_id: int) -> None:
         self.scheduler.abort(request_id)

@@ -5,7 +5,8 @@ object, a regex, one of a list of strings, or an EBNF grammar. Its life on a wor
 
 1. Admission: ``Grammars.guide`` compiles the grammar against this model's vocabulary (xgrammar
    caches compiled grammars by their text) and returns a fresh ``Guide``, kept on the Sequence. A bad
-   grammar is a ``StructuredOutputError`` naming what is wrong; nothing is queued.
+   grammar is a ``StructuredOutputError`` naming what is wrong; nothing is queued. The workers compile
+   on a thread of their own (``guide_async``), as vLLM does, so a slow grammar holds up only its request.
 2. Each sampled step: ``apply_grammars_`` sets to -inf, before anything reads the logits, every token the
    matcher would refuse. Logprobs are then those of the masked distribution, as in vLLM.
 3. The scheduler feeds the sampled token to the guide; a grammar that accepted a stop token has
@@ -21,6 +22,8 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -75,13 +78,24 @@ class Grammars:
         self._stop_token_ids = list(stop_token_ids)  # the grammar's end: the model's EOS ids
         self._compiler = None
         self._json_keep: torch.Tensor | None = None  # tokens JSON output may use (see _load)
+        self._executor: ThreadPoolExecutor | None = None  # guide_async's thread, started on first use
+        self._loading = threading.Lock()  # guide() runs on that thread and, offline, on the caller's
+
+    def guide_async(self, spec: StructuredOutput) -> Future:
+        """``guide(spec)`` on this object's compiling thread: a worker's loop goes on serving while a
+        grammar compiles (xgrammar lets go of the GIL; one schema tried took 1 s) or the tokenizer
+        loads. The future raises StructuredOutputError where ``guide`` would."""
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
+        return self._executor.submit(self.guide, spec)
 
     def guide(self, spec: StructuredOutput) -> Guide:
         """A fresh Guide for ``spec``; raises StructuredOutputError."""
         import xgrammar as xgr
 
-        if self._compiler is None:
-            self._load()
+        with self._loading:
+            if self._compiler is None:
+                self._load()
         compiler = self._compiler
         with _errors_named(spec):
             if spec.kind == "json":

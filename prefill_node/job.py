@@ -11,6 +11,7 @@ it (the last chunk also pushes the partial tail block).
 from __future__ import annotations
 
 import enum
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 from engine.sequence import Sequence
@@ -36,6 +37,7 @@ class JobState:
     in_scheduler: bool = False  # handed to the engine's scheduler (admitted)
     next_block: int = 0  # first block index (of token_ids) not yet pushed
     is_sending: bool = False  # the KV sender has a live transfer for it (abort must tell the receiver)
+    guide: Future | None = None  # its structured output's guide while that compiles (then on seq)
 
     @property
     def rid(self) -> str:

@@ -6,8 +6,9 @@ Life cycle of a request on this node:
    ``PrefillFailed`` at once and counted, and the node keeps serving.
 2. The job queues until the blocks for its whole prompt fit under the admission budget (so the
    scheduler never preempts a prefill whose blocks already went out), then becomes a Sequence with
-   ``max_tokens = 1`` in the engine's scheduler (with its grammar's matcher for a structured output;
-   a grammar that does not compile fails the job). The block manager reuses this node's prefix cache.
+   ``max_tokens = 1`` in the engine's scheduler (with its grammar's matcher for a structured output,
+   compiled on the grammar thread while the job waits: other jobs may go first; a grammar that does
+   not compile fails the job). The block manager reuses this node's prefix cache.
 3. Each step (one per loop turn) runs chunks of many jobs under the per-step token budget. After
    ``runner.execute`` and before ``postprocess`` frees finished sequences, the blocks each job
    finished that D lacks (index >= skip // block_size) are queued on the KV sender for its
@@ -69,7 +70,7 @@ class PrefillServer:
         self.options = options
         self.scheduler = engine.scheduler
         self.runner = engine.runner
-        self.new_guide = engine.new_guide  # a structured output's matcher for a job's sequence
+        self.new_guide_async = engine.new_guide_async  # a structured output's matcher, compiled off the loop
         self.block_manager = engine.scheduler.block_manager
         self.metrics = metrics
         bm, cfg = self.block_manager, engine.model_config
@@ -179,16 +180,13 @@ class PrefillServer:
             self._reply_failed(peer, job.rid, job.generation, reason, label="bad_job" if reason != "draining" else "draining")
             return
         params = first_token_params(job.sampling)
-        try:
-            guide = self.new_guide(params)
-        except StructuredOutputError as exc:
-            self._reply_failed(peer, job.rid, job.generation, str(exc), label="bad_job")
-            return
         seq = Sequence(next(self._seq_ids), list(job.token_ids), params,
-                       stop_token_ids=stop_ids(job.sampling, self._eos_token_ids), guide=guide)
+                       stop_token_ids=stop_ids(job.sampling, self._eos_token_ids))
         bs = self.block_manager.block_size
         state = JobState(job, peer, seq, cdiv(len(job.token_ids), bs), time.monotonic(),
                          next_block=job.skip_tokens // bs)
+        if params.structured_output is not None:
+            state.guide = self.new_guide_async(params)
         self.jobs[job.rid] = state
         self._queue.append(state)
         log.info("rid=%s job: %d tokens, skip %d, %d dst blocks, generation %d", job.rid, len(job.token_ids),
@@ -201,6 +199,8 @@ class PrefillServer:
         # whose receiver is still handshaking waits without holding up jobs for other receivers.
         used = self.pins.num_pinned_blocks + sum(s.num_blocks_needed for s in self._by_seq.values())
         for state in list(self._queue):
+            if not self._has_guide(state):
+                continue  # still compiling (holds no blocks: later jobs may go first), or failed
             try:
                 if not self.senders.prepare(state.job.kv_address):
                     continue
@@ -218,6 +218,21 @@ class PrefillServer:
             state.in_scheduler = True
             self._by_seq[state.seq.seq_id] = state
             used += state.num_blocks_needed
+
+    def _has_guide(self, state: JobState) -> bool:
+        """The job's structured output has its guide on the sequence (or it has none); a grammar that
+        does not compile fails the job."""
+        if state.guide is None:
+            return True
+        if not state.guide.done():
+            return False
+        try:
+            state.seq.guide = state.guide.result()
+        except StructuredOutputError as exc:
+            self._fail(state, str(exc), label="bad_job")
+            return False
+        state.guide = None
+        return True
 
     # ---- one step ----
     def _step(self, batch: ScheduledBatch) -> None:

@@ -232,3 +232,52 @@ def test_abort_while_awaiting_kv_is_forwarded_and_frees(node):
     prefill.close(linger=0)
     assert_idle(node)
     assert node.node.receiver.table.held_blocks() == {}
+
+
+@pytest.fixture
+def held_compiles(node):
+    """Grammar compiles wait until the test lets them go (Event.set): a compile as slow as the test needs."""
+    grammars = node.node.server.engine.grammars
+    gate, compile_now = threading.Event(), grammars.guide
+
+    def held(spec):
+        assert gate.wait(60)
+        return compile_now(spec)
+
+    grammars.guide = held
+    yield gate
+    gate.set()
+
+
+def test_other_requests_decode_while_a_grammar_compiles(node, held_compiles):
+    from protocol.serving import StructuredOutput
+
+    regex = StructuredOutput("regex", "(ab|cd){2,6}")
+    node.gateway.send("d0", generate("plain", PROMPT, max_tokens=40, ignore_eos=True, temperature=0.0))
+    node.gateway.send("d0", generate("guided", PROMPT[:7], max_tokens=20, temperature=0.0, structured_output=regex))
+    plain = node.gateway.collect("plain")[0]  # all 40 tokens come while the compile is held
+    node.gateway.wait_heartbeat(lambda hb: hb.num_waiting == 1 and hb.num_running == 0)  # "guided" compiles
+    assert tokens_of(plain) == node.reference(PROMPT, SamplingParams(max_tokens=40, ignore_eos=True,
+                                                                     temperature=0.0)).outputs[0].token_ids
+    assert not any(getattr(r, "rid", "") == "guided" for r in node.gateway.others)
+    held_compiles.set()
+    guided = node.gateway.collect("guided")[0]
+    expected = node.reference(PROMPT[:7], SamplingParams(max_tokens=20, temperature=0.0, structured_output=regex))
+    assert tokens_of(guided) == expected.outputs[0].token_ids and guided[-1].finish_reason == "stop"
+    assert_idle(node)
+
+
+def test_abort_deadline_and_a_bad_grammar_while_compiling(node, held_compiles):
+    from protocol.serving import StructuredOutput
+
+    node.gateway.send("d0", generate("aborted", PROMPT, structured_output=StructuredOutput("regex", "a+")))
+    node.gateway.send("d0", generate("late", PROMPT, timeout_s=0.5, structured_output=StructuredOutput("regex", "b+")))
+    node.gateway.send("d0", generate("bad", PROMPT, structured_output=StructuredOutput("regex", "a(b")))
+    node.gateway.send("d0", AbortRequest("aborted", "client disconnected"))
+    [late] = node.gateway.collect("late")[0]
+    assert late.error == "deadline exceeded" and not late.refused
+    held_compiles.set()
+    [bad] = node.gateway.collect("bad")[0]
+    assert bad.refused and bad.error.startswith("invalid regex: Regex parsing error at position 4")
+    assert_idle(node)
+    assert not any(getattr(r, "rid", "") == "aborted" for r in node.gateway.others)  # cut short, silently

@@ -490,3 +490,43 @@ def test_metrics_health_ready_and_drain(cluster):
     finally:
         http.close()
     c.assert_idle_no_leak()
+
+
+def test_a_grammar_compiles_off_the_loop_while_other_jobs_prefill(cluster):
+    """A structured output's job waits for its grammar (held here until the test lets it go) without
+    holding up the job behind it; its first token is then the grammar's, as a single engine samples it;
+    a grammar that does not compile fails its job with the reason."""
+    from engine.llm import LLM
+    from protocol.serving import StructuredOutput
+
+    c, regex = cluster, StructuredOutput("regex", "(ab|cd){2,6}")
+    grammars = c.engine.grammars
+    gate, compile_now = threading.Event(), grammars.guide
+    grammars.guide = lambda spec: gate.wait(60) and compile_now(spec)
+    tokens, other = prompt(19, seed=5), prompt(11, seed=6)
+    [expected] = LLM(model_path(), block_size=BS).generate(
+        [tokens], SamplingParams(temperature=0.0, max_tokens=1, structured_output=regex))[0].outputs[0].token_ids
+    c.start()
+
+    def job(rid: str, ids: list[int], spec: StructuredOutput) -> PrefillJob:
+        dst = c.decode.reserve(rid, 1, cdiv(len(ids), BS))
+        return PrefillJob(rid, ids, 0, dst, 1, c.decode.server.endpoint, True,
+                          SamplingSpec(max_tokens=4, temperature=0.0, structured_output=spec), time.time() + 30)
+
+    c.decode.send(job("guided", tokens, regex))
+    c.decode.send(c.decode.job("plain", other))
+    assert c.decode.wait_event("plain").ok  # prefilled and sent while the grammar is held
+    assert c.server.jobs["guided"].phase == JobPhase.QUEUED
+    c.decode.adopt("plain")
+    gate.set()
+    done = c.decode.wait_event("guided")
+    assert done.ok and done.commit.first_token == expected
+    c.decode.adopt("guided")
+    c.decode.send(job("bad", other, StructuredOutput("regex", "a(b")))
+    failed = c.decode.recv_failed()
+    assert failed.rid == "bad" and failed.reason.startswith("invalid regex: Regex parsing error at position 4")
+    c.decode.rx.abort("bad")  # as the decode worker does on PrefillFailed
+    c.stop()
+    assert c.sample("pdserve:prefill_jobs_rejected_total", reason="bad_job") == 1
+    c.assert_idle_no_leak()
+
