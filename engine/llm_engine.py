@@ -24,6 +24,8 @@ from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus, vocab_error
 from engine.structured_output import Grammars, StructuredOutputError
 
+NO_GRAMMARS = "structured outputs need the model's tokenizer; this engine has none"
+
 FINISH_REASONS = {
     SequenceStatus.FINISHED_STOPPED: "stop",
     SequenceStatus.FINISHED_LENGTH: "length",
@@ -91,18 +93,17 @@ class LLMEngine:
         if params.structured_output is None:
             return None
         if self.grammars is None:
-            raise StructuredOutputError("structured outputs need the model's tokenizer; this engine has none")
+            raise StructuredOutputError(NO_GRAMMARS)
         return self.grammars.guide(params.structured_output)
 
     def new_guide_async(self, params: SamplingParams) -> Future:
-        """``new_guide(params)`` compiled off the caller's thread (Grammars.guide_async)."""
-        if self.grammars is None or params.structured_output is None:
-            future: Future = Future()
-            try:
-                future.set_result(self.new_guide(params))
-            except StructuredOutputError as exc:
-                future.set_exception(exc)
-            return future
+        """``new_guide(params)`` for a structured output, compiled off the caller's thread
+        (Grammars.guide_async); the future raises StructuredOutputError where new_guide would."""
+        assert params.structured_output is not None
+        if self.grammars is None:
+            refused: Future = Future()
+            refused.set_exception(StructuredOutputError(NO_GRAMMARS))
+            return refused
         return self.grammars.guide_async(params.structured_output)
 
     def abort(self, request_id: int) -> None:

@@ -199,7 +199,7 @@ class PrefillServer:
         # whose receiver is still handshaking waits without holding up jobs for other receivers.
         used = self.pins.num_pinned_blocks + sum(s.num_blocks_needed for s in self._by_seq.values())
         for state in list(self._queue):
-            if not self._has_guide(state):
+            if not self._settle_guide(state):
                 continue  # still compiling (holds no blocks: later jobs may go first), or failed
             try:
                 if not self.senders.prepare(state.job.kv_address):
@@ -219,9 +219,9 @@ class PrefillServer:
             self._by_seq[state.seq.seq_id] = state
             used += state.num_blocks_needed
 
-    def _has_guide(self, state: JobState) -> bool:
-        """The job's structured output has its guide on the sequence (or it has none); a grammar that
-        does not compile fails the job."""
+    def _settle_guide(self, state: JobState) -> bool:
+        """True once the job's structured output has its guide on the sequence (or it has none); a
+        compile still running is False, and one that failed fails the job (False)."""
         if state.guide is None:
             return True
         if not state.guide.done():
