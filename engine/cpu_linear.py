@@ -53,6 +53,8 @@ LM_HEAD_SLICE_ROWS = 1024  # weight rows per matmul in the LM head's transposed 
 
 FORMS = ("plain", "transposed", "packed", "c")
 
+_picked: dict[tuple, dict[str, tuple[str, ...]]] = {}  # time_forms' picks in this process, by what they were timed on
+
 
 @dataclass(slots=True, frozen=True)
 class MatmulForms:
@@ -151,8 +153,22 @@ def time_forms(groups: dict[str, list[torch.Tensor]], slice_rows: dict[str, int 
     Which copies to hold: without the C kernel (``native`` None, or a shape it lacks), one: packed
     where the packed form wins most buckets, else dense. Buckets where the C linear is the fastest of
     all forms keep the dense copy too, and packed is then judged on the other buckets. Each bucket
-    takes the fastest form among the copies held."""
+    takes the fastest form among the copies held.
+
+    Timed once per process for the same weight shapes, thread count and kernels: two engines of one
+    model in one process (a test's reference beside the engine under test) then compute alike, where
+    timing noise could otherwise give them forms whose float rounding differs."""
     slice_rows = slice_rows or {}
+    key = (tuple((k, len(ws), tuple(ws[0].shape), ws[0].dtype, slice_rows.get(k)) for k, ws in groups.items()),
+           repeats, torch.get_num_threads(), torch.backends.mkldnn.enabled, None if native is None else native.threaded)
+    if key not in _picked:
+        _picked[key] = {k: forms.per_bucket for k, forms in _timed_picks(groups, slice_rows, repeats, native).items()}
+    return {k: MatmulForms(per_bucket, slice_rows.get(k), native if "c" in per_bucket else None)
+            for k, per_bucket in _picked[key].items()}
+
+
+def _timed_picks(groups: dict[str, list[torch.Tensor]], slice_rows: dict[str, int | None], repeats: int,
+                 native: NativeLibrary | None) -> dict[str, MatmulForms]:
     first = next(iter(groups.values()))[0]
     x = torch.randn(ROW_BUCKETS[-1], max(ws[0].shape[1] for ws in groups.values()), dtype=first.dtype)
     packs = {key: [pack_weight(w) for w in ws] for key, ws in groups.items()}

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from engine import cpu_linear
 from engine.cpu_linear import (LM_HEAD_SLICE_ROWS, PLAIN, ROW_BUCKETS, Linear, MatmulForms, _pick, exclusive_timing,
                                linear_packed, linear_transposed, pack_weight)
 from engine.loader import load_model
@@ -150,6 +151,29 @@ def test_timed_forms_cover_every_projection_shape_once_and_the_lm_head(with_c):
         assert not (m.forms.holds_packed and m.forms.holds_dense) or "c" in m.forms.per_bucket
     assert model.lm_head_forms is chosen["lm_head"] and model.lm_head_forms.slice_rows == LM_HEAD_SLICE_ROWS
     assert (model.lm_head_packed is not None) == model.lm_head_forms.holds_packed
+
+
+def test_a_process_times_each_model_shape_once_per_thread_count_and_kernels(monkeypatch):
+    """A second engine of one model in one process takes the first one's forms (so a test's reference
+    engine rounds as the engine under test does); a new thread count or kernel set is timed afresh."""
+    timings = []  # the kernels each timing ran with
+    real = cpu_linear._timed_picks
+    monkeypatch.setattr(cpu_linear, "_picked", {})
+    monkeypatch.setattr(cpu_linear, "_timed_picks", lambda *args: timings.append(args[3]) or real(*args))
+    native = cpu_native.load()
+    first = load_model(tiny_model_dir("qwen2"))[0].choose_cpu_matmul_forms(native)
+    second = load_model(tiny_model_dir("qwen2"))[0].choose_cpu_matmul_forms(native)
+    assert len(timings) == 1 and second == first
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        load_model(tiny_model_dir("qwen2"))[0].choose_cpu_matmul_forms(native)
+    finally:
+        torch.set_num_threads(threads)
+    assert len(timings) == 2
+    without_c = load_model(tiny_model_dir("qwen2"))[0].choose_cpu_matmul_forms(None)
+    assert timings == [native, native, None]
+    assert all(forms.native is None for forms in without_c.values())
 
 
 @pytest.mark.parametrize("form", ["transposed", "packed", "c"])
