@@ -22,13 +22,15 @@ from . import __version__
 from .auth import ApiKeys
 from .backend import Backend
 from .chat_output import ChatParsers
+from .chat_prompt import parse_chat_prompt
 from .errors import APIError, bad_request
 from .metrics import CONTENT_TYPE, GatewayMetrics
 from .openapi import openapi_spec
-from .openai_request import parse_messages
 from .registry import WorkerRegistry
+from .request_fields import Fields
 from .serving import OpenAIServing, ServingLimits
 from .tokenizer import Tokenizer
+from .tool_calls import parse_tools
 
 log = logging.getLogger("pdserve.gateway")
 
@@ -119,16 +121,18 @@ def build_app(params: GatewayParams) -> Starlette:
         if not isinstance(body, dict):
             raise bad_request("request body must be a JSON object")
         serving.check_model(body.get("model"))
-        if "messages" in body:
-            ids = serving.tokenize_messages(parse_messages(body["messages"]))
-        elif isinstance(body.get("prompt"), str):
-            add_special = body.get("add_special_tokens", True)
-            if not isinstance(add_special, bool):
-                raise bad_request("add_special_tokens must be a boolean", "add_special_tokens")
-            ids = params.tokenizer.encode(body["prompt"], add_special_tokens=add_special)
-        else:
+        f = Fields(body)
+        chat = "messages" in body
+        if not (chat or isinstance(body.get("prompt"), str)):
             raise bad_request("give prompt (a string) or messages", "prompt")
-        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": limits.max_model_len})
+        # vLLM's defaults: a rendered chat template already holds its special tokens
+        add_special = f.bool("add_special_tokens", not chat)
+        text = serving.render(parse_chat_prompt(f, parse_tools(f.raw("tools")))) if chat else body["prompt"]
+        ids = params.tokenizer.encode(text, add_special_tokens=add_special)
+        reply = {"tokens": ids, "count": len(ids), "max_model_len": limits.max_model_len}
+        if f.bool("return_token_strs", False):
+            reply["token_strs"] = params.tokenizer.token_strs(ids)
+        return JSONResponse(reply)
 
     async def detokenize(request: Request):
         authorize(request)

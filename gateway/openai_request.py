@@ -9,10 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from protocol.serving import MAX_LOGIT_BIAS, SamplingSpec, StructuredOutput, TokenBias
+from .chat_prompt import ChatPrompt, parse_chat_prompt
 from .errors import bad_request
 from .request_fields import Fields
 from .structured_fields import parse_structured_output
-from .tool_calls import ToolChoice, parse_tool_choice
+from .tool_calls import ToolChoice, parse_tool_choice, parse_tools
+from .tool_parsers import READS_SPECIAL_TOKENS
 
 MAX_N = 16  # completions per prompt
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
@@ -24,7 +26,7 @@ MAX_PROMPTS = 64  # prompts in one completion request
 class ParsedRequest:
     model: str | None
     prompts: list[str | list[int]]  # completions: one entry per prompt; chat: empty
-    messages: list[dict] | None  # chat only
+    chat_prompt: ChatPrompt | None  # chat only: what the prompt is rendered from
     max_tokens: int | None  # None: up to the end of the context (chat) or 16 (completions)
     n: int
     stop: list[str]
@@ -38,7 +40,7 @@ class ParsedRequest:
     structured_output: StructuredOutput | None = None  # the grammar the output follows
     tool_choice: ToolChoice | None = None  # chat: forced (its grammar is structured_output) or "auto" tool calls
     include_reasoning: bool = True  # chat, vLLM's: False drops the reasoning a reasoning parser splits off
-    chat_template_kwargs: dict = field(default_factory=dict)  # chat, vLLM's: extra chat template variables
+    skip_special_tokens: bool = True  # vLLM's: False keeps special tokens' text in the output
 
     @property
     def num_prompt_logprobs(self) -> int | None:
@@ -112,7 +114,7 @@ def _common(f: Fields, chat: bool) -> dict:
         stop=f.stop_strings(), stream=stream,
         include_usage=options.bool("include_usage", False) if options else False,
         sampling=sampling, user=f.str("user", None), prompt_logprobs=prompt_logprobs,
-        structured_output=structured_output,
+        structured_output=structured_output, skip_special_tokens=f.bool("skip_special_tokens", True),
     )
 
 
@@ -120,7 +122,7 @@ def parse_completion(body) -> ParsedRequest:
     f = Fields(body)
     common = _common(f, chat=False)
     logprobs = f.int("logprobs", None, lo=0, hi=MAX_LOGPROBS)
-    return ParsedRequest(prompts=_prompts(f.raw("prompt")), messages=None, logprobs=logprobs,
+    return ParsedRequest(prompts=_prompts(f.raw("prompt")), chat_prompt=None, logprobs=logprobs,
                          echo=f.bool("echo", False), **common)
 
 
@@ -139,26 +141,11 @@ def parse_chat(body, tool_call_parser: str | None = None) -> ParsedRequest:
         if common["structured_output"] is not None:
             raise bad_request("tool_choice and a structured output both constrain the output; use one", "tool_choice")
         common["structured_output"] = forced
-    return ParsedRequest(prompts=[], messages=parse_messages(f.raw("messages")), logprobs=logprobs,
-                         tool_choice=tool_choice, include_reasoning=f.bool("include_reasoning", True),
-                         chat_template_kwargs=_template_kwargs(f.raw("chat_template_kwargs")), **common)
-
-
-RESERVED_TEMPLATE_VARIABLES = ("messages", "tools", "documents", "add_generation_prompt")
-
-
-def _template_kwargs(kwargs) -> dict:
-    """vLLM's chat_template_kwargs (e.g. Qwen3's enable_thinking): variables the template sees, beside
-    the ones the server sets itself."""
-    if kwargs is None:
-        return {}
-    if not isinstance(kwargs, dict):
-        raise bad_request("chat_template_kwargs must be an object", "chat_template_kwargs")
-    taken = [k for k in RESERVED_TEMPLATE_VARIABLES if k in kwargs]
-    if taken:
-        raise bad_request(f"chat_template_kwargs must not set {taken[0]!r}; the request's own fields do",
-                          "chat_template_kwargs")
-    return kwargs
+    if tool_choice is not None and tool_choice.auto_parser in READS_SPECIAL_TOKENS:
+        common["skip_special_tokens"] = False
+    chat_prompt = parse_chat_prompt(f, tool_choice.tools if tool_choice is not None else parse_tools(f.raw("tools")))
+    return ParsedRequest(prompts=[], chat_prompt=chat_prompt, logprobs=logprobs, tool_choice=tool_choice,
+                         include_reasoning=f.bool("include_reasoning", True), **common)
 
 
 def _prompts(prompt) -> list[str | list[int]]:
@@ -181,25 +168,6 @@ def _prompts(prompt) -> list[str | list[int]]:
     if any(p == "" for p in prompts):
         raise bad_request("prompt must not be empty", "prompt")
     return prompts
-
-
-def parse_messages(messages) -> list[dict]:
-    if not isinstance(messages, list) or not messages:
-        raise bad_request("messages must be a non-empty list of message objects", "messages")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise bad_request(f"messages[{i}] must be an object with a string role", "messages")
-        content = m.get("content")
-        if isinstance(content, list):  # content parts: only text parts are supported
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
-                raise bad_request(f"messages[{i}].content: only text content parts are supported", "messages")
-            m = {**m, "content": "".join(p["text"] for p in content)}
-        elif content is not None and not isinstance(content, str):
-            raise bad_request(f"messages[{i}].content must be a string or a list of text parts", "messages")
-        out.append(m)
-    return out
 
 
 def resolve_max_tokens(requested: int | None, num_prompt_tokens: int, max_model_len: int, chat: bool) -> int:

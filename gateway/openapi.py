@@ -23,6 +23,7 @@ _SAMPLING = {
     "stop_token_ids": _TOKEN_IDS, "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2},
     "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
     "repetition_penalty": {"type": "number", "exclusiveMinimum": 0}, "ignore_eos": {"type": "boolean"},
+    "skip_special_tokens": {"type": "boolean"},
     "min_tokens": {"type": "integer", "minimum": 0}, "user": {"type": "string"},
     "logit_bias": {"type": "object", "propertyNames": {"pattern": "^[0-9]+$"},
                    "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}},
@@ -43,23 +44,28 @@ _PROMPT = {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "st
                      {"type": "array", "items": _TOKEN_IDS}]}
 _MESSAGES = {"type": "array", "items": {"type": "object", "required": ["role", "content"], "properties": {
     "role": {"enum": ["system", "user", "assistant"]}, "content": {"type": "string"}}}}
+_TOOLS = {"type": "array", "minItems": 1, "items": {"type": "object", "required": ["type", "function"],
+          "properties": {"type": {"const": "function"}, "function": {
+              "type": "object", "required": ["name"], "properties": {
+                  "name": {"type": "string", "minLength": 1}, "parameters": {"type": "object"}}}}}}
+# vLLM's: how the chat template renders the messages (gateway/chat_prompt.py)
+_TEMPLATE = {"add_generation_prompt": {"type": "boolean"}, "continue_final_message": {"type": "boolean"},
+             "chat_template_kwargs": {"type": "object"}}
 _BODIES = {
     "completion": {"required": ["prompt"], "properties": {
         **_SAMPLING, "prompt": _PROMPT, "logprobs": {"type": "integer", "minimum": 0},
         "echo": {"type": "boolean"}}},  # the prompt leads each choice's text and logprobs
     "chat": {"required": ["messages"], "properties": {
-        **_SAMPLING, "messages": _MESSAGES, "max_completion_tokens": {"type": "integer", "minimum": 1},
+        **_SAMPLING, **_TEMPLATE, "messages": _MESSAGES, "max_completion_tokens": {"type": "integer", "minimum": 1},
         "logprobs": {"type": "boolean"}, "top_logprobs": {"type": "integer", "minimum": 0},
         # tool calls (gateway/tool_calls.py): forced, or "auto" where gateway.tool_call_parser is set (else a 400)
-        "tools": {"type": "array", "minItems": 1, "items": {"type": "object", "required": ["type", "function"],
-                  "properties": {"type": {"const": "function"}, "function": {
-                      "type": "object", "required": ["name"], "properties": {
-                          "name": {"type": "string", "minLength": 1}, "parameters": {"type": "object"}}}}}},
+        "tools": _TOOLS, "parallel_tool_calls": {"type": "boolean"},
         "tool_choice": {"oneOf": [{"enum": ["none", "auto", "required"]}, {"type": "object", "properties": {
             "type": {"const": "function"}, "function": {"type": "object", "properties": {"name": {"type": "string"}}}}}]},
-        # vLLM's: variables for the chat template (e.g. enable_thinking); dropping a reasoning parser's split
-        "chat_template_kwargs": {"type": "object"}, "include_reasoning": {"type": "boolean"}}},
-    "tokenize": {"properties": {"model": {"type": "string"}, "prompt": {"type": "string"}, "messages": _MESSAGES}},
+        "include_reasoning": {"type": "boolean"}}},  # vLLM's: False drops what a reasoning parser splits off
+    "tokenize": {"properties": {"model": {"type": "string"}, "prompt": {"type": "string"}, "messages": _MESSAGES,
+                                **_TEMPLATE, "tools": _TOOLS, "add_special_tokens": {"type": "boolean"},
+                                "return_token_strs": {"type": "boolean"}}},
     "detokenize": {"required": ["tokens"], "properties": {"model": {"type": "string"}, "tokens": _TOKEN_IDS}},
 }
 

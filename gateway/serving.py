@@ -23,6 +23,7 @@ from starlette.responses import JSONResponse
 
 from .backend import Backend, GenerationRequest
 from .chat_output import ChatParsers, ChatShape
+from .chat_prompt import ChatPrompt
 from .choice import ChoiceState
 from .errors import APIError, bad_request, no_capacity
 from .generation import Generation
@@ -70,14 +71,10 @@ class OpenAIServing:
             raise bad_request(f"token id {bad[0]} is out of range [0, {self._tok.vocab_size})", param)
         return list(prompt)
 
-    def tokenize_messages(self, messages: list[dict], tools: list[dict] | None = None,
-                          template_kwargs: dict | None = None) -> list[int]:
-        return self._tok.encode(self._render(messages, tools, template_kwargs), add_special_tokens=False)
-
-    def _render(self, messages: list[dict], tools: list[dict] | None, template_kwargs: dict | None) -> str:
+    def render(self, prompt: ChatPrompt) -> str:
         try:
-            return self._tok.apply_chat_template(messages, add_generation_prompt=True, tools=tools,
-                                                 **(template_kwargs or {}))
+            return self._tok.apply_chat_template(prompt.messages, prompt.add_generation_prompt, prompt.tools,
+                                                 prompt.continue_final_message, **prompt.template_kwargs)
         except ChatTemplateError as e:
             raise bad_request(str(e), "messages") from None
 
@@ -96,8 +93,7 @@ class OpenAIServing:
             raise no_capacity(self._limits.retry_after_s)
         shape = ChatShape()
         if chat:
-            tools = p.tool_choice.tools if p.tool_choice is not None else None
-            prompt_text = self._render(p.messages, tools, p.chat_template_kwargs)
+            prompt_text = self.render(p.chat_prompt)
             prompts = [self._tok.encode(prompt_text, add_special_tokens=False)]
             shape = self._chat_shape(p, prompt_text)
         else:
@@ -147,7 +143,8 @@ class OpenAIServing:
             request_id = f"{rid}-{prompt_index}"
             requests.append(GenerationRequest(request_id, ids, p.sampling_options(max_tokens), arrival, deadline))
             for j in range(p.n):  # choice prompt_index * n + j is completion j of that request
-                states.append(ChoiceState(prompt_index * p.n + j, request_id, self._tok, ids, p.stop))
+                states.append(ChoiceState(prompt_index * p.n + j, request_id, self._tok, ids, p.stop,
+                                          p.skip_special_tokens))
         return requests, states
 
     async def _collect(self, request: Request, generation: Generation, arrival: float) -> bool:

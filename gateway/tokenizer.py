@@ -65,6 +65,19 @@ def _clean_up_spaces(text: str) -> str:
     return text
 
 
+# Marks the end of the final message for continue_final_message, as transformers marks it.
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+def _cut_at_tag(text: str) -> str:
+    """``text`` up to the tag that ends the final message. A template that strips messages (Llama 3.1's
+    does) takes the tag's space, and the message's trailing space with it: then so does the cut."""
+    at = text.rfind(_CONTINUE_TAG.strip())
+    if at < 0:
+        raise ChatTemplateError("continue_final_message: the chat template does not show the final message's text")
+    return text[:at] if text[at : at + len(_CONTINUE_TAG)] == _CONTINUE_TAG else text[:at].rstrip()
+
+
 class Tokenizer:
     """Encode, decode and chat-template one checkpoint's tokenizer."""
 
@@ -84,6 +97,7 @@ class Tokenizer:
         # Read once: the library walks every added token on each call (0.6 ms with 29k of them, paid per
         # prompt id by is_valid_id).
         self.vocab_size: int = self._tok.get_vocab_size(with_added_tokens=True)
+        self._special_ids = frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
@@ -92,20 +106,33 @@ class Tokenizer:
         text = self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
         return _clean_up_spaces(text) if self._clean_up_spaces else text
 
+    def is_special(self, token_id: int) -> bool:
+        return token_id in self._special_ids
+
+    def token_strs(self, token_ids: list[int]) -> list[str]:
+        """Each id's vocabulary entry (byte-level BPE shows a leading space as "Ġ", as transformers'
+        convert_ids_to_tokens does)."""
+        return [self._tok.id_to_token(t) for t in token_ids]
+
     def is_valid_id(self, token_id: int) -> bool:
         return 0 <= token_id < self.vocab_size
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None, **template_kwargs) -> str:
+                            tools: list[dict] | None = None, continue_final_message: bool = False,
+                            **template_kwargs) -> str:
         """The prompt text for ``messages`` (and ``tools``, for templates that show them to the model;
         ``template_kwargs``: more variables, such as Qwen3's ``enable_thinking``); special tokens in
-        the result are encoded as such."""
+        the result are encoded as such. ``continue_final_message``: the text ends where the final
+        message's content does (what the template closes it with is cut), as in transformers."""
         if self._template is None:
             raise ChatTemplateError("this model has no chat template; use /v1/completions")
         # like transformers: None-valued keys are dropped (templates handle a missing key better)
         messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
+        if continue_final_message:
+            messages[-1] = {**messages[-1], "content": (messages[-1].get("content") or "") + _CONTINUE_TAG}
         try:
-            return self._template.render(**{**self.special_tokens, **template_kwargs}, messages=messages,
+            text = self._template.render(**{**self.special_tokens, **template_kwargs}, messages=messages,
                                          add_generation_prompt=add_generation_prompt, tools=tools, documents=None)
         except jinja2.exceptions.TemplateError as e:
             raise ChatTemplateError(f"chat template error: {e}") from None
+        return _cut_at_tag(text) if continue_final_message else text

@@ -9,9 +9,10 @@ A forced call is generated under a structured output, so it always parses:
 and the response carries ``tool_calls`` instead of text (finish_reason "tool_calls" for "required";
 "stop" for a named function, as OpenAI and vLLM answer a forced call). "auto" generates freely and
 reads the calls out of the text with ``gateway.tool_call_parser`` (gateway/tool_parsers.py); without
-one it is a 400, as in vLLM without ``--tool-call-parser``. An output cut by max_tokens cannot be
-parsed: "required" then answers its text with finish_reason "length"; a named call keeps its
-(partial) arguments, with "length".
+one it is a 400, as in vLLM without ``--tool-call-parser``. ``parallel_tool_calls: false`` allows one
+call: "required"'s grammar then takes an array of one, "auto" answers the first call it reads. An
+output cut by max_tokens cannot be parsed: "required" then answers its text with finish_reason
+"length"; a named call keeps its (partial) arguments, with "length".
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class ToolChoice:
     tools: list[dict]  # the request's tools, as sent (the chat template may show them to the model)
     name: str | None  # the named function; None: "required" or "auto"
     auto_parser: str | None = None  # "auto": the parser of the model's own calls
+    parallel: bool = True  # parallel_tool_calls: False allows one call ("required": by the grammar; "auto": the first)
 
     def structured_output(self) -> StructuredOutput | None:
         if self.auto_parser is not None:
@@ -41,6 +43,8 @@ class ToolChoice:
                                                    "parameters": _parameters(t)},
                   "required": ["name", "parameters"], "additionalProperties": False} for t in self.tools]
         schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        if not self.parallel:
+            schema["maxItems"] = 1
         return StructuredOutput("json", json.dumps(schema, ensure_ascii=False))
 
     def _tool(self, name: str) -> dict:
@@ -50,10 +54,8 @@ class ToolChoice:
 def parse_tool_choice(f: Fields, auto_parser: str | None = None) -> ToolChoice | None:
     """The chat request's tool choice, or None (tools absent, or tool_choice "none"); ``auto_parser``:
     the configured reader of free-form calls, without which "auto" is refused."""
-    tools = f.raw("tools")
-    if tools is not None and not (isinstance(tools, list) and tools and all(_is_tool(t) for t in tools)):
-        raise bad_request("tools must be a non-empty list of {\"type\": \"function\", \"function\": {\"name\": "
-                          "string, \"parameters\": JSON schema object}}", "tools")
+    tools = parse_tools(f.raw("tools"))
+    parallel = f.bool("parallel_tool_calls", True)
     choice = f.raw("tool_choice", "auto" if tools else "none")
     if choice == "none":
         return None
@@ -64,9 +66,9 @@ def parse_tool_choice(f: Fields, auto_parser: str | None = None) -> ToolChoice |
             raise bad_request("tool_choice 'auto' needs a parser of the model's free-form tool calls: start the "
                               "server with --tool-call-parser (gateway.tool_call_parser), or use 'required' or "
                               "name a function", "tool_choice")
-        return ToolChoice(tools, None, auto_parser)
+        return ToolChoice(tools, None, auto_parser, parallel)
     if choice == "required":
-        return ToolChoice(tools, None)
+        return ToolChoice(tools, None, parallel=parallel)
     name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
     if not (isinstance(choice, dict) and choice.get("type") == "function" and isinstance(name, str)):
         raise bad_request("tool_choice must be 'none', 'auto', 'required' or {\"type\": \"function\", "
@@ -74,6 +76,13 @@ def parse_tool_choice(f: Fields, auto_parser: str | None = None) -> ToolChoice |
     if name not in {t["function"]["name"] for t in tools}:
         raise bad_request(f"tool_choice names function {name[:60]!r}, which is not among the tools", "tool_choice")
     return ToolChoice(tools, name)
+
+
+def parse_tools(tools) -> list[dict] | None:
+    if tools is not None and not (isinstance(tools, list) and tools and all(_is_tool(t) for t in tools)):
+        raise bad_request("tools must be a non-empty list of {\"type\": \"function\", \"function\": {\"name\": "
+                          "string, \"parameters\": JSON schema object}}", "tools")
+    return tools
 
 
 class ToolCallReader:
@@ -115,6 +124,8 @@ class ToolCallReader:
         return "", self._entries(calls), "tool_calls"
 
     def _entries(self, calls: list[tuple[str, str]]) -> list[dict]:
+        if not self._choice.parallel:  # vLLM's parallel_tool_calls=false: the first call only
+            calls = calls[: max(0, 1 - self._num_calls)]
         first, self._num_calls = self._num_calls, self._num_calls + len(calls)
         return [{"index": first + i, "id": _call_id(), "type": "function",
                  "function": {"name": name, "arguments": arguments}} for i, (name, arguments) in enumerate(calls)]

@@ -3,22 +3,32 @@
 
     hermes        Qwen2.5/Qwen3, Hermes: text, then <tool_call>{"name": .., "arguments": {..}}</tool_call> ...
     llama3_json   Llama 3.1-3.3: the whole output is {"name": .., "parameters": {..}} (several joined by ";")
+    pythonic      Llama 3.2/4, ToolACE: the whole output is a Python list [f(a=1, b="x"), g()] (Llama 4 may
+                  wrap it in <|python_start|> .. <|python_end|>)
+    mistral       Mistral: text, then [TOOL_CALLS][{"name": .., "arguments": {..}}, ..] (tokenizers before v11)
+                  or [TOOL_CALLS]f{..}[TOOL_CALLS]g{..} (v11 on; [CALL_ID]id and [ARGS] may stand before {..})
 
 Each reads one choice's text as it streams, ``feed(text, final)`` -> (content, calls), a call being a
 finished (name, arguments JSON) pair. Text that may still become a call is held back; what turns out
 not to be one (JSON that does not parse, or is not a call) goes out as content, so nothing is lost.
 A hermes call goes out when its closing tag arrives, and the space around calls is dropped; a
-llama3_json output, once it starts with "{", only at the end (it is a call only if the whole of it
-parses).
+llama3_json or pythonic output, once it starts with "{" or "[", only at the end (it is a call only if
+the whole of it parses). Mistral's text before [TOOL_CALLS] streams as it comes; what follows it is
+read at the end, where the calls go out, with any text after them as content.
 """
 
 from __future__ import annotations
 
+import ast
 import json
+import re
 
 from .stop_strings import cut_at
 
-TOOL_CALL_PARSERS = ("hermes", "llama3_json")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "pythonic", "mistral")
+# Parsers whose markers are special tokens, which the detokenizer would otherwise drop (vLLM's mistral
+# parser turns skip_special_tokens off for the same reason).
+READS_SPECIAL_TOKENS = frozenset({"mistral"})
 Call = tuple[str, str]  # (function name, arguments as a JSON text)
 
 
@@ -33,15 +43,32 @@ def _call(obj, arguments_keys: tuple[str, ...]) -> Call | None:
     return obj["name"], json.dumps(arguments, ensure_ascii=False)
 
 
-class HermesReader:
-    START, END = "<tool_call>", "</tool_call>"
+class _SpaceAroundCalls:
+    """The text outside the calls to pass on, for readers whose calls stand among text. The space around
+    calls is not an answer: space at the end is held until more text comes, and dropped at the end
+    where there were calls (the reader adds ``_gap`` to its last content where there were none)."""
 
-    __slots__ = ("_pending", "_in_call", "_gap", "_has_calls")
+    __slots__ = ("_gap",)
 
     def __init__(self) -> None:
+        self._gap = ""
+
+    def _outside(self, text: str) -> str:
+        self._gap += text
+        ready = self._gap.rstrip()
+        self._gap = self._gap[len(ready):]
+        return ready
+
+
+class HermesReader(_SpaceAroundCalls):
+    START, END = "<tool_call>", "</tool_call>"
+
+    __slots__ = ("_pending", "_in_call", "_has_calls")
+
+    def __init__(self) -> None:
+        super().__init__()
         self._pending = ""
         self._in_call = False
-        self._gap = ""  # text outside the calls, held while it is only space
         self._has_calls = False
 
     def feed(self, text: str, final: bool) -> tuple[str, list[Call]]:
@@ -71,38 +98,33 @@ class HermesReader:
             content, self._gap = content + self._gap, ""
         return content, calls
 
-    def _outside(self, text: str) -> str:
-        """Text outside the calls to pass on. The space around calls is not an answer: space at the
-        end is held until more text comes, and dropped at the end where there were calls."""
-        self._gap += text
-        ready = self._gap.rstrip()
-        self._gap = self._gap[len(ready):]
-        return ready
-
 
 def _parse_one(body: str) -> Call | None:
     try:
         return _call(json.loads(body), ("arguments", "parameters"))
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested past what json decodes
         return None
 
 
-class Llama3JsonReader:
-    PYTHON_TAG = "<|python_tag|>"  # a special token: the detokenizer usually drops it already
+class _WholeOutputReader:
+    """An output that is calls only as a whole: once it starts (after space) with ``TAG`` or ``OPEN`` it
+    is held to the end and read by ``_parse``; anything else streams on as content at once."""
+
+    TAG = OPEN = ""
 
     __slots__ = ("_pending", "_state")
 
     def __init__(self) -> None:
         self._pending = ""
-        self._state = "start"  # "start" (nothing but space yet) | "json" | "content"
+        self._state = "start"  # "start" (nothing but space yet) | "calls" | "content"
 
     def feed(self, text: str, final: bool) -> tuple[str, list[Call]]:
         pending = self._pending + text
         if self._state == "start":
             lead = pending.lstrip()
-            if lead.startswith(self.PYTHON_TAG) or lead.startswith("{"):
-                self._state = "json"
-            elif not final and (not lead or self.PYTHON_TAG.startswith(lead)):
+            if lead.startswith(self.TAG) or lead.startswith(self.OPEN):
+                self._state = "calls"
+            elif not final and (not lead or self.TAG.startswith(lead)):
                 self._pending = pending
                 return "", []
             else:
@@ -114,8 +136,20 @@ class Llama3JsonReader:
             self._pending = pending
             return "", []
         self._pending = ""
-        calls = _parse_joined(pending.lstrip().removeprefix(self.PYTHON_TAG))
+        calls = self._parse(pending)
         return ("", calls) if calls else (pending, [])
+
+    def _parse(self, text: str) -> list[Call] | None:
+        raise NotImplementedError
+
+
+class Llama3JsonReader(_WholeOutputReader):
+    TAG, OPEN = "<|python_tag|>", "{"  # a special token: the detokenizer usually drops it already
+
+    __slots__ = ()
+
+    def _parse(self, text: str) -> list[Call] | None:
+        return _parse_joined(text.lstrip().removeprefix(self.TAG))
 
 
 def _parse_joined(text: str) -> list[Call] | None:
@@ -128,7 +162,7 @@ def _parse_joined(text: str) -> list[Call] | None:
             return calls or None
         try:
             obj, at = decoder.raw_decode(text, at)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
         call = _call(obj, ("parameters", "arguments"))
         if call is None:
@@ -136,5 +170,129 @@ def _parse_joined(text: str) -> list[Call] | None:
         calls.append(call)
 
 
-def make_reader(name: str) -> HermesReader | Llama3JsonReader:
-    return {"hermes": HermesReader, "llama3_json": Llama3JsonReader}[name]()
+class PythonicReader(_WholeOutputReader):
+    # Llama 4's special tokens around the list: the detokenizer usually drops them already
+    TAG, OPEN, END = "<|python_start|>", "[", "<|python_end|>"
+
+    __slots__ = ()
+
+    def _parse(self, text: str) -> list[Call] | None:
+        text = text.strip().removeprefix(self.TAG).strip().removesuffix(self.END)
+        return _parse_pythonic(text.strip())
+
+
+def _parse_pythonic(text: str) -> list[Call] | None:
+    """A Python list of calls, ``[f(a=1, b="x"), g()]``, read with ``ast`` and never run; None unless all
+    of the text is that."""
+    try:
+        tree = ast.parse(text, mode="eval").body
+    except (SyntaxError, ValueError, MemoryError, RecursionError):  # ValueError: a NUL in the text
+        return None
+    if not (isinstance(tree, ast.List) and tree.elts):
+        return None
+    calls = [_pythonic_call(node) for node in tree.elts]
+    return None if None in calls else calls
+
+
+def _pythonic_call(node: ast.expr) -> Call | None:
+    """``name(key=literal, ..)``: a plain name and keyword arguments only, each value a literal (strings,
+    numbers, True/False/None, and lists, tuples and dicts of them); None if it is anything else."""
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not node.args):
+        return None
+    arguments = {}
+    for keyword in node.keywords:
+        if keyword.arg is None or keyword.arg in arguments:  # f(**more), or a name given twice
+            return None
+        try:
+            arguments[keyword.arg] = ast.literal_eval(keyword.value)  # names, calls, operators: ValueError
+        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+            return None
+    try:  # tuples become lists; sets, bytes, complex numbers and inf/nan have no JSON: not a call
+        return node.func.id, json.dumps(arguments, ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError, RecursionError):
+        return None
+
+
+class MistralReader(_SpaceAroundCalls):
+    MARKER = "[TOOL_CALLS]"
+
+    __slots__ = ("_pending", "_in_calls")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._pending = ""
+        self._in_calls = False  # past the first [TOOL_CALLS]: the rest is held to the end
+
+    def feed(self, text: str, final: bool) -> tuple[str, list[Call]]:
+        pending, self._pending = self._pending + text, ""
+        content, calls = "", []
+        if not self._in_calls:
+            head, pending, self._in_calls = cut_at(pending, self.MARKER, final)
+            content += self._outside(head)
+        if not (self._in_calls and final):
+            self._pending = pending  # a possible start of the marker, or the calls still coming
+        else:
+            read = _parse_mistral(pending)
+            if read is None:  # not calls: give the text back as it came
+                content += self._outside(self.MARKER + pending)
+            else:
+                calls, after = read
+                content += self._outside(after)
+        if final and not calls:
+            content, self._gap = content + self._gap, ""
+        return content, calls
+
+
+def _parse_mistral(text: str) -> tuple[list[Call], str] | None:
+    """The calls after the first [TOOL_CALLS] and the text after the last of them; None unless each
+    [TOOL_CALLS] is followed by calls, with only space between."""
+    calls: list[Call] = []
+    after = ""
+    for part in text.split(MistralReader.MARKER):
+        if after.strip():  # text between calls: not the format
+            return None
+        read = _mistral_array(part) if part.lstrip().startswith("[") else _mistral_named(part)
+        if read is None:
+            return None
+        calls += read[0]
+        after = read[1]
+    return calls, after
+
+
+def _mistral_array(part: str) -> tuple[list[Call], str] | None:
+    """Tokenizers before v11: a JSON array of {"name": .., "arguments": {..}}, and the text after it."""
+    part = part.lstrip()
+    try:
+        items, end = json.JSONDecoder().raw_decode(part)
+    except (ValueError, RecursionError):
+        return None
+    calls = [_call(item, ("arguments",)) for item in items] if isinstance(items, list) else []
+    return (calls, part[end:]) if calls and None not in calls else None
+
+
+# v11 on: the name, then the arguments object; where the tokenizer's control tokens are kept in the text,
+# [CALL_ID] and the call's id (ours are made by the gateway) and [ARGS] stand between them
+_NAMED_CALL = re.compile(r"\s*([\w.-]+)\s*(?:\[CALL_ID\]\s*\w+\s*)?(?:\[ARGS\]\s*)?(?=\{)")
+
+
+def _mistral_named(part: str) -> tuple[list[Call], str] | None:
+    """Tokenizers v11 on: ``name{..}``, and the text after it."""
+    match = _NAMED_CALL.match(part)
+    if match is None:
+        return None
+    try:
+        arguments, end = json.JSONDecoder().raw_decode(part, match.end())
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(arguments, dict):
+        return None
+    return [(match[1], json.dumps(arguments, ensure_ascii=False))], part[end:]
+
+
+Reader = HermesReader | Llama3JsonReader | PythonicReader | MistralReader
+_READERS = {"hermes": HermesReader, "llama3_json": Llama3JsonReader, "pythonic": PythonicReader,
+            "mistral": MistralReader}
+
+
+def make_reader(name: str) -> Reader:
+    return _READERS[name]()

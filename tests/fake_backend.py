@@ -38,8 +38,9 @@ TRAINING_TEXT = ("The quick brown fox jumps over the lazy dog. Hello world, hell
                  "Stop here. A cat sat on the mat and it was happy. ") * 20
 
 
-def make_test_tokenizer(directory: Path, chat_template: str = CHAT_TEMPLATE) -> Path:
-    """Byte-level BPE trained in memory, saved the way real checkpoints are (transformers' save_pretrained)."""
+def make_test_tokenizer(directory: Path, chat_template: str = CHAT_TEMPLATE, more_special: tuple[str, ...] = ()) -> Path:
+    """Byte-level BPE trained in memory, saved the way real checkpoints are (transformers' save_pretrained);
+    ``more_special``: more special tokens (a model's markers, e.g. Mistral's [TOOL_CALLS])."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -47,7 +48,7 @@ def make_test_tokenizer(directory: Path, chat_template: str = CHAT_TEMPLATE) -> 
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  special_tokens=["<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>"])
+                                  special_tokens=["<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>", *more_special])
     tok.train_from_iterator([TRAINING_TEXT], trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
     fast.chat_template = chat_template

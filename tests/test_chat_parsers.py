@@ -1,5 +1,5 @@
 """The chat output readers on their own: reasoning split off at <think>...</think>, and a model's own tool
-calls read out of hermes and llama3_json text. Each case states the exact expected (reasoning, content,
+calls read out of hermes, llama3_json, pythonic and mistral text. Each case states the exact expected (reasoning, content,
 calls), and the same text streamed in every possible two-piece split, and one character at a time, must
 add up to exactly that: a tag or a call cut across deltas never leaks or gets lost."""
 
@@ -71,8 +71,9 @@ def test_llama3_json_reads_calls_at_every_split(text, content, calls):
         assert read_tools("llama3_json", pieces) == (content, calls), pieces
 
 
-def test_llama3_json_streams_plain_text_without_waiting_for_the_end():
-    reader = make_reader("llama3_json")
+@pytest.mark.parametrize("parser", ["llama3_json", "pythonic"])
+def test_whole_output_parsers_stream_plain_text_without_waiting_for_the_end(parser):
+    reader = make_reader(parser)
     assert reader.feed("  ", final=False) == ("", [])  # could still become a call
     assert reader.feed("It", final=False) == ("  It", [])
     assert reader.feed(" is", final=False) == (" is", [])
@@ -82,6 +83,104 @@ def test_hermes_streams_text_up_to_a_possible_tag():
     reader = make_reader("hermes")
     assert reader.feed("Let me <to", final=False) == ("Let me", [])  # the space waits: a call may follow
     assert reader.feed("day>", final=False) == (" <today>", [])
+
+
+SEARCH = ("search", '{"q": "café", "tags": ["a", "b"], "opts": {"deep": true, "n": null}, "span": [1, 2.5], '
+                    '"neg": -3}')
+
+
+@pytest.mark.parametrize("text, content, calls", [
+    ('[get_weather(city="Paris")]', "", [PARIS]),
+    ('<|python_start|>[get_weather(city="Paris")]<|python_end|>', "", [PARIS]),
+    (" [get_weather(city=\"Paris\"),\n get_weather(city='Rome', days=2)]\n", "", [PARIS, ROME]),
+    # literal values only, as JSON: True/False/None, nested lists and dicts, tuples as lists, negative numbers
+    ('[search(q="café", tags=["a", \'b\'], opts={"deep": True, "n": None}, span=(1, 2.5), neg=-3)]', "", [SEARCH]),
+    ("[get_time()]", "", [("get_time", "{}")]),
+    ("It is sunny.", "It is sunny.", []),
+    ("<b>bold</b>", "<b>bold</b>", []),  # began like <|python_start|>, then was not
+    # not a list of calls after all: the text comes back as it was
+    ('[get_weather(city="Paris")', '[get_weather(city="Paris")', []),  # unbalanced (or cut off)
+    ('[get_weather("Paris")]', '[get_weather("Paris")]', []),  # positional arguments
+    ("[f(x=y)]", "[f(x=y)]", []),  # a name, not a literal: never looked up
+    ('[f(x=open("/etc/passwd"))]', '[f(x=open("/etc/passwd"))]', []),  # a call as a value: never run
+    ("[f(**{'a': 1})]", "[f(**{'a': 1})]", []),
+    ("[f(a=1, a=2)]", "[f(a=1, a=2)]", []),
+    ("[f(a={1, 2})]", "[f(a={1, 2})]", []),  # a set has no JSON
+    ("[os.remove(path='x')]", "[os.remove(path='x')]", []),  # not a plain name
+    ("[1, 2, 3]", "[1, 2, 3]", []),
+    ("[]", "[]", []),
+    ('[get_weather(city="Paris")] and more', '[get_weather(city="Paris")] and more', []),
+])
+def test_pythonic_reads_calls_at_every_split(text, content, calls):
+    for pieces in splits(text):
+        assert read_tools("pythonic", pieces) == (content, calls), pieces
+
+
+def test_pythonic_holds_what_starts_like_its_tag():
+    reader = make_reader("pythonic")
+    assert reader.feed("<|python", final=False) == ("", [])
+    assert reader.feed('_start|>[get_weather(city="Paris")]', final=False) == ("", [])  # held to the end
+    assert reader.feed("<|python_end|>", final=True) == ("", [PARIS])
+
+
+@pytest.mark.parametrize("text, content, calls", [
+    # tokenizers before v11: a JSON array after the marker
+    ('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]', "", [PARIS]),
+    ('[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_weather", '
+     '"arguments": {"city": "Rome", "days": 2}}]', "", [PARIS, ROME]),
+    # v11 on: the name, then the arguments, the marker before each call; [ARGS], [CALL_ID] where kept
+    ('[TOOL_CALLS]get_weather{"city": "Paris"}[TOOL_CALLS]get_weather{"city": "Rome", "days": 2}', "", [PARIS, ROME]),
+    ('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}', "", [PARIS]),
+    ('[TOOL_CALLS]get_weather[CALL_ID]a1b2c3d4e[ARGS]{"city": "Paris"}', "", [PARIS]),
+    ('[TOOL_CALLS]search{"q": "café", "tags": ["a", "b"], "opts": {"deep": true, "n": null}, "span": [1, 2.5], '
+     '"neg": -3}', "", [SEARCH]),
+    ('Let me check.\n[TOOL_CALLS]get_weather{"city": "Paris"}', "Let me check.", [PARIS]),
+    # text after the calls stays content, as in vLLM
+    ('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]\nextra trailing data',
+     "\nextra trailing data", [PARIS]),
+    ("Sunny today.", "Sunny today.", []),
+    ("a [TOOLS] b [TOOL", "a [TOOLS] b [TOOL", []),
+    # not calls after all: the marker and the text come back as they were
+    ('[TOOL_CALLS]get_weather{"city": Paris}', '[TOOL_CALLS]get_weather{"city": Paris}', []),
+    ('[TOOL_CALLS][{"name": "get_weather", "arguments": {"ci', '[TOOL_CALLS][{"name": "get_weather", "arguments": {"ci',
+     []),
+    ('Hi [TOOL_CALLS][{"arguments": {}}]', 'Hi [TOOL_CALLS][{"arguments": {}}]', []),
+    ("[TOOL_CALLS][]", "[TOOL_CALLS][]", []),
+    ("[TOOL_CALLS]", "[TOOL_CALLS]", []),
+    ("[TOOL_CALLS]get_weather", "[TOOL_CALLS]get_weather", []),
+    ('[TOOL_CALLS]get_weather{"city": "Paris"} and [TOOL_CALLS]get_weather{"city": "Rome", "days": 2}',
+     '[TOOL_CALLS]get_weather{"city": "Paris"} and [TOOL_CALLS]get_weather{"city": "Rome", "days": 2}', []),
+])
+def test_mistral_reads_calls_at_every_split(text, content, calls):
+    for pieces in splits(text):
+        assert read_tools("mistral", pieces) == (content, calls), pieces
+
+
+def test_mistral_streams_text_up_to_the_marker():
+    reader = make_reader("mistral")
+    assert reader.feed("Let me check", final=False) == ("Let me check", [])
+    assert reader.feed(". [TOOL", final=False) == (".", [])  # the space waits: a call may follow
+    assert reader.feed('_CALLS]get_weather{"city": ', final=False) == ("", [])  # held to the end
+    assert reader.feed('"Paris"}', final=True) == ("", [PARIS])
+
+
+@pytest.mark.parametrize("parser, text", [
+    ("pythonic", '[get_weather(city="Paris")]'),
+    ("mistral", '[TOOL_CALLS]get_weather{"city": "Paris"}'),
+])
+def test_pythonic_and_mistral_calls_end_the_message_with_tool_calls(parser, text):
+    message, finish = chat_message(ChatShape(tool_choice=ToolChoice(TOOLS, None, parser)), text, "stop")
+    assert finish == "tool_calls" and message["content"] is None
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]] == [PARIS]
+
+
+@pytest.mark.parametrize("parser, opening", [
+    ("hermes", "<tool_call>"), ("llama3_json", ""), ("pythonic", "[f(a="), ("mistral", "[TOOL_CALLS]f"),
+    ("mistral", "[TOOL_CALLS]["),
+])
+def test_text_nested_deeper_than_the_decoders_go_is_content(parser, opening):
+    text = opening + '{"a": ' * 100_000  # json and ast give up (RecursionError, SyntaxError): not a call
+    assert make_reader(parser).feed(text, final=True) == (text, [])
 
 
 def read_reasoning(opened_by_prompt: bool, pieces: list[str]) -> tuple[str, str]:

@@ -135,7 +135,8 @@ def test_vllm_flags_of_pdserve_serve_and_the_gateway_set_the_config():
     for config in (load_config(env=env), load_config(env={}, overrides=overrides_of(gateway_args(flags)))):
         assert (config.gateway.reasoning_parser, config.gateway.tool_call_parser) == ("deepseek_r1", "llama3_json")
     assert load_config(env={}).gateway.tool_call_parser == "none"
-    with pytest.raises(ConfigError, match="gateway.tool_call_parser: must be one of none, hermes, llama3_json"):
-        load_config(env={"PDSERVE_GATEWAY_TOOL_CALL_PARSER": "pythonic"})
+    with pytest.raises(ConfigError,
+                       match="gateway.tool_call_parser: must be one of none, hermes, llama3_json, pythonic, mistral"):
+        load_config(env={"PDSERVE_GATEWAY_TOOL_CALL_PARSER": "granite"})
     with pytest.raises(SystemExit):
-        serve_args(["--tool-call-parser", "pythonic"])
+        serve_args(["--tool-call-parser", "granite"])

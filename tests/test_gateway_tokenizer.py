@@ -38,6 +38,21 @@ def test_encode_decode_match_transformers(pair):
     assert ours.eos_token_id == hf.eos_token_id and ours.vocab_size == len(hf)
 
 
+
+@pytest.mark.parametrize("trimmed", [True, False], ids=["trimming template", "keeping template"])
+@pytest.mark.parametrize("final", ["It is ", "It is", "  It is\n", "{"])
+def test_continue_final_message_cuts_where_transformers_does(tmp_path, trimmed, final):
+    from tests.fake_backend import CHAT_TEMPLATE, make_test_tokenizer
+
+    template = CHAT_TEMPLATE if trimmed else CHAT_TEMPLATE.replace(" | trim", "")
+    directory = make_test_tokenizer(tmp_path, template)
+    ours, hf = Tokenizer(directory), AutoTokenizer.from_pretrained(str(directory))
+    messages = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": final}]
+    text = ours.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True)
+    assert text == hf.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True,
+                                          tokenize=False)
+    assert text.endswith(final.strip() if trimmed else final)
+
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 def test_chat_template_matches_transformers(pair, add_generation_prompt):
     ours, hf = pair
