@@ -13,6 +13,10 @@ object, a regex, one of a list of strings, or an EBNF grammar. Its life on a wor
    ended, and so has the sequence ("stop"), even under ``ignore_eos``. A completion forked for n > 1
    forks the guide; a decode worker feeds its guide the first token the prefill worker sampled.
 
+A request whose output starts inside a model's reasoning (``StructuredOutput.after``, set by the
+gateway's reasoning parser) gets its grammar only after the reasoning's end: a ``ReasoningGate`` in
+front of the guide takes the tokens until then, unmasked.
+
 xgrammar is imported on first use, and the tokenizer read then (as vLLM does): a worker that never
 sees a structured output pays nothing for them.
 """
@@ -42,14 +46,46 @@ class StructuredOutputError(ValueError):
     """A grammar that does not compile; the message says why (xgrammar's words, without its source path)."""
 
 
+class ReasoningGate:
+    """Holds a grammar back until the output has written ``end`` (a reasoning parser's ``</think>``):
+    a thinking model reasons freely, and the grammar applies from the token after, as in vLLM. The
+    output's bytes are matched, not token ids, so an end spelled in several tokens counts too."""
+
+    __slots__ = ("_end", "_token_bytes", "_tail", "passed")
+
+    def __init__(self, end: bytes, token_bytes: list[bytes]):
+        self._end = end
+        self._token_bytes = token_bytes  # each token id's bytes (xgrammar's decoded vocabulary)
+        self._tail = b""  # the output's last len(end) - 1 bytes: where an end may have begun
+        self.passed = False
+
+    def feed(self, token_id: int) -> None:
+        piece = self._token_bytes[token_id] if token_id < len(self._token_bytes) else b""
+        seen = self._tail + piece
+        self.passed = self._end in seen
+        self._tail = seen[1 - len(self._end):] if len(self._end) > 1 else b""
+
+    def copy(self) -> ReasoningGate:
+        twin = ReasoningGate(self._end, self._token_bytes)
+        twin._tail, twin.passed = self._tail, self.passed
+        return twin
+
+
 class Guide:
-    """One sequence's place in its grammar: an xgrammar matcher, plus the tokens its kind never allows."""
+    """One sequence's place in its grammar: an xgrammar matcher, plus the tokens its kind never allows,
+    and the reasoning gate in front of it where the request has one."""
 
-    __slots__ = ("_matcher", "_keep")
+    __slots__ = ("_matcher", "_keep", "_gate")
 
-    def __init__(self, matcher, keep: torch.Tensor | None):
+    def __init__(self, matcher, keep: torch.Tensor | None, gate: ReasoningGate | None = None):
         self._matcher = matcher
         self._keep = keep  # [ceil(V / 32)] int32 ANDed into every bitmask row; None keeps all
+        self._gate = gate
+
+    @property
+    def constrains(self) -> bool:
+        """False while the output is still reasoning: every token is allowed, none reaches the matcher."""
+        return self._gate is None or self._gate.passed
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Sets ``bitmask[row]`` to the tokens allowed next (bit t of the row: token t)."""
@@ -58,15 +94,18 @@ class Guide:
             bitmask[row] &= self._keep
 
     def accept(self, token_id: int) -> bool:
+        if not self.constrains:
+            self._gate.feed(token_id)
+            return True
         return self._matcher.accept_token(token_id)
 
     @property
     def is_ended(self) -> bool:
         """The grammar accepted its stop token: nothing may follow."""
-        return self._matcher.is_terminated()
+        return self.constrains and self._matcher.is_terminated()
 
     def fork(self) -> Guide:
-        return Guide(self._matcher.fork(), self._keep)
+        return Guide(self._matcher.fork(), self._keep, self._gate.copy() if self._gate is not None else None)
 
 
 class Grammars:
@@ -78,6 +117,7 @@ class Grammars:
         self._stop_token_ids = list(stop_token_ids)  # the grammar's end: the model's EOS ids
         self._compiler = None
         self._json_keep: torch.Tensor | None = None  # tokens JSON output may use (see _load)
+        self._token_bytes: list[bytes] = []  # each token id's bytes, for reasoning gates (see _load)
         self._executor: ThreadPoolExecutor | None = None  # guide_async's thread, started on first use
         self._loading = threading.Lock()  # guide() runs on that thread and, offline, on the caller's
 
@@ -107,7 +147,8 @@ class Grammars:
             else:
                 compiled = compiler.compile_grammar(_ebnf_of(spec))
         is_json = spec.kind in ("json", "json_object")
-        return Guide(xgr.GrammarMatcher(compiled), self._json_keep if is_json else None)
+        gate = ReasoningGate(spec.after.encode(), self._token_bytes) if spec.after else None
+        return Guide(xgr.GrammarMatcher(compiled), self._json_keep if is_json else None, gate)
 
     def _load(self) -> None:
         import xgrammar as xgr
@@ -123,7 +164,8 @@ class Grammars:
         # xgrammar's JSON strings admit raw control characters (U+0000-U+001F), which JSON forbids and
         # strict parsers reject; with no free whitespace, JSON output never needs one. A UTF-8 byte
         # below 0x20 is always such a character, so the token bytes tell.
-        control = [t for t, piece in enumerate(info.decoded_vocab) if _CONTROL_BYTE.search(piece)]
+        self._token_bytes = info.decoded_vocab
+        control = [t for t, piece in enumerate(self._token_bytes) if _CONTROL_BYTE.search(piece)]
         keep = xgr.allocate_token_bitmask(1, self._vocab_size)[0]  # all ones
         for t in control:
             keep[t // 32] &= _CLEAR_BIT[t % 32]
@@ -135,7 +177,7 @@ def apply_grammars_(logits: torch.Tensor, seqs: list) -> set[int]:
     """Sets (in place) the logits of tokens each row's grammar refuses to -inf; rows without a grammar
     are untouched. Returns the rows whose grammar allows nothing but a stop token: ``min_tokens`` must
     not mask those, or no token would be left."""
-    rows = [i for i, s in enumerate(seqs) if s.guide is not None]
+    rows = [i for i, s in enumerate(seqs) if s.guide is not None and s.guide.constrains]
     if not rows:
         return set()
     import xgrammar as xgr

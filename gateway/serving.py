@@ -15,7 +15,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import anyio
 from starlette.requests import Request
@@ -29,7 +29,7 @@ from .errors import APIError, bad_request, no_capacity
 from .generation import Generation
 from .metrics import GatewayMetrics
 from .openai_request import ParsedRequest, parse_chat, parse_completion, resolve_max_tokens
-from .reasoning import prompt_opens_reasoning
+from .reasoning import END as REASONING_END, prompt_opens_reasoning
 from .responses import ChunkBuilder, LogprobFormatter, ResponseOptions, chat_body, completion_body, usage
 from .sse import DONE, EventStreamResponse, error_event, sse_event, wait_for_disconnect
 from .tokenizer import ChatTemplateError, Tokenizer
@@ -95,7 +95,10 @@ class OpenAIServing:
         if chat:
             prompt_text = self.render(p.chat_prompt)
             prompts = [self._tok.encode(prompt_text, add_special_tokens=False)]
-            shape = self._chat_shape(p, prompt_text)
+            opened = self._parsers.reasoning is not None and prompt_opens_reasoning(prompt_text)
+            if opened and p.structured_output is not None:  # the workers gate the grammar on the end tag
+                p.structured_output = replace(p.structured_output, after=REASONING_END)
+            shape = self._chat_shape(p, opened)
         else:
             prompts = [self.tokenize_prompt(x) for x in p.prompts]
         bad = [b.token_id for b in p.sampling["logit_bias"] if not self._tok.is_valid_id(b.token_id)]
@@ -123,12 +126,12 @@ class OpenAIServing:
         build = chat_body if chat else completion_body
         return JSONResponse(build(rid, created, model, generation.states, self._fmt, opts))
 
-    def _chat_shape(self, p: ParsedRequest, prompt_text: str) -> ChatShape:
-        """Reasoning is split off only from free output: under a structured output (a forced tool call
-        included) the grammar holds from the first token, so there is no thinking to split."""
-        reasoning = self._parsers.reasoning is not None and p.structured_output is None
-        return ChatShape(reasoning, reasoning and prompt_opens_reasoning(prompt_text), p.include_reasoning,
-                         p.tool_choice)
+    def _chat_shape(self, p: ParsedRequest, opened: bool) -> ChatShape:
+        """With a reasoning parser, the reasoning is split off. A structured output (a forced tool call
+        included) applies after it where the prompt opens it, as in vLLM; otherwise the grammar holds
+        from the first token, so there is no thinking to split. ``opened``: the prompt opens it."""
+        reasoning = self._parsers.reasoning is not None and (p.structured_output is None or opened)
+        return ChatShape(reasoning, opened, p.include_reasoning, p.tool_choice)
 
     def _echo_texts(self, p: ParsedRequest, prompts: list[list[int]]) -> list[str]:
         """The prompt as sent; a token-id prompt decoded with its special tokens, as vLLM echoes it."""

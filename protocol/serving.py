@@ -38,6 +38,7 @@ MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a token's bias: [-100, 100] (gatewa
 # Generate frame also carries the prompt, all within the codec's 1 MB.
 STRUCTURED_OUTPUT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 MAX_STRUCTURED_OUTPUT_CHARS = 64 * 1024
+MAX_REASONING_END_CHARS = 64
 
 
 @wire_record("serve.token_bias")
@@ -58,10 +59,14 @@ class StructuredOutput:
     # json: the JSON schema's text; json_object: ""; regex: the pattern; choice: a JSON list of the
     # strings allowed; grammar: EBNF (xgrammar's dialect, GBNF-like, with a ``root`` rule)
     spec: str = ""
+    # The grammar applies after this text is in the output ("" from the first token): a reasoning
+    # parser's end tag, for an output that starts inside the model's reasoning (vLLM's behaviour).
+    after: str = ""
 
     def __post_init__(self) -> None:
         assert self.kind in STRUCTURED_OUTPUT_KINDS, f"unknown structured output kind {self.kind[:40]!r}"
         assert len(self.spec) <= MAX_STRUCTURED_OUTPUT_CHARS, f"{len(self.spec)} characters of grammar"
+        assert len(self.after) <= MAX_REASONING_END_CHARS, f"{len(self.after)} characters of reasoning end"
 
 
 @wire_record("serve.sampling")

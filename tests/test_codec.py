@@ -180,16 +180,19 @@ def test_prompt_logprobs_frame_round_trips_and_rejects_a_wrong_one():
 
 
 def test_structured_output_round_trips_and_a_wrong_one_is_rejected():
-    from protocol.serving import MAX_STRUCTURED_OUTPUT_CHARS, SamplingSpec, StructuredOutput
+    from protocol.serving import MAX_REASONING_END_CHARS, MAX_STRUCTURED_OUTPUT_CHARS, SamplingSpec, StructuredOutput
 
-    spec = SamplingSpec(max_tokens=4, structured_output=StructuredOutput("regex", r"\d+"))
+    spec = SamplingSpec(max_tokens=4, structured_output=StructuredOutput("regex", r"\d+", after="</think>"))
     assert decode(encode(spec), expected=SamplingSpec) == spec
     fields = msgpack.unpackb(encode(spec))[1]
-    for bad, message in ((["serve.structured_output", {"kind": "python", "spec": ""}],
+    for bad, message in ((["serve.structured_output", {"kind": "python", "spec": "", "after": ""}],
                           "unknown structured output kind 'python'"),
-                         (["serve.structured_output", {"kind": "regex", "spec": "a" * (MAX_STRUCTURED_OUTPUT_CHARS + 1)}],
+                         (["serve.structured_output", {"kind": "regex", "spec": "a" * (MAX_STRUCTURED_OUTPUT_CHARS + 1),
+                                                       "after": ""}],
                           f"{MAX_STRUCTURED_OUTPUT_CHARS + 1} characters of grammar"),
-                         (["serve.structured_output", {"kind": "regex", "spec": 5}],
+                         (["serve.structured_output", {"kind": "regex", "spec": "a", "after": "a" * (MAX_REASONING_END_CHARS + 1)}],
+                          f"{MAX_REASONING_END_CHARS + 1} characters of reasoning end"),
+                         (["serve.structured_output", {"kind": "regex", "spec": 5, "after": ""}],
                           "serve.structured_output.spec: expected str, got int")):
         with pytest.raises(WireError, match=re.escape(message)):
             decode(_raw("serve.sampling", {**fields, "structured_output": bad}), max_bytes=1 << 20)

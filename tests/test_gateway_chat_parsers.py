@@ -104,10 +104,24 @@ def test_include_reasoning_false_leaves_only_the_answer(client, backend, answeri
     assert r.choices[0].message.content == "Shown." and "reasoning" not in (r.choices[0].message.model_extra or {})
 
 
-def test_a_structured_output_is_not_split(client, backend, answering):
-    answering('{"a": "</think>"}')
+def test_a_structured_output_applies_after_the_reasoning_the_prompt_opens(client, backend, answering):
+    # The workers gate the grammar on the end tag (engine/structured_output.py ReasoningGate), as vLLM does.
+    answering('Wants JSON.</think>{"a": 1}')
     r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=64,
                                        response_format={"type": "json_object"})
+    assert backend.received[-1].sampling.structured_output.after == "</think>"
+    message = r.choices[0].message
+    assert message.model_extra["reasoning"] == "Wants JSON." and message.content == '{"a": 1}'
+    total, finish = streamed(client, max_tokens=64, response_format={"type": "json_object"})
+    assert (total["reasoning"], total["content"], finish) == ("Wants JSON.", '{"a": 1}', "stop")
+
+
+def test_a_structured_output_holds_from_the_first_token_when_thinking_is_off(client, backend, answering):
+    answering('{"a": "</think>"}')
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=64,
+                                       response_format={"type": "json_object"},
+                                       extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert backend.received[-1].sampling.structured_output.after == ""
     assert r.choices[0].message.content == '{"a": "</think>"}'
 
 

@@ -130,6 +130,42 @@ def test_grammar_ends_the_output_even_with_ignore_eos_and_min_tokens() -> None:
             assert completion.finish_reason == "stop" and text_of(completion.token_ids) == "yes"
 
 
+@pytest.mark.parametrize("end_at", [0, 2])
+def test_a_gated_grammar_applies_from_the_token_after_the_end_text(end_at: int) -> None:
+    """A reasoning gate (StructuredOutput.after): up to the token that completes the end text the output
+    is the free greedy one; from the next token it is what the grammar gives with the free tokens as
+    prompt. The end text here is what this random model writes itself (a thinking model's </think>), at
+    its first token (sampled at prefill) or its third."""
+    pattern = r"[a-z]{2,5}-\d{3}"
+    for prompt in PROMPTS:
+        free = llm().generate([prompt], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0].outputs[0]
+        end = text_of(free.token_ids[end_at : end_at + 1])
+        assert end
+        cut = next(i for i in range(len(free.token_ids)) if end in text_of(free.token_ids[: i + 1]))
+        gated = generate(StructuredOutput("regex", pattern, after=end), [prompt])[0].outputs[0].token_ids
+        reference = generate(StructuredOutput("regex", pattern), [prompt + free.token_ids[: cut + 1]])
+        assert gated[: cut + 1] == free.token_ids[: cut + 1]
+        assert gated[cut + 1 :] == reference[0].outputs[0].token_ids
+        assert re.fullmatch(pattern, text_of(gated[cut + 1 :]))
+
+
+def test_a_reasoning_gate_opens_on_an_end_spelled_across_tokens_and_forks_with_its_state() -> None:
+    tok = hf()[1]
+    pieces = tok.encode("ok</think>", add_special_tokens=False)
+    assert len(pieces) > 1  # this tokenizer has no </think> token: the end spans several tokens
+    guide = llm().engine.grammars.guide(StructuredOutput("regex", "[0-9]+", after="</think>"))
+    opened = []
+    for i, token in enumerate(pieces):
+        if i == len(pieces) - 1:
+            twin = guide.fork()
+        assert guide.accept(token)
+        opened.append(guide.constrains)
+    assert opened == [False] * (len(pieces) - 1) + [True] and not guide.is_ended
+    digit, letter = tok.encode("7", add_special_tokens=False)[0], tok.encode("x", add_special_tokens=False)[0]
+    assert not guide.accept(letter) and guide.accept(digit)  # the grammar holds from here
+    assert not twin.constrains and twin.accept(letter)  # the fork, one token back, still reasons
+
+
 def test_grammar_survives_preemption_and_forks_per_completion() -> None:
     """A pool so small that sequences are preempted and recomputed: each of n = 3 sampled completions
     still follows the grammar (its matcher kept its state, and forked ones are independent)."""
