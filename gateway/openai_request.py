@@ -35,7 +35,9 @@ class ParsedRequest:
     logprobs: int | None  # top alternatives per token; None: no logprobs
     sampling: dict = field(default_factory=dict)  # SamplingSpec fields except max_tokens, n and the logprobs
     user: str | None = None
-    echo: bool = False  # completions: each choice's text (and logprobs) starts with its prompt
+    # completions: each choice's text (and logprobs) starts with its prompt; chat (vLLM's): each message
+    # starts with the last one's content where that is the assistant's (a continued answer, whole)
+    echo: bool = False
     prompt_logprobs: int | None = None  # asked for explicitly: the response carries a prompt_logprobs field
     structured_output: StructuredOutput | None = None  # the grammar the output follows
     tool_choice: ToolChoice | None = None  # chat: forced (its grammar is structured_output) or "auto" tool calls
@@ -46,7 +48,8 @@ class ParsedRequest:
     def num_prompt_logprobs(self) -> int | None:
         """Top-k of the prompt logprobs the workers compute. Echo with logprobs needs them for the prompt's
         part (vLLM's rule); asked for both ways, the larger k serves both and each keeps its own top."""
-        wanted = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None) if k is not None]
+        echoes_prompt = self.echo and self.chat_prompt is None
+        wanted = [k for k in (self.prompt_logprobs, self.logprobs if echoes_prompt else None) if k is not None]
         return max(wanted) if wanted else None
 
     def sampling_options(self, max_tokens: int) -> SamplingSpec:
@@ -71,8 +74,6 @@ def _refuse_unsupported(f: Fields, chat: bool) -> None:
         if f.raw("suffix", "") != "":
             refuse("suffix")
         return
-    if f.bool("echo", False):  # vLLM's chat echo repeats the last message in the reply, not the prompt
-        refuse("echo", "echo (the last message repeated in the reply) for chat completions")
     chosen = f.raw("function_call", "auto" if f.raw("functions") else "none")  # the legacy form of tools
     if f.raw("functions") and chosen != "none":
         refuse("functions", "tool calling with the legacy functions (use tools)")
@@ -145,7 +146,7 @@ def parse_chat(body, tool_call_parser: str | None = None) -> ParsedRequest:
         common["skip_special_tokens"] = False
     chat_prompt = parse_chat_prompt(f, tool_choice.tools if tool_choice is not None else parse_tools(f.raw("tools")))
     return ParsedRequest(prompts=[], chat_prompt=chat_prompt, logprobs=logprobs, tool_choice=tool_choice,
-                         include_reasoning=f.bool("include_reasoning", True), **common)
+                         include_reasoning=f.bool("include_reasoning", True), echo=f.bool("echo", False), **common)
 
 
 def _prompts(prompt) -> list[str | list[int]]:

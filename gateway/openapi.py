@@ -62,7 +62,8 @@ _BODIES = {
         "tools": _TOOLS, "parallel_tool_calls": {"type": "boolean"},
         "tool_choice": {"oneOf": [{"enum": ["none", "auto", "required"]}, {"type": "object", "properties": {
             "type": {"const": "function"}, "function": {"type": "object", "properties": {"name": {"type": "string"}}}}}]},
-        "include_reasoning": {"type": "boolean"}}},  # vLLM's: False drops what a reasoning parser splits off
+        "include_reasoning": {"type": "boolean"},  # vLLM's: False drops what a reasoning parser splits off
+        "echo": {"type": "boolean"}}},  # vLLM's: the reply starts with the assistant message it continues
     "tokenize": {"properties": {"model": {"type": "string"}, "prompt": {"type": "string"}, "messages": _MESSAGES,
                                 **_TEMPLATE, "tools": _TOOLS, "add_special_tokens": {"type": "boolean"},
                                 "return_token_strs": {"type": "boolean"}}},

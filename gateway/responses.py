@@ -17,11 +17,13 @@ class ResponseOptions:
     logprobs: int | None  # top alternatives per token; None: no logprobs
     prompt_logprobs: int | None  # vLLM's prompt_logprobs, asked for explicitly; None: no such field
     num_choices_per_prompt: int = 1  # n: choice i answers prompt i // n
-    echo_texts: list[str] | None = None  # completions with echo: each prompt's text, put before its choices'
+    # echo: the text put before each prompt's choices (completions: the prompt; chat: the last message)
+    echo_texts: list[str] | None = None
     chat_shape: ChatShape = ChatShape()  # chat: how the text is read into reasoning, content and tool calls
 
-    def echo_of(self, state: ChoiceState) -> str | None:
-        return None if self.echo_texts is None else self.echo_texts[state.index // self.num_choices_per_prompt]
+    def echo_of(self, index: int) -> str | None:
+        """The echo that leads choice ``index``."""
+        return None if self.echo_texts is None else self.echo_texts[index // self.num_choices_per_prompt]
 
 
 def usage(states: list[ChoiceState], n: int) -> dict:
@@ -107,7 +109,7 @@ def completion_body(rid: str, created: int, model: str, states: list[ChoiceState
                     opts: ResponseOptions) -> dict:
     choices = []
     for s in states:
-        echo = opts.echo_of(s)
+        echo = opts.echo_of(s.index)
         choice = {"index": s.index, "text": (echo or "") + s.text, "finish_reason": s.finish_reason,
                   "logprobs": _completion_logprobs(fmt, opts, s, echo, s.logprobs, 0)}
         if opts.prompt_logprobs is not None:
@@ -123,6 +125,8 @@ def chat_body(rid: str, created: int, model: str, states: list[ChoiceState], fmt
     choices = []
     for s in states:
         message, finish_reason = chat_message(opts.chat_shape, s.text, s.finish_reason)
+        if (echo := opts.echo_of(s.index)) is not None:
+            message["content"] = echo + (message["content"] or "")
         choices.append({"index": s.index, "message": message, "finish_reason": finish_reason,
                         "logprobs": fmt.chat(s.logprobs) if want_logprobs else None})
     body = {"id": rid, "object": "chat.completion", "created": created, "model": model,
@@ -155,7 +159,7 @@ class ChunkBuilder:
 
     def role(self, index: int) -> dict:
         """Chat only: the first chunk of each choice names the role."""
-        return self._wrap([{"index": index, "delta": {"role": "assistant", "content": ""},
+        return self._wrap([{"index": index, "delta": {"role": "assistant", "content": self._opts.echo_of(index) or ""},
                             "logprobs": None, "finish_reason": None}])
 
     def delta(self, state: ChoiceState, d: ChoiceDelta) -> dict | None:
@@ -168,7 +172,7 @@ class ChunkBuilder:
                 return None
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
             return self._wrap([choice])
-        echo = None if self._has_echoed[index] else self._opts.echo_of(state)
+        echo = None if self._has_echoed[index] else self._opts.echo_of(index)
         self._has_echoed[index] = True
         logprobs = _completion_logprobs(self._fmt, self._opts, state, echo, d.logprobs, self._offsets[index])
         text = (echo or "") + d.text

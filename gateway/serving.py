@@ -133,8 +133,14 @@ class OpenAIServing:
         reasoning = self._parsers.reasoning is not None and (p.structured_output is None or opened)
         return ChatShape(reasoning, opened, p.include_reasoning, p.tool_choice)
 
-    def _echo_texts(self, p: ParsedRequest, prompts: list[list[int]]) -> list[str]:
-        """The prompt as sent; a token-id prompt decoded with its special tokens, as vLLM echoes it."""
+    def _echo_texts(self, p: ParsedRequest, prompts: list[list[int]]) -> list[str] | None:
+        """Completions: the prompt as sent, a token-id prompt decoded with its special tokens, as vLLM
+        echoes it. Chat: the last message's content where it is the assistant's (vLLM's chat echo), else
+        none."""
+        if p.chat_prompt is not None:
+            last = p.chat_prompt.messages[-1]
+            wanted = last.get("role") == "assistant" and isinstance(last.get("content"), str)
+            return [last["content"]] if wanted else None
         return [sent if isinstance(sent, str) else self._tok.decode(ids, skip_special_tokens=False)
                 for sent, ids in zip(p.prompts, prompts)]
 

@@ -258,12 +258,23 @@ def test_prompt_logprobs_out_of_range_is_400(live, backend, path, body, value):
     assert backend.received == []
 
 
-def test_chat_echo_is_400_but_false_is_served(live, backend):
-    messages = [{"role": "user", "content": "x"}]
-    _assert_400(post(live, "/v1/chat/completions", messages=messages, max_tokens=1, echo=True), "echo",
-                "echo (the last message repeated in the reply) for chat completions is not supported")
-    assert backend.received == []
-    assert post(live, "/v1/chat/completions", messages=messages, max_tokens=1, echo=False).status_code == 200
+@pytest.mark.parametrize("last_role, echoed", [("assistant", "It is"), ("user", "")])
+def test_chat_echo_leads_with_the_assistant_message_it_continues(live, backend, hf_tok, last_role, echoed):
+    """vLLM's chat echo: the reply starts with the last message's content where that message is the
+    assistant's (an answer the client began, continued with continue_final_message); else nothing."""
+    messages = [{"role": "user", "content": "x"}, {"role": last_role, "content": "It is"}]
+    extra = dict(continue_final_message=True, add_generation_prompt=False) if last_role == "assistant" else {}
+    generated = hf_tok.decode(backend.output_ids[:5], skip_special_tokens=True)
+    r = post(live, "/v1/chat/completions", messages=messages, max_tokens=5, echo=True, **extra)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == echoed + generated
+    chunks = stream(live, "/v1/chat/completions", messages=messages, max_tokens=5, echo=True, logprobs=True,
+                    **extra)
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert deltas[0] == {"role": "assistant", "content": echoed}
+    assert "".join(d.get("content") or "" for d in deltas) == echoed + generated
+    assert backend.received[-1].sampling.prompt_logprobs is None  # chat echo asks no prompt logprobs
+    r = post(live, "/v1/chat/completions", messages=messages, max_tokens=5, echo=False, **extra)
+    assert r.json()["choices"][0]["message"]["content"] == generated
 
 
 def test_suffix_is_still_refused_with_echo(live, backend):

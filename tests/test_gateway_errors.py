@@ -116,7 +116,6 @@ def test_bad_logit_bias_is_400_naming_it(client, backend, value, message):
 @pytest.mark.parametrize("chat, extra, param, message", [
     (False, {"suffix": "x"}, "suffix", "suffix is not supported"),
     (False, {"best_of": 3}, "best_of", "best_of other than n is not supported"),
-    (True, {"echo": True}, "echo", "echo (the last message repeated in the reply) for chat completions is not"),
     (True, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice",
      "tool_choice 'auto' needs a parser of the model's free-form tool calls"),
     (True, {"functions": [{"name": "f"}]}, "functions", "tool calling with the legacy functions (use tools) is not"),
