@@ -67,8 +67,8 @@ from worker.logprob_records import prompt_logprobs_frames
 
 log = logging.getLogger(__name__)
 
-IDLE_POLL_MS = 10  # nothing to do: wait this long for a message
-KV_POLL_MS = 1  # a transfer is out: look at the KV receiver this often
+IDLE_POLL_MS = 10  # nothing to do: wait this long for a message (a KV message wakes the wait too)
+BUSY_POLL_MS = 1  # a grammar compiles (a future, not a socket), or KV comes in-process: look this often
 
 
 @dataclass(slots=True)
@@ -144,10 +144,14 @@ class DecodeServer:
     def _wait_for_messages(self) -> None:
         if self.scheduler.has_unfinished():
             return  # work to do: look at sockets without waiting
-        awaiting = bool(self._compiling) or any(r.phase == Phase.AWAITING_KV for r in self.requests.values())
-        timeout = KV_POLL_MS if awaiting else min(IDLE_POLL_MS, int(self._heartbeat.seconds_left() * 1000) + 1)
+        kv_socket = self.receiver.channel.socket
+        awaiting_kv = any(r.phase == Phase.AWAITING_KV for r in self.requests.values())
+        if self._compiling or (awaiting_kv and kv_socket is None):
+            timeout = BUSY_POLL_MS
+        else:
+            timeout = min(IDLE_POLL_MS, int(self._heartbeat.seconds_left() * 1000) + 1)
         poller = zmq.Poller()
-        for sock in [self.gateway.sock, *self.prefill.sockets()]:
+        for sock in [self.gateway.sock, *self.prefill.sockets(), *([kv_socket] if kv_socket is not None else [])]:
             poller.register(sock, zmq.POLLIN)
         poller.poll(timeout)
 

@@ -31,6 +31,11 @@ class ServerChannel:
         """Let same-process clients copy straight into ``pool``; True when this channel can."""
         return False
 
+    @property
+    def socket(self) -> zmq.Socket | None:
+        """The socket whose readiness means messages wait (for a poller to sleep on); None: in-process."""
+        return None
+
     def close(self) -> None:
         pass
 
@@ -108,6 +113,10 @@ class ZmqServer(ServerChannel):
     def __init__(self, ctx: zmq.Context, interface: str, port: int = 0, *, max_msg_size: int, hwm: int = 256):
         self.sock = make_socket(ctx, zmq.ROUTER, hwm=hwm, max_msg_size=max_msg_size)
         self.endpoint = bind(self.sock, interface, port)
+
+    @property
+    def socket(self) -> zmq.Socket:
+        return self.sock
 
     def recv(self):
         try:
