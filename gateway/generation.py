@@ -151,6 +151,12 @@ class Generation:
                 self._metrics.inter_token_latency.observe(now - last)
             self._last_event_time[i] = now
 
+    async def abort(self) -> None:
+        """Abort every backend request (the client left before the first token): the workers let go
+        at once, and ``start`` returns with each request ended."""
+        for request in self._requests:
+            await self._backend.abort(request.request_id)
+
     async def close(self) -> bool:
         """Cancel pumps and abort unfinished requests; shielded, since it runs while being cancelled.
 

@@ -112,10 +112,13 @@ class OpenAIServing:
         self.num_in_flight += 1
         self._metrics.num_requests_running.inc()
         try:
-            await generation.start()
+            started = await self._start(request, generation)
         except APIError as e:
             await self._close(generation, arrival, "rejected" if e.status == 503 else "failed")
             raise
+        if not started:
+            await self._close(generation, arrival, "aborted")
+            return JSONResponse({}, status_code=499)  # the client left; nobody reads this
         model, created = self._limits.model_name, int(time.time())
         if p.stream:
             chunks = ChunkBuilder(rid, created, model, chat, self._fmt, opts, len(generation.states))
@@ -155,6 +158,30 @@ class OpenAIServing:
                 states.append(ChoiceState(prompt_index * p.n + j, request_id, self._tok, ids, p.stop,
                                           p.skip_special_tokens))
         return requests, states
+
+    async def _start(self, request: Request, generation: Generation) -> bool:
+        """``generation.start()`` (up to every request's first event) while watching the client: False
+        where it left first (a long queue or prefill), its requests aborted so the workers let go then,
+        not at the first token."""
+        left = False
+        failure: list[Exception] = []  # kept out of the task group, which would wrap it in an ExceptionGroup
+        async with anyio.create_task_group() as tg:
+            async def watch() -> None:
+                nonlocal left
+                await wait_for_disconnect(request.receive)
+                left = True
+                with anyio.CancelScope(shield=True):  # start may return (its requests ended) meanwhile
+                    await generation.abort()
+
+            tg.start_soon(watch)
+            try:
+                await generation.start()
+            except Exception as e:
+                failure.append(e)
+            tg.cancel_scope.cancel()
+        if failure and not left:
+            raise failure[0]
+        return not left
 
     async def _collect(self, request: Request, generation: Generation, arrival: float) -> bool:
         """Runs the generation to its end: True once every choice finished, False if the client left."""

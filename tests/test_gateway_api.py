@@ -248,6 +248,21 @@ def test_client_disconnect_non_stream_aborts(live, backend):
     wait_until(lambda: num_requests_running(live.base_url) == 0, "request still counted as running")
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_client_disconnect_before_the_first_token_aborts_at_once(live, backend, stream):
+    """A long queue or prefill: the client leaves before any token, and the backend hears of it then,
+    not when the first token comes (4 s later here)."""
+    backend.token_delay_s = 4.0
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 4, "stream": stream}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(live.base_url + "/v1/completions", json=body, timeout=0.3,
+                   headers={"Authorization": f"Bearer {API_KEYS[0]}"})
+    rid = backend.received[0].request_id
+    wait_until(lambda: rid in backend.aborted, "backend.abort was not called while waiting for the first token",
+               timeout_s=2.0)
+    wait_until(lambda: num_requests_running(live.base_url) == 0, "request still counted as running")
+
+
 def test_workers_lists_the_registry(live, backend):
     r = httpx.get(live.base_url + "/v1/workers", headers={"Authorization": f"Bearer {API_KEYS[0]}"})
     assert r.json()["data"] == [{"id": "decode-0", "role": "decode", "address": "tcp://127.0.0.1:7101",
