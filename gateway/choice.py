@@ -30,7 +30,7 @@ class ChoiceState:
     """Text, token count and finish reason of one choice (one backend request)."""
 
     __slots__ = ("index", "request_id", "prompt_ids", "num_output_tokens", "num_cached_tokens", "text",
-                 "finish_reason", "prompt_logprobs", "_tok", "_skip_special", "_detok", "_stop", "_held_logprobs", "_all_logprobs")
+                 "finish_reason", "prompt_logprobs", "_detok", "_stop", "_held_logprobs", "_all_logprobs")
 
     def __init__(self, index: int, request_id: str, tokenizer: Tokenizer, prompt_ids: list[int],
                  stop: list[str], skip_special_tokens: bool = True) -> None:
@@ -42,8 +42,6 @@ class ChoiceState:
         self.text = ""  # everything emitted so far (an echoed prompt is the response's business, not in here)
         self.finish_reason: str | None = None
         self.prompt_logprobs: list[TokenLogprob] | None = None  # when asked: one per prompt token after the first
-        self._tok = tokenizer
-        self._skip_special = skip_special_tokens
         self._detok = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens)
         self._stop = StopStringMatcher(stop)
         self._held_logprobs: list[TokenLogprob] = []
@@ -71,10 +69,7 @@ class ChoiceState:
         if event.logprobs:
             self._held_logprobs.extend(event.logprobs)
             self._all_logprobs.extend(event.logprobs)
-        ids = event.token_ids
-        if event.finish_reason == "stop" and ids and not self._skip_special and self._tok.is_special(ids[-1]):
-            ids = ids[:-1]  # special tokens kept: still not the EOS that stopped the engine, as in vLLM
-        text = self._detok.add(ids)
+        text = self._detok.add(event.token_ids, stopped=event.finish_reason == "stop")
         if event.finish_reason is not None:
             text += self._detok.flush()
         emit, stopped = self._stop.push(text)

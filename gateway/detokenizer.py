@@ -33,7 +33,11 @@ class IncrementalDetokenizer:
     def _decode(self, start: int, end: int | None = None) -> str:
         return self._tok.decode(self._ids[start:end], skip_special_tokens=self._skip_special)
 
-    def add(self, token_ids: list[int]) -> str:
+    def add(self, token_ids: list[int], stopped: bool = False) -> str:
+        """``stopped``: the last id is the stop token that ended generation. Where special tokens are kept,
+        that EOS is still not text, as in vLLM (skipped, it decodes to nothing anyway)."""
+        if stopped and token_ids and not self._skip_special and self._tok.is_special(token_ids[-1]):
+            token_ids = token_ids[:-1]
         self._ids.extend(token_ids)
         prefix_text = self._decode(self._prefix_offset, self._read_offset)
         full_text = self._decode(self._prefix_offset)

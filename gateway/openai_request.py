@@ -136,7 +136,8 @@ def parse_chat(body, tool_call_parser: str | None = None) -> ParsedRequest:
     if top is not None and not wants_logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
     logprobs = (top or 0) if wants_logprobs else None
-    tool_choice = parse_tool_choice(f, tool_call_parser)
+    tools = parse_tools(f.raw("tools"))
+    tool_choice = parse_tool_choice(f, tools, tool_call_parser)
     forced = tool_choice.structured_output() if tool_choice is not None else None
     if forced is not None:
         if common["structured_output"] is not None:
@@ -144,8 +145,7 @@ def parse_chat(body, tool_call_parser: str | None = None) -> ParsedRequest:
         common["structured_output"] = forced
     if tool_choice is not None and tool_choice.auto_parser in READS_SPECIAL_TOKENS:
         common["skip_special_tokens"] = False
-    chat_prompt = parse_chat_prompt(f, tool_choice.tools if tool_choice is not None else parse_tools(f.raw("tools")))
-    return ParsedRequest(prompts=[], chat_prompt=chat_prompt, logprobs=logprobs, tool_choice=tool_choice,
+    return ParsedRequest(prompts=[], chat_prompt=parse_chat_prompt(f, tools), logprobs=logprobs, tool_choice=tool_choice,
                          include_reasoning=f.bool("include_reasoning", True), echo=f.bool("echo", False), **common)
 
 

@@ -51,10 +51,10 @@ class ToolChoice:
         return next(t for t in self.tools if t["function"]["name"] == name)
 
 
-def parse_tool_choice(f: Fields, auto_parser: str | None = None) -> ToolChoice | None:
-    """The chat request's tool choice, or None (tools absent, or tool_choice "none"); ``auto_parser``:
-    the configured reader of free-form calls, without which "auto" is refused."""
-    tools = parse_tools(f.raw("tools"))
+def parse_tool_choice(f: Fields, tools: list[dict] | None, auto_parser: str | None = None) -> ToolChoice | None:
+    """The chat request's tool choice, or None (tools absent, or tool_choice "none"); ``tools``: the
+    request's, checked by ``parse_tools``; ``auto_parser``: the configured reader of free-form calls,
+    without which "auto" is refused."""
     parallel = f.bool("parallel_tool_calls", True)
     choice = f.raw("tool_choice", "auto" if tools else "none")
     if choice == "none":
