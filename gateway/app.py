@@ -104,6 +104,10 @@ def build_app(params: GatewayParams) -> Starlette:
         authorize(request)
         return await serving.chat(request, await read_json(request, params.max_body_bytes))
 
+    async def responses(request: Request):
+        authorize(request)
+        return await serving.responses(request, await read_json(request, params.max_body_bytes))
+
     async def models(request: Request):
         authorize(request)
         return JSONResponse({"object": "list", "data": [
@@ -181,6 +185,7 @@ def build_app(params: GatewayParams) -> Starlette:
     routes = [
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/responses", responses, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/workers", workers, methods=["GET"]),
         Route("/tokenize", tokenize, methods=["POST"]),

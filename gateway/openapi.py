@@ -64,6 +64,29 @@ _BODIES = {
             "type": {"const": "function"}, "function": {"type": "object", "properties": {"name": {"type": "string"}}}}}]},
         "include_reasoning": {"type": "boolean"},  # vLLM's: False drops what a reasoning parser splits off
         "echo": {"type": "boolean"}}},  # vLLM's: the reply starts with the assistant message it continues
+    # the Responses API, stateless (gateway/responses_request.py): read as the chat request it amounts to
+    "responses": {"required": ["input"], "properties": {
+        **{k: v for k, v in _SAMPLING.items() if k not in ("max_tokens", "n", "stream_options", "prompt_logprobs",
+                                                           "response_format")},
+        "input": {"oneOf": [{"type": "string", "minLength": 1}, {"type": "array", "minItems": 1, "items": {
+            "type": "object", "properties": {
+                "type": {"enum": ["message", "function_call", "function_call_output", "reasoning"]},
+                "role": {"enum": ["system", "developer", "user", "assistant"]}, "content": {"type": "string"},
+                "call_id": {"type": "string"}, "name": {"type": "string"}, "arguments": {"type": "string"},
+                "output": {"type": "string"}}}}]},
+        "instructions": {"type": "string"}, "max_output_tokens": {"type": "integer", "minimum": 1},
+        "top_logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS},
+        "tools": {"type": "array", "minItems": 1, "items": {"type": "object", "required": ["type", "name"], "properties": {
+            "type": {"const": "function"}, "name": {"type": "string", "minLength": 1},
+            "parameters": {"type": "object"}, "strict": {"type": "boolean"}}}},
+        "tool_choice": {"oneOf": [{"enum": ["none", "auto", "required"]}, {"type": "object", "properties": {
+            "type": {"const": "function"}, "name": {"type": "string"}}}]},
+        "parallel_tool_calls": {"type": "boolean"},
+        "text": {"type": "object", "properties": {"format": {"type": "object", "required": ["type"], "properties": {
+            "type": {"enum": ["text", "json_object", "json_schema"]}, "name": {"type": "string"},
+            "schema": {"type": "object"}, "strict": {"type": "boolean"}}}}},
+        "metadata": {"type": "object", "maxProperties": 16, "additionalProperties": {"type": "string"}},
+        "store": {"type": "boolean"}, "include_reasoning": {"type": "boolean"}}},
     "tokenize": {"properties": {"model": {"type": "string"}, "prompt": {"type": "string"}, "messages": _MESSAGES,
                                 **_TEMPLATE, "tools": _TOOLS, "add_special_tokens": {"type": "boolean"},
                                 "return_token_strs": {"type": "boolean"}}},
@@ -91,6 +114,7 @@ def openapi_spec() -> dict:
         "paths": {
             "/v1/completions": _post("Text completion (OpenAI compatible)", "completion"),
             "/v1/chat/completions": _post("Chat completion (OpenAI compatible)", "chat"),
+            "/v1/responses": _post("Responses API, stateless: the conversation comes whole in input", "responses"),
             "/v1/models": _get("Served models"),
             "/v1/workers": _get("Registered prefill and decode workers"),
             "/tokenize": _post("Prompt or messages to token ids", "tokenize"),

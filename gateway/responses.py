@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from .backend import TokenLogprob
 from .chat_output import ChatOutput, ChatShape, chat_message
 from .choice import ChoiceDelta, ChoiceState
+from .errors import APIError
+from .sse import DONE, error_event, sse_event
 from .tokenizer import Tokenizer
 
 
@@ -140,15 +142,31 @@ class ChunkBuilder:
     """Stream chunks of one response; tracks each choice's text offset for completion logprobs, and
     whether its echoed prompt went out yet (with its first chunk)."""
 
-    __slots__ = ("_rid", "_created", "_model", "_chat", "_fmt", "_opts", "_offsets", "_has_echoed", "_outputs")
+    __slots__ = ("_rid", "_created", "_model", "_chat", "_fmt", "_opts", "_offsets", "_has_echoed", "_outputs",
+                 "_include_usage")
 
     def __init__(self, rid: str, created: int, model: str, chat: bool, fmt: LogprobFormatter,
-                 opts: ResponseOptions, num_choices: int) -> None:
+                 opts: ResponseOptions, num_choices: int, include_usage: bool = False) -> None:
         self._rid, self._created, self._model, self._chat = rid, created, model, chat
-        self._fmt, self._opts = fmt, opts
+        self._fmt, self._opts, self._include_usage = fmt, opts, include_usage
         self._offsets = [0] * num_choices
         self._has_echoed = [False] * num_choices
         self._outputs = [ChatOutput(opts.chat_shape) for _ in range(num_choices)] if chat else []
+
+    # ---- the stream (serving's event-stream protocol: each returns SSE frames) ----
+    def opening(self) -> list[bytes]:
+        """Chat: a role chunk per choice first."""
+        return [sse_event(self.role(index)) for index in range(len(self._offsets))] if self._chat else []
+
+    def frames(self, state: ChoiceState, d: ChoiceDelta) -> list[bytes]:
+        chunk = None if d.is_empty else self.delta(state, d)
+        return [sse_event(chunk)] if chunk is not None else []
+
+    def closing(self, states: list[ChoiceState]) -> list[bytes]:
+        return ([sse_event(self.usage(states))] if self._include_usage else []) + [DONE]
+
+    def failure(self, e: APIError) -> list[bytes]:
+        return [error_event(e), DONE]
 
     def _wrap(self, choices: list[dict], usage_: dict | None = None) -> dict:
         chunk = {"id": self._rid, "object": "chat.completion.chunk" if self._chat else "text_completion",

@@ -1,11 +1,12 @@
-"""Completion and chat endpoints: parse -> tokenize -> admit -> generate -> JSON or SSE.
+"""Completion, chat and Responses endpoints: parse -> tokenize -> admit -> generate -> JSON or SSE.
 
 1. parse and validate the body (400 naming the field); unknown model -> 404
 2. admission: too many requests in flight, or the backend says it has no capacity -> 503 + Retry-After
 3. tokenize (chat: render the template first); prompt + max_tokens checked against the context (400)
 4. one backend request per prompt, carrying n (its completions come back told apart by index); the first
    event of each is awaited before answering, so "no capacity" is still a proper 503
-5. non-stream: collect, answer JSON; stream: SSE chunks, usage chunk if asked, then [DONE]
+5. non-stream: collect, answer JSON; stream: SSE chunks, usage chunk if asked, then [DONE] (the
+   Responses API: its named events, response.completed last)
 6. client disconnect at any point -> abort every unfinished backend request
 """
 
@@ -31,7 +32,9 @@ from .metrics import GatewayMetrics
 from .openai_request import ParsedRequest, parse_chat, parse_completion, resolve_max_tokens
 from .reasoning import END as REASONING_END, prompt_opens_reasoning
 from .responses import ChunkBuilder, LogprobFormatter, ResponseOptions, chat_body, completion_body, usage
-from .sse import DONE, EventStreamResponse, error_event, sse_event, wait_for_disconnect
+from .responses_output import ResponseBuilder
+from .responses_request import ResponsesRequest, parse_responses
+from .sse import EventStreamResponse, wait_for_disconnect
 from .tokenizer import ChatTemplateError, Tokenizer
 
 log = logging.getLogger("pdserve.gateway")
@@ -63,6 +66,11 @@ class OpenAIServing:
     async def chat(self, request: Request, body) -> object:
         return await self._serve(request, parse_chat(body, self._parsers.tool_calls), chat=True)
 
+    async def responses(self, request: Request, body) -> object:
+        """The Responses API: the chat request it amounts to, answered as a Response (responses_output)."""
+        asked = parse_responses(body, self._parsers.tool_calls)
+        return await self._serve(request, asked.parsed, chat=True, responses=asked)
+
     def tokenize_prompt(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
         if isinstance(prompt, str):
             return self._tok.encode(prompt)
@@ -85,7 +93,8 @@ class OpenAIServing:
             raise APIError(404, f"The model `{model[:200]}` does not exist; this server serves "
                                 f"`{self._limits.model_name}`", param="model", code="model_not_found")
 
-    async def _serve(self, request: Request, p: ParsedRequest, chat: bool) -> object:
+    async def _serve(self, request: Request, p: ParsedRequest, chat: bool,
+                     responses: ResponsesRequest | None = None) -> object:
         arrival = time.monotonic()
         self.check_model(p.model)
         if self.num_in_flight >= self._limits.max_concurrent_requests or not self._backend.has_capacity():
@@ -104,7 +113,7 @@ class OpenAIServing:
         bad = [b.token_id for b in p.sampling["logit_bias"] if not self._tok.is_valid_id(b.token_id)]
         if bad:
             raise bad_request(f"logit_bias token id {bad[0]} is out of range [0, {self._tok.vocab_size})", "logit_bias")
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        rid = ("resp_" if responses else "chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         requests, states = self._fan_out(rid, p, prompts, chat, arrival)
         opts = ResponseOptions(p.logprobs, p.prompt_logprobs, p.n, self._echo_texts(p, prompts) if p.echo else None,
                                shape)
@@ -120,12 +129,16 @@ class OpenAIServing:
             await self._close(generation, arrival, "aborted")
             return JSONResponse({}, status_code=499)  # the client left; nobody reads this
         model, created = self._limits.model_name, int(time.time())
+        builder = ResponseBuilder(rid, model, responses.echo, shape, self._fmt, self._tok) if responses else None
         if p.stream:
-            chunks = ChunkBuilder(rid, created, model, chat, self._fmt, opts, len(generation.states))
-            return EventStreamResponse(self._stream(generation, p.include_usage, chunks, rid, chat, arrival),
+            out = builder or ChunkBuilder(rid, created, model, chat, self._fmt, opts, len(generation.states),
+                                          p.include_usage)
+            return EventStreamResponse(self._stream(generation, out, rid, arrival),
                                        on_close=lambda: self._close(generation, arrival, "aborted"))
         if not await self._collect(request, generation, arrival):
             return JSONResponse({}, status_code=499)  # the client left; nobody reads this
+        if builder is not None:
+            return JSONResponse(builder.whole(generation.states[0]))
         build = chat_body if chat else completion_body
         return JSONResponse(build(rid, created, model, generation.states, self._fmt, opts))
 
@@ -210,29 +223,26 @@ class OpenAIServing:
             await self._close(generation, arrival, outcome)
         return True
 
-    async def _stream(self, generation: Generation, include_usage: bool, chunks: ChunkBuilder, rid: str,
-                      chat: bool, arrival: float) -> AsyncGenerator[bytes, None]:
+    async def _stream(self, generation: Generation, out: ChunkBuilder | ResponseBuilder, rid: str,
+                      arrival: float) -> AsyncGenerator[bytes, None]:
+        """SSE frames from ``out``: its opening, its frames of each delta, then its closing, or its
+        failure (headers are gone by then: the only way left to tell the client is in-band)."""
         outcome = "aborted"
         try:
-            if chat:
-                for state in generation.states:
-                    yield sse_event(chunks.role(state.index))
+            for frame in out.opening():
+                yield frame
             try:
                 async for index, delta in generation.deltas():
-                    chunk = None if delta.is_empty else chunks.delta(generation.states[index], delta)
-                    if chunk is not None:
-                        yield sse_event(chunk)
-                if include_usage:
-                    yield sse_event(chunks.usage(generation.states))
-                outcome = "success"
+                    for frame in out.frames(generation.states[index], delta):
+                        yield frame
+                frames, outcome = out.closing(generation.states), "success"
             except APIError as e:
-                outcome = "failed"
-                yield error_event(e)
-            except Exception:  # headers are gone: the only way left to tell the client is in-band
+                frames, outcome = out.failure(e), "failed"
+            except Exception:
                 log.exception("stream %s failed", rid)
-                outcome = "failed"
-                yield error_event(APIError(500, "internal server error", code="internal_error"))
-            yield DONE
+                frames, outcome = out.failure(APIError(500, "internal server error", code="internal_error")), "failed"
+            for frame in frames:
+                yield frame
         finally:
             await self._close(generation, arrival, outcome)
 

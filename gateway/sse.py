@@ -22,6 +22,11 @@ def sse_event(payload: dict) -> bytes:
     return b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode("utf-8") + b"\n\n"
 
 
+def sse_named_event(name: str, payload: dict) -> bytes:
+    """An event with its name on an ``event:`` line, as the Responses API streams them."""
+    return b"event: " + name.encode("utf-8") + b"\n" + sse_event(payload)
+
+
 async def wait_for_disconnect(receive: Callable[[], Awaitable[dict]]) -> None:
     """Returns when the client goes away (the request body must already be consumed)."""
     while (await receive())["type"] != "http.disconnect":

@@ -126,6 +126,25 @@ def test_chat_greedy_equals_engine_on_the_chat_template(client, reference, hf_to
     wait_idle(cluster)
 
 
+def test_responses_api_greedy_equals_engine_on_the_chat_template(client, reference, hf_tok, cluster):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me about foxes."}]
+    ids = list(hf_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+    [expected] = engine_output(reference, ids, temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2)
+    text = reference.tokenizer.decode(expected.token_ids)
+    r = client.responses.create(model=MODEL, instructions="Be brief.", input="Tell me about foxes.", max_output_tokens=8,
+                                temperature=0.0, top_logprobs=2, extra_body={"ignore_eos": True})
+    assert r.output_text == text and r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert (r.usage.input_tokens, r.usage.output_tokens) == (len(ids), 8)
+    got = r.output[0].content[0].logprobs
+    assert [lp.logprob for lp in got] == pytest.approx([e.logprob for e in expected.logprobs], abs=1e-4)
+    events = list(client.responses.create(model=MODEL, instructions="Be brief.", input="Tell me about foxes.",
+                                          max_output_tokens=8, temperature=0.0, stream=True,
+                                          extra_body={"ignore_eos": True}))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == text
+    assert events[-1].type == "response.incomplete" and events[-1].response.usage.total_tokens == len(ids) + 8
+    wait_idle(cluster)
+
+
 def test_n2_with_seed_equals_engine_and_repeats(client, reference, cluster):
     prompt = prompt_of(21, seed=2)
     expected = engine_output(reference, prompt, n=2, temperature=1.0, seed=77, max_tokens=6, ignore_eos=True)

@@ -31,6 +31,7 @@ OPEN_ROUTES = ["/metrics", "/health", "/ready", "/version", "/openapi.json"]
 BODIES = {
     "/v1/completions": {"model": MODEL, "prompt": "hi", "max_tokens": 1},
     "/v1/chat/completions": {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1},
+    "/v1/responses": {"model": MODEL, "input": "hi", "max_output_tokens": 1},
     "/tokenize": {"prompt": "hi"},
     "/detokenize": {"tokens": [5, 6]},
 }
@@ -48,8 +49,8 @@ def protected_routes(cluster) -> list[tuple[str, str]]:
     """(method, path) of every route the gateway documents, except the open ones."""
     paths = httpx.get(cluster.url + "/openapi.json").json()["paths"]
     routes = [(method.upper(), path) for path, ops in paths.items() for method in ops if path not in OPEN_ROUTES]
-    assert {p for _, p in routes} >= {"/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/workers",
-                                      "/tokenize", "/detokenize"}
+    assert {p for _, p in routes} >= {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models",
+                                      "/v1/workers", "/tokenize", "/detokenize"}
     assert all(p.startswith("/v1/") or p in ("/tokenize", "/detokenize") for _, p in routes), routes
     return routes
 

@@ -1,0 +1,241 @@
+"""The Responses API (POST /v1/responses, stateless), read by the stock openai client in strict mode.
+
+Expectations: the prompt is transformers' apply_chat_template of the chat messages the input amounts to;
+the output is the fake backend's generated text (its token ids decoded by transformers), split into
+reasoning, message and function_call items as the configured parsers read it; streamed events add up to
+the whole answer, in OpenAI's order, numbered without gaps; usage counts the backend's tokens; malformed
+fields are a 400 naming the field the client sent."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from gateway.chat_output import ChatParsers
+from tests.fake_backend import API_KEYS, MODEL, OUTPUT_TEXT, FakeBackend, live_gateway, make_test_tokenizer
+
+# Tool roles and calls rendered; the thinking opened only where chat_template_kwargs ask for it.
+TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}<|{{ message['role'] }}|>\n"
+    "{% if message.tool_calls %}{{ message.tool_calls | tojson }}{% else %}{{ message['content'] }}{% endif %}"
+    "{{ eos_token }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% if enable_thinking %}<think>\n{% endif %}{% endif %}"
+)
+TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather of a city",
+          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}]
+HEADERS = {"Authorization": f"Bearer {API_KEYS[0]}"}
+THINKING = {"chat_template_kwargs": {"enable_thinking": True}}
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    return make_test_tokenizer(tmp_path_factory.mktemp("responses_tok"), TEMPLATE)
+
+
+@pytest.fixture(scope="module")
+def live(tok_dir):
+    with live_gateway(tok_dir, max_model_len=1024, chat_parsers=ChatParsers("qwen3", "hermes")) as server:
+        yield server
+
+
+def hf_ids(hf_tok, messages, **kwargs) -> list[int]:
+    return list(hf_tok.apply_chat_template(messages, tokenize=True, return_dict=False, add_generation_prompt=True,
+                                           **kwargs))
+
+
+def events_of(client, **kwargs) -> list:
+    return list(client.responses.create(model=MODEL, stream=True, **kwargs))
+
+
+def test_input_and_instructions_become_the_chat_prompt(client, backend, hf_tok):
+    client.responses.create(model=MODEL, input="Weather in Paris?", instructions="Be brief.")
+    assert backend.received[-1].prompt_token_ids == hf_ids(
+        hf_tok, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"}])
+    items = [{"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "Rules."}]},
+             {"role": "user", "content": "Hi"},
+             {"type": "reasoning", "id": "rs_1", "summary": []},
+             {"role": "assistant", "content": [{"type": "output_text", "text": "Hello!"}]},
+             {"role": "user", "content": [{"type": "input_text", "text": "Weather "}, {"type": "input_text", "text": "?"}]}]
+    client.responses.create(model=MODEL, input=items)
+    assert backend.received[-1].prompt_token_ids == hf_ids(hf_tok, [
+        {"role": "system", "content": "Rules."}, {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Weather ?"}])
+
+
+def test_function_calls_and_their_outputs_in_input_are_the_assistants_calls_and_tool_messages(client, backend, hf_tok):
+    items = [{"role": "user", "content": "Weather in Paris and Rome?"},
+             {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+             {"type": "function_call", "call_id": "call_2", "name": "get_weather", "arguments": '{"city": "Rome"}'},
+             {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
+             {"type": "function_call_output", "call_id": "call_2", "output": [{"type": "input_text", "text": "rain"}]}]
+    client.responses.create(model=MODEL, input=items)
+    calls = [{"id": f"call_{i}", "type": "function", "function": {"name": "get_weather", "arguments": f'{{"city": "{c}"}}'}}
+             for i, c in ((1, "Paris"), (2, "Rome"))]
+    assert backend.received[-1].prompt_token_ids == hf_ids(hf_tok, [
+        {"role": "user", "content": "Weather in Paris and Rome?"},
+        {"role": "assistant", "content": None, "tool_calls": calls},  # two calls made together: one turn
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        {"role": "tool", "tool_call_id": "call_2", "content": "rain"}])
+
+
+def test_the_answer_whole_and_streamed(client, backend, hf_tok):
+    r = client.responses.create(model=MODEL, input="Hi", temperature=0.5, metadata={"k": "v"})
+    assert r.status == "completed" and r.incomplete_details is None and r.error is None
+    assert r.id.startswith("resp_") and r.object == "response" and r.model == MODEL
+    assert r.output_text == OUTPUT_TEXT == hf_tok.decode(backend.output_ids)
+    assert [(o.type, o.role, o.status) for o in r.output] == [("message", "assistant", "completed")]
+    assert r.temperature == 0.5 and r.metadata == {"k": "v"} and r.store is False and r.tools == []
+    assert backend.received[-1].sampling.temperature == 0.5
+    prompt = backend.received[-1].prompt_token_ids
+    assert (r.usage.input_tokens, r.usage.output_tokens, r.usage.total_tokens) == (
+        len(prompt), len(backend.output_ids), len(prompt) + len(backend.output_ids))
+    assert r.usage.input_tokens_details.cached_tokens == 0
+    again = client.responses.create(model=MODEL, input="Hi")  # the fake backend caches whole blocks of 4
+    assert again.usage.input_tokens_details.cached_tokens == len(prompt) // FakeBackend.block_size * FakeBackend.block_size
+
+    events = events_of(client, input="Hi")
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.completed"]
+    assert set(kinds[4:-4]) == {"response.output_text.delta"}
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == OUTPUT_TEXT
+    assert events[0].response.status == "in_progress" and events[0].response.output == []
+    final = events[-1].response
+    assert final.output_text == OUTPUT_TEXT and final.usage.output_tokens == len(backend.output_ids)
+    item_id = events[2].item.id
+    assert all(e.item_id == item_id for e in events if hasattr(e, "item_id")) and final.output[0].id == item_id
+    with client.responses.stream(model=MODEL, input="Hi") as stream:  # the SDK's own accumulator agrees
+        for _ in stream:
+            pass
+        assert stream.get_final_response().output_text == OUTPUT_TEXT
+
+
+def test_max_output_tokens_leaves_the_response_incomplete(client, backend, hf_tok):
+    r = client.responses.create(model=MODEL, input="Hi", max_output_tokens=5)
+    assert backend.received[-1].sampling.max_tokens == 5
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert r.output_text == hf_tok.decode(backend.output_ids[:5]) and r.usage.output_tokens == 5
+    assert r.output[0].status == "incomplete" and r.max_output_tokens == 5
+    events = events_of(client, input="Hi", max_output_tokens=5)
+    assert events[-1].type == "response.incomplete" and events[-1].response.incomplete_details.reason == "max_output_tokens"
+
+
+def test_top_logprobs_gives_the_output_texts_logprobs(client, backend, hf_tok):
+    r = client.responses.create(model=MODEL, input="Hi", top_logprobs=2, max_output_tokens=6)
+    logprobs = r.output[0].content[0].logprobs
+    assert [lp.token for lp in logprobs] == [hf_tok.decode([t]) for t in backend.output_ids[:6]]
+    assert [lp.logprob for lp in logprobs] == [FakeBackend.logprob_of(i) for i in range(6)]
+    assert all(len(lp.top_logprobs) == 2 and lp.top_logprobs[0].logprob == lp.logprob for lp in logprobs)
+    streamed = [lp for e in events_of(client, input="Hi", top_logprobs=2, max_output_tokens=6)
+                if e.type == "response.output_text.delta" for lp in e.logprobs]
+    assert [(lp.token, lp.logprob) for lp in streamed] == [(lp.token, lp.logprob) for lp in logprobs]
+
+
+def test_a_named_function_is_called_with_arguments_from_its_schema(client, backend, answering):
+    answering('{"city": "Paris"}')
+    r = client.responses.create(model=MODEL, input="Weather?", tools=TOOLS,
+                                tool_choice={"type": "function", "name": "get_weather"})
+    assert json.loads(backend.received[-1].sampling.structured_output.spec) == TOOLS[0]["parameters"]
+    (call,) = r.output
+    assert (call.type, call.name, call.arguments, call.status) == ("function_call", "get_weather", '{"city": "Paris"}',
+                                                                  "completed")
+    assert call.call_id.startswith("call_") and r.output_text == ""
+    assert r.tools[0].name == "get_weather" and r.tool_choice.name == "get_weather"
+    events = events_of(client, input="Weather?", tools=TOOLS, tool_choice={"type": "function", "name": "get_weather"})
+    pieces = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    (done,) = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert "".join(pieces) == done.arguments == '{"city": "Paris"}' and len(pieces) > 1
+
+
+def test_required_and_auto_tool_calls_become_function_call_items(client, answering):
+    answering('[{"name": "get_weather", "parameters": {"city": "Paris"}}, '
+              '{"name": "get_weather", "parameters": {"city": "Rome"}}]')
+    r = client.responses.create(model=MODEL, input="Weather?", tools=TOOLS, tool_choice="required")
+    assert [(o.type, json.loads(o.arguments)) for o in r.output] == [
+        ("function_call", {"city": "Paris"}), ("function_call", {"city": "Rome"})]
+    answering('Let me look.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>')
+    r = client.responses.create(model=MODEL, input="Weather?", tools=TOOLS)  # "auto", read by hermes
+    assert [o.type for o in r.output] == ["message", "function_call"]
+    assert r.output[0].content[0].text == "Let me look." and json.loads(r.output[1].arguments) == {"city": "Paris"}
+    events = events_of(client, input="Weather?", tools=TOOLS)
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert [(i.type, i.id) for i in done] == [(o.type, o.id) for o in events[-1].response.output]
+    assert [e.output_index for e in events if e.type == "response.output_item.added"] == [0, 1]
+
+
+def test_reasoning_is_its_own_item_and_counted(client, backend, answering, hf_tok):
+    answering("Think about Paris.</think>\n\nIt is sunny.")
+    r = client.responses.create(model=MODEL, input="Weather?", extra_body=THINKING)
+    assert hf_tok.decode(backend.received[-1].prompt_token_ids).endswith("<|assistant|>\n<think>\n")
+    assert [o.type for o in r.output] == ["reasoning", "message"]
+    assert r.output[0].content[0].text == "Think about Paris." and r.output_text == "\n\nIt is sunny."
+    assert r.usage.output_tokens_details.reasoning_tokens == len(hf_tok.encode("Think about Paris.",
+                                                                               add_special_tokens=False))
+    events = events_of(client, input="Weather?", extra_body=THINKING)
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == "Think about Paris."
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "\n\nIt is sunny."
+    r = client.responses.create(model=MODEL, input="Weather?", extra_body={**THINKING, "include_reasoning": False})
+    assert [o.type for o in r.output] == ["message"] and r.output_text == "\n\nIt is sunny."
+
+
+def test_a_json_schema_text_format_constrains_the_output(client, backend, answering):
+    answering('{"a": 1}')
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    r = client.responses.create(model=MODEL, input="JSON please",
+                                text={"format": {"type": "json_schema", "name": "thing", "schema": schema}})
+    so = backend.received[-1].sampling.structured_output
+    assert (so.kind, json.loads(so.spec)) == ("json", schema)
+    assert r.output_text == '{"a": 1}' and r.text.format.type == "json_schema"
+
+
+def test_a_failure_mid_stream_is_an_error_event_then_response_failed(live, backend):
+    backend.error_after_tokens = 3
+    body = {"model": MODEL, "input": "Hi", "stream": True}
+    with httpx.stream("POST", live.base_url + "/v1/responses", json=body, headers=HEADERS) as r:
+        assert r.status_code == 200
+        lines = list(r.iter_lines())
+    names = [line.removeprefix("event: ") for line in lines if line.startswith("event: ")]
+    payloads = [json.loads(line[6:]) for line in lines if line.startswith("data: ")]
+    assert [p["type"] for p in payloads] == names and names[-2:] == ["error", "response.failed"]
+    assert "decode worker lost" in payloads[-2]["message"]
+    assert payloads[-1]["response"]["status"] == "failed" and "decode worker lost" in payloads[-1]["response"]["error"]["message"]
+    assert "".join(p.get("delta", "") for p in payloads) == "".join(payloads[-1]["response"]["output"][0]["content"][0]["text"])
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"conversation": "conv_1"}, "conversation"),
+    ({"background": True}, "background"),
+    ({"input": []}, "input"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input"),
+    ({"input": [{"role": "narrator", "content": "x"}]}, "input"),
+    ({"input": [{"type": "web_search_call", "id": "x"}]}, "input"),
+    ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input"),  # no call_id
+    ({"max_output_tokens": 0}, "max_output_tokens"),
+    ({"top_logprobs": 21}, "top_logprobs"),
+    ({"tools": [{"type": "web_search"}]}, "tools"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),  # no tools
+    ({"text": {"format": {"type": "yaml"}}}, "text.format"),
+    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format"),
+    ({"metadata": {"k": 1}}, "metadata"),
+    ({"temperature": -1}, "temperature"),
+])
+def test_malformed_fields_are_a_400_naming_the_field(live, backend, extra, param):
+    r = httpx.post(live.base_url + "/v1/responses", json={"model": MODEL, "input": "Hi", **extra}, headers=HEADERS)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param and r.json()["error"]["type"] == "invalid_request_error"
+    assert backend.received == []
+
+
+def test_an_unknown_model_and_a_missing_key_are_refused_as_in_chat(live):
+    r = httpx.post(live.base_url + "/v1/responses", json={"model": "other", "input": "Hi"}, headers=HEADERS)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    r = httpx.post(live.base_url + "/v1/responses", json={"model": MODEL, "input": "Hi"})
+    assert r.status_code == 401
