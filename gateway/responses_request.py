@@ -13,7 +13,8 @@ endpoints accept and refuse the same things:
     tools                flat function tools -> chat's {"type": "function", "function": {...}}
     tool_choice          the same choice; {"type": "function", "name": f} names f
     text.format          response_format (text, json_object, json_schema)
-    top_logprobs         logprobs of the output text with that many alternatives
+    top_logprobs         logprobs of the output text with that many alternatives (include
+                         ["message.output_text.logprobs"] alone: without alternatives)
     temperature, top_p, parallel_tool_calls, stream, and vLLM's sampling extras: as they are
 
 Refused with a 400 naming the field: previous_response_id and conversation (nothing is stored),
@@ -36,6 +37,7 @@ PASSED_THROUGH = ("model", "temperature", "top_p", "parallel_tool_calls", "strea
 # A chat field an error names -> the Responses field the client sent.
 _PARAM_NAMES = {"messages": "input", "response_format": "text.format", "max_completion_tokens": "max_output_tokens",
                 "logprobs": "top_logprobs"}
+LOGPROBS_INCLUDE = "message.output_text.logprobs"  # the one ``include`` value that changes what is generated
 MAX_METADATA_PAIRS = 16  # OpenAI's limits
 MAX_METADATA_VALUE_CHARS = 512
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
@@ -58,6 +60,8 @@ def parse_responses(body, tool_call_parser: str | None = None) -> ResponsesReque
         raise bad_request("background responses are not supported: this server stores no responses", "background")
     max_output_tokens = f.int("max_output_tokens", None, lo=1)
     top_logprobs = f.int("top_logprobs", None, lo=0, hi=MAX_LOGPROBS)
+    if top_logprobs is None and LOGPROBS_INCLUDE in _include(f.raw("include")):
+        top_logprobs = 0  # the sampled tokens' logprobs, no alternatives
     tools = _tools(f.raw("tools"))
     tool_choice = _tool_choice(f.raw("tool_choice"))
     text_format = _text_format(f.object("text"))
@@ -90,6 +94,16 @@ def parse_responses(body, tool_call_parser: str | None = None) -> ResponsesReque
         "truncation": "disabled",
     }
     return ResponsesRequest(parsed, echo)
+
+
+def _include(include) -> list[str]:
+    """OpenAI's ``include``: extra output to return. Only the output text's logprobs change anything here;
+    the rest name stored or tool outputs this server does not have, so asking for them returns nothing more."""
+    if include is None:
+        return []
+    if not isinstance(include, list) or not all(isinstance(x, str) for x in include):
+        raise bad_request("include must be a list of strings", "include")
+    return include
 
 
 def _instructions(text: str | None) -> list[dict]:

@@ -25,3 +25,6 @@ class TransferEvent:
     reason: str = ""  # why it failed: "lease expired", "stale", "receiver silent past deadline", ...
     commit: Commit | None = None  # receiver side, on success: carries the first token and its logprobs
     block_ids: tuple[int, ...] = ()  # receiver side: the range (committed, or already released on failure)
+    # Sender side: the receiver no longer holds the range (it aborted it, its lease ran out, or a newer
+    # attempt replaced it), so it has already dropped the request: an abort, with nobody to tell.
+    released_by_receiver: bool = False

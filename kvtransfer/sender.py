@@ -242,7 +242,7 @@ class KVSender:
         remote, fence = self._target
         dst_ids = torch.tensor(dst)
         if not fences.holds(fence, dst_ids, fences.fence_token(t.rid, t.generation)):
-            self._finish(t, False, "stale: destination no longer reserved for this transfer")
+            self._finish(t, False, "stale: destination no longer reserved for this transfer", released=True)
             return None, None, None
         copy_blocks(self.pool.tensor, src, remote, dst)
         if remote.is_cuda:
@@ -272,11 +272,12 @@ class KVSender:
                 self._unpin(list(src))
         elif isinstance(msg, WriteRejected):
             self.needs_handshake |= msg.reason == Verdict.UNKNOWN_INCARNATION.value
-            self._finish(t, False, f"rejected by receiver: {msg.reason}")
+            self._finish(t, False, f"rejected by receiver: {msg.reason}", released=msg.reason == Verdict.STALE.value)
         elif isinstance(msg, CommitAck):
-            self._finish(t, msg.ok, "" if msg.ok else f"commit refused: {msg.reason}")
+            self._finish(t, msg.ok, "" if msg.ok else f"commit refused: {msg.reason}",
+                         released=not msg.ok and msg.reason == Verdict.STALE.value)
 
-    def _finish(self, t: _Transfer, ok: bool, reason: str) -> None:
+    def _finish(self, t: _Transfer, ok: bool, reason: str, released: bool = False) -> None:
         t.status = TransferStatus.SUCCESS if ok else TransferStatus.FAILED
         pinned = [b for src, _ in t.in_flight for b in src] + [b for src, _ in t.queued for b in src]
         if not ok:
@@ -288,7 +289,7 @@ class KVSender:
             self._unpin(pinned)
         if not ok and self._metrics is not None:
             self._metrics.failed_transfers.labels("sender", reason.split(":")[0]).inc()
-        self._events.append(TransferEvent(t.rid, t.generation, ok, reason))
+        self._events.append(TransferEvent(t.rid, t.generation, ok, reason, released_by_receiver=released))
         if self._transfers.get(t.rid) is t:
             del self._transfers[t.rid]
         self._finished[t.rid] = t.status  # bounded memory of outcomes, for ``status``

@@ -19,7 +19,8 @@ Life cycle of a request on this node:
    logprobs, when asked, go to the gateway just before it (``PromptLogprobs`` frames).
 5. The receiver's ``CommitAck`` ends the job: the pin is dropped (full blocks stay in the prefix
    cache). A failed transfer (receiver gone, deadline, rejected write) unpins at once and answers
-   ``PrefillFailed`` to D if it is reachable.
+   ``PrefillFailed`` to D if it is reachable; one D refused as stale (it released the range: aborted,
+   expired or retried) is an abort, whichever of the refusal and D's ``AbortRequest`` arrives first.
 6. ``AbortRequest`` (from D or the gateway) at any phase — queued, prefilling, transferring — frees
    everything here and aborts the transfer. Past its deadline a job fails the same way.
 Around it: a Heartbeat to the gateway every interval (queued prefill tokens, KV block counts),
@@ -301,6 +302,8 @@ class PrefillServer:
             if event.ok:
                 self._drop(state)
                 log.info("rid=%s committed on the decode worker", event.rid)
+            elif event.released_by_receiver:  # D dropped the request (its abort may still be on the way)
+                self._abort(event.rid, f"the decode worker released its blocks ({event.reason})")
             else:
                 self._fail(state, f"transfer failed: {event.reason}", label="transfer")
 

@@ -135,6 +135,10 @@ def test_top_logprobs_gives_the_output_texts_logprobs(client, backend, hf_tok):
     streamed = [lp for e in events_of(client, input="Hi", top_logprobs=2, max_output_tokens=6)
                 if e.type == "response.output_text.delta" for lp in e.logprobs]
     assert [(lp.token, lp.logprob) for lp in streamed] == [(lp.token, lp.logprob) for lp in logprobs]
+    r = client.responses.create(model=MODEL, input="Hi", include=["message.output_text.logprobs"], max_output_tokens=3)
+    assert [(lp.logprob, lp.top_logprobs) for lp in r.output[0].content[0].logprobs] == [
+        (FakeBackend.logprob_of(i), []) for i in range(3)]
+    assert client.responses.create(model=MODEL, input="Hi", max_output_tokens=3).output[0].content[0].logprobs == []
 
 
 def test_a_named_function_is_called_with_arguments_from_its_schema(client, backend, answering):
@@ -225,6 +229,7 @@ def test_a_failure_mid_stream_is_an_error_event_then_response_failed(live, backe
     ({"text": {"format": {"type": "yaml"}}}, "text.format"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format"),
     ({"metadata": {"k": 1}}, "metadata"),
+    ({"include": "message.output_text.logprobs"}, "include"),
     ({"temperature": -1}, "temperature"),
 ])
 def test_malformed_fields_are_a_400_naming_the_field(live, backend, extra, param):

@@ -398,6 +398,30 @@ def test_abort_while_queued_prefilling_and_transferring_frees_everything(cluster
     assert c.decode.free == set(range(48))  # every reserved range came back on D
 
 
+@pytest.mark.parametrize("cluster", [{"transport": "shm"}, {"transport": "zmq"}], indirect=True)
+def test_a_range_the_receiver_released_is_an_abort_not_a_failure(cluster):
+    # D dropped the request (its client left) and released the range, but its AbortRequest has not
+    # reached P yet: P's first write is refused as stale. That is D's abort arriving another way:
+    # counted as one, everything freed here, and no PrefillFailed back to D, which holds nothing.
+    c = cluster
+    job = c.decode.job("gone", prompt(12, seed=8))
+    with c.decode.lock:
+        c.decode.rx.abort("gone")
+        c.decode.free.update(job.dst_block_ids)
+    c.decode.send(job)
+    c.delivered()
+    c.turn()  # taken, its first chunk computed and shipped
+    assert c.sample("pdserve:prefill_jobs_total") == 1
+    give_up = time.monotonic() + 10
+    while c.server.phase_of("gone") is not None:
+        assert time.monotonic() < give_up, c.server.phase_of("gone")
+        c.turn()
+    assert c.sample("pdserve:prefill_jobs_aborted_total") == 1
+    assert c.sample("pdserve:prefill_jobs_rejected_total", reason="transfer") == 0
+    assert not c.decode.jobs.poll(300), "a PrefillFailed for a request D already dropped"
+    c.assert_idle_no_leak()
+
+
 @pytest.mark.parametrize("cluster", [{"handshake_timeout_s": 3.0}], indirect=True)
 def test_unreachable_receiver_fails_its_jobs_without_stalling_the_others(cluster):
     # A handshake used to block the loop for up to its timeout, once per job for a dead receiver:
