@@ -52,6 +52,11 @@ class ClientChannel:
         """(receiver pool tensor, receiver fence) when both ends share this process, else None."""
         return None
 
+    @property
+    def socket(self) -> zmq.Socket | None:
+        """The socket whose readiness means replies wait (for a poller to sleep on); None: in-process."""
+        return None
+
     def close(self) -> None:
         pass
 
@@ -142,6 +147,10 @@ class ZmqClient(ClientChannel):
     def __init__(self, ctx: zmq.Context, endpoint: str, *, max_msg_size: int = 1 << 20, hwm: int = 256):
         self.sock = make_socket(ctx, zmq.DEALER, hwm=hwm, max_msg_size=max_msg_size)
         self.sock.connect(endpoint)
+
+    @property
+    def socket(self) -> zmq.Socket:
+        return self.sock
 
     def recv(self):
         try:

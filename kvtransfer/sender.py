@@ -196,6 +196,17 @@ class KVSender:
         t = self._transfers.get(rid)
         return t.status if t is not None else self._finished.get(rid)
 
+    @property
+    def waits_on_time(self) -> bool:
+        """Something only a later ``poll`` moves, not a reply: a message the socket refused (receiver not
+        connected yet, or its queue full) while the credits allow it, or an in-process channel."""
+        if self.channel.socket is None:
+            return True
+        if self.handshake_pending and not self._handshake_sent:
+            return True
+        return any((t.queued and self._credits >= len(t.queued[0][0]))
+                   or (not t.queued and t.commit is not None and not t.commit_sent) for t in self._transfers.values())
+
     def pinned_blocks(self) -> list[int]:
         pinned = []
         for t in self._transfers.values():

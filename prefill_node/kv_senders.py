@@ -94,6 +94,13 @@ class KVSenders:
             sender.channel.close()
             del self._senders[address]
 
+    def sockets(self) -> list[zmq.Socket]:
+        return [s.channel.socket for s in self._senders.values() if s.channel.socket is not None]
+
+    def wait_on_time(self) -> bool:
+        """Some sender needs a poll soon whatever arrives (``KVSender.waits_on_time``)."""
+        return any(s.waits_on_time for s in self._senders.values())
+
     def pinned_blocks(self) -> list[int]:
         return [b for s in self._senders.values() for b in s.pinned_blocks()]
 

@@ -91,9 +91,6 @@ class PrefillServer:
         self._by_seq: dict[int, JobState] = {}  # seq_id -> job, for jobs in the scheduler
         self._seq_ids = itertools.count()
         self._heartbeat = HeartbeatTimer(options.heartbeat_s)
-        self._poller = zmq.Poller()
-        self._poller.register(self.router, zmq.POLLIN)
-        self._poller.register(self.gateway.sock, zmq.POLLIN)
         self._stop = threading.Event()
         self._drain = Drain(options.drain_timeout_s)
         self.is_done = False  # drained and said Goodbye
@@ -110,8 +107,7 @@ class PrefillServer:
     def run_once(self, timeout_ms: int | None = None) -> None:
         """One loop turn: take messages (waiting only when idle), run a step, pump transfers."""
         if timeout_ms is None:
-            # Queued jobs wait for blocks or a handshake: both come back through polling, not compute.
-            timeout_ms = 0 if self.scheduler.has_unfinished() else (1 if self.jobs else self.options.idle_poll_ms)
+            timeout_ms = self._poll_timeout_ms()
         self._receive(timeout_ms)
         self._expire()
         self._admit()
@@ -120,6 +116,15 @@ class PrefillServer:
             self._step(batch)
         self._on_transfer_events(self.senders.poll())
         self._after_turn()
+
+    def _poll_timeout_ms(self) -> int:
+        """0 with compute to do. Else sleep on the sockets: jobs waiting for a handshake, for blocks or for
+        their transfer are woken by a reply (HandshakeReply, Credit, CommitAck); only a grammar compiling
+        (a future) or a message a socket refused needs a look every millisecond."""
+        if self.scheduler.has_unfinished():
+            return 0
+        compiling = any(s.guide is not None for s in self._queue)
+        return 1 if compiling or self.senders.wait_on_time() else self.options.idle_poll_ms
 
     def stop(self) -> None:
         """Thread-safe: ask ``serve_forever`` to return."""
@@ -145,7 +150,10 @@ class PrefillServer:
     # ---- messages in ----
     def _receive(self, timeout_ms: int) -> None:
         if timeout_ms:
-            self._poller.poll(timeout_ms)
+            poller = zmq.Poller()
+            for sock in (self.router, self.gateway.sock, *self.senders.sockets()):
+                poller.register(sock, zmq.POLLIN)
+            poller.poll(timeout_ms)
         while True:
             try:
                 frames = self.router.recv_multipart(zmq.NOBLOCK)
