@@ -108,6 +108,13 @@ def build_app(params: GatewayParams) -> Starlette:
         authorize(request)
         return await serving.responses(request, await read_json(request, params.max_body_bytes))
 
+    async def stored_response(request: Request):
+        """Retrieve, delete or cancel a stored response: there are none (the Responses API is stateless)."""
+        authorize(request)
+        rid = request.path_params["response_id"]
+        raise APIError(404, f"No response found with id {rid[:100]!r}: this server stores no responses (send the "
+                            "whole conversation in each request's input)", param="response_id", code="not_found")
+
     async def models(request: Request):
         authorize(request)
         return JSONResponse({"object": "list", "data": [
@@ -186,6 +193,8 @@ def build_app(params: GatewayParams) -> Starlette:
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/responses", responses, methods=["POST"]),
+        Route("/v1/responses/{response_id}", stored_response, methods=["GET", "DELETE"]),
+        Route("/v1/responses/{response_id}/cancel", stored_response, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/workers", workers, methods=["GET"]),
         Route("/tokenize", tokenize, methods=["POST"]),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 
 import httpx
+import openai
 import pytest
 
 from gateway.chat_output import ChatParsers
@@ -237,6 +238,17 @@ def test_malformed_fields_are_a_400_naming_the_field(live, backend, extra, param
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param and r.json()["error"]["type"] == "invalid_request_error"
     assert backend.received == []
+
+
+def test_nothing_is_stored_to_retrieve_delete_or_cancel(client, live):
+    r = client.responses.create(model=MODEL, input="Hi")
+    with pytest.raises(openai.NotFoundError, match="stores no responses"):
+        client.responses.retrieve(r.id)
+    with pytest.raises(openai.NotFoundError, match="stores no responses"):
+        client.responses.delete(r.id)
+    with pytest.raises(openai.NotFoundError, match="stores no responses"):
+        client.responses.cancel(r.id)
+    assert httpx.get(f"{live.base_url}/v1/responses/{r.id}").status_code == 401  # the key is checked first
 
 
 def test_an_unknown_model_and_a_missing_key_are_refused_as_in_chat(live):
