@@ -74,7 +74,8 @@ class GatewayConfig:
     # message's reasoning field (gateway/reasoning.py); the model's own tool calls for tool_choice "auto"
     # (gateway/tool_parsers.py). "none": off (reasoning stays in content; "auto" is a 400).
     reasoning_parser: str = _field("none", choices=("none", "deepseek_r1", "qwen3"))
-    tool_call_parser: str = _field("none", choices=("none", "hermes", "llama3_json", "pythonic", "mistral"))
+    tool_call_parser: str = _field("none", choices=("none", "hermes", "llama3_json", "pythonic", "mistral",
+                                                    "qwen3_coder"))
 
 
 @dataclass(slots=True)

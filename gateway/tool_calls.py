@@ -96,7 +96,7 @@ class ToolCallReader:
         self._choice = choice
         self._text = ""  # "required": the output so far
         self._named_id: str | None = None
-        self._free = make_reader(choice.auto_parser) if choice.auto_parser is not None else None
+        self._free = make_reader(choice.auto_parser, choice.tools) if choice.auto_parser is not None else None
         self._num_calls = 0
 
     def feed(self, text: str, finish_reason: str | None) -> tuple[str, list[dict], str | None]:

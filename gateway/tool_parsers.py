@@ -7,25 +7,28 @@
                   wrap it in <|python_start|> .. <|python_end|>)
     mistral       Mistral: text, then [TOOL_CALLS][{"name": .., "arguments": {..}}, ..] (tokenizers before v11)
                   or [TOOL_CALLS]f{..}[TOOL_CALLS]g{..} (v11 on; [CALL_ID]id and [ARGS] may stand before {..})
+    qwen3_coder   Qwen3-Coder: text, then <tool_call><function=f><parameter=a>text</parameter>..</function>
+                  </tool_call> .., each value raw text, typed by the request's schema of its parameter
 
 Each reads one choice's text as it streams, ``feed(text, final)`` -> (content, calls), a call being a
 finished (name, arguments JSON) pair. Text that may still become a call is held back; what turns out
 not to be one (JSON that does not parse, or is not a call) goes out as content, so nothing is lost.
-A hermes call goes out when its closing tag arrives, and the space around calls is dropped; a
-llama3_json or pythonic output, once it starts with "{" or "[", only at the end (it is a call only if
-the whole of it parses). Mistral's text before [TOOL_CALLS] streams as it comes; what follows it is
-read at the end, where the calls go out, with any text after them as content.
+A hermes or qwen3_coder call goes out when its closing tag arrives, and the space around calls is
+dropped; a llama3_json or pythonic output, once it starts with "{" or "[", only at the end (it is a
+call only if the whole of it parses). Mistral's text before [TOOL_CALLS] streams as it comes; what
+follows it is read at the end, where the calls go out, with any text after them as content.
 """
 
 from __future__ import annotations
 
 import ast
 import json
+import math
 import re
 
 from .stop_strings import cut_at
 
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "pythonic", "mistral")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "pythonic", "mistral", "qwen3_coder")
 # Parsers whose markers are special tokens, which the detokenizer would otherwise drop (vLLM's mistral
 # parser turns skip_special_tokens off for the same reason).
 READS_SPECIAL_TOKENS = frozenset({"mistral"})
@@ -86,11 +89,11 @@ class HermesReader(_SpaceAroundCalls):
             if not (closed or final):
                 pending = body + rest  # the call is still coming
                 break
-            call = _parse_one(body)
-            if call is None:  # not a call: give the text back as it came
+            read = self._parse(body, closed)
+            if not read:  # not a call: give the text back as it came
                 content += self._outside(self.START + body + (self.END if closed else ""))
             else:
-                calls.append(call)
+                calls += read
                 self._has_calls = True
             self._in_call, pending = False, rest
         self._pending = pending
@@ -98,12 +101,84 @@ class HermesReader(_SpaceAroundCalls):
             content, self._gap = content + self._gap, ""
         return content, calls
 
+    def _parse(self, body: str, closed: bool) -> list[Call]:
+        """The calls in the text between the tags (``closed``: the closing tag came); none: not a call."""
+        call = _parse_one(body)
+        return [] if call is None else [call]
+
 
 def _parse_one(body: str) -> Call | None:
     try:
         return _call(json.loads(body), ("arguments", "parameters"))
     except (ValueError, RecursionError):  # RecursionError: nested past what json decodes
         return None
+
+
+class Qwen3CoderReader(HermesReader):
+    """Hermes' tags around XML-like calls, the values raw text: the request's tools type them."""
+
+    __slots__ = ("_properties",)
+
+    def __init__(self, tools: list[dict] | None = None) -> None:
+        super().__init__()
+        self._properties: dict[str, dict] = {}  # function name -> its parameters' schemas
+        for tool in tools or ():
+            fn = tool.get("function") or {}
+            properties = (fn.get("parameters") or {}).get("properties")
+            self._properties[fn.get("name")] = properties if isinstance(properties, dict) else {}
+
+    def _parse(self, body: str, closed: bool) -> list[Call]:
+        calls = []
+        # several functions in one <tool_call> are several calls, text around them is ignored (as vLLM)
+        for function in _QWEN_FUNCTION.finditer(body):
+            # a parameter ends at its closing tag, or where the next one or the function's end begins; one
+            # left open at the end of a cut-off output is dropped: its value may be cut short
+            done = closed or bool(function[3])
+            properties = self._properties.get(function[1], {})
+            arguments = {}
+            for parameter in _QWEN_PARAMETER.finditer(function[2]):
+                if parameter[3] or parameter.end() < len(function[2]) or done:
+                    value = parameter[2].removeprefix("\n").removesuffix("\n")
+                    arguments[parameter[1]] = _typed(value, properties.get(parameter[1]))
+            calls.append((function[1], json.dumps(arguments, ensure_ascii=False)))
+        return calls
+
+
+# A name may not hold "<" or ">": "<function=f" cut off at the end is no function, so the text goes back.
+_QWEN_FUNCTION = re.compile(r"<function=([^<>]+)>(.*?)(</function>|\Z)", re.DOTALL)
+_QWEN_PARAMETER = re.compile(r"<parameter=([^<>]*)>(.*?)(</parameter>|(?=<parameter=)|\Z)", re.DOTALL)
+
+
+def _typed(value: str, schema) -> object:
+    """A parameter's raw text as the value its schema's type asks for, as vLLM converts it: the text
+    itself where that does not read (and for parameters the schema does not name, or gives no type)."""
+    kind = schema.get("type", "object" if "anyOf" in schema or "oneOf" in schema else "string") \
+        if isinstance(schema, dict) else "string"
+    if value.lower() == "null":
+        return None
+    if kind == "string":
+        return value
+    if kind == "boolean":  # vLLM reads anything but true as false
+        return value.lower() == "true"
+    if kind in ("integer", "number"):
+        try:
+            number = int(value) if kind == "integer" else float(value)
+        except ValueError:
+            return value
+        if kind == "integer":
+            return number
+        # JSON has no inf or nan; a whole number goes out without ".0", as vLLM's does
+        return value if not math.isfinite(number) else int(number) if number.is_integer() else number
+    # object, array, a union, or a type vLLM does not name: JSON, else a Python literal (read with ast,
+    # never run), else the text; a result JSON cannot hold (a set, NaN) stays the text
+    for read in (json.loads, ast.literal_eval):
+        try:
+            parsed = read(value)
+            json.dumps(parsed, allow_nan=False)
+            return parsed
+        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+            continue
+    return value
 
 
 class _WholeOutputReader:
@@ -289,10 +364,11 @@ def _mistral_named(part: str) -> tuple[list[Call], str] | None:
     return [(match[1], json.dumps(arguments, ensure_ascii=False))], part[end:]
 
 
-Reader = HermesReader | Llama3JsonReader | PythonicReader | MistralReader
+Reader = HermesReader | Llama3JsonReader | PythonicReader | MistralReader | Qwen3CoderReader
 _READERS = {"hermes": HermesReader, "llama3_json": Llama3JsonReader, "pythonic": PythonicReader,
             "mistral": MistralReader}
 
 
-def make_reader(name: str) -> Reader:
-    return _READERS[name]()
+def make_reader(name: str, tools: list[dict] | None = None) -> Reader:
+    """``tools``: the request's, in chat form; only qwen3_coder reads them (its values are untyped text)."""
+    return Qwen3CoderReader(tools) if name == "qwen3_coder" else _READERS[name]()

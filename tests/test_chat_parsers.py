@@ -1,7 +1,8 @@
 """The chat output readers on their own: reasoning split off at <think>...</think>, and a model's own tool
-calls read out of hermes, llama3_json, pythonic and mistral text. Each case states the exact expected (reasoning, content,
-calls), and the same text streamed in every possible two-piece split, and one character at a time, must
-add up to exactly that: a tag or a call cut across deltas never leaks or gets lost."""
+calls read out of hermes, llama3_json, pythonic, mistral and qwen3_coder text. Each case states the exact
+expected (reasoning, content, calls), and the same text streamed in every possible two-piece split, and
+one character at a time, must add up to exactly that: a tag or a call cut across deltas never leaks or
+gets lost."""
 
 from __future__ import annotations
 
@@ -32,8 +33,9 @@ def fed(feed, pieces: list[str]) -> tuple:
     return tuple(functools.reduce(operator.add, parts) for parts in zip(*answers))
 
 
-def read_tools(parser: str, pieces: list[str]) -> tuple[str, list[tuple[str, str]]]:
-    return fed(make_reader(parser).feed, pieces)
+def read_tools(parser: str, pieces: list[str],
+               tools: list[dict] | None = None) -> tuple[str, list[tuple[str, str]]]:
+    return fed(make_reader(parser, tools).feed, pieces)
 
 
 @pytest.mark.parametrize("text, content, calls", [
@@ -162,6 +164,62 @@ def test_mistral_streams_text_up_to_the_marker():
     assert reader.feed(". [TOOL", final=False) == (".", [])  # the space waits: a call may follow
     assert reader.feed('_CALLS]get_weather{"city": ', final=False) == ("", [])  # held to the end
     assert reader.feed('"Paris"}', final=True) == ("", [PARIS])
+
+
+# qwen3_coder's values are raw text: the request's schemas type them
+QWEN_TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}, "days": {"type": "integer"}}}}},
+    {"type": "function", "function": {"name": "convert", "parameters": {"type": "object", "properties": {
+        "s": {"type": "string"}, "i": {"type": "integer"}, "n": {"type": "number"}, "b": {"type": "boolean"},
+        "o": {"type": "object"}, "a": {"type": "array"}, "u": {"description": "no type"}}}}},
+]
+
+
+def qwen_call(name: str, *parameters: tuple[str, str]) -> str:
+    return (f"<tool_call>\n<function={name}>\n"
+            + "".join(f"<parameter={key}>\n{value}\n</parameter>\n" for key, value in parameters)
+            + "</function>\n</tool_call>")
+
+
+@pytest.mark.parametrize("text, content, calls", [
+    ("Sunny today.", "Sunny today.", []),
+    (qwen_call("get_weather", ("city", "Paris")), "", [PARIS]),
+    ("Let me check.\n" + qwen_call("get_weather", ("city", "Paris")) + "\n"
+     + qwen_call("get_weather", ("city", "Rome"), ("days", "2")), "Let me check.", [PARIS, ROME]),
+    # typed by the schema; "null" is None whatever the type; a number that is whole goes out whole
+    (qwen_call("convert", ("s", "2"), ("i", "2"), ("n", "2.5"), ("b", "True"), ("o", '{"deep": true}'),
+               ("a", "[1, 'x']"), ("u", "null")),
+     "", [("convert", '{"s": "2", "i": 2, "n": 2.5, "b": true, "o": {"deep": true}, "a": [1, "x"], "u": null}')]),
+    # what does not read as its type stays the text (a boolean other than true is false, as in vLLM); only
+    # one newline either side is the format's
+    (qwen_call("convert", ("i", "two"), ("n", "3.0"), ("b", "yes"), ("o", "{not json"), ("s", "\n a\nb \n")),
+     "", [("convert", '{"i": "two", "n": 3, "b": false, "o": "{not json", "s": "\\n a\\nb \\n"}')]),
+    # a parameter with no type, or not in the schema, stays the text, as in vLLM
+    (qwen_call("convert", ("u", "2"), ("extra", "[1]")), "", [("convert", '{"u": "2", "extra": "[1]"}')]),
+    (qwen_call("lookup", ("x", "2")), "", [("lookup", '{"x": "2"}')]),  # not among the tools: still a call
+    # a parameter ends where the next one or the function's end begins, as in vLLM's reading
+    ("<tool_call><function=get_weather><parameter=city>Rome<parameter=days>2</function></tool_call>", "", [ROME]),
+    # cut off (max_tokens): still a call, with the parameters read whole; the one left open may be cut short
+    ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n2", "",
+     [PARIS]),
+    ("<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n<parameter=days>\n2\n"
+     "</parameter>\n</function>\n</tool", "", [ROME]),
+    # not a call after all: the text comes back as it was
+    ("<tool_call>\n<function=get_wea", "<tool_call>\n<function=get_wea", []),
+    ("<tool_call>\nhello\n</tool_call> ok", "<tool_call>\nhello\n</tool_call> ok", []),
+    ("a < b and <tool", "a < b and <tool", []),
+])
+def test_qwen3_coder_reads_calls_at_every_split(text, content, calls):
+    for pieces in splits(text):
+        assert read_tools("qwen3_coder", pieces, QWEN_TOOLS) == (content, calls), pieces
+
+
+def test_qwen3_coder_gets_the_requests_tools():
+    text = qwen_call("get_weather", ("city", "Rome"), ("days", "2"))
+    message, finish = chat_message(ChatShape(tool_choice=ToolChoice(QWEN_TOOLS, None, "qwen3_coder")), text, "stop")
+    assert finish == "tool_calls" and message["content"] is None
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]] == [ROME]
 
 
 @pytest.mark.parametrize("parser, text", [
