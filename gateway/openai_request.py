@@ -43,6 +43,8 @@ class ParsedRequest:
     tool_choice: ToolChoice | None = None  # chat: forced (its grammar is structured_output) or "auto" tool calls
     include_reasoning: bool = True  # chat, vLLM's: False drops the reasoning a reasoning parser splits off
     skip_special_tokens: bool = True  # vLLM's: False keeps special tokens' text in the output
+    # vLLM's stream_options.continuous_usage_stats: with include_usage, every chunk carries its choice's usage so far
+    continuous_usage: bool = False
 
     @property
     def num_prompt_logprobs(self) -> int | None:
@@ -114,6 +116,7 @@ def _common(f: Fields, chat: bool) -> dict:
         model=f.str("model", None), max_tokens=max_tokens, n=f.int("n", 1, lo=1, hi=MAX_N),
         stop=f.stop_strings(), stream=stream,
         include_usage=options.bool("include_usage", False) if options else False,
+        continuous_usage=options.bool("continuous_usage_stats", False) if options else False,
         sampling=sampling, user=f.str("user", None), prompt_logprobs=prompt_logprobs,
         structured_output=structured_output, skip_special_tokens=f.bool("skip_special_tokens", True),
     )

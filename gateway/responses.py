@@ -143,24 +143,33 @@ class ChunkBuilder:
     whether its echoed prompt went out yet (with its first chunk)."""
 
     __slots__ = ("_rid", "_created", "_model", "_chat", "_fmt", "_opts", "_offsets", "_has_echoed", "_outputs",
-                 "_include_usage")
+                 "_include_usage", "_continuous_usage")
 
     def __init__(self, rid: str, created: int, model: str, chat: bool, fmt: LogprobFormatter,
-                 opts: ResponseOptions, num_choices: int, include_usage: bool = False) -> None:
+                 opts: ResponseOptions, num_choices: int, include_usage: bool = False,
+                 continuous_usage: bool = False) -> None:
         self._rid, self._created, self._model, self._chat = rid, created, model, chat
         self._fmt, self._opts, self._include_usage = fmt, opts, include_usage
+        self._continuous_usage = include_usage and continuous_usage  # vLLM's: only along with include_usage
         self._offsets = [0] * num_choices
         self._has_echoed = [False] * num_choices
         self._outputs = [ChatOutput(opts.chat_shape) for _ in range(num_choices)] if chat else []
 
     # ---- the stream (serving's event-stream protocol: each returns SSE frames) ----
-    def opening(self) -> list[bytes]:
+    def opening(self, states: list[ChoiceState]) -> list[bytes]:
         """Chat: a role chunk per choice first."""
-        return [sse_event(self.role(index)) for index in range(len(self._offsets))] if self._chat else []
+        return [sse_event(self._counted(self.role(s.index), s)) for s in states] if self._chat else []
 
     def frames(self, state: ChoiceState, d: ChoiceDelta) -> list[bytes]:
         chunk = None if d.is_empty else self.delta(state, d)
-        return [sse_event(chunk)] if chunk is not None else []
+        return [sse_event(self._counted(chunk, state))] if chunk is not None else []
+
+    def _counted(self, chunk: dict, state: ChoiceState) -> dict:
+        """With continuous usage, the chunk's choice's usage so far (vLLM counts per choice)."""
+        if self._continuous_usage:
+            chunk["usage"] = {"prompt_tokens": state.num_prompt_tokens, "completion_tokens": state.num_output_tokens,
+                              "total_tokens": state.num_prompt_tokens + state.num_output_tokens}
+        return chunk
 
     def closing(self, states: list[ChoiceState]) -> list[bytes]:
         return ([sse_event(self.usage(states))] if self._include_usage else []) + [DONE]

@@ -66,7 +66,7 @@ class ResponseBuilder:
         return self.body()
 
     # ---- the stream (serving's event-stream protocol: each returns SSE frames) ----
-    def opening(self) -> list[bytes]:
+    def opening(self, states: list[ChoiceState]) -> list[bytes]:
         return _framed(self._start())
 
     def frames(self, state: ChoiceState, d: ChoiceDelta) -> list[bytes]:

@@ -132,7 +132,7 @@ class OpenAIServing:
         builder = ResponseBuilder(rid, model, responses.echo, shape, self._fmt, self._tok) if responses else None
         if p.stream:
             out = builder or ChunkBuilder(rid, created, model, chat, self._fmt, opts, len(generation.states),
-                                          p.include_usage)
+                                          p.include_usage, p.continuous_usage)
             return EventStreamResponse(self._stream(generation, out, rid, arrival),
                                        on_close=lambda: self._close(generation, arrival, "aborted"))
         if not await self._collect(request, generation, arrival):
@@ -229,7 +229,7 @@ class OpenAIServing:
         failure (headers are gone by then: the only way left to tell the client is in-band)."""
         outcome = "aborted"
         try:
-            for frame in out.opening():
+            for frame in out.opening(generation.states):
                 yield frame
             try:
                 async for index, delta in generation.deltas():

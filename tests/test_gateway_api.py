@@ -102,6 +102,34 @@ def test_chat_stream_role_first_and_usage_chunk_last(client, backend):
     assert all(c.usage is None for c in chunks[:-1])
 
 
+def test_continuous_usage_stats_puts_each_choices_count_so_far_on_every_chunk(client, loose_client, backend, hf_tok):
+    backend.tokens_per_event = 2
+    options = {"include_usage": True, "continuous_usage_stats": True}  # vLLM's
+    chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                                 stream=True, stream_options=options, max_tokens=40))
+    prompt = len(backend.received[-1].prompt_token_ids)
+    assert (chunks[0].usage.prompt_tokens, chunks[0].usage.completion_tokens) == (prompt, 0)  # the role chunk
+    text = ""
+    for c in chunks[1:-1]:
+        text += c.choices[0].delta.content or ""
+        count = c.usage.completion_tokens
+        assert c.usage.prompt_tokens == prompt and c.usage.total_tokens == prompt + count
+        # the tokens counted are the ones whose text went out (a token's text may wait for the next one)
+        assert count % 2 == 0 or count == len(backend.output_ids)
+        assert hf_tok.decode(backend.output_ids[:count]).startswith(text)
+    assert chunks[-2].usage.completion_tokens == chunks[-1].usage.completion_tokens == len(backend.output_ids)
+    # per choice, as vLLM counts: two completions of one prompt each count their own tokens
+    chunks = list(loose_client.completions.create(model=MODEL, prompt="Hi", n=2, stream=True, stream_options=options,
+                                                  max_tokens=40))
+    for index in (0, 1):
+        counts = [c.usage.completion_tokens for c in chunks if c.choices and c.choices[0].index == index]
+        assert counts == sorted(counts) and counts[-1] == len(backend.output_ids)
+    # without include_usage it is off, as in vLLM
+    plain = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], stream=True,
+                                                stream_options={"continuous_usage_stats": True}, max_tokens=4))
+    assert all(c.usage is None for c in plain)
+
+
 def test_logit_bias_reaches_the_backend_as_typed_entries(client, backend):
     client.completions.create(model=MODEL, prompt="Hello", max_tokens=2, logit_bias={"7": -100, "42": 2.5})
     client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2,
