@@ -43,6 +43,7 @@ class ParsedRequest:
     tool_choice: ToolChoice | None = None  # chat: forced (its grammar is structured_output) or "auto" tool calls
     include_reasoning: bool = True  # chat, vLLM's: False drops the reasoning a reasoning parser splits off
     skip_special_tokens: bool = True  # vLLM's: False keeps special tokens' text in the output
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprob tokens as "token_id:<id>"
     # vLLM's stream_options.continuous_usage_stats: with include_usage, every chunk carries its choice's usage so far
     continuous_usage: bool = False
 
@@ -119,6 +120,7 @@ def _common(f: Fields, chat: bool) -> dict:
         continuous_usage=options.bool("continuous_usage_stats", False) if options else False,
         sampling=sampling, user=f.str("user", None), prompt_logprobs=prompt_logprobs,
         structured_output=structured_output, skip_special_tokens=f.bool("skip_special_tokens", True),
+        tokens_as_ids=f.bool("return_tokens_as_token_ids", False),
     )
 
 

@@ -38,14 +38,20 @@ def usage(states: list[ChoiceState], n: int) -> dict:
 
 
 class LogprobFormatter:
-    """Token strings for logprobs; a lone byte-level token may decode to U+FFFD, as in vLLM and OpenAI."""
+    """Token strings for logprobs; a lone byte-level token may decode to U+FFFD, as in vLLM and OpenAI.
+    ``tokens_as_ids`` (vLLM's return_tokens_as_token_ids): each token is "token_id:<id>" instead, which
+    names it exactly where its text cannot."""
 
-    __slots__ = ("_tok",)
+    __slots__ = ("_tok", "_as_ids")
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, tokens_as_ids: bool = False) -> None:
         self._tok = tokenizer
+        self._as_ids = tokens_as_ids
 
     def _token(self, token_id: int) -> str:
+        return f"token_id:{token_id}" if self._as_ids else self._text(token_id)
+
+    def _text(self, token_id: int) -> str:
         return self._tok.decode([token_id], skip_special_tokens=False)
 
     def chat(self, entries: list[TokenLogprob]) -> dict:
@@ -86,7 +92,7 @@ class LogprobFormatter:
         """vLLM's prompt_logprobs: None for the first prompt token, then for each one a map from token id to
         logprob, rank and text holding the prompt token and the top ``k`` (the prompt token once)."""
         def one(token_id: int, logprob: float, rank: int | None) -> dict:
-            return {"logprob": logprob, "rank": rank, "decoded_token": self._token(token_id)}
+            return {"logprob": logprob, "rank": rank, "decoded_token": self._text(token_id)}
 
         out: list[dict | None] = [None]
         for e in entries:

@@ -57,7 +57,7 @@ class OpenAIServing:
         self._backend = backend
         self._limits = limits
         self._metrics = metrics
-        self._fmt = LogprobFormatter(tokenizer)
+        self._formats = {as_ids: LogprobFormatter(tokenizer, as_ids) for as_ids in (False, True)}
         self.num_in_flight = 0
 
     async def completions(self, request: Request, body) -> object:
@@ -128,10 +128,10 @@ class OpenAIServing:
         if not started:
             await self._close(generation, arrival, "aborted")
             return JSONResponse({}, status_code=499)  # the client left; nobody reads this
-        model, created = self._limits.model_name, int(time.time())
-        builder = ResponseBuilder(rid, model, responses.echo, shape, self._fmt, self._tok) if responses else None
+        model, created, fmt = self._limits.model_name, int(time.time()), self._formats[p.tokens_as_ids]
+        builder = ResponseBuilder(rid, model, responses.echo, shape, fmt, self._tok) if responses else None
         if p.stream:
-            out = builder or ChunkBuilder(rid, created, model, chat, self._fmt, opts, len(generation.states),
+            out = builder or ChunkBuilder(rid, created, model, chat, fmt, opts, len(generation.states),
                                           p.include_usage, p.continuous_usage)
             return EventStreamResponse(self._stream(generation, out, rid, arrival),
                                        on_close=lambda: self._close(generation, arrival, "aborted"))
@@ -140,7 +140,7 @@ class OpenAIServing:
         if builder is not None:
             return JSONResponse(builder.whole(generation.states[0]))
         build = chat_body if chat else completion_body
-        return JSONResponse(build(rid, created, model, generation.states, self._fmt, opts))
+        return JSONResponse(build(rid, created, model, generation.states, fmt, opts))
 
     def _chat_shape(self, p: ParsedRequest, opened: bool) -> ChatShape:
         """With a reasoning parser, the reasoning is split off. A structured output (a forced tool call

@@ -201,6 +201,25 @@ def test_chat_logprobs_stream_and_not(client, hf_tok, backend):
     assert [e.logprob for e in streamed] == [FakeBackend.logprob_of(i) for i in range(5)]
 
 
+def test_return_tokens_as_token_ids_names_every_logprob_token_by_its_id(client, backend):
+    ids = backend.output_ids[:4]
+    extra = {"return_tokens_as_token_ids": True}  # vLLM's
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                       logprobs=True, top_logprobs=2, extra_body=extra)
+    content = r.choices[0].logprobs.content
+    assert [c.token for c in content] == [f"token_id:{t}" for t in ids]
+    assert [c.bytes for c in content] == [list(f"token_id:{t}".encode()) for t in ids]
+    assert [[t.token for t in c.top_logprobs] for c in content] == [[f"token_id:{t}", f"token_id:{t + 1}"] for t in ids]
+    assert r.choices[0].message.content == OUTPUT_TEXT[: len(r.choices[0].message.content)]  # the text stays text
+    streamed = [e.token for c in list(client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, logprobs=True, stream=True,
+        extra_body=extra))[1:] if c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert streamed == [f"token_id:{t}" for t in ids]
+    lp = client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, logprobs=1, extra_body=extra).choices[0].logprobs
+    assert lp.tokens == [f"token_id:{t}" for t in ids]
+    assert lp.top_logprobs[0] == {f"token_id:{ids[0]}": FakeBackend.logprob_of(0)}
+
+
 def test_models_and_open_endpoints(client, live):
     assert [m.id for m in client.models.list()] == [MODEL]
     for path in ("/health", "/ready", "/version", "/openapi.json", "/metrics"):
