@@ -43,6 +43,7 @@ class ParsedRequest:
     tool_choice: ToolChoice | None = None  # chat: forced (its grammar is structured_output) or "auto" tool calls
     include_reasoning: bool = True  # chat, vLLM's: False drops the reasoning a reasoning parser splits off
     skip_special_tokens: bool = True  # vLLM's: False keeps special tokens' text in the output
+    truncate_prompt_tokens: int | None = None  # vLLM's: keep only the prompt's last k tokens (-1: the context)
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprob tokens as "token_id:<id>"
     # vLLM's stream_options.continuous_usage_stats: with include_usage, every chunk carries its choice's usage so far
     continuous_usage: bool = False
@@ -121,7 +122,26 @@ def _common(f: Fields, chat: bool) -> dict:
         sampling=sampling, user=f.str("user", None), prompt_logprobs=prompt_logprobs,
         structured_output=structured_output, skip_special_tokens=f.bool("skip_special_tokens", True),
         tokens_as_ids=f.bool("return_tokens_as_token_ids", False),
+        truncate_prompt_tokens=_truncation(f),
     )
+
+
+def _truncation(f: Fields) -> int | None:
+    k = f.int("truncate_prompt_tokens", None, lo=-1)
+    if k == 0:
+        raise bad_request("truncate_prompt_tokens must be -1 (the model's context) or >= 1, got 0",
+                          "truncate_prompt_tokens")
+    return k
+
+
+def truncate_prompt(ids: list[int], k: int | None, max_model_len: int) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the prompt's last ``k`` tokens (-1: as many as the context holds)."""
+    if k is None:
+        return ids
+    if k > max_model_len:
+        raise bad_request(f"truncate_prompt_tokens ({k}) is larger than this model's context ({max_model_len} "
+                          "tokens)", "truncate_prompt_tokens")
+    return ids[-(max_model_len if k == -1 else k):]
 
 
 def parse_completion(body) -> ParsedRequest:

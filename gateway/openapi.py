@@ -25,6 +25,7 @@ _SAMPLING = {
     "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
     "repetition_penalty": {"type": "number", "exclusiveMinimum": 0}, "ignore_eos": {"type": "boolean"},
     "skip_special_tokens": {"type": "boolean"}, "return_tokens_as_token_ids": {"type": "boolean"},
+    "truncate_prompt_tokens": {"type": "integer", "minimum": -1},
     "min_tokens": {"type": "integer", "minimum": 0}, "user": {"type": "string"},
     "logit_bias": {"type": "object", "propertyNames": {"pattern": "^[0-9]+$"},
                    "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}},

@@ -29,7 +29,7 @@ from .choice import ChoiceState
 from .errors import APIError, bad_request, no_capacity
 from .generation import Generation
 from .metrics import GatewayMetrics
-from .openai_request import ParsedRequest, parse_chat, parse_completion, resolve_max_tokens
+from .openai_request import ParsedRequest, parse_chat, parse_completion, resolve_max_tokens, truncate_prompt
 from .reasoning import END as REASONING_END, prompt_opens_reasoning
 from .responses import ChunkBuilder, LogprobFormatter, ResponseOptions, chat_body, completion_body, usage
 from .responses_output import ResponseBuilder
@@ -110,6 +110,7 @@ class OpenAIServing:
             shape = self._chat_shape(p, opened)
         else:
             prompts = [self.tokenize_prompt(x) for x in p.prompts]
+        prompts = [truncate_prompt(ids, p.truncate_prompt_tokens, self._limits.max_model_len) for ids in prompts]
         bad = [b.token_id for b in p.sampling["logit_bias"] if not self._tok.is_valid_id(b.token_id)]
         if bad:
             raise bad_request(f"logit_bias token id {bad[0]} is out of range [0, {self._tok.vocab_size})", "logit_bias")

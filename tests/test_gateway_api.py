@@ -220,6 +220,24 @@ def test_return_tokens_as_token_ids_names_every_logprob_token_by_its_id(client, 
     assert lp.top_logprobs[0] == {f"token_id:{ids[0]}": FakeBackend.logprob_of(0)}
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(client, live, backend, hf_tok):
+    ids = list(range(10, 40))
+    client.completions.create(model=MODEL, prompt=ids, max_tokens=2, extra_body={"truncate_prompt_tokens": 8})
+    assert backend.received[-1].prompt_token_ids == ids[-8:]
+    messages = [{"role": "user", "content": "Tell me about the quick brown fox"}]
+    client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, extra_body={"truncate_prompt_tokens": 5})
+    rendered = hf_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert backend.received[-1].prompt_token_ids == list(rendered)[-5:]
+    long = list(range(10, 210))  # 200 tokens, a context of 128: -1 keeps 128, which leaves no room (vLLM's answer too)
+    r = httpx.post(live.base_url + "/v1/completions", headers={"Authorization": f"Bearer {API_KEYS[0]}"},
+                   json={"model": MODEL, "prompt": long, "max_tokens": 2, "truncate_prompt_tokens": -1})
+    assert r.status_code == 400 and "prompt has 128 tokens" in r.json()["error"]["message"]
+    for k in (0, 129, -2):
+        r = httpx.post(live.base_url + "/v1/completions", headers={"Authorization": f"Bearer {API_KEYS[0]}"},
+                       json={"model": MODEL, "prompt": ids, "max_tokens": 2, "truncate_prompt_tokens": k})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", k
+
+
 def test_models_and_open_endpoints(client, live):
     assert [m.id for m in client.models.list()] == [MODEL]
     for path in ("/health", "/ready", "/version", "/openapi.json", "/metrics"):
