@@ -244,7 +244,8 @@ def apply_top_k_top_p_(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
     probs = (ranked - log_z).exp()  # [R, W]
     mass_before = probs.cumsum(dim=1) - probs  # [R, W]; mass of the more likely tokens, exactly 0 at rank 0
     limit = torch.where(use_p, top_p, float("inf")).unsqueeze(1)  # [R, 1]; rounding never cuts when off
-    keep = (mass_before < limit) & (ranked > float("-inf"))  # [R, W], a prefix of the ranks
+    # rank 0 always: a top_p below float32's smallest number (5e-324 is a valid float64) reads as 0 here
+    keep = ((mass_before < limit) | (ranks == 0)) & (ranked > float("-inf"))  # [R, W], a prefix of the ranks
     floor = ranked.gather(1, (keep.sum(dim=1) - 1).unsqueeze(1))  # [R, 1]; the least likely token kept
     floor.masked_fill_(~(use_k | use_p).unsqueeze(1), float("-inf"))
     short = use_p & ~use_k & keep[:, -1] if window < vocab else torch.zeros_like(use_p)  # [R]
@@ -258,7 +259,7 @@ def _top_p_floor_sorted(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tens
     ranked = logits.sort(dim=1, descending=True).values  # [n, V]
     probs = ranked.softmax(dim=1)
     mass_before = probs.cumsum(dim=1) - probs  # [n, V]
-    num_keep = (mass_before < top_p.unsqueeze(1)).sum(dim=1)  # [n] >= 1
+    num_keep = (mass_before < top_p.unsqueeze(1)).sum(dim=1).clamp(min=1)  # [n]; the most likely always
     return ranked.gather(1, (num_keep - 1).unsqueeze(1))
 
 

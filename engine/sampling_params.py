@@ -22,7 +22,7 @@ class SamplingParams:
     seed: int | None = None  # per-request seed: same tokens whatever the batch around it
     presence_penalty: float = 0.0  # in [-2, 2], over generated tokens
     frequency_penalty: float = 0.0  # in [-2, 2], over generated tokens
-    repetition_penalty: float = 1.0  # > 0, over prompt and generated tokens (HF semantics)
+    repetition_penalty: float = 1.0  # in [2^-16, 2^16], over prompt and generated tokens (HF semantics)
     max_tokens: int = 16  # new tokens at most
     min_tokens: int = 0  # stop tokens and EOS are masked until this many are generated
     stop_token_ids: list[int] = field(default_factory=list)  # ends the sequence (kept in output)
@@ -58,7 +58,8 @@ class SamplingParams:
         check(0.0 <= self.min_p <= 1.0, "min_p", "in [0, 1]")
         check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "in [-2, 2]")
         check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "in [-2, 2]")
-        check(0.0 < self.repetition_penalty <= 2.0 ** 16, "repetition_penalty", "> 0")
+        # Bounded below too: a penalty under float32's range reads as 0 in the sampler and divides by it.
+        check(2.0 ** -16 <= self.repetition_penalty <= 2.0 ** 16, "repetition_penalty", "in [2^-16, 2^16]")
         check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", "an integer >= 1")
         check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
               "min_tokens", f"an integer in [0, max_tokens={self.max_tokens}]")

@@ -18,7 +18,8 @@ from .tool_parsers import READS_SPECIAL_TOKENS
 
 MAX_N = 16  # completions per prompt
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
-MAX_SCALE = 2.0 ** 16  # temperature and repetition_penalty: the engine (SamplingParams) refuses more
+MAX_SCALE = 2.0 ** 16  # temperature and repetition_penalty: the engine (SamplingParams) refuses more (and
+# a repetition_penalty under 1 / MAX_SCALE)
 MAX_PROMPTS = 64  # prompts in one completion request
 
 
@@ -105,7 +106,7 @@ def _common(f: Fields, chat: bool) -> dict:
         seed=f.int("seed", None),
         presence_penalty=f.float("presence_penalty", 0.0, lo=-2.0, hi=2.0),
         frequency_penalty=f.float("frequency_penalty", 0.0, lo=-2.0, hi=2.0),
-        repetition_penalty=f.float("repetition_penalty", 1.0, lo=0.0, hi=MAX_SCALE, lo_open=True),
+        repetition_penalty=f.float("repetition_penalty", 1.0, lo=1.0 / MAX_SCALE, hi=MAX_SCALE),
         min_tokens=f.int("min_tokens", 0, lo=0),
         stop_token_ids=f.token_ids("stop_token_ids"),
         ignore_eos=f.bool("ignore_eos", False),

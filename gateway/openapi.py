@@ -23,7 +23,7 @@ _SAMPLING = {
     "stop": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "maxItems": 4}]},
     "stop_token_ids": _TOKEN_IDS, "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2},
     "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
-    "repetition_penalty": {"type": "number", "exclusiveMinimum": 0}, "ignore_eos": {"type": "boolean"},
+    "repetition_penalty": {"type": "number", "minimum": 2.0 ** -16, "maximum": 2.0 ** 16}, "ignore_eos": {"type": "boolean"},
     "skip_special_tokens": {"type": "boolean"}, "return_tokens_as_token_ids": {"type": "boolean"},
     "truncate_prompt_tokens": {"type": "integer", "minimum": -1},
     "min_tokens": {"type": "integer", "minimum": 0}, "user": {"type": "string"},

@@ -203,7 +203,7 @@ def test_prompt_longer_than_context_names_both_numbers() -> None:
 
 @pytest.mark.parametrize("field,value", [("temperature", -0.5), ("top_p", 1.5), ("top_k", -3), ("min_p", 2.0),
                                          ("presence_penalty", 3.0), ("repetition_penalty", 0.0), ("max_tokens", 0),
-                                         ("prompt_logprobs", 21), ("prompt_logprobs", -1)])
+                                         ("repetition_penalty", 1e-10), ("prompt_logprobs", 21), ("prompt_logprobs", -1)])
 def test_out_of_range_sampling_value_names_the_parameter(field: str, value: float) -> None:
     with pytest.raises(SamplingError, match=rf"^{field} must be .*got {value}"):
         SamplingParams(**{field: value})

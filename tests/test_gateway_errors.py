@@ -30,7 +30,8 @@ def _error(e: openai.APIStatusError) -> dict:
 
 @pytest.mark.parametrize("field, value", [
     ("temperature", -0.5), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("min_p", 1.5), ("n", 0),
-    ("presence_penalty", 2.5), ("frequency_penalty", -3), ("repetition_penalty", 0.0), ("max_tokens", 0),
+    ("presence_penalty", 2.5), ("frequency_penalty", -3), ("repetition_penalty", 0.0), ("repetition_penalty", 1e-10),
+    ("max_tokens", 0),
     ("logprobs", 21), ("seed", "x"), ("stop", ["a", "b", "c", "d", "e"]), ("stop_token_ids", [-1]),
     ("min_tokens", -1), ("ignore_eos", "yes"), ("n", True), ("user", 5),
 ])

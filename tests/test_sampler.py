@@ -98,6 +98,17 @@ def test_top_k_top_p_masks_match_reference():
         assert got[r].tolist() == want, f"row {r}"
 
 
+@pytest.mark.parametrize("vocab", [12, 1000])  # distinct logits, and a nearly flat row wider than the window
+def test_a_top_p_below_float32s_range_keeps_the_most_likely_token(vocab):
+    # 5e-324 is a valid top_p (a float64 > 0) but reads as 0.0 in float32: it used to keep nothing and
+    # crash the decode worker on an index of -1 (found by the HTTP fuzzer).
+    logits = distinct_logits(2, vocab, seed=3) if vocab == 12 else torch.zeros(2, vocab).index_fill_(1, torch.tensor([7]), 1e-3)
+    got = logits.clone()
+    apply_top_k_top_p_(got, torch.tensor([0, 0]), torch.tensor([5e-324, 5e-324]))
+    for r in range(2):
+        assert torch.isfinite(got[r]).nonzero().flatten().tolist() == [int(logits[r].argmax())]
+
+
 def test_top_p_beyond_the_window_falls_back_to_a_full_sort():
     # A flat 1000-token distribution: top_p = 0.6 keeps ~600 tokens, past the 256-token window.
     logits = distinct_logits(3, 1000, seed=2, scale=0.3)
