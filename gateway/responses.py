@@ -37,6 +37,13 @@ def usage(states: list[ChoiceState], n: int) -> dict:
             "prompt_tokens_details": {"cached_tokens": sum(s.num_cached_tokens for s in firsts)}}
 
 
+MIN_LOGPROB = -9999.0  # vLLM's floor: a token the grammar or a bias rules out has -inf, which JSON cannot carry
+
+
+def _logprob(value: float) -> float:
+    return max(value, MIN_LOGPROB)
+
+
 class LogprobFormatter:
     """Token strings for logprobs; a lone byte-level token may decode to U+FFFD, as in vLLM and OpenAI.
     ``tokens_as_ids`` (vLLM's return_tokens_as_token_ids): each token is "token_id:<id>" instead, which
@@ -57,7 +64,7 @@ class LogprobFormatter:
     def chat(self, entries: list[TokenLogprob]) -> dict:
         def one(token_id: int, logprob: float) -> dict:
             text = self._token(token_id)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+            return {"token": text, "logprob": _logprob(logprob), "bytes": list(text.encode("utf-8"))}
 
         content = [{**one(e.token_id, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]}
                    for e in entries]
@@ -84,15 +91,15 @@ class LogprobFormatter:
             offsets.append(text_offset)
             tokens.append(self._token(token_id))
             text_offset += len(tokens[-1])
-        return {"tokens": tokens, "token_logprobs": [None if e is None else e.logprob for _, e in steps],
-                "top_logprobs": [None if e is None else {self._token(t): lp for t, lp in e.top} for _, e in steps],
+        return {"tokens": tokens, "token_logprobs": [None if e is None else _logprob(e.logprob) for _, e in steps],
+                "top_logprobs": [None if e is None else {self._token(t): _logprob(lp) for t, lp in e.top} for _, e in steps],
                 "text_offset": offsets}
 
     def prompt_logprobs(self, entries: list[TokenLogprob], k: int) -> list[dict | None]:
         """vLLM's prompt_logprobs: None for the first prompt token, then for each one a map from token id to
         logprob, rank and text holding the prompt token and the top ``k`` (the prompt token once)."""
         def one(token_id: int, logprob: float, rank: int | None) -> dict:
-            return {"logprob": logprob, "rank": rank, "decoded_token": self._text(token_id)}
+            return {"logprob": _logprob(logprob), "rank": rank, "decoded_token": self._text(token_id)}
 
         out: list[dict | None] = [None]
         for e in entries:

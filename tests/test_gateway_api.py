@@ -238,6 +238,20 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(client, live, back
         assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", k
 
 
+def test_a_logprob_of_minus_infinity_goes_out_as_vllms_floor(client, backend, monkeypatch):
+    # A token the grammar rules out has logprob -inf, which JSON cannot carry: it was a 500 (found by the fuzzer).
+    monkeypatch.setattr(FakeBackend, "logprob_of", staticmethod(lambda position: float("-inf") if position == 1 else -0.5))
+    chat = dict(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3, logprobs=True, top_logprobs=2)
+    content = client.chat.completions.create(**chat).choices[0].logprobs.content
+    assert [c.logprob for c in content] == [-0.5, -9999.0, -0.5]
+    assert [t.logprob for t in content[1].top_logprobs] == [-9999.0, -9999.0]
+    streamed = [e.logprob for c in list(client.chat.completions.create(**chat, stream=True))[1:]
+                if c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert streamed == [-0.5, -9999.0, -0.5]
+    lp = client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, logprobs=1).choices[0].logprobs
+    assert lp.token_logprobs == [-0.5, -9999.0, -0.5] and list(lp.top_logprobs[1].values()) == [-9999.0]
+
+
 def test_models_and_open_endpoints(client, live):
     assert [m.id for m in client.models.list()] == [MODEL]
     for path in ("/health", "/ready", "/version", "/openapi.json", "/metrics"):
