@@ -259,7 +259,7 @@ def _top_p_floor_sorted(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tens
     ranked = logits.sort(dim=1, descending=True).values  # [n, V]
     probs = ranked.softmax(dim=1)
     mass_before = probs.cumsum(dim=1) - probs  # [n, V]
-    num_keep = (mass_before < top_p.unsqueeze(1)).sum(dim=1).clamp(min=1)  # [n]; the most likely always
+    num_keep = (mass_before < top_p.unsqueeze(1)).sum(dim=1)  # [n] >= 1
     return ranked.gather(1, (num_keep - 1).unsqueeze(1))
 
 

@@ -180,8 +180,7 @@ class ChunkBuilder:
     def _counted(self, chunk: dict, state: ChoiceState) -> dict:
         """With continuous usage, the chunk's choice's usage so far (vLLM counts per choice)."""
         if self._continuous_usage:
-            chunk["usage"] = {"prompt_tokens": state.num_prompt_tokens, "completion_tokens": state.num_output_tokens,
-                              "total_tokens": state.num_prompt_tokens + state.num_output_tokens}
+            chunk["usage"] = usage([state], 1)
         return chunk
 
     def closing(self, states: list[ChoiceState]) -> list[bytes]:
