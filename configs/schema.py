@@ -60,6 +60,9 @@ class GatewayConfig:
     host: str = "127.0.0.1"  # interface to bind; never all interfaces unless asked for
     port: int = _field(8000, minimum=0)  # HTTP port (0: any free port)
     api_keys: list[str] = field(default_factory=list)  # accepted bearer keys; empty: no auth
+    # Origins whose browser pages may call the API (CORS, as vLLM's --allowed-origins); ["*"]: any.
+    # Empty: no CORS headers (a page from another origin cannot read an answer).
+    allowed_origins: list[str] = field(default_factory=list)
     max_body_bytes: int = _field(1 << 20, minimum=1)  # larger request bodies get 413
     request_timeout_s: float = _field(600.0, minimum=0.0)  # end-to-end deadline of one request
     worker_heartbeat_s: float = _field(5.0, minimum=0.0)  # workers re-register this often
@@ -76,6 +79,9 @@ class GatewayConfig:
     reasoning_parser: str = _field("none", choices=("none", "deepseek_r1", "qwen3"))
     tool_call_parser: str = _field("none", choices=("none", "hermes", "llama3_json", "pythonic", "mistral",
                                                     "qwen3_coder"))
+    # Memory for the Responses API's stored answers (previous_response_id, GET /v1/responses/{id}); the
+    # least recently used go first. Per gateway process. 0: nothing is stored (store: false is echoed).
+    responses_store_mb: int = _field(64, minimum=0)
 
 
 @dataclass(slots=True)

@@ -29,6 +29,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--worker-port", type=int, help="ZeroMQ port for workers (gateway.worker_port)")
     p.add_argument("--model", help="model directory (model.path); its tokenizer is loaded")
     p.add_argument("--api-key", action="append", help="accepted bearer key; repeat for several")
+    p.add_argument("--allowed-origins", nargs="+", metavar="ORIGIN",
+                   help="origins whose browser pages may call the API (CORS; '*': any) (gateway.allowed_origins)")
     add_chat_parser_args(p)
     p.add_argument("--log-level", default="info")
     return p.parse_args(argv)
@@ -47,7 +49,7 @@ def add_chat_parser_args(p: argparse.ArgumentParser) -> None:
 
 def overrides_of(args: argparse.Namespace) -> dict:
     given = {"gateway.host": args.host, "gateway.port": args.port, "gateway.worker_port": args.worker_port,
-             "model.path": args.model, "gateway.api_keys": args.api_key,
+             "model.path": args.model, "gateway.api_keys": args.api_key, "gateway.allowed_origins": args.allowed_origins,
              "gateway.reasoning_parser": args.reasoning_parser, "gateway.tool_call_parser": args.tool_call_parser}
     return {k: v for k, v in given.items() if v is not None}
 
@@ -71,6 +73,7 @@ def build(config: PdserveConfig):
     from .chat_output import ChatParsers
     from .metrics import GatewayMetrics
     from .registry import WorkerRegistry
+    from .response_store import ResponseStore
     from .router import Policy, RouterParams
     from .serving import ServingLimits
     from .tokenizer import Tokenizer
@@ -91,7 +94,8 @@ def build(config: PdserveConfig):
     parsers = ChatParsers(None if g.reasoning_parser == "none" else g.reasoning_parser,
                           None if g.tool_call_parser == "none" else g.tool_call_parser)
     params = GatewayParams(Tokenizer(path), backend, limits, api_keys=list(g.api_keys),
-                           max_body_bytes=g.max_body_bytes, registry=registry, metrics=metrics, chat_parsers=parsers)
+                           max_body_bytes=g.max_body_bytes, registry=registry, metrics=metrics, chat_parsers=parsers,
+                           allowed_origins=list(g.allowed_origins), response_store=ResponseStore(g.responses_store_mb << 20))
     return build_app(params), backend
 
 

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -28,11 +30,14 @@ from .metrics import CONTENT_TYPE, GatewayMetrics
 from .openapi import openapi_spec
 from .registry import WorkerRegistry
 from .request_fields import Fields
+from .response_routes import response_routes
+from .response_store import ResponseStore
 from .serving import OpenAIServing, ServingLimits
 from .tokenizer import Tokenizer
 from .tool_calls import parse_tools
 
 log = logging.getLogger("pdserve.gateway")
+DEFAULT_RESPONSES_STORE_MB = 64  # configs/schema.py's default
 
 
 @dataclass(slots=True)
@@ -45,6 +50,11 @@ class GatewayParams:
     registry: WorkerRegistry | None = None  # shown at /v1/workers
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)  # shared with the backend's pool gauges
     chat_parsers: ChatParsers = ChatParsers()  # reasoning and tool-call parsers of chat output
+    # Origins whose browser pages may call the API (CORS, as vLLM's --allowed-origins); "*" any.
+    # Empty: no CORS headers, so a page from another origin cannot read an answer.
+    allowed_origins: list[str] = field(default_factory=list)
+    # the Responses API's store (its budget: gateway.responses_store_mb)
+    response_store: ResponseStore = field(default_factory=lambda: ResponseStore(DEFAULT_RESPONSES_STORE_MB << 20))
 
 
 def error_response(e: APIError) -> JSONResponse:
@@ -86,7 +96,8 @@ async def read_json(request: Request, max_bytes: int):
 
 def build_app(params: GatewayParams) -> Starlette:
     metrics = params.metrics
-    serving = OpenAIServing(params.tokenizer, params.backend, params.limits, metrics, params.chat_parsers)
+    serving = OpenAIServing(params.tokenizer, params.backend, params.limits, metrics, params.chat_parsers,
+                            params.response_store)
     keys = ApiKeys(params.api_keys)
     limits = params.limits
     started = int(time.time())
@@ -107,13 +118,6 @@ def build_app(params: GatewayParams) -> Starlette:
     async def responses(request: Request):
         authorize(request)
         return await serving.responses(request, await read_json(request, params.max_body_bytes))
-
-    async def stored_response(request: Request):
-        """Retrieve, delete or cancel a stored response: there are none (the Responses API is stateless)."""
-        authorize(request)
-        rid = request.path_params["response_id"]
-        raise APIError(404, f"No response found with id {rid[:100]!r}: this server stores no responses (send the "
-                            "whole conversation in each request's input)", param="response_id", code="not_found")
 
     async def models(request: Request):
         authorize(request)
@@ -172,7 +176,7 @@ def build_app(params: GatewayParams) -> Starlette:
     async def openapi(request: Request):
         return JSONResponse(openapi_spec())
 
-    generation_paths = ("/v1/completions", "/v1/chat/completions")
+    generation_paths = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 
     async def on_api_error(request: Request, e: APIError):
         # 503 and generation failures are counted where they happen; here the requests refused up front
@@ -193,8 +197,7 @@ def build_app(params: GatewayParams) -> Starlette:
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/responses", responses, methods=["POST"]),
-        Route("/v1/responses/{response_id}", stored_response, methods=["GET", "DELETE"]),
-        Route("/v1/responses/{response_id}/cancel", stored_response, methods=["POST"]),
+        *response_routes(serving.store, authorize),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/workers", workers, methods=["GET"]),
         Route("/tokenize", tokenize, methods=["POST"]),
@@ -213,7 +216,13 @@ def build_app(params: GatewayParams) -> Starlette:
         finally:
             await params.backend.stop()
 
-    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={
+    middleware = []
+    if params.allowed_origins:
+        # A preflight (OPTIONS) is answered here, before the key check: browsers send it without one.
+        # Credentials stay off: the API key travels in a header the page sets, never in a cookie.
+        middleware.append(Middleware(CORSMiddleware, allow_origins=params.allowed_origins,
+                                     allow_methods=["GET", "POST", "DELETE"], allow_headers=["*"], max_age=600))
+    app = Starlette(routes=routes, lifespan=lifespan, middleware=middleware, exception_handlers={
         APIError: on_api_error, HTTPException: on_http_error, Exception: on_unexpected})
     app.state.metrics = metrics
     app.state.serving = serving

@@ -66,7 +66,8 @@ _BODIES = {
             "type": {"const": "function"}, "function": {"type": "object", "properties": {"name": {"type": "string"}}}}}]},
         "include_reasoning": {"type": "boolean"},  # vLLM's: False drops what a reasoning parser splits off
         "echo": {"type": "boolean"}}},  # vLLM's: the reply starts with the assistant message it continues
-    # the Responses API, stateless (gateway/responses_request.py): read as the chat request it amounts to
+    # the Responses API (gateway/responses_request.py): read as the chat request it amounts to, after the
+    # stored chain previous_response_id names (gateway/response_store.py)
     "responses": {"required": ["input"], "properties": {
         **{k: v for k, v in _SAMPLING.items() if k not in ("max_tokens", "n", "stream_options", "prompt_logprobs",
                                                            "response_format")},
@@ -88,7 +89,8 @@ _BODIES = {
             "type": {"enum": ["text", "json_object", "json_schema"]}, "name": {"type": "string"},
             "schema": {"type": "object"}, "strict": {"type": "boolean"}}}}},
         "metadata": {"type": "object", "maxProperties": 16, "additionalProperties": {"type": "string"}},
-        "store": {"type": "boolean"}, "include_reasoning": {"type": "boolean"}}},
+        "store": {"type": "boolean"}, "previous_response_id": {"type": "string"},
+        "include_reasoning": {"type": "boolean"}}},
     "tokenize": {"properties": {"model": {"type": "string"}, "prompt": {"type": "string"}, "messages": _MESSAGES,
                                 **_TEMPLATE, "tools": _TOOLS, "add_special_tokens": {"type": "boolean"},
                                 "return_token_strs": {"type": "boolean"}}},
@@ -108,6 +110,18 @@ def _get(summary: str) -> dict:
     return {"get": {"summary": summary, "responses": {"200": {"description": "OK"}}}}
 
 
+_RESPONSE_ID = {"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}
+_INPUT_ITEMS_QUERY = [{"name": "after", "in": "query", "schema": {"type": "string"}},
+                      {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1, "maximum": 100}},
+                      {"name": "order", "in": "query", "schema": {"enum": ["asc", "desc"]}}]
+
+
+def _stored(method: str, summary: str, query: list[dict] = ()) -> dict:
+    return {method: {"summary": summary, "parameters": [_RESPONSE_ID, *query],
+                     "responses": {"200": {"description": "OK", "content": _JSON}, "400": _ERROR, "401": _ERROR,
+                                   "404": _ERROR}}}
+
+
 def openapi_spec() -> dict:
     return {
         "openapi": "3.1.0",
@@ -116,7 +130,13 @@ def openapi_spec() -> dict:
         "paths": {
             "/v1/completions": _post("Text completion (OpenAI compatible)", "completion"),
             "/v1/chat/completions": _post("Chat completion (OpenAI compatible)", "chat"),
-            "/v1/responses": _post("Responses API, stateless: the conversation comes whole in input", "responses"),
+            "/v1/responses": _post("Responses API: the conversation is input, after a stored previous response's",
+                                   "responses"),
+            "/v1/responses/{response_id}": {**_stored("get", "A stored response"),
+                                            **_stored("delete", "Delete a stored response")},
+            "/v1/responses/{response_id}/input_items": _stored("get", "A stored response's input items, a page",
+                                                               _INPUT_ITEMS_QUERY),
+            "/v1/responses/{response_id}/cancel": _stored("post", "Cancel a background response (none run here)"),
             "/v1/models": _get("Served models"),
             "/v1/workers": _get("Registered prefill and decode workers"),
             "/tokenize": _post("Prompt or messages to token ids", "tokenize"),

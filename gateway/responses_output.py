@@ -12,12 +12,15 @@ added, deltas (output_text / reasoning_text / function_call_arguments), their do
 output_item.done; then response.completed, or response.incomplete when max_output_tokens cut it
 (``incomplete_details.reason``). A failure mid-stream is an ``error`` event and response.failed.
 The whole answer is the same reading of the whole text as one delta, so both forms always agree.
+Whichever way it ends (completed, incomplete or failed), the finished Response goes to ``on_done``:
+the store keeps it there.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 
 from .chat_output import ChatOutput, ChatShape
 from .choice import ChoiceDelta, ChoiceState
@@ -29,7 +32,7 @@ from .tokenizer import Tokenizer
 _PREFIXES = {"message": "msg_", "reasoning": "rs_", "function_call": "fc_"}
 
 
-def _new_id(prefix: str) -> str:
+def new_id(prefix: str) -> str:
     return prefix + uuid.uuid4().hex
 
 
@@ -38,7 +41,8 @@ class ResponseBuilder:
     ``failure``, each the SSE frames of its events; whole: ``whole``."""
 
     def __init__(self, rid: str, model: str, echo: dict, shape: ChatShape, fmt: LogprobFormatter,
-                 tokenizer: Tokenizer) -> None:
+                 tokenizer: Tokenizer, on_done: Callable[[dict], object] | None = None) -> None:
+        self._on_done = on_done
         self._head = {"id": rid, "object": "response", "created_at": int(time.time()), "model": model, **echo}
         self._chat = ChatOutput(shape)
         self._fmt = fmt
@@ -111,12 +115,20 @@ class ResponseBuilder:
             "output_tokens_details": {"reasoning_tokens": len(self._tok.encode(reasoning, add_special_tokens=False))
                                       if reasoning else 0},
         }
-        return events + [self._event(f"response.{self._status}", response=self.body())]
+        return events + [self._event(f"response.{self._status}", response=self._done())]
 
     def _fail(self, e: APIError) -> list[dict]:
-        self._status, self._error = "failed", {"code": e.code or "server_error", "message": e.message}
+        # response.error.code is one of OpenAI's fixed codes; the error event carries the specific one
+        code = "invalid_prompt" if e.status < 500 else "server_error"
+        self._status, self._error = "failed", {"code": code, "message": e.message}
         return [self._event("error", code=e.code, message=e.message, param=e.param),
-                self._event("response.failed", response=self.body())]
+                self._event("response.failed", response=self._done())]
+
+    def _done(self) -> dict:
+        body = self.body()
+        if self._on_done is not None:
+            self._on_done(body)
+        return body
 
     # ---- output items ----
     def _write(self, kind: str, text: str, logprobs: list[dict] = ()) -> list[dict]:
@@ -148,7 +160,7 @@ class ResponseBuilder:
         return events
 
     def _add(self, kind: str, **fields) -> list[dict]:
-        item = {"id": _new_id(_PREFIXES[kind]), "type": kind, "status": "in_progress"}
+        item = {"id": new_id(_PREFIXES[kind]), "type": kind, "status": "in_progress"}
         if kind == "message":
             item.update(role="assistant", content=[])
             part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}

@@ -1,14 +1,16 @@
 """A Responses API request (``POST /v1/responses``) read as the chat request it amounts to.
 
-Stateless, as vLLM serves it without a store: the whole conversation comes in ``input``, and nothing
-is kept after the answer. Translated field by field, then checked by the chat parser itself, so both
-endpoints accept and refuse the same things:
+The conversation is ``input``, after the items of the stored chain ``previous_response_id`` names
+(gateway/response_store.py; a missing one is a 404). Translated field by field, then checked by the
+chat parser itself, so both endpoints accept and refuse the same things:
 
     input                a string: one user message. A list of items: messages keep their role
                          (developer -> system, the role chat templates know) and text content;
                          function_call items become the assistant's tool_calls, function_call_output
                          items tool messages; reasoning items are dropped (templates drop past reasoning)
-    instructions         a system message before the input
+    instructions         a system message before the conversation (a previous response's are not
+                         carried over, as in OpenAI's)
+    store                keep the answer (the default) where the gateway's store is on
     max_output_tokens    max_completion_tokens
     tools                flat function tools -> chat's {"type": "function", "function": {...}}
     tool_choice          the same choice; {"type": "function", "name": f} names f
@@ -17,8 +19,8 @@ endpoints accept and refuse the same things:
                          ["message.output_text.logprobs"] alone: without alternatives)
     temperature, top_p, parallel_tool_calls, stream, and vLLM's sampling extras: as they are
 
-Refused with a 400 naming the field: previous_response_id and conversation (nothing is stored),
-background, content other than text, tools other than functions.
+Refused with a 400 naming the field: conversation (no Conversations API), background, content other
+than text, tools other than functions.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from dataclasses import dataclass
 from .errors import APIError, bad_request
 from .openai_request import MAX_LOGPROBS, ParsedRequest, parse_chat
 from .request_fields import Fields
+from .response_store import ResponseStore
+from .responses_output import new_id
 
 # vLLM's sampling fields beyond OpenAI's, taken by /v1/responses as by chat.
 PASSED_THROUGH = ("model", "temperature", "top_p", "parallel_tool_calls", "stream", "user", "seed", "top_k", "min_p",
@@ -43,21 +47,29 @@ MAX_METADATA_VALUE_CHARS = 512
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 
 
+_ITEM_PREFIXES = {"message": "msg_", "function_call": "fc_", "function_call_output": "fco_", "reasoning": "rs_"}
+
+
 @dataclass(slots=True)
 class ResponsesRequest:
     parsed: ParsedRequest  # the chat request it amounts to
     echo: dict  # the request's settings, as a Response object repeats them
+    input_items: list[dict]  # its own input as items with ids (what the store lists for it)
+    store: bool  # keep the answer
 
 
-def parse_responses(body, tool_call_parser: str | None = None) -> ResponsesRequest:
+def parse_responses(body, tool_call_parser: str | None = None, store: ResponseStore | None = None) -> ResponsesRequest:
     f = Fields(body)
-    for name, why in (("previous_response_id", "this server stores no responses: send the whole conversation "
-                                                "in input"),
-                      ("conversation", "this server stores no conversations: send the whole conversation in input")):
-        if f.has(name):
-            raise bad_request(f"{name} is not supported: {why}", name)
+    if f.has("conversation"):
+        raise bad_request("conversation is not supported: this server has no Conversations API (send the "
+                          "conversation in input, or go on from a stored response with previous_response_id)",
+                          "conversation")
     if f.bool("background", False):
-        raise bad_request("background responses are not supported: this server stores no responses", "background")
+        raise bad_request("background responses are not supported: every response is answered while its "
+                          "request waits", "background")
+    previous_id = f.str("previous_response_id", None)
+    earlier = _earlier_items(previous_id, store) if previous_id is not None else []
+    keep = f.bool("store", True) and store is not None and store.enabled
     max_output_tokens = f.int("max_output_tokens", None, lo=1)
     top_logprobs = f.int("top_logprobs", None, lo=0, hi=MAX_LOGPROBS)
     if top_logprobs is None and LOGPROBS_INCLUDE in _include(f.raw("include")):
@@ -66,7 +78,9 @@ def parse_responses(body, tool_call_parser: str | None = None) -> ResponsesReque
     tool_choice = _tool_choice(f.raw("tool_choice"))
     text_format = _text_format(f.object("text"))
     chat = {name: body[name] for name in PASSED_THROUGH if name in body}
-    chat["messages"] = _instructions(f.str("instructions", None)) + _messages(f.raw("input"))
+    own = _messages(f.raw("input"))  # checked alone first, so that its errors name its own items
+    items = _as_items(f.raw("input"))
+    chat["messages"] = _instructions(f.str("instructions", None)) + (_messages(earlier + items) if earlier else own)
     if max_output_tokens is not None:
         chat["max_completion_tokens"] = max_output_tokens
     if top_logprobs is not None:
@@ -90,10 +104,56 @@ def parse_responses(body, tool_call_parser: str | None = None) -> ResponsesReque
         "metadata": _metadata(f.raw("metadata")), "parallel_tool_calls": f.bool("parallel_tool_calls", True),
         "temperature": f.raw("temperature", 1.0), "top_p": f.raw("top_p", 1.0), "top_logprobs": top_logprobs,
         "tool_choice": f.raw("tool_choice", "auto"), "tools": tools or [], "text": {"format": text_format},
-        "user": parsed.user, "reasoning": f.raw("reasoning"), "previous_response_id": None, "store": False,
-        "truncation": "disabled",
+        "user": parsed.user, "reasoning": f.raw("reasoning"), "previous_response_id": previous_id,
+        "store": keep, "truncation": "disabled",
     }
-    return ResponsesRequest(parsed, echo)
+    return ResponsesRequest(parsed, echo, items, keep)
+
+
+def _earlier_items(previous_id: str, store: ResponseStore | None) -> list[dict]:
+    if store is None or not store.enabled:
+        raise bad_request("previous_response_id needs the response store, which is off on this server "
+                          "(gateway.responses_store_mb is 0): send the whole conversation in input",
+                          "previous_response_id")
+    earlier = store.conversation(previous_id)
+    if isinstance(earlier, str):
+        gone = "" if earlier == previous_id else f" (an earlier response of its chain, {earlier[:100]!r}, is not)"
+        raise APIError(404, f"Previous response with id {previous_id[:100]!r} not found{gone}: responses are kept "
+                            "in the memory of the gateway that answered them, the least recently used "
+                            "dropped first", param="previous_response_id", code="previous_response_not_found")
+    return earlier
+
+
+def _as_items(given) -> list[dict]:
+    """The input (already checked) as OpenAI's item objects, as the store lists them and a continuation
+    reads them back: a string is one user message, text content a list of parts, each item has an id and
+    a status, and nothing the client added beyond the item's own fields is kept."""
+    if isinstance(given, str):
+        given = [{"role": "user", "content": given}]
+    items = []
+    for item in given:
+        kind = item.get("type", "message")
+        done = {"id": item["id"] if isinstance(item.get("id"), str) else new_id(_ITEM_PREFIXES[kind]),
+                "type": kind, "status": "completed"}
+        if kind == "message":
+            done["role"] = item["role"]
+            texts = [item["content"]] if isinstance(item["content"], str) else [p["text"] for p in item["content"]]
+            done["content"] = ([{"type": "output_text", "text": t, "annotations": []} for t in texts]
+                               if item["role"] == "assistant" else [{"type": "input_text", "text": t} for t in texts])
+        elif kind == "function_call":
+            done.update(call_id=item["call_id"], name=item["name"], arguments=item["arguments"])
+        elif kind == "function_call_output":
+            done.update(call_id=item["call_id"], output=_text(item["output"], "output"))
+        else:  # reasoning: its text parts, where given as such
+            done.update(summary=_parts(item.get("summary"), "summary_text"), content=_parts(item.get("content"),
+                                                                                            "reasoning_text"))
+        items.append(done)
+    return items
+
+
+def _parts(given, kind: str) -> list[dict]:
+    parts = given if isinstance(given, list) else []
+    return [{"type": kind, "text": p["text"]} for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str)]
 
 
 def _include(include) -> list[str]:

@@ -31,6 +31,7 @@ from .generation import Generation
 from .metrics import GatewayMetrics
 from .openai_request import ParsedRequest, parse_chat, parse_completion, resolve_max_tokens, truncate_prompt
 from .reasoning import END as REASONING_END, prompt_opens_reasoning
+from .response_store import ResponseStore
 from .responses import ChunkBuilder, LogprobFormatter, ResponseOptions, chat_body, completion_body, usage
 from .responses_output import ResponseBuilder
 from .responses_request import ResponsesRequest, parse_responses
@@ -51,8 +52,10 @@ class ServingLimits:
 
 class OpenAIServing:
     def __init__(self, tokenizer: Tokenizer, backend: Backend, limits: ServingLimits,
-                 metrics: GatewayMetrics, parsers: ChatParsers = ChatParsers()) -> None:
+                 metrics: GatewayMetrics, parsers: ChatParsers = ChatParsers(),
+                 store: ResponseStore | None = None) -> None:
         self._tok = tokenizer
+        self.store = store if store is not None else ResponseStore(0)  # the Responses API's; also read by the routes that show it
         self._parsers = parsers
         self._backend = backend
         self._limits = limits
@@ -68,7 +71,7 @@ class OpenAIServing:
 
     async def responses(self, request: Request, body) -> object:
         """The Responses API: the chat request it amounts to, answered as a Response (responses_output)."""
-        asked = parse_responses(body, self._parsers.tool_calls)
+        asked = parse_responses(body, self._parsers.tool_calls, self.store)
         return await self._serve(request, asked.parsed, chat=True, responses=asked)
 
     def tokenize_prompt(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
@@ -130,7 +133,10 @@ class OpenAIServing:
             await self._close(generation, arrival, "aborted")
             return JSONResponse({}, status_code=499)  # the client left; nobody reads this
         model, created, fmt = self._limits.model_name, int(time.time()), self._formats[p.tokens_as_ids]
-        builder = ResponseBuilder(rid, model, responses.echo, shape, fmt, self._tok) if responses else None
+        builder = None
+        if responses is not None:
+            keep = (lambda body: self.store.put(body, responses.input_items)) if responses.store else None
+            builder = ResponseBuilder(rid, model, responses.echo, shape, fmt, self._tok, keep)
         if p.stream:
             out = builder or ChunkBuilder(rid, created, model, chat, fmt, opts, len(generation.states),
                                           p.include_usage, p.continuous_usage)

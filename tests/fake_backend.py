@@ -187,8 +187,9 @@ API_KEYS = ["key-one", "key-two"]
 
 
 def make_gateway(tokenizer_dir: Path, max_model_len: int = 64, max_body_bytes: int = 1 << 16, registry=None,
-                 request_timeout_s: float | None = None, chat_parsers=None):
-    """The app over a FakeBackend answering OUTPUT_TEXT; returns (app, backend)."""
+                 request_timeout_s: float | None = None, **params_given):
+    """The app over a FakeBackend answering OUTPUT_TEXT; returns (app, backend). ``params_given``: other
+    GatewayParams fields (chat_parsers, response_store, allowed_origins)."""
     from gateway.app import GatewayParams, build_app
     from gateway.serving import ServingLimits
     from gateway.tokenizer import Tokenizer
@@ -199,8 +200,8 @@ def make_gateway(tokenizer_dir: Path, max_model_len: int = 64, max_body_bytes: i
                            retry_after_s=3, request_timeout_s=request_timeout_s)
     params = GatewayParams(tokenizer, backend, limits, api_keys=list(API_KEYS), max_body_bytes=max_body_bytes,
                            registry=registry)
-    if chat_parsers is not None:
-        params.chat_parsers = chat_parsers
+    for name, value in params_given.items():
+        setattr(params, name, value)
     return build_app(params), backend
 
 

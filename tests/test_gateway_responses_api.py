@@ -1,10 +1,11 @@
-"""The Responses API (POST /v1/responses, stateless), read by the stock openai client in strict mode.
+"""The Responses API (POST /v1/responses and its store), read by the stock openai client in strict mode.
 
 Expectations: the prompt is transformers' apply_chat_template of the chat messages the input amounts to;
 the output is the fake backend's generated text (its token ids decoded by transformers), split into
 reasoning, message and function_call items as the configured parsers read it; streamed events add up to
 the whole answer, in OpenAI's order, numbered without gaps; usage counts the backend's tokens; malformed
-fields are a 400 naming the field the client sent."""
+fields are a 400 naming the field the client sent; a stored response reads back as it was answered, and
+a continuation's prompt is the template of the whole chain's messages."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import openai
 import pytest
 
 from gateway.chat_output import ChatParsers
+from gateway.response_store import ResponseStore
 from tests.fake_backend import API_KEYS, MODEL, OUTPUT_TEXT, FakeBackend, live_gateway, make_test_tokenizer
 
 # Tool roles and calls rendered; the thinking opened only where chat_template_kwargs ask for it.
@@ -88,7 +90,7 @@ def test_the_answer_whole_and_streamed(client, backend, hf_tok):
     assert r.id.startswith("resp_") and r.object == "response" and r.model == MODEL
     assert r.output_text == OUTPUT_TEXT == hf_tok.decode(backend.output_ids)
     assert [(o.type, o.role, o.status) for o in r.output] == [("message", "assistant", "completed")]
-    assert r.temperature == 0.5 and r.metadata == {"k": "v"} and r.store is False and r.tools == []
+    assert r.temperature == 0.5 and r.metadata == {"k": "v"} and r.store is True and r.tools == []
     assert backend.received[-1].sampling.temperature == 0.5
     prompt = backend.received[-1].prompt_token_ids
     assert (r.usage.input_tokens, r.usage.output_tokens, r.usage.total_tokens) == (
@@ -214,7 +216,6 @@ def test_a_failure_mid_stream_is_an_error_event_then_response_failed(live, backe
 
 
 @pytest.mark.parametrize("extra, param", [
-    ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"conversation": "conv_1"}, "conversation"),
     ({"background": True}, "background"),
     ({"input": []}, "input"),
@@ -240,15 +241,127 @@ def test_malformed_fields_are_a_400_naming_the_field(live, backend, extra, param
     assert backend.received == []
 
 
-def test_nothing_is_stored_to_retrieve_delete_or_cancel(client, live):
-    r = client.responses.create(model=MODEL, input="Hi")
-    with pytest.raises(openai.NotFoundError, match="stores no responses"):
-        client.responses.retrieve(r.id)
-    with pytest.raises(openai.NotFoundError, match="stores no responses"):
-        client.responses.delete(r.id)
-    with pytest.raises(openai.NotFoundError, match="stores no responses"):
+def test_a_stored_response_reads_back_lists_its_input_and_is_deleted(client, live, backend):
+    items = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
+             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Weather?"}]}]
+    r = client.responses.create(model=MODEL, input=items, instructions="Be brief.", metadata={"k": "v"})
+    assert client.responses.retrieve(r.id).model_dump() == r.model_dump()
+    listed = client.responses.input_items.list(r.id, order="asc")
+    assert [(i.role, [(c.type, c.text) for c in i.content]) for i in listed.data] == [
+        ("user", [("input_text", "Hi")]), ("assistant", [("output_text", "Hello!")]),
+        ("user", [("input_text", "Weather?")])]  # the instructions are not an item, as in OpenAI's
+    ids = [i.id for i in listed.data]
+    assert all(i.startswith("msg_") for i in ids) and len(set(ids)) == 3
+    assert (listed.first_id, listed.last_id, listed.has_more) == (ids[0], ids[-1], False)
+    assert [i.id for i in client.responses.input_items.list(r.id).data] == ids[::-1]  # "desc" by default
+    pages = client.responses.input_items.list(r.id, order="asc", limit=1)
+    assert [i.id for i in pages] == ids and pages.has_more  # the SDK follows "after" page by page
+    for query, param in (({"limit": 0}, "limit"), ({"limit": 101}, "limit"), ({"order": "up"}, "order"),
+                         ({"after": "msg_nope"}, "after")):
+        bad = httpx.get(f"{live.base_url}/v1/responses/{r.id}/input_items", params=query, headers=HEADERS)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == param
+    with pytest.raises(openai.BadRequestError, match="Only background responses can be cancelled"):
         client.responses.cancel(r.id)
     assert httpx.get(f"{live.base_url}/v1/responses/{r.id}").status_code == 401  # the key is checked first
+    gone = httpx.delete(f"{live.base_url}/v1/responses/{r.id}", headers=HEADERS)
+    assert gone.json() == {"id": r.id, "object": "response", "deleted": True}
+    for call in (client.responses.retrieve, client.responses.delete, client.responses.input_items.list):
+        with pytest.raises(openai.NotFoundError, match="was not stored, was deleted, or was dropped"):
+            call(r.id)
+    assert len(backend.received) == 1
+
+
+def test_previous_response_id_goes_on_from_the_stored_chain(client, backend, answering, hf_tok):
+    answering("It is sunny.")
+    first = client.responses.create(model=MODEL, input="Weather in Paris?", instructions="Be brief.")
+    second = client.responses.create(model=MODEL, input="And Rome?", previous_response_id=first.id)
+    assert second.previous_response_id == first.id and second.instructions is None
+    conversation = [{"role": "user", "content": "Weather in Paris?"}, {"role": "assistant", "content": first.output_text},
+                    {"role": "user", "content": "And Rome?"}]
+    assert backend.received[-1].prompt_token_ids == hf_ids(hf_tok, conversation)  # instructions are not carried over
+    client.responses.create(model=MODEL, input=[{"role": "user", "content": "Thanks"}], instructions="In French.",
+                            previous_response_id=second.id)
+    assert backend.received[-1].prompt_token_ids == hf_ids(hf_tok, [
+        {"role": "system", "content": "In French."}, *conversation, {"role": "assistant", "content": second.output_text},
+        {"role": "user", "content": "Thanks"}])
+    # the agent loop: a call in one response, its output in the next request; past reasoning is dropped
+    answering('Think.</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>')
+    called = client.responses.create(model=MODEL, input="Weather?", tools=TOOLS, extra_body=THINKING)
+    assert [o.type for o in called.output] == ["reasoning", "function_call"]
+    call = called.output[-1]
+    client.responses.create(model=MODEL, previous_response_id=called.id, tools=TOOLS, input=[
+        {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}])
+    assert backend.received[-1].prompt_token_ids == hf_ids(hf_tok, [
+        {"role": "user", "content": "Weather?"}, {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call.call_id, "type": "function", "function": {"name": "get_weather", "arguments": call.arguments}}]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": "sunny"}])
+
+
+def test_streamed_and_failed_responses_are_stored_and_store_false_is_not(client, live, backend):
+    events = events_of(client, input="Hi")
+    final = events[-1].response
+    assert final.store is True and client.responses.retrieve(final.id).model_dump() == final.model_dump()
+    kept = client.responses.create(model=MODEL, input="Hi", store=False)
+    assert kept.store is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(kept.id)
+    backend.error_after_tokens = 3
+    failed = events_of(client, input="Hi")[-1].response
+    stored = client.responses.retrieve(failed.id)
+    assert stored.status == "failed" and stored.error.message == failed.error.message
+
+
+def test_a_previous_response_that_is_not_stored_is_a_404_and_nothing_runs(client, live, backend):
+    for missing in ("resp_nope", client.responses.create(model=MODEL, input="Hi", store=False).id):
+        r = httpx.post(live.base_url + "/v1/responses", headers=HEADERS,
+                       json={"model": MODEL, "input": "Hi", "previous_response_id": missing})
+        assert r.status_code == 404, r.text
+        assert (r.json()["error"]["param"], r.json()["error"]["code"]) == ("previous_response_id",
+                                                                            "previous_response_not_found")
+    assert len(backend.received) == 1
+
+
+def test_with_the_store_off_nothing_is_kept_and_a_continuation_is_a_400(tok_dir):
+    with live_gateway(tok_dir, max_model_len=1024, response_store=ResponseStore(0)) as server:
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key=API_KEYS[0], max_retries=0,
+                               _strict_response_validation=True)
+        r = client.responses.create(model=MODEL, input="Hi")  # store defaults to true: not honoured, and said so
+        assert r.store is False
+        with pytest.raises(openai.NotFoundError, match="stores no responses"):
+            client.responses.retrieve(r.id)
+        with pytest.raises(openai.BadRequestError, match="responses_store_mb is 0") as e:
+            client.responses.create(model=MODEL, input="Hi", previous_response_id=r.id)
+        assert e.value.body["param"] == "previous_response_id"
+
+
+def _body(rid: str, previous: str | None = None, text: str = "") -> dict:
+    return {"id": rid, "previous_response_id": previous, "status": "completed",
+            "output": [{"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": text}]}]}
+
+
+def test_the_store_drops_the_least_recently_used_past_its_budget_and_walks_chains():
+    one = len(json.dumps([_body("resp_a"), []]))  # every body below is this size: ids of one length
+    store = ResponseStore(3 * one)
+    for rid in ("resp_a", "resp_b", "resp_c"):
+        assert store.put(_body(rid), [])
+    assert store.get("resp_a") is not None  # used: b is now the least recently used
+    assert store.put(_body("resp_d"), [])
+    assert [rid for rid in ("resp_a", "resp_b", "resp_c", "resp_d") if store.get(rid)] == ["resp_a", "resp_c", "resp_d"]
+    assert store.num_bytes == 3 * one and len(store) == 3
+    assert not store.put(_body("resp_e", text="x" * (3 * one)), [])  # larger than the budget: not kept, none evicted
+    assert len(store) == 3
+
+    chain = ResponseStore(1 << 20)
+    question = {"type": "message", "role": "user", "id": "msg_q", "content": [{"type": "input_text", "text": "q"}]}
+    chain.put(_body("resp_1", text="one"), [question])
+    chain.put(_body("resp_2", "resp_1", text="two"), [])
+    chain.put(_body("resp_3", "resp_2", text="three"), [question])
+    assert [item.get("content")[0]["text"] for item in chain.conversation("resp_3")] == ["q", "one", "two", "q", "three"]
+    chain.delete("resp_1")
+    assert chain.conversation("resp_3") == "resp_1"  # the first response of the chain that is gone
+    for rid in ("resp_2", "resp_3"):
+        assert chain.delete(rid)
+    assert (len(chain), chain.num_bytes) == (0, 0)
 
 
 def test_an_unknown_model_and_a_missing_key_are_refused_as_in_chat(live):

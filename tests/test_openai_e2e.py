@@ -126,7 +126,8 @@ def test_chat_greedy_equals_engine_on_the_chat_template(client, reference, hf_to
     wait_idle(cluster)
 
 
-def test_responses_api_greedy_equals_engine_on_the_chat_template(client, reference, hf_tok, cluster):
+def test_responses_api_greedy_equals_engine_on_the_chat_template_and_goes_on_from_a_stored_answer(
+        client, reference, hf_tok, cluster):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me about foxes."}]
     ids = list(hf_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
     [expected] = engine_output(reference, ids, temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2)
@@ -142,6 +143,14 @@ def test_responses_api_greedy_equals_engine_on_the_chat_template(client, referen
                                           extra_body={"ignore_eos": True}))
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == text
     assert events[-1].type == "response.incomplete" and events[-1].response.usage.total_tokens == len(ids) + 8
+    # going on from the stored response: the prompt is the whole conversation's template
+    messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "And wolves?"}]
+    ids = list(hf_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+    [expected] = engine_output(reference, ids, temperature=0.0, max_tokens=8, ignore_eos=True)
+    after = client.responses.create(model=MODEL, instructions="Be brief.", input="And wolves?", previous_response_id=r.id,
+                                    max_output_tokens=8, temperature=0.0, extra_body={"ignore_eos": True})
+    assert after.output_text == reference.tokenizer.decode(expected.token_ids) and after.usage.input_tokens == len(ids)
+    assert client.responses.retrieve(after.id).output_text == after.output_text
     wait_idle(cluster)
 
 

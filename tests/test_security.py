@@ -55,8 +55,9 @@ def protected_routes(cluster) -> list[tuple[str, str]]:
     return routes
 
 
-def call(cluster, method: str, path: str, headers: dict) -> httpx.Response:
-    return httpx.request(method, cluster.url + path, json=BODIES.get(path), headers=headers, timeout=60)
+def call(cluster, method: str, path: str, headers: dict, response_id: str = "resp_none") -> httpx.Response:
+    url = cluster.url + path.replace("{response_id}", response_id)  # the routes of a stored response
+    return httpx.request(method, url, json=BODIES.get(path), headers=headers, timeout=60)
 
 
 def test_every_protected_route_needs_a_key(cluster):
@@ -69,8 +70,13 @@ def test_every_protected_route_needs_a_key(cluster):
             assert response.json()["error"]["type"] == "authentication_error"
             assert KEYS[0] not in response.text  # the key is never echoed
         for key in KEYS:  # each configured key works
-            response = call(cluster, method, path, {"Authorization": f"Bearer {key}"})
-            assert response.status_code == 200, (method, path, response.text)
+            auth = {"Authorization": f"Bearer {key}"}
+            stored = call(cluster, "POST", "/v1/responses", auth).json()["id"] if "{response_id}" in path else ""
+            response = call(cluster, method, path, auth, stored)
+            if path.endswith("/cancel"):  # past the key: only background responses can be cancelled
+                assert response.status_code == 400 and "Only background" in response.json()["error"]["message"]
+            else:
+                assert response.status_code == 200, (method, path, response.text)
 
 
 def test_health_metrics_and_docs_stay_open(cluster):
