@@ -99,6 +99,8 @@ def build_app(params: GatewayParams) -> Starlette:
     serving = OpenAIServing(params.tokenizer, params.backend, params.limits, metrics, params.chat_parsers,
                             params.response_store)
     keys = ApiKeys(params.api_keys)
+    metrics.stored_responses.set_function(lambda: len(serving.store))
+    metrics.stored_responses_bytes.set_function(lambda: serving.store.num_bytes)
     limits = params.limits
     started = int(time.time())
 

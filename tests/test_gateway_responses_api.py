@@ -49,6 +49,11 @@ def hf_ids(hf_tok, messages, **kwargs) -> list[int]:
                                            **kwargs))
 
 
+def metric(live, name: str) -> float:
+    lines = httpx.get(live.base_url + "/metrics").text.splitlines()
+    return float(next(line.split()[1] for line in lines if line.startswith(name + " ")))
+
+
 def events_of(client, **kwargs) -> list:
     return list(client.responses.create(model=MODEL, stream=True, **kwargs))
 
@@ -263,7 +268,10 @@ def test_a_stored_response_reads_back_lists_its_input_and_is_deleted(client, liv
     with pytest.raises(openai.BadRequestError, match="Only background responses can be cancelled"):
         client.responses.cancel(r.id)
     assert httpx.get(f"{live.base_url}/v1/responses/{r.id}").status_code == 401  # the key is checked first
+    held = metric(live, "pdserve:stored_responses")
+    assert held >= 1 and metric(live, "pdserve:stored_responses_bytes") > 0
     gone = httpx.delete(f"{live.base_url}/v1/responses/{r.id}", headers=HEADERS)
+    assert metric(live, "pdserve:stored_responses") == held - 1
     assert gone.json() == {"id": r.id, "object": "response", "deleted": True}
     for call in (client.responses.retrieve, client.responses.delete, client.responses.input_items.list):
         with pytest.raises(openai.NotFoundError, match="was not stored, was deleted, or was dropped"):
