@@ -29,6 +29,7 @@ from .errors import APIError, bad_request
 from .metrics import CONTENT_TYPE, GatewayMetrics
 from .openapi import openapi_spec
 from .registry import WorkerRegistry
+from .request_id import RequestIdEcho
 from .request_fields import Fields
 from .response_routes import response_routes
 from .response_store import ResponseStore
@@ -224,6 +225,7 @@ def build_app(params: GatewayParams) -> Starlette:
         # Credentials stay off: the API key travels in a header the page sets, never in a cookie.
         middleware.append(Middleware(CORSMiddleware, allow_origins=params.allowed_origins,
                                      allow_methods=["GET", "POST", "DELETE"], allow_headers=["*"], max_age=600))
+    middleware.append(Middleware(RequestIdEcho, error_response=error_response))
     app = Starlette(routes=routes, lifespan=lifespan, middleware=middleware, exception_handlers={
         APIError: on_api_error, HTTPException: on_http_error, Exception: on_unexpected})
     app.state.metrics = metrics

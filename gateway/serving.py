@@ -31,6 +31,7 @@ from .generation import Generation
 from .metrics import GatewayMetrics
 from .openai_request import ParsedRequest, parse_chat, parse_completion, resolve_max_tokens, truncate_prompt
 from .reasoning import END as REASONING_END, prompt_opens_reasoning
+from .request_id import HEADER as REQUEST_ID_HEADER, client_request_id
 from .response_store import ResponseStore
 from .responses import ChunkBuilder, LogprobFormatter, ResponseOptions, chat_body, completion_body, usage
 from .responses_output import ResponseBuilder
@@ -117,8 +118,11 @@ class OpenAIServing:
         bad = [b.token_id for b in p.sampling["logit_bias"] if not self._tok.is_valid_id(b.token_id)]
         if bad:
             raise bad_request(f"logit_bias token id {bad[0]} is out of range [0, {self._tok.vocab_size})", "logit_bias")
-        rid = ("resp_" if responses else "chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        requests, states = self._fan_out(rid, p, prompts, chat, arrival)
+        given = None if responses else client_request_id(request.headers.get(REQUEST_ID_HEADER))
+        rid = ("resp_" if responses else "chatcmpl-" if chat else "cmpl-") + (given or uuid.uuid4().hex)
+        # the workers' ids: a client's id may be reused, so they get a nonce of their own
+        backend_rid = f"{rid}-{uuid.uuid4().hex[:8]}" if given else rid
+        requests, states = self._fan_out(backend_rid, p, prompts, chat, arrival)
         opts = ResponseOptions(p.logprobs, p.prompt_logprobs, p.n, self._echo_texts(p, prompts) if p.echo else None,
                                shape)
         generation = Generation(self._backend, requests, states, self._metrics, p.n)

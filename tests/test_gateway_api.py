@@ -349,3 +349,31 @@ def test_workers_lists_the_registry(live, backend):
                                  "load": {"num_running": 2, "num_waiting": 0, "queued_prefill_tokens": 0,
                                           "kv_blocks_in_use": 7, "kv_blocks_free": 57, "kv_blocks_total": 64}}]
     assert httpx.get(live.base_url + "/v1/workers").status_code == 401
+
+
+def test_x_request_id_names_the_answer_and_comes_back(client, live, backend):
+    headers = {"X-Request-Id": "trace-42"}
+    raw = client.completions.with_raw_response.create(model=MODEL, prompt="Hello", max_tokens=3, extra_headers=headers)
+    assert raw.headers["x-request-id"] == "trace-42" and raw.parse().id == "cmpl-trace-42"
+    client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, extra_headers=headers)
+    first, second = (r.request_id for r in backend.received)
+    assert first.startswith("cmpl-trace-42-") and second.startswith("cmpl-trace-42-") and first != second  # reused: a nonce
+    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+                                            stream=True, extra_headers=headers)
+    assert {chunk.id for chunk in stream} == {"chatcmpl-trace-42"}
+    answer = client.chat.completions.with_raw_response.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                                              max_tokens=3, extra_headers=headers)
+    assert answer.headers["x-request-id"] == "trace-42" and answer.parse().id == "chatcmpl-trace-42"
+    auth = {"Authorization": f"Bearer {API_KEYS[0]}"}
+    refused = httpx.post(live.base_url + "/v1/completions", json={"prompt": "Hi", "max_tokens": -1},
+                         headers={**auth, **headers})
+    assert refused.status_code == 400 and refused.headers["x-request-id"] == "trace-42"  # errors carry it too
+    plain = httpx.post(live.base_url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2},
+                       headers=auth)
+    assert "x-request-id" not in plain.headers and plain.json()["id"].startswith("cmpl-")
+    for bad in ("x" * 129, "two words", "caf\u00e9"):
+        r = httpx.post(live.base_url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2},
+                       headers={**auth, "X-Request-Id": bad.encode("latin-1")})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "X-Request-Id"
+        assert "x-request-id" not in r.headers
+    assert len(backend.received) == 5

@@ -309,7 +309,10 @@ def test_streamed_and_failed_responses_are_stored_and_store_false_is_not(client,
     events = events_of(client, input="Hi")
     final = events[-1].response
     assert final.store is True and client.responses.retrieve(final.id).model_dump() == final.model_dump()
+    traced = client.responses.with_raw_response.create(model=MODEL, input="Hi", extra_headers={"X-Request-Id": "t-1"})
+    assert traced.headers["x-request-id"] == "t-1" and traced.parse().id.startswith("resp_")  # the store's key: ours
     kept = client.responses.create(model=MODEL, input="Hi", store=False)
+
     assert kept.store is False
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(kept.id)
