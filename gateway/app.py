@@ -26,6 +26,7 @@ from .backend import Backend
 from .chat_output import ChatParsers
 from .chat_prompt import parse_chat_prompt
 from .errors import APIError, bad_request
+from .messages_output import anthropic_error
 from .metrics import CONTENT_TYPE, GatewayMetrics
 from .openapi import openapi_spec
 from .registry import WorkerRegistry
@@ -118,6 +119,21 @@ def build_app(params: GatewayParams) -> Starlette:
         authorize(request)
         return await serving.chat(request, await read_json(request, params.max_body_bytes))
 
+    def authorize_anthropic(request: Request) -> None:
+        """Anthropic's clients send the key bare in ``x-api-key``; a Bearer header works too."""
+        if not (keys.check_key(request.headers.get("x-api-key")) or
+                keys.check_header(request.headers.get("authorization"))):
+            raise APIError(401, "invalid or missing API key (expected 'x-api-key: <key>' or 'Authorization: "
+                                "Bearer <key>')", code="invalid_api_key")
+
+    async def messages(request: Request):
+        authorize_anthropic(request)
+        return await serving.messages(request, await read_json(request, params.max_body_bytes))
+
+    async def count_message_tokens(request: Request):
+        authorize_anthropic(request)
+        return JSONResponse(serving.count_message_tokens(await read_json(request, params.max_body_bytes)))
+
     async def responses(request: Request):
         authorize(request)
         return await serving.responses(request, await read_json(request, params.max_body_bytes))
@@ -179,13 +195,19 @@ def build_app(params: GatewayParams) -> Starlette:
     async def openapi(request: Request):
         return JSONResponse(openapi_spec())
 
-    generation_paths = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
+    generation_paths = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages")
+
+    def shaped(request: Request, e: APIError) -> JSONResponse:
+        """OpenAI's error JSON, or Anthropic's on its Messages routes (the body its clients read)."""
+        if request.url.path.startswith("/v1/messages"):
+            return JSONResponse(anthropic_error(e), status_code=e.status, headers=e.headers())
+        return error_response(e)
 
     async def on_api_error(request: Request, e: APIError):
         # 503 and generation failures are counted where they happen; here the requests refused up front
         if request.url.path in generation_paths and e.status < 500:
             metrics.requests.labels("invalid").inc()
-        return error_response(e)
+        return shaped(request, e)
 
     async def on_http_error(request: Request, e: HTTPException):
         code = "not_found" if e.status_code == 404 else None
@@ -194,12 +216,14 @@ def build_app(params: GatewayParams) -> Starlette:
 
     async def on_unexpected(request: Request, e: Exception):
         log.exception("unhandled error on %s", request.url.path)  # the trace goes to the log, never the client
-        return error_response(APIError(500, "internal server error", code="internal_error"))
+        return shaped(request, APIError(500, "internal server error", code="internal_error"))
 
     routes = [
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/responses", responses, methods=["POST"]),
+        Route("/v1/messages", messages, methods=["POST"]),
+        Route("/v1/messages/count_tokens", count_message_tokens, methods=["POST"]),
         *response_routes(serving.store, authorize),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/workers", workers, methods=["GET"]),

@@ -29,7 +29,15 @@ class ApiKeys:
             return True
         if not authorization or not authorization.startswith("Bearer "):
             return False
-        presented = _digest(authorization[len("Bearer "):].strip())
+        return self.check_key(authorization[len("Bearer "):].strip())
+
+    def check_key(self, key: str | None) -> bool:
+        """True for a known key given bare (Anthropic's clients send it so, in ``x-api-key``)."""
+        if not self.enabled:
+            return True
+        if not key:
+            return False
+        presented = _digest(key)
         ok = False
         for d in self._digests:
             ok |= hmac.compare_digest(presented, d)

@@ -52,6 +52,11 @@ class ChoiceState:
         return len(self.prompt_ids)
 
     @property
+    def stop_string(self) -> str | None:
+        """The stop string that ended the choice, if one did."""
+        return self._stop.matched
+
+    @property
     def is_finished(self) -> bool:
         return self.finish_reason is not None
 

@@ -53,6 +53,16 @@ _TOOLS = {"type": "array", "minItems": 1, "items": {"type": "object", "required"
 # vLLM's: how the chat template renders the messages (gateway/chat_prompt.py)
 _TEMPLATE = {"add_generation_prompt": {"type": "boolean"}, "continue_final_message": {"type": "boolean"},
              "chat_template_kwargs": {"type": "object"}}
+_ANTHROPIC_TEXT = {"oneOf": [{"type": "string"}, {"type": "array", "items": {
+    "type": "object", "required": ["type", "text"], "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}}]}
+_ANTHROPIC_MESSAGES = {"type": "array", "minItems": 1, "items": {"type": "object", "required": ["role", "content"],
+                                                                  "properties": {
+    "role": {"enum": ["user", "assistant"]}, "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": {
+        "type": "object", "required": ["type"], "properties": {
+            "type": {"enum": ["text", "tool_use", "tool_result", "thinking"]}, "text": {"type": "string"},
+            "id": {"type": "string"}, "name": {"type": "string"}, "input": {"type": "object"},
+            "tool_use_id": {"type": "string"}, "content": {"type": "string"}}}}]}}}}
+
 _BODIES = {
     "completion": {"required": ["prompt"], "properties": {
         **_SAMPLING, "prompt": _PROMPT, "logprobs": {"type": "integer", "minimum": 0},
@@ -91,6 +101,23 @@ _BODIES = {
         "metadata": {"type": "object", "maxProperties": 16, "additionalProperties": {"type": "string"}},
         "store": {"type": "boolean"}, "previous_response_id": {"type": "string"},
         "include_reasoning": {"type": "boolean"}}},
+    # Anthropic's Messages API (gateway/messages_request.py): read as the chat request it amounts to
+    "messages": {"required": ["model", "messages", "max_tokens"], "properties": {
+        **{k: v for k, v in _SAMPLING.items() if k not in ("max_tokens", "n", "stream_options", "prompt_logprobs",
+                                                           "response_format", "stop")},
+        "max_tokens": {"type": "integer", "minimum": 1}, "messages": _ANTHROPIC_MESSAGES, "system": _ANTHROPIC_TEXT,
+        "stop_sequences": {"type": "array", "items": {"type": "string"}},
+        "tools": {"type": "array", "items": {"type": "object", "required": ["name", "input_schema"], "properties": {
+            "name": {"type": "string", "minLength": 1}, "description": {"type": "string"},
+            "input_schema": {"type": "object"}}}},
+        "tool_choice": {"type": "object", "required": ["type"], "properties": {
+            "type": {"enum": ["auto", "any", "tool", "none"]}, "name": {"type": "string"},
+            "disable_parallel_tool_use": {"type": "boolean"}}},
+        "thinking": {"type": "object", "properties": {"type": {"enum": ["enabled", "disabled", "adaptive"]},
+                                                      "budget_tokens": {"type": "integer"}}},
+        "metadata": {"type": "object", "properties": {"user_id": {"type": "string"}}}}},
+    "count_tokens": {"required": ["model", "messages"], "properties": {
+        "model": {"type": "string"}, "messages": _ANTHROPIC_MESSAGES, "system": _ANTHROPIC_TEXT}},
     "tokenize": {"properties": {"model": {"type": "string"}, "prompt": {"type": "string"}, "messages": _MESSAGES,
                                 **_TEMPLATE, "tools": _TOOLS, "add_special_tokens": {"type": "boolean"},
                                 "return_token_strs": {"type": "boolean"}}},
@@ -132,6 +159,8 @@ def openapi_spec() -> dict:
             "/v1/chat/completions": _post("Chat completion (OpenAI compatible)", "chat"),
             "/v1/responses": _post("Responses API: the conversation is input, after a stored previous response's",
                                    "responses"),
+            "/v1/messages": _post("Anthropic's Messages API (the key in x-api-key or a Bearer header)", "messages"),
+            "/v1/messages/count_tokens": _post("Anthropic's count_tokens: the prompt's tokens", "count_tokens"),
             "/v1/responses/{response_id}": {**_stored("get", "A stored response"),
                                             **_stored("delete", "Delete a stored response")},
             "/v1/responses/{response_id}/input_items": _stored("get", "A stored response's input items, a page",

@@ -28,6 +28,8 @@ from .chat_prompt import ChatPrompt
 from .choice import ChoiceState
 from .errors import APIError, bad_request, no_capacity
 from .generation import Generation
+from .messages_output import MessageBuilder
+from .messages_request import parse_messages
 from .metrics import GatewayMetrics
 from .openai_request import ParsedRequest, parse_chat, parse_completion, resolve_max_tokens, truncate_prompt
 from .reasoning import END as REASONING_END, prompt_opens_reasoning
@@ -70,6 +72,16 @@ class OpenAIServing:
     async def chat(self, request: Request, body) -> object:
         return await self._serve(request, parse_chat(body, self._parsers.tool_calls), chat=True)
 
+    async def messages(self, request: Request, body) -> object:
+        """Anthropic's Messages API: the chat request it amounts to, answered as a Message (messages_output)."""
+        return await self._serve(request, parse_messages(body, self._parsers.tool_calls), chat=True, anthropic=True)
+
+    def count_message_tokens(self, body) -> dict:
+        """Anthropic's count_tokens: the prompt a Messages request would have (max_tokens is not needed)."""
+        p = parse_messages({**body, "max_tokens": 1} if isinstance(body, dict) else body, self._parsers.tool_calls)
+        self.check_model(p.model)
+        return {"input_tokens": len(self._tok.encode(self.render(p.chat_prompt), add_special_tokens=False))}
+
     async def responses(self, request: Request, body) -> object:
         """The Responses API: the chat request it amounts to, answered as a Response (responses_output)."""
         asked = parse_responses(body, self._parsers.tool_calls, self.store)
@@ -98,7 +110,7 @@ class OpenAIServing:
                                 f"`{self._limits.model_name}`", param="model", code="model_not_found")
 
     async def _serve(self, request: Request, p: ParsedRequest, chat: bool,
-                     responses: ResponsesRequest | None = None) -> object:
+                     responses: ResponsesRequest | None = None, anthropic: bool = False) -> object:
         arrival = time.monotonic()
         self.check_model(p.model)
         if self.num_in_flight >= self._limits.max_concurrent_requests or not self._backend.has_capacity():
@@ -119,7 +131,8 @@ class OpenAIServing:
         if bad:
             raise bad_request(f"logit_bias token id {bad[0]} is out of range [0, {self._tok.vocab_size})", "logit_bias")
         given = None if responses else client_request_id(request.headers.get(REQUEST_ID_HEADER))
-        rid = ("resp_" if responses else "chatcmpl-" if chat else "cmpl-") + (given or uuid.uuid4().hex)
+        prefix = "resp_" if responses else "msg_" if anthropic else "chatcmpl-" if chat else "cmpl-"
+        rid = prefix + (given or uuid.uuid4().hex)
         # the workers' ids: a client's id may be reused, so they get a nonce of their own
         backend_rid = f"{rid}-{uuid.uuid4().hex[:8]}" if given else rid
         requests, states = self._fan_out(backend_rid, p, prompts, chat, arrival)
@@ -137,10 +150,12 @@ class OpenAIServing:
             await self._close(generation, arrival, "aborted")
             return JSONResponse({}, status_code=499)  # the client left; nobody reads this
         model, created, fmt = self._limits.model_name, int(time.time()), self._formats[p.tokens_as_ids]
-        builder = None
+        builder: ResponseBuilder | MessageBuilder | None = None
         if responses is not None:
             keep = (lambda body: self.store.put(body, responses.input_items)) if responses.store else None
             builder = ResponseBuilder(rid, model, responses.echo, shape, fmt, self._tok, keep)
+        elif anthropic:
+            builder = MessageBuilder(rid, model, shape)
         if p.stream:
             out = builder or ChunkBuilder(rid, created, model, chat, fmt, opts, len(generation.states),
                                           p.include_usage, p.continuous_usage)
@@ -234,7 +249,7 @@ class OpenAIServing:
             await self._close(generation, arrival, outcome)
         return True
 
-    async def _stream(self, generation: Generation, out: ChunkBuilder | ResponseBuilder, rid: str,
+    async def _stream(self, generation: Generation, out: ChunkBuilder | ResponseBuilder | MessageBuilder, rid: str,
                       arrival: float) -> AsyncGenerator[bytes, None]:
         """SSE frames from ``out``: its opening, its frames of each delta, then its closing, or its
         failure (headers are gone by then: the only way left to tell the client is in-band)."""

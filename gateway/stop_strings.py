@@ -12,23 +12,25 @@ from __future__ import annotations
 class StopStringMatcher:
     """``push(delta)`` returns (text safe to emit, stopped?); after a stop the matcher takes nothing more."""
 
-    __slots__ = ("_stops", "_pending", "stopped")
+    __slots__ = ("_stops", "_pending", "stopped", "matched")
 
     def __init__(self, stop: list[str]) -> None:
         self._stops = [s for s in stop if s]
         self._pending = ""  # text received but not yet emitted
         self.stopped = False
+        self.matched: str | None = None  # the stop string found (the earliest in the text)
 
     def push(self, delta: str) -> tuple[str, bool]:
         assert not self.stopped, "push after a stop string matched"
         if not self._stops:
             return delta, False
         text = self._pending + delta
-        hits = [i for i in (text.find(s) for s in self._stops) if i >= 0]
+        hits = [(i, s) for i, s in ((text.find(s), s) for s in self._stops) if i >= 0]
         if hits:
+            at, self.matched = min(hits, key=lambda hit: hit[0])
             self.stopped = True
             self._pending = ""
-            return text[: min(hits)], True
+            return text[:at], True
         held = held_suffix_len(text, self._stops)
         self._pending = text[len(text) - held:]
         return text[: len(text) - held], False

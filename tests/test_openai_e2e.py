@@ -154,6 +154,28 @@ def test_responses_api_greedy_equals_engine_on_the_chat_template_and_goes_on_fro
     wait_idle(cluster)
 
 
+def test_anthropic_messages_greedy_equals_engine_on_the_chat_template(reference, hf_tok, cluster):
+    import anthropic
+
+    claude = anthropic.Anthropic(base_url=cluster.url, api_key=KEY, max_retries=0, timeout=120,
+                                 _strict_response_validation=True)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me about owls."}]
+    ids = list(hf_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+    [expected] = engine_output(reference, ids, temperature=0.0, max_tokens=8, ignore_eos=True)
+    text = reference.tokenizer.decode(expected.token_ids)
+    greedy = {"temperature": 0.0, "ignore_eos": True}
+    m = claude.messages.create(model=MODEL, system="Be brief.", max_tokens=8, extra_body=greedy,
+                               messages=[{"role": "user", "content": "Tell me about owls."}])
+    assert [(b.type, b.text) for b in m.content] == [("text", text)] and m.stop_reason == "max_tokens"
+    assert (m.usage.input_tokens + m.usage.cache_read_input_tokens, m.usage.output_tokens) == (len(ids), 8)
+    with claude.messages.stream(model=MODEL, system="Be brief.", max_tokens=8, extra_body=greedy,
+                                messages=[{"role": "user", "content": "Tell me about owls."}]) as stream:
+        assert "".join(stream.text_stream) == text
+    assert claude.messages.count_tokens(model=MODEL, system="Be brief.", messages=[
+        {"role": "user", "content": "Tell me about owls."}]).input_tokens == len(ids)
+    wait_idle(cluster)
+
+
 def test_n2_with_seed_equals_engine_and_repeats(client, reference, cluster):
     prompt = prompt_of(21, seed=2)
     expected = engine_output(reference, prompt, n=2, temperature=1.0, seed=77, max_tokens=6, ignore_eos=True)

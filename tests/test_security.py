@@ -32,6 +32,8 @@ BODIES = {
     "/v1/completions": {"model": MODEL, "prompt": "hi", "max_tokens": 1},
     "/v1/chat/completions": {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1},
     "/v1/responses": {"model": MODEL, "input": "hi", "max_output_tokens": 1},
+    "/v1/messages": {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1},
+    "/v1/messages/count_tokens": {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]},
     "/tokenize": {"prompt": "hi"},
     "/detokenize": {"tokens": [5, 6]},
 }
@@ -62,15 +64,16 @@ def call(cluster, method: str, path: str, headers: dict, response_id: str = "res
 
 def test_every_protected_route_needs_a_key(cluster):
     for method, path in protected_routes(cluster):
+        anthropic = path.startswith("/v1/messages")  # Anthropic's clients send the key in x-api-key
         for headers in ({}, {"Authorization": "Bearer sk-wrong"}, {"Authorization": KEYS[0]},  # no scheme
                         {"Authorization": f"Bearer {KEYS[0]}x"}, {"Authorization": f"Bearer {KEYS[0][:-1]}"},
-                        {"x-api-key": KEYS[0]}, {"Authorization": "Basic " + KEYS[0]}):
+                        {"x-api-key": "sk-wrong" if anthropic else KEYS[0]}, {"Authorization": "Basic " + KEYS[0]}):
             response = call(cluster, method, path, headers)
             assert response.status_code == 401, (method, path, headers, response.text)
-            assert response.json()["error"]["type"] == "authentication_error"
+            assert response.json()["error"]["type"] == "authentication_error"  # Anthropic's JSON has it there too
             assert KEYS[0] not in response.text  # the key is never echoed
         for key in KEYS:  # each configured key works
-            auth = {"Authorization": f"Bearer {key}"}
+            auth = {"x-api-key": key} if anthropic else {"Authorization": f"Bearer {key}"}
             stored = call(cluster, "POST", "/v1/responses", auth).json()["id"] if "{response_id}" in path else ""
             response = call(cluster, method, path, auth, stored)
             if path.endswith("/cancel"):  # past the key: only background responses can be cancelled
