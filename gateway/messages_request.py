@@ -36,10 +36,11 @@ _CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 
 def parse_messages(body, tool_call_parser: str | None = None) -> ParsedRequest:
     f = Fields(body)
-    if not f.has("max_tokens"):
+    max_tokens = f.int("max_tokens", None, lo=1)
+    if max_tokens is None:
         raise bad_request("max_tokens is required", "max_tokens")
     chat = {name: body[name] for name in PASSED_THROUGH if name in body and name not in ("stop", "user")}
-    chat["max_completion_tokens"] = f.int("max_tokens", None, lo=1)
+    chat["max_completion_tokens"] = max_tokens
     chat["messages"] = _system(f.raw("system")) + _messages(f.raw("messages"))
     if f.has("stop_sequences"):
         chat["stop"] = f.raw("stop_sequences")

@@ -198,6 +198,7 @@ def test_a_failure_mid_stream_is_an_error_event(live, backend):
 @pytest.mark.parametrize("body, status, kind", [
     ({"messages": [{"role": "user", "content": "Hi"}]}, 400, "invalid_request_error"),  # no max_tokens
     ({"max_tokens": 0, "messages": [{"role": "user", "content": "Hi"}]}, 400, "invalid_request_error"),
+    ({"max_tokens": None, "messages": [{"role": "user", "content": "Hi"}]}, 400, "invalid_request_error"),
     ({"max_tokens": 8, "messages": []}, 400, "invalid_request_error"),
     ({"max_tokens": 8, "messages": [{"role": "user", "content": [
         {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}]}]}, 400,
