@@ -30,10 +30,11 @@ class ChoiceState:
     """Text, token count and finish reason of one choice (one backend request)."""
 
     __slots__ = ("index", "request_id", "prompt_ids", "num_output_tokens", "num_cached_tokens", "text",
-                 "finish_reason", "prompt_logprobs", "_detok", "_stop", "_held_logprobs", "_all_logprobs")
+                 "finish_reason", "prompt_logprobs", "_detok", "_stop", "_stop_token_ids", "_last_token_id",
+                 "_held_logprobs", "_all_logprobs")
 
     def __init__(self, index: int, request_id: str, tokenizer: Tokenizer, prompt_ids: list[int],
-                 stop: list[str], skip_special_tokens: bool = True) -> None:
+                 stop: list[str], skip_special_tokens: bool = True, stop_token_ids: list[int] = ()) -> None:
         self.index = index
         self.request_id = request_id
         self.prompt_ids = prompt_ids
@@ -44,6 +45,8 @@ class ChoiceState:
         self.prompt_logprobs: list[TokenLogprob] | None = None  # when asked: one per prompt token after the first
         self._detok = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens)
         self._stop = StopStringMatcher(stop)
+        self._stop_token_ids = frozenset(stop_token_ids)
+        self._last_token_id: int | None = None
         self._held_logprobs: list[TokenLogprob] = []
         self._all_logprobs: list[TokenLogprob] = []
 
@@ -55,6 +58,16 @@ class ChoiceState:
     def stop_string(self) -> str | None:
         """The stop string that ended the choice, if one did."""
         return self._stop.matched
+
+    @property
+    def stop_reason(self) -> str | int | None:
+        """vLLM's stop_reason: the stop string or the stop token id (of stop_token_ids) that ended the
+        choice; None where it ended otherwise (EOS, length)."""
+        if self._stop.matched is not None:
+            return self._stop.matched
+        if self.finish_reason == "stop" and self._last_token_id in self._stop_token_ids:
+            return self._last_token_id
+        return None
 
     @property
     def is_finished(self) -> bool:
@@ -71,6 +84,8 @@ class ChoiceState:
         if event.prompt_logprobs is not None:
             self.prompt_logprobs = event.prompt_logprobs
         self.num_output_tokens += len(event.token_ids)
+        if event.token_ids:
+            self._last_token_id = event.token_ids[-1]
         if event.logprobs:
             self._held_logprobs.extend(event.logprobs)
             self._all_logprobs.extend(event.logprobs)

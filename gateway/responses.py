@@ -126,7 +126,7 @@ def completion_body(rid: str, created: int, model: str, states: list[ChoiceState
     for s in states:
         echo = opts.echo_of(s.index)
         choice = {"index": s.index, "text": (echo or "") + s.text, "finish_reason": s.finish_reason,
-                  "logprobs": _completion_logprobs(fmt, opts, s, echo, s.logprobs, 0)}
+                  "stop_reason": s.stop_reason, "logprobs": _completion_logprobs(fmt, opts, s, echo, s.logprobs, 0)}
         if opts.prompt_logprobs is not None:
             choice["prompt_logprobs"] = fmt.prompt_logprobs(s.prompt_logprobs, opts.prompt_logprobs)
         choices.append(choice)
@@ -143,7 +143,7 @@ def chat_body(rid: str, created: int, model: str, states: list[ChoiceState], fmt
         if (echo := opts.echo_of(s.index)) is not None:
             message["content"] = echo + (message["content"] or "")
         choices.append({"index": s.index, "message": message, "finish_reason": finish_reason,
-                        "logprobs": fmt.chat(s.logprobs) if want_logprobs else None})
+                        "stop_reason": s.stop_reason, "logprobs": fmt.chat(s.logprobs) if want_logprobs else None})
     body = {"id": rid, "object": "chat.completion", "created": created, "model": model,
             "choices": choices, "usage": usage(states, opts.num_choices_per_prompt)}
     if opts.prompt_logprobs is not None:  # one prompt, so one list for the response, as vLLM places it
@@ -210,13 +210,18 @@ class ChunkBuilder:
             if not (delta or finish_reason or logprobs):
                 return None
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+            if finish_reason is not None:
+                choice["stop_reason"] = state.stop_reason
             return self._wrap([choice])
         echo = None if self._has_echoed[index] else self._opts.echo_of(index)
         self._has_echoed[index] = True
         logprobs = _completion_logprobs(self._fmt, self._opts, state, echo, d.logprobs, self._offsets[index])
         text = (echo or "") + d.text
         self._offsets[index] += len(text)
-        return self._wrap([{"index": index, "text": text, "logprobs": logprobs, "finish_reason": d.finish_reason}])
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": d.finish_reason}
+        if d.finish_reason is not None:
+            choice["stop_reason"] = state.stop_reason
+        return self._wrap([choice])
 
     def usage(self, states: list[ChoiceState]) -> dict:
         return self._wrap([], usage(states, self._opts.num_choices_per_prompt))

@@ -377,3 +377,26 @@ def test_x_request_id_names_the_answer_and_comes_back(client, live, backend):
         assert r.status_code == 400 and r.json()["error"]["param"] == "X-Request-Id"
         assert "x-request-id" not in r.headers
     assert len(backend.received) == 5
+
+
+def test_stop_reason_names_the_stop_string_or_stop_token_that_ended_a_choice(client, loose_client, backend, hf_tok):
+    backend.output_ids = hf_tok.encode(OUTPUT_TEXT, add_special_tokens=False)
+    r = client.completions.create(model=MODEL, prompt="Hello", max_tokens=64, stop=["here", "Stop"])
+    assert (r.choices[0].text, r.choices[0].finish_reason, r.choices[0].model_extra["stop_reason"]) == (
+        "Hello world. ", "stop", "Stop")  # the string found first in the text, as vLLM reports it
+    last = backend.output_ids[-1]  # the fake backend ends on this token with "stop", as a worker does on a stop id
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=64,
+                                       extra_body={"stop_token_ids": [last]})
+    assert (r.choices[0].finish_reason, r.choices[0].model_extra["stop_reason"]) == ("stop", last)
+    r = client.completions.create(model=MODEL, prompt="Hello", max_tokens=64)  # ended by the model (EOS)
+    assert (r.choices[0].finish_reason, r.choices[0].model_extra["stop_reason"]) == ("stop", None)
+    r = client.completions.create(model=MODEL, prompt="Hello", max_tokens=2, stop=["Stop"])
+    assert (r.choices[0].finish_reason, r.choices[0].model_extra["stop_reason"]) == ("length", None)
+    chunks = list(loose_client.completions.create(model=MODEL, prompt="Hello", max_tokens=64, stop=["Stop"],
+                                                  stream=True))
+    final = [c.choices[0] for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert [(c.finish_reason, c.model_extra["stop_reason"]) for c in final] == [("stop", "Stop")]
+    chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                                 max_tokens=64, stream=True, extra_body={"stop_token_ids": [last]}))
+    final = [c.choices[0] for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert [(c.finish_reason, c.model_extra["stop_reason"]) for c in final] == [("stop", last)]
