@@ -100,6 +100,7 @@ _BODIES = {
             "schema": {"type": "object"}, "strict": {"type": "boolean"}}}}},
         "metadata": {"type": "object", "maxProperties": 16, "additionalProperties": {"type": "string"}},
         "store": {"type": "boolean"}, "previous_response_id": {"type": "string"},
+        "truncation": {"enum": ["auto", "disabled"]},
         "include_reasoning": {"type": "boolean"}}},
     # Anthropic's Messages API (gateway/messages_request.py): read as the chat request it amounts to
     "messages": {"required": ["model", "messages", "max_tokens"], "properties": {

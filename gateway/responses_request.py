@@ -11,6 +11,8 @@ chat parser itself, so both endpoints accept and refuse the same things:
     instructions         a system message before the conversation (a previous response's are not
                          carried over, as in OpenAI's)
     store                keep the answer (the default) where the gateway's store is on
+    truncation           "auto": the earliest turns are dropped until the prompt fits the context
+                         (gateway/conversation_fit.py); "disabled" (the default): too long is a 400
     max_output_tokens    max_completion_tokens
     tools                flat function tools -> chat's {"type": "function", "function": {...}}
     tool_choice          the same choice; {"type": "function", "name": f} names f
@@ -56,6 +58,7 @@ class ResponsesRequest:
     echo: dict  # the request's settings, as a Response object repeats them
     input_items: list[dict]  # its own input as items with ids (what the store lists for it)
     store: bool  # keep the answer
+    truncate: bool = False  # truncation "auto"
 
 
 def parse_responses(body, tool_call_parser: str | None = None, store: ResponseStore | None = None) -> ResponsesRequest:
@@ -70,6 +73,9 @@ def parse_responses(body, tool_call_parser: str | None = None, store: ResponseSt
     previous_id = f.str("previous_response_id", None)
     earlier = _earlier_items(previous_id, store) if previous_id is not None else []
     keep = f.bool("store", True) and store is not None and store.enabled
+    truncation = f.raw("truncation", "disabled")
+    if truncation not in ("auto", "disabled"):
+        raise bad_request("truncation must be 'auto' or 'disabled'", "truncation")
     max_output_tokens = f.int("max_output_tokens", None, lo=1)
     top_logprobs = f.int("top_logprobs", None, lo=0, hi=MAX_LOGPROBS)
     if top_logprobs is None and LOGPROBS_INCLUDE in _include(f.raw("include")):
@@ -105,9 +111,9 @@ def parse_responses(body, tool_call_parser: str | None = None, store: ResponseSt
         "temperature": f.raw("temperature", 1.0), "top_p": f.raw("top_p", 1.0), "top_logprobs": top_logprobs,
         "tool_choice": f.raw("tool_choice", "auto"), "tools": tools or [], "text": {"format": text_format},
         "user": parsed.user, "reasoning": f.raw("reasoning"), "previous_response_id": previous_id,
-        "store": keep, "truncation": "disabled",
+        "store": keep, "truncation": truncation,
     }
-    return ResponsesRequest(parsed, echo, items, keep)
+    return ResponsesRequest(parsed, echo, items, keep, truncation == "auto")
 
 
 def _earlier_items(previous_id: str, store: ResponseStore | None) -> list[dict]:

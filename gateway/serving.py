@@ -26,6 +26,7 @@ from .backend import Backend, GenerationRequest
 from .chat_output import ChatParsers, ChatShape
 from .chat_prompt import ChatPrompt
 from .choice import ChoiceState
+from .conversation_fit import fit_conversation
 from .errors import APIError, bad_request, no_capacity
 from .generation import Generation
 from .messages_output import MessageBuilder
@@ -119,6 +120,8 @@ class OpenAIServing:
         shape = ChatShape()
         if chat:
             prompt_text = self.render(p.chat_prompt)
+            if responses is not None and responses.truncate:
+                prompt_text = self._fit(p, prompt_text)
             prompts = [self._tok.encode(prompt_text, add_special_tokens=False)]
             opened = self._parsers.reasoning is not None and prompt_opens_reasoning(prompt_text)
             if opened and p.structured_output is not None:  # the workers gate the grammar on the end tag
@@ -167,6 +170,23 @@ class OpenAIServing:
             return JSONResponse(builder.whole(generation.states[0]))
         build = chat_body if chat else completion_body
         return JSONResponse(build(rid, created, model, generation.states, fmt, opts))
+
+    def _fit(self, p: ParsedRequest, prompt_text: str) -> str:
+        """truncation "auto": the prompt without the earliest turns that leave no room for the answer (at
+        least one token, or max_output_tokens). Where even the last turn does not fit, the prompt as it
+        is, which resolve_max_tokens refuses with both numbers."""
+        limit = self._limits.max_model_len - (p.max_tokens or 1)
+
+        def prompt_len(messages: list[dict]) -> int:
+            text = prompt_text if messages is p.chat_prompt.messages else self.render(
+                replace(p.chat_prompt, messages=messages))
+            return len(self._tok.encode(text, add_special_tokens=False))
+
+        kept = fit_conversation(p.chat_prompt.messages, prompt_len, limit)
+        if kept is None or kept is p.chat_prompt.messages:
+            return prompt_text
+        p.chat_prompt = replace(p.chat_prompt, messages=kept)
+        return self.render(p.chat_prompt)
 
     def _chat_shape(self, p: ParsedRequest, opened: bool) -> ChatShape:
         """With a reasoning parser, the reasoning is split off. A structured output (a forced tool call

@@ -238,6 +238,7 @@ def test_a_failure_mid_stream_is_an_error_event_then_response_failed(live, backe
     ({"metadata": {"k": 1}}, "metadata"),
     ({"include": "message.output_text.logprobs"}, "include"),
     ({"temperature": -1}, "temperature"),
+    ({"truncation": "middle"}, "truncation"),
 ])
 def test_malformed_fields_are_a_400_naming_the_field(live, backend, extra, param):
     r = httpx.post(live.base_url + "/v1/responses", json={"model": MODEL, "input": "Hi", **extra}, headers=HEADERS)
@@ -320,6 +321,28 @@ def test_streamed_and_failed_responses_are_stored_and_store_false_is_not(client,
     failed = events_of(client, input="Hi")[-1].response
     stored = client.responses.retrieve(failed.id)
     assert stored.status == "failed" and stored.error.message == failed.error.message
+
+
+def test_truncation_auto_drops_the_earliest_turns_until_the_prompt_fits(client, backend, hf_tok):
+    turns = [[{"role": "user", "content": f"Question {t}: " + "words " * 40}, {"role": "assistant", "content": f"Answer {t}."}]
+             for t in range(12)]
+    items = [m for turn in turns for m in turn] + [{"role": "user", "content": "And now?"}]
+    system = [{"role": "system", "content": "Be brief."}]
+
+    def fits(messages) -> bool:  # the live gateway's context is 1024 tokens, 8 of them for the answer
+        return len(hf_ids(hf_tok, messages)) + 8 <= 1024
+
+    kept = items
+    while not fits(system + kept):
+        kept = kept[2:]  # the earliest turn: a question and its answer
+    assert 0 < len(kept) < len(items)
+    r = client.responses.create(model=MODEL, input=items, instructions="Be brief.", truncation="auto",
+                                max_output_tokens=8)
+    assert backend.received[-1].prompt_token_ids == hf_ids(hf_tok, system + kept)
+    assert r.truncation == "auto" and r.usage.input_tokens == len(backend.received[-1].prompt_token_ids)
+    with pytest.raises(openai.BadRequestError, match="context is 1024 tokens"):
+        client.responses.create(model=MODEL, input=items, instructions="Be brief.", max_output_tokens=8)  # "disabled"
+    assert len(backend.received) == 1
 
 
 def test_a_previous_response_that_is_not_stored_is_a_404_and_nothing_runs(client, live, backend):
