@@ -34,7 +34,8 @@ class ChoiceState:
                  "_held_logprobs", "_all_logprobs")
 
     def __init__(self, index: int, request_id: str, tokenizer: Tokenizer, prompt_ids: list[int],
-                 stop: list[str], skip_special_tokens: bool = True, stop_token_ids: list[int] = ()) -> None:
+                 stop: list[str], skip_special_tokens: bool = True, stop_token_ids: list[int] = (),
+                 include_stop_str: bool = False) -> None:
         self.index = index
         self.request_id = request_id
         self.prompt_ids = prompt_ids
@@ -44,7 +45,7 @@ class ChoiceState:
         self.finish_reason: str | None = None
         self.prompt_logprobs: list[TokenLogprob] | None = None  # when asked: one per prompt token after the first
         self._detok = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens)
-        self._stop = StopStringMatcher(stop)
+        self._stop = StopStringMatcher(stop, include_stop_str)
         self._stop_token_ids = frozenset(stop_token_ids)
         self._last_token_id: int | None = None
         self._held_logprobs: list[TokenLogprob] = []

@@ -48,6 +48,7 @@ class ParsedRequest:
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprob tokens as "token_id:<id>"
     # vLLM's stream_options.continuous_usage_stats: with include_usage, every chunk carries its choice's usage so far
     continuous_usage: bool = False
+    include_stop_str: bool = False  # vLLM's include_stop_str_in_output: the stop string that matched stays in the text
 
     @property
     def num_prompt_logprobs(self) -> int | None:
@@ -123,7 +124,7 @@ def _common(f: Fields, chat: bool) -> dict:
         sampling=sampling, user=f.str("user", None), prompt_logprobs=prompt_logprobs,
         structured_output=structured_output, skip_special_tokens=f.bool("skip_special_tokens", True),
         tokens_as_ids=f.bool("return_tokens_as_token_ids", False),
-        truncate_prompt_tokens=_truncation(f),
+        truncate_prompt_tokens=_truncation(f), include_stop_str=f.bool("include_stop_str_in_output", False),
     )
 
 

@@ -215,7 +215,7 @@ class OpenAIServing:
             requests.append(GenerationRequest(request_id, ids, p.sampling_options(max_tokens), arrival, deadline))
             for j in range(p.n):  # choice prompt_index * n + j is completion j of that request
                 states.append(ChoiceState(prompt_index * p.n + j, request_id, self._tok, ids, p.stop,
-                                          p.skip_special_tokens, p.sampling["stop_token_ids"]))
+                                          p.skip_special_tokens, p.sampling["stop_token_ids"], p.include_stop_str))
         return requests, states
 
     async def _start(self, request: Request, generation: Generation) -> bool:

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 
 class StopStringMatcher:
-    """``push(delta)`` returns (text safe to emit, stopped?); after a stop the matcher takes nothing more."""
+    """``push(delta)`` returns (text safe to emit, stopped?); after a stop the matcher takes nothing more.
+    ``include``: the stop string itself is emitted too (vLLM's include_stop_str_in_output)."""
 
-    __slots__ = ("_stops", "_pending", "stopped", "matched")
+    __slots__ = ("_stops", "_include", "_pending", "stopped", "matched")
 
-    def __init__(self, stop: list[str]) -> None:
+    def __init__(self, stop: list[str], include: bool = False) -> None:
         self._stops = [s for s in stop if s]
+        self._include = include
         self._pending = ""  # text received but not yet emitted
         self.stopped = False
         self.matched: str | None = None  # the stop string found (the earliest in the text)
@@ -30,7 +32,7 @@ class StopStringMatcher:
             at, self.matched = min(hits, key=lambda hit: hit[0])
             self.stopped = True
             self._pending = ""
-            return text[:at], True
+            return text[:at + (len(self.matched) if self._include else 0)], True
         held = held_suffix_len(text, self._stops)
         self._pending = text[len(text) - held:]
         return text[: len(text) - held], False

@@ -400,3 +400,20 @@ def test_stop_reason_names_the_stop_string_or_stop_token_that_ended_a_choice(cli
                                                  max_tokens=64, stream=True, extra_body={"stop_token_ids": [last]}))
     final = [c.choices[0] for c in chunks if c.choices and c.choices[0].finish_reason]
     assert [(c.finish_reason, c.model_extra["stop_reason"]) for c in final] == [("stop", last)]
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string_that_ended_the_text(client, loose_client, backend, hf_tok):
+    backend.output_ids = hf_tok.encode(OUTPUT_TEXT, add_special_tokens=False)
+    backend.tokens_per_event = 1  # the stop string arrives split over several events
+    kw = dict(model=MODEL, prompt="Hello", max_tokens=64, stop=["here", "Stop"],
+              extra_body={"include_stop_str_in_output": True})
+    r = client.completions.create(**kw)
+    assert (r.choices[0].text, r.choices[0].finish_reason, r.choices[0].model_extra["stop_reason"]) == (
+        "Hello world. Stop", "stop", "Stop")
+    streamed = list(loose_client.completions.create(stream=True, **kw))
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == "Hello world. Stop"
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=64,
+                                          stop=["world"], extra_body={"include_stop_str_in_output": True})
+    assert chat.choices[0].message.content == "Hello world"
+    assert client.completions.create(model=MODEL, prompt="Hello", max_tokens=64, stop=["Stop"]).choices[0].text == (
+        "Hello world. ")  # without it, as before: the stop string never reaches the client
