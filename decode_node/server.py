@@ -53,7 +53,7 @@ from decode_node.request_state import DecodeRequest, Phase
 from decode_node.streaming import error_event, new_tokens_event
 from engine.block_manager import cdiv
 from engine.llm_engine import LLMEngine
-from engine.sampler import TokenLogprobs
+from engine.sampler import TokenLogprobs, continue_seeded_stream
 from engine.scheduler import AdmissionError
 from engine.sequence import SequenceStatus
 from engine.structured_output import StructuredOutputError
@@ -274,6 +274,7 @@ class DecodeServer:
         num_computed = self._kv_needed_from_prefill(seq)
         if seq.params.n == 1:
             seq.token_ids.append(commit.first_token)
+            continue_seeded_stream(seq, self.engine.model_config.vocab_size, self.engine.runner.device)
             if seq.params.logprobs is not None:
                 logprob = commit.first_logprob if commit.first_logprob is not None else math.nan
                 seq.output_logprobs.append(

@@ -4,7 +4,7 @@ Order of operations on a row (vLLM v1's order):
 
     raw logits ─▶ structured outputs: tokens the request's grammar refuses set to -inf
       ─▶ logprobs: log_softmax of these RAW logits (vLLM's default), for requests that ask
-      ─▶ logit_bias added ─▶ min_tokens: stop tokens masked
+      ─▶ allowed_token_ids: every other token set to -inf ─▶ logit_bias added ─▶ min_tokens: stop tokens masked
       ─▶ repetition penalty (HF) ─▶ presence/frequency (OpenAI)
       ─▶ greedy rows take the argmax here
       ─▶ temperature ─▶ min-p ─▶ top-k ─▶ top-p ─▶ softmax ─▶ exponential race
@@ -62,6 +62,7 @@ class Sampler:
         # Processed in place below: a copy only when some row gets edited, so neither the caller's
         # logits nor the raw values logprobs read ever change (an all-greedy batch edits nothing).
         x = raw.clone() if any(_edits_logits(s) for s in seqs) else raw  # [S, V]
+        apply_allowed_tokens_(x, seqs)
         apply_logit_bias_(x, seqs)
         apply_min_tokens_(x, seqs, except_rows=only_stop)
         apply_penalties_(x, seqs)
@@ -123,7 +124,16 @@ def _edits_logits(seq: Sequence) -> bool:
     """Whether min_tokens, a penalty or the filters of a sampled (non-greedy) row may edit its logits."""
     p = seq.params
     return (p.temperature >= _GREEDY_EPS or seq.num_output_tokens < p.min_tokens or p.repetition_penalty != 1.0
-            or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or bool(p.logit_bias))
+            or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or bool(p.logit_bias)
+            or p.allowed_token_ids is not None)
+
+
+def continue_seeded_stream(seq: Sequence, vocab: int, device: torch.device) -> None:
+    """For a seeded sequence whose first token was sampled elsewhere (the prefill worker, from a fresh
+    generator of the same seed): advance its own generator past that draw, so that the tokens it samples
+    next are the ones one engine would have sampled. Greedy tokens draw nothing."""
+    if seq.params.seed is not None and seq.params.temperature >= _GREEDY_EPS:
+        torch.rand(vocab, device=device, generator=_generator_of(seq, device))
 
 
 def _generator_of(seq: Sequence, device: torch.device) -> torch.Generator:
@@ -131,6 +141,18 @@ def _generator_of(seq: Sequence, device: torch.device) -> torch.Generator:
     if seq.generator is None:
         seq.generator = torch.Generator(device=device).manual_seed(seq.params.seed)
     return seq.generator
+
+
+def apply_allowed_tokens_(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    """Sets (in place) every token outside a request's allowed_token_ids to -inf in its row. Ids >= V
+    are skipped (admission refuses them: engine.sequence.vocab_error)."""
+    vocab = logits.shape[1]
+    for i, seq in enumerate(seqs):
+        allowed = seq.params.allowed_token_ids
+        if allowed is not None:
+            keep = torch.ones(vocab, dtype=torch.bool, device=logits.device)
+            keep[[t for t in allowed if t < vocab]] = False
+            logits[i].masked_fill_(keep, float("-inf"))
 
 
 def apply_logit_bias_(logits: torch.Tensor, seqs: list[Sequence]) -> None:

@@ -30,6 +30,7 @@ class SamplingParams:
     logprobs: int | None = None  # None: no logprobs; k >= 0: the sampled token's plus top-k
     max_logprobs: int = 20  # upper bound accepted for ``logprobs``
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before anything else
+    allowed_token_ids: list[int] | None = None  # vLLM's: None any token; else only these are ever sampled
     # None: none; k >= 0: every prompt token's logprob (after the first) plus the top k. The prompt is
     # then computed in full, never read from the prefix cache: cached tokens have no logits.
     prompt_logprobs: int | None = None
@@ -71,6 +72,9 @@ class SamplingParams:
             and not isinstance(b, bool) and math.isfinite(b) and abs(b) <= MAX_LOGIT_BIAS
             for t, b in self.logit_bias.items()),
             "logit_bias", f"a map of non-negative token ids to biases in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+        check(self.allowed_token_ids is None or (bool(self.allowed_token_ids) and all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.allowed_token_ids)),
+            "allowed_token_ids", "a non-empty list of non-negative token ids")
         check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= self.max_logprobs),
               "logprobs", f"an integer in [0, {self.max_logprobs}]")
         check(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int)

@@ -85,12 +85,13 @@ class Sequence:
 
 
 def vocab_error(prompt_token_ids: list[int], params: SamplingParams, vocab_size: int) -> str:
-    """Empty when every token id a request names (its prompt, its logit_bias) is in the vocabulary, else
+    """Empty when every token id a request names (its prompt, logit_bias, allowed_token_ids) is in the vocabulary, else
     the reason, naming the id: the model and the sampler index by these ids."""
     bad = next((t for t in prompt_token_ids if not 0 <= t < vocab_size), None)
     if bad is not None:
         return f"prompt token id {bad} is outside this model's vocabulary of {vocab_size} tokens"
-    bad = next((t for t in params.logit_bias or () if t >= vocab_size), None)
-    if bad is not None:
-        return f"logit_bias token id {bad} is outside this model's vocabulary of {vocab_size} tokens"
+    for name in ("logit_bias", "allowed_token_ids"):
+        bad = next((t for t in getattr(params, name) or () if t >= vocab_size), None)
+        if bad is not None:
+            return f"{name} token id {bad} is outside this model's vocabulary of {vocab_size} tokens"
     return ""

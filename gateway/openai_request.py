@@ -112,6 +112,7 @@ def _common(f: Fields, chat: bool) -> dict:
         stop_token_ids=f.token_ids("stop_token_ids"),
         ignore_eos=f.bool("ignore_eos", False),
         logit_bias=[TokenBias(t, b) for t, b in f.logit_bias("logit_bias", MAX_LOGIT_BIAS).items()],
+        allowed_token_ids=_allowed_token_ids(f),
     )
     if sampling["top_k"] == -1:
         sampling["top_k"] = 0
@@ -126,6 +127,16 @@ def _common(f: Fields, chat: bool) -> dict:
         tokens_as_ids=f.bool("return_tokens_as_token_ids", False),
         truncate_prompt_tokens=_truncation(f), include_stop_str=f.bool("include_stop_str_in_output", False),
     )
+
+
+def _allowed_token_ids(f: Fields) -> list[int] | None:
+    """vLLM's allowed_token_ids: only these ids are ever sampled (null or absent: any)."""
+    if f.raw("allowed_token_ids") is None:
+        return None
+    ids = f.token_ids("allowed_token_ids")
+    if not ids:
+        raise bad_request("allowed_token_ids must name at least one token id", "allowed_token_ids")
+    return ids
 
 
 def _truncation(f: Fields) -> int | None:

@@ -21,7 +21,7 @@ _SAMPLING = {
     "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"},
                                                         "continuous_usage_stats": {"type": "boolean"}}},
     "stop": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "maxItems": 4}]},
-    "include_stop_str_in_output": {"type": "boolean"}, "stop_token_ids": _TOKEN_IDS, "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2},
+    "allowed_token_ids": {"oneOf": [{"type": "null"}, {**_TOKEN_IDS, "minItems": 1}]}, "include_stop_str_in_output": {"type": "boolean"}, "stop_token_ids": _TOKEN_IDS, "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2},
     "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
     "repetition_penalty": {"type": "number", "minimum": 2.0 ** -16, "maximum": 2.0 ** 16}, "ignore_eos": {"type": "boolean"},
     "skip_special_tokens": {"type": "boolean"}, "return_tokens_as_token_ids": {"type": "boolean"},

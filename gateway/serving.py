@@ -130,9 +130,11 @@ class OpenAIServing:
         else:
             prompts = [self.tokenize_prompt(x) for x in p.prompts]
         prompts = [truncate_prompt(ids, p.truncate_prompt_tokens, self._limits.max_model_len) for ids in prompts]
-        bad = [b.token_id for b in p.sampling["logit_bias"] if not self._tok.is_valid_id(b.token_id)]
-        if bad:
-            raise bad_request(f"logit_bias token id {bad[0]} is out of range [0, {self._tok.vocab_size})", "logit_bias")
+        for name, ids in (("logit_bias", [b.token_id for b in p.sampling["logit_bias"]]),
+                          ("allowed_token_ids", p.sampling["allowed_token_ids"] or [])):
+            bad = [t for t in ids if not self._tok.is_valid_id(t)]
+            if bad:
+                raise bad_request(f"{name} token id {bad[0]} is out of range [0, {self._tok.vocab_size})", name)
         given = None if responses else client_request_id(request.headers.get(REQUEST_ID_HEADER))
         prefix = "resp_" if responses else "msg_" if anthropic else "chatcmpl-" if chat else "cmpl-"
         rid = prefix + (given or uuid.uuid4().hex)

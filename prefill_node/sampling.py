@@ -7,7 +7,7 @@ from protocol.serving import SamplingSpec
 
 
 def first_token_params(spec: SamplingSpec) -> SamplingParams:
-    """One completion, one token, sampled as the request asks (seed, filters, logit_bias, logprobs,
+    """One completion, one token, sampled as the request asks (seed, filters, logit_bias, allowed_token_ids, logprobs,
     prompt logprobs, min_tokens, structured output).
 
     ``n`` is 1 even for ``n > 1`` requests: those come with ``sample_first = False`` and the decode
@@ -18,7 +18,7 @@ def first_token_params(spec: SamplingSpec) -> SamplingParams:
         seed=spec.seed, presence_penalty=spec.presence_penalty, frequency_penalty=spec.frequency_penalty,
         repetition_penalty=spec.repetition_penalty, max_tokens=1, min_tokens=min(spec.min_tokens, 1),
         stop_token_ids=list(spec.stop_token_ids), ignore_eos=spec.ignore_eos, logprobs=spec.logprobs,
-        logit_bias=spec.logit_bias_map(), prompt_logprobs=spec.prompt_logprobs,
+        logit_bias=spec.logit_bias_map(), allowed_token_ids=spec.allowed_token_ids, prompt_logprobs=spec.prompt_logprobs,
         structured_output=spec.structured_output,
     )
 

@@ -89,6 +89,7 @@ class SamplingSpec:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; k: the sampled token's logprob plus the top k
     logit_bias: list[TokenBias] = field(default_factory=list)  # engine.SamplingParams.logit_bias as a list
+    allowed_token_ids: list[int] | None = None  # None: any token; else only these are sampled
     prompt_logprobs: int | None = None  # None: none; k: each prompt token's logprob plus the top k
     structured_output: StructuredOutput | None = None  # None: any output
 

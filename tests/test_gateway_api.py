@@ -417,3 +417,16 @@ def test_include_stop_str_in_output_keeps_the_stop_string_that_ended_the_text(cl
     assert chat.choices[0].message.content == "Hello world"
     assert client.completions.create(model=MODEL, prompt="Hello", max_tokens=64, stop=["Stop"]).choices[0].text == (
         "Hello world. ")  # without it, as before: the stop string never reaches the client
+
+
+def test_allowed_token_ids_reach_the_workers_and_bad_ones_are_a_400(client, live, backend):
+    client.completions.create(model=MODEL, prompt="Hello", max_tokens=2, extra_body={"allowed_token_ids": [5, 9]})
+    assert backend.received[-1].sampling.allowed_token_ids == [5, 9]
+    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+    assert backend.received[-1].sampling.allowed_token_ids is None
+    auth = {"Authorization": f"Bearer {API_KEYS[0]}"}
+    for bad in ([], [10**6], [-1], "5"):
+        r = httpx.post(live.base_url + "/v1/completions", headers=auth,
+                       json={"model": MODEL, "prompt": "Hi", "max_tokens": 2, "allowed_token_ids": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_token_ids", (bad, r.text)
+    assert len(backend.received) == 2

@@ -176,6 +176,31 @@ def test_anthropic_messages_greedy_equals_engine_on_the_chat_template(reference,
     wait_idle(cluster)
 
 
+def test_a_seeded_completion_over_prefill_and_decode_equals_one_engine(client, reference, cluster):
+    # the prefill worker samples token 0 from the seed's stream; the decode worker must go on from there
+    prompt = prompt_of(33, seed=12)
+    [expected] = engine_output(reference, prompt, max_tokens=8, ignore_eos=True, temperature=1.0, seed=1234)
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=1.0, seed=1234, logprobs=0,
+                                  extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+    assert r.choices[0].logprobs.tokens == [f"token_id:{t}" for t in expected.token_ids]
+    wait_idle(cluster)
+
+
+def test_allowed_token_ids_greedy_and_seeded_equal_engine_over_prefill_and_decode(client, reference, cluster):
+    prompt = prompt_of(40, seed=5)
+    allowed = [7, 11, 300, 301, 700]
+    for sampling in ({"temperature": 0.0}, {"temperature": 1.0, "seed": 21}):
+        [expected] = engine_output(reference, prompt, max_tokens=6, ignore_eos=True, allowed_token_ids=allowed,
+                                   **sampling)
+        assert set(expected.token_ids) <= set(allowed)
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, logprobs=0, **sampling,
+                                      extra_body={"ignore_eos": True, "allowed_token_ids": allowed,
+                                                  "return_tokens_as_token_ids": True})
+        # the first token sampled on the prefill worker, the rest on the decode worker: both apply the mask
+        assert r.choices[0].logprobs.tokens == [f"token_id:{t}" for t in expected.token_ids]
+    wait_idle(cluster)
+
+
 def test_n2_with_seed_equals_engine_and_repeats(client, reference, cluster):
     prompt = prompt_of(21, seed=2)
     expected = engine_output(reference, prompt, n=2, temperature=1.0, seed=77, max_tokens=6, ignore_eos=True)

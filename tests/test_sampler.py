@@ -386,3 +386,53 @@ def test_logit_bias_id_past_the_logits_is_skipped_not_fatal():
 def test_logit_bias_out_of_range_names_the_parameter(bias, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         SamplingParams(logit_bias=bias)
+
+
+def test_allowed_token_ids_greedy_is_the_argmax_over_the_allowed_and_logprobs_stay_raw():
+    torch.manual_seed(8)
+    logits = torch.randn(3, 300)
+    before = logits.clone()
+    allowed = [[5, 9, 17], None, [logits[2].argmax().item(), 250]]
+    seqs = [make_seq([1], temperature=0.0, allowed_token_ids=a, logprobs=1) for a in allowed]
+    out = Sampler(seed=0)(logits, seqs)
+    expected = [max(a or range(300), key=lambda t: logits[r, t].item()) for r, a in enumerate(allowed)]
+    assert out.token_ids == expected and out.token_ids[1] == logits[1].argmax().item()
+    raw = logits.log_softmax(dim=1)
+    assert [lp.logprob for lp in out.logprobs] == pytest.approx([raw[r, t].item() for r, t in enumerate(expected)],
+                                                                abs=1e-6)
+    assert torch.equal(logits, before)  # the mask edits a private copy
+
+
+def test_allowed_token_ids_sampling_frequencies_match_the_softmax_over_the_allowed():
+    row = [1.2, 0.3, -0.5, 2.0, 0.9, 3.0]
+    allowed = [0, 2, 4]
+    want = ref_distribution([x if i in allowed else NEG_INF for i, x in enumerate(row)], temperature=0.8)
+    n = 20000
+    seq = make_seq([1], temperature=0.8, allowed_token_ids=allowed)
+    out = Sampler(seed=13)(torch.tensor([row]).expand(n, len(row)), [seq] * n)
+    assert set(out.token_ids) <= set(allowed)
+    stat, dof = _chi_square(Counter(out.token_ids), want, n)
+    assert stat < CHI2_CRIT_0001[dof], (stat, dof)
+
+
+@pytest.mark.parametrize("allowed", [[], [-1], [True]])
+def test_allowed_token_ids_must_name_token_ids(allowed):
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        SamplingParams(allowed_token_ids=allowed)
+
+
+def test_a_seeded_stream_continues_after_a_first_token_sampled_elsewhere():
+    from engine.sampler import continue_seeded_stream
+
+    torch.manual_seed(9)
+    steps = torch.randn(2, 1, 50)
+    alone = make_seq([1], temperature=1.0, seed=42)  # one engine samples both tokens
+    first, second = (Sampler(seed=0)(steps[i], [alone]).token_ids[0] for i in range(2))
+    elsewhere = Sampler(seed=0)(steps[0], [make_seq([1], temperature=1.0, seed=42)]).token_ids[0]
+    assert elsewhere == first  # the prefill worker: a fresh generator of the same seed
+    resumed = make_seq([1], temperature=1.0, seed=42)  # the decode worker's own sequence
+    continue_seeded_stream(resumed, 50, torch.device("cpu"))
+    assert Sampler(seed=0)(steps[1], [resumed]).token_ids[0] == second
+    greedy = make_seq([1], temperature=0.0, seed=42)
+    continue_seeded_stream(greedy, 50, torch.device("cpu"))
+    assert greedy.generator is None  # a greedy first token drew nothing
