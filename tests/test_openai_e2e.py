@@ -186,6 +186,22 @@ def test_a_seeded_completion_over_prefill_and_decode_equals_one_engine(client, r
     wait_idle(cluster)
 
 
+@pytest.mark.parametrize("sampling", [
+    {"temperature": 0.7, "top_k": 20},
+    {"temperature": 1.3, "top_p": 0.9, "min_p": 0.02},
+    {"temperature": 1.0, "presence_penalty": 1.5, "frequency_penalty": 0.5, "repetition_penalty": 1.3},
+    {"temperature": 1.0, "logit_bias": {"7": 5.0, "11": -100.0}, "min_tokens": 4},
+])
+def test_seeded_sampling_settings_over_prefill_and_decode_equal_one_engine(client, reference, cluster, sampling):
+    prompt = prompt_of(29, seed=13)
+    engine_params = {k: ({int(t): b for t, b in v.items()} if k == "logit_bias" else v) for k, v in sampling.items()}
+    [expected] = engine_output(reference, prompt, max_tokens=8, seed=99, **engine_params)
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, seed=99, logprobs=0,
+                                  extra_body={**sampling, "return_tokens_as_token_ids": True})
+    assert r.choices[0].logprobs.tokens == [f"token_id:{t}" for t in expected.token_ids]
+    wait_idle(cluster)
+
+
 def test_allowed_token_ids_greedy_and_seeded_equal_engine_over_prefill_and_decode(client, reference, cluster):
     prompt = prompt_of(40, seed=5)
     allowed = [7, 11, 300, 301, 700]
