@@ -30,8 +30,8 @@ from .messages_output import anthropic_error
 from .metrics import CONTENT_TYPE, GatewayMetrics
 from .openapi import openapi_spec
 from .registry import WorkerRegistry
-from .request_id import RequestIdEcho
 from .request_fields import Fields
+from .request_id import RequestIdEcho
 from .response_routes import response_routes
 from .response_store import ResponseStore
 from .serving import OpenAIServing, ServingLimits
