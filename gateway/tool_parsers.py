@@ -9,11 +9,15 @@
                   or [TOOL_CALLS]f{..}[TOOL_CALLS]g{..} (v11 on; [CALL_ID]id and [ARGS] may stand before {..})
     qwen3_coder   Qwen3-Coder: text, then <tool_call><function=f><parameter=a>text</parameter>..</function>
                   </tool_call> .., each value raw text, typed by the request's schema of its parameter
+    deepseek_v3   DeepSeek-V3/R1: text, then <｜tool▁calls▁begin｜>, per call <｜tool▁call▁begin｜>function
+                  <｜tool▁sep｜>f, a ```json fenced {..} and <｜tool▁call▁end｜>, then <｜tool▁calls▁end｜>;
+                  V3.1's shorter <｜tool▁call▁begin｜>f<｜tool▁sep｜>{..}<｜tool▁call▁end｜> too
 
 Each reads one choice's text as it streams, ``feed(text, final)`` -> (content, calls), a call being a
 finished (name, arguments JSON) pair. Text that may still become a call is held back; what turns out
 not to be one (JSON that does not parse, or is not a call) goes out as content, so nothing is lost.
-A hermes or qwen3_coder call goes out when its closing tag arrives, and the space around calls is
+A hermes or qwen3_coder call goes out when its closing tag arrives (deepseek_v3's calls when their
+block closes), and the space around calls is
 dropped; a llama3_json or pythonic output, once it starts with "{" or "[", only at the end (it is a
 call only if the whole of it parses). Mistral's text before [TOOL_CALLS] streams as it comes; what
 follows it is read at the end, where the calls go out, with any text after them as content.
@@ -28,10 +32,10 @@ import re
 
 from .stop_strings import cut_at
 
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "pythonic", "mistral", "qwen3_coder")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "pythonic", "mistral", "qwen3_coder", "deepseek_v3")
 # Parsers whose markers are special tokens, which the detokenizer would otherwise drop (vLLM's mistral
 # parser turns skip_special_tokens off for the same reason).
-READS_SPECIAL_TOKENS = frozenset({"mistral"})
+READS_SPECIAL_TOKENS = frozenset({"mistral", "deepseek_v3"})
 Call = tuple[str, str]  # (function name, arguments as a JSON text)
 
 
@@ -142,6 +146,33 @@ class Qwen3CoderReader(HermesReader):
                     arguments[parameter[1]] = _typed(value, properties.get(parameter[1]))
             calls.append((function[1], json.dumps(arguments, ensure_ascii=False)))
         return calls
+
+
+class DeepSeekV3Reader(HermesReader):
+    """Hermes' reading between DeepSeek's block markers; every complete call inside must parse, else the
+    block is text. A call cut off at the end of the output is dropped, as its arguments may be cut short."""
+
+    START, END = "<\uff5ctool\u2581calls\u2581begin\uff5c>", "<\uff5ctool\u2581calls\u2581end\uff5c>"
+
+    def _parse(self, body: str, closed: bool) -> list[Call]:
+        calls = []
+        for match in _DEEPSEEK_CALL.finditer(body):
+            head, arguments = match[1].strip(), match[2]
+            fenced = _DEEPSEEK_FENCED.fullmatch(arguments) if head == "function" else None
+            name, arguments = (fenced[1].strip(), fenced[2]) if fenced else (head, arguments)  # V3, else V3.1
+            try:
+                call = _call({"name": name, "arguments": json.loads(arguments)}, ("arguments",))
+            except (ValueError, RecursionError):  # RecursionError: nested past what json decodes
+                call = None
+            if call is None:
+                return []
+            calls.append(call)
+        return calls
+
+
+_DEEPSEEK_CALL = re.compile("<\uff5ctool\u2581call\u2581begin\uff5c>(.*?)<\uff5ctool\u2581sep\uff5c>(.*?)"
+                            "<\uff5ctool\u2581call\u2581end\uff5c>", re.DOTALL)
+_DEEPSEEK_FENCED = re.compile(r"([^`]+?)\s*```(?:json)?\s*(.*?)\s*```\s*", re.DOTALL)
 
 
 # A name may not hold "<" or ">": "<function=f" cut off at the end is no function, so the text goes back.
@@ -364,9 +395,9 @@ def _mistral_named(part: str) -> tuple[list[Call], str] | None:
     return [(match[1], json.dumps(arguments, ensure_ascii=False))], part[end:]
 
 
-Reader = HermesReader | Llama3JsonReader | PythonicReader | MistralReader | Qwen3CoderReader
+Reader = HermesReader | Llama3JsonReader | PythonicReader | MistralReader | Qwen3CoderReader | DeepSeekV3Reader
 _READERS = {"hermes": HermesReader, "llama3_json": Llama3JsonReader, "pythonic": PythonicReader,
-            "mistral": MistralReader}
+            "mistral": MistralReader, "deepseek_v3": DeepSeekV3Reader}
 
 
 def make_reader(name: str, tools: list[dict] | None = None) -> Reader:

@@ -1,5 +1,5 @@
 """The chat output readers on their own: reasoning split off at <think>...</think>, and a model's own tool
-calls read out of hermes, llama3_json, pythonic, mistral and qwen3_coder text. Each case states the exact
+calls read out of hermes, llama3_json, pythonic, mistral, qwen3_coder and deepseek_v3 text. Each case states the exact
 expected (reasoning, content, calls), and the same text streamed in every possible two-piece split, and
 one character at a time, must add up to exactly that: a tag or a call cut across deltas never leaks or
 gets lost."""
@@ -235,6 +235,7 @@ def test_pythonic_and_mistral_calls_end_the_message_with_tool_calls(parser, text
 @pytest.mark.parametrize("parser, opening", [
     ("hermes", "<tool_call>"), ("llama3_json", ""), ("pythonic", "[f(a="), ("mistral", "[TOOL_CALLS]f"),
     ("mistral", "[TOOL_CALLS]["),
+    ("deepseek_v3", "<\uff5ctool\u2581calls\u2581begin\uff5c><\uff5ctool\u2581call\u2581begin\uff5c>f<\uff5ctool\u2581sep\uff5c>"),
 ])
 def test_text_nested_deeper_than_the_decoders_go_is_content(parser, opening):
     text = opening + '{"a": ' * 100_000  # json and ast give up (RecursionError, SyntaxError): not a call
@@ -316,3 +317,36 @@ def test_auto_with_no_call_keeps_the_finish_reason_and_the_text():
     message, finish = chat_message(shape, json.dumps({"name": "get_weather", "parameters": {"city": "Paris"}}), "stop")
     assert finish == "tool_calls" and message["content"] is None
     assert [c["function"]["arguments"] for c in message["tool_calls"]] == ['{"city": "Paris"}']
+
+
+# DeepSeek's markers (special tokens: with this parser the detokenizer keeps them, as with mistral's)
+DS_BEGIN, DS_END = "<\uff5ctool\u2581calls\u2581begin\uff5c>", "<\uff5ctool\u2581calls\u2581end\uff5c>"
+DS_CALL, DS_SEP, DS_CALL_END = "<\uff5ctool\u2581call\u2581begin\uff5c>", "<\uff5ctool\u2581sep\uff5c>", "<\uff5ctool\u2581call\u2581end\uff5c>"
+DS_PARIS = DS_CALL + "function" + DS_SEP + 'get_weather\n```json\n{"city": "Paris"}\n```' + DS_CALL_END  # V3, R1
+DS_ROME = DS_CALL + "get_weather" + DS_SEP + '{"city": "Rome", "days": 2}' + DS_CALL_END  # V3.1
+
+
+@pytest.mark.parametrize("text, content, calls", [
+    (DS_BEGIN + DS_PARIS + DS_END, "", [PARIS]),
+    ("Let me check.\n" + DS_BEGIN + DS_PARIS + DS_ROME + DS_END, "Let me check.", [PARIS, ROME]),
+    (DS_BEGIN + DS_ROME + DS_END + "\nDone.", "\nDone.", [ROME]),
+    (DS_BEGIN + DS_PARIS + DS_ROME[:-5], "", [PARIS]),  # cut off: the complete call stands, the cut one is dropped
+    ("Sunny today.", "Sunny today.", []),
+    # not calls after all: the text comes back as it was
+    (DS_BEGIN + DS_CALL + "get_weather" + DS_SEP + "{city: Paris}" + DS_CALL_END + DS_END,
+     DS_BEGIN + DS_CALL + "get_weather" + DS_SEP + "{city: Paris}" + DS_CALL_END + DS_END, []),
+    (DS_BEGIN + DS_CALL + DS_SEP + "{}" + DS_CALL_END + DS_END, DS_BEGIN + DS_CALL + DS_SEP + "{}" + DS_CALL_END + DS_END,
+     []),
+    (DS_BEGIN + DS_END, DS_BEGIN + DS_END, []),
+])
+def test_deepseek_v3_reads_calls_at_every_split(text, content, calls):
+    for pieces in splits(text):
+        assert read_tools("deepseek_v3", pieces) == (content, calls), pieces
+
+
+def test_deepseek_v3_keeps_special_tokens_in_the_output_it_reads():
+    from gateway.openai_request import parse_chat
+
+    body = {"messages": [{"role": "user", "content": "Weather?"}], "tools": TOOLS}
+    assert parse_chat(body, "deepseek_v3").skip_special_tokens is False
+    assert parse_chat(body, "hermes").skip_special_tokens is True
