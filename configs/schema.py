@@ -78,7 +78,7 @@ class GatewayConfig:
     # (gateway/tool_parsers.py). "none": off (reasoning stays in content; "auto" is a 400).
     reasoning_parser: str = _field("none", choices=("none", "deepseek_r1", "qwen3"))
     tool_call_parser: str = _field("none", choices=("none", "hermes", "llama3_json", "pythonic", "mistral",
-                                                    "qwen3_coder", "deepseek_v3"))
+                                                    "qwen3_coder", "deepseek_v3", "granite"))
     # Memory for the Responses API's stored answers (previous_response_id, GET /v1/responses/{id}); the
     # least recently used go first. Per gateway process. 0: nothing is stored (store: false is echoed).
     responses_store_mb: int = _field(64, minimum=0)

@@ -9,6 +9,8 @@
                   or [TOOL_CALLS]f{..}[TOOL_CALLS]g{..} (v11 on; [CALL_ID]id and [ARGS] may stand before {..})
     qwen3_coder   Qwen3-Coder: text, then <tool_call><function=f><parameter=a>text</parameter>..</function>
                   </tool_call> .., each value raw text, typed by the request's schema of its parameter
+    granite       Granite 3.x: the whole output is [{"name": .., "arguments": {..}}, ..], after <tool_call>
+                  (3.1 on) or the <|tool_call|> special token (3.0, usually dropped by the detokenizer)
     deepseek_v3   DeepSeek-V3/R1: text, then <｜tool▁calls▁begin｜>, per call <｜tool▁call▁begin｜>function
                   <｜tool▁sep｜>f, a ```json fenced {..} and <｜tool▁call▁end｜>, then <｜tool▁calls▁end｜>;
                   V3.1's shorter <｜tool▁call▁begin｜>f<｜tool▁sep｜>{..}<｜tool▁call▁end｜> too
@@ -18,7 +20,7 @@ finished (name, arguments JSON) pair. Text that may still become a call is held 
 not to be one (JSON that does not parse, or is not a call) goes out as content, so nothing is lost.
 A hermes or qwen3_coder call goes out when its closing tag arrives (deepseek_v3's calls when their
 block closes), and the space around calls is
-dropped; a llama3_json or pythonic output, once it starts with "{" or "[", only at the end (it is a
+dropped; a llama3_json, pythonic or granite output, once it starts with "{" or "[", only at the end (it is a
 call only if the whole of it parses). Mistral's text before [TOOL_CALLS] streams as it comes; what
 follows it is read at the end, where the calls go out, with any text after them as content.
 """
@@ -32,7 +34,7 @@ import re
 
 from .stop_strings import cut_at
 
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "pythonic", "mistral", "qwen3_coder", "deepseek_v3")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "pythonic", "mistral", "qwen3_coder", "deepseek_v3", "granite")
 # Parsers whose markers are special tokens, which the detokenizer would otherwise drop (vLLM's mistral
 # parser turns skip_special_tokens off for the same reason).
 READS_SPECIAL_TOKENS = frozenset({"mistral", "deepseek_v3"})
@@ -213,10 +215,11 @@ def _typed(value: str, schema) -> object:
 
 
 class _WholeOutputReader:
-    """An output that is calls only as a whole: once it starts (after space) with ``TAG`` or ``OPEN`` it
-    is held to the end and read by ``_parse``; anything else streams on as content at once."""
+    """An output that is calls only as a whole: once it starts (after space) with one of ``TAGS`` or with
+    ``OPEN`` it is held to the end and read by ``_parse``; anything else streams on as content at once."""
 
-    TAG = OPEN = ""
+    TAGS: tuple[str, ...] = ()
+    OPEN = ""
 
     __slots__ = ("_pending", "_state")
 
@@ -228,9 +231,9 @@ class _WholeOutputReader:
         pending = self._pending + text
         if self._state == "start":
             lead = pending.lstrip()
-            if lead.startswith(self.TAG) or lead.startswith(self.OPEN):
+            if lead.startswith((*self.TAGS, self.OPEN)):
                 self._state = "calls"
-            elif not final and (not lead or self.TAG.startswith(lead)):
+            elif not final and (not lead or any(tag.startswith(lead) for tag in self.TAGS)):
                 self._pending = pending
                 return "", []
             else:
@@ -250,12 +253,12 @@ class _WholeOutputReader:
 
 
 class Llama3JsonReader(_WholeOutputReader):
-    TAG, OPEN = "<|python_tag|>", "{"  # a special token: the detokenizer usually drops it already
+    TAGS, OPEN = ("<|python_tag|>",), "{"  # a special token: the detokenizer usually drops it already
 
     __slots__ = ()
 
     def _parse(self, text: str) -> list[Call] | None:
-        return _parse_joined(text.lstrip().removeprefix(self.TAG))
+        return _parse_joined(text.lstrip().removeprefix(self.TAGS[0]))
 
 
 def _parse_joined(text: str) -> list[Call] | None:
@@ -278,13 +281,26 @@ def _parse_joined(text: str) -> list[Call] | None:
 
 class PythonicReader(_WholeOutputReader):
     # Llama 4's special tokens around the list: the detokenizer usually drops them already
-    TAG, OPEN, END = "<|python_start|>", "[", "<|python_end|>"
+    TAGS, OPEN, END = ("<|python_start|>",), "[", "<|python_end|>"
 
     __slots__ = ()
 
     def _parse(self, text: str) -> list[Call] | None:
-        text = text.strip().removeprefix(self.TAG).strip().removesuffix(self.END)
+        text = text.strip().removeprefix(self.TAGS[0]).strip().removesuffix(self.END)
         return _parse_pythonic(text.strip())
+
+
+class GraniteReader(_WholeOutputReader):
+    TAGS, OPEN = ("<tool_call>", "<|tool_call|>"), "["  # 3.1 on; 3.0's special token, where it is kept
+
+    __slots__ = ()
+
+    def _parse(self, text: str) -> list[Call] | None:
+        text = text.strip()
+        for tag in self.TAGS:
+            text = text.removeprefix(tag)
+        read = _json_array(text)
+        return read[0] if read is not None and not read[1].strip() else None
 
 
 def _parse_pythonic(text: str) -> list[Call] | None:
@@ -357,7 +373,7 @@ def _parse_mistral(text: str) -> tuple[list[Call], str] | None:
     for part in text.split(MistralReader.MARKER):
         if after.strip():  # text between calls: not the format
             return None
-        read = _mistral_array(part) if part.lstrip().startswith("[") else _mistral_named(part)
+        read = _json_array(part) if part.lstrip().startswith("[") else _mistral_named(part)
         if read is None:
             return None
         calls += read[0]
@@ -365,8 +381,9 @@ def _parse_mistral(text: str) -> tuple[list[Call], str] | None:
     return calls, after
 
 
-def _mistral_array(part: str) -> tuple[list[Call], str] | None:
-    """Tokenizers before v11: a JSON array of {"name": .., "arguments": {..}}, and the text after it."""
+def _json_array(part: str) -> tuple[list[Call], str] | None:
+    """A JSON array of {"name": .., "arguments": {..}} (mistral before tokenizer v11, granite), and the text
+    after it."""
     part = part.lstrip()
     try:
         items, end = json.JSONDecoder().raw_decode(part)
@@ -395,9 +412,10 @@ def _mistral_named(part: str) -> tuple[list[Call], str] | None:
     return [(match[1], json.dumps(arguments, ensure_ascii=False))], part[end:]
 
 
-Reader = HermesReader | Llama3JsonReader | PythonicReader | MistralReader | Qwen3CoderReader | DeepSeekV3Reader
+Reader = (HermesReader | Llama3JsonReader | PythonicReader | MistralReader | Qwen3CoderReader | DeepSeekV3Reader
+          | GraniteReader)
 _READERS = {"hermes": HermesReader, "llama3_json": Llama3JsonReader, "pythonic": PythonicReader,
-            "mistral": MistralReader, "deepseek_v3": DeepSeekV3Reader}
+            "mistral": MistralReader, "deepseek_v3": DeepSeekV3Reader, "granite": GraniteReader}
 
 
 def make_reader(name: str, tools: list[dict] | None = None) -> Reader:

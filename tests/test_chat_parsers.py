@@ -1,5 +1,5 @@
 """The chat output readers on their own: reasoning split off at <think>...</think>, and a model's own tool
-calls read out of hermes, llama3_json, pythonic, mistral, qwen3_coder and deepseek_v3 text. Each case states the exact
+calls read out of hermes, llama3_json, pythonic, mistral, qwen3_coder, deepseek_v3 and granite text. Each case states the exact
 expected (reasoning, content, calls), and the same text streamed in every possible two-piece split, and
 one character at a time, must add up to exactly that: a tag or a call cut across deltas never leaks or
 gets lost."""
@@ -235,6 +235,7 @@ def test_pythonic_and_mistral_calls_end_the_message_with_tool_calls(parser, text
 @pytest.mark.parametrize("parser, opening", [
     ("hermes", "<tool_call>"), ("llama3_json", ""), ("pythonic", "[f(a="), ("mistral", "[TOOL_CALLS]f"),
     ("mistral", "[TOOL_CALLS]["),
+    ("granite", "<tool_call>["),
     ("deepseek_v3", "<\uff5ctool\u2581calls\u2581begin\uff5c><\uff5ctool\u2581call\u2581begin\uff5c>f<\uff5ctool\u2581sep\uff5c>"),
 ])
 def test_text_nested_deeper_than_the_decoders_go_is_content(parser, opening):
@@ -350,3 +351,20 @@ def test_deepseek_v3_keeps_special_tokens_in_the_output_it_reads():
     body = {"messages": [{"role": "user", "content": "Weather?"}], "tools": TOOLS}
     assert parse_chat(body, "deepseek_v3").skip_special_tokens is False
     assert parse_chat(body, "hermes").skip_special_tokens is True
+
+
+@pytest.mark.parametrize("text, content, calls", [
+    ('<tool_call>[{"name": "get_weather", "arguments": {"city": "Paris"}}]', "", [PARIS]),  # Granite 3.1 on
+    ('[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_weather", "arguments": {"city": "Rome", '
+     '"days": 2}}]', "", [PARIS, ROME]),  # 3.0: its <|tool_call|> special token already dropped
+    ('<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}]', "", [PARIS]),  # ... or kept
+    ("Sunny today.", "Sunny today.", []),
+    # not calls after all: the text comes back as it was
+    ('<tool_call>[{"name": "get_weather", "arguments": {"ci', '<tool_call>[{"name": "get_weather", "arguments": {"ci', []),
+    ('[{"name": "get_weather", "arguments": {}}] and more', '[{"name": "get_weather", "arguments": {}}] and more', []),
+    ("[1, 2, 3]", "[1, 2, 3]", []),
+    ("<tool_call>[]", "<tool_call>[]", []),
+])
+def test_granite_reads_calls_at_every_split(text, content, calls):
+    for pieces in splits(text):
+        assert read_tools("granite", pieces) == (content, calls), pieces

@@ -151,6 +151,6 @@ def test_vllm_flags_of_pdserve_serve_and_the_gateway_set_the_config():
     assert load_config(env={}).gateway.tool_call_parser == "none"
     with pytest.raises(ConfigError,
                        match="gateway.tool_call_parser: must be one of none, hermes, llama3_json, pythonic, mistral"):
-        load_config(env={"PDSERVE_GATEWAY_TOOL_CALL_PARSER": "granite"})
+        load_config(env={"PDSERVE_GATEWAY_TOOL_CALL_PARSER": "xlam"})
     with pytest.raises(SystemExit):
-        serve_args(["--tool-call-parser", "granite"])
+        serve_args(["--tool-call-parser", "xlam"])
