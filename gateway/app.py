@@ -20,6 +20,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from configs.schema import GatewayConfig
+
 from . import __version__
 from .auth import ApiKeys
 from .backend import Backend
@@ -39,7 +41,6 @@ from .tokenizer import Tokenizer
 from .tool_calls import parse_tools
 
 log = logging.getLogger("pdserve.gateway")
-DEFAULT_RESPONSES_STORE_MB = 64  # configs/schema.py's default
 
 
 @dataclass(slots=True)
@@ -56,7 +57,8 @@ class GatewayParams:
     # Empty: no CORS headers, so a page from another origin cannot read an answer.
     allowed_origins: list[str] = field(default_factory=list)
     # the Responses API's store (its budget: gateway.responses_store_mb)
-    response_store: ResponseStore = field(default_factory=lambda: ResponseStore(DEFAULT_RESPONSES_STORE_MB << 20))
+    response_store: ResponseStore = field(
+        default_factory=lambda: ResponseStore(GatewayConfig().responses_store_mb << 20))
 
 
 def error_response(e: APIError) -> JSONResponse:

@@ -56,11 +56,6 @@ class ChoiceState:
         return len(self.prompt_ids)
 
     @property
-    def stop_string(self) -> str | None:
-        """The stop string that ended the choice, if one did."""
-        return self._stop.matched
-
-    @property
     def stop_reason(self) -> str | int | None:
         """vLLM's stop_reason: the stop string or the stop token id (of stop_token_ids) that ended the
         choice; None where it ended otherwise (EOS, length)."""

@@ -91,8 +91,8 @@ class MessageBuilder:
         """Anthropic's stop_reason: a call made is tool_use, even a forced one (chat calls that "stop")."""
         if self._finish_reason == "length":
             return "max_tokens", None
-        if state.stop_string is not None:
-            return "stop_sequence", state.stop_string
+        if isinstance(state.stop_reason, str):  # a stop string, not a stop token id
+            return "stop_sequence", state.stop_reason
         return "tool_use" if self._calls else "end_turn", None
 
     def _write(self, kind: str, text: str) -> list[dict]:

@@ -80,7 +80,7 @@ def parse_messages(body, tool_call_parser: str | None = None) -> ParsedRequest:
 def _system(system) -> list[dict]:
     if system is None:
         return []
-    return [{"role": "system", "content": _text(system, "system")}]
+    return [{"role": "system", "content": _text(system, "system", "system")}]
 
 
 def _messages(given) -> list[dict]:
@@ -108,7 +108,7 @@ def _messages(given) -> list[dict]:
                     "name": _string(block, "name", at), "arguments": json.dumps(_input(block, at))}})
             elif kind == "tool_result" and message["role"] == "user":
                 results.append({"role": "tool", "tool_call_id": _string(block, "tool_use_id", at),
-                                "content": _text(block.get("content", ""), f"{at}.content")})
+                                "content": _text(block.get("content", ""), f"{at}.content", "messages")})
             elif kind not in ("thinking", "redacted_thinking") or message["role"] != "assistant":
                 raise bad_request(f"{at}: content blocks of type {str(kind)[:40]!r} are not supported here (text; "
                                   "tool_use and thinking from the assistant; tool_result from the user)", "messages")
@@ -120,15 +120,14 @@ def _messages(given) -> list[dict]:
     return messages
 
 
-def _text(content, where: str) -> str:
+def _text(content, where: str, param: str) -> str:
     """A string, or text blocks joined."""
     if isinstance(content, str):
         return content
     if isinstance(content, list) and all(isinstance(b, dict) and b.get("type") == "text" and isinstance(b.get("text"), str)
                                          for b in content):
         return "".join(b["text"] for b in content)
-    raise bad_request(f"{where} must be a string or a list of text blocks; other content is not supported",
-                      where.split(".")[0].split("[")[0])
+    raise bad_request(f"{where} must be a string or a list of text blocks; other content is not supported", param)
 
 
 def _string(block: dict, key: str, where: str) -> str:

@@ -34,7 +34,7 @@ from .messages_request import parse_messages
 from .metrics import GatewayMetrics
 from .openai_request import ParsedRequest, parse_chat, parse_completion, resolve_max_tokens, truncate_prompt
 from .reasoning import END as REASONING_END, prompt_opens_reasoning
-from .request_id import HEADER as REQUEST_ID_HEADER, client_request_id
+from .request_id import HEADER as REQUEST_ID_HEADER
 from .response_store import ResponseStore
 from .responses import ChunkBuilder, LogprobFormatter, ResponseOptions, chat_body, completion_body, usage
 from .responses_output import ResponseBuilder
@@ -135,7 +135,8 @@ class OpenAIServing:
             bad = [t for t in ids if not self._tok.is_valid_id(t)]
             if bad:
                 raise bad_request(f"{name} token id {bad[0]} is out of range [0, {self._tok.vocab_size})", name)
-        given = None if responses else client_request_id(request.headers.get(REQUEST_ID_HEADER))
+        # checked by the RequestIdEcho middleware (a malformed one never gets here)
+        given = None if responses else request.headers.get(REQUEST_ID_HEADER)
         prefix = "resp_" if responses else "msg_" if anthropic else "chatcmpl-" if chat else "cmpl-"
         rid = prefix + (given or uuid.uuid4().hex)
         # the workers' ids: a client's id may be reused, so they get a nonce of their own
@@ -178,17 +179,19 @@ class OpenAIServing:
         least one token, or max_output_tokens). Where even the last turn does not fit, the prompt as it
         is, which resolve_max_tokens refuses with both numbers."""
         limit = self._limits.max_model_len - (p.max_tokens or 1)
+        # every candidate is the leading system message plus a suffix of the rest: its length names it
+        rendered = {len(p.chat_prompt.messages): prompt_text}
 
         def prompt_len(messages: list[dict]) -> int:
-            text = prompt_text if messages is p.chat_prompt.messages else self.render(
-                replace(p.chat_prompt, messages=messages))
-            return len(self._tok.encode(text, add_special_tokens=False))
+            if len(messages) not in rendered:
+                rendered[len(messages)] = self.render(replace(p.chat_prompt, messages=messages))
+            return len(self._tok.encode(rendered[len(messages)], add_special_tokens=False))
 
         kept = fit_conversation(p.chat_prompt.messages, prompt_len, limit)
-        if kept is None or kept is p.chat_prompt.messages:
+        if kept is None:
             return prompt_text
         p.chat_prompt = replace(p.chat_prompt, messages=kept)
-        return self.render(p.chat_prompt)
+        return rendered[len(kept)]
 
     def _chat_shape(self, p: ParsedRequest, opened: bool) -> ChatShape:
         """With a reasoning parser, the reasoning is split off. A structured output (a forced tool call
