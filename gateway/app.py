@@ -105,6 +105,7 @@ def build_app(params: GatewayParams) -> Starlette:
     keys = ApiKeys(params.api_keys)
     metrics.stored_responses.set_function(lambda: len(serving.store))
     metrics.stored_responses_bytes.set_function(lambda: serving.store.num_bytes)
+    metrics.background_responses.set_function(lambda: len(serving.background))
     limits = params.limits
     started = int(time.time())
 
@@ -226,7 +227,7 @@ def build_app(params: GatewayParams) -> Starlette:
         Route("/v1/responses", responses, methods=["POST"]),
         Route("/v1/messages", messages, methods=["POST"]),
         Route("/v1/messages/count_tokens", count_message_tokens, methods=["POST"]),
-        *response_routes(serving.store, authorize),
+        *response_routes(serving.store, serving.background, authorize),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/workers", workers, methods=["GET"]),
         Route("/tokenize", tokenize, methods=["POST"]),
@@ -243,6 +244,7 @@ def build_app(params: GatewayParams) -> Starlette:
         try:
             yield
         finally:
+            await serving.background.cancel_all()  # their workers let go before the backend's sockets close
             await params.backend.stop()
 
     middleware = []

@@ -65,6 +65,8 @@ class GatewayMetrics:
                                       registry=r)
         self.stored_responses_bytes = Gauge(
             "pdserve:stored_responses_bytes", "Bytes the stored responses count for (their JSON).", registry=r)
+        self.background_responses = Gauge(
+            "pdserve:background_responses", "Background responses (Responses API) still running.", registry=r)
         self.workers_lost = Counter(
             "pdserve:workers_lost", "Workers removed from the registry, by reason (expired | goodbye).", ["reason"],
             registry=r)

@@ -99,7 +99,7 @@ _BODIES = {
             "type": {"enum": ["text", "json_object", "json_schema"]}, "name": {"type": "string"},
             "schema": {"type": "object"}, "strict": {"type": "boolean"}}}}},
         "metadata": {"type": "object", "maxProperties": 16, "additionalProperties": {"type": "string"}},
-        "store": {"type": "boolean"}, "previous_response_id": {"type": "string"},
+        "store": {"type": "boolean"}, "background": {"type": "boolean"}, "previous_response_id": {"type": "string"},
         "truncation": {"enum": ["auto", "disabled"]},
         "include_reasoning": {"type": "boolean"}}},
     # Anthropic's Messages API (gateway/messages_request.py): read as the chat request it amounts to
@@ -166,7 +166,7 @@ def openapi_spec() -> dict:
                                             **_stored("delete", "Delete a stored response")},
             "/v1/responses/{response_id}/input_items": _stored("get", "A stored response's input items, a page",
                                                                _INPUT_ITEMS_QUERY),
-            "/v1/responses/{response_id}/cancel": _stored("post", "Cancel a background response (none run here)"),
+            "/v1/responses/{response_id}/cancel": _stored("post", "Cancel a background response still running"),
             "/v1/models": _get("Served models"),
             "/v1/workers": _get("Registered prefill and decode workers"),
             "/tokenize": _post("Prompt or messages to token ids", "tokenize"),

@@ -3,7 +3,8 @@
     GET    /v1/responses/{id}              the Response as it was answered
     DELETE /v1/responses/{id}              {"id", "object": "response", "deleted": true}
     GET    /v1/responses/{id}/input_items  its input items, a page at a time (after, limit 1-100, order)
-    POST   /v1/responses/{id}/cancel       a 400: only background responses can be cancelled, and none run here
+    POST   /v1/responses/{id}/cancel       a background response: stopped if still running (stored cancelled),
+                                           returned as it is; any other: a 400
 
 An id the store does not hold is a 404 that says why it may be gone.
 """
@@ -16,13 +17,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from .background_responses import BackgroundResponses
 from .errors import APIError, bad_request
 from .response_store import MAX_INPUT_ITEMS_PAGE, ResponseStore, StoredResponse, input_items_page
 
 DEFAULT_PAGE = 20  # OpenAI's default limit
 
 
-def response_routes(store: ResponseStore, authorize: Callable[[Request], None]) -> list[Route]:
+def response_routes(store: ResponseStore, background: BackgroundResponses,
+                    authorize: Callable[[Request], None]) -> list[Route]:
     def stored(request: Request) -> StoredResponse:
         authorize(request)
         rid = request.path_params["response_id"]
@@ -37,14 +40,20 @@ def response_routes(store: ResponseStore, authorize: Callable[[Request], None]) 
     async def response(request: Request):
         entry = stored(request)
         if request.method == "DELETE":
+            await background.cancel(entry.body["id"])  # a deleted response stops taking up a worker
             store.delete(entry.body["id"])
             return JSONResponse({"id": entry.body["id"], "object": "response", "deleted": True})
         return JSONResponse(entry.body)
 
     async def cancel(request: Request):
         entry = stored(request)
-        raise bad_request(f"Only background responses can be cancelled; {entry.body['id']!r} was answered while "
-                          f"its request waited (status {entry.body['status']!r})", "response_id")
+        rid = entry.body["id"]
+        if not entry.body.get("background"):
+            raise bad_request(f"Only background responses can be cancelled; {rid!r} was answered while "
+                              f"its request waited (status {entry.body['status']!r})", "response_id")
+        if await background.cancel(rid):
+            entry = store.get(rid) or entry  # it stored itself cancelled
+        return JSONResponse(entry.body)  # cancelling one that ended returns it as it ended (idempotent)
 
     async def input_items(request: Request):
         entry = stored(request)

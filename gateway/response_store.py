@@ -47,11 +47,12 @@ class ResponseStore:
 
     def put(self, body: dict, input_items: list[dict]) -> bool:
         """Keeps the response, evicting the least recently used to make room. False where it alone is
-        larger than the whole budget (it is not kept)."""
+        larger than the whole budget: it is not kept, nor is an earlier state of it (a background
+        response's in_progress must not stand for an answer that did not fit)."""
+        self.delete(body["id"])
         size = len(json.dumps([body, input_items], ensure_ascii=False))
         if size > self.max_bytes:
             return False
-        self.delete(body["id"])
         while self._bytes + size > self.max_bytes:
             _, evicted = self._entries.popitem(last=False)
             self._bytes -= evicted.size

@@ -1,8 +1,9 @@
 """A Responses API request (``POST /v1/responses``) read as the chat request it amounts to.
 
 The conversation is ``input``, after the items of the stored chain ``previous_response_id`` names
-(gateway/response_store.py; a missing one is a 404). Translated field by field, then checked by the
-chat parser itself, so both endpoints accept and refuse the same things:
+(gateway/response_store.py; a missing one is a 404, a background one still running a 400). Translated
+field by field, then checked by the chat parser itself, so both endpoints accept and refuse the same
+things:
 
     input                a string: one user message. A list of items: messages keep their role
                          (developer -> system, the role chat templates know) and text content;
@@ -11,6 +12,8 @@ chat parser itself, so both endpoints accept and refuse the same things:
     instructions         a system message before the conversation (a previous response's are not
                          carried over, as in OpenAI's)
     store                keep the answer (the default) where the gateway's store is on
+    background           answered at once, ``queued``; read back with GET (gateway/background_responses.py).
+                         Needs the store, and is not streamed
     truncation           "auto": the earliest turns are dropped until the prompt fits the context
                          (gateway/conversation_fit.py); "disabled" (the default): too long is a 400
     max_output_tokens    max_completion_tokens
@@ -21,8 +24,8 @@ chat parser itself, so both endpoints accept and refuse the same things:
                          ["message.output_text.logprobs"] alone: without alternatives)
     temperature, top_p, parallel_tool_calls, stream, and vLLM's sampling extras: as they are
 
-Refused with a 400 naming the field: conversation (no Conversations API), background, content other
-than text, tools other than functions.
+Refused with a 400 naming the field: conversation (no Conversations API), background without the store
+or with stream, content other than text, tools other than functions.
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ class ResponsesRequest:
     input_items: list[dict]  # its own input as items with ids (what the store lists for it)
     store: bool  # keep the answer
     truncate: bool = False  # truncation "auto"
+    background: bool = False  # answered at once; the generation goes on in the gateway
 
 
 def parse_responses(body, tool_call_parser: str | None = None, store: ResponseStore | None = None) -> ResponsesRequest:
@@ -67,12 +71,17 @@ def parse_responses(body, tool_call_parser: str | None = None, store: ResponseSt
         raise bad_request("conversation is not supported: this server has no Conversations API (send the "
                           "conversation in input, or go on from a stored response with previous_response_id)",
                           "conversation")
-    if f.bool("background", False):
-        raise bad_request("background responses are not supported: every response is answered while its "
-                          "request waits", "background")
+    keep = f.bool("store", True) and store is not None and store.enabled
+    background = f.bool("background", False)
+    if background and not keep:
+        why = ("store is false" if store is not None and store.enabled
+               else "this server stores no responses (gateway.responses_store_mb is 0)")
+        raise bad_request(f"background responses are read back from the store, but {why}", "background")
+    if background and f.bool("stream", False):
+        raise bad_request("background responses are not streamed here: poll GET /v1/responses/{id} instead",
+                          "stream")
     previous_id = f.str("previous_response_id", None)
     earlier = _earlier_items(previous_id, store) if previous_id is not None else []
-    keep = f.bool("store", True) and store is not None and store.enabled
     truncation = f.raw("truncation", "disabled")
     if truncation not in ("auto", "disabled"):
         raise bad_request("truncation must be 'auto' or 'disabled'", "truncation")
@@ -111,15 +120,20 @@ def parse_responses(body, tool_call_parser: str | None = None, store: ResponseSt
         "temperature": f.raw("temperature", 1.0), "top_p": f.raw("top_p", 1.0), "top_logprobs": top_logprobs,
         "tool_choice": f.raw("tool_choice", "auto"), "tools": tools or [], "text": {"format": text_format},
         "user": parsed.user, "reasoning": f.raw("reasoning"), "previous_response_id": previous_id,
-        "store": keep, "truncation": truncation,
+        "store": keep, "truncation": truncation, "background": background,
     }
-    return ResponsesRequest(parsed, echo, items, keep, truncation == "auto")
+    return ResponsesRequest(parsed, echo, items, keep, truncation == "auto", background)
 
 
 def _earlier_items(previous_id: str, store: ResponseStore | None) -> list[dict]:
     if store is None or not store.enabled:
         raise bad_request("previous_response_id needs the response store, which is off on this server "
                           "(gateway.responses_store_mb is 0): send the whole conversation in input",
+                          "previous_response_id")
+    previous = store.get(previous_id)
+    if previous is not None and previous.body["status"] in ("queued", "in_progress"):  # a background one
+        raise bad_request(f"Previous response {previous_id[:100]!r} is still {previous.body['status']}: go on "
+                          "from it once it has ended (GET /v1/responses/{id} shows its status)",
                           "previous_response_id")
     earlier = store.conversation(previous_id)
     if isinstance(earlier, str):

@@ -6,12 +6,14 @@
 4. one backend request per prompt, carrying n (its completions come back told apart by index); the first
    event of each is awaited before answering, so "no capacity" is still a proper 503
 5. non-stream: collect, answer JSON; stream: SSE chunks, usage chunk if asked, then [DONE] (the
-   Responses API: its named events, response.completed last)
+   Responses API: its named events, response.completed last). A background response: answered
+   ``queued`` before step 4, which goes on without the client (gateway/background_responses.py)
 6. client disconnect at any point -> abort every unfinished backend request
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -23,6 +25,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from .backend import Backend, GenerationRequest
+from .background_responses import BackgroundResponses
 from .chat_output import ChatParsers, ChatShape
 from .chat_prompt import ChatPrompt
 from .choice import ChoiceState
@@ -60,6 +63,7 @@ class OpenAIServing:
                  store: ResponseStore | None = None) -> None:
         self._tok = tokenizer
         self.store = store if store is not None else ResponseStore(0)  # the Responses API's; also read by the routes that show it
+        self.background = BackgroundResponses()  # its background responses still running
         self._parsers = parsers
         self._backend = backend
         self._limits = limits
@@ -147,6 +151,9 @@ class OpenAIServing:
         generation = Generation(self._backend, requests, states, self._metrics, p.n)
         self.num_in_flight += 1
         self._metrics.num_requests_running.inc()
+        if responses is not None and responses.background:
+            return self._answer_in_background(generation, rid, arrival, responses, shape,
+                                              self._formats[p.tokens_as_ids])
         try:
             started = await self._start(request, generation)
         except APIError as e:
@@ -173,6 +180,43 @@ class OpenAIServing:
             return JSONResponse(builder.whole(generation.states[0]))
         build = chat_body if chat else completion_body
         return JSONResponse(build(rid, created, model, generation.states, fmt, opts))
+
+    def _answer_in_background(self, generation: Generation, rid: str, arrival: float, responses: ResponsesRequest,
+                              shape: ChatShape, fmt: LogprobFormatter) -> JSONResponse:
+        """The response, ``queued``, now; its generation goes on in the background
+        (gateway/background_responses.py)."""
+        items = responses.input_items
+        builder = ResponseBuilder(rid, self._limits.model_name, responses.echo, shape, fmt, self._tok,
+                                  lambda body: self.store.put(body, items))
+        queued = {**builder.body(), "status": "queued"}
+        self.store.put(queued, items)
+        self.background.start(rid, self._generate_in_background(generation, builder, items, arrival))
+        return JSONResponse(queued)
+
+    async def _generate_in_background(self, generation: Generation, builder: ResponseBuilder, items: list[dict],
+                                      arrival: float) -> None:
+        """Runs the generation to its end, storing the response in_progress once the workers have it, then
+        as it ended (``builder`` stores what it finishes); cancelled, it is stored cancelled."""
+        outcome = "aborted"
+        try:
+            await generation.start()
+            self.store.put(builder.body(), items)  # in_progress
+            async for _ in generation.deltas():
+                pass
+            builder.whole(generation.states[0])
+            outcome = "success"
+        except asyncio.CancelledError:
+            self.store.put({**builder.body(), "status": "cancelled"}, items)
+            raise
+        except APIError as e:
+            builder.failure(e)
+            outcome = "rejected" if e.status == 503 else "failed"
+        except Exception:
+            log.exception("background response %s failed", builder.body()["id"])
+            builder.failure(APIError(500, "internal server error", code="internal_error"))
+            outcome = "failed"
+        finally:
+            await self._close(generation, arrival, outcome)
 
     def _fit(self, p: ParsedRequest, prompt_text: str) -> str:
         """truncation "auto": the prompt without the earliest turns that leave no room for the answer (at

@@ -222,7 +222,8 @@ def test_a_failure_mid_stream_is_an_error_event_then_response_failed(live, backe
 
 @pytest.mark.parametrize("extra, param", [
     ({"conversation": "conv_1"}, "conversation"),
-    ({"background": True}, "background"),
+    ({"background": True, "store": False}, "background"),  # read back from the store: needs it
+    ({"background": True, "stream": True}, "stream"),
     ({"input": []}, "input"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input"),
     ({"input": [{"role": "narrator", "content": "x"}]}, "input"),
@@ -384,6 +385,9 @@ def test_the_store_drops_the_least_recently_used_past_its_budget_and_walks_chain
     assert store.num_bytes == 3 * one and len(store) == 3
     assert not store.put(_body("resp_e", text="x" * (3 * one)), [])  # larger than the budget: not kept, none evicted
     assert len(store) == 3
+    assert not store.put(_body("resp_d", text="x" * (3 * one)), [])  # nor its earlier state kept in its place
+    assert [rid for rid in ("resp_a", "resp_c", "resp_d") if store.get(rid)] == ["resp_a", "resp_c"]
+    assert store.num_bytes == 2 * one
 
     chain = ResponseStore(1 << 20)
     question = {"type": "message", "role": "user", "id": "msg_q", "content": [{"type": "input_text", "text": "q"}]}
