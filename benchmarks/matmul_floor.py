@@ -14,7 +14,7 @@ Decode step t = 1 .. max(L) - 1 has ``#{requests with L > t}`` rows: the most fa
 with every request decoding in one batch from the first step (fewer rows per step never costs less
 per token). Each row count is timed with weights of the model's shapes, one copy per layer (so a step
 streams all of them, as the model does), in the fastest of the plain, the transposed and the packed
-product and the C linear (engine/cpu_linear.py, kernels/cpu_linear.c), best of ``repeats``. ``ideal / floor`` is the highest roofline fraction an
+product and the C linear on its own copy (engine/cpu_linear.py, kernels/cpu_linear.c), best of ``repeats``. ``ideal / floor`` is the highest roofline fraction an
 engine running these steps on this machine could show.
 """
 
@@ -74,6 +74,8 @@ def _measure_steps(shape: DecoderShape, row_counts: list[int], repeats: int) -> 
     native = cpu_native.load()
     if native is not None and not all(native.takes_weight(w) for w in layers[0] + [lm_head]):
         native = None
+    c_layers = [[native.pack_linear(w) for w in weights] for weights in layers] if native is not None else []
+    c_lm_head = native.pack_linear(lm_head) if native is not None else None
     seconds = {}
     for n in row_counts:
         inputs = {d_in: torch.randn(n, d_in, generator=gen) for d_in, _ in shape.linear_shapes()}
@@ -97,10 +99,10 @@ def _measure_steps(shape: DecoderShape, row_counts: list[int], repeats: int) -> 
             linear_packed(inputs[shape.hidden_size], packed_lm_head)
 
         def c() -> None:
-            for weights in layers:
+            for weights in c_layers:
                 for w in weights:
-                    native.linear(inputs[w.shape[1]], w)
-            native.linear(inputs[shape.hidden_size], lm_head)
+                    native.linear(inputs[w.shape[1]], w)  # packed [out / NR, in, NR]
+            native.linear(inputs[shape.hidden_size], c_lm_head)
 
         forms = (plain, transposed) if packed_lm_head is None else (plain, transposed, packed)
         seconds[n] = min(best_seconds(form, repeats) for form in forms + ((c,) if native is not None else ()))

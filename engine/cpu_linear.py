@@ -13,21 +13,24 @@ same code, whole decode steps of the ``small`` model on two threads:
 
 A third form keeps the weight in oneDNN's blocked layout (packed once at load): the product then reads
 it without MKL repacking the weight on every call, which is what makes the two dense forms slow at a
-few rows. The fourth is the C linear (kernels/cpu_linear.c) on the dense weight, a stream over it at
-close to the memory's speed. Whole-model weight passes (every projection and the LM head of the
-``small`` model, cold in cache as in a real step), 2026-11-24 Xeon, one thread, ms:
+few rows. The fourth is the C linear (kernels/cpu_linear.c) on a copy in its own layout (also made once
+at load): one sequential stream over the weight with a register-tiled product, close to the memory's
+speed at a few rows and to the arithmetic's at a few dozen. Whole-model weight passes (every projection
+and the LM head of the ``small`` model, cold in cache as in a real step), one thread, ms:
 
-    rows      1     2     4     8    16    32    64
-    plain   7.5   7.7  15.1  22.5  19.2  23.4  35.8
-    packed  8.0   8.6   9.7  11.6  14.8  20.8  31.7
-    C       6.3   6.2   6.6   8.3  13.1  22.4  40.8
+    rows                      1     2     4     8    16    32    64
+    2026-11-24 Xeon  plain   7.5   7.7  15.1  22.5  19.2  23.4  35.8
+                     packed  8.0   8.6   9.7  11.6  14.8  20.8  31.7
+    2026-11-25 EPYC  plain  14.3  25.6  23.3  26.0  32.8  45.8  73.6
+                     C       6.8   6.1   6.6   8.2  15.0  25.6  49.0
 
 So ``time_forms`` times every form at the row counts of ``ROW_BUCKETS`` (``x.shape[0]`` goes to the
-first bucket that holds it) and each bucket takes the fastest; more rows than the last bucket
-(prefill) take the packed form where that copy is held, else plain (512 rows: 228 vs 230 ms). Holding
-both a dense and a packed copy doubles the weight's memory, so without the C kernel a weight is one or
-the other (packed where it wins most buckets); the dense copy stays beside the packed one only for the
-buckets the C linear wins. All forms give the same values up to float rounding (tests/test_cpu_linear.py).
+first bucket that holds it) and each bucket takes the fastest of the copies held. More rows than the
+last bucket (prefill) take the packed form where that copy is held, else plain: the C linear does not
+block for the caches a long prefill needs (512 rows: packed 228 ms, plain 230). Copies: one for the
+torch forms (packed where it wins most of the buckets the C linear does not, else dense), plus the C
+linear's where it wins a bucket; never three. All forms give the same values up to float rounding
+(tests/test_cpu_linear.py).
 """
 
 from __future__ import annotations
@@ -53,7 +56,8 @@ LM_HEAD_SLICE_ROWS = 1024  # weight rows per matmul in the LM head's transposed 
 
 FORMS = ("plain", "transposed", "packed", "c")
 
-_picked: dict[tuple, dict[str, tuple[str, ...]]] = {}  # time_forms' picks in this process, by what they were timed on
+# time_forms' picks in this process (per bucket, prefill), by what they were timed on
+_picked: dict[tuple, dict[str, tuple[tuple[str, ...], str]]] = {}
 
 
 @dataclass(slots=True, frozen=True)
@@ -63,34 +67,38 @@ class MatmulForms:
     per_bucket: tuple[str, ...] = ()  # a FORMS entry per ROW_BUCKETS entry; () = plain everywhere
     slice_rows: int | None = None  # the transposed form's weight rows per matmul (None: all at once)
     native: NativeLibrary | None = None  # the C kernels, where some bucket takes "c"
+    prefill: str = "plain"  # the form past the last bucket: "packed" or "plain" (the torch copy held)
 
     def __post_init__(self) -> None:
         assert len(self.per_bucket) in (0, len(ROW_BUCKETS)) and set(self.per_bucket) <= set(FORMS), self.per_bucket
         assert ("c" in self.per_bucket) == (self.native is not None)
+        assert self.prefill in ("packed", "plain")
+        torch_forms = {f for f in self.per_bucket if f != "c"} | {self.prefill}
+        assert torch_forms in ({"packed"}, {"plain"}, {"plain", "transposed"}), self  # one torch copy
 
     @property
     def holds_packed(self) -> bool:
-        return "packed" in self.per_bucket
+        return self.prefill == "packed"
 
     @property
-    def holds_dense(self) -> bool:  # the C kernel and the two torch forms read the dense weight
-        return any(form != "packed" for form in self.per_bucket) or not self.per_bucket
+    def holds_dense(self) -> bool:  # the two torch forms read the dense weight
+        return self.prefill == "plain"
+
+    @property
+    def holds_c(self) -> bool:  # the C kernel reads its own copy
+        return self.native is not None
 
     def form_for(self, rows: int) -> str:
-        """The bucket's form; more rows than the last bucket (prefill) take the packed one where it is
-        held, else plain."""
         bucket = bisect_left(ROW_BUCKETS, rows)
-        if bucket < len(self.per_bucket):
-            return self.per_bucket[bucket]
-        return "packed" if self.holds_packed else "plain"
+        return self.per_bucket[bucket] if bucket < len(self.per_bucket) else self.prefill
 
     def describe(self) -> str:
         by_form: dict[str, list[str]] = {}
         for rows, form in zip(ROW_BUCKETS, self.per_bucket):
             by_form.setdefault(form, []).append(str(rows))
+        copies = f" (C and {'packed' if self.holds_packed else 'dense'} copies)" if self.holds_c else ""
         if len(by_form) <= 1:
-            return next(iter(by_form), "plain")
-        copies = " (dense and packed copies)" if self.holds_dense and self.holds_packed else ""
+            return next(iter(by_form), "plain") + copies
         return ", ".join(f"{form} at {'/'.join(rows)}" for form, rows in by_form.items()) + " rows" + copies
 
 
@@ -124,19 +132,33 @@ def linear_packed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None = None,
-           forms: MatmulForms = PLAIN, packed: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` in the form ``forms`` picks for ``x``'s row count (plain on CUDA).
-    ``weight`` is the dense one (None where ``forms`` holds only the packed one), ``packed`` the packed
-    one where ``forms`` holds it."""
+@dataclass(slots=True)
+class WeightCopies:
+    """The copies of one ``[out, in]`` weight that its ``MatmulForms`` read; None where not held."""
+
+    dense: torch.Tensor | None  # plain and transposed
+    packed: torch.Tensor | None = None  # oneDNN's blocked layout (pack_weight)
+    c: torch.Tensor | None = None  # the C linear's layout (NativeLibrary.pack_linear)
+
+    @classmethod
+    def make(cls, weight: torch.Tensor, forms: MatmulForms) -> WeightCopies:
+        """The copies ``forms`` reads, made from the dense ``weight`` (kept only where read)."""
+        return cls(weight if forms.holds_dense else None, pack_weight(weight) if forms.holds_packed else None,
+                   forms.native.pack_linear(weight) if forms.holds_c else None)
+
+
+def linear(x: torch.Tensor, copies: WeightCopies, bias: torch.Tensor | None = None,
+           forms: MatmulForms = PLAIN) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` in the form ``forms`` picks for ``x``'s row count (plain on CUDA),
+    reading the copy of the weight that form takes."""
     form = "plain" if x.is_cuda else forms.form_for(x.shape[0])
     if form == "c":
-        return forms.native.linear(x, weight, bias)
+        return forms.native.linear(x, copies.c, bias)
     if form == "packed":
-        return linear_packed(x, packed, bias)
+        return linear_packed(x, copies.packed, bias)
     if form == "plain":
-        return F.linear(x, weight, bias)
-    out = linear_transposed(x, weight, forms.slice_rows)
+        return F.linear(x, copies.dense, bias)
+    out = linear_transposed(x, copies.dense, forms.slice_rows)
     return out if bias is None else out.add_(bias)
 
 
@@ -162,53 +184,56 @@ def time_forms(groups: dict[str, list[torch.Tensor]], slice_rows: dict[str, int 
     key = (tuple((k, len(ws), tuple(ws[0].shape), ws[0].dtype, slice_rows.get(k)) for k, ws in groups.items()),
            repeats, torch.get_num_threads(), torch.backends.mkldnn.enabled, None if native is None else native.threaded)
     if key not in _picked:
-        _picked[key] = {k: forms.per_bucket for k, forms in _timed_picks(groups, slice_rows, repeats, native).items()}
-    return {k: MatmulForms(per_bucket, slice_rows.get(k), native if "c" in per_bucket else None)
-            for k, per_bucket in _picked[key].items()}
+        _picked[key] = {k: (forms.per_bucket, forms.prefill)
+                        for k, forms in _timed_picks(groups, slice_rows, repeats, native).items()}
+    return {k: MatmulForms(per_bucket, slice_rows.get(k), native if "c" in per_bucket else None, prefill)
+            for k, (per_bucket, prefill) in _picked[key].items()}
 
 
 def _timed_picks(groups: dict[str, list[torch.Tensor]], slice_rows: dict[str, int | None], repeats: int,
                  native: NativeLibrary | None) -> dict[str, MatmulForms]:
     first = next(iter(groups.values()))[0]
     x = torch.randn(ROW_BUCKETS[-1], max(ws[0].shape[1] for ws in groups.values()), dtype=first.dtype)
-    packs = {key: [pack_weight(w) for w in ws] for key, ws in groups.items()}
-    runners = {key: _runners(ws, packs[key][0] is not None, slice_rows.get(key), native) for key, ws in groups.items()}
+    takes_c = {key: native is not None and native.takes_weight(ws[0]) for key, ws in groups.items()}
+    copies = {key: [WeightCopies(w, pack_weight(w), native.pack_linear(w) if takes_c[key] else None) for w in ws]
+              for key, ws in groups.items()}
+    runners = {key: _runners(copies[key][0], slice_rows.get(key), native) for key in groups}
     times: dict[str, list[dict[str, float]]] = {key: [] for key in groups}  # per bucket: form -> seconds
     for rows in ROW_BUCKETS:
         best = {key: {} for key in groups}
         for form in FORMS:
-            _timed_pass(groups, packs, runners, x[:rows], form)  # warm-up: allocation, kernel choice
+            _timed_pass(copies, runners, x[:rows], form)  # warm-up: allocation, kernel choice
             for _ in range(repeats):
-                for key, seconds in _timed_pass(groups, packs, runners, x[:rows], form).items():
+                for key, seconds in _timed_pass(copies, runners, x[:rows], form).items():
                     best[key][form] = min(best[key].get(form, float("inf")), seconds)
         for key in groups:
             times[key].append(best[key])
     return {key: _pick(times[key], slice_rows.get(key), native) for key in groups}
 
 
-def _runners(weights: list[torch.Tensor], can_pack: bool, slice_rows: int | None,
-             native: NativeLibrary | None) -> dict[str, Callable]:
-    """The forms one group can take, each a call ``(x, weight, packed weight)``."""
-    runners = {"plain": lambda x, w, p: F.linear(x, w),
-               "transposed": lambda x, w, p: linear_transposed(x, w, slice_rows)}
-    if can_pack:
-        runners["packed"] = lambda x, w, p: linear_packed(x, p)
-    if native is not None and native.takes_weight(weights[0]):
-        runners["c"] = lambda x, w, p: native.linear(x, w)
+def _runners(first: WeightCopies, slice_rows: int | None, native: NativeLibrary | None) -> dict[str, Callable]:
+    """The forms one group can take (those whose copy ``first``, its first weight's, has), each a call
+    ``(x, copies)``."""
+    runners = {"plain": lambda x, c: F.linear(x, c.dense),
+               "transposed": lambda x, c: linear_transposed(x, c.dense, slice_rows)}
+    if first.packed is not None:
+        runners["packed"] = lambda x, c: linear_packed(x, c.packed)
+    if first.c is not None:
+        runners["c"] = lambda x, c: native.linear(x, c.c)
     return runners
 
 
-def _timed_pass(groups: dict[str, list[torch.Tensor]], packs: dict[str, list], runners: dict[str, dict],
-                x: torch.Tensor, form: str) -> dict[str, float]:
+def _timed_pass(copies: dict[str, list[WeightCopies]], runners: dict[str, dict], x: torch.Tensor,
+                form: str) -> dict[str, float]:
     """One pass of ``form`` over every layer's weights in model order: seconds spent per group (the
     groups that have the form)."""
-    spent = {key: 0.0 for key in groups if form in runners[key]}
-    for i in range(max(len(ws) for ws in groups.values())):
+    spent = {key: 0.0 for key in copies if form in runners[key]}
+    for i in range(max(len(cs) for cs in copies.values())):
         for key in spent:
-            if i < len(groups[key]):
-                weight = groups[key][i]
+            if i < len(copies[key]):
+                weight = copies[key][i]
                 start = time.perf_counter()
-                runners[key][form](x[:, : weight.shape[1]], weight, packs[key][i])
+                runners[key][form](x[:, : weight.dense.shape[1]], weight)
                 spent[key] += time.perf_counter() - start
     return spent
 
@@ -216,16 +241,14 @@ def _timed_pass(groups: dict[str, list[torch.Tensor]], packs: dict[str, list], r
 def _pick(times: list[dict[str, float]], slice_rows: int | None, native: NativeLibrary | None) -> MatmulForms:
     """The forms from one group's times per bucket (``time_forms`` says how)."""
     c_best = [min(t, key=t.get) == "c" for t in times]
-    rest = [t for t, c in zip(times, c_best) if not c]
+    rest = [t for t, c in zip(times, c_best) if not c] or times[-1:]  # the torch copy serves prefill too
     packed_wins = sum("packed" in t and t["packed"] < min(t["plain"], t["transposed"]) for t in rest)
-    packed_wins_most = bool(rest) and 2 * packed_wins > len(rest)
-    held = {"packed"} if packed_wins_most else set()
+    prefill = "packed" if 2 * packed_wins > len(rest) else "plain"
+    held = {"packed"} if prefill == "packed" else {"plain", "transposed"}
     if any(c_best):
-        held |= {"plain", "transposed", "c"}
-    elif not packed_wins_most:
-        held |= {"plain", "transposed"}
+        held.add("c")
     per_bucket = tuple(min((f for f in t if f in held), key=t.get) for t in times)
-    return MatmulForms(per_bucket, slice_rows, native if "c" in per_bucket else None)
+    return MatmulForms(per_bucket, slice_rows, native if "c" in per_bucket else None, prefill)
 
 
 @contextlib.contextmanager
@@ -266,16 +289,14 @@ class Linear(nn.Linear):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.forms = PLAIN
-        self.packed_weight: torch.Tensor | None = None
+        self.copies: WeightCopies | None = None  # set by use_forms
 
     def use_forms(self, forms: MatmulForms) -> None:
-        """From now on compute in ``forms``; a packed form replaces the dense weight (freed) unless the
-        C kernel reads the dense one at few rows."""
-        if forms.holds_packed:
-            self.packed_weight = pack_weight(self.weight)
-            if not forms.holds_dense:
-                self.weight = None
+        """From now on compute in ``forms``, holding the copies of the weight they read (the dense
+        ``self.weight`` is freed where none reads it)."""
+        self.copies = WeightCopies.make(self.weight, forms)
+        self.weight = self.copies.dense
         self.forms = forms
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.forms, self.packed_weight)
+        return linear(x, self.copies or WeightCopies(self.weight), self.bias, self.forms)

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention_metadata import AttentionMetadata
-from engine.cpu_linear import LM_HEAD_SLICE_ROWS, PLAIN, Linear, MatmulForms, linear, pack_weight, time_forms
+from engine.cpu_linear import LM_HEAD_SLICE_ROWS, PLAIN, Linear, MatmulForms, WeightCopies, linear, time_forms
 from engine.kv_pool import KVPool
 from engine.layers import MLP, Attention, DecoderLayer, RMSNorm, meta_parameter
 from engine.model_config import ModelConfig
@@ -32,7 +32,7 @@ class CausalLM(nn.Module):
         # Not a submodule: its float32 table lives on `device` whatever dtype the weights get.
         self.rotary = RotaryEmbedding(config, device)
         self.lm_head_forms = PLAIN  # CPU matmul forms of the LM head (choose_cpu_matmul_forms)
-        self.lm_head_packed: torch.Tensor | None = None  # the LM head in the packed form, if chosen
+        self.lm_head_copies: WeightCopies | None = None  # the copies of the LM head those forms read
         self.native_layer_ops = False  # use_native_layer_ops
 
     def forward(
@@ -61,7 +61,8 @@ class CausalLM(nn.Module):
         self.native_layer_ops = True
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] -> [S, vocab] float32
-        return linear(self.norm(hidden), self.lm_head, forms=self.lm_head_forms, packed=self.lm_head_packed).float()
+        copies = self.lm_head_copies or WeightCopies(self.lm_head)
+        return linear(self.norm(hidden), copies, forms=self.lm_head_forms).float()
 
     def choose_cpu_matmul_forms(self, native: NativeLibrary | None = None) -> dict[str, MatmulForms]:
         """Times the plain, transposed and packed matmul forms on this machine, and the C linear of
@@ -82,14 +83,13 @@ class CausalLM(nn.Module):
         return chosen
 
     def use_lm_head_forms(self, forms: MatmulForms) -> None:
-        """As ``Linear.use_forms``, for the LM head: a packed form frees the dense head unless tied or
-        read by the C kernel at few rows."""
-        if forms.holds_packed:
-            self.lm_head_packed = pack_weight(self.lm_head)
-            # Tied: the embedding still reads the dense table, so the packed head is a second copy
-            # (vocab x hidden more memory, e.g. 545 MB for a 151,936 x 896 fp32 head).
-            if self.lm_head is not self.embed_tokens and not forms.holds_dense:
-                self.lm_head = None
+        """As ``Linear.use_forms``, for the LM head: the dense head is freed where no form reads it,
+        unless tied (the embedding reads it)."""
+        self.lm_head_copies = WeightCopies.make(self.lm_head, forms)
+        # Tied, a packed or C head is a second copy (vocab x hidden more memory, e.g. 545 MB for a
+        # 151,936 x 896 fp32 head).
+        if self.lm_head is not self.embed_tokens and not forms.holds_dense:
+            self.lm_head = None
         self.lm_head_forms = forms
 
 

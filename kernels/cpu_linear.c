@@ -1,62 +1,93 @@
-/* x @ w^T on CPU, fp32, for the few rows of a decode step: out[m][n] = sum_k x[m][k] * w[n][k] (+ bias[n]).
+/* x @ w^T on CPU, fp32, for the rows of a decode step: out[m][n] = sum_k x[m][k] * w[n][k] (+ bias[n]).
 
-   With a handful of rows the product is a stream over the weight: every weight byte is read once and
-   used for only a few multiply-adds, so the memory read is the floor. oneDNN's and MKL's products read
-   the small-model weights at well under what one core can stream (a whole-model pass, one thread,
-   2026-11-24 Xeon: 4 rows 9.7 ms packed, 15.1 dense, against 6.6 here; memory floor ~6.3). This kernel
-   walks the weight in its own [out, in] layout (the dense one: no second copy in another layout),
-   prefetching the next tile's rows while it computes this one. With more rows the product becomes
-   arithmetic and oneDNN's blocked GEMM wins (from ~32 rows here): engine/cpu_linear.py times both.
+   The weight is read from a copy in this kernel's own layout, made once at load (pdserve_linear_pack_f32):
 
-   Tiles: MT rows of x against NT rows of w, MT * NT = LANES dot products, each a vector of partial
-   sums over k, reduced together by sum_lanes. Per OpenMP task a block of NBLOCK weight rows, every x
-   row passing over each of its tiles while that tile is in L1.
-*/
+       packed[n / NR][k][n % NR] = w[n][k]        (NR outputs side by side for each k)
+
+   so one pass over the weight is one sequential stream, and a step of k is NV full vectors of NR outputs.
+   A register tile of MR rows of x by NR outputs keeps MR * NV accumulators; each k loads NV weight
+   vectors and broadcasts MR values of x, so there is no horizontal reduction and every output is one
+   sum in k order (the same bits whichever tile, row count or thread computes it: batch-invariant).
+
+   Whole-model weight passes (every projection and the LM head of the `small` model, cold in cache),
+   2026-11-25, 2-core AMD EPYC (AVX-512), one thread, ms; the dense-layout kernel this replaced walked
+   MT rows of x against NT weight rows with a lane reduction per tile:
+
+       rows              1     2     4     8    16    32    64
+       dense layout   10.5  11.5  13.7  15.5  23.0  39.8  74.1
+       this            6.8   6.1   6.6   8.2  15.0  25.6  49.0
+       torch F.linear 14.3  25.6  23.3  26.0  32.8  45.8  73.6
+
+   On two threads at 64 rows it ran at 204 GFLOP/s, above the 176 of a 512-row torch.mm there. Software
+   prefetch only slowed it (the hardware prefetcher follows the one stream). Past ~128 rows a GEMM
+   needs cache blocking this kernel does not do, so prefill keeps oneDNN's (engine/cpu_linear.py). */
 #include "cpu_vector.h"
 
-#define NBLOCK 64 /* weight rows per task */
+/* NV vectors of outputs by MR rows: MR * NV accumulators, NV weight vectors and one broadcast in
+   registers (AVX-512 has 32: 24 + 4 + 1; AVX2 and SSE 16: 12 + 2 + 1). */
+#if LANES == 16
+#define NV 4
+#else
+#define NV 2
+#endif
+#define MR 6
+#define NR (NV * LANES)
+#define OUT_MULTIPLE 64 /* every NR above divides it: one shape rule for every build */
 
-#define DEFINE_TILE(MT, NT)                                                                             \
-    static void tile_##MT(const float *x, int64_t K, const float *w, float *out, int64_t N) {         \
-        vf acc[LANES] = {0};                                                                           \
-        for (int64_t k = 0; k < K; k += LANES) {                                                       \
-            vf wv[NT];                                                                                 \
-            for (int j = 0; j < NT; j++) wv[j] = loadv(w + j * K + k);                                \
-            /* a line of each of the next tile's rows: 4 rows took 11.2 ms without, 7.0 with */ \
-            for (int j = 0; j < NT; j++) __builtin_prefetch(w + (NT + j) * K + k);                     \
-            for (int i = 0; i < MT; i++) {                                                             \
-                const vf xv = loadv(x + i * K + k);                                                    \
-                for (int j = 0; j < NT; j++) acc[i * NT + j] += wv[j] * xv;                            \
+#define DEFINE_TILE(ROWS)                                                                               \
+    static void tile_##ROWS(const float *x, int64_t K, const float *wp, float *out, int64_t N) {       \
+        vf acc[ROWS][NV];                                                                              \
+        for (int i = 0; i < ROWS; i++)                                                                 \
+            for (int v = 0; v < NV; v++) acc[i][v] = (vf){0};                                         \
+        for (int64_t k = 0; k < K; k++) {                                                             \
+            vf w[NV];                                                                                  \
+            for (int v = 0; v < NV; v++) w[v] = loadv(wp + k * NR + v * LANES);                       \
+            for (int i = 0; i < ROWS; i++) {                                                          \
+                const vf xb = splat(x[i * K + k]);                                                    \
+                for (int v = 0; v < NV; v++) acc[i][v] += xb * w[v];                                  \
             }                                                                                          \
         }                                                                                              \
-        float sums[LANES];                                                                             \
-        storev(sums, sum_lanes(acc));                                                                  \
-        for (int i = 0; i < MT; i++)                                                                   \
-            for (int j = 0; j < NT; j++) out[i * N + j] = sums[i * NT + j];                            \
+        for (int i = 0; i < ROWS; i++)                                                                 \
+            for (int v = 0; v < NV; v++) storev(out + i * N + v * LANES, acc[i][v]);                  \
     }
-DEFINE_TILE(4, LANES / 4)
-DEFINE_TILE(2, LANES / 2)
-DEFINE_TILE(1, LANES)
+DEFINE_TILE(6)
+DEFINE_TILE(4)
+DEFINE_TILE(2)
+DEFINE_TILE(1)
 
 int pdserve_linear_supported(int64_t in_features, int64_t out_features) {
-    return in_features > 0 && out_features > 0 && in_features % LANES == 0 && out_features % NBLOCK == 0;
+    return in_features > 0 && out_features > 0 && out_features % OUT_MULTIPLE == 0;
 }
 
-/* x: [M, K] contiguous; w: [N, K] contiguous; bias: [N] or NULL; out: [M, N] contiguous.
-   The caller checks pdserve_linear_supported(K, N) once per weight. */
-void pdserve_linear_f32(const float *x, int64_t M, int64_t K, const float *w, int64_t N, const float *bias,
-                        float *out, int num_threads) {
-    const int64_t m4 = M / 4 * 4, m2 = m4 + (M - m4) / 2 * 2; /* rows [0, m4) in fours, [m4, m2) in twos */
+/* NR: the packed copy of an [N, K] weight is an [N / NR, K, NR] array. */
+int64_t pdserve_linear_block(void) { return NR; }
+
+/* w: [N, K] contiguous -> wp: the layout above. The caller checks pdserve_linear_supported(K, N). */
+void pdserve_linear_pack_f32(const float *w, int64_t N, int64_t K, float *wp, int num_threads) {
 #pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t n0 = 0; n0 < N; n0 += NBLOCK) {
-        for (int64_t n = n0; n < n0 + NBLOCK; n += LANES / 4)
-            for (int64_t m = 0; m < m4; m += 4) tile_4(x + m * K, K, w + n * K, out + m * N + n, N);
-        for (int64_t n = n0; n < n0 + NBLOCK; n += LANES / 2)
-            for (int64_t m = m4; m < m2; m += 2) tile_2(x + m * K, K, w + n * K, out + m * N + n, N);
-        for (int64_t n = n0; n < n0 + NBLOCK; n += LANES)
-            for (int64_t m = m2; m < M; m++) tile_1(x + m * K, K, w + n * K, out + m * N + n, N);
+    for (int64_t nb = 0; nb < N / NR; nb++)
+        for (int64_t j = 0; j < NR; j++) {
+            const float *row = w + (nb * NR + j) * K;
+            float *dst = wp + nb * K * NR + j;
+            for (int64_t k = 0; k < K; k++) dst[k * NR] = row[k];
+        }
+}
+
+/* x: [M, K] contiguous; wp: a packed [N, K] weight; bias: [N] or NULL; out: [M, N] contiguous. Each
+   thread takes whole blocks of NR outputs and runs every row of x over them while they are in cache. */
+void pdserve_linear_f32(const float *x, int64_t M, int64_t K, const float *wp, int64_t N, const float *bias,
+                        float *out, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t nb = 0; nb < N / NR; nb++) {
+        const float *w = wp + nb * K * NR;
+        float *o = out + nb * NR;
+        int64_t m = 0;
+        for (; m + MR <= M; m += MR) tile_6(x + m * K, K, w, o + m * N, N);
+        for (; m + 4 <= M; m += 4) tile_4(x + m * K, K, w, o + m * N, N);
+        for (; m + 2 <= M; m += 2) tile_2(x + m * K, K, w, o + m * N, N);
+        for (; m < M; m++) tile_1(x + m * K, K, w, o + m * N, N);
         if (bias != NULL)
-            for (int64_t m = 0; m < M; m++)
-                for (int64_t n = n0; n < n0 + NBLOCK; n++) out[m * N + n] += bias[n];
+            for (int64_t r = 0; r < M; r++)
+                for (int64_t n = 0; n < NR; n++) o[r * N + n] += bias[nb * NR + n];
     }
 }

@@ -144,7 +144,7 @@ def remove_stale(directory: Path, now: float | None = None) -> list[Path]:
 
 class NativeLibrary:
     """The loaded kernels: ``supports(group, head_dim)`` and ``paged_decode(...)`` for attention,
-    ``supports_linear(in, out)`` and ``linear(...)``; ``threaded``: whether they run on OpenMP threads."""
+    ``supports_linear(in, out)``, ``pack_linear(weight)`` and ``linear(x, packed)``; ``threaded``: whether they run on OpenMP threads."""
 
     def __init__(self, path: Path):
         self._lib = ctypes.CDLL(str(path))
@@ -162,6 +162,11 @@ class NativeLibrary:
         self._linear = self._lib.pdserve_linear_f32
         self._linear.argtypes = [_PTR, _SIZE, _SIZE, _PTR, _SIZE, _PTR, _PTR, ctypes.c_int]
         self._linear.restype = None
+        self._pack_linear = self._lib.pdserve_linear_pack_f32
+        self._pack_linear.argtypes = [_PTR, _SIZE, _SIZE, _PTR, ctypes.c_int]
+        self._pack_linear.restype = None
+        self._lib.pdserve_linear_block.restype = _SIZE
+        self.linear_block = int(self._lib.pdserve_linear_block())  # NR: outputs side by side in a packed weight
         self._rms_norm = self._lib.pdserve_rms_norm_f32
         self._rms_norm.argtypes = [_PTR, _SIZE, _PTR, _PTR, _PTR, _SIZE, _SIZE, ctypes.c_float, ctypes.c_int]
         self._rms_norm.restype = None
@@ -205,17 +210,29 @@ class NativeLibrary:
         return bool(self._linear_supported(in_features, out_features))
 
     def takes_weight(self, weight: torch.Tensor) -> bool:
-        """Whether ``linear`` runs with this ``[out, in]`` weight (float32, a shape it has tiles for)."""
+        """Whether ``pack_linear`` takes this ``[out, in]`` weight (float32, a shape it has tiles for)."""
         return weight.dtype == torch.float32 and self.supports_linear(weight.shape[1], weight.shape[0])
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """``F.linear(x, weight, bias)`` for x [rows, in] float32, weight [out, in] float32 contiguous,
-        a shape ``supports_linear`` accepts (checked once per weight). Returns [rows, out]."""
-        assert x.dtype == weight.dtype == torch.float32 and x.dim() == 2 and weight.is_contiguous()
+    def pack_linear(self, weight: torch.Tensor) -> torch.Tensor:
+        """The copy of ``weight`` ([out, in] float32, a shape ``takes_weight``) that ``linear`` reads:
+        ``[out / NR, in, NR]``, each block of NR outputs side by side for every input (kernels/cpu_linear.c)."""
+        assert self.takes_weight(weight)
+        weight = weight.contiguous()
+        out_features, in_features = weight.shape
+        packed = torch.empty((out_features // self.linear_block, in_features, self.linear_block), dtype=torch.float32)
+        self._pack_linear(weight.data_ptr(), out_features, in_features, packed.data_ptr(), torch.get_num_threads())
+        return packed
+
+    def linear(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``F.linear(x, weight, bias)`` for x [rows, in] float32 and ``packed = pack_linear(weight)``.
+        Returns [rows, out]."""
+        blocks, in_features, block = packed.shape
+        assert x.dtype == packed.dtype == torch.float32 and x.dim() == 2 and x.shape[1] == in_features
+        assert block == self.linear_block and packed.is_contiguous()
         assert bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())
         x = x.contiguous()
-        out = torch.empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
-        self._linear(x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(), weight.shape[0],
+        out = torch.empty((x.shape[0], blocks * block), dtype=torch.float32)
+        self._linear(x.data_ptr(), x.shape[0], in_features, packed.data_ptr(), blocks * block,
                      None if bias is None else bias.data_ptr(), out.data_ptr(), torch.get_num_threads())
         return out
 

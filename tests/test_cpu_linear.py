@@ -61,10 +61,11 @@ def test_pack_weight_declines_what_it_was_not_measured_on_or_when_onednn_is_off(
 
 
 def everywhere(form: str, slice_rows: int | None = None) -> MatmulForms:
-    """``form`` at every row bucket (the C kernel built here for "c")."""
+    """``form`` at every row bucket (the C kernel built here for "c"), prefill packed where that is the
+    form, else plain."""
     native = cpu_native.load() if form == "c" else None
     assert form != "c" or native is not None, "the C kernels did not build here"
-    return MatmulForms((form,) * len(ROW_BUCKETS), slice_rows, native)
+    return MatmulForms((form,) * len(ROW_BUCKETS), slice_rows, native, "packed" if form == "packed" else "plain")
 
 
 ALL_TRANSPOSED = everywhere("transposed")
@@ -88,6 +89,8 @@ def test_a_row_count_takes_the_form_of_the_first_bucket_that_holds_it():
     with pytest.raises(AssertionError):
         MatmulForms(("plain",))  # one form per bucket or none
     with pytest.raises(AssertionError):
+        MatmulForms(("packed",) * len(ROW_BUCKETS), prefill="plain")  # one torch copy: packed or dense
+    with pytest.raises(AssertionError):
         MatmulForms(("c",) * len(ROW_BUCKETS))  # the C form needs the kernels
 
 
@@ -108,11 +111,19 @@ def test_picking_forms_and_the_copies_to_hold():
     packed_slow = [p + 100 for p in packed_fast]
     dense = _pick(bucket_times(plain=plain, transposed=transposed, packed=packed_slow), None, None)
     assert dense.per_bucket == ("plain", "transposed") + ("plain",) * 7 and not dense.holds_packed
-    # Where the C linear is the fastest at some buckets, the dense copy stays for it, and packed is
-    # judged (and wins) on the other six; every bucket takes the fastest form held.
+    # Where the C linear is the fastest at some buckets, its copy is held beside one torch copy: packed
+    # is judged (and wins) on the other six; every bucket takes the fastest form held.
     both = _pick(bucket_times(plain=plain, transposed=transposed, packed=packed_fast, c=c_small), None, native)
-    assert both.per_bucket == ("c", "c", "c") + ("packed",) * 6
-    assert both.holds_dense and both.holds_packed and both.native is native
+    assert both.per_bucket == ("c", "c", "c") + ("packed",) * 6 and both.prefill == "packed"
+    assert both.holds_c and both.holds_packed and not both.holds_dense and both.native is native
+    # Judged on its other buckets, dense wins: the C copy and the dense one.
+    c_and_dense = _pick(bucket_times(plain=plain, transposed=transposed, packed=packed_slow, c=c_small), None, native)
+    assert c_and_dense.per_bucket == ("c", "c", "c") + ("plain",) * 6
+    assert c_and_dense.holds_c and c_and_dense.holds_dense and not c_and_dense.holds_packed
+    # The C linear the fastest everywhere: the torch copy for prefill is judged on the last bucket.
+    c_fast = [t - 3 for t in packed_fast]
+    all_c = _pick(bucket_times(plain=plain, transposed=transposed, packed=packed_fast, c=c_fast), None, native)
+    assert all_c.per_bucket == ("c",) * 9 and all_c.prefill == "packed" and all_c.form_for(1000) == "packed"
     # The C kernel never the fastest: as if it were not there.
     c_slow = [t + 100 for t in c_small]
     assert _pick(bucket_times(plain=plain, transposed=transposed, packed=packed_fast, c=c_slow), None, native) == only_packed
@@ -146,11 +157,13 @@ def test_timed_forms_cover_every_projection_shape_once_and_the_lm_head(with_c):
         assert m.forms is chosen[f"{m.out_features}x{m.in_features}"]
         assert len(m.forms.per_bucket) == len(ROW_BUCKETS) and m.forms.slice_rows is None
         assert m.forms.native in (None, native)
-        # The copies held are the ones the chosen forms read, and two only where the C kernel reads one.
-        assert (m.packed_weight is not None, m.weight is not None) == (m.forms.holds_packed, m.forms.holds_dense)
-        assert not (m.forms.holds_packed and m.forms.holds_dense) or "c" in m.forms.per_bucket
+        # The copies held are the ones the chosen forms read: one torch copy, and the C one where it won.
+        held = (m.copies.dense is not None, m.copies.packed is not None, m.copies.c is not None)
+        assert held == (m.forms.holds_dense, m.forms.holds_packed, m.forms.holds_c) and sum(held[:2]) == 1
+        assert (m.weight is not None) == m.forms.holds_dense
     assert model.lm_head_forms is chosen["lm_head"] and model.lm_head_forms.slice_rows == LM_HEAD_SLICE_ROWS
-    assert (model.lm_head_packed is not None) == model.lm_head_forms.holds_packed
+    assert (model.lm_head_copies.packed is not None) == model.lm_head_forms.holds_packed
+    assert (model.lm_head_copies.c is not None) == model.lm_head_forms.holds_c
 
 
 def test_a_process_times_each_model_shape_once_per_thread_count_and_kernels(monkeypatch):
