@@ -60,8 +60,12 @@ static inline const float *cursor_next(Cursor *c) {
     return row;
 }
 
+/* Into L2, not L1 (locality 2: prefetcht1 on x86): 32 rows ahead are 128 lines, more than L1's miss
+   slots, and in L1 they evict q and the scores. All 8 layers' decode attention, one thread, 2026-11-25
+   EPYC, ms (L1 -> L2, two runs each): batch 8 context 330 2.64 -> 2.31, batch 16 6.13 -> 5.11 (and
+   6.29 -> 4.89), batch 2 context 2048 4.80 -> 3.38. */
 static inline void prefetch_row(const float *row, int floats) {
-    for (int i = 0; i < floats; i += 16) __builtin_prefetch(row + i); /* one 64-byte line per call */
+    for (int i = 0; i < floats; i += 16) __builtin_prefetch(row + i, 0, 2); /* one 64-byte line per call */
 }
 
 /* One (request, kv head). G (query heads per kv head) and C (head_dim / LANES) are constants in each
