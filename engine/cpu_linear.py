@@ -41,7 +41,6 @@ import os
 import tempfile
 import time
 from bisect import bisect_left
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -194,46 +193,43 @@ def _timed_picks(groups: dict[str, list[torch.Tensor]], slice_rows: dict[str, in
                  native: NativeLibrary | None) -> dict[str, MatmulForms]:
     first = next(iter(groups.values()))[0]
     x = torch.randn(ROW_BUCKETS[-1], max(ws[0].shape[1] for ws in groups.values()), dtype=first.dtype)
-    takes_c = {key: native is not None and native.takes_weight(ws[0]) for key, ws in groups.items()}
-    copies = {key: [WeightCopies(w, pack_weight(w), native.pack_linear(w) if takes_c[key] else None) for w in ws]
-              for key, ws in groups.items()}
-    runners = {key: _runners(copies[key][0], slice_rows.get(key), native) for key in groups}
-    times: dict[str, list[dict[str, float]]] = {key: [] for key in groups}  # per bucket: form -> seconds
-    for rows in ROW_BUCKETS:
-        best = {key: {} for key in groups}
-        for form in FORMS:
-            _timed_pass(copies, runners, x[:rows], form)  # warm-up: allocation, kernel choice
+    times = {key: [{} for _ in ROW_BUCKETS] for key in groups}  # per bucket: form -> seconds
+    for form in FORMS:
+        # One form's copies at a time: beside the dense weights, at most one more copy of the model.
+        copies = {key: _copies_for(form, ws, native) for key, ws in groups.items()}
+        copies = {key: cs for key, cs in copies.items() if cs}
+        forms = {key: MatmulForms((form,) * len(ROW_BUCKETS), slice_rows.get(key), native if form == "c" else None,
+                                  "packed" if form == "packed" else "plain") for key in copies}
+        for bucket, rows in enumerate(ROW_BUCKETS):
+            _timed_pass(copies, forms, x[:rows])  # warm-up: allocation, kernel choice
             for _ in range(repeats):
-                for key, seconds in _timed_pass(copies, runners, x[:rows], form).items():
-                    best[key][form] = min(best[key].get(form, float("inf")), seconds)
-        for key in groups:
-            times[key].append(best[key])
+                for key, seconds in _timed_pass(copies, forms, x[:rows]).items():
+                    times[key][bucket][form] = min(times[key][bucket].get(form, float("inf")), seconds)
     return {key: _pick(times[key], slice_rows.get(key), native) for key in groups}
 
 
-def _runners(first: WeightCopies, slice_rows: int | None, native: NativeLibrary | None) -> dict[str, Callable]:
-    """The forms one group can take (those whose copy ``first``, its first weight's, has), each a call
-    ``(x, copies)``."""
-    runners = {"plain": lambda x, c: F.linear(x, c.dense),
-               "transposed": lambda x, c: linear_transposed(x, c.dense, slice_rows)}
-    if first.packed is not None:
-        runners["packed"] = lambda x, c: linear_packed(x, c.packed)
-    if first.c is not None:
-        runners["c"] = lambda x, c: native.linear(x, c.c)
-    return runners
+def _copies_for(form: str, weights: list[torch.Tensor], native: NativeLibrary | None) -> list[WeightCopies]:
+    """Each weight's copy that ``form`` reads; [] where the form cannot take this group."""
+    if form == "packed":
+        packed = [pack_weight(w) for w in weights]
+        return [] if packed[0] is None else [WeightCopies(w, p) for w, p in zip(weights, packed)]
+    if form == "c":
+        takes = native is not None and native.takes_weight(weights[0])
+        return [WeightCopies(w, c=native.pack_linear(w)) for w in weights] if takes else []
+    return [WeightCopies(w) for w in weights]
 
 
-def _timed_pass(copies: dict[str, list[WeightCopies]], runners: dict[str, dict], x: torch.Tensor,
-                form: str) -> dict[str, float]:
-    """One pass of ``form`` over every layer's weights in model order: seconds spent per group (the
-    groups that have the form)."""
-    spent = {key: 0.0 for key in copies if form in runners[key]}
-    for i in range(max(len(cs) for cs in copies.values())):
-        for key in spent:
-            if i < len(copies[key]):
-                weight = copies[key][i]
+def _timed_pass(copies: dict[str, list[WeightCopies]], forms: dict[str, MatmulForms],
+                x: torch.Tensor) -> dict[str, float]:
+    """One pass over every layer's weights in model order, each group in its ``forms``: seconds spent per
+    group."""
+    spent = {key: 0.0 for key in copies}
+    for i in range(max((len(cs) for cs in copies.values()), default=0)):
+        for key, group in copies.items():
+            if i < len(group):
+                weight = group[i]
                 start = time.perf_counter()
-                runners[key][form](x[:, : weight.dense.shape[1]], weight)
+                linear(x[:, : weight.dense.shape[1]], weight, forms=forms[key])
                 spent[key] += time.perf_counter() - start
     return spent
 
