@@ -171,10 +171,10 @@ def time_forms(groups: dict[str, list[torch.Tensor]], slice_rows: dict[str, int 
     in a step. Timed one shape at a time, the weights stay in L2 or a warm L3 and the forms rank
     differently than in steps (at 1-8 rows: the C linear 10-25% slower there, 20-30% faster in steps).
 
-    Which copies to hold: without the C kernel (``native`` None, or a shape it lacks), one: packed
-    where the packed form wins most buckets, else dense. Buckets where the C linear is the fastest of
-    all forms keep the dense copy too, and packed is then judged on the other buckets. Each bucket
-    takes the fastest form among the copies held.
+    Which copies to hold: one torch copy, packed where the packed form wins most of the buckets the C
+    linear does not (all of them without the C kernel: ``native`` None, or a shape it lacks), else
+    dense; plus the C linear's own copy where it is the fastest of all forms at some bucket. Each
+    bucket takes the fastest form among the copies held.
 
     Timed once per process for the same weight shapes, thread count and kernels: two engines of one
     model in one process (a test's reference beside the engine under test) then compute alike, where
