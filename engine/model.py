@@ -61,8 +61,10 @@ class CausalLM(nn.Module):
         self.native_layer_ops = True
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] -> [S, vocab] float32
-        copies = self.lm_head_copies or WeightCopies(self.lm_head)
-        return linear(self.norm(hidden), copies, forms=self.lm_head_forms).float()
+        hidden = self.norm(hidden)
+        if self.lm_head_copies is None:  # no forms chosen (CUDA, or before timing): plain
+            return F.linear(hidden, self.lm_head).float()
+        return linear(hidden, self.lm_head_copies, forms=self.lm_head_forms).float()
 
     def choose_cpu_matmul_forms(self, native: NativeLibrary | None = None) -> dict[str, MatmulForms]:
         """Times the plain, transposed and packed matmul forms on this machine, and the C linear of

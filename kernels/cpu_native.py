@@ -144,7 +144,8 @@ def remove_stale(directory: Path, now: float | None = None) -> list[Path]:
 
 class NativeLibrary:
     """The loaded kernels: ``supports(group, head_dim)`` and ``paged_decode(...)`` for attention,
-    ``supports_linear(in, out)``, ``pack_linear(weight)`` and ``linear(x, packed)``; ``threaded``: whether they run on OpenMP threads."""
+    ``supports_linear(in, out)``, ``pack_linear(weight)`` and ``linear(x, packed)``; ``threaded``: whether
+    they run on OpenMP threads."""
 
     def __init__(self, path: Path):
         self._lib = ctypes.CDLL(str(path))
