@@ -23,6 +23,9 @@ import yaml
 from configs.schema import ConfigError, PdserveConfig
 
 ENV_PREFIX = "PDSERVE_"
+# Read where they act, not config: the C kernels' build cache (kernels/cpu_native.py) and the CPU
+# matmul forms' cache (engine/forms_cache.py).
+PROCESS_ENV = frozenset({"PDSERVE_NATIVE_CACHE_DIR", "PDSERVE_CPU_FORMS_CACHE_DIR", "PDSERVE_RETIME_CPU_FORMS"})
 
 
 def load_config(yaml_path: str | os.PathLike | None = None, env: Mapping[str, str] | None = os.environ,
@@ -31,7 +34,7 @@ def load_config(yaml_path: str | os.PathLike | None = None, env: Mapping[str, st
     if yaml_path is not None:
         _apply_yaml(config, yaml_path)
     for name, raw in sorted((env or {}).items()):
-        if name.startswith(ENV_PREFIX):
+        if name.startswith(ENV_PREFIX) and name not in PROCESS_ENV:
             section, _, key = name[len(ENV_PREFIX):].lower().partition("_")
             _set(config, f"{section}.{key}", raw, f"env {name}", from_text=True)
     for dotted, value in (overrides or {}).items():

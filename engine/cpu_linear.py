@@ -47,6 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine import forms_cache
 from kernels.cpu_native import NativeLibrary
 
 ROW_BUCKETS = (1, 4, 8, 16, 32, 48, 64, 96, 128)  # row counts timed at load
@@ -178,13 +179,19 @@ def time_forms(groups: dict[str, list[torch.Tensor]], slice_rows: dict[str, int 
 
     Timed once per process for the same weight shapes, thread count and kernels: two engines of one
     model in one process (a test's reference beside the engine under test) then compute alike, where
-    timing noise could otherwise give them forms whose float rounding differs."""
+    timing noise could otherwise give them forms whose float rounding differs. And once per machine:
+    the picks are kept on disk (``engine/forms_cache.py``) for the next process to start."""
     slice_rows = slice_rows or {}
     key = (tuple((k, len(ws), tuple(ws[0].shape), ws[0].dtype, slice_rows.get(k)) for k, ws in groups.items()),
            repeats, torch.get_num_threads(), torch.backends.mkldnn.enabled, None if native is None else native.threaded)
     if key not in _picked:
-        _picked[key] = {k: (forms.per_bucket, forms.prefill)
-                        for k, forms in _timed_picks(groups, slice_rows, repeats, native).items()}
+        path = forms_cache.path_for(key, None if native is None else native.name)
+        picks = forms_cache.load(path, list(groups), FORMS, len(ROW_BUCKETS))
+        if picks is None:
+            picks = {k: (forms.per_bucket, forms.prefill)
+                     for k, forms in _timed_picks(groups, slice_rows, repeats, native).items()}
+            forms_cache.store(path, picks)
+        _picked[key] = picks
     return {k: MatmulForms(per_bucket, slice_rows.get(k), native if "c" in per_bucket else None, prefill)
             for k, (per_bucket, prefill) in _picked[key].items()}
 

@@ -148,6 +148,7 @@ class NativeLibrary:
     they run on OpenMP threads."""
 
     def __init__(self, path: Path):
+        self.name = path.name  # carries the hash of the source, flags and compiler it was built from
         self._lib = ctypes.CDLL(str(path))
         self.threaded = bool(self._lib.pdserve_native_threaded())  # False: it runs on the caller's thread
         self._supported = self._lib.pdserve_decode_supported

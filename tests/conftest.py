@@ -12,6 +12,20 @@ if not torch.cuda.is_available():
 from kernels import cpu_native  # noqa: E402 (after TRITON_INTERPRET: @triton.jit reads it)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def forms_cache_dir(tmp_path_factory):
+    """The CPU matmul forms picked in this run, shared by its processes (workers inherit the
+    environment) but not kept from an earlier run: every run times them afresh at least once."""
+    path = tmp_path_factory.mktemp("cpu-forms")
+    previous = os.environ.get("PDSERVE_CPU_FORMS_CACHE_DIR")
+    os.environ["PDSERVE_CPU_FORMS_CACHE_DIR"] = str(path)
+    yield path
+    if previous is None:
+        os.environ.pop("PDSERVE_CPU_FORMS_CACHE_DIR", None)
+    else:
+        os.environ["PDSERVE_CPU_FORMS_CACHE_DIR"] = previous
+
+
 @pytest.fixture(scope="session")
 def library() -> cpu_native.NativeLibrary:
     lib = cpu_native.load()

@@ -38,6 +38,14 @@ def test_each_layer_overrides_the_previous(tmp_path):
     assert config.engine.kv_cache_memory_mb == PdserveConfig().engine.kv_cache_memory_mb  # untouched
 
 
+def test_process_variables_are_not_config_but_a_misspelt_section_is_an_error():
+    # The kernel caches' variables share the prefix; the processes read them where they act.
+    env = {"PDSERVE_NATIVE_CACHE_DIR": "/x", "PDSERVE_CPU_FORMS_CACHE_DIR": "/y", "PDSERVE_RETIME_CPU_FORMS": "1"}
+    assert load_config(env=env) == PdserveConfig()
+    with pytest.raises(ConfigError, match="unknown config section 'native' \\(env PDSERVE_NATIVE_CACHE\\)"):
+        load_config(env={"PDSERVE_NATIVE_CACHE": "/x"})
+
+
 def test_schema_module_entry_point_matches_loader(tmp_path):
     path = write_yaml(tmp_path, "cluster:\n  num_decode: 3\n")
     assert schema.load_config(path, env={}) == load_config(path, env={})

@@ -166,9 +166,10 @@ def test_timed_forms_cover_every_projection_shape_once_and_the_lm_head(with_c):
     assert (model.lm_head_copies.c is not None) == model.lm_head_forms.holds_c
 
 
-def test_a_process_times_each_model_shape_once_per_thread_count_and_kernels(monkeypatch):
+def test_a_process_times_each_model_shape_once_per_thread_count_and_kernels(monkeypatch, tmp_path):
     """A second engine of one model in one process takes the first one's forms (so a test's reference
     engine rounds as the engine under test does); a new thread count or kernel set is timed afresh."""
+    monkeypatch.setenv("PDSERVE_CPU_FORMS_CACHE_DIR", str(tmp_path))  # nothing stored by earlier tests
     timings = []  # the kernels each timing ran with
     real = cpu_linear._timed_picks
     monkeypatch.setattr(cpu_linear, "_picked", {})
