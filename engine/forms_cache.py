@@ -20,11 +20,12 @@ import hashlib
 import json
 import logging
 import os
-import platform
 import tempfile
 from pathlib import Path
 
 import torch
+
+from kernels import cpu_native
 
 log = logging.getLogger(__name__)
 
@@ -36,23 +37,8 @@ def cache_dir() -> Path:
     return Path(configured) if configured else Path.home() / ".cache" / "pdserve" / "cpu-forms"
 
 
-def _cpu_identity() -> str:
-    """The CPU's model name and feature flags (Linux), else what ``platform`` knows of it."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        lines = []
-    wanted = ("model name", "flags", "Features", "CPU part")  # x86; Arm's flags and part number
-    seen = {}
-    for line in lines:
-        name, _, value = line.partition(":")
-        if name.strip() in wanted:
-            seen.setdefault(name.strip(), value.strip())
-    return json.dumps(seen, sort_keys=True) if seen else f"{platform.machine()} {platform.processor()}"
-
-
 def path_for(key: tuple, native_name: str | None) -> Path:
-    text = "\0".join([repr(key), _cpu_identity(), torch.__version__, native_name or "-"])
+    text = "\0".join([repr(key), cpu_native.cpu_identity(), torch.__version__, native_name or "-"])
     return cache_dir() / f"forms-{hashlib.sha256(text.encode()).hexdigest()[:24]}.json"
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import json
 import logging
 import os
 import platform
@@ -84,10 +85,28 @@ def _command(compiler: str, variant: Variant, output: str) -> list[str]:
     return [compiler, *flags, *map(str, SOURCES), "-o", output, *link]
 
 
+def cpu_identity() -> str:
+    """The CPU's model name and feature flags (Linux; Arm's features and part number), else what
+    ``platform`` knows of it: what a ``-march=native`` build, or a timing, is only valid for."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    seen = {}
+    for line in lines:
+        name, _, value = line.partition(":")
+        if name.strip() in ("model name", "flags", "Features", "CPU part"):
+            seen.setdefault(name.strip(), value.strip())
+    return json.dumps(seen, sort_keys=True) if seen else f"{platform.machine()} {platform.processor()}"
+
+
 def _target(compiler: str, variant: Variant) -> Path:
     recipe = " ".join(_command(compiler, variant, "")).encode()
     code = [path.read_bytes() for path in SOURCES + HEADERS]
-    key = hashlib.sha256(b"\0".join([*code, recipe, torch.__version__.encode(), os.uname().machine.encode()]))
+    # The CPU too: a home directory shared by machines of other CPUs (NFS, one volume for a node pool)
+    # must not hand one of them a library built for instructions it lacks.
+    key = hashlib.sha256(b"\0".join([*code, recipe, torch.__version__.encode(), os.uname().machine.encode(),
+                                     cpu_identity().encode()]))
     return cache_dir() / f"cpu_native-{key.hexdigest()[:16]}.so"
 
 

@@ -109,5 +109,5 @@ def test_the_key_separates_machines_builds_and_shapes(monkeypatch, tmp_path):
     assert forms_cache.path_for(key, "cpu_native-bbbb.so") != base
     assert forms_cache.path_for(key, None) != base
     assert forms_cache.path_for((("q_proj", 2, (64, 64)), 3, 4), "cpu_native-aaaa.so") != base
-    monkeypatch.setattr(forms_cache, "_cpu_identity", lambda: "another CPU")
+    monkeypatch.setattr(cpu_native, "cpu_identity", lambda: "another CPU")
     assert forms_cache.path_for(key, "cpu_native-aaaa.so") != base

@@ -121,6 +121,16 @@ def test_a_built_library_is_reused(library, tmp_path, monkeypatch):
     assert first.stat().st_mtime > long_ago + 9 * 24 * 3600  # touched: it counts as used now
 
 
+def test_another_cpu_gets_its_own_build(library, tmp_path, monkeypatch):
+    # A cache shared by machines (an NFS home, one volume for a node pool) must not hand a CPU a
+    # library built with -march=native on another.
+    monkeypatch.setenv("PDSERVE_NATIVE_CACHE_DIR", str(tmp_path))
+    ours = cpu_native.build("cc")
+    monkeypatch.setattr(cpu_native, "cpu_identity", lambda: "another CPU")
+    theirs = cpu_native.build("cc")
+    assert theirs != ours and {p.name for p in tmp_path.iterdir()} == {ours.name, theirs.name}
+
+
 def test_a_build_removes_libraries_unused_for_a_month_and_dead_temporaries(tmp_path):
     now, day = time.time(), 24 * 3600
     ages = {"cpu_native-old.so": 31 * day, "cpu_native-recent.so": 29 * day, "cpu_decode-old.so": 31 * day,
