@@ -49,13 +49,15 @@ def load(path: Path, groups: list[str], forms: tuple[str, ...], num_buckets: int
     try:
         stored = json.loads(path.read_text())
         picks = {g: (tuple(stored[g]["per_bucket"]), stored[g]["prefill"]) for g in groups}
-    except (OSError, ValueError, KeyError, TypeError):
+        valid = set(stored) == set(groups) and all(
+            len(per_bucket) == num_buckets and all(f in forms for f in per_bucket) and prefill in ("packed", "plain")
+            for per_bucket, prefill in picks.values())
+    except OSError:  # none yet
         return None
-    valid = set(stored) == set(groups) and all(
-        len(per_bucket) == num_buckets and set(per_bucket) <= set(forms) and prefill in ("packed", "plain")
-        for per_bucket, prefill in picks.values())
+    except (ValueError, KeyError, TypeError):  # not JSON, or not this shape
+        valid = False
     if not valid:
-        log.warning("CPU matmul forms cache %s does not match this build; timing again", path)
+        log.warning("CPU matmul forms cache %s is damaged or from another build; timing again", path)
         return None
     return picks
 

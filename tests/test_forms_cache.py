@@ -65,7 +65,8 @@ def test_retime_times_again_and_rewrites(timings, monkeypatch, tmp_path):
                                             for k, f in again.items()}
 
 
-@pytest.mark.parametrize("damage", ["not json", "unknown form", "missing group", "extra group", "bucket count"])
+@pytest.mark.parametrize("damage", ["not json", "unknown form", "a list for a form", "missing group", "extra group",
+                                    "bucket count"])
 def test_a_file_that_does_not_fit_this_build_is_timed_again_and_rewritten(timings, monkeypatch, tmp_path, damage):
     native = cpu_native.load()
     first = choose(native)
@@ -77,6 +78,8 @@ def test_a_file_that_does_not_fit_this_build_is_timed_again_and_rewritten(timing
     else:
         if damage == "unknown form":
             stored[group]["per_bucket"][0] = "amx"
+        elif damage == "a list for a form":
+            stored[group]["per_bucket"][0] = ["c"]
         elif damage == "missing group":
             del stored[group]
         elif damage == "extra group":
