@@ -85,6 +85,7 @@ def _command(compiler: str, variant: Variant, output: str) -> list[str]:
     return [compiler, *flags, *map(str, SOURCES), "-o", output, *link]
 
 
+@functools.cache  # read at every build lookup and forms-cache key; the CPU does not change under us
 def cpu_identity() -> str:
     """The CPU's model name and feature flags (Linux; Arm's features and part number), else what
     ``platform`` knows of it: what a ``-march=native`` build, or a timing, is only valid for."""
