@@ -38,8 +38,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def add_chat_parser_args(p: argparse.ArgumentParser) -> None:
     """vLLM's flags for the chat output readers; ``pdserve serve`` takes them too."""
-    from .reasoning import REASONING_PARSERS
-    from .tool_parsers import TOOL_CALL_PARSERS
+    from gateway.text.reasoning import REASONING_PARSERS
+    from gateway.text.tool_parsers import TOOL_CALL_PARSERS
 
     p.add_argument("--reasoning-parser", choices=("none",) + REASONING_PARSERS,
                    help="split <think> reasoning into the message's reasoning field (gateway.reasoning_parser)")
@@ -69,15 +69,15 @@ def context_length(path: Path, configured: int | None) -> int:
 
 def build(config: PdserveConfig):
     """(app, backend) for ``config``; torch-free."""
-    from .app import GatewayParams, build_app
-    from .chat_output import ChatParsers
-    from .metrics import GatewayMetrics
-    from .registry import WorkerRegistry
-    from .response_store import ResponseStore
-    from .router import Policy, RouterParams
-    from .serving import ServingLimits
-    from .tokenizer import Tokenizer
-    from .zmq_backend import ZmqBackend, ZmqBackendParams
+    from gateway.dialects.responses.store import ResponseStore
+    from gateway.http.app import GatewayParams, build_app
+    from gateway.metrics import GatewayMetrics
+    from gateway.serving.pipeline import ServingLimits
+    from gateway.text.chat_output import ChatParsers
+    from gateway.text.tokenizer import Tokenizer
+    from gateway.workers.registry import WorkerRegistry
+    from gateway.workers.router import Policy, RouterParams
+    from gateway.workers.zmq_backend import ZmqBackend, ZmqBackendParams
 
     g = config.gateway
     path = model_dir(config)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import uvicorn
 
-from gateway.backend import Backend, GenerationRequest, NoCapacity, TokenEvent, TokenLogprob
+from gateway.workers.backend import Backend, GenerationRequest, NoCapacity, TokenEvent, TokenLogprob
 from protocol.hashing import block_hashes
 
 CHAT_TEMPLATE = (
@@ -190,9 +190,9 @@ def make_gateway(tokenizer_dir: Path, max_model_len: int = 64, max_body_bytes: i
                  request_timeout_s: float | None = None, **params_given):
     """The app over a FakeBackend answering OUTPUT_TEXT; returns (app, backend). ``params_given``: other
     GatewayParams fields (chat_parsers, response_store, allowed_origins)."""
-    from gateway.app import GatewayParams, build_app
-    from gateway.serving import ServingLimits
-    from gateway.tokenizer import Tokenizer
+    from gateway.http.app import GatewayParams, build_app
+    from gateway.serving.pipeline import ServingLimits
+    from gateway.text.tokenizer import Tokenizer
 
     tokenizer = Tokenizer(tokenizer_dir)
     backend = FakeBackend(output_ids=tokenizer.encode(OUTPUT_TEXT, add_special_tokens=False))

@@ -12,10 +12,10 @@ import operator
 
 import pytest
 
-from gateway.chat_output import ChatOutput, ChatShape, chat_message
-from gateway.reasoning import ReasoningStream, prompt_opens_reasoning
-from gateway.tool_calls import ToolChoice
-from gateway.tool_parsers import make_reader
+from gateway.text.chat_output import ChatOutput, ChatShape, chat_message
+from gateway.text.reasoning import ReasoningStream, prompt_opens_reasoning
+from gateway.text.tool_calls import ToolChoice
+from gateway.text.tool_parsers import make_reader
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
 PARIS = ("get_weather", '{"city": "Paris"}')
@@ -346,7 +346,7 @@ def test_deepseek_v3_reads_calls_at_every_split(text, content, calls):
 
 
 def test_deepseek_v3_keeps_special_tokens_in_the_output_it_reads():
-    from gateway.openai_request import parse_chat
+    from gateway.dialects.openai.request import parse_chat
 
     body = {"messages": [{"role": "user", "content": "Weather?"}], "tools": TOOLS}
     assert parse_chat(body, "deepseek_v3").skip_special_tokens is False

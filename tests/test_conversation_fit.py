@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.conversation_fit import fit_conversation
+from gateway.dialects.responses.conversation_fit import fit_conversation
 
 
 def conversation(turns: int, system: bool = True) -> list[dict]:

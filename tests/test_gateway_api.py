@@ -7,7 +7,7 @@ import httpx
 import openai
 import pytest
 
-from gateway.registry import WorkerRegistry
+from gateway.workers.registry import WorkerRegistry
 from protocol.serving import Heartbeat, TokenBias
 from tests.fake_backend import (API_KEYS, MODEL, OUTPUT_TEXT, FakeBackend, live_gateway, num_requests_running,
                                 wait_until)

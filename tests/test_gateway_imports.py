@@ -9,8 +9,9 @@ import gateway
 
 
 def test_gateway_does_not_import_torch():
-    modules = sorted(f"gateway.{m.name}" for m in pkgutil.iter_modules(gateway.__path__))
-    assert {"gateway.app", "gateway.router", "gateway.registry", "gateway.tokenizer"} <= set(modules)
+    modules = sorted(m.name for m in pkgutil.walk_packages(gateway.__path__, "gateway."))
+    assert {"gateway.http.app", "gateway.workers.router", "gateway.workers.registry",
+            "gateway.text.tokenizer"} <= set(modules)
     code = (f"import sys, importlib\nfor m in {modules!r}: importlib.import_module(m)\n"
             "bad = sorted(n for n in sys.modules if n == 'torch' or n.startswith('torch.') or n == 'transformers')\n"
             "print(bad)")

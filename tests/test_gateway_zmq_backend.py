@@ -15,13 +15,13 @@ import openai
 import pytest
 import zmq
 
-from gateway.app import GatewayParams, build_app
+from gateway.http.app import GatewayParams, build_app
 from gateway.metrics import GatewayMetrics
-from gateway.registry import WorkerRegistry
-from gateway.router import Policy, RouterParams
-from gateway.serving import ServingLimits
-from gateway.tokenizer import Tokenizer
-from gateway.zmq_backend import ZmqBackend, ZmqBackendParams
+from gateway.workers.registry import WorkerRegistry
+from gateway.workers.router import Policy, RouterParams
+from gateway.serving.pipeline import ServingLimits
+from gateway.text.tokenizer import Tokenizer
+from gateway.workers.zmq_backend import ZmqBackend, ZmqBackendParams
 from protocol.codec import decode, encode
 from protocol.serving import (AbortRequest, Busy, Generate, Goodbye, Heartbeat, PromptLogprobs, TokenEvent,
                               TokenLogprobRecord)

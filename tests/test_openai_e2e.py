@@ -328,7 +328,7 @@ def test_structured_outputs_equal_the_engine_on_both_workers(client, loose_clien
 
 
 def test_forced_tool_calls_equal_the_engine_under_the_same_schema(client, reference, cluster):
-    from gateway.tool_calls import ToolChoice
+    from gateway.text.tool_calls import ToolChoice
     from protocol.serving import StructuredOutput
 
     weather = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},

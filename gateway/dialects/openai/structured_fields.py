@@ -17,9 +17,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from gateway.http.errors import bad_request
+from gateway.http.request_fields import Fields
 from protocol.serving import MAX_STRUCTURED_OUTPUT_CHARS, StructuredOutput
-from .errors import bad_request
-from .request_fields import Fields
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 _STRUCTURED_KEYS = {"json": "json", "regex": "regex", "choice": "choice", "grammar": "grammar"}

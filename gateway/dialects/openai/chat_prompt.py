@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .errors import bad_request
-from .request_fields import Fields
+from gateway.http.errors import bad_request
+from gateway.http.request_fields import Fields
 
 # Variables the server sets itself; chat_template_kwargs may not override them.
 RESERVED_TEMPLATE_VARIABLES = ("messages", "tools", "documents", "add_generation_prompt")

@@ -32,11 +32,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import APIError, bad_request
-from .openai_request import MAX_LOGPROBS, ParsedRequest, parse_chat
-from .request_fields import Fields
-from .response_store import ResponseStore
-from .responses_output import new_id
+from gateway.dialects.openai.request import MAX_LOGPROBS, ParsedRequest, parse_chat
+from gateway.http.errors import APIError, bad_request
+from gateway.http.request_fields import Fields
+
+from .output import new_id
+from .store import ResponseStore
 
 # vLLM's sampling fields beyond OpenAI's, taken by /v1/responses as by chat.
 PASSED_THROUGH = ("model", "temperature", "top_p", "parallel_tool_calls", "stream", "user", "seed", "top_k", "min_p",

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from gateway.http.errors import bad_request
+from gateway.http.request_fields import Fields
+from gateway.text.tool_calls import ToolChoice, parse_tool_choice, parse_tools
+from gateway.text.tool_parsers import READS_SPECIAL_TOKENS
 from protocol.serving import MAX_LOGIT_BIAS, SamplingSpec, StructuredOutput, TokenBias
+
 from .chat_prompt import ChatPrompt, parse_chat_prompt
-from .errors import bad_request
-from .request_fields import Fields
 from .structured_fields import parse_structured_output
-from .tool_calls import ToolChoice, parse_tool_choice, parse_tools
-from .tool_parsers import READS_SPECIAL_TOKENS
 
 MAX_N = 16  # completions per prompt
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs

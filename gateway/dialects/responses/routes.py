@@ -17,9 +17,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from .background_responses import BackgroundResponses
-from .errors import APIError, bad_request
-from .response_store import MAX_INPUT_ITEMS_PAGE, ResponseStore, StoredResponse, input_items_page
+from gateway.http.errors import APIError, bad_request
+
+from .background import BackgroundResponses
+from .store import MAX_INPUT_ITEMS_PAGE, ResponseStore, StoredResponse, input_items_page
 
 DEFAULT_PAGE = 20  # OpenAI's default limit
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from . import __version__
-from .openai_request import MAX_LOGPROBS
+from gateway import __version__
+from gateway.dialects.openai.request import MAX_LOGPROBS
 
 _JSON = {"application/json": {"schema": {"type": "object"}}}
 _ERROR = {"description": "OpenAI error object", "content": _JSON}

@@ -24,26 +24,41 @@ import anyio
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from .backend import Backend, GenerationRequest
-from .background_responses import BackgroundResponses
-from .chat_output import ChatParsers, ChatShape
-from .chat_prompt import ChatPrompt
+from gateway.dialects.anthropic.output import MessageBuilder
+from gateway.dialects.anthropic.request import parse_messages
+from gateway.dialects.openai.chat_prompt import ChatPrompt
+from gateway.dialects.openai.output import (
+    ChunkBuilder,
+    LogprobFormatter,
+    ResponseOptions,
+    chat_body,
+    completion_body,
+    usage,
+)
+from gateway.dialects.openai.request import (
+    ParsedRequest,
+    parse_chat,
+    parse_completion,
+    resolve_max_tokens,
+    truncate_prompt,
+)
+from gateway.dialects.responses.background import BackgroundResponses
+from gateway.dialects.responses.conversation_fit import fit_conversation
+from gateway.dialects.responses.output import ResponseBuilder
+from gateway.dialects.responses.request import ResponsesRequest, parse_responses
+from gateway.dialects.responses.store import ResponseStore
+from gateway.http.errors import APIError, bad_request, no_capacity
+from gateway.http.request_id import HEADER as REQUEST_ID_HEADER
+from gateway.http.sse import EventStreamResponse, wait_for_disconnect
+from gateway.metrics import GatewayMetrics
+from gateway.text.chat_output import ChatParsers, ChatShape
+from gateway.text.reasoning import END as REASONING_END
+from gateway.text.reasoning import prompt_opens_reasoning
+from gateway.text.tokenizer import ChatTemplateError, Tokenizer
+from gateway.workers.backend import Backend, GenerationRequest
+
 from .choice import ChoiceState
-from .conversation_fit import fit_conversation
-from .errors import APIError, bad_request, no_capacity
 from .generation import Generation
-from .messages_output import MessageBuilder
-from .messages_request import parse_messages
-from .metrics import GatewayMetrics
-from .openai_request import ParsedRequest, parse_chat, parse_completion, resolve_max_tokens, truncate_prompt
-from .reasoning import END as REASONING_END, prompt_opens_reasoning
-from .request_id import HEADER as REQUEST_ID_HEADER
-from .response_store import ResponseStore
-from .responses import ChunkBuilder, LogprobFormatter, ResponseOptions, chat_body, completion_body, usage
-from .responses_output import ResponseBuilder
-from .responses_request import ResponsesRequest, parse_responses
-from .sse import EventStreamResponse, wait_for_disconnect
-from .tokenizer import ChatTemplateError, Tokenizer
 
 log = logging.getLogger("pdserve.gateway")
 

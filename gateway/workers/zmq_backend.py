@@ -22,6 +22,8 @@ import logging
 import time
 from dataclasses import dataclass
 
+from gateway.deadline import get_by
+from gateway.metrics import GatewayMetrics
 from protocol.serving import AbortRequest, Busy, Generate, Goodbye, Heartbeat, PromptLogprobs, TokenLogprobRecord
 from protocol.serving import TokenEvent as WireTokenEvent
 
@@ -29,8 +31,6 @@ from .admission import AdmissionQueue
 from .backend import Backend, GenerationRequest, NoCapacity, TokenEvent, TokenLogprob
 from .breaker import CircuitBreaker
 from .completion_order import CompletionOrder
-from .deadline import get_by
-from .metrics import GatewayMetrics
 from .registry import Role, WorkerRegistry
 from .router import RouteDecision, Router, RouterParams
 from .worker_link import WorkerLink

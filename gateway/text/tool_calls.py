@@ -21,9 +21,10 @@ import json
 import uuid
 from dataclasses import dataclass
 
+from gateway.http.errors import bad_request
+from gateway.http.request_fields import Fields
 from protocol.serving import StructuredOutput
-from .errors import bad_request
-from .request_fields import Fields
+
 from .tool_parsers import make_reader
 
 

@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import json
 
-from .errors import APIError, bad_request
-from .openai_request import ParsedRequest, parse_chat
-from .request_fields import Fields
-from .responses_request import PASSED_THROUGH
+from gateway.dialects.openai.request import ParsedRequest, parse_chat
+from gateway.dialects.responses.request import PASSED_THROUGH
+from gateway.http.errors import APIError, bad_request
+from gateway.http.request_fields import Fields
 
 _PARAM_NAMES = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences", "response_format": "output_config"}
 _CHOICES = {"auto": "auto", "any": "required", "none": "none"}

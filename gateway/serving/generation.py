@@ -21,11 +21,12 @@ from collections.abc import AsyncIterator
 
 import anyio
 
-from .backend import Backend, GenerationRequest, NoCapacity, TokenEvent
+from gateway.deadline import get_by
+from gateway.http.errors import APIError, bad_request, no_capacity
+from gateway.metrics import GatewayMetrics
+from gateway.workers.backend import Backend, GenerationRequest, NoCapacity, TokenEvent
+
 from .choice import ChoiceDelta, ChoiceState
-from .deadline import get_by
-from .errors import APIError, bad_request, no_capacity
-from .metrics import GatewayMetrics
 
 _MAX_ERROR_CHARS = 300
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .backend import TokenLogprob
-from .chat_output import ChatOutput, ChatShape, chat_message
-from .choice import ChoiceDelta, ChoiceState
-from .errors import APIError
-from .sse import DONE, error_event, sse_event
-from .tokenizer import Tokenizer
+from gateway.http.errors import APIError
+from gateway.http.sse import DONE, error_event, sse_event
+from gateway.serving.choice import ChoiceDelta, ChoiceState
+from gateway.text.chat_output import ChatOutput, ChatShape, chat_message
+from gateway.text.tokenizer import Tokenizer
+from gateway.workers.backend import TokenLogprob
 
 
 @dataclass(slots=True)

@@ -21,24 +21,24 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from configs.schema import GatewayConfig
+from gateway import __version__
+from gateway.dialects.anthropic.output import anthropic_error
+from gateway.dialects.openai.chat_prompt import parse_chat_prompt
+from gateway.dialects.responses.routes import response_routes
+from gateway.dialects.responses.store import ResponseStore
+from gateway.metrics import CONTENT_TYPE, GatewayMetrics
+from gateway.serving.pipeline import OpenAIServing, ServingLimits
+from gateway.text.chat_output import ChatParsers
+from gateway.text.tokenizer import Tokenizer
+from gateway.text.tool_calls import parse_tools
+from gateway.workers.backend import Backend
+from gateway.workers.registry import WorkerRegistry
 
-from . import __version__
 from .auth import ApiKeys
-from .backend import Backend
-from .chat_output import ChatParsers
-from .chat_prompt import parse_chat_prompt
 from .errors import APIError, bad_request
-from .messages_output import anthropic_error
-from .metrics import CONTENT_TYPE, GatewayMetrics
 from .openapi import openapi_spec
-from .registry import WorkerRegistry
 from .request_fields import Fields
 from .request_id import RequestIdEcho
-from .response_routes import response_routes
-from .response_store import ResponseStore
-from .serving import OpenAIServing, ServingLimits
-from .tokenizer import Tokenizer
-from .tool_calls import parse_tools
 
 log = logging.getLogger("pdserve.gateway")
 

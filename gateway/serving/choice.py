@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .backend import TokenEvent, TokenLogprob
-from .detokenizer import IncrementalDetokenizer
-from .stop_strings import StopStringMatcher
-from .tokenizer import Tokenizer
+from gateway.text.detokenizer import IncrementalDetokenizer
+from gateway.text.stop_strings import StopStringMatcher
+from gateway.text.tokenizer import Tokenizer
+from gateway.workers.backend import TokenEvent, TokenLogprob
 
 
 @dataclass(slots=True)

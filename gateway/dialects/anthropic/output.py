@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import json
 
-from .chat_output import ChatOutput, ChatShape
-from .choice import ChoiceDelta, ChoiceState
-from .errors import APIError
-from .sse import sse_named_event
+from gateway.http.errors import APIError
+from gateway.http.sse import sse_named_event
+from gateway.serving.choice import ChoiceDelta, ChoiceState
+from gateway.text.chat_output import ChatOutput, ChatShape
 
 
 def anthropic_error(e: APIError) -> dict:

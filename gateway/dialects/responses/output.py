@@ -22,12 +22,12 @@ import time
 import uuid
 from collections.abc import Callable
 
-from .chat_output import ChatOutput, ChatShape
-from .choice import ChoiceDelta, ChoiceState
-from .errors import APIError
-from .responses import LogprobFormatter, usage
-from .sse import sse_named_event
-from .tokenizer import Tokenizer
+from gateway.dialects.openai.output import LogprobFormatter, usage
+from gateway.http.errors import APIError
+from gateway.http.sse import sse_named_event
+from gateway.serving.choice import ChoiceDelta, ChoiceState
+from gateway.text.chat_output import ChatOutput, ChatShape
+from gateway.text.tokenizer import Tokenizer
 
 _PREFIXES = {"message": "msg_", "reasoning": "rs_", "function_call": "fc_"}
 
