@@ -43,10 +43,6 @@ class SamplingParams:
             self.top_k = 0
         self.validate()
 
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature == 0.0
-
     def validate(self) -> None:
         def check(ok: bool, name: str, rule: str) -> None:
             if not ok:

@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import uuid
-
-import msgpack
 
 from engine.kv_pool import KVLayout
 from protocol.kv_messages import KV_PROTOCOL_VERSION, KVCompat
@@ -22,12 +19,6 @@ def compat_of(model: str, layout: KVLayout) -> KVCompat:
         head_dim=layout.head_dim,
         block_size=layout.block_size,
     )
-
-
-def compat_hash(compat: KVCompat) -> int:
-    """64-bit hash of every compatibility field; equal hashes mean interchangeable blocks."""
-    packed = msgpack.packb([getattr(compat, f.name) for f in dataclasses.fields(compat)])
-    return int.from_bytes(hashlib.blake2b(packed, digest_size=8).digest(), "little")
 
 
 def first_mismatch(ours: KVCompat, theirs: KVCompat) -> str | None:
