@@ -11,7 +11,7 @@ from collections.abc import Sequence as Seq
 
 import torch
 
-from configs.schema import EngineConfig, ModelConfig as ModelSection, PdserveConfig, load_config
+from configs.schema import EngineConfig, ModelConfig, PdserveConfig, load_config
 from engine.block_manager import BlockManager
 from engine.cpu_linear import exclusive_timing
 from engine.kv_pool import KVLayout, KVPool, num_blocks_for_budget
@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def build_engine(model_path: str, model_cfg: ModelSection, engine_cfg: EngineConfig, device: str | None = None) -> LLMEngine:
+def build_engine(model_path: str, model_cfg: ModelConfig, engine_cfg: EngineConfig, device: str | None = None) -> LLMEngine:
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if engine_cfg.num_threads:
         torch.set_num_threads(engine_cfg.num_threads)

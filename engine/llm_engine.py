@@ -17,7 +17,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
-from engine.model_config import ModelConfig
+from engine.model_config import HFModelConfig
 from engine.runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -59,7 +59,7 @@ class _Request:
 
 
 class LLMEngine:
-    def __init__(self, model_config: ModelConfig, scheduler: Scheduler, runner: ModelRunner,
+    def __init__(self, model_config: HFModelConfig, scheduler: Scheduler, runner: ModelRunner,
                  grammars: Grammars | None = None):
         """``grammars``: compiles structured outputs against the model's tokenizer; None refuses them."""
         self.model_config = model_config

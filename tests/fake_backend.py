@@ -18,7 +18,7 @@ from pathlib import Path
 
 import uvicorn
 
-from gateway.workers.backend import Backend, GenerationRequest, NoCapacity, TokenEvent, TokenLogprob
+from gateway.workers.backend import Backend, CompletionEvent, GenerationRequest, NoCapacity, TokenLogprob
 from protocol.hashing import block_hashes
 
 CHAT_TEMPLATE = (
@@ -133,7 +133,7 @@ class FakeBackend(Backend):
             raise NoCapacity(self.no_capacity_retry_after, "all decode workers are full")
         self.received.append(request)
         if self.refusal is not None:
-            yield TokenEvent(error=self.refusal, refused=True)
+            yield CompletionEvent(error=self.refusal, refused=True)
             return
         s = request.sampling
         out = self.output_ids[: s.max_tokens]
@@ -143,14 +143,14 @@ class FakeBackend(Backend):
                            else self._prompt_logprobs(request.prompt_token_ids, s.prompt_logprobs))
         for start in range(0, len(out), self.tokens_per_event):
             if self.error_after_tokens is not None and start >= self.error_after_tokens:
-                yield TokenEvent(error="decode worker lost")
+                yield CompletionEvent(error="decode worker lost")
                 return
             if self.token_delay_s:
                 await asyncio.sleep(self.token_delay_s)
             ids = out[start : start + self.tokens_per_event]
             last = start + len(ids) >= len(out)
             for index in range(s.n):
-                yield TokenEvent(index, ids,
+                yield CompletionEvent(index, ids,
                                  self._logprobs(start, ids, s.logprobs) if s.logprobs is not None else None,
                                  finish_reason=finish if last else None,
                                  num_cached_tokens=cached if start == 0 else None,

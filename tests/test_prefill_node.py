@@ -12,7 +12,7 @@ import torch
 import zmq
 from prometheus_client import CollectorRegistry
 
-from configs.schema import EngineConfig, ModelConfig as ModelSection
+from configs.schema import EngineConfig, ModelConfig
 from engine.block_manager import cdiv
 from engine.llm import build_engine
 from engine.sampling_params import SamplingParams
@@ -48,7 +48,7 @@ def engine_cfg(**overrides) -> EngineConfig:
 
 
 def build(**overrides):
-    return build_engine(model_path(), ModelSection(path=model_path(), dtype="float32"), engine_cfg(**overrides), device="cpu")
+    return build_engine(model_path(), ModelConfig(path=model_path(), dtype="float32"), engine_cfg(**overrides), device="cpu")
 
 
 def prompt(n: int, seed: int) -> list[int]:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from gateway.text.detokenizer import IncrementalDetokenizer
 from gateway.text.stop_strings import StopStringMatcher
 from gateway.text.tokenizer import Tokenizer
-from gateway.workers.backend import TokenEvent, TokenLogprob
+from gateway.workers.backend import CompletionEvent, TokenLogprob
 
 
 @dataclass(slots=True)
@@ -73,7 +73,7 @@ class ChoiceState:
     def logprobs(self) -> list[TokenLogprob]:
         return self._all_logprobs
 
-    def feed(self, event: TokenEvent) -> ChoiceDelta:
+    def feed(self, event: CompletionEvent) -> ChoiceDelta:
         assert not self.is_finished, f"event after finish for {self.request_id}"
         if event.num_cached_tokens is not None:
             self.num_cached_tokens = event.num_cached_tokens

@@ -24,7 +24,7 @@ import anyio
 from gateway.deadline import get_by
 from gateway.http.errors import APIError, bad_request, no_capacity
 from gateway.metrics import GatewayMetrics
-from gateway.workers.backend import Backend, GenerationRequest, NoCapacity, TokenEvent
+from gateway.workers.backend import Backend, CompletionEvent, GenerationRequest, NoCapacity
 
 from .choice import ChoiceDelta, ChoiceState
 
@@ -48,9 +48,9 @@ class Generation:
         self.states = states
         self._metrics = metrics
         self._gens: list = []
-        self._firsts: list[TokenEvent] = []
+        self._firsts: list[CompletionEvent] = []
         self._pumps: list[asyncio.Task] = []
-        self._queue: asyncio.Queue[tuple[int, TokenEvent]] = asyncio.Queue()  # (request index, event)
+        self._queue: asyncio.Queue[tuple[int, CompletionEvent]] = asyncio.Queue()  # (request index, event)
         self._last_event_time: list[float | None] = [None] * len(states)
         self._is_closed = False
         self.num_choices_per_prompt = num_choices_per_prompt  # choices i*n .. i*n+n-1 share prompt i
@@ -70,11 +70,11 @@ class Generation:
         self._firsts = results
 
     @staticmethod
-    async def _first_event(gen) -> TokenEvent:
+    async def _first_event(gen) -> CompletionEvent:
         try:
             return await gen.__anext__()
         except StopAsyncIteration:
-            return TokenEvent(error="worker stream ended before the first token")
+            return CompletionEvent(error="worker stream ended before the first token")
 
     def _choices_of(self, r: int) -> list[ChoiceState]:
         n = self.num_choices_per_prompt
@@ -102,7 +102,7 @@ class Generation:
                 await self._backend.abort(self._requests[r].request_id)
             yield i, delta
 
-    def _check_prompt_logprobs(self, r: int, state: ChoiceState, event: TokenEvent) -> None:
+    def _check_prompt_logprobs(self, r: int, state: ChoiceState, event: CompletionEvent) -> None:
         """Asked-for prompt logprobs come on a completion's first event, one per prompt token after the
         first: the responses index them by prompt position."""
         if self._requests[r].sampling.prompt_logprobs is None or state.prompt_logprobs is not None:
@@ -113,7 +113,7 @@ class Generation:
             what = "no" if got is None else f"{len(got)} (not matching the prompt's tokens)"
             raise GenerationFailed(f"worker sent {what} prompt logprobs for a prompt of {len(prompt)} tokens")
 
-    async def _next_event(self) -> tuple[int, TokenEvent]:
+    async def _next_event(self) -> tuple[int, CompletionEvent]:
         deadline = self._requests[0].deadline  # one HTTP request: every choice shares the deadline
         try:
             return await get_by(self._queue, deadline)
@@ -121,7 +121,7 @@ class Generation:
             waited = deadline - self._requests[0].arrival_time
             raise GenerationFailed(f"request timed out after {waited:.1f} s") from None
 
-    async def _pump(self, r: int, gen, event: TokenEvent) -> None:
+    async def _pump(self, r: int, gen, event: CompletionEvent) -> None:
         running = set(range(self.num_choices_per_prompt))  # completions without a finish reason yet
         try:
             while True:
@@ -134,13 +134,13 @@ class Generation:
                         return
                 event = await gen.__anext__()
         except StopAsyncIteration:
-            await self._queue.put((r, TokenEvent(error="worker stream ended without a finish reason")))
+            await self._queue.put((r, CompletionEvent(error="worker stream ended without a finish reason")))
         except Exception as e:  # a broken backend must surface as a clean error, not a hung request
-            await self._queue.put((r, TokenEvent(error=f"{type(e).__name__}: {e}")))
+            await self._queue.put((r, CompletionEvent(error=f"{type(e).__name__}: {e}")))
         finally:
             await gen.aclose()
 
-    def _observe_latency(self, i: int, r: int, event: TokenEvent) -> None:
+    def _observe_latency(self, i: int, r: int, event: CompletionEvent) -> None:
         now = time.monotonic()
         last = self._last_event_time[i]
         if event.queue_time_s is not None:

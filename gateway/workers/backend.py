@@ -1,7 +1,7 @@
 """The interface the HTTP layer calls to generate tokens; the ZeroMQ worker client implements it later.
 
 The HTTP layer sends one ``GenerationRequest`` per prompt; its ``sampling.n`` completions come back on one
-stream of ``TokenEvent``s told apart by ``index`` (the worker forks them copy-on-write, so the prompt is
+stream of ``CompletionEvent``s told apart by ``index`` (the worker forks them copy-on-write, so the prompt is
 prefilled and its KV transferred once). The stream ends when every completion carried a finish reason,
 or at the first error. Stop strings are the gateway's business: when every completion of a request is
 over for the gateway, it stops reading and calls ``abort``.
@@ -48,7 +48,7 @@ class TokenLogprob:
 
 
 @dataclass(slots=True)
-class TokenEvent:
+class CompletionEvent:
     """New tokens of one completion; its last event has ``finish_reason`` or ``error`` set."""
 
     index: int = 0  # which completion of the request, 0 .. n-1
@@ -71,7 +71,7 @@ class Backend(abc.ABC):
     """What the gateway needs from the worker pools."""
 
     @abc.abstractmethod
-    def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+    def generate(self, request: GenerationRequest) -> AsyncIterator[CompletionEvent]:
         """An async generator of events; raises ``NoCapacity`` before the first one if nobody can take it.
 
         Events of one completion arrive in order; completions interleave."""

@@ -25,10 +25,10 @@ from dataclasses import dataclass
 from gateway.deadline import get_by
 from gateway.metrics import GatewayMetrics
 from protocol.serving import AbortRequest, Busy, Generate, Goodbye, Heartbeat, PromptLogprobs, TokenLogprobRecord
-from protocol.serving import TokenEvent as WireTokenEvent
+from protocol.serving import TokenEvent
 
 from .admission import AdmissionQueue
-from .backend import Backend, GenerationRequest, NoCapacity, TokenEvent, TokenLogprob
+from .backend import Backend, CompletionEvent, GenerationRequest, NoCapacity, TokenLogprob
 from .breaker import CircuitBreaker
 from .completion_order import CompletionOrder
 from .registry import Role, WorkerRegistry
@@ -70,7 +70,7 @@ class _Flight:
     def __init__(self, rid: str, num_prompt_tokens: int) -> None:
         self.rid = rid
         self.num_prompt_tokens = num_prompt_tokens
-        self.events: asyncio.Queue = asyncio.Queue()  # WireTokenEvent | Busy | WorkerGone | None (aborted)
+        self.events: asyncio.Queue = asyncio.Queue()  # TokenEvent | Busy | WorkerGone | None (aborted)
         # From PromptLogprobs frames, which precede the first TokenEvent; None once a frame was out of order.
         self.prompt_logprobs: list[TokenLogprob] | None = []
         self.decode_worker: str | None = None
@@ -145,19 +145,19 @@ class ZmqBackend(Backend):
             event = first
             queue_time: float | None = time.monotonic() - request.arrival_time
             while True:
-                if not isinstance(event, WireTokenEvent):  # aborted, lost, deadline
+                if not isinstance(event, TokenEvent):  # aborted, lost, deadline
                     if event is not None:
-                        yield TokenEvent(error=_describe(event))
+                        yield CompletionEvent(error=_describe(event))
                     return
                 if event.error:
                     # A refusal speaks to the client about its request; a failure names the worker.
                     error = event.error if event.refused else f"worker {flight.decode_worker}: {event.error}"
-                    yield TokenEvent(index=event.index, error=error, refused=event.refused)
+                    yield CompletionEvent(index=event.index, error=error, refused=event.refused)
                     return
                 try:
                     released = order.push(event)
                 except ValueError as e:
-                    yield TokenEvent(error=str(e))
+                    yield CompletionEvent(error=str(e))
                     return
                 for e in released:
                     out = _to_backend_event(e, queue_time)
@@ -207,7 +207,7 @@ class ZmqBackend(Backend):
             finally:
                 if backlog:
                     self._router.prefill_done(prefill.worker_id, backlog)
-            if isinstance(answer, WireTokenEvent) and not answer.error:
+            if isinstance(answer, TokenEvent) and not answer.error:
                 for worker_id in flight.workers():
                     self._breaker.record_success(worker_id)
                 return answer
@@ -303,7 +303,7 @@ class ZmqBackend(Backend):
             flight = self._flights.get(record.rid)
             if flight is None or flight.is_done:
                 return  # finished or aborted already; late records are expected
-            if worker_id == flight.decode_worker or (isinstance(record, (WireTokenEvent, PromptLogprobs))
+            if worker_id == flight.decode_worker or (isinstance(record, (TokenEvent, PromptLogprobs))
                                                      and worker_id == flight.prefill_worker):
                 if isinstance(record, PromptLogprobs):
                     self._add_prompt_logprobs(worker_id, flight, record)
@@ -373,9 +373,9 @@ def _to_logprob(r: TokenLogprobRecord, rank: int | None = None) -> TokenLogprob:
     return TokenLogprob(r.token_id, r.logprob, list(zip(r.top_ids, r.top_logprobs)), rank)
 
 
-def _to_backend_event(e: WireTokenEvent, queue_time_s: float | None) -> TokenEvent:
+def _to_backend_event(e: TokenEvent, queue_time_s: float | None) -> CompletionEvent:
     logprobs = None if e.logprobs is None else [_to_logprob(r) for r in e.logprobs]
-    return TokenEvent(index=e.index, token_ids=list(e.token_ids), logprobs=logprobs,
+    return CompletionEvent(index=e.index, token_ids=list(e.token_ids), logprobs=logprobs,
                       finish_reason=e.finish_reason or None,
                       num_cached_tokens=e.num_cached_tokens if e.num_cached_tokens >= 0 else None,
                       queue_time_s=queue_time_s)
@@ -386,6 +386,6 @@ def _describe(answer) -> str:
         if answer.reason == "deadline":
             return "the request's deadline passed"
         return f"worker {answer.worker_id} {answer.reason}"
-    if isinstance(answer, WireTokenEvent):
+    if isinstance(answer, TokenEvent):
         return f"worker error: {answer.error[:200]}"
     return "aborted"
