@@ -77,11 +77,9 @@ class LLMEngine:
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         if error := vocab_error(prompt_token_ids, params, self.model_config.vocab_size):
             raise ValueError(error)
-        stops = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            stops.update(self.model_config.eos_token_ids)
         request_id = next(self._ids)
-        seq = Sequence(request_id, list(prompt_token_ids), params, stop_token_ids=frozenset(stops),
+        seq = Sequence(request_id, list(prompt_token_ids), params,
+                       stop_token_ids=params.stop_ids(self.model_config.eos_token_ids),
                        guide=self.new_guide(params))
         self.scheduler.add(seq)
         self._requests[request_id] = _Request(list(prompt_token_ids), params)

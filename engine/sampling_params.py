@@ -43,6 +43,11 @@ class SamplingParams:
             self.top_k = 0
         self.validate()
 
+    def stop_ids(self, eos_token_ids: list[int]) -> frozenset[int]:
+        """The token ids that end the sequence (a Sequence's ``stop_token_ids``; the sampler masks them
+        while ``min_tokens`` is unmet): the request's stops plus the model's EOS unless ``ignore_eos``."""
+        return frozenset(self.stop_token_ids) | (frozenset() if self.ignore_eos else frozenset(eos_token_ids))
+
     def validate(self) -> None:
         def check(ok: bool, name: str, rule: str) -> None:
             if not ok:

@@ -21,11 +21,3 @@ def first_token_params(spec: SamplingSpec) -> SamplingParams:
         logit_bias=spec.logit_bias_map(), allowed_token_ids=spec.allowed_token_ids, prompt_logprobs=spec.prompt_logprobs,
         structured_output=spec.structured_output,
     )
-
-
-def stop_ids(spec: SamplingSpec, eos_token_ids: list[int]) -> frozenset[int]:
-    """What the sampler masks while ``min_tokens`` is unmet: the request's stops plus EOS unless ignored."""
-    ids = set(spec.stop_token_ids)
-    if not spec.ignore_eos:
-        ids.update(eos_token_ids)
-    return frozenset(ids)

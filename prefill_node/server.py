@@ -53,7 +53,7 @@ from prefill_node.job_check import JobLimits, check_job
 from prefill_node.kv_senders import KVSenders
 from prefill_node.metrics import PrefillMetrics
 from prefill_node.options import PrefillOptions
-from prefill_node.sampling import first_token_params, stop_ids
+from prefill_node.sampling import first_token_params
 from protocol.codec import WireError, decode, encode
 from protocol.serving import AbortRequest, Goodbye, Heartbeat, PrefillFailed, PrefillJob, TokenEvent
 from protocol.zmq_util import bind, make_socket
@@ -190,7 +190,7 @@ class PrefillServer:
             return
         params = first_token_params(job.sampling)
         seq = Sequence(next(self._seq_ids), list(job.token_ids), params,
-                       stop_token_ids=stop_ids(job.sampling, self._eos_token_ids))
+                       stop_token_ids=params.stop_ids(self._eos_token_ids))
         bs = self.block_manager.block_size
         state = JobState(job, peer, seq, cdiv(len(job.token_ids), bs), time.monotonic(),
                          next_block=job.skip_tokens // bs)
