@@ -52,8 +52,7 @@ from gateway.http.request_id import HEADER as REQUEST_ID_HEADER
 from gateway.http.sse import EventStreamResponse, wait_for_disconnect
 from gateway.metrics import GatewayMetrics
 from gateway.text.chat_output import ChatParsers, ChatShape
-from gateway.text.reasoning import END as REASONING_END
-from gateway.text.reasoning import prompt_opens_reasoning
+from gateway.text.reasoning import PARSERS as REASONING_PARSERS
 from gateway.text.tokenizer import ChatTemplateError, Tokenizer
 from gateway.workers.backend import Backend, GenerationRequest
 
@@ -142,9 +141,10 @@ class OpenAIServing:
             if responses is not None and responses.truncate:
                 prompt_text = self._fit(p, prompt_text)
             prompts = [self._tok.encode(prompt_text, add_special_tokens=False)]
-            opened = self._parsers.reasoning is not None and prompt_opens_reasoning(prompt_text)
+            reasoning = REASONING_PARSERS[self._parsers.reasoning] if self._parsers.reasoning is not None else None
+            opened = reasoning is not None and reasoning.prompt_opens(prompt_text)
             if opened and p.structured_output is not None:  # the workers gate the grammar on the end tag
-                p.structured_output = replace(p.structured_output, after=REASONING_END)
+                p.structured_output = replace(p.structured_output, after=reasoning.end)
             shape = self._chat_shape(p, opened)
         else:
             prompts = [self.tokenize_prompt(x) for x in p.prompts]
@@ -256,8 +256,8 @@ class OpenAIServing:
         """With a reasoning parser, the reasoning is split off. A structured output (a forced tool call
         included) applies after it where the prompt opens it, as in vLLM; otherwise the grammar holds
         from the first token, so there is no thinking to split. ``opened``: the prompt opens it."""
-        reasoning = self._parsers.reasoning is not None and (p.structured_output is None or opened)
-        return ChatShape(reasoning, opened, p.include_reasoning, p.tool_choice)
+        split = p.structured_output is None or opened
+        return ChatShape(self._parsers.reasoning if split else None, opened, p.include_reasoning, p.tool_choice)
 
     def _echo_texts(self, p: ParsedRequest, prompts: list[list[int]]) -> list[str] | None:
         """Completions: the prompt as sent, a token-id prompt decoded with its special tokens, as vLLM

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .reasoning import ReasoningStream
+from .reasoning import PARSERS as REASONING_PARSERS
 from .tool_calls import ToolCallReader, ToolChoice
 
 
@@ -20,15 +20,15 @@ from .tool_calls import ToolCallReader, ToolChoice
 class ChatParsers:
     """The server's readers of chat output (gateway.reasoning_parser, gateway.tool_call_parser); None: off."""
 
-    reasoning: str | None = None  # gateway/reasoning.py REASONING_PARSERS
-    tool_calls: str | None = None  # gateway/tool_parsers.py TOOL_CALL_PARSERS
+    reasoning: str | None = None  # gateway/text/reasoning/ PARSERS
+    tool_calls: str | None = None  # gateway/text/tool_parsers/ PARSERS
 
 
 @dataclass(slots=True, frozen=True)
 class ChatShape:
     """How one chat request's output is read; the same for each of its choices."""
 
-    reasoning: bool = False  # split off <think> reasoning (a reasoning parser is configured and asked for)
+    reasoning: str | None = None  # the reasoning parser that splits the reasoning off (configured and asked for)
     opened_by_prompt: bool = False  # the prompt ends with <think>: the output starts inside the reasoning
     include_reasoning: bool = True  # False: the reasoning is split off and dropped (vLLM's include_reasoning)
     tool_choice: ToolChoice | None = None
@@ -41,7 +41,8 @@ class ChatOutput:
 
     def __init__(self, shape: ChatShape) -> None:
         self._include_reasoning = shape.include_reasoning
-        self._reasoning = ReasoningStream(shape.opened_by_prompt) if shape.reasoning else None
+        self._reasoning = (REASONING_PARSERS[shape.reasoning](shape.opened_by_prompt)
+                           if shape.reasoning is not None else None)
         self._tools = ToolCallReader(shape.tool_choice) if shape.tool_choice is not None else None
 
     def feed(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:

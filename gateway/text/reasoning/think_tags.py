@@ -1,5 +1,4 @@
-"""Reasoning outputs: a thinking model's ``<think>...</think>`` goes to the message's ``reasoning``
-field, the rest to ``content``, as vLLM's ``--reasoning-parser`` does (``gateway.reasoning_parser``).
+"""A thinking model's ``<think>...</think>``: the reasoning before ``</think>``, the content after it.
 
 Both parsers vLLM users name for these tags, ``deepseek_r1`` and ``qwen3``, read the same shape:
 
@@ -13,20 +12,23 @@ reasoning. Streamed, a tag split across deltas is held back until it is complete
 
 from __future__ import annotations
 
-from .stop_strings import cut_at
+from gateway.text.stop_strings import cut_at
 
-REASONING_PARSERS = ("deepseek_r1", "qwen3")
+from .base import ReasoningParser
+
 START, END = "<think>", "</think>"
 
 
-def prompt_opens_reasoning(prompt_text: str) -> bool:
-    return prompt_text.rstrip().endswith(START)
-
-
-class ReasoningStream:
+class ThinkTagParser(ReasoningParser):
     """One choice's text, split as it streams: ``feed(text, final)`` -> (reasoning, content) of it."""
 
+    end = END
+
     __slots__ = ("_state", "_opened_by_prompt", "_pending")
+
+    @staticmethod
+    def prompt_opens(prompt_text: str) -> bool:
+        return prompt_text.rstrip().endswith(START)
 
     def __init__(self, opened_by_prompt: bool) -> None:
         self._state = "start"  # "start" (before the first non-space text) | "reasoning" | "content"
