@@ -5,11 +5,11 @@ from __future__ import annotations
 import dataclasses
 import uuid
 
-from engine.kv_pool import KVLayout
+from kvtransfer.pool import PoolLayout
 from protocol.kv_messages import KV_PROTOCOL_VERSION, KVCompat
 
 
-def compat_of(model: str, layout: KVLayout) -> KVCompat:
+def compat_of(model: str, layout: PoolLayout) -> KVCompat:
     return KVCompat(
         protocol_version=KV_PROTOCOL_VERSION,
         model=model,

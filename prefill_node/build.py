@@ -7,10 +7,10 @@ from prometheus_client import CollectorRegistry
 
 from configs.schema import PdserveConfig
 from engine.llm import build_engine
+from kvtransfer.transports import TRANSPORTS
 from prefill_node.metrics import PrefillMetrics
 from prefill_node.options import PrefillOptions
 from prefill_node.server import PrefillServer
-from protocol.kv_messages import TRANSPORTS
 from worker.identity import default_worker_id, kv_model_name
 
 
@@ -22,7 +22,7 @@ def options_from_config(config: PdserveConfig) -> PrefillOptions:
         port=config.prefill.port,
         gateway_address=config.prefill.gateway_address,
         heartbeat_s=config.gateway.worker_heartbeat_s or 5.0,
-        transports=TRANSPORTS if transport == "auto" else (transport,),
+        transports=tuple(TRANSPORTS) if transport == "auto" else (transport,),
         transfer_deadline_s=config.transfer.lease_seconds or 30.0,  # the receiver's lease: same horizon
         drain_timeout_s=config.prefill.drain_timeout_s,
         max_frame_bytes=config.transfer.max_frame_bytes,
