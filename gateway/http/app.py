@@ -22,12 +22,15 @@ from starlette.routing import Route
 
 from configs.schema import GatewayConfig
 from gateway import __version__
-from gateway.dialects.anthropic.output import anthropic_error
+from gateway.dialects.anthropic.dialect import MESSAGES
 from gateway.dialects.openai.chat_prompt import parse_chat_prompt
+from gateway.dialects.openai.dialect import CHAT, COMPLETIONS
+from gateway.dialects.responses.dialect import RESPONSES
 from gateway.dialects.responses.routes import response_routes
 from gateway.dialects.responses.store import ResponseStore
 from gateway.metrics import CONTENT_TYPE, GatewayMetrics
-from gateway.serving.pipeline import OpenAIServing, ServingLimits
+from gateway.serving.dialect import Dialect
+from gateway.serving.pipeline import Serving, ServingLimits
 from gateway.text.chat_output import ChatParsers
 from gateway.text.tokenizer import Tokenizer
 from gateway.text.tool_calls import parse_tools
@@ -41,6 +44,8 @@ from .request_fields import Fields
 from .request_id import RequestIdEcho
 
 log = logging.getLogger("pdserve.gateway")
+
+DIALECTS = (COMPLETIONS, CHAT, RESPONSES, MESSAGES)  # every generation route, one per API dialect
 
 
 @dataclass(slots=True)
@@ -100,8 +105,8 @@ async def read_json(request: Request, max_bytes: int):
 
 def build_app(params: GatewayParams) -> Starlette:
     metrics = params.metrics
-    serving = OpenAIServing(params.tokenizer, params.backend, params.limits, metrics, params.chat_parsers,
-                            params.response_store)
+    serving = Serving(params.tokenizer, params.backend, params.limits, metrics, params.chat_parsers,
+                      params.response_store)
     keys = ApiKeys(params.api_keys)
     metrics.stored_responses.set_function(lambda: len(serving.store))
     metrics.stored_responses_bytes.set_function(lambda: serving.store.num_bytes)
@@ -114,14 +119,6 @@ def build_app(params: GatewayParams) -> Starlette:
             raise APIError(401, "invalid or missing API key (expected 'Authorization: Bearer <key>')",
                            code="invalid_api_key")
 
-    async def completions(request: Request):
-        authorize(request)
-        return await serving.completions(request, await read_json(request, params.max_body_bytes))
-
-    async def chat_completions(request: Request):
-        authorize(request)
-        return await serving.chat(request, await read_json(request, params.max_body_bytes))
-
     def authorize_anthropic(request: Request) -> None:
         """Anthropic's clients send the key bare in ``x-api-key``; a Bearer header works too."""
         if not (keys.check_key(request.headers.get("x-api-key")) or
@@ -129,17 +126,16 @@ def build_app(params: GatewayParams) -> Starlette:
             raise APIError(401, "invalid or missing API key (expected 'x-api-key: <key>' or 'Authorization: "
                                 "Bearer <key>')", code="invalid_api_key")
 
-    async def messages(request: Request):
-        authorize_anthropic(request)
-        return await serving.messages(request, await read_json(request, params.max_body_bytes))
+    def generate(dialect: Dialect):
+        async def endpoint(request: Request):
+            (authorize_anthropic if dialect.key_in_x_api_key else authorize)(request)
+            return await serving.serve(request, await read_json(request, params.max_body_bytes), dialect)
+
+        return endpoint
 
     async def count_message_tokens(request: Request):
         authorize_anthropic(request)
         return JSONResponse(serving.count_message_tokens(await read_json(request, params.max_body_bytes)))
-
-    async def responses(request: Request):
-        authorize(request)
-        return await serving.responses(request, await read_json(request, params.max_body_bytes))
 
     async def models(request: Request):
         authorize(request)
@@ -198,12 +194,13 @@ def build_app(params: GatewayParams) -> Starlette:
     async def openapi(request: Request):
         return JSONResponse(openapi_spec())
 
-    generation_paths = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages")
+    generation_paths = tuple(d.path for d in DIALECTS)
 
     def shaped(request: Request, e: APIError) -> JSONResponse:
-        """OpenAI's error JSON, or Anthropic's on its Messages routes (the body its clients read)."""
-        if request.url.path.startswith("/v1/messages"):
-            return JSONResponse(anthropic_error(e), status_code=e.status, headers=e.headers())
+        """The error JSON the route's dialect's clients read: OpenAI's, or Anthropic's on its Messages routes."""
+        dialect = next((d for d in DIALECTS if request.url.path.startswith(d.path)), None)
+        if dialect is not None:
+            return JSONResponse(dialect.error_body(e), status_code=e.status, headers=e.headers())
         return error_response(e)
 
     async def on_api_error(request: Request, e: APIError):
@@ -222,10 +219,7 @@ def build_app(params: GatewayParams) -> Starlette:
         return shaped(request, APIError(500, "internal server error", code="internal_error"))
 
     routes = [
-        Route("/v1/completions", completions, methods=["POST"]),
-        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-        Route("/v1/responses", responses, methods=["POST"]),
-        Route("/v1/messages", messages, methods=["POST"]),
+        *(Route(d.path, generate(d), methods=["POST"]) for d in DIALECTS),
         Route("/v1/messages/count_tokens", count_message_tokens, methods=["POST"]),
         *response_routes(serving.store, serving.background, authorize),
         Route("/v1/models", models, methods=["GET"]),

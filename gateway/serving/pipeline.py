@@ -1,13 +1,15 @@
-"""Completion, chat and Responses endpoints: parse -> tokenize -> admit -> generate -> JSON or SSE.
+"""The one way of every API dialect (completions, chat, Responses, Messages: each a ``Dialect`` record,
+gateway/serving/dialect.py): parse -> tokenize -> admit -> generate -> JSON or SSE.
 
-1. parse and validate the body (400 naming the field); unknown model -> 404
+1. parse and validate the body in its dialect (400 naming the field); unknown model -> 404
 2. admission: too many requests in flight, or the backend says it has no capacity -> 503 + Retry-After
 3. tokenize (chat: render the template first); prompt + max_tokens checked against the context (400)
 4. one backend request per prompt, carrying n (its completions come back told apart by index); the first
    event of each is awaited before answering, so "no capacity" is still a proper 503
 5. non-stream: collect, answer JSON; stream: SSE chunks, usage chunk if asked, then [DONE] (the
-   Responses API: its named events, response.completed last). A background response: answered
-   ``queued`` before step 4, which goes on without the client (gateway/background_responses.py)
+   Responses API: its named events, response.completed last), each built by the dialect's
+   ``OutputBuilder``. A background response: answered ``queued`` before step 4, which goes on without
+   the client (gateway/dialects/responses/background.py)
 6. client disconnect at any point -> abort every unfinished backend request
 """
 
@@ -17,35 +19,19 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, replace
 
 import anyio
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from gateway.dialects.anthropic.output import MessageBuilder
 from gateway.dialects.anthropic.request import parse_messages
 from gateway.dialects.openai.chat_prompt import ChatPrompt
-from gateway.dialects.openai.output import (
-    ChunkBuilder,
-    LogprobFormatter,
-    ResponseOptions,
-    chat_body,
-    completion_body,
-    usage,
-)
-from gateway.dialects.openai.request import (
-    ParsedRequest,
-    parse_chat,
-    parse_completion,
-    resolve_max_tokens,
-    truncate_prompt,
-)
+from gateway.dialects.openai.output import LogprobFormatter, ResponseOptions, usage
+from gateway.dialects.openai.request import ParsedRequest, resolve_max_tokens, truncate_prompt
 from gateway.dialects.responses.background import BackgroundResponses
 from gateway.dialects.responses.conversation_fit import fit_conversation
-from gateway.dialects.responses.output import ResponseBuilder
-from gateway.dialects.responses.request import ResponsesRequest, parse_responses
 from gateway.dialects.responses.store import ResponseStore
 from gateway.http.errors import APIError, bad_request, no_capacity
 from gateway.http.request_id import HEADER as REQUEST_ID_HEADER
@@ -57,6 +43,7 @@ from gateway.text.tokenizer import ChatTemplateError, Tokenizer
 from gateway.workers.backend import Backend, GenerationRequest
 
 from .choice import ChoiceState
+from .dialect import Asked, Dialect, OutputBuilder, OutputContext, ParseContext, StoredOutput
 from .generation import Generation
 
 log = logging.getLogger("pdserve.gateway")
@@ -71,7 +58,9 @@ class ServingLimits:
     request_timeout_s: float | None = None  # becomes each backend request's deadline
 
 
-class OpenAIServing:
+class Serving:
+    """The pipeline behind every generation route; ``serve`` answers one request in its dialect."""
+
     def __init__(self, tokenizer: Tokenizer, backend: Backend, limits: ServingLimits,
                  metrics: GatewayMetrics, parsers: ChatParsers = ChatParsers(),
                  store: ResponseStore | None = None) -> None:
@@ -85,26 +74,17 @@ class OpenAIServing:
         self._formats = {as_ids: LogprobFormatter(tokenizer, as_ids) for as_ids in (False, True)}
         self.num_in_flight = 0
 
-    async def completions(self, request: Request, body) -> object:
-        return await self._serve(request, parse_completion(body), chat=False)
-
-    async def chat(self, request: Request, body) -> object:
-        return await self._serve(request, parse_chat(body, self._parsers.tool_calls), chat=True)
-
-    async def messages(self, request: Request, body) -> object:
-        """Anthropic's Messages API: the chat request it amounts to, answered as a Message (messages_output)."""
-        return await self._serve(request, parse_messages(body, self._parsers.tool_calls), chat=True, anthropic=True)
+    async def serve(self, request: Request, body, dialect: Dialect) -> object:
+        """The answer to ``body`` in ``dialect``: the completion or chat request it amounts to, generated,
+        and answered by the dialect's output builder."""
+        asked = dialect.parse(body, ParseContext(self._parsers.tool_calls, self.store))
+        return await self._serve(request, asked, dialect)
 
     def count_message_tokens(self, body) -> dict:
         """Anthropic's count_tokens: the prompt a Messages request would have (max_tokens is not needed)."""
         p = parse_messages({**body, "max_tokens": 1} if isinstance(body, dict) else body, self._parsers.tool_calls)
         self.check_model(p.model)
         return {"input_tokens": len(self._tok.encode(self.render(p.chat_prompt), add_special_tokens=False))}
-
-    async def responses(self, request: Request, body) -> object:
-        """The Responses API: the chat request it amounts to, answered as a Response (responses_output)."""
-        asked = parse_responses(body, self._parsers.tool_calls, self.store)
-        return await self._serve(request, asked.parsed, chat=True, responses=asked)
 
     def tokenize_prompt(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
         if isinstance(prompt, str):
@@ -128,9 +108,9 @@ class OpenAIServing:
             raise APIError(404, f"The model `{model[:200]}` does not exist; this server serves "
                                 f"`{self._limits.model_name}`", param="model", code="model_not_found")
 
-    async def _serve(self, request: Request, p: ParsedRequest, chat: bool,
-                     responses: ResponsesRequest | None = None, anthropic: bool = False) -> object:
+    async def _serve(self, request: Request, asked: Asked, dialect: Dialect) -> object:
         arrival = time.monotonic()
+        p, chat = asked.parsed, dialect.chat
         self.check_model(p.model)
         if self.num_in_flight >= self._limits.max_concurrent_requests or not self._backend.has_capacity():
             self._metrics.requests.labels("rejected").inc()
@@ -138,7 +118,7 @@ class OpenAIServing:
         shape = ChatShape()
         if chat:
             prompt_text = self.render(p.chat_prompt)
-            if responses is not None and responses.truncate:
+            if asked.fit:
                 prompt_text = self._fit(p, prompt_text)
             prompts = [self._tok.encode(prompt_text, add_special_tokens=False)]
             reasoning = REASONING_PARSERS[self._parsers.reasoning] if self._parsers.reasoning is not None else None
@@ -155,20 +135,20 @@ class OpenAIServing:
             if bad:
                 raise bad_request(f"{name} token id {bad[0]} is out of range [0, {self._tok.vocab_size})", name)
         # checked by the RequestIdEcho middleware (a malformed one never gets here)
-        given = None if responses else request.headers.get(REQUEST_ID_HEADER)
-        prefix = "resp_" if responses else "msg_" if anthropic else "chatcmpl-" if chat else "cmpl-"
-        rid = prefix + (given or uuid.uuid4().hex)
+        given = request.headers.get(REQUEST_ID_HEADER) if dialect.keeps_request_id else None
+        rid = dialect.id_prefix + (given or uuid.uuid4().hex)
         # the workers' ids: a client's id may be reused, so they get a nonce of their own
         backend_rid = f"{rid}-{uuid.uuid4().hex[:8]}" if given else rid
         requests, states = self._fan_out(backend_rid, p, prompts, chat, arrival)
         opts = ResponseOptions(p.logprobs, p.prompt_logprobs, p.n, self._echo_texts(p, prompts) if p.echo else None,
                                shape)
         generation = Generation(self._backend, requests, states, self._metrics, p.n)
+        out = asked.output(OutputContext(rid, int(time.time()), self._limits.model_name, len(states), shape,
+                                         self._formats[p.tokens_as_ids], opts, self._tok))
         self.num_in_flight += 1
         self._metrics.num_requests_running.inc()
-        if responses is not None and responses.background:
-            return self._answer_in_background(generation, rid, arrival, responses, shape,
-                                              self._formats[p.tokens_as_ids])
+        if asked.background:
+            return self._answer_in_background(generation, out, asked.keep, rid, arrival)
         try:
             started = await self._start(request, generation)
         except APIError as e:
@@ -177,51 +157,36 @@ class OpenAIServing:
         if not started:
             await self._close(generation, arrival, "aborted")
             return JSONResponse({}, status_code=499)  # the client left; nobody reads this
-        model, created, fmt = self._limits.model_name, int(time.time()), self._formats[p.tokens_as_ids]
-        builder: ResponseBuilder | MessageBuilder | None = None
-        if responses is not None:
-            keep = (lambda body: self.store.put(body, responses.input_items)) if responses.store else None
-            builder = ResponseBuilder(rid, model, responses.echo, shape, fmt, self._tok, keep)
-        elif anthropic:
-            builder = MessageBuilder(rid, model, shape)
         if p.stream:
-            out = builder or ChunkBuilder(rid, created, model, chat, fmt, opts, len(generation.states),
-                                          p.include_usage, p.continuous_usage)
             return EventStreamResponse(self._stream(generation, out, rid, arrival),
                                        on_close=lambda: self._close(generation, arrival, "aborted"))
         if not await self._collect(request, generation, arrival):
             return JSONResponse({}, status_code=499)  # the client left; nobody reads this
-        if builder is not None:
-            return JSONResponse(builder.whole(generation.states[0]))
-        build = chat_body if chat else completion_body
-        return JSONResponse(build(rid, created, model, generation.states, fmt, opts))
+        return JSONResponse(out.whole(generation.states))
 
-    def _answer_in_background(self, generation: Generation, rid: str, arrival: float, responses: ResponsesRequest,
-                              shape: ChatShape, fmt: LogprobFormatter) -> JSONResponse:
+    def _answer_in_background(self, generation: Generation, builder: StoredOutput, keep: Callable[[dict], object],
+                              rid: str, arrival: float) -> JSONResponse:
         """The response, ``queued``, now; its generation goes on in the background
-        (gateway/background_responses.py)."""
-        items = responses.input_items
-        builder = ResponseBuilder(rid, self._limits.model_name, responses.echo, shape, fmt, self._tok,
-                                  lambda body: self.store.put(body, items))
+        (gateway/dialects/responses/background.py)."""
         queued = {**builder.body(), "status": "queued"}
-        self.store.put(queued, items)
-        self.background.start(rid, self._generate_in_background(generation, builder, items, arrival))
+        keep(queued)
+        self.background.start(rid, self._generate_in_background(generation, builder, keep, arrival))
         return JSONResponse(queued)
 
-    async def _generate_in_background(self, generation: Generation, builder: ResponseBuilder, items: list[dict],
-                                      arrival: float) -> None:
+    async def _generate_in_background(self, generation: Generation, builder: StoredOutput,
+                                      keep: Callable[[dict], object], arrival: float) -> None:
         """Runs the generation to its end, storing the response in_progress once the workers have it, then
         as it ended (``builder`` stores what it finishes); cancelled, it is stored cancelled."""
         outcome = "aborted"
         try:
             await generation.start()
-            self.store.put(builder.body(), items)  # in_progress
+            keep(builder.body())  # in_progress
             async for _ in generation.deltas():
                 pass
-            builder.whole(generation.states[0])
+            builder.whole(generation.states)
             outcome = "success"
         except asyncio.CancelledError:
-            self.store.put({**builder.body(), "status": "cancelled"}, items)
+            keep({**builder.body(), "status": "cancelled"})
             raise
         except APIError as e:
             builder.failure(e)
@@ -333,7 +298,7 @@ class OpenAIServing:
             await self._close(generation, arrival, outcome)
         return True
 
-    async def _stream(self, generation: Generation, out: ChunkBuilder | ResponseBuilder | MessageBuilder, rid: str,
+    async def _stream(self, generation: Generation, out: OutputBuilder, rid: str,
                       arrival: float) -> AsyncGenerator[bytes, None]:
         """SSE frames from ``out``: its opening, its frames of each delta, then its closing, or its
         failure (headers are gone by then: the only way left to tell the client is in-band)."""

@@ -24,8 +24,9 @@ from dataclasses import dataclass
 
 from gateway.deadline import get_by
 from gateway.metrics import GatewayMetrics
-from protocol.serving import AbortRequest, Busy, Generate, Goodbye, Heartbeat, PromptLogprobs, TokenLogprobRecord
-from protocol.serving import TokenEvent
+from protocol.serving import (
+    AbortRequest, Busy, Generate, Goodbye, Heartbeat, PromptLogprobs, TokenEvent, TokenLogprobRecord,
+)
 
 from .admission import AdmissionQueue
 from .backend import Backend, CompletionEvent, GenerationRequest, NoCapacity, TokenLogprob

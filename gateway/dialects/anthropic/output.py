@@ -49,13 +49,14 @@ class MessageBuilder:
         return {**self._head, "content": [dict(b) for b in self._blocks], "stop_reason": stop_reason,
                 "stop_sequence": stop_sequence, "usage": _usage(state)}
 
-    def whole(self, state: ChoiceState) -> dict:
+    def whole(self, states: list[ChoiceState]) -> dict:
         """The finished message of a non-streamed request."""
+        state = states[0]  # n is always 1
         self._feed(ChoiceDelta(state.text, state.logprobs, state.finish_reason))
         self._close()
         return self.body(state, *self._stop(state))
 
-    # ---- the stream (serving's event-stream protocol: each returns SSE frames) ----
+    # ---- the stream (serving's StreamBuilder: each returns SSE frames) ----
     def opening(self, states: list[ChoiceState]) -> list[bytes]:
         start = {**self.body(states[0]), "content": []}
         start["usage"]["output_tokens"] = 0

@@ -152,7 +152,8 @@ def chat_body(rid: str, created: int, model: str, states: list[ChoiceState], fmt
 
 
 class ChunkBuilder:
-    """Stream chunks of one response; tracks each choice's text offset for completion logprobs, and
+    """One completion or chat response (serving's OutputBuilder): its body whole, or its stream chunks;
+    tracks each choice's text offset for completion logprobs, and
     whether its echoed prompt went out yet (with its first chunk)."""
 
     __slots__ = ("_rid", "_created", "_model", "_chat", "_fmt", "_opts", "_offsets", "_has_echoed", "_outputs",
@@ -168,7 +169,12 @@ class ChunkBuilder:
         self._has_echoed = [False] * num_choices
         self._outputs = [ChatOutput(opts.chat_shape) for _ in range(num_choices)] if chat else []
 
-    # ---- the stream (serving's event-stream protocol: each returns SSE frames) ----
+    def whole(self, states: list[ChoiceState]) -> dict:
+        """The response of a non-streamed request, once every choice finished."""
+        build = chat_body if self._chat else completion_body
+        return build(self._rid, self._created, self._model, states, self._fmt, self._opts)
+
+    # ---- the stream (serving's StreamBuilder: each returns SSE frames) ----
     def opening(self, states: list[ChoiceState]) -> list[bytes]:
         """Chat: a role chunk per choice first."""
         return [sse_event(self._counted(self.role(s.index), s)) for s in states] if self._chat else []

@@ -63,13 +63,14 @@ class ResponseBuilder:
         return {**self._head, "status": self._status, "error": self._error, "incomplete_details": incomplete,
                 "output": [dict(item) for item in self._items], "usage": self._usage}
 
-    def whole(self, state: ChoiceState) -> dict:
+    def whole(self, states: list[ChoiceState]) -> dict:
         """The finished response of a non-streamed request."""
+        state = states[0]  # n is always 1
         self._feed(ChoiceDelta(state.text, state.logprobs, state.finish_reason))
         self._finish(state)
         return self.body()
 
-    # ---- the stream (serving's event-stream protocol: each returns SSE frames) ----
+    # ---- the stream (serving's StreamBuilder: each returns SSE frames) ----
     def opening(self, states: list[ChoiceState]) -> list[bytes]:
         return _framed(self._start())
 
