@@ -74,8 +74,8 @@ class GatewayConfig:
     local_prefill_max_tokens: int = _field(256, minimum=0)
     routing_policy: str = _field("prefix", choices=("prefix", "least_loaded", "round_robin"))  # picks D
     # Chat output readers, as vLLM's --reasoning-parser and --tool-call-parser: <think> reasoning into the
-    # message's reasoning field (gateway/reasoning.py); the model's own tool calls for tool_choice "auto"
-    # (gateway/tool_parsers.py). "none": off (reasoning stays in content; "auto" is a 400).
+    # message's reasoning field (gateway/text/reasoning/); the model's own tool calls for tool_choice "auto"
+    # (gateway/text/tool_parsers/). "none": off (reasoning stays in content; "auto" is a 400).
     reasoning_parser: str = _field("none", choices=("none", "deepseek_r1", "qwen3"))
     tool_call_parser: str = _field("none", choices=("none", "hermes", "llama3_json", "pythonic", "mistral",
                                                     "qwen3_coder", "deepseek_v3", "granite"))

@@ -60,7 +60,7 @@ class GatewayMetrics:
             registry=r)
         self.worker_malformed_frames = Counter(
             "pdserve:worker_malformed_frames", "Frames from workers rejected by the codec (ignored).", registry=r)
-        # the Responses API's store (gateway/response_store.py); read from it at each scrape
+        # the Responses API's store (gateway/dialects/responses/store.py); read from it at each scrape
         self.stored_responses = Gauge("pdserve:stored_responses", "Responses held for previous_response_id.",
                                       registry=r)
         self.stored_responses_bytes = Gauge(

@@ -1,4 +1,4 @@
-"""truncation "auto" (gateway/conversation_fit.py): the fewest earliest whole turns dropped, found by
+"""truncation "auto" (gateway/dialects/responses/conversation_fit.py): the fewest earliest whole turns dropped, found by
 bisection, checked against dropping turns one at a time (the plain reading of the rule)."""
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ _JSON = {"application/json": {"schema": {"type": "object"}}}
 _ERROR = {"description": "OpenAI error object", "content": _JSON}
 
 
-# Request bodies with vLLM's ranges (gateway/openai_request.py enforces them): fuzzers such as
+# Request bodies with vLLM's ranges (gateway/dialects/openai/request.py enforces them): fuzzers such as
 # schemathesis generate from these, so the closer they are, the deeper the generated requests reach.
 _TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}}
 _CHOICES = {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}}
@@ -31,7 +31,7 @@ _SAMPLING = {
                    "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}},
     # vLLM's: each prompt token's logprob and rank plus the top k; not with stream (400)
     "prompt_logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS},
-    # structured outputs (gateway/structured_fields.py): one of these per request
+    # structured outputs (gateway/dialects/openai/structured_fields.py): one of these per request
     "response_format": {"type": "object", "required": ["type"], "properties": {
         "type": {"enum": ["text", "json_object", "json_schema"]},
         "json_schema": {"type": "object", "required": ["schema"], "properties": {
@@ -50,7 +50,7 @@ _TOOLS = {"type": "array", "minItems": 1, "items": {"type": "object", "required"
           "properties": {"type": {"const": "function"}, "function": {
               "type": "object", "required": ["name"], "properties": {
                   "name": {"type": "string", "minLength": 1}, "parameters": {"type": "object"}}}}}}
-# vLLM's: how the chat template renders the messages (gateway/chat_prompt.py)
+# vLLM's: how the chat template renders the messages (gateway/dialects/openai/chat_prompt.py)
 _TEMPLATE = {"add_generation_prompt": {"type": "boolean"}, "continue_final_message": {"type": "boolean"},
              "chat_template_kwargs": {"type": "object"}}
 _ANTHROPIC_TEXT = {"oneOf": [{"type": "string"}, {"type": "array", "items": {
@@ -70,14 +70,14 @@ _BODIES = {
     "chat": {"required": ["messages"], "properties": {
         **_SAMPLING, **_TEMPLATE, "messages": _MESSAGES, "max_completion_tokens": {"type": "integer", "minimum": 1},
         "logprobs": {"type": "boolean"}, "top_logprobs": {"type": "integer", "minimum": 0},
-        # tool calls (gateway/tool_calls.py): forced, or "auto" where gateway.tool_call_parser is set (else a 400)
+        # tool calls (gateway/text/tool_calls.py): forced, or "auto" where gateway.tool_call_parser is set (else a 400)
         "tools": _TOOLS, "parallel_tool_calls": {"type": "boolean"},
         "tool_choice": {"oneOf": [{"enum": ["none", "auto", "required"]}, {"type": "object", "properties": {
             "type": {"const": "function"}, "function": {"type": "object", "properties": {"name": {"type": "string"}}}}}]},
         "include_reasoning": {"type": "boolean"},  # vLLM's: False drops what a reasoning parser splits off
         "echo": {"type": "boolean"}}},  # vLLM's: the reply starts with the assistant message it continues
-    # the Responses API (gateway/responses_request.py): read as the chat request it amounts to, after the
-    # stored chain previous_response_id names (gateway/response_store.py)
+    # the Responses API (gateway/dialects/responses/request.py): read as the chat request it amounts to, after the
+    # stored chain previous_response_id names (gateway/dialects/responses/store.py)
     "responses": {"required": ["input"], "properties": {
         **{k: v for k, v in _SAMPLING.items() if k not in ("max_tokens", "n", "stream_options", "prompt_logprobs",
                                                            "response_format")},
@@ -102,7 +102,7 @@ _BODIES = {
         "store": {"type": "boolean"}, "background": {"type": "boolean"}, "previous_response_id": {"type": "string"},
         "truncation": {"enum": ["auto", "disabled"]},
         "include_reasoning": {"type": "boolean"}}},
-    # Anthropic's Messages API (gateway/messages_request.py): read as the chat request it amounts to
+    # Anthropic's Messages API (gateway/dialects/anthropic/request.py): read as the chat request it amounts to
     "messages": {"required": ["model", "messages", "max_tokens"], "properties": {
         **{k: v for k, v in _SAMPLING.items() if k not in ("max_tokens", "n", "stream_options", "prompt_logprobs",
                                                            "response_format", "stop")},

@@ -8,7 +8,7 @@ A forced call is generated under a structured output, so it always parses:
 
 and the response carries ``tool_calls`` instead of text (finish_reason "tool_calls" for "required";
 "stop" for a named function, as OpenAI and vLLM answer a forced call). "auto" generates freely and
-reads the calls out of the text with ``gateway.tool_call_parser`` (gateway/tool_parsers.py); without
+reads the calls out of the text with ``gateway.tool_call_parser`` (gateway/text/tool_parsers/); without
 one it is a 400, as in vLLM without ``--tool-call-parser``. ``parallel_tool_calls: false`` allows one
 call: "required"'s grammar then takes an array of one, "auto" answers the first call it reads. An
 output cut by max_tokens cannot be parsed: "required" then answers its text with finish_reason

@@ -1,14 +1,14 @@
 """The real Backend: worker pools reached over ZeroMQ (protocol/serving.py records).
 
 Life cycle of one request (one prompt, ``n`` completions) in the gateway:
-1. admission: route it (gateway/router.py) over accepting decode workers, minus those that said Busy
+1. admission: route it (gateway/workers/router.py) over accepting decode workers, minus those that said Busy
    for it and those whose circuit breaker is open. None registered -> NoCapacity (503). Registered but
    none with KV room -> wait in the decode pool's bounded queue (full or timed out -> NoCapacity).
 2. send Generate(prefill_address = the chosen P's endpoint, or "" to prefill on D) to the decode worker.
 3. wait for the first answer: Busy -> back to 1 without that worker; the worker lost (expired, restarted,
    said goodbye, unreachable) or an error before any token -> abort what it held, retry once elsewhere.
 4. stream: TokenEvents (from P: offset 0; from D: the rest) are put back in order per completion
-   (gateway/completion_order.py) and handed to the HTTP layer; a worker lost now is an in-band error.
+   (gateway/workers/completion_order.py) and handed to the HTTP layer; a worker lost now is an in-band error.
    Asked-for prompt logprobs arrive as PromptLogprobs frames before the first TokenEvent, from the
    same worker, and ride on every completion's first event.
 5. end: every completion finished, an error, the deadline, or an abort (client gone, stop string) ->

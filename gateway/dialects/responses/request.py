@@ -1,7 +1,7 @@
 """A Responses API request (``POST /v1/responses``) read as the chat request it amounts to.
 
 The conversation is ``input``, after the items of the stored chain ``previous_response_id`` names
-(gateway/response_store.py; a missing one is a 404, a background one still running a 400). Translated
+(gateway/dialects/responses/store.py; a missing one is a 404, a background one still running a 400). Translated
 field by field, then checked by the chat parser itself, so both endpoints accept and refuse the same
 things:
 
@@ -12,10 +12,10 @@ things:
     instructions         a system message before the conversation (a previous response's are not
                          carried over, as in OpenAI's)
     store                keep the answer (the default) where the gateway's store is on
-    background           answered at once, ``queued``; read back with GET (gateway/background_responses.py).
+    background           answered at once, ``queued``; read back with GET (gateway/dialects/responses/background.py).
                          Needs the store, and is not streamed
     truncation           "auto": the earliest turns are dropped until the prompt fits the context
-                         (gateway/conversation_fit.py); "disabled" (the default): too long is a 400
+                         (gateway/dialects/responses/conversation_fit.py); "disabled" (the default): too long is a 400
     max_output_tokens    max_completion_tokens
     tools                flat function tools -> chat's {"type": "function", "function": {...}}
     tool_choice          the same choice; {"type": "function", "name": f} names f

@@ -1,4 +1,4 @@
-"""The routes that read the Responses API's store (gateway/response_store.py), as OpenAI's:
+"""The routes that read the Responses API's store (gateway/dialects/responses/store.py), as OpenAI's:
 
     GET    /v1/responses/{id}              the Response as it was answered
     DELETE /v1/responses/{id}              {"id", "object": "response", "deleted": true}
