@@ -32,7 +32,8 @@ MAY_IMPORT = {
     # the launcher: starts the roles as processes; imports the engine for `pdserve generate` and the
     # gateway's chat-parser flags for `pdserve serve`
     "cluster": {"configs", "protocol", "engine", "gateway"},
-    "benchmarks": {"protocol", "configs", "kernels", "kvtransfer", "engine", "gateway", "cluster"},
+    "benchmarks": {"protocol", "configs", "kernels", "kvtransfer", "engine", "worker", "prefill_node", "decode_node",
+                   "gateway", "cluster"},  # anything
 }
 NEVER_IMPORTS = {
     "protocol": {"torch", "transformers", "triton"},
