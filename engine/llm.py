@@ -11,7 +11,7 @@ from collections.abc import Sequence as Seq
 
 import torch
 
-from configs.schema import EngineConfig, ModelConfig as ModelSection, PdserveConfig, load_config
+from configs.schema import ConfigError, EngineConfig, ModelConfig as ModelSection, PdserveConfig, load_config
 from engine.block_manager import BlockManager
 from engine.cpu_linear import exclusive_timing
 from engine.kv_pool import KVLayout, KVPool, num_blocks_for_budget
@@ -45,7 +45,7 @@ def build_engine(model_path: str, model_cfg: ModelSection, engine_cfg: EngineCon
         log.info("CPU norms, RoPE and SwiGLU: %s", "C" if model.native_layer_ops else "torch")
     max_model_len = model_cfg.max_model_len or config.max_position_embeddings
     if max_model_len > config.max_position_embeddings:
-        raise ValueError(f"max_model_len {max_model_len} exceeds the model's {config.max_position_embeddings} positions")
+        raise ConfigError(f"max_model_len {max_model_len} exceeds the model's {config.max_position_embeddings} positions")
     kv_dtype = next(model.parameters()).dtype
     probe = KVLayout(config.num_layers, 1, engine_cfg.block_size, config.num_kv_heads, config.head_dim, kv_dtype)
     num_blocks = engine_cfg.num_kv_blocks or num_blocks_for_budget(engine_cfg.kv_cache_memory_mb << 20, probe.bytes_per_block)
