@@ -31,7 +31,7 @@ BLOCK = 16
 class Roles:
     """gateway, prefill-0 and decode-0 as separate processes with fixed addresses."""
 
-    def __init__(self, tmp: Path):
+    def __init__(self, tmp: Path, transport: str):
         self.port, self.kv_port, worker_port = free_port(), free_port(), free_port()
         gateway_address = f"tcp://127.0.0.1:{worker_port}"
         config = {
@@ -42,7 +42,7 @@ class Roles:
             "prefill": {"port": 0, "http_port": 0, "worker_id": "prefill-0", "gateway_address": gateway_address},
             "decode": {"port": 0, "http_port": 0, "kv_port": self.kv_port, "worker_id": "decode-0",
                        "gateway_address": gateway_address},
-            "transfer": {"transport": "auto"},
+            "transfer": {"transport": transport},
         }
         self.config_path = tmp / "roles.yaml"
         self.config_path.write_text(yaml.safe_dump(config))
@@ -98,9 +98,9 @@ class Roles:
             remove_shm_segments(proc.pid)
 
 
-@pytest.fixture()
-def roles(tmp_path):
-    roles = Roles(tmp_path)
+@pytest.fixture(params=["shm", "zmq"])  # one host (what auto picks here), across hosts (compose, Kubernetes)
+def roles(tmp_path, request):
+    roles = Roles(tmp_path, request.param)
     try:
         roles.wait_until(lambda: set(roles.workers()) == {"prefill-0", "decode-0"}, "both workers registered")
         yield roles
