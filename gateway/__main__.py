@@ -82,6 +82,8 @@ def build(config: PdserveConfig):
 
     g = config.gateway
     path = model_dir(config)
+    logging.getLogger("pdserve.gateway").info("model %s: tokenizer and config from %s",
+                                              config.model.path or "(the embedded default)", path)
     registry = WorkerRegistry(heartbeat_interval_s=g.worker_heartbeat_s,
                               max_missed=max(1, round(g.worker_timeout_s / g.worker_heartbeat_s)))
     metrics = GatewayMetrics()

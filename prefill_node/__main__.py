@@ -6,6 +6,7 @@ Prints one line ``READY http_port=<p> address=<job endpoint> worker_id=<id> pid=
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 
@@ -15,6 +16,8 @@ from configs.schema import EX_CONFIG, ConfigError
 from prefill_node.build import build_prefill_server
 from worker import default_worker_id, install_drain, serve_http, setup_logging
 from worker.cli import load_worker_config
+
+log = logging.getLogger(__name__)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,6 +36,8 @@ def main(argv: list[str] | None = None) -> int:
         return EX_CONFIG
     http = serve_http(config.prefill.host, config.prefill.http_port, server.metrics.registry, server.is_ready)
     install_drain(server.request_drain)
+    log.info("prefill worker %s: jobs at %s, http %s:%d, gateway %s", server.options.worker_id, server.address,
+             config.prefill.host, http.port, config.prefill.gateway_address)
     print(f"READY http_port={http.port} address={server.address} worker_id={server.options.worker_id} "
           f"pid={os.getpid()}", flush=True)
     try:
