@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     cpus = {int(c) for c in args.cpus.split(",")} if args.cpus else os.sched_getaffinity(0)
     os.sched_setaffinity(0, cpus)  # the client and the offline baseline share the systems' cores
-    from cluster.default_model import default_model_dir
+    from configs.model_source import default_model_dir
 
     model_dir = Path(args.model) if args.model else default_model_dir()
     vocab = prompt_vocab(model_dir)

@@ -24,7 +24,7 @@ import socket
 import struct
 import sys
 
-from configs.schema import ConfigError, load_config
+from configs.schema import EX_CONFIG, ConfigError, load_config
 
 ROLE_MODULES = {"gateway": "gateway", "prefill": "prefill_node", "decode": "decode_node"}
 SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
@@ -101,7 +101,7 @@ def main_for(role: str, argv: list[str]) -> int:
         command, env = role_command(role, args.config, parse_sets(args.set), dict(os.environ))
     except (ConfigError, OSError) as exc:
         print(f"pdserve {role}: {exc}", file=sys.stderr)
-        return 2
+        return EX_CONFIG
     sys.stdout.flush()
     os.execve(command[0], command, env)  # never returns
 

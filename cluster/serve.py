@@ -13,11 +13,13 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster.local_cluster import ClusterSpec, LocalCluster
-from configs.schema import ConfigError, load_config
+from cluster.local_cluster import ClusterSpec, LocalCluster, MemberFailed
+from configs.model_source import resolve_model
+from configs.schema import EX_CONFIG, ConfigError, load_config
 from gateway.__main__ import add_chat_parser_args
 
 
@@ -52,13 +54,14 @@ def cluster_env(args: argparse.Namespace, model: str, host: str, worker_port: in
     return env
 
 
-def wait_ready(url: str, cluster: LocalCluster, timeout_s: float, expected: dict[str, int]) -> bool:
+def wait_ready(url: str, cluster: LocalCluster, timeout_s: float, expected: dict[str, int],
+               stopped: Callable[[], bool] = lambda: False) -> bool:
     """Until ``/ready`` answers 200 and the gateway counts ``expected`` workers per role. ``/ready``
     alone is satisfied by one decode worker, which serves by prefilling locally: clients let in before
     the prefill workers join run on another system than the one asked for (the serving benchmark's
     first prompts did, and the prefill worker's prefix cache then started without them)."""
     give_up = time.monotonic() + timeout_s
-    while time.monotonic() < give_up:
+    while time.monotonic() < give_up and not stopped():  # SIGTERM while starting: stop now, not at give_up
         cluster.supervise_once()
         try:
             with urllib.request.urlopen(f"{url}/ready", timeout=2) as response:
@@ -85,13 +88,17 @@ def main(argv: list[str]) -> int:
         config = load_config(args.config)
     except ConfigError as exc:
         print(f"pdserve serve: {exc}", file=sys.stderr)
-        return 2
+        return EX_CONFIG
     model = args.model or config.model.path
     if not model:
-        from cluster.default_model import configured_model_path  # made once, before any member starts
-
         print("pdserve: preparing the embedded default model (first run only) ...", flush=True)
-        model = configured_model_path("", config.model.cache_dir)
+    try:  # once, before any member starts: a hub id is fetched here, and a bad model is one line now
+        resolved = resolve_model(model, config.model.cache_dir)
+    except ConfigError as exc:
+        print(f"pdserve serve: {exc}", file=sys.stderr)
+        return EX_CONFIG
+    if not model:
+        model = str(resolved)
         os.environ.setdefault("PDSERVE_MODEL_SERVED_MODEL_NAME", "pdserve-small")
     num_prefill = config.cluster.num_prefill if args.prefill is None else args.prefill
     num_decode = config.cluster.num_decode if args.decode is None else args.decode
@@ -113,10 +120,12 @@ def main(argv: list[str]) -> int:
           f"{threads} thread(s) each, model {model})", flush=True)
     cluster.start()
     try:
-        if not wait_ready(url, cluster, args.ready_timeout, {"prefill": num_prefill, "decode": num_decode}) and not stop:
+        expected = {"prefill": num_prefill, "decode": num_decode}
+        if not wait_ready(url, cluster, args.ready_timeout, expected, stopped=lambda: bool(stop)) and not stop:
             print(f"pdserve: {url}/ready did not answer 200 with all {num_prefill} prefill + {num_decode} decode "
                   f"workers registered within {args.ready_timeout:.0f} s", file=sys.stderr)
             return 1
+        cluster.serving = True
         if not stop:
             print(f"pdserve: ready — OpenAI API at {url}/v1", flush=True)
         while not stop:
@@ -124,5 +133,8 @@ def main(argv: list[str]) -> int:
             time.sleep(0.5)
         print("pdserve: draining and stopping ...", flush=True)
         return 0
+    except MemberFailed as exc:
+        print(f"pdserve serve: {exc}; stopping the cluster", file=sys.stderr)
+        return EX_CONFIG if exc.returncode == EX_CONFIG else 1
     finally:
         cluster.stop()

@@ -16,6 +16,11 @@ class ConfigError(ValueError):
     """A bad config key or value; the message names the dotted key, the value and where it came from."""
 
 
+# The exit status of a process that stops on a ConfigError (sysexits.h EX_CONFIG): starting it again
+# as it is cannot help, so supervisors (cluster/local_cluster.py) do not restart it.
+EX_CONFIG = 78
+
+
 def _field(default, *, choices: tuple | None = None, minimum: float | None = None):
     return field(default=default, metadata={"choices": choices, "minimum": minimum})
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import zmq
 from prometheus_client import CollectorRegistry
 
-from cluster.default_model import configured_model_path
+from configs.model_source import resolve_model
 from configs.schema import PdserveConfig
 from decode_node.prefill_links import PrefillLinks
 from decode_node.server import DecodeOptions, DecodeServer
@@ -46,8 +46,8 @@ class DecodeNode:
     def start(cls, config: PdserveConfig, ctx: zmq.Context | None = None) -> DecodeNode:
         ctx = ctx or zmq.Context()
         dc = config.decode
-        model_path = configured_model_path(config.model.path, config.model.cache_dir)
-        engine = build_engine(model_path, config.model, config.engine)
+        model_path = resolve_model(config.model.path, config.model.cache_dir)
+        engine = build_engine(str(model_path), config.model, config.engine)
         registry = CollectorRegistry()
         shm_pool = _share_pool(engine, config.transfer.transport)
         kv_server = ZmqServer(ctx, dc.host, dc.kv_port, max_msg_size=config.transfer.max_frame_bytes)

@@ -238,7 +238,7 @@ class DecodeServer:
         job = PrefillJob(
             rid=req.rid, token_ids=seq.token_ids[:num_tokens], skip_tokens=skip, dst_block_ids=dst_block_ids,
             generation=req.generation, kv_address=self.options.kv_address, sample_first=seq.params.n == 1,
-            sampling=gen.sampling, deadline=gen.deadline,
+            sampling=gen.sampling, deadline=gen.deadline, kv_incarnation=self.receiver.incarnation,
         )
         self._track(req)
         self.metrics.prompt_tokens.inc(seq.num_prompt_tokens)

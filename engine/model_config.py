@@ -11,13 +11,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-# architecture name in config.json -> our family name
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-}
+from configs.model_source import SUPPORTED_ARCHITECTURES  # the one table: the gateway checks it too
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 

@@ -15,7 +15,7 @@ import signal
 import sys
 from pathlib import Path
 
-from configs.schema import ConfigError, PdserveConfig, load_config
+from configs.schema import EX_CONFIG, ConfigError, PdserveConfig, load_config
 
 
 DEFAULT_MODEL_NAME = "pdserve-small"  # what clients call the embedded default model
@@ -55,9 +55,10 @@ def overrides_of(args: argparse.Namespace) -> dict:
 
 
 def model_dir(config: PdserveConfig) -> Path:
-    from cluster.default_model import configured_model_path  # makes it (with torch) only if not cached yet
+    """The checkpoint's directory; a hub id fetches its config and tokenizer only (no weights)."""
+    from configs.model_source import resolve_model  # makes the default model (with torch) only if not cached
 
-    return Path(configured_model_path(config.model.path, config.model.cache_dir))
+    return resolve_model(config.model.path, config.model.cache_dir, weights=False)
 
 
 def context_length(path: Path, configured: int | None) -> int:
@@ -81,6 +82,8 @@ def build(config: PdserveConfig):
 
     g = config.gateway
     path = model_dir(config)
+    logging.getLogger("pdserve.gateway").info("model %s: tokenizer and config from %s",
+                                              config.model.path or "(the embedded default)", path)
     registry = WorkerRegistry(heartbeat_interval_s=g.worker_heartbeat_s,
                               max_missed=max(1, round(g.worker_timeout_s / g.worker_heartbeat_s)))
     metrics = GatewayMetrics()
@@ -105,11 +108,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_config(args.config, overrides=overrides_of(args))
     except (ConfigError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        print(f"pdserve gateway: {e}", file=sys.stderr)
+        return EX_CONFIG
     import uvicorn
 
-    app, _ = build(config)
+    try:
+        app, _ = build(config)
+    except ConfigError as e:  # the model (configs/model_source.py): one line, and no restart helps
+        print(f"pdserve gateway: {e}", file=sys.stderr)
+        return EX_CONFIG
     # uvicorn handles SIGINT/SIGTERM: stops accepting, finishes open responses, runs the lifespan exit,
     # then re-raises the signal under the handler found before it; a drained stop is a clean exit, so 0
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))

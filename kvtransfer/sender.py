@@ -184,6 +184,14 @@ class KVSender:
         if t is not None and t.generation == generation:
             self._finish(t, False, f"aborted: {reason}")
 
+    def forget_receiver(self, reason: str) -> None:
+        """The receiver restarted (a new incarnation at the same address): transfers to the old one
+        cannot land, so they fail now (unpinned); the next handshake attaches the new one."""
+        for t in list(self._transfers.values()):
+            self._finish(t, False, reason)
+        self.needs_handshake = True
+        self._target = None
+
     def status(self, rid: str) -> TransferStatus | None:
         t = self._transfers.get(rid)
         return t.status if t is not None else self._finished.get(rid)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import zmq
 from prometheus_client import CollectorRegistry
 
+from configs.model_source import resolve_model
 from configs.schema import PdserveConfig
 from engine.llm import build_engine
 from kvtransfer.transports import TRANSPORTS
@@ -30,9 +31,7 @@ def options_from_config(config: PdserveConfig) -> PrefillOptions:
 
 
 def resolve_model_path(config: PdserveConfig) -> str:
-    from cluster.default_model import configured_model_path
-
-    return configured_model_path(config.model.path, config.model.cache_dir)
+    return str(resolve_model(config.model.path, config.model.cache_dir))
 
 
 def build_prefill_server(config: PdserveConfig, ctx: zmq.Context,

@@ -211,7 +211,7 @@ class PrefillServer:
             if not self._settle_guide(state):
                 continue  # still compiling (holds no blocks: later jobs may go first), or failed
             try:
-                if not self.senders.prepare(state.job.kv_address):
+                if not self.senders.prepare(state.job.kv_address, state.job.kv_incarnation):
                     continue
             except HandshakeError as exc:
                 self._fail(state, f"handshake with {state.job.kv_address} failed: {exc}", label="handshake")

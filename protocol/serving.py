@@ -250,6 +250,9 @@ class PrefillJob:
     sample_first: bool  # sample the first token, stream it to the gateway, carry it in the Commit
     sampling: SamplingSpec
     deadline: float  # time.time()
+    # D's KV receiver incarnation: a P whose sender is handshaken with another one (D restarted in place,
+    # same kv_address) handshakes again before the job; one from an incarnation it outlived fails the job
+    kv_incarnation: str = ""
 
     def __post_init__(self) -> None:
         assert 0 <= self.skip_tokens < len(self.token_ids), (self.skip_tokens, len(self.token_ids))

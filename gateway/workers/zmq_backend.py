@@ -6,7 +6,10 @@ Life cycle of one request (one prompt, ``n`` completions) in the gateway:
    none with KV room -> wait in the decode pool's bounded queue (full or timed out -> NoCapacity).
 2. send Generate(prefill_address = the chosen P's endpoint, or "" to prefill on D) to the decode worker.
 3. wait for the first answer: Busy -> back to 1 without that worker; the worker lost (expired, restarted,
-   said goodbye, unreachable) or an error before any token -> abort what it held, retry once elsewhere.
+   said goodbye, unreachable) or an error before any token -> abort what it held, back to 1 without the
+   worker to blame (at most ``max_retries`` times, within the deadline; counted as route result
+   "retry"). Workers are left out by incarnation: one that restarted since is a new worker, and may
+   take the retry (a decode worker restarted in place, the only one of its pool).
 4. stream: TokenEvents (from P: offset 0; from D: the rest) are put back in order per completion
    (gateway/workers/completion_order.py) and handed to the HTTP layer; a worker lost now is an in-band error.
    Asked-for prompt logprobs arrive as PromptLogprobs frames before the first TokenEvent, from the
@@ -47,6 +50,7 @@ class ZmqBackendParams:
     max_queued_requests: int = 64  # decode pool admission queue bound
     queue_timeout_s: float = 5.0
     retry_after_s: int = 1
+    max_retries: int = 2  # attempts after the first, for a request that failed before its first token
     default_timeout_s: float = 600.0  # deadline of a request that brings none
     max_frame_bytes: int = 1 << 20
     breaker_threshold: int = 3
@@ -181,17 +185,18 @@ class ZmqBackend(Backend):
     async def _place(self, request: GenerationRequest, flight: _Flight):
         """Returns the first TokenEvent (or a terminal record to turn into an error); raises NoCapacity."""
         policy = self._params.router.policy.value
-        tried: set[str] = set()  # said Busy for this request, or failed it
-        retries_left = 1
+        tried: dict[str, str] = {}  # worker id -> the incarnation that said Busy for this request, or failed it
+        retries_left = self._params.max_retries
         failure = None  # the last attempt's failure: what the client hears if no retry is possible
         while True:
             try:
-                decision = await self._route(request, tried)
+                decision = await self._route(request, self._still_tried(tried))
             except NoCapacity:
                 if failure is not None:
                     return failure
                 raise
             flight.decode_worker, flight.prefill_worker = decision.decode_worker, decision.prefill_worker
+            incarnations = {w: self._incarnation(w) for w in flight.workers()}  # of this attempt's workers
             flight.events, flight.prompt_logprobs = asyncio.Queue(), []  # nothing left from an earlier attempt
             prefill = self._registry.get(decision.prefill_worker) if decision.prefill_worker else None
             generate = Generate(flight.rid, request.prompt_token_ids, request.sampling,
@@ -214,7 +219,7 @@ class ZmqBackend(Backend):
                 return answer
             if isinstance(answer, Busy):
                 self._metrics.route_decisions.labels(policy, "busy").inc()
-                tried.add(decision.decode_worker)
+                tried[decision.decode_worker] = incarnations[decision.decode_worker]
                 flight.decode_worker = flight.prefill_worker = None  # a Busy worker kept nothing
                 continue
             if answer is None or (isinstance(answer, WorkerGone) and answer.reason == "deadline"):
@@ -223,19 +228,29 @@ class ZmqBackend(Backend):
                 failed = answer.worker_id
             else:  # the decode worker is alive and answered an error: blame the prefill worker it relied on
                 failed = decision.prefill_worker or decision.decode_worker
-            self._breaker.record_failure(failed, time.monotonic())
+            if self._incarnation(failed) == incarnations.get(failed, ""):  # not one that restarted or left since
+                self._breaker.record_failure(failed, time.monotonic())
             await self._abort_workers(flight, f"attempt failed: {_describe(answer)}")
             if flight.is_aborted:
                 return None
             flight.is_done = False  # the request itself goes on
-            if retries_left == 0:
+            if retries_left == 0 or (request.deadline is not None and time.monotonic() >= request.deadline):
                 return answer
             retries_left -= 1
-            tried.add(failed)
+            tried[failed] = incarnations.get(failed, "")
             failure = answer
             self._metrics.route_decisions.labels(policy, "retry").inc()
             log.warning("request %s: %s before the first token; retrying elsewhere", flight.rid,
                         _describe(answer))
+
+    def _incarnation(self, worker_id: str) -> str:
+        """The registered incarnation of ``worker_id``; "" when it is not registered."""
+        info = self._registry.get(worker_id)
+        return info.incarnation if info is not None else ""
+
+    def _still_tried(self, tried: dict[str, str]) -> set[str]:
+        """The workers to leave out: those tried, unless they restarted since (a new incarnation)."""
+        return {w for w, incarnation in tried.items() if self._incarnation(w) in (incarnation, "")}
 
     async def _route(self, request: GenerationRequest, tried: set[str]) -> RouteDecision:
         """A decision, waiting in the admission queue while workers exist but lack KV room."""
