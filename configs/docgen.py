@@ -17,7 +17,7 @@ import io
 import sys
 import tokenize
 
-from configs import loader, schema
+from configs import environment, schema
 
 COMMAND = "python -m configs.docgen > docs/configuration.md"
 
@@ -36,22 +36,23 @@ Later wins ([`configs/loader.py`](../configs/loader.py)):
 1. the defaults below;
 2. a YAML file, `--config FILE`: `{{section: {{field: value}}}}`
    ([`configs/local.yaml`](../configs/local.yaml) is a commented one-machine preset);
-3. the environment: `{loader.ENV_PREFIX}<SECTION>_<FIELD>`, e.g. `{loader.ENV_PREFIX}ENGINE_BLOCK_SIZE=32`;
+3. the environment: `{environment.ENV_PREFIX}<SECTION>_<FIELD>`, e.g. `{environment.ENV_PREFIX}ENGINE_BLOCK_SIZE=32`;
 4. the command line: `--set section.field=value` (repeatable) on `pdserve gateway|prefill|decode`,
    and the named flags of `pdserve serve` (`--model`, `--port`, `--prefill`, `--decode`, `--api-key`, ...;
-   `pdserve serve --help` lists them), which it passes to the processes it starts as `{loader.ENV_PREFIX}*`
+   `pdserve serve --help` lists them), which it passes to the processes it starts as `{environment.ENV_PREFIX}*`
    variables written over inherited ones.
 
 A YAML key or `--set` that is not in the schema is refused at start-up with the key named (and, where
-one is close, the real one suggested); so is an unknown `{loader.ENV_PREFIX}*` variable (configs/loader.py
-lists the exceptions). Values from the environment and the command line are text, read as the field's
+one is close, the real one suggested). An `{environment.ENV_PREFIX}*` variable that names no field (a Kubernetes
+service link such as `{environment.ENV_PREFIX}GATEWAY_PORT=tcp://...`, a typo) is ignored with one warning
+naming it (configs/environment.py); `{environment.API_KEY_ENV}` adds one accepted key to `gateway.api_keys`. Values from the environment and the command line are text, read as the field's
 type: booleans as `true/false`, `1/0`, `yes/no`, `on/off`; lists comma-separated
-(`{loader.ENV_PREFIX}GATEWAY_API_KEYS=k1,k2`); `none`, `null` or nothing for a field that may be None.
+(`{environment.ENV_PREFIX}GATEWAY_API_KEYS=k1,k2`); `none`, `null` or nothing for a field that may be None.
 Choices and minimums are checked once, after all layers are merged. Each failure is a `ConfigError`
 naming the dotted key and the value (see [troubleshooting](troubleshooting.md)).
 
 These variables are read by the code they concern, not by the schema, and are never refused:
-{", ".join(f"`{name}`" for name in sorted(loader.PROCESS_ENV))} (see [the engine](engine.md)).
+{", ".join(f"`{name}`" for name in sorted(environment.PROCESS_ENV))} (see [the engine](engine.md)).
 """
 
 
@@ -108,7 +109,7 @@ def section_table(name: str, cls: type) -> list[str]:
         out += [inspect.cleandoc(cls.__doc__), ""]
     out += ["| field | type | default | allowed | environment | meaning |", "|---|---|---|---|---|---|"]
     for f in dataclasses.fields(cls):
-        env = f"{loader.ENV_PREFIX}{name.upper()}_{f.name.upper()}"
+        env = f"{environment.ENV_PREFIX}{name.upper()}_{f.name.upper()}"
         row = [f"`{name}.{f.name}`", f"`{f.type}`", default_of(f), allowed_of(f), f"`{env}`", comments.get(f.name, "")]
         out.append("| " + " | ".join(cell(c) for c in row) + " |")
     return out + [""]
