@@ -97,7 +97,7 @@ class OpenAIServing:
             return self._tok.encode(prompt)
         bad = [t for t in prompt if not self._tok.is_valid_id(t)]
         if bad:
-            raise bad_request(f"token id {bad[0]} is out of range [0, {self._tok.vocab_size})", param)
+            raise bad_request(self._tok.id_range_error(bad[0]), param)
         return list(prompt)
 
     def render(self, prompt: ChatPrompt) -> str:
@@ -138,7 +138,7 @@ class OpenAIServing:
                           ("allowed_token_ids", p.sampling["allowed_token_ids"] or [])):
             bad = [t for t in ids if not self._tok.is_valid_id(t)]
             if bad:
-                raise bad_request(f"{name} token id {bad[0]} is out of range [0, {self._tok.vocab_size})", name)
+                raise bad_request(f"{name} {self._tok.id_range_error(bad[0])}", name)
         # checked by the RequestIdEcho middleware (a malformed one never gets here)
         given = None if responses else request.headers.get(REQUEST_ID_HEADER)
         prefix = "resp_" if responses else "msg_" if anthropic else "chatcmpl-" if chat else "cmpl-"
