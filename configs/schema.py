@@ -82,6 +82,10 @@ class GatewayConfig:
     # Memory for the Responses API's stored answers (previous_response_id, GET /v1/responses/{id}); the
     # least recently used go first. Per gateway process. 0: nothing is stored (store: false is echoed).
     responses_store_mb: int = _field(64, minimum=0)
+    # prompt_logprobs (k <= 20, vLLM's max_logprobs) hold (k + 1) entries per prompt token per choice in
+    # gateway memory (~0.5 KB each once formatted): a request needing more is a 400 naming this limit.
+    # 262144: e.g. a 12k-token prompt at k = 20, or a 130k-token one at k = 1.
+    max_prompt_logprobs_entries: int = _field(262144, minimum=0)
 
 
 @dataclass(slots=True)

@@ -90,7 +90,8 @@ def build(config: PdserveConfig):
         default_timeout_s=g.request_timeout_s))
     name = config.model.served_model_name or config.model.path or DEFAULT_MODEL_NAME
     limits = ServingLimits(name, context_length(path, config.model.max_model_len),
-                           request_timeout_s=g.request_timeout_s or None)
+                           request_timeout_s=g.request_timeout_s or None,
+                           max_prompt_logprobs_entries=g.max_prompt_logprobs_entries)
     parsers = ChatParsers(None if g.reasoning_parser == "none" else g.reasoning_parser,
                           None if g.tool_call_parser == "none" else g.tool_call_parser)
     params = GatewayParams(Tokenizer(path), backend, limits, api_keys=list(g.api_keys),

@@ -55,6 +55,7 @@ class ServingLimits:
     max_concurrent_requests: int = 256
     retry_after_s: int = 1
     request_timeout_s: float | None = None  # becomes each backend request's deadline
+    max_prompt_logprobs_entries: int = 262144  # gateway.max_prompt_logprobs_entries
 
 
 class OpenAIServing:
@@ -100,6 +101,21 @@ class OpenAIServing:
             raise bad_request(self._tok.id_range_error(bad[0]), param)
         return list(prompt)
 
+    def _check_prompt_logprobs_budget(self, p: ParsedRequest, prompts: list[list[int]]) -> None:
+        """A 400 where the prompt logprobs asked for would hold more entries in memory than allowed: each
+        prompt token after the first has its own and the top k, for each of the n choices."""
+        k = p.num_prompt_logprobs
+        if k is None:
+            return
+        num_tokens = sum(len(ids) - 1 for ids in prompts)
+        num_entries = num_tokens * (k + 1) * p.n
+        limit = self._limits.max_prompt_logprobs_entries
+        if num_entries > limit:
+            param = "prompt_logprobs" if p.prompt_logprobs is not None else "logprobs"
+            raise bad_request(f"{param}: {num_tokens} prompt tokens with logprobs x ({k} + 1) x n={p.n} is "
+                              f"{num_entries} entries, more than this server's limit of {limit} "
+                              "(gateway.max_prompt_logprobs_entries)", param)
+
     def render(self, prompt: ChatPrompt) -> str:
         try:
             return self._tok.apply_chat_template(prompt.messages, prompt.add_generation_prompt, prompt.tools,
@@ -134,6 +150,7 @@ class OpenAIServing:
         else:
             prompts = [self.tokenize_prompt(x) for x in p.prompts]
         prompts = [truncate_prompt(ids, p.truncate_prompt_tokens, self._limits.max_model_len) for ids in prompts]
+        self._check_prompt_logprobs_budget(p, prompts)
         for name, ids in (("logit_bias", [b.token_id for b in p.sampling["logit_bias"]]),
                           ("allowed_token_ids", p.sampling["allowed_token_ids"] or [])):
             bad = [t for t in ids if not self._tok.is_valid_id(t)]

@@ -187,9 +187,10 @@ API_KEYS = ["key-one", "key-two"]
 
 
 def make_gateway(tokenizer_dir: Path, max_model_len: int = 64, max_body_bytes: int = 1 << 16, registry=None,
-                 request_timeout_s: float | None = None, **params_given):
+                 request_timeout_s: float | None = None, limits_given: dict | None = None, **params_given):
     """The app over a FakeBackend answering OUTPUT_TEXT; returns (app, backend). ``params_given``: other
-    GatewayParams fields (chat_parsers, response_store, allowed_origins)."""
+    GatewayParams fields (chat_parsers, response_store, allowed_origins); ``limits_given``: other
+    ServingLimits fields."""
     from gateway.app import GatewayParams, build_app
     from gateway.serving import ServingLimits
     from gateway.tokenizer import Tokenizer
@@ -197,7 +198,7 @@ def make_gateway(tokenizer_dir: Path, max_model_len: int = 64, max_body_bytes: i
     tokenizer = Tokenizer(tokenizer_dir)
     backend = FakeBackend(output_ids=tokenizer.encode(OUTPUT_TEXT, add_special_tokens=False))
     limits = ServingLimits(model_name=MODEL, max_model_len=max_model_len, max_concurrent_requests=8,
-                           retry_after_s=3, request_timeout_s=request_timeout_s)
+                           retry_after_s=3, request_timeout_s=request_timeout_s, **(limits_given or {}))
     params = GatewayParams(tokenizer, backend, limits, api_keys=list(API_KEYS), max_body_bytes=max_body_bytes,
                            registry=registry)
     for name, value in params_given.items():
