@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from protocol.serving import MAX_CACHE_SALT_CHARS
+
 from . import __version__
 from .openai_request import MAX_LOGPROBS
 
@@ -31,6 +33,8 @@ _SAMPLING = {
                    "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}},
     # vLLM's: each prompt token's logprob and rank plus the top k; not with stream (400)
     "prompt_logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS},
+    # vLLM's: prefix KV is shared only between requests with the same salt (tenant isolation)
+    "cache_salt": {"type": "string", "minLength": 1, "maxLength": MAX_CACHE_SALT_CHARS},
     # structured outputs (gateway/structured_fields.py): one of these per request
     "response_format": {"type": "object", "required": ["type"], "properties": {
         "type": {"enum": ["text", "json_object", "json_schema"]},

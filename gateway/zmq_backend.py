@@ -246,7 +246,7 @@ class ZmqBackend(Backend):
             excluded = tried | self._breaker.open_workers(time.monotonic())
             spec = request.sampling
             decision = self._router.route(request.prompt_token_ids, frozenset(excluded), spec.computes_whole_prompt,
-                                          prefill_on_decode=spec.prefills_on_decode)
+                                          prefill_on_decode=spec.prefills_on_decode, cache_salt=spec.cache_salt)
             if decision is not None:
                 result = "local" if decision.prefill_worker is None else "disaggregated"
                 self._metrics.route_decisions.labels(policy, result).inc()

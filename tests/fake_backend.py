@@ -87,8 +87,8 @@ class FakeBackend(Backend):
     async def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
 
-    def _cached_tokens(self, prompt: list[int]) -> int:
-        hashes = block_hashes(prompt, self.block_size)
+    def _cached_tokens(self, prompt: list[int], cache_salt: str = "") -> int:
+        hashes = block_hashes(prompt, self.block_size, cache_salt)
         hits = 0
         for h in hashes:
             if h not in self._seen_hashes:
@@ -138,7 +138,7 @@ class FakeBackend(Backend):
         s = request.sampling
         out = self.output_ids[: s.max_tokens]
         finish = "length" if len(out) < len(self.output_ids) else "stop"
-        cached = self._cached_tokens(request.prompt_token_ids)
+        cached = self._cached_tokens(request.prompt_token_ids, request.sampling.cache_salt)
         prompt_logprobs = (None if s.prompt_logprobs is None
                            else self._prompt_logprobs(request.prompt_token_ids, s.prompt_logprobs))
         for start in range(0, len(out), self.tokens_per_event):
