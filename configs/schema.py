@@ -53,6 +53,11 @@ class EngineConfig:
     # CPU layer steps: "c" = RMSNorm with its residual add, RoPE with the K/V store and SwiGLU's product
     # in C (kernels/cpu_layer_ops.c; float32 weights); "torch" = torch only
     cpu_layer_ops: str = _field("c", choices=("c", "torch"))
+    # Structured outputs (engine/grammar_compiles.py): a request whose grammar has not compiled this long
+    # after it arrived is refused (xgrammar cannot stop the compile; it ends on its thread, unread).
+    grammar_compile_timeout_s: float = _field(30.0, minimum=0.001)
+    grammar_compile_threads: int = _field(2, minimum=1)  # grammars compiling at once on a worker
+    grammar_cache_mb: int = _field(256, minimum=0)  # xgrammar's cache of compiled grammars, least recently used out
 
 
 @dataclass(slots=True)
