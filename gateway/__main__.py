@@ -91,7 +91,8 @@ def build(config: PdserveConfig):
     name = config.model.served_model_name or config.model.path or DEFAULT_MODEL_NAME
     limits = ServingLimits(name, context_length(path, config.model.max_model_len),
                            request_timeout_s=g.request_timeout_s or None,
-                           max_prompt_logprobs_entries=g.max_prompt_logprobs_entries)
+                           max_prompt_logprobs_entries=g.max_prompt_logprobs_entries,
+                           sse_keepalive_s=g.sse_keepalive_s or None)
     parsers = ChatParsers(None if g.reasoning_parser == "none" else g.reasoning_parser,
                           None if g.tool_call_parser == "none" else g.tool_call_parser)
     params = GatewayParams(Tokenizer(path), backend, limits, api_keys=list(g.api_keys),
@@ -110,12 +111,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import uvicorn
 
+    from .http_limits import HttpLimits, uvicorn_options
+
     app, _ = build(config)
+    g = config.gateway
+    limits = HttpLimits(g.http_header_timeout_s, g.http_body_timeout_s, g.http_write_timeout_s, g.max_connections or None)
     # uvicorn handles SIGINT/SIGTERM: stops accepting, finishes open responses, runs the lifespan exit,
     # then re-raises the signal under the handler found before it; a drained stop is a clean exit, so 0
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     uvicorn.run(app, host=config.gateway.host, port=config.gateway.port, log_level=args.log_level,
-                timeout_graceful_shutdown=30)
+                timeout_graceful_shutdown=30, **uvicorn_options(limits))
     return 0
 
 

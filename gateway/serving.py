@@ -4,7 +4,9 @@
 2. admission: too many requests in flight, or the backend says it has no capacity -> 503 + Retry-After
 3. tokenize (chat: render the template first); prompt + max_tokens checked against the context (400)
 4. one backend request per prompt, carrying n (its completions come back told apart by index); the first
-   event of each is awaited before answering, so "no capacity" is still a proper 503
+   event of each is awaited before answering, so "no capacity" is still a proper 503. A stream whose
+   first events take longer than the SSE keep-alive interval (queued, a long prefill) starts anyway:
+   ``: keep-alive`` comments hold the connection, and a failure after that is told in-band
 5. non-stream: collect, answer JSON; stream: SSE chunks, usage chunk if asked, then [DONE] (the
    Responses API: its named events, response.completed last). A background response: answered
    ``queued`` before step 4, which goes on without the client (gateway/background_responses.py)
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncGenerator
@@ -56,6 +59,7 @@ class ServingLimits:
     retry_after_s: int = 1
     request_timeout_s: float | None = None  # becomes each backend request's deadline
     max_prompt_logprobs_entries: int = 262144  # gateway.max_prompt_logprobs_entries
+    sse_keepalive_s: float | None = 15.0  # gateway.sse_keepalive_s; None: no keep-alive comments
 
 
 class OpenAIServing:
@@ -171,12 +175,13 @@ class OpenAIServing:
         if responses is not None and responses.background:
             return self._answer_in_background(generation, rid, arrival, responses, shape,
                                               self._formats[p.tokens_as_ids])
+        starting = asyncio.ensure_future(generation.start())
         try:
-            started = await self._start(request, generation)
+            started = await self._start(request, generation, starting, self._limits.sse_keepalive_s if p.stream else None)
         except APIError as e:
             await self._close(generation, arrival, "rejected" if e.status == 503 else "failed")
             raise
-        if not started:
+        if started is None:
             await self._close(generation, arrival, "aborted")
             return JSONResponse({}, status_code=499)  # the client left; nobody reads this
         model, created, fmt = self._limits.model_name, int(time.time()), self._formats[p.tokens_as_ids]
@@ -189,8 +194,9 @@ class OpenAIServing:
         if p.stream:
             out = builder or ChunkBuilder(rid, created, model, chat, fmt, opts, len(generation.states),
                                           p.include_usage, p.continuous_usage)
-            return EventStreamResponse(self._stream(generation, out, rid, arrival),
-                                       on_close=lambda: self._close(generation, arrival, "aborted"))
+            return EventStreamResponse(self._stream(generation, out, rid, arrival, None if started else starting),
+                                       on_close=lambda: self._close(generation, arrival, "aborted", starting),
+                                       keepalive_s=self._limits.sse_keepalive_s)
         if not await self._collect(request, generation, arrival):
             return JSONResponse({}, status_code=499)  # the client left; nobody reads this
         if builder is not None:
@@ -284,10 +290,12 @@ class OpenAIServing:
                                           p.skip_special_tokens, p.sampling["stop_token_ids"], p.include_stop_str))
         return requests, states
 
-    async def _start(self, request: Request, generation: Generation) -> bool:
-        """``generation.start()`` (up to every request's first event) while watching the client: False
-        where it left first (a long queue or prefill), its requests aborted so the workers let go then,
-        not at the first token."""
+    async def _start(self, request: Request, generation: Generation, starting: asyncio.Future,
+                     patience_s: float | None) -> bool | None:
+        """Waits for ``starting`` (``generation.start()``: up to every request's first event) while watching
+        the client: True once started; None where the client left first (a long queue or prefill), its
+        requests aborted so the workers let go then, not at the first token; False where it is still
+        starting after ``patience_s`` (a stream then begins, keeping the client with keep-alives)."""
         left = False
         failure: list[Exception] = []  # kept out of the task group, which would wrap it in an ExceptionGroup
         async with anyio.create_task_group() as tg:
@@ -297,16 +305,20 @@ class OpenAIServing:
                 left = True
                 with anyio.CancelScope(shield=True):  # start may return (its requests ended) meanwhile
                     await generation.abort()
+                    await asyncio.wait([starting])
 
             tg.start_soon(watch)
-            try:
-                await generation.start()
-            except Exception as e:
-                failure.append(e)
+            with anyio.move_on_after(patience_s if patience_s else math.inf):
+                try:
+                    await asyncio.shield(starting)
+                except Exception as e:
+                    failure.append(e)
             tg.cancel_scope.cancel()
-        if failure and not left:
+        if left:
+            return None
+        if failure:
             raise failure[0]
-        return not left
+        return starting.done()
 
     async def _collect(self, request: Request, generation: Generation, arrival: float) -> bool:
         """Runs the generation to its end: True once every choice finished, False if the client left."""
@@ -336,11 +348,20 @@ class OpenAIServing:
         return True
 
     async def _stream(self, generation: Generation, out: ChunkBuilder | ResponseBuilder | MessageBuilder, rid: str,
-                      arrival: float) -> AsyncGenerator[bytes, None]:
+                      arrival: float, starting: asyncio.Future | None = None) -> AsyncGenerator[bytes, None]:
         """SSE frames from ``out``: its opening, its frames of each delta, then its closing, or its
-        failure (headers are gone by then: the only way left to tell the client is in-band)."""
+        failure (headers are gone by then: the only way left to tell the client is in-band).
+        ``starting``: the generation's start, where the stream began before it ended."""
         outcome = "aborted"
         try:
+            if starting is not None:
+                try:
+                    await starting
+                except APIError as e:
+                    outcome = "rejected" if e.status == 503 else "failed"
+                    for frame in out.failure(e):
+                        yield frame
+                    return
             for frame in out.opening(generation.states):
                 yield frame
             try:
@@ -356,10 +377,16 @@ class OpenAIServing:
             for frame in frames:
                 yield frame
         finally:
-            await self._close(generation, arrival, outcome)
+            await self._close(generation, arrival, outcome, starting)
 
-    async def _close(self, generation: Generation, arrival: float, outcome: str) -> None:
-        """Release the backend requests and count the outcome, once, whoever gets here first."""
+    async def _close(self, generation: Generation, arrival: float, outcome: str,
+                     starting: asyncio.Future | None = None) -> None:
+        """Release the backend requests and count the outcome, once, whoever gets here first. ``starting``:
+        the generation's start, ended first where it still runs (a stream its client left while queued)."""
+        if starting is not None and not starting.done():
+            starting.cancel()
+            with anyio.CancelScope(shield=True):
+                await asyncio.wait([starting])
         if await generation.close():
             self._finish(generation, arrival, outcome)
 

@@ -61,6 +61,7 @@ class FakeBackend(Backend):
     output_ids: list[int]  # every request generates a prefix of this
     block_size: int = 4
     token_delay_s: float = 0.0
+    first_event_delay_s: float = 0.0  # before a request's first event (as if queued for a worker)
     tokens_per_event: int = 1
     capacity: bool = True  # has_capacity(); False -> the gateway's own admission says 503
     no_capacity_retry_after: int | None = None  # set: generate raises NoCapacity(this)
@@ -132,6 +133,8 @@ class FakeBackend(Backend):
         if self.no_capacity_retry_after is not None:
             raise NoCapacity(self.no_capacity_retry_after, "all decode workers are full")
         self.received.append(request)
+        if self.first_event_delay_s:
+            await asyncio.sleep(self.first_event_delay_s)
         if self.refusal is not None:
             yield TokenEvent(error=self.refusal, refused=True)
             return
@@ -161,8 +164,8 @@ class FakeBackend(Backend):
 class LiveServer:
     """The app served by a real uvicorn on 127.0.0.1 (ephemeral port) in a background thread."""
 
-    def __init__(self, app, lifespan: str = "off") -> None:
-        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan=lifespan)
+    def __init__(self, app, lifespan: str = "off", **uvicorn_options) -> None:
+        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan=lifespan, **uvicorn_options)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
@@ -207,10 +210,11 @@ def make_gateway(tokenizer_dir: Path, max_model_len: int = 64, max_body_bytes: i
 
 
 @contextlib.contextmanager
-def live_gateway(tokenizer_dir: Path, **gateway_kwargs):
-    """``make_gateway`` served by a LiveServer; ``server.backend`` is its FakeBackend."""
+def live_gateway(tokenizer_dir: Path, uvicorn_options: dict | None = None, **gateway_kwargs):
+    """``make_gateway`` served by a LiveServer; ``server.backend`` is its FakeBackend. ``uvicorn_options``:
+    more uvicorn.Config arguments (gateway/http_limits.py's, say)."""
     app, backend = make_gateway(tokenizer_dir, **gateway_kwargs)
-    with LiveServer(app) as server:
+    with LiveServer(app, **(uvicorn_options or {})) as server:
         server.backend = backend
         yield server
 
