@@ -58,6 +58,11 @@ class EngineConfig:
     # CPU layer steps: "c" = RMSNorm with its residual add, RoPE with the K/V store and SwiGLU's product
     # in C (kernels/cpu_layer_ops.c; float32 weights); "torch" = torch only
     cpu_layer_ops: str = _field("c", choices=("c", "torch"))
+    # Structured outputs (engine/grammar_compiles.py): a request whose grammar has not compiled this long
+    # after it arrived is refused (xgrammar cannot stop the compile; it ends on its thread, unread).
+    grammar_compile_timeout_s: float = _field(30.0, minimum=0.001)
+    grammar_compile_threads: int = _field(2, minimum=1)  # grammars compiling at once on a worker
+    grammar_cache_mb: int = _field(256, minimum=0)  # xgrammar's cache of compiled grammars, least recently used out
 
 
 @dataclass(slots=True)
@@ -87,6 +92,22 @@ class GatewayConfig:
     # Memory for the Responses API's stored answers (previous_response_id, GET /v1/responses/{id}); the
     # least recently used go first. Per gateway process. 0: nothing is stored (store: false is echoed).
     responses_store_mb: int = _field(64, minimum=0)
+    # prompt_logprobs (k <= 20, vLLM's max_logprobs) hold (k + 1) entries per prompt token per choice in
+    # gateway memory (~0.5 KB each once formatted): a request needing more is a 400 naming this limit.
+    # 262144: e.g. a 12k-token prompt at k = 20, or a 130k-token one at k = 1.
+    max_prompt_logprobs_entries: int = _field(262144, minimum=0)
+    # HTTP time limits (gateway/http/limits.py): a request's line and headers must arrive this long after
+    # the connection opens (or the previous response ends), its body this long after the headers; a
+    # client that accepts no response bytes this long (its socket full) is dropped and its requests aborted.
+    http_header_timeout_s: float = _field(10.0, minimum=0.001)
+    http_body_timeout_s: float = _field(30.0, minimum=0.001)
+    http_write_timeout_s: float = _field(30.0, minimum=0.001)
+    # Open HTTP connections (and requests) at most, as uvicorn's limit_concurrency: past it, 503. 0: no limit.
+    max_connections: int = _field(1024, minimum=0)
+    # A stream that has sent nothing this long (queued, prefilling) sends an SSE comment ": keep-alive",
+    # so proxies keep it open and a client gone is noticed; a stream starts at the latest after this long
+    # (a refusal after that comes in-band). 0: never.
+    sse_keepalive_s: float = _field(15.0, minimum=0.0)
 
 
 @dataclass(slots=True)

@@ -22,7 +22,7 @@ from kvtransfer.channel import ZmqServer
 from kvtransfer.compat import new_incarnation
 from kvtransfer.metrics import TransferMetrics
 from kvtransfer.receiver import KVReceiver
-from kvtransfer.shm_pool import SharedTensor, create_shared
+from kvtransfer.shm_pool import SharedTensor, ShmCapacityError, create_shared
 from worker import EngineMetrics, HttpHandle, WorkerSocket, default_worker_id, kv_model_name, serve_http
 
 log = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ class DecodeNode:
         model_path = resolve_model(config.model.path, config.model.cache_dir)
         engine = build_engine(str(model_path), config.model, config.engine)
         registry = CollectorRegistry()
-        shm_pool = _share_pool(engine, config.transfer.transport)
+        shm_pool = share_pool(engine.runner.kv_pool, config.transfer.transport)
         kv_server = ZmqServer(ctx, dc.host, dc.kv_port, max_msg_size=config.transfer.max_frame_bytes)
         receiver = KVReceiver(engine.runner.kv_pool, kv_model_name(config.model.path), kv_server,
                               _keep_with_sequence, TransferMetrics(registry), lease_s=config.transfer.lease_seconds,
@@ -75,14 +75,20 @@ class DecodeNode:
             self.shm_pool.unlink()  # peers that mapped it keep their mapping; the name goes now
 
 
-def _share_pool(engine, transport: str) -> SharedTensor | None:
+def share_pool(pool, transport: str) -> SharedTensor | None:
     """Move a CPU KV pool into /dev/shm so a same-host prefill worker writes straight into reserved
     blocks (the shm transport). The file name carries our pid: a supervisor that sees this process
-    die removes ``pdserve-*-<pid>-*`` (cluster/local_cluster.py)."""
-    pool = engine.runner.kv_pool
+    die removes ``pdserve-*-<pid>-*`` (cluster/local_cluster.py). Where /dev/shm cannot hold it, the
+    pool stays where it is and peers get the zmq transport (a warning names both sizes)."""
     if transport not in ("auto", "shm") or pool.tensor.is_cuda:
         return None
-    shared = create_shared(pool.layout.shape, pool.layout.dtype, prefix=f"kv-{os.getpid()}")
+    try:
+        shared = create_shared(pool.layout.shape, pool.layout.dtype, prefix=f"kv-{os.getpid()}")
+    except ShmCapacityError as e:
+        log.warning("KV pool not shared (%s); prefill workers on this host will use the zmq transport. "
+                    "Enlarge /dev/shm (docker run --shm-size, an emptyDir with medium: Memory) or shrink "
+                    "engine.kv_cache_memory_mb to use shm", e)
+        return None
     shared.tensor.copy_(pool.tensor)  # a fresh pool is zeros, but keep whatever was there
     pool.tensor = shared.tensor  # the runner reads pool.tensor on every step; nothing cached it yet
     return shared

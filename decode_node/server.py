@@ -364,7 +364,9 @@ class DecodeServer:
     def _release(self, req: DecodeRequest, *, abort_receiver: bool = True) -> None:
         """Free everything the request holds, whatever its phase."""
         if req.phase == Phase.COMPILING:
-            self._compiling.pop(req.rid, None)  # a compile under way ends on its thread, unread
+            _, compiling = self._compiling.pop(req.rid, (None, None))
+            if compiling is not None:
+                compiling.cancel()  # one not started never runs; one under way ends on its thread, unread
         elif req.phase == Phase.AWAITING_KV:
             if abort_receiver:
                 self.receiver.abort(req.rid)  # idempotent; the fence comes down before the blocks are reused

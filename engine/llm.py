@@ -16,6 +16,7 @@ import torch
 from configs.schema import ConfigError, EngineConfig, ModelConfig, PdserveConfig, load_config
 from engine.block_manager import BlockManager
 from engine.cpu_linear import exclusive_timing
+from engine.grammar_compiles import GrammarLimits
 from engine.kv_pool import KVLayout, KVPool, num_blocks_for_budget
 from engine.llm_engine import LLMEngine, RequestOutput
 from engine.loader import load_model
@@ -70,7 +71,9 @@ def build_engine(model_path: str, model_cfg: ModelConfig, engine_cfg: EngineConf
         block_manager,
     )
     runner = ModelRunner(model, pool, native_decode=_native_decode(engine_cfg, config, pool))
-    return LLMEngine(config, scheduler, runner, Grammars(model_path, config.vocab_size, config.eos_token_ids))
+    limits = GrammarLimits(engine_cfg.grammar_compile_timeout_s, engine_cfg.grammar_cache_mb << 20,
+                           engine_cfg.grammar_compile_threads)
+    return LLMEngine(config, scheduler, runner, Grammars(model_path, config.vocab_size, config.eos_token_ids, limits))
 
 
 def _log_loaded(model, config, seconds: float) -> None:

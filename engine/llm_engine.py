@@ -17,6 +17,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
+from engine.grammar_compiles import CompileTicket
 from engine.model_config import HFModelConfig
 from engine.runner import ModelRunner
 from engine.sampling_params import SamplingParams
@@ -94,7 +95,7 @@ class LLMEngine:
             raise StructuredOutputError(NO_GRAMMARS)
         return self.grammars.guide(params.structured_output)
 
-    def new_guide_async(self, params: SamplingParams) -> Future:
+    def new_guide_async(self, params: SamplingParams) -> Future | CompileTicket:
         """``new_guide(params)`` for a structured output, compiled off the caller's thread
         (Grammars.guide_async); the future raises StructuredOutputError where new_guide would."""
         assert params.structured_output is not None

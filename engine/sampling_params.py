@@ -37,6 +37,9 @@ class SamplingParams:
     # None: any output; else the grammar the output follows (engine/structured_output.py). Compiled at
     # admission into the sequence's matcher, which masks the logits of every step.
     structured_output: StructuredOutput | None = None
+    # "" or a tenant's salt: the prefix cache is shared only between requests with the same one (it
+    # enters the first block's hash; protocol/hashing.py)
+    cache_salt: str = ""
 
     def __post_init__(self) -> None:
         if self.top_k == -1:

@@ -93,7 +93,9 @@ def build(config: PdserveConfig):
         default_timeout_s=g.request_timeout_s))
     name = config.model.served_model_name or config.model.path or DEFAULT_MODEL_NAME
     limits = ServingLimits(name, context_length(path, config.model.max_model_len),
-                           request_timeout_s=g.request_timeout_s or None)
+                           request_timeout_s=g.request_timeout_s or None,
+                           max_prompt_logprobs_entries=g.max_prompt_logprobs_entries,
+                           sse_keepalive_s=g.sse_keepalive_s or None)
     parsers = ChatParsers(None if g.reasoning_parser == "none" else g.reasoning_parser,
                           None if g.tool_call_parser == "none" else g.tool_call_parser)
     params = GatewayParams(Tokenizer(path), backend, limits, api_keys=list(g.api_keys),
@@ -112,16 +114,20 @@ def main(argv: list[str] | None = None) -> int:
         return EX_CONFIG
     import uvicorn
 
+    from .http.limits import HttpLimits, uvicorn_options
+
     try:
         app, _ = build(config)
     except ConfigError as e:  # the model (configs/model_source.py): one line, and no restart helps
         print(f"pdserve gateway: {e}", file=sys.stderr)
         return EX_CONFIG
+    g = config.gateway
+    limits = HttpLimits(g.http_header_timeout_s, g.http_body_timeout_s, g.http_write_timeout_s, g.max_connections or None)
     # uvicorn handles SIGINT/SIGTERM: stops accepting, finishes open responses, runs the lifespan exit,
     # then re-raises the signal under the handler found before it; a drained stop is a clean exit, so 0
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     uvicorn.run(app, host=config.gateway.host, port=config.gateway.port, log_level=args.log_level,
-                timeout_graceful_shutdown=30)
+                timeout_graceful_shutdown=30, **uvicorn_options(limits))
     return 0
 
 

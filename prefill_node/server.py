@@ -336,6 +336,9 @@ class PrefillServer:
             del self.jobs[job.rid]
         if state in self._queue:
             self._queue.remove(state)
+        if state.guide is not None:
+            state.guide.cancel()  # a compile not started never runs; one under way ends on its thread, unread
+            state.guide = None
         if state.in_scheduler and not state.seq.is_finished:
             self.scheduler.abort(state.seq.seq_id)
         self._by_seq.pop(state.seq.seq_id, None)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from gateway import __version__
 from gateway.dialects.openai.request import MAX_LOGPROBS
+from protocol.serving import MAX_CACHE_SALT_CHARS
 
 _JSON = {"application/json": {"schema": {"type": "object"}}}
 _ERROR = {"description": "OpenAI error object", "content": _JSON}
@@ -31,6 +32,8 @@ _SAMPLING = {
                    "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}},
     # vLLM's: each prompt token's logprob and rank plus the top k; not with stream (400)
     "prompt_logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS},
+    # vLLM's: prefix KV is shared only between requests with the same salt (tenant isolation)
+    "cache_salt": {"type": "string", "minLength": 1, "maxLength": MAX_CACHE_SALT_CHARS},
     # structured outputs (gateway/dialects/openai/structured_fields.py): one of these per request
     "response_format": {"type": "object", "required": ["type"], "properties": {
         "type": {"enum": ["text", "json_object", "json_schema"]},

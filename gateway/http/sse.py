@@ -4,11 +4,17 @@ Starlette's StreamingResponse only notices a disconnect when a write fails and l
 to the garbage collector. Here a listener waits for ``http.disconnect`` next to the writer; whichever ends
 first cancels the other, and the event generator is always closed, so its ``finally`` (which aborts the
 backend requests) runs before the handler returns.
+
+While no event comes for ``keepalive_s`` (a request queued, prefilling, or preempted), a ``: keep-alive``
+comment goes out, which SSE clients ignore: proxies and load balancers with idle timeouts keep the
+connection, and a client that is gone shows up as a failed write.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 
 import anyio
@@ -16,6 +22,7 @@ import anyio
 from .errors import APIError
 
 DONE = b"data: [DONE]\n\n"
+KEEPALIVE = b": keep-alive\n\n"
 
 
 def sse_event(payload: dict) -> bytes:
@@ -36,9 +43,11 @@ async def wait_for_disconnect(receive: Callable[[], Awaitable[dict]]) -> None:
 class EventStreamResponse:
     """An ASGI app streaming ``events`` (already framed as SSE bytes) with status 200."""
 
-    def __init__(self, events: AsyncGenerator[bytes, None], on_close: Callable[[], Awaitable[None]]) -> None:
+    def __init__(self, events: AsyncGenerator[bytes, None], on_close: Callable[[], Awaitable[None]],
+                 keepalive_s: float | None = None) -> None:
         self._events = events
         self._on_close = on_close  # idempotent cleanup; also runs if ``events`` never started
+        self._keepalive_s = keepalive_s or math.inf  # None or 0: never
 
     async def __call__(self, scope, receive, send) -> None:
         try:
@@ -46,16 +55,34 @@ class EventStreamResponse:
                 (b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
                 (b"x-accel-buffering", b"no")]})
             async with anyio.create_task_group() as tg:
+                lock, last_write = anyio.Lock(), [time.monotonic()]
+
+                async def send_body(chunk: bytes, more: bool = True) -> None:
+                    async with lock:  # a keep-alive never lands inside another write
+                        await send({"type": "http.response.body", "body": chunk, "more_body": more})
+                        last_write[0] = time.monotonic()
+
+                async def keep_alive() -> None:
+                    try:
+                        while True:
+                            await anyio.sleep(last_write[0] + self._keepalive_s - time.monotonic())
+                            if time.monotonic() - last_write[0] >= self._keepalive_s:
+                                await send_body(KEEPALIVE)
+                    except OSError:
+                        tg.cancel_scope.cancel()  # the client went away
+
                 async def write() -> None:
                     try:
                         async for chunk in self._events:
-                            await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                        await send({"type": "http.response.body", "body": b"", "more_body": False})
+                            await send_body(chunk)
+                        await send_body(b"", more=False)
                     except OSError:
                         pass  # the client went away mid-write
                     finally:
                         tg.cancel_scope.cancel()
 
+                if self._keepalive_s != math.inf:
+                    tg.start_soon(keep_alive)
                 tg.start_soon(write)
                 await wait_for_disconnect(receive)
                 tg.cancel_scope.cancel()

@@ -5,7 +5,9 @@ gateway/serving/dialect.py): parse -> tokenize -> admit -> generate -> JSON or S
 2. admission: too many requests in flight, or the backend says it has no capacity -> 503 + Retry-After
 3. tokenize (chat: render the template first); prompt + max_tokens checked against the context (400)
 4. one backend request per prompt, carrying n (its completions come back told apart by index); the first
-   event of each is awaited before answering, so "no capacity" is still a proper 503
+   event of each is awaited before answering, so "no capacity" is still a proper 503. A stream whose
+   first events take longer than the SSE keep-alive interval (queued, a long prefill) starts anyway:
+   ``: keep-alive`` comments hold the connection, and a failure after that is told in-band
 5. non-stream: collect, answer JSON; stream: SSE chunks, usage chunk if asked, then [DONE] (the
    Responses API: its named events, response.completed last), each built by the dialect's
    ``OutputBuilder``. A background response: answered ``queued`` before step 4, which goes on without
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable
@@ -56,6 +59,8 @@ class ServingLimits:
     max_concurrent_requests: int = 256
     retry_after_s: int = 1
     request_timeout_s: float | None = None  # becomes each backend request's deadline
+    max_prompt_logprobs_entries: int = 262144  # gateway.max_prompt_logprobs_entries
+    sse_keepalive_s: float | None = 15.0  # gateway.sse_keepalive_s; None: no keep-alive comments
 
 
 class Serving:
@@ -91,8 +96,23 @@ class Serving:
             return self._tok.encode(prompt)
         bad = [t for t in prompt if not self._tok.is_valid_id(t)]
         if bad:
-            raise bad_request(f"token id {bad[0]} is out of range [0, {self._tok.vocab_size})", param)
+            raise bad_request(self._tok.id_range_error(bad[0]), param)
         return list(prompt)
+
+    def _check_prompt_logprobs_budget(self, p: ParsedRequest, prompts: list[list[int]]) -> None:
+        """A 400 where the prompt logprobs asked for would hold more entries in memory than allowed: each
+        prompt token after the first has its own and the top k, for each of the n choices."""
+        k = p.num_prompt_logprobs
+        if k is None:
+            return
+        num_tokens = sum(len(ids) - 1 for ids in prompts)
+        num_entries = num_tokens * (k + 1) * p.n
+        limit = self._limits.max_prompt_logprobs_entries
+        if num_entries > limit:
+            param = "prompt_logprobs" if p.prompt_logprobs is not None else "logprobs"
+            raise bad_request(f"{param}: {num_tokens} prompt tokens with logprobs x ({k} + 1) x n={p.n} is "
+                              f"{num_entries} entries, more than this server's limit of {limit} "
+                              "(gateway.max_prompt_logprobs_entries)", param)
 
     def render(self, prompt: ChatPrompt) -> str:
         try:
@@ -129,11 +149,12 @@ class Serving:
         else:
             prompts = [self.tokenize_prompt(x) for x in p.prompts]
         prompts = [truncate_prompt(ids, p.truncate_prompt_tokens, self._limits.max_model_len) for ids in prompts]
+        self._check_prompt_logprobs_budget(p, prompts)
         for name, ids in (("logit_bias", [b.token_id for b in p.sampling["logit_bias"]]),
                           ("allowed_token_ids", p.sampling["allowed_token_ids"] or [])):
             bad = [t for t in ids if not self._tok.is_valid_id(t)]
             if bad:
-                raise bad_request(f"{name} token id {bad[0]} is out of range [0, {self._tok.vocab_size})", name)
+                raise bad_request(f"{name} {self._tok.id_range_error(bad[0])}", name)
         # checked by the RequestIdEcho middleware (a malformed one never gets here)
         given = request.headers.get(REQUEST_ID_HEADER) if dialect.keeps_request_id else None
         rid = dialect.id_prefix + (given or uuid.uuid4().hex)
@@ -149,17 +170,19 @@ class Serving:
         self._metrics.num_requests_running.inc()
         if asked.background:
             return self._answer_in_background(generation, out, asked.keep, rid, arrival)
+        starting = asyncio.ensure_future(generation.start())
         try:
-            started = await self._start(request, generation)
+            started = await self._start(request, generation, starting, self._limits.sse_keepalive_s if p.stream else None)
         except APIError as e:
             await self._close(generation, arrival, "rejected" if e.status == 503 else "failed")
             raise
-        if not started:
+        if started is None:
             await self._close(generation, arrival, "aborted")
             return JSONResponse({}, status_code=499)  # the client left; nobody reads this
         if p.stream:
-            return EventStreamResponse(self._stream(generation, out, rid, arrival),
-                                       on_close=lambda: self._close(generation, arrival, "aborted"))
+            return EventStreamResponse(self._stream(generation, out, rid, arrival, None if started else starting),
+                                       on_close=lambda: self._close(generation, arrival, "aborted", starting),
+                                       keepalive_s=self._limits.sse_keepalive_s)
         if not await self._collect(request, generation, arrival):
             return JSONResponse({}, status_code=499)  # the client left; nobody reads this
         return JSONResponse(out.whole(generation.states))
@@ -247,10 +270,12 @@ class Serving:
                                           p.skip_special_tokens, p.sampling["stop_token_ids"], p.include_stop_str))
         return requests, states
 
-    async def _start(self, request: Request, generation: Generation) -> bool:
-        """``generation.start()`` (up to every request's first event) while watching the client: False
-        where it left first (a long queue or prefill), its requests aborted so the workers let go then,
-        not at the first token."""
+    async def _start(self, request: Request, generation: Generation, starting: asyncio.Future,
+                     patience_s: float | None) -> bool | None:
+        """Waits for ``starting`` (``generation.start()``: up to every request's first event) while watching
+        the client: True once started; None where the client left first (a long queue or prefill), its
+        requests aborted so the workers let go then, not at the first token; False where it is still
+        starting after ``patience_s`` (a stream then begins, keeping the client with keep-alives)."""
         left = False
         failure: list[Exception] = []  # kept out of the task group, which would wrap it in an ExceptionGroup
         async with anyio.create_task_group() as tg:
@@ -260,16 +285,20 @@ class Serving:
                 left = True
                 with anyio.CancelScope(shield=True):  # start may return (its requests ended) meanwhile
                     await generation.abort()
+                    await asyncio.wait([starting])
 
             tg.start_soon(watch)
-            try:
-                await generation.start()
-            except Exception as e:
-                failure.append(e)
+            with anyio.move_on_after(patience_s if patience_s else math.inf):
+                try:
+                    await asyncio.shield(starting)
+                except Exception as e:
+                    failure.append(e)
             tg.cancel_scope.cancel()
-        if failure and not left:
+        if left:
+            return None
+        if failure:
             raise failure[0]
-        return not left
+        return starting.done()
 
     async def _collect(self, request: Request, generation: Generation, arrival: float) -> bool:
         """Runs the generation to its end: True once every choice finished, False if the client left."""
@@ -299,11 +328,20 @@ class Serving:
         return True
 
     async def _stream(self, generation: Generation, out: OutputBuilder, rid: str,
-                      arrival: float) -> AsyncGenerator[bytes, None]:
+                      arrival: float, starting: asyncio.Future | None = None) -> AsyncGenerator[bytes, None]:
         """SSE frames from ``out``: its opening, its frames of each delta, then its closing, or its
-        failure (headers are gone by then: the only way left to tell the client is in-band)."""
+        failure (headers are gone by then: the only way left to tell the client is in-band).
+        ``starting``: the generation's start, where the stream began before it ended."""
         outcome = "aborted"
         try:
+            if starting is not None:
+                try:
+                    await starting
+                except APIError as e:
+                    outcome = "rejected" if e.status == 503 else "failed"
+                    for frame in out.failure(e):
+                        yield frame
+                    return
             for frame in out.opening(generation.states):
                 yield frame
             try:
@@ -319,10 +357,16 @@ class Serving:
             for frame in frames:
                 yield frame
         finally:
-            await self._close(generation, arrival, outcome)
+            await self._close(generation, arrival, outcome, starting)
 
-    async def _close(self, generation: Generation, arrival: float, outcome: str) -> None:
-        """Release the backend requests and count the outcome, once, whoever gets here first."""
+    async def _close(self, generation: Generation, arrival: float, outcome: str,
+                     starting: asyncio.Future | None = None) -> None:
+        """Release the backend requests and count the outcome, once, whoever gets here first. ``starting``:
+        the generation's start, ended first where it still runs (a stream its client left while queued)."""
+        if starting is not None and not starting.done():
+            starting.cancel()
+            with anyio.CancelScope(shield=True):
+                await asyncio.wait([starting])
         if await generation.close():
             self._finish(generation, arrival, outcome)
 

@@ -78,6 +78,16 @@ def _cut_at_tag(text: str) -> str:
     return text[:at] if text[at : at + len(_CONTINUE_TAG)] == _CONTINUE_TAG else text[:at].rstrip()
 
 
+def _embedding_rows(path: Path) -> int | None:
+    """The model's vocab_size from config.json (its embedding rows); None without one (a bare tokenizer)."""
+    try:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    rows = config.get("vocab_size", (config.get("text_config") or {}).get("vocab_size"))
+    return rows if isinstance(rows, int) and rows > 0 else None
+
+
 class Tokenizer:
     """Encode, decode and chat-template one checkpoint's tokenizer."""
 
@@ -97,7 +107,13 @@ class Tokenizer:
         # Read once: the library walks every added token on each call (0.6 ms with 29k of them, paid per
         # prompt id by is_valid_id).
         self.vocab_size: int = self._tok.get_vocab_size(with_added_tokens=True)
-        self._special_ids = frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
+        added = self._tok.get_added_tokens_decoder()
+        # Prompt ids are bounded as vLLM bounds them: the tokenizer's highest id (its added tokens may lie
+        # above its base vocabulary, with gaps) and the model's embedding rows (config.json vocab_size).
+        self.max_token_id: int = max([self._tok.get_vocab_size(with_added_tokens=False) - 1, *added])
+        self.num_embeddings: int | None = _embedding_rows(path)
+        self.id_limit: int = min(self.max_token_id + 1, self.num_embeddings or self.max_token_id + 1)
+        self._special_ids = frozenset(i for i, t in added.items() if t.special)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
@@ -115,7 +131,13 @@ class Tokenizer:
         return [self._tok.id_to_token(t) for t in token_ids]
 
     def is_valid_id(self, token_id: int) -> bool:
-        return 0 <= token_id < self.vocab_size
+        return 0 <= token_id < self.id_limit
+
+    def id_range_error(self, token_id: int) -> str:
+        """Why ``token_id`` is refused, naming both bounds."""
+        embedding = f"; the model's embedding has {self.num_embeddings} rows" if self.num_embeddings else ""
+        return (f"token id {token_id} is out of range [0, {self.id_limit}): the tokenizer's highest id is "
+                f"{self.max_token_id}{embedding}")
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tools: list[dict] | None = None, continue_final_message: bool = False,

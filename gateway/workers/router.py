@@ -97,15 +97,16 @@ class Router:
         self._sent_prefill_tokens: dict[str, int] = {}  # P -> uncached tokens sent, no first token yet
 
     def route(self, prompt_ids: list[int], exclude: frozenset[str] = frozenset(), whole_prompt: bool = False,
-              prefill_on_decode: bool = False) -> RouteDecision | None:
+              prefill_on_decode: bool = False, cache_salt: str = "") -> RouteDecision | None:
         """Where to run ``prompt_ids``; None when no decode worker has KV room for it (answer 503).
 
         ``exclude`` holds workers not to use (said Busy for this request, failed, or circuit-broken);
         draining workers are never chosen. ``whole_prompt``: the workers compute every prompt token
         whatever they cache (prompt logprobs), so no prefix hit counts; ``prefill_on_decode``: D
-        prefills it itself (prompt logprobs with n > 1)."""
+        prefills it itself (prompt logprobs with n > 1); ``cache_salt``: the request's, which its blocks'
+        hashes carry on the workers too."""
         bs = self._params.block_size
-        hashes = block_hashes(prompt_ids, bs)
+        hashes = block_hashes(prompt_ids, bs, cache_salt)
         hit_hashes = [] if whole_prompt else hashes
         num_blocks_needed = -(-(len(prompt_ids) + 1) // bs)  # the prompt plus the first generated token
         decoders = [w for w in self._registry.accepting(Role.DECODE)

@@ -69,12 +69,14 @@ class WorkerGone:
 class _Flight:
     """One request in flight: which workers serve it, and the records that came back for it."""
 
-    __slots__ = ("rid", "num_prompt_tokens", "events", "prompt_logprobs", "decode_worker", "prefill_worker",
-                 "is_done", "is_aborted")
+    __slots__ = ("rid", "num_prompt_tokens", "num_top_prompt_logprobs", "events", "prompt_logprobs",
+                 "decode_worker", "prefill_worker", "is_done", "is_aborted")
 
-    def __init__(self, rid: str, num_prompt_tokens: int) -> None:
+    def __init__(self, rid: str, num_prompt_tokens: int, num_top_prompt_logprobs: int = 0) -> None:
         self.rid = rid
         self.num_prompt_tokens = num_prompt_tokens
+        # the k asked for: alternatives past it are dropped on arrival, so a worker cannot grow what is kept
+        self.num_top_prompt_logprobs = num_top_prompt_logprobs
         self.events: asyncio.Queue = asyncio.Queue()  # TokenEvent | Busy | WorkerGone | None (aborted)
         # From PromptLogprobs frames, which precede the first TokenEvent; None once a frame was out of order.
         self.prompt_logprobs: list[TokenLogprob] | None = []
@@ -142,7 +144,7 @@ class ZmqBackend(Backend):
     async def generate(self, request: GenerationRequest):
         if request.request_id in self._flights:
             raise ValueError(f"request id {request.request_id} is already in flight")
-        flight = _Flight(request.request_id, len(request.prompt_token_ids))
+        flight = _Flight(request.request_id, len(request.prompt_token_ids), request.sampling.prompt_logprobs or 0)
         self._flights[flight.rid] = flight
         try:
             first = await self._place(request, flight)
@@ -260,7 +262,7 @@ class ZmqBackend(Backend):
             excluded = tried | self._breaker.open_workers(time.monotonic())
             spec = request.sampling
             decision = self._router.route(request.prompt_token_ids, frozenset(excluded), spec.computes_whole_prompt,
-                                          prefill_on_decode=spec.prefills_on_decode)
+                                          prefill_on_decode=spec.prefills_on_decode, cache_salt=spec.cache_salt)
             if decision is not None:
                 result = "local" if decision.prefill_worker is None else "disaggregated"
                 self._metrics.route_decisions.labels(policy, result).inc()
@@ -338,7 +340,8 @@ class ZmqBackend(Backend):
                                f"{frame.start}..{frame.start + len(frame.logprobs)} for a prompt of "
                                f"{flight.num_prompt_tokens} tokens, {len(have)} received")
             return
-        have += [_to_logprob(r, rank) for r, rank in zip(frame.logprobs, frame.ranks)]
+        k = flight.num_top_prompt_logprobs
+        have += [_to_logprob(r, rank, k) for r, rank in zip(frame.logprobs, frame.ranks)]
 
     def _on_heartbeat(self, worker_id: str, hb: Heartbeat) -> None:
         if hb.worker_id != worker_id:
@@ -385,8 +388,8 @@ class ZmqBackend(Backend):
             m.pool_requests_waiting.labels(role.value).set(sum(w.heartbeat.num_waiting for w in workers))
 
 
-def _to_logprob(r: TokenLogprobRecord, rank: int | None = None) -> TokenLogprob:
-    return TokenLogprob(r.token_id, r.logprob, list(zip(r.top_ids, r.top_logprobs)), rank)
+def _to_logprob(r: TokenLogprobRecord, rank: int | None = None, max_top: int | None = None) -> TokenLogprob:
+    return TokenLogprob(r.token_id, r.logprob, list(zip(r.top_ids[:max_top], r.top_logprobs[:max_top])), rank)
 
 
 def _to_backend_event(e: TokenEvent, queue_time_s: float | None) -> CompletionEvent:

@@ -12,7 +12,7 @@ from gateway.http.errors import bad_request
 from gateway.http.request_fields import Fields
 from gateway.text.tool_calls import ToolChoice, parse_tool_choice, parse_tools
 from gateway.text.tool_parsers import READS_SPECIAL_TOKENS
-from protocol.serving import MAX_LOGIT_BIAS, SamplingSpec, StructuredOutput, TokenBias
+from protocol.serving import MAX_CACHE_SALT_CHARS, MAX_LOGIT_BIAS, SamplingSpec, StructuredOutput, TokenBias
 
 from .chat_prompt import ChatPrompt, parse_chat_prompt
 from .structured_fields import parse_structured_output
@@ -88,6 +88,17 @@ def _refuse_unsupported(f: Fields, chat: bool) -> None:
         refuse("function_call", f"function_call {str(chosen)[:60]!r}")
 
 
+def _cache_salt(f: Fields) -> str:
+    """vLLM's cache_salt: absent is "" (the shared prefix cache); given, a non-empty string of bounded size."""
+    salt = f.str("cache_salt", None)
+    if salt is None:
+        return ""
+    if not salt or len(salt) > MAX_CACHE_SALT_CHARS:
+        raise bad_request(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters, "
+                          f"got {len(salt)}", "cache_salt")
+    return salt
+
+
 def _common(f: Fields, chat: bool) -> dict:
     _refuse_unsupported(f, chat)
     stream = f.bool("stream", False)
@@ -114,6 +125,7 @@ def _common(f: Fields, chat: bool) -> dict:
         ignore_eos=f.bool("ignore_eos", False),
         logit_bias=[TokenBias(t, b) for t, b in f.logit_bias("logit_bias", MAX_LOGIT_BIAS).items()],
         allowed_token_ids=_allowed_token_ids(f),
+        cache_salt=_cache_salt(f),
     )
     if sampling["top_k"] == -1:
         sampling["top_k"] = 0

@@ -43,7 +43,7 @@ from .store import ResponseStore
 PASSED_THROUGH = ("model", "temperature", "top_p", "parallel_tool_calls", "stream", "user", "seed", "top_k", "min_p",
                   "repetition_penalty", "presence_penalty", "frequency_penalty", "min_tokens", "stop",
                   "stop_token_ids", "ignore_eos", "logit_bias", "skip_special_tokens", "include_reasoning",
-                  "chat_template_kwargs", "include_stop_str_in_output", "allowed_token_ids")
+                  "chat_template_kwargs", "include_stop_str_in_output", "allowed_token_ids", "cache_salt")
 # A chat field an error names -> the Responses field the client sent.
 _PARAM_NAMES = {"messages": "input", "response_format": "text.format", "max_completion_tokens": "max_output_tokens",
                 "logprobs": "top_logprobs"}
