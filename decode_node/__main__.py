@@ -19,7 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     if loaded is None:
         return 2
     config, log_level = loaded
-    setup_logging("decode", config.decode.worker_id or "-", log_level)
+    setup_logging("decode", config.decode.worker_id or "-", log_level, config.observability.log_format)
     node = DecodeNode.start(config)
     install_drain(node.server.request_drain)
     print(f"READY http_port={node.http.port} kv_address={node.server.options.kv_address} "

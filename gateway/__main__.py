@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import signal
 import sys
 from pathlib import Path
@@ -32,7 +31,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--allowed-origins", nargs="+", metavar="ORIGIN",
                    help="origins whose browser pages may call the API (CORS; '*': any) (gateway.allowed_origins)")
     add_chat_parser_args(p)
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-level", help="debug, info, warning, error or critical (observability.log_level)")
     return p.parse_args(argv)
 
 
@@ -50,7 +49,8 @@ def add_chat_parser_args(p: argparse.ArgumentParser) -> None:
 def overrides_of(args: argparse.Namespace) -> dict:
     given = {"gateway.host": args.host, "gateway.port": args.port, "gateway.worker_port": args.worker_port,
              "model.path": args.model, "gateway.api_keys": args.api_key, "gateway.allowed_origins": args.allowed_origins,
-             "gateway.reasoning_parser": args.reasoning_parser, "gateway.tool_call_parser": args.tool_call_parser}
+             "gateway.reasoning_parser": args.reasoning_parser, "gateway.tool_call_parser": args.tool_call_parser,
+             "observability.log_level": args.log_level}
     return {k: v for k, v in given.items() if v is not None}
 
 
@@ -93,7 +93,7 @@ def build(config: PdserveConfig):
                            request_timeout_s=g.request_timeout_s or None)
     parsers = ChatParsers(None if g.reasoning_parser == "none" else g.reasoning_parser,
                           None if g.tool_call_parser == "none" else g.tool_call_parser)
-    params = GatewayParams(Tokenizer(path), backend, limits, api_keys=list(g.api_keys),
+    params = GatewayParams(Tokenizer(path, config.model.chat_template), backend, limits, api_keys=list(g.api_keys),
                            max_body_bytes=g.max_body_bytes, registry=registry, metrics=metrics, chat_parsers=parsers,
                            allowed_origins=list(g.allowed_origins), response_store=ResponseStore(g.responses_store_mb << 20))
     return build_app(params), backend
@@ -101,7 +101,6 @@ def build(config: PdserveConfig):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
     try:
         config = load_config(args.config, overrides=overrides_of(args))
     except (ConfigError, OSError) as e:
@@ -109,12 +108,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import uvicorn
 
+    from telemetry.logs import setup_logging
+
+    setup_logging("gateway", "gateway", config.observability.log_level, config.observability.log_format)
+
     app, _ = build(config)
     # uvicorn handles SIGINT/SIGTERM: stops accepting, finishes open responses, runs the lifespan exit,
     # then re-raises the signal under the handler found before it; a drained stop is a clean exit, so 0
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    uvicorn.run(app, host=config.gateway.host, port=config.gateway.port, log_level=args.log_level,
-                timeout_graceful_shutdown=30)
+    # log_config=None: uvicorn's records go through the root handler, in the format asked for
+    uvicorn.run(app, host=config.gateway.host, port=config.gateway.port, log_level=config.observability.log_level,
+                log_config=None, timeout_graceful_shutdown=30)
     return 0
 
 

@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     config, log_level = loaded
     ctx = zmq.Context()
     server = build_prefill_server(config, ctx)
-    setup_logging("prefill", server.options.worker_id, log_level)
+    setup_logging("prefill", server.options.worker_id, log_level, config.observability.log_format)
     http = serve_http(config.prefill.host, config.prefill.http_port, server.metrics.registry, server.is_ready)
     install_drain(server.request_drain)
     print(f"READY http_port={http.port} address={server.address} worker_id={server.options.worker_id} "
