@@ -35,6 +35,10 @@ class ModelConfig:
     # model's own (chat_template.jinja or tokenizer_config.json)
     chat_template: str = ""
 
+    def name_for_clients(self) -> str:
+        """What /v1/models lists and the metrics' model_name label says, in every process alike."""
+        return self.served_model_name or self.path or "pdserve-small"
+
 
 @dataclass(slots=True)
 class EngineConfig:

@@ -59,7 +59,8 @@ class DecodeNode:
                                 heartbeat_s=config.gateway.worker_heartbeat_s or 5.0,
                                 drain_timeout_s=dc.drain_timeout_s)
         gateway = WorkerSocket(ctx, dc.gateway_address, worker_id)
-        server = DecodeServer(engine, gateway, receiver, PrefillLinks(ctx, worker_id), EngineMetrics(registry), options)
+        server = DecodeServer(engine, gateway, receiver, PrefillLinks(ctx, worker_id),
+                              EngineMetrics(registry, config.model.name_for_clients()), options)
         http = serve_http(dc.host, dc.http_port, registry, server.is_ready)
         log.info("decode worker %s: kv %s, http %s:%d, gateway %s, %d KV blocks of %d tokens", worker_id,
                  kv_server.endpoint, dc.host, http.port, dc.gateway_address, engine.block_manager.num_blocks,

@@ -17,7 +17,6 @@ from pathlib import Path
 from configs.schema import ConfigError, PdserveConfig, load_config
 
 
-DEFAULT_MODEL_NAME = "pdserve-small"  # what clients call the embedded default model
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -83,13 +82,14 @@ def build(config: PdserveConfig):
     path = model_dir(config)
     registry = WorkerRegistry(heartbeat_interval_s=g.worker_heartbeat_s,
                               max_missed=max(1, round(g.worker_timeout_s / g.worker_heartbeat_s)))
-    metrics = GatewayMetrics()
+    name = config.model.name_for_clients()
+    max_model_len = context_length(path, config.model.max_model_len)
+    metrics = GatewayMetrics(name, max_model_len)
     router = RouterParams(config.engine.block_size, Policy(g.routing_policy), g.local_prefill_max_tokens)
     backend = ZmqBackend(registry, metrics, ZmqBackendParams(
         g.host, g.worker_port, router, max_queued_requests=g.max_queued_requests, queue_timeout_s=g.queue_timeout_s,
         default_timeout_s=g.request_timeout_s))
-    name = config.model.served_model_name or config.model.path or DEFAULT_MODEL_NAME
-    limits = ServingLimits(name, context_length(path, config.model.max_model_len),
+    limits = ServingLimits(name, max_model_len,
                            request_timeout_s=g.request_timeout_s or None)
     parsers = ChatParsers(None if g.reasoning_parser == "none" else g.reasoning_parser,
                           None if g.tool_call_parser == "none" else g.tool_call_parser)

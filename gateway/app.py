@@ -51,7 +51,7 @@ class GatewayParams:
     api_keys: list[str] = field(default_factory=list)  # empty: no authentication
     max_body_bytes: int = 1 << 20
     registry: WorkerRegistry | None = None  # shown at /v1/workers
-    metrics: GatewayMetrics = field(default_factory=GatewayMetrics)  # shared with the backend's pool gauges
+    metrics: GatewayMetrics | None = None  # shared with the backend's pool gauges; None: made for limits' model
     chat_parsers: ChatParsers = ChatParsers()  # reasoning and tool-call parsers of chat output
     # Origins whose browser pages may call the API (CORS, as vLLM's --allowed-origins); "*" any.
     # Empty: no CORS headers, so a page from another origin cannot read an answer.
@@ -99,7 +99,7 @@ async def read_json(request: Request, max_bytes: int):
 
 
 def build_app(params: GatewayParams) -> Starlette:
-    metrics = params.metrics
+    metrics = params.metrics or GatewayMetrics(params.limits.model_name, params.limits.max_model_len)
     serving = OpenAIServing(params.tokenizer, params.backend, params.limits, metrics, params.chat_parsers,
                             params.response_store)
     keys = ApiKeys(params.api_keys)

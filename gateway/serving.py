@@ -356,3 +356,7 @@ class OpenAIServing:
         m.generation_tokens.inc(counts["completion_tokens"])
         m.prompt_tokens.inc(counts["prompt_tokens"])
         m.cached_prompt_tokens.inc(counts["prompt_tokens_details"]["cached_tokens"])
+        if outcome in ("success", "aborted"):
+            m.request_prompt_tokens.observe(counts["prompt_tokens"])
+            m.request_generation_tokens.observe(counts["completion_tokens"])
+        m.observe_choices(arrival, generation.timings(), aborted=outcome == "aborted")

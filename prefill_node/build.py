@@ -38,5 +38,5 @@ def resolve_model_path(config: PdserveConfig) -> str:
 def build_prefill_server(config: PdserveConfig, ctx: zmq.Context,
                          registry: CollectorRegistry | None = None) -> PrefillServer:
     engine = build_engine(resolve_model_path(config), config.model, config.engine)
-    metrics = PrefillMetrics(registry or CollectorRegistry())
+    metrics = PrefillMetrics(registry or CollectorRegistry(), config.model.name_for_clients())
     return PrefillServer(engine, kv_model_name(config.model.path), ctx, options_from_config(config), metrics)
