@@ -76,6 +76,7 @@ def build(config: PdserveConfig):
     from .router import Policy, RouterParams
     from .serving import ServingLimits
     from .tokenizer import Tokenizer
+    from telemetry.tracing import tracer_for
     from .zmq_backend import ZmqBackend, ZmqBackendParams
 
     g = config.gateway
@@ -95,7 +96,8 @@ def build(config: PdserveConfig):
                           None if g.tool_call_parser == "none" else g.tool_call_parser)
     params = GatewayParams(Tokenizer(path, config.model.chat_template), backend, limits, api_keys=list(g.api_keys),
                            max_body_bytes=g.max_body_bytes, registry=registry, metrics=metrics, chat_parsers=parsers,
-                           allowed_origins=list(g.allowed_origins), response_store=ResponseStore(g.responses_store_mb << 20))
+                           allowed_origins=list(g.allowed_origins), response_store=ResponseStore(g.responses_store_mb << 20),
+                           tracer=tracer_for("gateway", "gateway", config.observability.otlp_traces_endpoint))
     return build_app(params), backend
 
 

@@ -21,6 +21,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from configs.schema import GatewayConfig
+from telemetry.tracing import NO_TRACING, Tracer
 
 from . import __version__
 from .auth import ApiKeys
@@ -59,6 +60,7 @@ class GatewayParams:
     # the Responses API's store (its budget: gateway.responses_store_mb)
     response_store: ResponseStore = field(
         default_factory=lambda: ResponseStore(GatewayConfig().responses_store_mb << 20))
+    tracer: Tracer = NO_TRACING  # request traces (observability.otlp_traces_endpoint); off by default
 
 
 def error_response(e: APIError) -> JSONResponse:
@@ -101,7 +103,7 @@ async def read_json(request: Request, max_bytes: int):
 def build_app(params: GatewayParams) -> Starlette:
     metrics = params.metrics or GatewayMetrics(params.limits.model_name, params.limits.max_model_len)
     serving = OpenAIServing(params.tokenizer, params.backend, params.limits, metrics, params.chat_parsers,
-                            params.response_store)
+                            params.response_store, params.tracer)
     keys = ApiKeys(params.api_keys)
     metrics.stored_responses.set_function(lambda: len(serving.store))
     metrics.stored_responses_bytes.set_function(lambda: serving.store.num_bytes)

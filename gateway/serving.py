@@ -24,6 +24,8 @@ import anyio
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
+from telemetry.tracing import KIND_SERVER, NO_TRACING, RequestTrace, Tracer
+
 from .backend import Backend, GenerationRequest
 from .background_responses import BackgroundResponses
 from .chat_output import ChatParsers, ChatShape
@@ -60,7 +62,7 @@ class ServingLimits:
 class OpenAIServing:
     def __init__(self, tokenizer: Tokenizer, backend: Backend, limits: ServingLimits,
                  metrics: GatewayMetrics, parsers: ChatParsers = ChatParsers(),
-                 store: ResponseStore | None = None) -> None:
+                 store: ResponseStore | None = None, tracer: Tracer = NO_TRACING) -> None:
         self._tok = tokenizer
         self.store = store if store is not None else ResponseStore(0)  # the Responses API's; also read by the routes that show it
         self.background = BackgroundResponses()  # its background responses still running
@@ -68,18 +70,23 @@ class OpenAIServing:
         self._backend = backend
         self._limits = limits
         self._metrics = metrics
+        self._tracer = tracer
         self._formats = {as_ids: LogprobFormatter(tokenizer, as_ids) for as_ids in (False, True)}
         self.num_in_flight = 0
 
     async def completions(self, request: Request, body) -> object:
-        return await self._serve(request, parse_completion(body), chat=False)
+        trace = self._trace(request)
+        return await self._serve(request, parse_completion(body), chat=False, trace=trace)
 
     async def chat(self, request: Request, body) -> object:
-        return await self._serve(request, parse_chat(body, self._parsers.tool_calls), chat=True)
+        trace = self._trace(request)
+        return await self._serve(request, parse_chat(body, self._parsers.tool_calls), chat=True, trace=trace)
 
     async def messages(self, request: Request, body) -> object:
         """Anthropic's Messages API: the chat request it amounts to, answered as a Message (messages_output)."""
-        return await self._serve(request, parse_messages(body, self._parsers.tool_calls), chat=True, anthropic=True)
+        trace = self._trace(request)
+        return await self._serve(request, parse_messages(body, self._parsers.tool_calls), chat=True, anthropic=True,
+                                 trace=trace)
 
     def count_message_tokens(self, body) -> dict:
         """Anthropic's count_tokens: the prompt a Messages request would have (max_tokens is not needed)."""
@@ -89,8 +96,17 @@ class OpenAIServing:
 
     async def responses(self, request: Request, body) -> object:
         """The Responses API: the chat request it amounts to, answered as a Response (responses_output)."""
+        trace = self._trace(request)
         asked = parse_responses(body, self._parsers.tool_calls, self.store)
-        return await self._serve(request, asked.parsed, chat=True, responses=asked)
+        return await self._serve(request, asked.parsed, chat=True, responses=asked, trace=trace)
+
+    def _trace(self, request: Request) -> RequestTrace | None:
+        """The request's span (a child of the client's traceparent header, if any), its parse phase open."""
+        trace = self._tracer.request(f"{request.method} {request.url.path}", request.headers.get("traceparent", ""),
+                                     kind=KIND_SERVER, **{"gen_ai.request.model": self._limits.model_name})
+        if trace is not None:
+            trace.phase("parse")
+        return trace
 
     def tokenize_prompt(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
         if isinstance(prompt, str):
@@ -114,9 +130,20 @@ class OpenAIServing:
             raise APIError(404, f"The model `{model[:200]}` does not exist; this server serves "
                                 f"`{self._limits.model_name}`", param="model", code="model_not_found")
 
-    async def _serve(self, request: Request, p: ParsedRequest, chat: bool,
-                     responses: ResponsesRequest | None = None, anthropic: bool = False) -> object:
+    async def _serve(self, request: Request, p: ParsedRequest, chat: bool, responses: ResponsesRequest | None = None,
+                     anthropic: bool = False, trace: RequestTrace | None = None) -> object:
+        try:
+            return await self._serve_traced(request, p, chat, responses, anthropic, trace)
+        except BaseException as e:  # refused before it began (a 400, 404, 503), or the client left: the span ends
+            if trace is not None:
+                trace.end(error=f"{type(e).__name__}: {e}"[:300])
+            raise
+
+    async def _serve_traced(self, request: Request, p: ParsedRequest, chat: bool, responses: ResponsesRequest | None,
+                            anthropic: bool, trace: RequestTrace | None) -> object:
         arrival = time.monotonic()
+        if trace is not None:
+            trace.phase("tokenize")
         self.check_model(p.model)
         if self.num_in_flight >= self._limits.max_concurrent_requests or not self._backend.has_capacity():
             self._metrics.requests.labels("rejected").inc()
@@ -145,10 +172,13 @@ class OpenAIServing:
         rid = prefix + (given or uuid.uuid4().hex)
         # the workers' ids: a client's id may be reused, so they get a nonce of their own
         backend_rid = f"{rid}-{uuid.uuid4().hex[:8]}" if given else rid
-        requests, states = self._fan_out(backend_rid, p, prompts, chat, arrival)
+        requests, states = self._fan_out(backend_rid, p, prompts, chat, arrival, trace)
+        if trace is not None:
+            trace.set(**{"gen_ai.request.id": rid})
+            trace.phase("generate")  # routing (a "route" span per prompt), queueing, prefill: up to the first token
         opts = ResponseOptions(p.logprobs, p.prompt_logprobs, p.n, self._echo_texts(p, prompts) if p.echo else None,
                                shape)
-        generation = Generation(self._backend, requests, states, self._metrics, p.n)
+        generation = Generation(self._backend, requests, states, self._metrics, p.n, request_id=rid)
         self.num_in_flight += 1
         self._metrics.num_requests_running.inc()
         if responses is not None and responses.background:
@@ -162,6 +192,8 @@ class OpenAIServing:
         if not started:
             await self._close(generation, arrival, "aborted")
             return JSONResponse({}, status_code=499)  # the client left; nobody reads this
+        if trace is not None:
+            trace.phase("stream")
         model, created, fmt = self._limits.model_name, int(time.time()), self._formats[p.tokens_as_ids]
         builder: ResponseBuilder | MessageBuilder | None = None
         if responses is not None:
@@ -255,13 +287,15 @@ class OpenAIServing:
         return [sent if isinstance(sent, str) else self._tok.decode(ids, skip_special_tokens=False)
                 for sent, ids in zip(p.prompts, prompts)]
 
-    def _fan_out(self, rid: str, p: ParsedRequest, prompts: list[list[int]], chat: bool, arrival: float):
+    def _fan_out(self, rid: str, p: ParsedRequest, prompts: list[list[int]], chat: bool, arrival: float,
+                 trace: RequestTrace | None = None):
         deadline = arrival + self._limits.request_timeout_s if self._limits.request_timeout_s else None
         requests, states = [], []
         for prompt_index, ids in enumerate(prompts):
             max_tokens = resolve_max_tokens(p.max_tokens, len(ids), self._limits.max_model_len, chat)
             request_id = f"{rid}-{prompt_index}"
-            requests.append(GenerationRequest(request_id, ids, p.sampling_options(max_tokens), arrival, deadline))
+            requests.append(GenerationRequest(request_id, ids, p.sampling_options(max_tokens), arrival, deadline,
+                                              trace))
             for j in range(p.n):  # choice prompt_index * n + j is completion j of that request
                 states.append(ChoiceState(prompt_index * p.n + j, request_id, self._tok, ids, p.stop,
                                           p.skip_special_tokens, p.sampling["stop_token_ids"], p.include_stop_str))
@@ -359,4 +393,19 @@ class OpenAIServing:
         if outcome in ("success", "aborted"):
             m.request_prompt_tokens.observe(counts["prompt_tokens"])
             m.request_generation_tokens.observe(counts["completion_tokens"])
-        m.observe_choices(arrival, generation.timings(), aborted=outcome == "aborted")
+        timings = generation.timings()
+        m.observe_choices(arrival, timings, aborted=outcome == "aborted")
+        e2e = time.monotonic() - arrival
+        firsts = [t.first_token_at for t in timings if t.first_token_at is not None]
+        ttft = f"{min(firsts) - arrival:.3f}s" if firsts else "-"
+        reasons = ",".join(t.finish_reason or "-" for t in timings)
+        cached = counts["prompt_tokens_details"]["cached_tokens"]
+        log.info("rid=%s finished: model=%s outcome=%s prompt_tokens=%d cached_tokens=%d output_tokens=%d ttft=%s "
+                 "e2e=%.3fs finish=%s workers=%s", generation.request_id, self._limits.model_name, outcome,
+                 counts["prompt_tokens"], cached, counts["completion_tokens"], ttft, e2e, reasons,
+                 ",".join(generation.worker_ids) or "-")
+        if generation.trace is not None:
+            generation.trace.end(None if outcome in ("success", "aborted") else outcome, **{
+                "gen_ai.usage.prompt_tokens": counts["prompt_tokens"], "gen_ai.usage.completion_tokens":
+                counts["completion_tokens"], "gen_ai.response.finish_reasons": reasons, "pdserve.outcome": outcome,
+                "pdserve.cached_tokens": cached, "pdserve.workers": ",".join(generation.worker_ids)})

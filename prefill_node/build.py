@@ -7,6 +7,7 @@ from prometheus_client import CollectorRegistry
 
 from configs.schema import PdserveConfig
 from engine.llm import build_engine
+from telemetry.tracing import tracer_for
 from prefill_node.metrics import PrefillMetrics
 from prefill_node.options import PrefillOptions
 from prefill_node.server import PrefillServer
@@ -39,4 +40,6 @@ def build_prefill_server(config: PdserveConfig, ctx: zmq.Context,
                          registry: CollectorRegistry | None = None) -> PrefillServer:
     engine = build_engine(resolve_model_path(config), config.model, config.engine)
     metrics = PrefillMetrics(registry or CollectorRegistry(), config.model.name_for_clients())
-    return PrefillServer(engine, kv_model_name(config.model.path), ctx, options_from_config(config), metrics)
+    options = options_from_config(config)
+    tracer = tracer_for("prefill", options.worker_id, config.observability.otlp_traces_endpoint)
+    return PrefillServer(engine, kv_model_name(config.model.path), ctx, options, metrics, tracer)

@@ -124,6 +124,7 @@ class Generate:
     sampling: SamplingSpec
     prefill_address: str  # the chosen prefill worker's endpoint; "" = prefill locally on this worker
     deadline: float  # time.time() after which every node drops the request and frees its blocks
+    traceparent: str = ""  # W3C trace context of the gateway's request span; "" = not traced
 
     def __post_init__(self) -> None:
         assert self.token_ids, "empty prompt"
@@ -250,6 +251,7 @@ class PrefillJob:
     sample_first: bool  # sample the first token, stream it to the gateway, carry it in the Commit
     sampling: SamplingSpec
     deadline: float  # time.time()
+    traceparent: str = ""  # W3C trace context of the decode worker's request span; "" = not traced
 
     def __post_init__(self) -> None:
         assert 0 <= self.skip_tokens < len(self.token_ids), (self.skip_tokens, len(self.token_ids))

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
+from worker.stats_log import StatsLog
+
 log = logging.getLogger(__name__)
 INTEGRITY_CHECK_INTERVAL_S = 1.0
 
@@ -38,7 +40,9 @@ class EngineSnapshot:
 
 
 class EngineMetrics:
-    def __init__(self, registry: CollectorRegistry, model_name: str = ""):
+    def __init__(self, registry: CollectorRegistry, model_name: str = "",
+                 prompt_series: str = "pdserve:prompt_tokens_total"):
+        """``prompt_series``: the counter of prompt work on this node, for the periodic stats line."""
         ProcessCollector(registry=registry)  # every worker registry gets one EngineMetrics
 
         def vllm_gauge(name: str, doc: str) -> Gauge:
@@ -84,6 +88,7 @@ class EngineMetrics:
         self._last_integrity_check = float("-inf")
         self._checked_fingerprint: tuple | None = None
         self._last = EngineSnapshot(0, 0, 0, 0, 0, 0, 0, 0)
+        self.stats = StatsLog(registry, model_name, prompt_series)
 
     def update(self, s: EngineSnapshot) -> None:
         self.num_requests_running.set(s.num_running)
@@ -100,6 +105,7 @@ class EngineMetrics:
         self.prefix_cache_hits.inc(max(s.prefix_hit_tokens - last.prefix_hit_tokens, 0))
         self.num_preemptions.inc(max(s.num_preemptions - last.num_preemptions, 0))
         self._last = s
+        self.stats.tick()
 
     def check_integrity_if_idle(self, block_manager, is_idle: bool, now: float) -> None:
         """When the node is idle, at most once a second, run the block manager's invariant check and
