@@ -260,7 +260,7 @@ class PrefillServer:
             state = self._by_seq[seq.seq_id]
             if state.trace:
                 if state.phase == JobPhase.QUEUED:
-                    state.trace.phase("prefill")
+                    state.trace.phase("prefill", at_ns=started_ns)
                 state.trace.span("chunk", started_ns, start_token=seq.num_computed_tokens, num_tokens=n,
                                  batch_tokens=batch.num_batched_tokens)
             state.phase = JobPhase.PREFILLING

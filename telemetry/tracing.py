@@ -37,16 +37,16 @@ class RequestTrace:
         """The context a downstream process makes its spans children of."""
         return self.root.traceparent
 
-    def phase(self, name: str, **attributes) -> None:
-        """End the open phase (if any) and open ``name``."""
-        now = time.time_ns()
+    def phase(self, name: str, at_ns: int | None = None, **attributes) -> None:
+        """End the open phase (if any) and open ``name``, at ``at_ns`` (default: now)."""
+        now = at_ns or time.time_ns()
         self._end_phase(now)
         if not self._ended:
-            self._phase = self._child(name, now, attributes)
+            self._phase = self._child(name, now, attributes, self.root)
 
     def span(self, name: str, start_ns: int, end_ns: int | None = None, **attributes) -> None:
-        """A whole child span (a prefill chunk, a KV push) beside the phases."""
-        span = self._child(name, start_ns, attributes)
+        """A whole span (a prefill chunk, a KV push, routing) inside the open phase, or the request's."""
+        span = self._child(name, start_ns, attributes, self._phase or self.root)
         span.end_ns = end_ns if end_ns is not None else time.time_ns()
         self._exporter.add(span)
 
@@ -64,8 +64,8 @@ class RequestTrace:
         self.root.end_ns, self.root.error = now, error
         self._exporter.add(self.root)
 
-    def _child(self, name: str, start_ns: int, attributes: dict) -> Span:
-        return Span(name, self.root.trace_id, os.urandom(8), self.root.span_id, start_ns, attributes=attributes)
+    def _child(self, name: str, start_ns: int, attributes: dict, parent: Span) -> Span:
+        return Span(name, self.root.trace_id, os.urandom(8), parent.span_id, start_ns, attributes=attributes)
 
     def _end_phase(self, now: int, error: str | None = None) -> None:
         if self._phase is not None:

@@ -110,10 +110,12 @@ def test_vllm_operator_gets_names_limits_metrics_traces_and_logs(cluster, receiv
                              [("decode", n) for n in ("reserve", "wait_kv", "decode")] + \
                              [("prefill", n) for n in ("queue", "prefill", "chunk", "kv_push", "transfer")]:
             assert (f"pdserve-{service}", name) in names, (service, name)
-        children = [s for s in spans if s.parent_span_id in (gateway_root.span_id, decode_root.span_id,
-                                                              prefill_root.span_id)]
+        ids = {s.span_id for s in spans}
         assert all(s.start_ns <= s.end_ns and not s.error for s in spans)
-        assert len(children) + 1 == len(spans)  # nothing dangling: all but the gateway's hang under a root
+        assert [s for s in spans if s.parent_span_id not in ids] == [gateway_root]  # one tree, nothing dangling
+        by_id = {s.span_id: s for s in spans}
+        assert {by_id[s.parent_span_id].name for s in spans if s.name in ("chunk", "kv_push")} == {"prefill"}
+        assert by_id[next(s for s in spans if s.name == "route").parent_span_id].name == "generate"
         assert gateway_root.attributes["gen_ai.usage.completion_tokens"] == 6
     client_root = next(s for s in served[CLIENT_TRACE_ID] if s.service == "pdserve-gateway" and not s.name.islower())
     assert client_root.parent_span_id == CLIENT_SPAN_ID
