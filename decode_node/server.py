@@ -176,9 +176,10 @@ class DecodeServer:
         if gen.deadline <= time.time():
             self._send_error_all(gen.rid, seq.params.n, "deadline passed before the request arrived")
             return
-        req.trace = self.tracer.request("decode", gen.traceparent, **{
-            "gen_ai.request.id": gen.rid, "pdserve.worker_id": self.options.worker_id,
-            "gen_ai.usage.prompt_tokens": seq.num_prompt_tokens})
+        if self.tracer.enabled:
+            req.trace = self.tracer.request("decode", gen.traceparent, **{
+                "gen_ai.request.id": gen.rid, "pdserve.worker_id": self.options.worker_id,
+                "gen_ai.usage.prompt_tokens": seq.num_prompt_tokens})
         if seq.params.structured_output is not None:
             if req.trace:
                 req.trace.phase("compile_grammar")

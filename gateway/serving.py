@@ -40,6 +40,7 @@ from .metrics import GatewayMetrics
 from .openai_request import ParsedRequest, parse_chat, parse_completion, resolve_max_tokens, truncate_prompt
 from .reasoning import END as REASONING_END, prompt_opens_reasoning
 from .request_id import HEADER as REQUEST_ID_HEADER
+from .request_report import RequestReport
 from .response_store import ResponseStore
 from .responses import ChunkBuilder, LogprobFormatter, ResponseOptions, chat_body, completion_body, usage
 from .responses_output import ResponseBuilder
@@ -102,10 +103,11 @@ class OpenAIServing:
 
     def _trace(self, request: Request) -> RequestTrace | None:
         """The request's span (a child of the client's traceparent header, if any), its parse phase open."""
+        if not self._tracer.enabled:
+            return None
         trace = self._tracer.request(f"{request.method} {request.url.path}", request.headers.get("traceparent", ""),
                                      kind=KIND_SERVER, **{"gen_ai.request.model": self._limits.model_name})
-        if trace is not None:
-            trace.phase("parse")
+        trace.phase("parse")
         return trace
 
     def tokenize_prompt(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
@@ -395,17 +397,8 @@ class OpenAIServing:
             m.request_generation_tokens.observe(counts["completion_tokens"])
         timings = generation.timings()
         m.observe_choices(arrival, timings, aborted=outcome == "aborted")
-        e2e = time.monotonic() - arrival
-        firsts = [t.first_token_at for t in timings if t.first_token_at is not None]
-        ttft = f"{min(firsts) - arrival:.3f}s" if firsts else "-"
-        reasons = ",".join(t.finish_reason or "-" for t in timings)
-        cached = counts["prompt_tokens_details"]["cached_tokens"]
-        log.info("rid=%s finished: model=%s outcome=%s prompt_tokens=%d cached_tokens=%d output_tokens=%d ttft=%s "
-                 "e2e=%.3fs finish=%s workers=%s", generation.request_id, self._limits.model_name, outcome,
-                 counts["prompt_tokens"], cached, counts["completion_tokens"], ttft, e2e, reasons,
-                 ",".join(generation.worker_ids) or "-")
+        report = RequestReport.of(generation.request_id, self._limits.model_name, outcome, counts, timings,
+                                  generation.worker_ids, arrival, time.monotonic())
+        log.info("%s", report.log_line())
         if generation.trace is not None:
-            generation.trace.end(None if outcome in ("success", "aborted") else outcome, **{
-                "gen_ai.usage.prompt_tokens": counts["prompt_tokens"], "gen_ai.usage.completion_tokens":
-                counts["completion_tokens"], "gen_ai.response.finish_reasons": reasons, "pdserve.outcome": outcome,
-                "pdserve.cached_tokens": cached, "pdserve.workers": ",".join(generation.worker_ids)})
+            generation.trace.end(report.error, **report.span_attributes())

@@ -198,10 +198,10 @@ class PrefillServer:
                          next_block=job.skip_tokens // bs)
         if params.structured_output is not None:
             state.guide = self.new_guide_async(params)
-        state.trace = self.tracer.request("prefill", job.traceparent, **{
-            "gen_ai.request.id": job.rid, "pdserve.worker_id": self.options.worker_id,
-            "pdserve.prompt_tokens": len(job.token_ids), "pdserve.skip_tokens": job.skip_tokens})
-        if state.trace:
+        if self.tracer.enabled:
+            state.trace = self.tracer.request("prefill", job.traceparent, **{
+                "gen_ai.request.id": job.rid, "pdserve.worker_id": self.options.worker_id,
+                "pdserve.prompt_tokens": len(job.token_ids), "pdserve.skip_tokens": job.skip_tokens})
             state.trace.phase("queue")
         self.jobs[job.rid] = state
         self._queue.append(state)

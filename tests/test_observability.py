@@ -119,3 +119,18 @@ def test_traces_reach_a_receiver_and_nothing_is_made_when_off():
         assert all(s.trace_id == "4bf92f3577b34da6a3ce929d0e0e4736" for s in receiver.spans)
     finally:
         receiver.close()
+
+
+def test_request_report_line_and_span_attributes():
+    from gateway.metrics import ChoiceTiming
+    from gateway.request_report import RequestReport
+
+    usage = {"prompt_tokens": 40, "completion_tokens": 9, "prompt_tokens_details": {"cached_tokens": 32}}
+    timings = [ChoiceTiming(0.01, 100.25, 100.5, 6, "length"), ChoiceTiming(0.01, 100.125, 100.75, 3, None)]
+    report = RequestReport.of("cmpl-1", "X", "aborted", usage, timings, ["decode-0", "prefill-1"], 100.0, 101.0)
+    assert report.log_line() == ("rid=cmpl-1 finished: model=X outcome=aborted prompt_tokens=40 cached_tokens=32 "
+                                 "output_tokens=9 ttft=0.125s e2e=1.000s finish=length,- workers=decode-0,prefill-1")
+    assert report.error is None  # a client leaving is not an error
+    failed = RequestReport.of("cmpl-2", "X", "failed", usage, [ChoiceTiming(0.0, None, None, 0, None)], [], 5.0, 5.5)
+    assert "ttft=- e2e=0.500s finish=- workers=-" in failed.log_line() and failed.error == "failed"
+    assert failed.span_attributes()["pdserve.outcome"] == "failed"
