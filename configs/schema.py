@@ -36,6 +36,13 @@ class ModelConfig:
     max_model_len: int | None = _field(None, minimum=1)  # context limit in tokens; None: the model's own
     cache_dir: str = ""  # where the embedded default model is made on first use; "" = ~/.cache/pdserve
     served_model_name: str = ""  # the name clients put in "model"; "" = path as given (the default model: "pdserve-small")
+    # The chat template (vLLM's --chat-template): a Jinja file's path, or the template itself; "" = the
+    # model's own (chat_template.jinja or tokenizer_config.json)
+    chat_template: str = ""
+
+    def name_for_clients(self) -> str:
+        """What /v1/models lists and the metrics' model_name label says, in every process alike."""
+        return self.served_model_name or self.path or "pdserve-small"
 
 
 @dataclass(slots=True)
@@ -47,6 +54,7 @@ class EngineConfig:
     max_num_batched_tokens: int = _field(2048, minimum=1)  # tokens computed in one step (prefill + decode)
     prefill_chunk_size: int = _field(512, minimum=1)  # prompt tokens one request may compute per step
     enable_prefix_caching: bool = True  # reuse full blocks whose token hash chain matches
+    seed: int | None = None  # seeds the sampler unseeded requests share; None: a fresh seed per process
     num_threads: int | None = _field(None, minimum=1)  # torch CPU threads; None: torch's default
     # CPU decode attention: "c" = the C kernel (kernels/cpu_decode.c), built at first use with the
     # machine's compiler, torch where it cannot be built or has no copy for the model; "torch" = torch only
@@ -145,6 +153,15 @@ class ClusterConfig:
 
 
 @dataclass(slots=True)
+class ObservabilityConfig:
+    log_level: str = _field("info", choices=("debug", "info", "warning", "error", "critical"))
+    log_format: str = _field("text", choices=("text", "json"))  # json: one object per line (worker/logs.py)
+    # OTLP/HTTP protobuf endpoint of a trace collector, e.g. http://127.0.0.1:4318/v1/traces; "" = no
+    # tracing (no span is made). OTEL_EXPORTER_OTLP_TRACES_ENDPOINT is read when this is unset.
+    otlp_traces_endpoint: str = ""
+
+
+@dataclass(slots=True)
 class PdserveConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -153,6 +170,7 @@ class PdserveConfig:
     decode: DecodeConfig = field(default_factory=DecodeConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
 
 
 def load_config(yaml_path=None, env=os.environ, overrides=None) -> PdserveConfig:

@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     config, log_level = loaded
     if not config.decode.worker_id:  # named once: the log lines of the start-up carry it too
         config.decode.worker_id = default_worker_id("decode")
-    setup_logging("decode", config.decode.worker_id, log_level)
+    setup_logging("decode", config.decode.worker_id, log_level, config.observability.log_format)
     try:
         node = DecodeNode.start(config)
     except ConfigError as exc:  # the model: one line, and no restart helps (configs/model_source.py)

@@ -23,6 +23,7 @@ from kvtransfer.compat import new_incarnation
 from kvtransfer.metrics import TransferMetrics
 from kvtransfer.receiver import KVReceiver
 from kvtransfer.shm_pool import SharedTensor, ShmCapacityError, create_shared
+from telemetry.tracing import tracer_for
 from worker import EngineMetrics, HttpHandle, WorkerSocket, default_worker_id, kv_model_name, serve_http
 
 log = logging.getLogger(__name__)
@@ -59,7 +60,9 @@ class DecodeNode:
                                 heartbeat_s=config.gateway.worker_heartbeat_s or 5.0,
                                 drain_timeout_s=dc.drain_timeout_s)
         gateway = WorkerSocket(ctx, dc.gateway_address, worker_id)
-        server = DecodeServer(engine, gateway, receiver, PrefillLinks(ctx, worker_id), EngineMetrics(registry), options)
+        server = DecodeServer(engine, gateway, receiver, PrefillLinks(ctx, worker_id),
+                              EngineMetrics(registry, config.model.name_for_clients()), options,
+                              tracer_for("decode", worker_id, config.observability.otlp_traces_endpoint))
         http = serve_http(dc.host, dc.http_port, registry, server.is_ready)
         log.info("decode worker %s: kv %s, http %s:%d, gateway %s, %d KV blocks of %d tokens", worker_id,
                  kv_server.endpoint, dc.host, http.port, dc.gateway_address, engine.block_manager.num_blocks,

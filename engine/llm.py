@@ -21,6 +21,7 @@ from engine.kv_pool import KVLayout, KVPool, num_blocks_for_budget
 from engine.llm_engine import LLMEngine, RequestOutput
 from engine.loader import load_model
 from engine.runner import ModelRunner, supports_native_decode
+from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.structured_output import Grammars
@@ -70,7 +71,7 @@ def build_engine(model_path: str, model_cfg: ModelConfig, engine_cfg: EngineConf
         ),
         block_manager,
     )
-    runner = ModelRunner(model, pool, native_decode=_native_decode(engine_cfg, config, pool))
+    runner = ModelRunner(model, pool, Sampler(engine_cfg.seed), native_decode=_native_decode(engine_cfg, config, pool))
     limits = GrammarLimits(engine_cfg.grammar_compile_timeout_s, engine_cfg.grammar_cache_mb << 20,
                            engine_cfg.grammar_compile_threads)
     return LLMEngine(config, scheduler, runner, Grammars(model_path, config.vocab_size, config.eos_token_ids, limits))

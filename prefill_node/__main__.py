@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     config, log_level = loaded
     if not config.prefill.worker_id:  # named once: the log lines of the start-up carry it too
         config.prefill.worker_id = default_worker_id("prefill")
-    setup_logging("prefill", config.prefill.worker_id, log_level)
+    setup_logging("prefill", config.prefill.worker_id, log_level, config.observability.log_format)
     ctx = zmq.Context()
     try:
         server = build_prefill_server(config, ctx)

@@ -9,6 +9,7 @@ from configs.model_source import resolve_model
 from configs.schema import PdserveConfig
 from engine.llm import build_engine
 from kvtransfer.transports import TRANSPORTS
+from telemetry.tracing import tracer_for
 from prefill_node.metrics import PrefillMetrics
 from prefill_node.options import PrefillOptions
 from prefill_node.server import PrefillServer
@@ -37,5 +38,7 @@ def resolve_model_path(config: PdserveConfig) -> str:
 def build_prefill_server(config: PdserveConfig, ctx: zmq.Context,
                          registry: CollectorRegistry | None = None) -> PrefillServer:
     engine = build_engine(resolve_model_path(config), config.model, config.engine)
-    metrics = PrefillMetrics(registry or CollectorRegistry())
-    return PrefillServer(engine, kv_model_name(config.model.path), ctx, options_from_config(config), metrics)
+    metrics = PrefillMetrics(registry or CollectorRegistry(), config.model.name_for_clients())
+    options = options_from_config(config)
+    tracer = tracer_for("prefill", options.worker_id, config.observability.otlp_traces_endpoint)
+    return PrefillServer(engine, kv_model_name(config.model.path), ctx, options, metrics, tracer)

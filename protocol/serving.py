@@ -130,6 +130,7 @@ class Generate:
     sampling: SamplingSpec
     prefill_address: str  # the chosen prefill worker's endpoint; "" = prefill locally on this worker
     deadline: float  # time.time() after which every node drops the request and frees its blocks
+    traceparent: str = ""  # W3C trace context of the gateway's request span; "" = not traced
 
     def __post_init__(self) -> None:
         assert self.token_ids, "empty prompt"
@@ -259,6 +260,7 @@ class PrefillJob:
     # D's KV receiver incarnation: a P whose sender is handshaken with another one (D restarted in place,
     # same kv_address) handshakes again before the job; one from an incarnation it outlived fails the job
     kv_incarnation: str = ""
+    traceparent: str = ""  # W3C trace context of the decode worker's request span; "" = not traced
 
     def __post_init__(self) -> None:
         assert 0 <= self.skip_tokens < len(self.token_ids), (self.skip_tokens, len(self.token_ids))

@@ -36,6 +36,7 @@ from gateway.text.tokenizer import Tokenizer
 from gateway.text.tool_calls import parse_tools
 from gateway.workers.backend import Backend
 from gateway.workers.registry import WorkerRegistry
+from telemetry.tracing import NO_TRACING, Tracer
 
 from .auth import ApiKeys
 from .errors import APIError, bad_request
@@ -56,7 +57,7 @@ class GatewayParams:
     api_keys: list[str] = field(default_factory=list)  # empty: no authentication
     max_body_bytes: int = 1 << 20
     registry: WorkerRegistry | None = None  # shown at /v1/workers
-    metrics: GatewayMetrics = field(default_factory=GatewayMetrics)  # shared with the backend's pool gauges
+    metrics: GatewayMetrics | None = None  # shared with the backend's pool gauges; None: made for limits' model
     chat_parsers: ChatParsers = ChatParsers()  # reasoning and tool-call parsers of chat output
     # Origins whose browser pages may call the API (CORS, as vLLM's --allowed-origins); "*" any.
     # Empty: no CORS headers, so a page from another origin cannot read an answer.
@@ -64,6 +65,7 @@ class GatewayParams:
     # the Responses API's store (its budget: gateway.responses_store_mb)
     response_store: ResponseStore = field(
         default_factory=lambda: ResponseStore(GatewayConfig().responses_store_mb << 20))
+    tracer: Tracer = NO_TRACING  # request traces (observability.otlp_traces_endpoint); off by default
 
 
 def error_response(e: APIError) -> JSONResponse:
@@ -104,9 +106,9 @@ async def read_json(request: Request, max_bytes: int):
 
 
 def build_app(params: GatewayParams) -> Starlette:
-    metrics = params.metrics
+    metrics = params.metrics or GatewayMetrics(params.limits.model_name, params.limits.max_model_len)
     serving = Serving(params.tokenizer, params.backend, params.limits, metrics, params.chat_parsers,
-                      params.response_store)
+                      params.response_store, params.tracer)
     keys = ApiKeys(params.api_keys)
     metrics.stored_responses.set_function(lambda: len(serving.store))
     metrics.stored_responses_bytes.set_function(lambda: serving.store.num_bytes)

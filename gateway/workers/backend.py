@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from protocol.serving import SamplingSpec
+from telemetry.tracing import RequestTrace
 
 
 class NoCapacity(Exception):
@@ -32,6 +33,7 @@ class GenerationRequest:
     sampling: SamplingSpec  # the wire record itself: what the workers need to sample
     arrival_time: float  # time.monotonic() when the HTTP request arrived
     deadline: float | None = None  # time.monotonic() after which workers drop the request
+    trace: RequestTrace | None = None  # the HTTP request's trace (telemetry/tracing.py); None: not traced
 
     def __post_init__(self) -> None:
         assert self.prompt_token_ids, "empty prompt"
@@ -57,6 +59,7 @@ class CompletionEvent:
     finish_reason: str | None = None  # "stop" (EOS or a stop token id) or "length"
     num_cached_tokens: int | None = None  # prompt tokens not recomputed; sent with the first event
     queue_time_s: float | None = None  # time the request waited for a worker; sent with the first event
+    worker_ids: list[str] | None = None  # the workers serving it (decode, then prefill); with the first event
     error: str | None = None  # the request failed in a worker; no more events follow
     refused: bool = False  # with error: refused as invalid before any work (the client's fault: a 400)
     # Asked-for prompt logprobs, on each completion's first event: one per prompt token after the first.

@@ -168,6 +168,8 @@ class ZmqBackend(Backend):
                     return
                 for e in released:
                     out = _to_backend_event(e, queue_time)
+                    if queue_time is not None:  # the first event: who serves it (the request log line)
+                        out.worker_ids = flight.workers()
                     queue_time = None
                     if e.offset == 0 and request.sampling.prompt_logprobs is not None:  # each completion's first
                         out.prompt_logprobs = flight.prompt_logprobs  # checked against the prompt by Generation
@@ -191,6 +193,7 @@ class ZmqBackend(Backend):
         retries_left = self._params.max_retries
         failure = None  # the last attempt's failure: what the client hears if no retry is possible
         while True:
+            routing_started_ns = time.time_ns() if request.trace else 0
             try:
                 decision = await self._route(request, self._still_tried(tried))
             except NoCapacity:
@@ -199,10 +202,14 @@ class ZmqBackend(Backend):
                 raise
             flight.decode_worker, flight.prefill_worker = decision.decode_worker, decision.prefill_worker
             incarnations = {w: self._incarnation(w) for w in flight.workers()}  # of this attempt's workers
+            if request.trace:
+                request.trace.span("route", routing_started_ns, decode_worker=decision.decode_worker,
+                                   prefill_worker=decision.prefill_worker or "", cached_tokens=decision.prefill_cached_tokens)
             flight.events, flight.prompt_logprobs = asyncio.Queue(), []  # nothing left from an earlier attempt
             prefill = self._registry.get(decision.prefill_worker) if decision.prefill_worker else None
             generate = Generate(flight.rid, request.prompt_token_ids, request.sampling,
-                                prefill.address if prefill is not None else "", self._wall_deadline(request))
+                                prefill.address if prefill is not None else "", self._wall_deadline(request),
+                                request.trace.traceparent() if request.trace else "")
             # Until the first answer the prompt counts on its P's backlog (the router's local-prefill rule).
             backlog = len(request.prompt_token_ids) - decision.prefill_cached_tokens if prefill is not None else 0
             if backlog:
