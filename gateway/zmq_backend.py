@@ -13,6 +13,11 @@ Life cycle of one request (one prompt, ``n`` completions) in the gateway:
    same worker, and ride on every completion's first event.
 5. end: every completion finished, an error, the deadline, or an abort (client gone, stop string) ->
    AbortRequest to the decode worker and the prefill worker it used, unless it finished by itself.
+
+Several gateways may share the pools (docs/gateway-replicas.md): each worker heartbeats to each, and
+this one acks every heartbeat with its id (``HeartbeatAck``, new per process), which its Generates
+carry, so workers answer here and abort this gateway's requests if it dies. A worker's KV is its own
+to reserve: a heartbeat's free blocks are a hint, and a worker that another gateway filled says Busy.
 """
 
 from __future__ import annotations
@@ -20,9 +25,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from dataclasses import dataclass
 
-from protocol.serving import AbortRequest, Busy, Generate, Goodbye, Heartbeat, PromptLogprobs, TokenLogprobRecord
+from protocol.serving import (AbortRequest, Busy, Generate, Goodbye, Heartbeat, HeartbeatAck, PromptLogprobs,
+                              TokenLogprobRecord)
 from protocol.serving import TokenEvent as WireTokenEvent
 
 from .admission import AdmissionQueue
@@ -93,6 +100,7 @@ class ZmqBackend(Backend):
         self._link = WorkerLink(params.host, params.worker_port, params.max_frame_bytes, self._on_record,
                                 self._on_malformed)
         self._flights: dict[str, _Flight] = {}
+        self.gateway_id = uuid.uuid4().hex  # workers tell gateway processes apart by it
         self._expiry_task: asyncio.Task | None = None
         self._update_pool_gauges()
 
@@ -194,7 +202,8 @@ class ZmqBackend(Backend):
             flight.events, flight.prompt_logprobs = asyncio.Queue(), []  # nothing left from an earlier attempt
             prefill = self._registry.get(decision.prefill_worker) if decision.prefill_worker else None
             generate = Generate(flight.rid, request.prompt_token_ids, request.sampling,
-                                prefill.address if prefill is not None else "", self._wall_deadline(request))
+                                prefill.address if prefill is not None else "", self._wall_deadline(request),
+                                self.gateway_id)
             # Until the first answer the prompt counts on its P's backlog (the router's local-prefill rule).
             backlog = len(request.prompt_token_ids) - decision.prefill_cached_tokens if prefill is not None else 0
             if backlog:
@@ -328,6 +337,7 @@ class ZmqBackend(Backend):
         if hb.worker_id != worker_id:
             self._on_malformed(f"heartbeat for {hb.worker_id[:64]!r} from {worker_id[:64]!r}")
             return
+        self._link.send_nowait(worker_id, HeartbeatAck(self.gateway_id))
         known = self._registry.get(worker_id)
         if known is not None and known.incarnation != hb.incarnation:
             self._worker_left(worker_id, "restarted")  # its in-flight requests died with the old process
