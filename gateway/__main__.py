@@ -73,7 +73,6 @@ def build(config: PdserveConfig):
     from .chat_output import ChatParsers
     from .metrics import GatewayMetrics
     from .registry import WorkerRegistry
-    from .response_store import ResponseStore
     from .router import Policy, RouterParams
     from .serving import ServingLimits
     from .tokenizer import Tokenizer
@@ -95,8 +94,19 @@ def build(config: PdserveConfig):
                           None if g.tool_call_parser == "none" else g.tool_call_parser)
     params = GatewayParams(Tokenizer(path), backend, limits, api_keys=list(g.api_keys),
                            max_body_bytes=g.max_body_bytes, registry=registry, metrics=metrics, chat_parsers=parsers,
-                           allowed_origins=list(g.allowed_origins), response_store=ResponseStore(g.responses_store_mb << 20))
+                           allowed_origins=list(g.allowed_origins), response_store=response_store(g))
     return build_app(params), backend
+
+
+def response_store(g):
+    """The Responses API's store: in this process's memory, or the Redis the replicas share."""
+    if g.responses_store_url:
+        from .redis_response_store import RedisResponseStore
+
+        return RedisResponseStore(g.responses_store_url, g.responses_store_mb << 20)
+    from .response_store import ResponseStore
+
+    return ResponseStore(g.responses_store_mb << 20)
 
 
 def main(argv: list[str] | None = None) -> int:
