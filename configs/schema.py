@@ -82,6 +82,9 @@ class GatewayConfig:
     # Memory for the Responses API's stored answers (previous_response_id, GET /v1/responses/{id}); the
     # least recently used go first. Per gateway process. 0: nothing is stored (store: false is echoed).
     responses_store_mb: int = _field(64, minimum=0)
+    # A Redis every gateway replica shares the Responses API's store in (redis://host:port/db), so that
+    # any replica reads back and goes on from any response; "": this process's memory (one gateway).
+    responses_store_url: str = ""
 
 
 @dataclass(slots=True)
@@ -116,6 +119,10 @@ class TransferConfig:
 class ClusterConfig:
     num_prefill: int = _field(1, minimum=0)  # prefill workers `pdserve cluster` starts (0: decode prefills)
     num_decode: int = _field(1, minimum=1)  # decode workers `pdserve cluster` starts
+    # gateways `pdserve serve` starts on gateway.port, +1, ... (their worker ports likewise), in front of
+    # the same pools; with more than one they share a Responses store in Redis (gateway.responses_store_url,
+    # or a redis-server started for them)
+    num_gateways: int = _field(1, minimum=1)
 
 
 @dataclass(slots=True)

@@ -33,8 +33,8 @@ def test_ready_waits_for_the_prefill_workers_too():
 
     cluster = _Cluster()
     with http_get_server(answer) as url:
-        assert not wait_ready(url, cluster, 1.0, {"prefill": 1, "decode": 1})
+        assert not wait_ready([url], cluster, 1.0, {"prefill": 1, "decode": 1})
         assert cluster.ticks >= 2  # the workers stay supervised while it waits
         metrics.pool_workers.labels("prefill").set(1)
-        assert wait_ready(url, cluster, 5.0, {"prefill": 1, "decode": 1})
-        assert wait_ready(url, cluster, 5.0, {"prefill": 0, "decode": 1})  # --prefill 0: decode alone
+        assert wait_ready([url], cluster, 5.0, {"prefill": 1, "decode": 1})
+        assert wait_ready([url], cluster, 5.0, {"prefill": 0, "decode": 1})  # --prefill 0: decode alone
