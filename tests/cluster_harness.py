@@ -3,7 +3,6 @@ and reads what the test needs from it: the URL, each worker's metrics port, the 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import queue
@@ -19,6 +18,8 @@ from pathlib import Path
 
 import yaml
 
+from benchmarks.serve_launcher import free_ports
+
 READY_LINE = re.compile(r"READY http_port=(\d+) .*worker_id=(\S+)")
 READY_PID = re.compile(r"READY .* pid=(\d+)")
 
@@ -27,20 +28,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def free_ports(count: int) -> int:
-    """The first of ``count`` consecutive free ports (``pdserve serve --gateways N`` takes port, +1, ...)."""
-    while True:
-        first = free_port()
-        with contextlib.ExitStack() as held:
-            try:
-                for port in range(first + 1, first + count):
-                    s = held.enter_context(socket.socket())
-                    s.bind(("127.0.0.1", port))
-                return first
-            except OSError:
-                continue
 
 
 class ServeProcess:
