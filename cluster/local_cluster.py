@@ -1,14 +1,16 @@
-"""A whole pdserve cluster on one machine: the gateway plus N prefill and M decode workers, each its own
-OS process (``python -m <role>``), supervised.
+"""A whole pdserve cluster on one machine: one gateway or several plus N prefill and M decode workers,
+each its own OS process (``python -m <role>``), supervised.
 
-- Workers bind port 0 (any free port) and find each other through the gateway they register with, so
-  only the gateway's two ports are fixed.
+- Workers bind port 0 (any free port) and find each other through the gateways they register with, so
+  only each gateway's two ports are fixed. Several gateways (``gateway-0``, ``gateway-1``, ...) serve
+  the same pools; every worker registers with each, and a ``redis-server`` holds their shared
+  Responses store when no other one is named.
 - A member that exits on its own is restarted (with a short backoff); the count is kept per member.
   Not one that exits with EX_CONFIG (its configuration is wrong: a restart fails the same way) or
   before the cluster first served (start-up failed): ``supervise_once`` raises ``MemberFailed`` and
   the caller stops everything.
 - ``stop`` sends SIGTERM to the workers first (they drain: finish in-flight work, deregister), then to
-  the gateway, and SIGKILLs whatever is still alive after the deadline. Children also get SIGTERM
+  the gateways, then to Redis, and SIGKILLs whatever is still alive after the deadline. Children also get SIGTERM
   from the kernel if this supervisor dies (PR_SET_PDEATHSIG), so no process is left behind.
 - A worker killed outright cannot unlink its /dev/shm files (KV pool, fence); their names carry its
   pid (``pdserve-<kind>-<pid>-<uuid>``, kvtransfer/shm_pool.py), so the supervisor removes them when it
@@ -86,6 +88,8 @@ class ClusterSpec:
     threads_per_worker: int
     drain_timeout_s: float = 30.0
     members: list[Member] = field(default_factory=list)
+    gateways: list[tuple[int, int]] = field(default_factory=list)  # (HTTP port, worker port) each; []: one, as configured
+    redis_argv: list[str] | None = None  # the shared Responses store's server, when this cluster runs it
 
 
 def worker_argv(role: str, index: int, spec: ClusterSpec) -> list[str]:
@@ -104,7 +108,11 @@ class LocalCluster:
     def __init__(self, spec: ClusterSpec):
         self.spec = spec
         gateway = [sys.executable, "-m", "gateway"] + (["--config", spec.config_path] if spec.config_path else [])
-        self.members = [Member("gateway", gateway)]
+        self.members = [Member("redis", spec.redis_argv)] if spec.redis_argv else []
+        if len(spec.gateways) <= 1:
+            self.members += [Member("gateway", gateway + _ports(spec.gateways))]
+        else:
+            self.members += [Member(f"gateway-{i}", gateway + _ports([ports])) for i, ports in enumerate(spec.gateways)]
         self.members += [Member(f"prefill-{i}", worker_argv("prefill", i, spec)) for i in range(spec.num_prefill)]
         self.members += [Member(f"decode-{i}", worker_argv("decode", i, spec)) for i in range(spec.num_decode)]
         self._stopping = False
@@ -142,9 +150,10 @@ class LocalCluster:
     def stop(self) -> None:
         """Drain workers, then stop the gateway; nothing is left running afterwards."""
         self._stopping = True
-        workers = [m for m in self.members if m.name != "gateway"]
-        gateway = [m for m in self.members if m.name == "gateway"]
-        for group in (workers, gateway):
+        gateways = [m for m in self.members if m.name.startswith("gateway")]
+        redis = [m for m in self.members if m.name == "redis"]
+        workers = [m for m in self.members if m not in gateways and m not in redis]
+        for group in (workers, gateways, redis):
             for member in group:
                 if member.proc is not None and member.proc.poll() is None:
                     member.proc.send_signal(signal.SIGTERM)
@@ -158,3 +167,7 @@ class LocalCluster:
                     member.proc.kill()
                     member.proc.wait()
                 remove_shm_segments(member.proc.pid)  # a clean exit left none; a killed one may have
+
+
+def _ports(gateways: list[tuple[int, int]]) -> list[str]:
+    return [arg for http, worker in gateways for arg in ("--port", str(http), "--worker-port", str(worker))]

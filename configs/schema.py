@@ -116,6 +116,9 @@ class GatewayConfig:
     # so proxies keep it open and a client gone is noticed; a stream starts at the latest after this long
     # (a refusal after that comes in-band). 0: never.
     sse_keepalive_s: float = _field(15.0, minimum=0.0)
+    # A Redis every gateway replica shares the Responses API's store in (redis://host:port/db), so that
+    # any replica reads back and goes on from any response; "": this process's memory (one gateway).
+    responses_store_url: str = ""
 
 
 @dataclass(slots=True)
@@ -150,6 +153,10 @@ class TransferConfig:
 class ClusterConfig:
     num_prefill: int = _field(1, minimum=0)  # prefill workers `pdserve cluster` starts (0: decode prefills)
     num_decode: int = _field(1, minimum=1)  # decode workers `pdserve cluster` starts
+    # gateways `pdserve serve` starts on gateway.port, +1, ... (their worker ports likewise), in front of
+    # the same pools; with more than one they share a Responses store in Redis (gateway.responses_store_url,
+    # or a redis-server started for them)
+    num_gateways: int = _field(1, minimum=1)
 
 
 @dataclass(slots=True)

@@ -29,8 +29,10 @@ Life cycle of a request on this node:
 6. On finish the full blocks stay in the prefix cache and the rest are freed. ``AbortRequest`` or the
    deadline, at any phase, frees everything (and forwards the abort to the prefill worker while its
    job is out).
-Alongside: a Heartbeat (load from the block manager) every interval; SIGTERM drains: Busy to new work,
-in-flight requests get ``drain_timeout_s``, then ``Goodbye`` and the loop returns.
+Alongside: a Heartbeat (load from the block manager) to every gateway every interval; a gateway that
+stops acking them (worker/gateway_links.py) takes its requests with it: they are released as an abort
+would. SIGTERM drains: Busy to new work, in-flight requests get ``drain_timeout_s``, then ``Goodbye``
+and the loop returns.
 
 One thread runs everything but grammar compiles: it polls the sockets (briefly when idle) and runs an
 engine step when there is work. Nothing in a step waits on the network.
@@ -63,7 +65,7 @@ from protocol.serving import (
     AbortRequest, Busy, Generate, Goodbye, Heartbeat, PrefillFailed, PrefillJob,
 )
 from telemetry.tracing import NO_TRACING, RequestTrace, Tracer
-from worker import Drain, EngineMetrics, EngineSnapshot, HeartbeatTimer, WorkerSocket
+from worker import Drain, EngineMetrics, EngineSnapshot, GatewayLinks, HeartbeatTimer
 from worker.logprob_records import prompt_logprobs_frames
 
 log = logging.getLogger(__name__)
@@ -82,7 +84,7 @@ class DecodeOptions:
 
 
 class DecodeServer:
-    def __init__(self, engine: LLMEngine, gateway: WorkerSocket, receiver: KVReceiver, prefill: PrefillLinks,
+    def __init__(self, engine: LLMEngine, gateway: GatewayLinks, receiver: KVReceiver, prefill: PrefillLinks,
                  metrics: EngineMetrics, options: DecodeOptions, tracer: Tracer = NO_TRACING):
         self.engine = engine
         self.scheduler = engine.scheduler
@@ -130,6 +132,8 @@ class DecodeServer:
                 self._on_generate(record)
             else:
                 self._on_abort(record)
+        for gateway_id in self.gateway.lost():
+            self._on_gateway_lost(gateway_id)
         for _, failed in self.prefill.poll():
             self._on_prefill_failed(failed)
         for event in self.receiver.poll():
@@ -140,7 +144,7 @@ class DecodeServer:
             self._step()
         self._update_metrics()
         if self._heartbeat.due():
-            self.gateway.send(self._heartbeat_record())
+            self.gateway.broadcast(self._heartbeat_record())
         self._drain_tick()
 
     def _wait_for_messages(self) -> None:
@@ -153,28 +157,28 @@ class DecodeServer:
         else:
             timeout = min(IDLE_POLL_MS, int(self._heartbeat.seconds_left() * 1000) + 1)
         poller = zmq.Poller()
-        for sock in [self.gateway.sock, *self.prefill.sockets(), *([kv_socket] if kv_socket is not None else [])]:
+        for sock in [*self.gateway.sockets(), *self.prefill.sockets(), *([kv_socket] if kv_socket is not None else [])]:
             poller.register(sock, zmq.POLLIN)
         poller.poll(timeout)
 
     # ---- 1-3. arrival ----
     def _on_generate(self, gen: Generate) -> None:
         if gen.rid in self.requests:
-            self._send_error_all(gen.rid, gen.sampling.n, "request id already in use on this worker")
+            self._send_error_all(gen.rid, gen.gateway_id, gen.sampling.n, "request id already in use on this worker")
             return
         if self._drain.requested:
-            self._busy(gen.rid, "worker is draining")
+            self._busy(gen.rid, gen.gateway_id, "worker is draining")
             return
         try:
             seq = make_sequence(next(self._seq_ids), gen, self.engine)
             self.scheduler.check_admissible(seq)
         except (RequestError, AdmissionError) as exc:
             self.metrics.request_failure.labels("invalid").inc()
-            self._send_error_all(gen.rid, gen.sampling.n, str(exc), refused=True)
+            self._send_error_all(gen.rid, gen.gateway_id, gen.sampling.n, str(exc), refused=True)
             return
-        req = DecodeRequest(gen.rid, seq, gen.deadline, time.monotonic(), Phase.SCHEDULED)
+        req = DecodeRequest(gen.rid, seq, gen.deadline, time.monotonic(), Phase.SCHEDULED, gateway_id=gen.gateway_id)
         if gen.deadline <= time.time():
-            self._send_error_all(gen.rid, seq.params.n, "deadline passed before the request arrived")
+            self._send_error_all(gen.rid, gen.gateway_id, seq.params.n, "deadline passed before the request arrived")
             return
         if self.tracer.enabled:
             req.trace = self.tracer.request("decode", gen.traceparent, **{
@@ -200,7 +204,7 @@ class DecodeServer:
                 req.seq.guide = future.result()
             except StructuredOutputError as exc:
                 self.metrics.request_failure.labels("invalid").inc()
-                self._send_error_all(rid, req.seq.params.n, str(exc), refused=True)
+                self._send_error_all(rid, req.gateway_id, req.seq.params.n, str(exc), refused=True)
                 if req.trace:
                     req.trace.end(str(exc))
                 continue
@@ -230,8 +234,8 @@ class DecodeServer:
         _, hit_tokens = bm.prefix_hit(seq)
         needed = cdiv(seq.num_tokens - hit_tokens, bm.block_size) + 1
         if needed + queued > bm.num_allocatable_blocks:
-            self._busy(req.rid, f"KV pool full: needs {needed} blocks, {bm.num_allocatable_blocks - queued} available",
-                       req.trace)
+            self._busy(req.rid, req.gateway_id,
+                       f"KV pool full: needs {needed} blocks, {bm.num_allocatable_blocks - queued} available", req.trace)
             return
         self.scheduler.add(seq)
         self._track(req)
@@ -244,7 +248,7 @@ class DecodeServer:
     def _start_remote_prefill(self, req: DecodeRequest, gen: Generate, num_tokens: int) -> None:
         seq, bm = req.seq, self.block_manager
         if not bm.can_reserve(seq, num_tokens, num_spare_blocks=1):
-            self._busy(req.rid, f"KV pool full: {bm.num_allocatable_blocks} blocks available", req.trace)
+            self._busy(req.rid, req.gateway_id, f"KV pool full: {bm.num_allocatable_blocks} blocks available", req.trace)
             return
         dst_block_ids = bm.reserve(seq, num_tokens)
         skip = seq.num_computed_tokens  # the prefix hit, whole blocks
@@ -254,7 +258,7 @@ class DecodeServer:
             rid=req.rid, token_ids=seq.token_ids[:num_tokens], skip_tokens=skip, dst_block_ids=dst_block_ids,
             generation=req.generation, kv_address=self.options.kv_address, sample_first=seq.params.n == 1,
             sampling=gen.sampling, deadline=gen.deadline, kv_incarnation=self.receiver.incarnation,
-            traceparent=req.trace.traceparent() if req.trace else "",
+            traceparent=req.trace.traceparent() if req.trace else "", gateway_id=gen.gateway_id,
         )
         self._track(req)
         self.metrics.prompt_tokens.inc(seq.num_prompt_tokens)
@@ -341,7 +345,7 @@ class DecodeServer:
             return
         if index == 0 and not req.announced[0] and req.num_sent[0] == 0 and seq.params.prompt_logprobs is not None:
             for frame in prompt_logprobs_frames(req.rid, seq.prompt_logprobs):  # prefilled here: ours to send
-                self.gateway.send(frame)
+                self.gateway.send(req.gateway_id, frame)
         req.announced[index] = True
         now = time.monotonic()
         if event.token_ids:
@@ -354,7 +358,7 @@ class DecodeServer:
             req.last_token_at = now
         self.metrics.generation_tokens.inc(len(event.token_ids))
         req.num_sent[index] += len(event.token_ids)
-        self.gateway.send(event)
+        self.gateway.send(req.gateway_id, event)
         if event.finish_reason:
             req.done[index] = True
             if req.is_done:
@@ -376,6 +380,14 @@ class DecodeServer:
             self._release(req)
             self.metrics.request_failure.labels("aborted").inc()
 
+    def _on_gateway_lost(self, gateway_id: str) -> None:
+        """Nobody reads these requests' tokens any more: free what they hold, as an abort would."""
+        orphans = [req for req in self.requests.values() if req.gateway_id == gateway_id]
+        log.warning("gateway %s lost: aborting its %d requests", gateway_id, len(orphans))
+        for req in orphans:
+            self._release(req)
+            self.metrics.request_failure.labels("aborted").inc()
+
     def _expire_deadlines(self) -> None:
         now = time.time()
         for req in [r for r in self.requests.values() if r.deadline <= now]:
@@ -389,7 +401,7 @@ class DecodeServer:
         self.metrics.request_failure.labels("error").inc()
         for index, done in enumerate(req.done):
             if not done:
-                self.gateway.send(error_event(req.rid, index, req.num_sent[index], error))
+                self.gateway.send(req.gateway_id, error_event(req.rid, index, req.num_sent[index], error))
 
     def _release(self, req: DecodeRequest, *, abort_receiver: bool = True) -> None:
         """Free everything the request holds, whatever its phase."""
@@ -411,17 +423,17 @@ class DecodeServer:
         self.requests.pop(req.rid, None)
         self._by_seq_id.pop(req.seq.seq_id, None)
 
-    def _busy(self, rid: str, reason: str, trace: RequestTrace | None = None) -> None:
+    def _busy(self, rid: str, gateway_id: str, reason: str, trace: RequestTrace | None = None) -> None:
         if trace:
             trace.end(f"busy: {reason}")
         self.metrics.request_failure.labels("busy").inc()
         log.info("rid=%s busy: %s", rid, reason)
-        self.gateway.send(Busy(rid, reason))
+        self.gateway.send(gateway_id, Busy(rid, reason))
 
-    def _send_error_all(self, rid: str, n: int, error: str, refused: bool = False) -> None:
+    def _send_error_all(self, rid: str, gateway_id: str, n: int, error: str, refused: bool = False) -> None:
         log.warning("rid=%s refused: %s", rid, error)
         for index in range(n):
-            self.gateway.send(error_event(rid, index, 0, error, refused))
+            self.gateway.send(gateway_id, error_event(rid, index, 0, error, refused))
 
     # ---- load, metrics, drain ----
     def snapshot(self) -> EngineSnapshot:
@@ -454,12 +466,12 @@ class DecodeServer:
     def _drain_tick(self) -> None:
         if self._drain.start_if_requested():
             log.info("draining: %d requests in flight, %.1f s to finish", len(self.requests), self._drain.timeout_s)
-            self.gateway.send(self._heartbeat_record())  # tell the gateway now, not at the next interval
+            self.gateway.broadcast(self._heartbeat_record())  # tell the gateways now, not at the next interval
         if not self._drain.is_over(in_flight=bool(self.requests)):
             return
         for req in list(self.requests.values()):
             self._fail(req, "decode worker shut down before the request finished")
-        self.gateway.send(self._heartbeat_record())  # the final load: nothing held any more
-        self.gateway.send(Goodbye(self.options.worker_id))
+        self.gateway.broadcast(self._heartbeat_record())  # the final load: nothing held any more
+        self.gateway.broadcast(Goodbye(self.options.worker_id))
         log.info("drained; goodbye")
         self._stopped = True

@@ -70,7 +70,6 @@ def context_length(path: Path, configured: int | None) -> int:
 
 def build(config: PdserveConfig):
     """(app, backend) for ``config``; torch-free."""
-    from gateway.dialects.responses.store import ResponseStore
     from gateway.http.app import GatewayParams, build_app
     from gateway.metrics import GatewayMetrics
     from gateway.serving.pipeline import ServingLimits
@@ -102,9 +101,20 @@ def build(config: PdserveConfig):
                           None if g.tool_call_parser == "none" else g.tool_call_parser)
     params = GatewayParams(Tokenizer(path, config.model.chat_template), backend, limits, api_keys=list(g.api_keys),
                            max_body_bytes=g.max_body_bytes, registry=registry, metrics=metrics, chat_parsers=parsers,
-                           allowed_origins=list(g.allowed_origins), response_store=ResponseStore(g.responses_store_mb << 20),
+                           allowed_origins=list(g.allowed_origins), response_store=response_store(g),
                            tracer=tracer_for("gateway", "gateway", config.observability.otlp_traces_endpoint))
     return build_app(params), backend
+
+
+def response_store(g):
+    """The Responses API's store: in this process's memory, or the Redis the replicas share."""
+    if g.responses_store_url:
+        from gateway.dialects.responses.redis_store import RedisResponseStore
+
+        return RedisResponseStore(g.responses_store_url, g.responses_store_mb << 20)
+    from gateway.dialects.responses.store import ResponseStore
+
+    return ResponseStore(g.responses_store_mb << 20)
 
 
 def main(argv: list[str] | None = None) -> int:

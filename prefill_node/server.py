@@ -23,7 +23,8 @@ Life cycle of a request on this node:
    expired or retried) is an abort, whichever of the refusal and D's ``AbortRequest`` arrives first.
 6. ``AbortRequest`` (from D or the gateway) at any phase — queued, prefilling, transferring — frees
    everything here and aborts the transfer. Past its deadline a job fails the same way.
-Around it: a Heartbeat to the gateway every interval (queued prefill tokens, KV block counts),
+Around it: a Heartbeat to every gateway every interval (queued prefill tokens, KV block counts); a
+gateway that stops acking them (worker/gateway_links.py) takes its jobs with it, aborted as in 6.
 /metrics, /health, /ready, and SIGTERM drain (no new jobs, finish in-flight, Goodbye, exit).
 """
 
@@ -58,7 +59,7 @@ from protocol.codec import WireError, decode, encode
 from protocol.serving import AbortRequest, Goodbye, Heartbeat, PrefillFailed, PrefillJob, TokenEvent
 from protocol.zmq_util import bind, make_socket
 from telemetry.tracing import NO_TRACING, Tracer
-from worker.gateway_socket import WorkerSocket
+from worker.gateway_links import GatewayLinks
 from worker.drain import Drain
 from worker.heartbeat import HeartbeatTimer
 from worker.logprob_records import logprob_record, prompt_logprobs_frames
@@ -81,7 +82,8 @@ class PrefillServer:
         self._eos_token_ids = list(cfg.eos_token_ids)
         self.router = make_socket(ctx, zmq.ROUTER, hwm=1024, max_msg_size=options.max_frame_bytes)
         self.address = bind(self.router, options.host, options.port)  # our endpoint in heartbeats
-        self.gateway = WorkerSocket(ctx, options.gateway_address, options.worker_id, accepted=(AbortRequest,))
+        self.gateway = GatewayLinks(ctx, options.gateway_address, options.worker_id, accepted=(AbortRequest,),
+                                    timeout_s=options.gateway_timeout_s, resolve_interval_s=options.heartbeat_s)
         self.senders = KVSenders(ctx, self.runner.kv_pool, model_name, metrics.transfer,
                                  transports=options.transports, deadline_s=options.transfer_deadline_s,
                                  handshake_timeout_s=options.handshake_timeout_s,
@@ -153,7 +155,7 @@ class PrefillServer:
     def _receive(self, timeout_ms: int) -> None:
         if timeout_ms:
             poller = zmq.Poller()
-            for sock in (self.router, self.gateway.sock, *self.senders.sockets()):
+            for sock in (self.router, *self.gateway.sockets(), *self.senders.sockets()):
                 poller.register(sock, zmq.POLLIN)
             poller.poll(timeout_ms)
         while True:
@@ -164,6 +166,9 @@ class PrefillServer:
             self._on_frames(frames)
         for record in self.gateway.poll():
             self._abort(record.rid, f"gateway: {record.reason}")
+        for gateway_id in self.gateway.lost():
+            for state in [s for s in self.jobs.values() if s.job.gateway_id == gateway_id]:
+                self._abort(state.rid, f"gateway {gateway_id} lost")
 
     def _on_frames(self, frames: list[bytes]) -> None:
         peer = frames[0]
@@ -309,8 +314,8 @@ class PrefillServer:
             return
         records = None if lp is None else [logprob_record(lp)]
         for frame in prompt_logprobs_frames(job.rid, state.seq.prompt_logprobs):
-            self.gateway.send(frame)  # before the first token, on the same socket: the gateway has them first
-        self.gateway.send(TokenEvent(job.rid, 0, 0, [token], records))
+            self.gateway.send(job.gateway_id, frame)  # before the first token, on the same socket: it has them first
+        self.gateway.send(job.gateway_id, TokenEvent(job.rid, 0, 0, [token], records))
         self.metrics.engine.time_to_first_token.observe(time.monotonic() - state.arrived_at)
         if records is None:
             sender.commit(job.rid, job.generation, token)
@@ -388,11 +393,11 @@ class PrefillServer:
             log.info("draining: %d jobs in flight, %.1f s to finish", len(self.jobs), self._drain.timeout_s)
             self._heartbeat.fire_now()  # tell the gateway now, not at the next interval
         if self._heartbeat.due():
-            self.gateway.send(self.heartbeat())
+            self.gateway.broadcast(self.heartbeat())
         if self._drain.is_over(in_flight=bool(self.jobs)):
             for state in list(self.jobs.values()):
                 self._fail(state, "worker shut down before the job finished", label="draining")
-            self.gateway.send(Goodbye(self.options.worker_id))
+            self.gateway.broadcast(Goodbye(self.options.worker_id))
             self.is_done = True
             log.info("drained; goodbye")
 

@@ -145,7 +145,7 @@ def test_vllm_flags_of_pdserve_serve_and_the_gateway_set_the_config():
     from gateway.__main__ import overrides_of, parse_args as gateway_args
 
     flags = ["--reasoning-parser", "deepseek_r1", "--tool-call-parser", "llama3_json"]
-    env = cluster_env(serve_args(flags), "/m", "127.0.0.1", 8001)  # what every member of the cluster gets
+    env = cluster_env(serve_args(flags), "/m", "127.0.0.1", [8001])  # what every member of the cluster gets
     for config in (load_config(env=env), load_config(env={}, overrides=overrides_of(gateway_args(flags)))):
         assert (config.gateway.reasoning_parser, config.gateway.tool_call_parser) == ("deepseek_r1", "llama3_json")
     assert load_config(env={}).gateway.tool_call_parser == "none"

@@ -6,6 +6,7 @@ keys are configured. Every error leaves as OpenAI error JSON; nothing leaks a st
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -237,9 +238,16 @@ def build_app(params: GatewayParams) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app):
         await params.backend.start()  # in the serving loop: the backend's sockets and tasks live there
+        stop_listening = None
+        if serving.store.is_shared:  # cancels of background responses asked of another replica
+            loop = asyncio.get_running_loop()
+            stop_listening = serving.store.listen_for_cancels(
+                lambda rid: loop.call_soon_threadsafe(serving.background.cancel_soon, rid))
         try:
             yield
         finally:
+            if stop_listening is not None:
+                stop_listening()
             await serving.background.cancel_all()  # their workers let go before the backend's sockets close
             await params.backend.stop()
 

@@ -76,6 +76,14 @@ class WorkerLink:
             log.warning("send %s to %s failed: %s", type(record).__name__, worker_id, e)
             return False
 
+    def send_nowait(self, worker_id: str, record) -> None:
+        """Queue ``record`` without waiting (from a receive handler); a worker not connected, or a full
+        queue, drops it: what goes this way is resent on the next heartbeat."""
+        if self._sock is None:
+            return
+        sent = self._sock.send_multipart([worker_id.encode("utf-8"), encode(record)], flags=zmq.NOBLOCK)
+        sent.add_done_callback(lambda f: f.cancelled() or f.exception())  # a failure is read, not raised
+
     async def close(self) -> None:
         if self._task is not None:
             self._task.cancel()

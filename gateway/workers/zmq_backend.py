@@ -16,6 +16,11 @@ Life cycle of one request (one prompt, ``n`` completions) in the gateway:
    same worker, and ride on every completion's first event.
 5. end: every completion finished, an error, the deadline, or an abort (client gone, stop string) ->
    AbortRequest to the decode worker and the prefill worker it used, unless it finished by itself.
+
+Several gateways may share the pools (docs/gateway-replicas.md): each worker heartbeats to each, and
+this one acks every heartbeat with its id (``HeartbeatAck``, new per process), which its Generates
+carry, so workers answer here and abort this gateway's requests if it dies. A worker's KV is its own
+to reserve: a heartbeat's free blocks are a hint, and a worker that another gateway filled says Busy.
 """
 
 from __future__ import annotations
@@ -23,12 +28,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from dataclasses import dataclass
 
 from gateway.deadline import get_by
 from gateway.metrics import GatewayMetrics
 from protocol.serving import (
-    AbortRequest, Busy, Generate, Goodbye, Heartbeat, PromptLogprobs, TokenEvent, TokenLogprobRecord,
+    AbortRequest, Busy, Generate, Goodbye, Heartbeat, HeartbeatAck, PromptLogprobs, TokenEvent, TokenLogprobRecord,
 )
 
 from .admission import AdmissionQueue
@@ -100,6 +106,7 @@ class ZmqBackend(Backend):
         self._link = WorkerLink(params.host, params.worker_port, params.max_frame_bytes, self._on_record,
                                 self._on_malformed)
         self._flights: dict[str, _Flight] = {}
+        self.gateway_id = uuid.uuid4().hex  # workers tell gateway processes apart by it
         self._expiry_task: asyncio.Task | None = None
         self._update_pool_gauges()
 
@@ -209,7 +216,7 @@ class ZmqBackend(Backend):
             prefill = self._registry.get(decision.prefill_worker) if decision.prefill_worker else None
             generate = Generate(flight.rid, request.prompt_token_ids, request.sampling,
                                 prefill.address if prefill is not None else "", self._wall_deadline(request),
-                                request.trace.traceparent() if request.trace else "")
+                                request.trace.traceparent() if request.trace else "", self.gateway_id)
             # Until the first answer the prompt counts on its P's backlog (the router's local-prefill rule).
             backlog = len(request.prompt_token_ids) - decision.prefill_cached_tokens if prefill is not None else 0
             if backlog:
@@ -354,6 +361,7 @@ class ZmqBackend(Backend):
         if hb.worker_id != worker_id:
             self._on_malformed(f"heartbeat for {hb.worker_id[:64]!r} from {worker_id[:64]!r}")
             return
+        self._link.send_nowait(worker_id, HeartbeatAck(self.gateway_id))
         known = self._registry.get(worker_id)
         if known is not None and known.incarnation != hb.incarnation:
             self._worker_left(worker_id, "restarted")  # its in-flight requests died with the old process
