@@ -177,3 +177,14 @@ def test_a_quick_refusal_is_still_a_proper_400(live, backend):
     backend.refusal = "the grammar does not compile"
     status, _ = stream_lines(live, max_tokens=3)
     assert status == 400
+
+
+def test_the_openai_client_reads_through_keep_alives(live, backend, hf_tok):
+    import openai
+
+    backend.first_event_delay_s, backend.token_delay_s = 0.7, 0.4  # keep-alives before and between tokens
+    client = openai.OpenAI(base_url=live.base_url + "/v1", api_key=API_KEYS[0], max_retries=0)
+    chunks = list(client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == hf_tok.decode(backend.output_ids[:3])
+    status, lines = stream_lines(live, max_tokens=3)  # the same stream, raw: the comments were there
+    assert status == 200 and lines.count(": keep-alive") >= 2
