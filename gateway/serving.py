@@ -176,8 +176,9 @@ class OpenAIServing:
             return self._answer_in_background(generation, rid, arrival, responses, shape,
                                               self._formats[p.tokens_as_ids])
         starting = asyncio.ensure_future(generation.start())
+        patience_s = self._limits.sse_keepalive_s if p.stream else None  # JSON answers wait for the start
         try:
-            started = await self._start(request, generation, starting, self._limits.sse_keepalive_s if p.stream else None)
+            started = await self._start(request, generation, starting, patience_s)
         except APIError as e:
             await self._close(generation, arrival, "rejected" if e.status == 503 else "failed")
             raise
