@@ -130,7 +130,12 @@ def test_too_many_connections_get_a_503(tok_dir):
     with live_gateway(tok_dir, uvicorn_options=uvicorn_options(limits)) as server:
         idle = [connect(server) for _ in range(4)]
         with httpx.Client(timeout=30) as client:  # a fresh connection each time: no keep-alive reuse
-            assert client.get(server.base_url + "/health", headers={"connection": "close"}).status_code == 503
+            refused = client.get(server.base_url + "/health", headers={"connection": "close"})
+            assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+            assert refused.json() == {"error": {
+                "message": "service unavailable: this server has 4 connections open, its limit "
+                           "(gateway.max_connections); retry after 1 s",
+                "type": "service_unavailable", "param": None, "code": "no_capacity"}}
             for sock in idle:
                 sock.close()
             wait_until(lambda: client.get(server.base_url + "/health", headers={"connection": "close"}).status_code
