@@ -110,7 +110,8 @@ class GatewayConfig:
     http_header_timeout_s: float = _field(10.0, minimum=0.001)
     http_body_timeout_s: float = _field(30.0, minimum=0.001)
     http_write_timeout_s: float = _field(30.0, minimum=0.001)
-    # Open HTTP connections (and requests) at most, as uvicorn's limit_concurrency: past it, 503. 0: no limit.
+    # Open HTTP connections at most: a request on one opened past it gets 503 (OpenAI error JSON,
+    # Retry-After) and its connection is closed. 0: no limit.
     max_connections: int = _field(1024, minimum=0)
     # A stream that has sent nothing this long (queued, prefilling) sends an SSE comment ": keep-alive",
     # so proxies keep it open and a client gone is noticed; a stream starts at the latest after this long

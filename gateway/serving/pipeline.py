@@ -194,8 +194,9 @@ class Serving:
         if asked.background:
             return self._answer_in_background(generation, out, asked.keep, rid, arrival)
         starting = asyncio.ensure_future(generation.start())
+        patience_s = self._limits.sse_keepalive_s if p.stream else None  # JSON answers wait for the start
         try:
-            started = await self._start(request, generation, starting, self._limits.sse_keepalive_s if p.stream else None)
+            started = await self._start(request, generation, starting, patience_s)
         except APIError as e:
             await self._close(generation, arrival, "rejected" if e.status == 503 else "failed")
             raise
