@@ -49,7 +49,7 @@ VLLM_COMMAND_LINE = [
     "--max-num-seqs", "8", "--max-num-batched-tokens", "1024", "--no-enable-prefix-caching", "--seed", "7",
     "--chat-template", "{{ messages[0]['content'] }}", "--kv-cache-memory-bytes", "2GiB",
     "--otlp-traces-endpoint", "http://127.0.0.1:4318/v1/traces", "--host", "127.0.0.2", "--port", "9000",
-    "--api-key", "k1", "--api-key", "k2", "--log-level", "debug", "--log-format", "json",
+    "--api-key", "k1", "k2", "--api-key", "k3", "--log-level", "debug", "--log-format", "json",
     "--tensor-parallel-size", "1", "--long-prefill-token-threshold", "128", "--set", "gateway.worker_port=9001"]
 
 
@@ -72,7 +72,7 @@ def test_serve_takes_vllm_flags_onto_the_config() -> None:
         32, 8, 1024, False, 7)
     assert (e.kv_cache_memory_mb, e.prefill_chunk_size) == (2048, 128)
     g = config.gateway
-    assert (g.host, g.port, g.api_keys, g.worker_port) == ("127.0.0.2", 9000, ["k1", "k2"], 9001)
+    assert (g.host, g.port, g.api_keys, g.worker_port) == ("127.0.0.2", 9000, ["k1", "k2", "k3"], 9001)
     o = config.observability
     assert (o.otlp_traces_endpoint, o.log_level, o.log_format) == ("http://127.0.0.1:4318/v1/traces", "debug", "json")
 
@@ -139,7 +139,8 @@ def test_refused_and_unknown_flags_exit_2_with_what_to_do() -> None:
              (("serve", "--dtype", "fp8"), "model.dtype: must be one of auto, float32, bfloat16, float16; got 'fp8'"),
              (("serve", "--max-model-len", "lots"), "expected a token count"),
              (("gateway", "--frobnicate", "1"), "unrecognized arguments: --frobnicate"),
-             (("serve", "--log-format", "xml"), "observability.log_format: must be one of text, json")]
+             (("serve", "--log-format", "xml"), "observability.log_format: must be one of text, json"),
+             (("serve", "--served-model-name", "a", "b"), "pdserve serves one model under one name")]
     for args, message in cases:
         run = pdserve(*args)
         assert run.returncode == 2, (args, run.stdout, run.stderr)
