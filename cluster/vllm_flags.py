@@ -12,10 +12,11 @@ parallelism, a device-memory fraction) are refused with what to use instead, not
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 from dataclasses import dataclass
 
-from configs.schema import ConfigError
+from configs.schema import ConfigError, PdserveConfig
 
 _DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's other spellings of the same dtypes
 _SIZE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
@@ -136,7 +137,17 @@ def _metavar(name: str) -> str:
     return name.lstrip("-").upper().replace("-", "_")
 
 
+def _schema_choices(key: str) -> tuple | None:
+    """The field's allowed values from the schema (so --help lists them and argparse refuses others)."""
+    section, _, name = key.partition(".")
+    fields = {f.name: f for f in dataclasses.fields(getattr(PdserveConfig(), section))}
+    return fields[name].metadata.get("choices")
+
+
 def _kind(flag: Flag) -> dict:
+    choices = _schema_choices(flag.key)
+    if choices:
+        return {"choices": choices + (tuple(_DTYPE_ALIASES) if flag.key == "model.dtype" else ())}
     if flag.type is None:
         return {"action": argparse.BooleanOptionalAction}
     if flag.type == "list":  # `--api-key a b` and `--api-key a --api-key b` alike, as vLLM takes them

@@ -136,10 +136,10 @@ def test_refused_and_unknown_flags_exit_2_with_what_to_do() -> None:
              (("decode", "-tp", "4"), "--tensor-parallel-size 4"),
              (("serve", "--gpu-memory-utilization", "0.9"), "use --kv-cache-memory-bytes"),
              (("prefill", "--kv-cache-memory-bytes", "1000"), "needs at least 1 MiB"),
-             (("serve", "--dtype", "fp8"), "model.dtype: must be one of auto, float32, bfloat16, float16; got 'fp8'"),
+             (("serve", "--dtype", "fp8"), "argument --dtype: invalid choice: 'fp8'"),
              (("serve", "--max-model-len", "lots"), "expected a token count"),
              (("gateway", "--frobnicate", "1"), "unrecognized arguments: --frobnicate"),
-             (("serve", "--log-format", "xml"), "observability.log_format: must be one of text, json"),
+             (("serve", "--log-format", "xml"), "argument --log-format: invalid choice: 'xml'"),
              (("serve", "--served-model-name", "a", "b"), "pdserve serves one model under one name")]
     for args, message in cases:
         run = pdserve(*args)
