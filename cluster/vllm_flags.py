@@ -12,10 +12,11 @@ parallelism, a device-memory fraction) are refused with what to use instead, not
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 from dataclasses import dataclass
 
-from configs.schema import ConfigError
+from configs.schema import ConfigError, PdserveConfig
 
 _DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's other spellings of the same dtypes
 _SIZE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
@@ -44,13 +45,14 @@ class Flag:
     names: tuple[str, ...]  # first is the canonical vLLM spelling; the rest are aliases
     key: str  # config field it sets; "{role}" stands for the worker's section
     help: str
-    type: object = str  # argparse type; None for an on/off flag (--x / --no-x)
+    type: object = str  # argparse type; None: an on/off flag (--x / --no-x); "list": one or more values
     metavar: str | None = None
 
 
 GROUPS: dict[str, tuple[Flag, ...]] = {
     "ModelConfig": (
-        Flag(("--served-model-name",), "model.served_model_name", "the name clients put in 'model'"),
+        Flag(("--served-model-name",), "model.served_model_name", "the name clients put in 'model' (one; vLLM "
+             "takes several)", "list"),
         Flag(("--max-model-len",), "model.max_model_len", "context length in tokens (e.g. 4096, 4k, 4K); "
              "longer prompts are a 400", parse_token_count),
         Flag(("--dtype",), "model.dtype", "weights and KV dtype: auto, float32 (float), bfloat16, float16 (half)"),
@@ -82,11 +84,11 @@ GROUPS: dict[str, tuple[Flag, ...]] = {
 FRONTEND = (
     Flag(("--host",), "gateway.host", "interface the HTTP API binds"),
     Flag(("--port",), "gateway.port", "HTTP port of the API", int),
-    Flag(("--api-key",), "gateway.api_keys", "accepted bearer key (repeat for several)", "append"),
+    Flag(("--api-key",), "gateway.api_keys", "accepted bearer key(s) (several, or repeat the flag)", "list"),
     Flag(("--chat-template",), "model.chat_template", "chat template: a Jinja file, or the template itself"),
     Flag(("--reasoning-parser",), "gateway.reasoning_parser", "split <think> reasoning into the reasoning field"),
     Flag(("--tool-call-parser",), "gateway.tool_call_parser", "read the model's own tool calls (tool_choice auto)"),
-    Flag(("--allowed-origins",), "gateway.allowed_origins", "origins whose pages may call the API (CORS)", "append"),
+    Flag(("--allowed-origins",), "gateway.allowed_origins", "origins whose pages may call the API (CORS)", "list"),
 )
 
 
@@ -135,11 +137,21 @@ def _metavar(name: str) -> str:
     return name.lstrip("-").upper().replace("-", "_")
 
 
+def _schema_choices(key: str) -> tuple | None:
+    """The field's allowed values from the schema (so --help lists them and argparse refuses others)."""
+    section, _, name = key.partition(".")
+    fields = {f.name: f for f in dataclasses.fields(getattr(PdserveConfig(), section))}
+    return fields[name].metadata.get("choices")
+
+
 def _kind(flag: Flag) -> dict:
+    choices = _schema_choices(flag.key)
+    if choices:
+        return {"choices": choices + (tuple(_DTYPE_ALIASES) if flag.key == "model.dtype" else ())}
     if flag.type is None:
         return {"action": argparse.BooleanOptionalAction}
-    if flag.type == "append":
-        return {"action": "append"}
+    if flag.type == "list":  # `--api-key a b` and `--api-key a --api-key b` alike, as vLLM takes them
+        return {"action": "extend", "nargs": "+"}
     return {"type": flag.type}
 
 
@@ -172,6 +184,10 @@ def _as_text(flag: Flag, value) -> str:
         return str(value >> 20)
     if flag.key == "model.dtype":
         return _DTYPE_ALIASES.get(value, value)
+    if flag.key == "model.served_model_name":
+        if len(value) > 1:
+            raise ConfigError(f"{flag.names[0]} {' '.join(value)}: pdserve serves one model under one name; give one")
+        return value[0]
     if isinstance(value, list):
         return ",".join(value)
     if isinstance(value, bool):

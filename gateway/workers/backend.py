@@ -59,11 +59,11 @@ class CompletionEvent:
     finish_reason: str | None = None  # "stop" (EOS or a stop token id) or "length"
     num_cached_tokens: int | None = None  # prompt tokens not recomputed; sent with the first event
     queue_time_s: float | None = None  # time the request waited for a worker; sent with the first event
-    worker_ids: list[str] | None = None  # the workers serving it (decode, then prefill); with the first event
     error: str | None = None  # the request failed in a worker; no more events follow
     refused: bool = False  # with error: refused as invalid before any work (the client's fault: a 400)
     # Asked-for prompt logprobs, on each completion's first event: one per prompt token after the first.
     prompt_logprobs: list[TokenLogprob] | None = None
+    worker_ids: list[str] | None = None  # the workers serving it (decode, then prefill); with the first event
 
     def __post_init__(self) -> None:
         assert self.finish_reason in (None, "stop", "length"), self.finish_reason
