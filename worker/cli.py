@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 from configs.schema import ConfigError, PdserveConfig, load_config
@@ -25,6 +26,9 @@ def load_worker_config(prog: str, description: str, argv: list[str] | None) -> t
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
+    # Until the worker sets up its own format (worker/logs.py, once its id is known): what loading the
+    # config logs (environment variables it ignores, configs/environment.py) is shown at the asked level.
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return load_config(args.config, overrides=parse_overrides(args.set)), args.log_level
     except ConfigError as exc:
