@@ -189,7 +189,7 @@ def test_base_url_measures_a_running_server_with_the_same_workloads(tok_dir, tmp
     import httpx
 
     from benchmarks.serve import main
-    from gateway.serving import ServingLimits
+    from gateway.serving.pipeline import ServingLimits
     from tests import prom
     from tests.fake_backend import API_KEYS, MODEL, live_gateway
 

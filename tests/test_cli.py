@@ -131,26 +131,29 @@ def test_serve_help_groups_flags_as_vllm_does() -> None:
     assert "--no-enable-prefix-caching" in run.stdout and "(engine.kv_cache_memory_mb)" in run.stdout
 
 
-def test_refused_and_unknown_flags_exit_2_with_what_to_do() -> None:
-    cases = [(("serve", "--tensor-parallel-size", "2"), "--tensor-parallel-size 2: pdserve runs each worker on one device"),
-             (("decode", "-tp", "4"), "--tensor-parallel-size 4"),
-             (("serve", "--gpu-memory-utilization", "0.9"), "use --kv-cache-memory-bytes"),
-             (("prefill", "--kv-cache-memory-bytes", "1000"), "needs at least 1 MiB"),
-             (("serve", "--dtype", "fp8"), "argument --dtype: invalid choice: 'fp8'"),
-             (("serve", "--max-model-len", "lots"), "expected a token count"),
-             (("gateway", "--frobnicate", "1"), "unrecognized arguments: --frobnicate"),
-             (("serve", "--log-format", "xml"), "argument --log-format: invalid choice: 'xml'"),
-             (("serve", "--served-model-name", "a", "b"), "pdserve serves one model under one name")]
-    for args, message in cases:
+def test_refused_and_unknown_flags_exit_non_zero_with_what_to_do() -> None:
+    # A value argparse can judge alone is a usage error (2); a setting pdserve refuses is a configuration
+    # error (78, EX_CONFIG), which `pdserve serve` never restarts.
+    usage, config = 2, 78
+    cases = [(("serve", "--tensor-parallel-size", "2"), config, "--tensor-parallel-size 2: pdserve runs each worker on one device"),
+             (("decode", "-tp", "4"), config, "--tensor-parallel-size 4"),
+             (("serve", "--gpu-memory-utilization", "0.9"), config, "use --kv-cache-memory-bytes"),
+             (("prefill", "--kv-cache-memory-bytes", "1000"), config, "needs at least 1 MiB"),
+             (("serve", "--dtype", "fp8"), usage, "argument --dtype: invalid choice: 'fp8'"),
+             (("serve", "--max-model-len", "lots"), usage, "expected a token count"),
+             (("gateway", "--frobnicate", "1"), usage, "unrecognized arguments: --frobnicate"),
+             (("serve", "--log-format", "xml"), usage, "argument --log-format: invalid choice: 'xml'"),
+             (("serve", "--served-model-name", "a", "b"), config, "pdserve serves one model under one name")]
+    for args, code, message in cases:
         run = pdserve(*args)
-        assert run.returncode == 2, (args, run.stdout, run.stderr)
+        assert run.returncode == code, (args, run.stdout, run.stderr)
         assert message in run.stderr, (args, run.stderr)
 
 
 def test_chat_template_flag_takes_a_file_or_the_template(tmp_path: Path) -> None:
     import pytest
 
-    from gateway.tokenizer import load_chat_template
+    from gateway.text.tokenizer import load_chat_template
 
     path = tmp_path / "t.jinja"
     path.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")

@@ -123,7 +123,7 @@ def test_traces_reach_a_receiver_and_nothing_is_made_when_off():
 
 def test_request_report_line_and_span_attributes():
     from gateway.metrics import ChoiceTiming
-    from gateway.request_report import RequestReport
+    from gateway.serving.request_report import RequestReport
 
     usage = {"prompt_tokens": 40, "completion_tokens": 9, "prompt_tokens_details": {"cached_tokens": 32}}
     timings = [ChoiceTiming(0.01, 100.25, 100.5, 6, "length"), ChoiceTiming(0.01, 100.125, 100.75, 3, None)]
