@@ -90,7 +90,7 @@ def test_serve_passes_flags_to_every_member_as_env_over_inherited_ones() -> None
     from cluster.serve import cluster_env, parse_args
 
     args = parse_args(["--max-model-len", "256", "--served-model-name", "X", "--log-format", "json"])
-    env = cluster_env(command_line_overrides(args, "gateway"), "/m", "127.0.0.1", 8001)
+    env = cluster_env(command_line_overrides(args, "gateway"), "/m", "127.0.0.1", [8001])
     assert env["PDSERVE_MODEL_MAX_MODEL_LEN"] == "256" and env["PDSERVE_MODEL_SERVED_MODEL_NAME"] == "X"
     assert env["PDSERVE_OBSERVABILITY_LOG_FORMAT"] == "json" and env["PDSERVE_MODEL_PATH"] == "/m"
     assert env["PDSERVE_DECODE_GATEWAY_ADDRESS"] == "tcp://127.0.0.1:8001"
