@@ -70,7 +70,7 @@ class EngineConfig:
     # after it arrived is refused (xgrammar cannot stop the compile; it ends on its thread, unread).
     grammar_compile_timeout_s: float = _field(30.0, minimum=0.001)
     grammar_compile_threads: int = _field(2, minimum=1)  # grammars compiling at once on a worker
-    grammar_cache_mb: int = _field(256, minimum=0)  # xgrammar's cache of compiled grammars, least recently used out
+    grammar_cache_mb: int = _field(512, minimum=0)  # xgrammar's cache of compiled grammars, least recently used out (vLLM's 512)
 
 
 @dataclass(slots=True)
