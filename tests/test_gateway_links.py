@@ -102,3 +102,33 @@ def test_addresses_parsed_and_names_resolved():
     assert resolve_all(["tcp://localhost:8001", "tcp://127.0.0.1:8001", "ipc:///tmp/gw"]) == [
         "tcp://127.0.0.1:8001", "ipc:///tmp/gw"]
     assert resolve_all(["tcp://no-such-host.invalid:8001"]) == []
+
+
+def test_a_name_stands_for_every_gateway_it_resolves_to_as_they_come_and_go():
+    ctx = zmq.Context()
+    routers = [make_socket(ctx, zmq.ROUTER) for _ in range(2)]
+    a, b = [bind(r, "127.0.0.1", 0) for r in routers]
+    answers = {"tcp://gateways.test:8001": [a]}  # what the DNS says now; the test changes it
+
+    def lookup(endpoints: list[str]) -> list[str]:
+        return [address for endpoint in endpoints for address in answers[endpoint]]
+
+    clock = Clock()
+    links = GatewayLinks(ctx, "tcp://gateways.test:8001", "w1", timeout_s=3.0, resolve_interval_s=0.05,
+                         clock=clock, lookup=lookup)
+    try:
+        assert links.addresses == [a]
+        answers["tcp://gateways.test:8001"] = [a, b]  # a second replica scaled up
+        wait_for(links, lambda: links.lost() == [] and links.addresses == [a, b], "the new replica's link")
+        links.broadcast(Goodbye("w1"))
+        assert receive(routers[0]) == receive(routers[1]) == Goodbye("w1")
+        routers[0].send_multipart([b"w1", encode(HeartbeatAck("gw-a"))])
+        wait_for(links, lambda: links.gateway_ids() == ["gw-a"], "a's ack")
+        answers["tcp://gateways.test:8001"] = [b]  # a leaves the name's answers (draining); b never acked
+        time.sleep(0.2)
+        assert links.lost() == [] and links.addresses == [a, b]  # a still acks: its streams go on
+        clock.now += 3.5
+        assert links.lost() == ["gw-a"] and links.addresses == [b]  # silent and gone from DNS: closed
+    finally:
+        links.close()
+        ctx.destroy(linger=0)

@@ -34,16 +34,16 @@ log = logging.getLogger(__name__)
 class GatewayLinks:
     def __init__(self, ctx: zmq.Context, gateway_address: str, worker_id: str, *, timeout_s: float,
                  resolve_interval_s: float, accepted: tuple[type, ...] = GATEWAY_RECORDS,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 lookup: Callable[[list[str]], list[str]] = resolve_all) -> None:
         assert timeout_s > 0 and resolve_interval_s > 0
         self._ctx, self._worker_id, self._accepted, self._clock = ctx, worker_id, accepted, clock
         self.timeout_s = timeout_s
         endpoints = parse_gateway_addresses(gateway_address)
         self._links: dict[str, WorkerSocket] = {}  # address -> link
-        self._apply(resolve_all(endpoints))
+        self._apply(lookup(endpoints))
         names = [e for e in endpoints if not is_literal(e)]
-        self._resolver = Resolver(endpoints, resolve_interval_s) if names else None
-        self._lost: list[str] = []
+        self._resolver = Resolver(endpoints, resolve_interval_s, lookup) if names else None
 
     # ---- the set of links ----
     def _apply(self, addresses: list[str]) -> None:
