@@ -4,18 +4,22 @@
 The workload makes the gateway the bottleneck: short text prompts (tokenized by the gateway), short
 greedy outputs (8 tokens, each detokenized and sent as an SSE chunk), many concurrent streams, and a
 model so small (tests/model_factory.py's 2-layer llama) that the decode worker's steps cost little.
-Each system is ``pdserve serve --prefill 0 --decode 1 --gateways N``; a closed-loop client keeps
-``concurrency`` streams open, spread evenly over the gateways, for ``seconds`` per point.
+Each system is ``pdserve serve --prefill 0 --decode 1 --gateways N``, all started (and warmed) before
+the first point; a closed-loop client keeps ``concurrency`` streams open, spread evenly over the
+gateways, for ``seconds`` per point, each concurrency on every system in turn, so that the systems see
+the same background load of a shared machine.
 
 Reported per point: completed requests/s, output tokens/s, p50/p99 latency, and the CPU each process
-used over the point (``benchmarks/serve_procs.py``; 100% = one core busy). The client is a minimal
-asyncio HTTP/1.1 keep-alive client on raw sockets, so as little CPU as possible goes to measuring.
+used over the point (``benchmarks/serve_procs.py``; 100% = one core busy), this client's included.
+The client is a minimal asyncio HTTP/1.1 keep-alive client on raw sockets, so as little CPU as possible
+goes to measuring.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import statistics
@@ -103,10 +107,10 @@ async def run_point(system: ServedSystem, concurrency: int, seconds: float) -> t
 
 
 def measure(system: ServedSystem, gateways: int, concurrency: int, seconds: float) -> Point:
-    before = sample_tree(system.proc.pid)
+    before, client_before = sample_tree(system.proc.pid), time.process_time()
     latencies, tokens, errors, elapsed = asyncio.run(run_point(system, concurrency, seconds))
     after = sample_tree(system.proc.pid)
-    cpu = {}
+    cpu = {"client": round(100.0 * (time.process_time() - client_before) / elapsed, 1)}
     for pid, sample in after.items():
         if pid in before and pid != system.proc.pid:
             name = sample.name if sample.name != "gateway" else f"gateway:{pid}"
@@ -130,20 +134,21 @@ def main(argv: list[str] | None = None) -> int:
     model = tiny_model_dir("llama")
     cpus = os.sched_getaffinity(0)
     points: list[Point] = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for gateways in args.gateways:
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as running:
+        systems = {}
+        for gateways in args.gateways:  # all started up front; an idle one costs next to nothing
             system = ServedSystem(f"gateways-{gateways}", model, Path(tmp), cpus, 0, 1,
                                   {"engine": {"block_size": 16, "num_kv_blocks": 2048},
                                    "gateway": {"max_queued_requests": 1024}}, num_gateways=gateways)
-            try:
-                asyncio.run(run_point(system, 4, 3.0))  # warm: the first requests pay for lazy imports
-                for concurrency in args.concurrency:
-                    system.wait_idle()
-                    point = measure(system, gateways, concurrency, args.seconds)
-                    points.append(point)
-                    print(json.dumps(asdict(point)), flush=True)
-            finally:
-                system.stop()
+            running.callback(system.stop)
+            asyncio.run(run_point(system, 16, 5.0))  # warm: the first requests pay for lazy imports
+            systems[gateways] = system
+        for concurrency in args.concurrency:  # each concurrency on every system in turn: same load around
+            for gateways, system in systems.items():
+                system.wait_idle()
+                point = measure(system, gateways, concurrency, args.seconds)
+                points.append(point)
+                print(json.dumps(asdict(point)), flush=True)
     print(f"\n{len(cpus)} CPU(s) available to the run (shared with everything else on this host)")
     print(f"{'gateways':>8} {'streams':>7} {'req/s':>7} {'tok/s':>7} {'p50 ms':>7} {'p99 ms':>7} {'errors':>6}  CPU % per process")
     for pt in points:
