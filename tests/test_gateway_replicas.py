@@ -136,16 +136,25 @@ def test_a_killed_gateway_leaves_the_other_serving_and_its_requests_freed(cluste
     stream = RawStream(b, {"model": MODEL, "prompt": prompt_of(40, seed=50), "max_tokens": 1900,
                            "temperature": 0.0, "ignore_eos": True})
     stream.read_until(b"data: ", count=3)  # decoding on the workers, for B
+    background = httpx.post(f"{b}/v1/responses", timeout=60, json={
+        "model": MODEL, "input": "Count.", "background": True, "max_output_tokens": 1500, "ignore_eos": True}).json()
+    cluster.wait_until(lambda: httpx.get(f"{a}/v1/responses/{background['id']}", timeout=10).json()["status"]
+                       == "in_progress", "B's background response running", timeout_s=60)
     os.kill(gateway_pid(cluster, cluster.port + 1), signal.SIGKILL)
     # A serves on, every worker still registered with it
     prompt = prompt_of(30, seed=51)
     assert ids_of(complete(a, prompt, 8)) == expected_ids(reference, prompt, 8)
     assert {w["id"] for w in cluster.workers(a)} == {"prefill-0", "decode-0"}
-    # the workers take B for dead and free what its request held (it would run for ~1900 tokens otherwise)
-    cluster.wait_until(lambda: any("lost: aborting its 1 requests" in line for line in cluster.log),
-                       "the decode worker to abort the dead gateway's request", timeout_s=60)
+    # the workers take B for dead and free what its requests held (they would run for ~1900 and ~1500
+    # tokens otherwise)
+    cluster.wait_until(lambda: any("lost: aborting its 2 requests" in line for line in cluster.log),
+                       "the decode worker to abort the dead gateway's requests", timeout_s=60)
     cluster.wait_idle(timeout_s=60)
     stream.hang_up()
+    # the background response died with B: A reads it failed once B's liveness key has expired
+    failed = cluster.wait_until(lambda: (r := httpx.get(f"{a}/v1/responses/{background['id']}", timeout=10).json())
+                                ["status"] == "failed" and r, "the dead replica's response failed", timeout_s=60)
+    assert "stopped before it ended" in failed["error"]["message"]
     # B comes back (the supervisor restarts it): the workers register with it again and it serves
     cluster.wait_until(lambda: _registered(cluster, b) == {"prefill-0", "decode-0"}, "B back with every worker",
                        timeout_s=120, poll_s=0.3)

@@ -63,3 +63,24 @@ def test_a_redis_that_does_not_answer_is_a_503_naming_the_store():
     assert info.value.status == 503 and "Redis" in info.value.message and info.value.retry_after_s == 1
     assert not store.put(response("resp_1", None, "x"), [])  # the answer went out; it is just not kept
     assert len(store) == 0 and store.num_bytes == 0  # a scrape still answers
+
+
+def test_a_background_response_whose_replica_is_gone_reads_failed(redis_url):
+    alive, reader, gone = (RedisResponseStore(redis_url, 1 << 20) for _ in range(3))
+    stop = alive.listen_for_cancels(lambda rid: None)  # a serving replica keeps its liveness key
+    try:
+        for _ in range(100):
+            if alive._is_alive(alive.replica_id):
+                break
+            threading.Event().wait(0.05)
+        running = {**response("resp_a", None, ""), "status": "in_progress", "background": True}
+        assert alive.put(running, items("count"))
+        assert gone.put({**running, "id": "resp_g"}, items("count"))  # a replica that never served: dead
+        assert reader.get("resp_a").body == running
+        failed = reader.get("resp_g").body
+        assert failed["status"] == "failed" and "stopped before it ended" in failed["error"]["message"]
+        assert alive.get("resp_g").body == failed  # stored so, for every replica
+        assert gone.put({**running, "id": "resp_d", "status": "completed"}, [])  # ended: no replica needed
+        assert reader.get("resp_d").body["status"] == "completed"
+    finally:
+        stop()
