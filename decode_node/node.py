@@ -24,6 +24,7 @@ from kvtransfer.metrics import TransferMetrics
 from kvtransfer.receiver import KVReceiver
 from kvtransfer.shm_pool import SharedTensor, create_shared
 from worker import EngineMetrics, GatewayLinks, HttpHandle, default_worker_id, kv_model_name, serve_http
+from worker.gateway_links import loss_timeout_s
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +59,8 @@ class DecodeNode:
         options = DecodeOptions(worker_id, kv_server.endpoint, new_incarnation(),
                                 heartbeat_s=config.gateway.worker_heartbeat_s or 5.0,
                                 drain_timeout_s=dc.drain_timeout_s)
-        gateway = GatewayLinks(ctx, dc.gateway_address, worker_id, timeout_s=config.gateway.worker_timeout_s or 15.0,
-                               resolve_interval_s=options.heartbeat_s)
+        gateway = GatewayLinks(ctx, dc.gateway_address, worker_id, resolve_interval_s=options.heartbeat_s,
+                               timeout_s=loss_timeout_s(config.gateway.worker_timeout_s, options.heartbeat_s))
         server = DecodeServer(engine, gateway, receiver, PrefillLinks(ctx, worker_id), EngineMetrics(registry), options)
         http = serve_http(dc.host, dc.http_port, registry, server.is_ready)
         log.info("decode worker %s: kv %s, http %s:%d, gateway %s, %d KV blocks of %d tokens", worker_id,
