@@ -48,6 +48,7 @@ class GatewayLinks:
         self.timeout_s = timeout_s
         endpoints = parse_gateway_addresses(gateway_address)
         self._links: dict[str, WorkerSocket] = {}  # address -> link
+        self._wanted: set[str] = set()  # the addresses the configuration stands for now
         self._apply(lookup(endpoints))
         names = [e for e in endpoints if not is_literal(e)]
         self._resolver = Resolver(endpoints, resolve_interval_s, lookup) if names else None
