@@ -25,6 +25,7 @@ from kvtransfer.receiver import KVReceiver
 from kvtransfer.shm_pool import SharedTensor, ShmCapacityError, create_shared
 from telemetry.tracing import tracer_for
 from worker import EngineMetrics, GatewayLinks, HttpHandle, default_worker_id, kv_model_name, serve_http
+from worker.gateway_links import loss_timeout_s
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +60,8 @@ class DecodeNode:
         options = DecodeOptions(worker_id, kv_server.endpoint, new_incarnation(),
                                 heartbeat_s=config.gateway.worker_heartbeat_s or 5.0,
                                 drain_timeout_s=dc.drain_timeout_s)
-        gateway = GatewayLinks(ctx, dc.gateway_address, worker_id, timeout_s=config.gateway.worker_timeout_s or 15.0,
-                               resolve_interval_s=options.heartbeat_s)
+        gateway = GatewayLinks(ctx, dc.gateway_address, worker_id, resolve_interval_s=options.heartbeat_s,
+                               timeout_s=loss_timeout_s(config.gateway.worker_timeout_s, options.heartbeat_s))
         server = DecodeServer(engine, gateway, receiver, PrefillLinks(ctx, worker_id),
                               EngineMetrics(registry, config.model.name_for_clients()), options,
                               tracer_for("decode", worker_id, config.observability.otlp_traces_endpoint))

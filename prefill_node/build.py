@@ -13,6 +13,7 @@ from telemetry.tracing import tracer_for
 from prefill_node.metrics import PrefillMetrics
 from prefill_node.options import PrefillOptions
 from prefill_node.server import PrefillServer
+from worker.gateway_links import loss_timeout_s
 from worker.identity import default_worker_id, kv_model_name
 
 
@@ -24,7 +25,7 @@ def options_from_config(config: PdserveConfig) -> PrefillOptions:
         port=config.prefill.port,
         gateway_address=config.prefill.gateway_address,
         heartbeat_s=config.gateway.worker_heartbeat_s or 5.0,
-        gateway_timeout_s=config.gateway.worker_timeout_s or 15.0,
+        gateway_timeout_s=loss_timeout_s(config.gateway.worker_timeout_s, config.gateway.worker_heartbeat_s or 5.0),
         transports=tuple(TRANSPORTS) if transport == "auto" else (transport,),
         transfer_deadline_s=config.transfer.lease_seconds or 30.0,  # the receiver's lease: same horizon
         drain_timeout_s=config.prefill.drain_timeout_s,

@@ -106,6 +106,7 @@ def test_kubernetes_probes_ports_and_grace_periods():
     [workers_service] = docs(DEPLOY / "k8s" / "gateway-workers-service.yaml")
     assert workers_service["metadata"]["name"] == "pdserve-gateway-workers"
     assert workers_service["spec"]["clusterIP"] == "None"
+    assert workers_service["spec"]["publishNotReadyAddresses"] is True  # a gateway is ready only once workers registered
     assert workers_service["spec"]["selector"] == gateway_service["spec"]["selector"]
     [hpa] = docs(DEPLOY / "k8s" / "gateway-hpa.yaml")
     assert hpa["spec"]["scaleTargetRef"]["name"] == docs(DEPLOY / "k8s" / "gateway.yaml")[0]["metadata"]["name"]

@@ -12,7 +12,7 @@ from protocol.codec import decode, encode
 from protocol.serving import AbortRequest, Busy, Goodbye, HeartbeatAck
 from protocol.zmq_util import bind, make_socket
 from worker.gateway_endpoints import parse_gateway_addresses, resolve_all
-from worker.gateway_links import GatewayLinks
+from worker.gateway_links import GatewayLinks, loss_timeout_s
 
 
 class Clock:
@@ -132,3 +132,9 @@ def test_a_name_stands_for_every_gateway_it_resolves_to_as_they_come_and_go():
     finally:
         links.close()
         ctx.destroy(linger=0)
+
+
+def test_a_gateway_is_lost_only_after_two_heartbeats_without_an_ack_at_least():
+    assert loss_timeout_s(15.0, 5.0) == 15.0  # the configured horizon, as the gateway drops workers
+    assert loss_timeout_s(3.0, 5.0) == 10.0  # acks come once per heartbeat: never under two of them
+    assert loss_timeout_s(0.0, 1.0) == 15.0  # 0: the default

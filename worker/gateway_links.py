@@ -31,6 +31,13 @@ from worker.gateway_socket import GATEWAY_RECORDS, WorkerSocket
 log = logging.getLogger(__name__)
 
 
+def loss_timeout_s(worker_timeout_s: float, heartbeat_s: float) -> float:
+    """How long a gateway may ack nothing before it is lost: ``gateway.worker_timeout_s`` (the horizon
+    after which a gateway drops a silent worker; 0: 15 s), but never under two heartbeats, since acks
+    come once per heartbeat and a shorter horizon would take a live gateway for dead."""
+    return max(worker_timeout_s or 15.0, 2 * heartbeat_s)
+
+
 class GatewayLinks:
     def __init__(self, ctx: zmq.Context, gateway_address: str, worker_id: str, *, timeout_s: float,
                  resolve_interval_s: float, accepted: tuple[type, ...] = GATEWAY_RECORDS,
@@ -41,6 +48,7 @@ class GatewayLinks:
         self.timeout_s = timeout_s
         endpoints = parse_gateway_addresses(gateway_address)
         self._links: dict[str, WorkerSocket] = {}  # address -> link
+        self._wanted: set[str] = set()  # the addresses the configuration stands for now
         self._apply(lookup(endpoints))
         names = [e for e in endpoints if not is_literal(e)]
         self._resolver = Resolver(endpoints, resolve_interval_s, lookup) if names else None
