@@ -17,7 +17,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, replace
 
 import anyio
@@ -76,18 +76,17 @@ class OpenAIServing:
         self.num_in_flight = 0
 
     async def completions(self, request: Request, body) -> object:
-        trace = self._trace(request)
-        return await self._serve(request, parse_completion(body), chat=False, trace=trace)
+        return await self._traced(request, lambda trace: self._serve(request, parse_completion(body), chat=False,
+                                                                     trace=trace))
 
     async def chat(self, request: Request, body) -> object:
-        trace = self._trace(request)
-        return await self._serve(request, parse_chat(body, self._parsers.tool_calls), chat=True, trace=trace)
+        return await self._traced(request, lambda trace: self._serve(
+            request, parse_chat(body, self._parsers.tool_calls), chat=True, trace=trace))
 
     async def messages(self, request: Request, body) -> object:
         """Anthropic's Messages API: the chat request it amounts to, answered as a Message (messages_output)."""
-        trace = self._trace(request)
-        return await self._serve(request, parse_messages(body, self._parsers.tool_calls), chat=True, anthropic=True,
-                                 trace=trace)
+        return await self._traced(request, lambda trace: self._serve(
+            request, parse_messages(body, self._parsers.tool_calls), chat=True, anthropic=True, trace=trace))
 
     def count_message_tokens(self, body) -> dict:
         """Anthropic's count_tokens: the prompt a Messages request would have (max_tokens is not needed)."""
@@ -97,18 +96,26 @@ class OpenAIServing:
 
     async def responses(self, request: Request, body) -> object:
         """The Responses API: the chat request it amounts to, answered as a Response (responses_output)."""
-        trace = self._trace(request)
-        asked = parse_responses(body, self._parsers.tool_calls, self.store)
-        return await self._serve(request, asked.parsed, chat=True, responses=asked, trace=trace)
+        async def serve(trace: RequestTrace | None) -> object:
+            asked = parse_responses(body, self._parsers.tool_calls, self.store)
+            return await self._serve(request, asked.parsed, chat=True, responses=asked, trace=trace)
 
-    def _trace(self, request: Request) -> RequestTrace | None:
-        """The request's span (a child of the client's traceparent header, if any), its parse phase open."""
+        return await self._traced(request, serve)
+
+    async def _traced(self, request: Request, serve: Callable[[RequestTrace | None], Awaitable[object]]) -> object:
+        """``serve(trace)`` under the request's span when tracing is on (a child of the client's traceparent
+        header, if any; its parse phase open). The span ends with the error when the request is refused
+        before it began (a 400, 404, 503) or the client left; else when it ends (``_finish``)."""
         if not self._tracer.enabled:
-            return None
+            return await serve(None)
         trace = self._tracer.request(f"{request.method} {request.url.path}", request.headers.get("traceparent", ""),
                                      kind=KIND_SERVER, **{"gen_ai.request.model": self._limits.model_name})
         trace.phase("parse")
-        return trace
+        try:
+            return await serve(trace)
+        except BaseException as e:
+            trace.end(error=f"{type(e).__name__}: {e}"[:300])
+            raise
 
     def tokenize_prompt(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
         if isinstance(prompt, str):
@@ -134,15 +141,6 @@ class OpenAIServing:
 
     async def _serve(self, request: Request, p: ParsedRequest, chat: bool, responses: ResponsesRequest | None = None,
                      anthropic: bool = False, trace: RequestTrace | None = None) -> object:
-        try:
-            return await self._serve_traced(request, p, chat, responses, anthropic, trace)
-        except BaseException as e:  # refused before it began (a 400, 404, 503), or the client left: the span ends
-            if trace is not None:
-                trace.end(error=f"{type(e).__name__}: {e}"[:300])
-            raise
-
-    async def _serve_traced(self, request: Request, p: ParsedRequest, chat: bool, responses: ResponsesRequest | None,
-                            anthropic: bool, trace: RequestTrace | None) -> object:
         arrival = time.monotonic()
         if trace is not None:
             trace.phase("tokenize")
