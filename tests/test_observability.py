@@ -134,3 +134,34 @@ def test_request_report_line_and_span_attributes():
     failed = RequestReport.of("cmpl-2", "X", "failed", usage, [ChoiceTiming(0.0, None, None, 0, None)], [], 5.0, 5.5)
     assert "ttft=- e2e=0.500s finish=- workers=-" in failed.log_line() and failed.error == "failed"
     assert failed.span_attributes()["pdserve.outcome"] == "failed"
+
+
+def test_gateway_traces_every_request_refused_ones_included(tok_dir):
+    import httpx
+
+    from tests.fake_backend import API_KEYS, MODEL, live_gateway
+
+    receiver = OtlpReceiver()
+    tracer = tracer_for("gateway", "gateway", receiver.url, env={"OTEL_BSP_SCHEDULE_DELAY": "50"})
+    try:
+        with live_gateway(tok_dir, tracer=tracer) as live:
+            headers = {"Authorization": f"Bearer {API_KEYS[0]}"}
+            bad = httpx.post(f"{live.base_url}/v1/completions", headers=headers,
+                             json={"model": MODEL, "prompt": "Hi", "max_tokens": "many"})
+            ok = httpx.post(f"{live.base_url}/v1/chat/completions", headers=headers,
+                            json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3})
+            assert (bad.status_code, ok.status_code) == (400, 200)
+            give_up = time.monotonic() + 30
+            while len({s.trace_id for s in receiver.spans if s.parent_span_id == ""}) < 2 and time.monotonic() < give_up:
+                time.sleep(0.05)
+        tracer.exporter.shutdown()
+        roots = {s.name: s for s in receiver.spans if s.parent_span_id == ""}
+        assert sorted(roots) == ["POST /v1/chat/completions", "POST /v1/completions"]
+        refused = [s for s in receiver.spans if s.trace_id == roots["POST /v1/completions"].trace_id]
+        assert sorted((s.name, s.error is not None) for s in refused) == [("POST /v1/completions", True), ("parse", True)]
+        assert "max_tokens" in roots["POST /v1/completions"].error
+        served = {s.name for s in receiver.spans if s.trace_id == roots["POST /v1/chat/completions"].trace_id}
+        assert served == {"POST /v1/chat/completions", "parse", "tokenize", "generate", "stream"}
+        assert roots["POST /v1/chat/completions"].attributes["gen_ai.usage.completion_tokens"] == 3
+    finally:
+        receiver.close()
