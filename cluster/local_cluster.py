@@ -24,6 +24,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -63,10 +64,10 @@ def _die_with_parent() -> None:
 class MemberFailed(Exception):
     """A member exited in a way no restart mends; the message names it, its exit status and why."""
 
-    def __init__(self, name: str, returncode: int, serving: bool):
-        why = ("a configuration error (see its line above)" if returncode == EX_CONFIG
-               else "before the cluster was ready" if not serving else "")
-        super().__init__(f"{name} exited with code {returncode}: {why}; not restarting it")
+    def __init__(self, name: str, returncode: int, serving: bool, last_line: str):
+        why = "a configuration error" if returncode == EX_CONFIG else "before the cluster was ready"
+        said = f" ({last_line})" if last_line else ""
+        super().__init__(f"{name} exited with code {returncode}, {why}{said}; not restarting it")
         self.returncode = returncode
 
 
@@ -77,6 +78,22 @@ class Member:
     proc: subprocess.Popen | None = None
     restarts: int = 0
     died_at: float | None = None  # when an unexpected exit was noticed (restart after the backoff)
+    last_line: str = ""  # the last line it wrote to stderr: why it stopped, when it stopped on an error
+    forwarder: threading.Thread | None = None  # copies its stderr through to ours, keeping last_line
+
+
+def _forward_stderr(member: Member, pipe) -> None:
+    """Runs until the member exits. Keeps reading whatever happens to our own stderr: a member whose
+    pipe fills up would block in its next log call."""
+    for raw in pipe:
+        try:
+            sys.stderr.buffer.write(raw)
+            sys.stderr.buffer.flush()
+        except (OSError, ValueError):  # our stderr closed or gone: the line is still read
+            pass
+        if line := raw.decode(errors="replace").strip():
+            member.last_line = line[:500]
+    pipe.close()
 
 
 @dataclass(slots=True)
@@ -124,8 +141,11 @@ class LocalCluster:
 
     def _launch(self, member: Member) -> None:
         env = {**os.environ, **self.spec.env, "OMP_NUM_THREADS": str(self.spec.threads_per_worker)}
-        member.proc = subprocess.Popen(member.argv, env=env, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
-        member.died_at = None
+        member.proc = subprocess.Popen(member.argv, env=env, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                       preexec_fn=_die_with_parent)
+        member.died_at, member.last_line = None, ""
+        member.forwarder = threading.Thread(target=_forward_stderr, args=(member, member.proc.stderr), daemon=True)
+        member.forwarder.start()
 
     def supervise_once(self, now: float | None = None) -> list[str]:
         """Restart members that exited on their own; returns the names restarted now. Raises
@@ -139,7 +159,8 @@ class LocalCluster:
                 member.died_at = now
                 remove_shm_segments(member.proc.pid)
                 if member.proc.returncode == EX_CONFIG or not self.serving:
-                    raise MemberFailed(member.name, member.proc.returncode, self.serving)
+                    member.forwarder.join(timeout=2.0)  # its last words, which end where it exited
+                    raise MemberFailed(member.name, member.proc.returncode, self.serving, member.last_line)
                 print(f"pdserve: {member.name} exited with code {member.proc.returncode}; restarting", flush=True)
             elif now - member.died_at >= RESTART_BACKOFF_S:
                 member.restarts += 1

@@ -174,7 +174,8 @@ def main(argv: list[str]) -> int:
         print("pdserve: draining and stopping ...", flush=True)
         return 0
     except MemberFailed as exc:
-        print(f"pdserve serve: {exc}; stopping the cluster", file=sys.stderr)
+        cluster.stop()  # first: the reason is the last line the operator sees
+        print(f"pdserve serve: {exc}; every member stopped", file=sys.stderr)
         return EX_CONFIG if exc.returncode == EX_CONFIG else 1
     finally:
         cluster.stop()

@@ -48,8 +48,10 @@ class KVSenders:
         # address -> (error, until): jobs for a receiver that just failed its handshake fail at once
         # instead of each waiting out a handshake of its own.
         self._failed: dict[str, tuple[HandshakeError, float]] = {}
-        # address -> receiver incarnations that restarted away from under our handshake
+        # address -> receiver incarnations gone: those that restarted away from under our handshake, and
+        # those a job named that the receiver no longer was when we handshook again for it
         self._outlived: dict[str, collections.deque[str]] = {}
+        self._awaited: dict[str, str] = {}  # address -> the incarnation a job named, while we handshake again
 
     def prepare(self, address: str, incarnation: str = "") -> bool:
         """True when the sender for ``address`` is handshaken (with receiver ``incarnation``, when one
@@ -57,7 +59,7 @@ class KVSenders:
         the HandshakeError when the receiver refused us, did not answer within the last
         ``handshake_timeout_s``, or ``incarnation`` is one that restarted since. Never blocks."""
         if incarnation in self._outlived.get(address, ()):
-            raise HandshakeError(f"the receiver at {address} restarted since incarnation {incarnation[:16]}")
+            raise HandshakeError(f"the job's receiver incarnation {incarnation[:16]} is gone (its decode worker restarted)")
         failed = self._failed.get(address)
         if failed is not None:
             if self._clock() < failed[1]:
@@ -70,7 +72,7 @@ class KVSenders:
                               transports=self._transports, metrics=self._metrics, clock=self._clock)
             self._senders[address] = sender
         if incarnation and not sender.needs_handshake and sender.peer_incarnation != incarnation:
-            self._on_receiver_restart(address, sender)
+            self._on_receiver_restart(address, sender, incarnation)
         if sender.needs_handshake and not sender.handshake_pending:
             sender.start_handshake(self._handshake_timeout_s)
         return not sender.needs_handshake
@@ -96,17 +98,27 @@ class KVSenders:
                 self._on_handshake_end(address, sender)
         return events
 
-    def _on_receiver_restart(self, address: str, sender: KVSender) -> None:
+    def _on_receiver_restart(self, address: str, sender: KVSender, named: str) -> None:
         log.info("the KV receiver at %s restarted (incarnation %s gone): handshaking again", address,
                  sender.peer_incarnation[:16])
         self._metrics.handshakes.labels("receiver_restarted").inc()
-        self._outlived.setdefault(address, collections.deque(maxlen=MAX_OUTLIVED)).append(sender.peer_incarnation)
+        self._outlive(address, sender.peer_incarnation)
+        self._awaited[address] = named
         sender.forget_receiver("the receiver restarted")
+
+    def _outlive(self, address: str, incarnation: str) -> None:
+        self._outlived.setdefault(address, collections.deque(maxlen=MAX_OUTLIVED)).append(incarnation)
 
     def _on_handshake_end(self, address: str, sender: KVSender) -> None:
         error = sender.handshake_error
+        named = self._awaited.pop(address, "")
         if error is None:
             log.info("handshake with %s: transport %s", address, sender.transport)
+            outlived = self._outlived.get(address, ())
+            if sender.peer_incarnation in outlived:  # it had not restarted: a job named one that is gone
+                outlived.remove(sender.peer_incarnation)
+            if named and named != sender.peer_incarnation:  # the job's receiver is gone
+                self._outlive(address, named)
             return
         self._metrics.handshakes.labels("failed").inc()
         log.warning("handshake with %s failed: %s", address, error)

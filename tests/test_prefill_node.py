@@ -610,3 +610,32 @@ def test_a_grammar_compiles_off_the_loop_while_other_jobs_prefill(cluster):
     assert c.sample("pdserve:prefill_jobs_rejected_total", reason="bad_job") == 1
     c.assert_idle_no_leak()
 
+
+
+def test_a_job_from_a_receiver_incarnation_that_is_gone_fails_at_once_and_the_next_one_serves(cluster):
+    # A job names D's receiver incarnation (a D restarted in place keeps its address). One that names an
+    # incarnation the receiver no longer is (its D died after sending it) costs one handshake to find
+    # out, fails with the reason, and leaves the jobs of the live incarnation exact.
+    c = cluster
+    tokens = prompt(11, seed=31)
+    ref_kv, ref_token = reference(tokens)
+    c.start()
+    stale = c.decode.job("old", tokens)
+    stale.kv_incarnation = "a-process-that-died"
+    c.decode.send(stale)
+    failed = c.decode.recv_failed()
+    assert failed.rid == "old" and "the job's receiver incarnation a-process-that-d is gone" in failed.reason
+    assert c.sample("pdserve:kv_handshakes_total", result="receiver_restarted") == 1
+    with c.decode.lock:
+        c.decode.rx.abort("old")  # as the decode worker does on PrefillFailed
+    for rid in ("new-1", "new-2"):
+        job = c.decode.job(rid, tokens)
+        job.kv_incarnation = c.decode.rx.incarnation
+        c.decode.send(job)
+        done = c.decode.wait_event(rid)
+        assert done.ok and done.commit.first_token == ref_token
+        expect_kv(c, job, ref_kv)
+        c.decode.adopt(rid)
+    assert c.sample("pdserve:kv_handshakes_total", result="receiver_restarted") == 1  # no more handshakes
+    c.stop()
+    c.assert_idle_no_leak()
