@@ -2,12 +2,17 @@
 
 Prints the URL at once and ``pdserve: ready`` when ``/ready`` answers 200 and every worker it started
 has registered with the gateway. Ctrl-C or SIGTERM drains every worker and stops everything.
+
+The worker plane is CURVE-encrypted with the configured cluster key, or, when none is configured, with
+a key made for this run: written 0600 in a private temporary directory whose path (never the key) the
+members get in PDSERVE_TRANSFER_CLUSTER_KEY_FILE, removed at exit.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import sys
 import time
@@ -16,6 +21,7 @@ import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from cluster.keygen import write_private_key
 from cluster.local_cluster import ClusterSpec, LocalCluster
 from configs.schema import ConfigError, load_config
 from gateway.__main__ import add_chat_parser_args
@@ -102,8 +108,21 @@ def main(argv: list[str]) -> int:
     port = config.gateway.port if args.port is None else args.port
     cores = len(os.sched_getaffinity(0))  # the cores this process may use (taskset, cgroups), not the host's
     threads = max(1, cores // (num_prefill + num_decode))
-    spec = ClusterSpec(args.config, cluster_env(args, model, host, config.gateway.worker_port),
-                       num_prefill, num_decode, threads, drain_timeout_s=config.decode.drain_timeout_s)
+    env = cluster_env(args, model, host, config.gateway.worker_port)
+    made_key = None
+    if not config.transfer.cluster_key_file and not config.transfer.insecure:
+        made_key = env["PDSERVE_TRANSFER_CLUSTER_KEY_FILE"] = write_private_key()
+    try:
+        return run_cluster(ClusterSpec(args.config, env, num_prefill, num_decode, threads,
+                                       drain_timeout_s=config.decode.drain_timeout_s),
+                           host, port, model, args.ready_timeout)
+    finally:
+        if made_key is not None:
+            shutil.rmtree(os.path.dirname(made_key), ignore_errors=True)
+
+
+def run_cluster(spec: ClusterSpec, host: str, port: int, model: str, ready_timeout: float) -> int:
+    num_prefill, num_decode, threads = spec.num_prefill, spec.num_decode, spec.threads_per_worker
     cluster = LocalCluster(spec)
     stop = []
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -113,9 +132,9 @@ def main(argv: list[str]) -> int:
           f"{threads} thread(s) each, model {model})", flush=True)
     cluster.start()
     try:
-        if not wait_ready(url, cluster, args.ready_timeout, {"prefill": num_prefill, "decode": num_decode}) and not stop:
+        if not wait_ready(url, cluster, ready_timeout, {"prefill": num_prefill, "decode": num_decode}) and not stop:
             print(f"pdserve: {url}/ready did not answer 200 with all {num_prefill} prefill + {num_decode} decode "
-                  f"workers registered within {args.ready_timeout:.0f} s", file=sys.stderr)
+                  f"workers registered within {ready_timeout:.0f} s", file=sys.stderr)
             return 1
         if not stop:
             print(f"pdserve: ready — OpenAI API at {url}/v1", flush=True)

@@ -10,6 +10,7 @@ import os
 import sys
 
 from decode_node.node import DecodeNode
+from protocol.curve import ClusterKeyError
 from worker import install_drain, setup_logging
 from worker.cli import load_worker_config
 
@@ -20,7 +21,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     config, log_level = loaded
     setup_logging("decode", config.decode.worker_id or "-", log_level)
-    node = DecodeNode.start(config)
+    try:
+        node = DecodeNode.start(config)
+    except ClusterKeyError as exc:
+        print(f"decode worker: {exc}", file=sys.stderr)
+        return 2
     install_drain(node.server.request_drain)
     print(f"READY http_port={node.http.port} kv_address={node.server.options.kv_address} "
           f"worker_id={node.server.options.worker_id} pid={os.getpid()}", flush=True)

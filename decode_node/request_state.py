@@ -21,6 +21,7 @@ class DecodeRequest:
     deadline: float  # time.time(): past it the request is dropped and its blocks freed
     arrived: float  # time.monotonic() at Generate
     phase: Phase
+    gateway: str = ""  # the address of the gateway that sent it: losing that gateway aborts it
     prefill_address: str = ""  # the prefill worker doing its job ("" once it is done or never)
     generation: int = 0  # transfer generation of the current attempt
     num_sent: list[int] = field(default_factory=list)  # per completion: output tokens already streamed

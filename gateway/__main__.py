@@ -78,6 +78,7 @@ def build(config: PdserveConfig):
     from .serving import ServingLimits
     from .tokenizer import Tokenizer
     from .zmq_backend import ZmqBackend, ZmqBackendParams
+    from protocol.curve import plane_security
 
     g = config.gateway
     path = model_dir(config)
@@ -87,7 +88,8 @@ def build(config: PdserveConfig):
     router = RouterParams(config.engine.block_size, Policy(g.routing_policy), g.local_prefill_max_tokens)
     backend = ZmqBackend(registry, metrics, ZmqBackendParams(
         g.host, g.worker_port, router, max_queued_requests=g.max_queued_requests, queue_timeout_s=g.queue_timeout_s,
-        default_timeout_s=g.request_timeout_s))
+        default_timeout_s=g.request_timeout_s,
+        security=plane_security(config.transfer.cluster_key_file, config.transfer.insecure)))
     name = config.model.served_model_name or config.model.path or DEFAULT_MODEL_NAME
     limits = ServingLimits(name, context_length(path, config.model.max_model_len),
                            request_timeout_s=g.request_timeout_s or None)
@@ -109,7 +111,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import uvicorn
 
-    app, _ = build(config)
+    from protocol.curve import ClusterKeyError
+
+    try:
+        app, _ = build(config)
+    except ClusterKeyError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     # uvicorn handles SIGINT/SIGTERM: stops accepting, finishes open responses, runs the lifespan exit,
     # then re-raises the signal under the handler found before it; a drained stop is a clean exit, so 0
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))

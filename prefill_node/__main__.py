@@ -12,6 +12,7 @@ import sys
 import zmq
 
 from prefill_node.build import build_prefill_server
+from protocol.curve import ClusterKeyError
 from worker import install_drain, serve_http, setup_logging
 from worker.cli import load_worker_config
 
@@ -22,7 +23,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     config, log_level = loaded
     ctx = zmq.Context()
-    server = build_prefill_server(config, ctx)
+    try:
+        server = build_prefill_server(config, ctx)
+    except ClusterKeyError as exc:
+        print(f"prefill worker: {exc}", file=sys.stderr)
+        return 2
     setup_logging("prefill", server.options.worker_id, log_level)
     http = serve_http(config.prefill.host, config.prefill.http_port, server.metrics.registry, server.is_ready)
     install_drain(server.request_drain)

@@ -10,6 +10,7 @@ from engine.llm import build_engine
 from prefill_node.metrics import PrefillMetrics
 from prefill_node.options import PrefillOptions
 from prefill_node.server import PrefillServer
+from protocol.curve import plane_security
 from protocol.kv_messages import TRANSPORTS
 from worker.identity import default_worker_id, kv_model_name
 
@@ -37,6 +38,9 @@ def resolve_model_path(config: PdserveConfig) -> str:
 
 def build_prefill_server(config: PdserveConfig, ctx: zmq.Context,
                          registry: CollectorRegistry | None = None) -> PrefillServer:
+    """Raises ClusterKeyError (before loading the model) without a usable cluster key."""
+    security = plane_security(config.transfer.cluster_key_file, config.transfer.insecure)
     engine = build_engine(resolve_model_path(config), config.model, config.engine)
     metrics = PrefillMetrics(registry or CollectorRegistry())
-    return PrefillServer(engine, kv_model_name(config.model.path), ctx, options_from_config(config), metrics)
+    return PrefillServer(engine, kv_model_name(config.model.path), ctx, options_from_config(config), metrics,
+                         security)

@@ -5,6 +5,10 @@ cuda_ipc on one host on GPU, zmq otherwise; loopback only exists inside one proc
 receiver restarted (a WriteRejected for an unknown incarnation) asks for a new handshake before its
 next transfer. Handshakes never block the prefill loop: a job waits in the admission queue while the
 handshake for its receiver is in flight, and fails at once when that handshake failed.
+
+A receiver whose connection went down (it exited, or its ZMTP heartbeats stopped) is forgotten: its
+transfers fail and unpin, its socket closes and its shm mapping goes with the sender; a later job for
+that address handshakes again. Addresses come from peers: a malformed one fails its job, nothing more.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from kvtransfer.channel import ZmqClient
 from kvtransfer.events import TransferEvent
 from kvtransfer.metrics import TransferMetrics
 from kvtransfer.sender import HandshakeError, KVSender
+from protocol.curve import PlaneSecurity
+from protocol.endpoints import endpoint_error
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +33,9 @@ log = logging.getLogger(__name__)
 class KVSenders:
     def __init__(self, ctx: zmq.Context, pool: KVPool, model_name: str, metrics: TransferMetrics, *,
                  transports: tuple[str, ...], deadline_s: float, handshake_timeout_s: float = 5.0,
-                 max_frame_bytes: int = 64 << 20, clock: Callable[[], float] = time.monotonic):
+                 max_frame_bytes: int = 64 << 20, clock: Callable[[], float] = time.monotonic,
+                 security: PlaneSecurity | None = None):
+        self._security = security or PlaneSecurity(None)
         self._ctx = ctx
         self._pool = pool
         self._model_name = model_name
@@ -53,7 +61,12 @@ class KVSenders:
             del self._failed[address]
         sender = self._senders.get(address)
         if sender is None:
-            channel = ZmqClient(self._ctx, address, max_msg_size=self._max_frame_bytes)
+            if error := endpoint_error(address):
+                raise HandshakeError(f"bad KV address: {error}")
+            try:
+                channel = ZmqClient(self._ctx, address, max_msg_size=self._max_frame_bytes, security=self._security)
+            except zmq.ZMQError as exc:
+                raise HandshakeError(f"cannot connect to {address[:80]!r}: {exc}") from None
             sender = KVSender(self._pool, self._model_name, channel, deadline_s=self._deadline_s,
                               transports=self._transports, metrics=self._metrics, clock=self._clock)
             self._senders[address] = sender
@@ -76,6 +89,13 @@ class KVSenders:
     def poll(self) -> list[TransferEvent]:
         events: list[TransferEvent] = []
         for address, sender in list(self._senders.items()):
+            if sender.channel.take_lost():
+                log.warning("KV receiver at %s disconnected: its transfers fail, its sender closes", address)
+                sender.fail_all("receiver disconnected")
+                events += sender.poll()
+                sender.channel.close()
+                del self._senders[address]
+                continue
             pending = sender.handshake_pending
             events += sender.poll()
             if pending and not sender.handshake_pending:

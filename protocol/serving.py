@@ -124,6 +124,9 @@ class Generate:
     sampling: SamplingSpec
     prefill_address: str  # the chosen prefill worker's endpoint; "" = prefill locally on this worker
     deadline: float  # time.time() after which every node drops the request and frees its blocks
+    # The prefill worker's CURVE public key (z85) as it registered: the decode worker takes this request's
+    # KV from that key only. "" on an insecure plane or with local prefill.
+    prefill_key: str = ""
 
     def __post_init__(self) -> None:
         assert self.token_ids, "empty prompt"
@@ -217,6 +220,9 @@ class Heartbeat:
     num_waiting: int
     queued_prefill_tokens: int  # prompt tokens still to compute
     draining: bool = False  # finishing in-flight work; send it nothing new
+    # HMAC(cluster key, the worker's CURVE public key, worker_id, incarnation) in hex: proves membership
+    # (protocol/curve.py); "" on an insecure plane.
+    proof: str = ""
 
     def __post_init__(self) -> None:
         assert self.role in ROLES, self.role

@@ -1,9 +1,15 @@
-"""The worker's one socket to the gateway: a DEALER whose ZeroMQ identity is the worker id.
+"""The worker's one socket to the gateway: a DEALER (a CURVE client of the cluster's key) whose ZeroMQ
+identity is the worker id.
 
 Frames are single msgpack records (protocol/serving.py). A frame that does not decode into a record
 the gateway may send is dropped and counted (``num_rejected``); the worker keeps running. Sends never
 block: when the gateway is gone or slow and the queue is full, the record is dropped and counted
 (heartbeats re-register the worker once the gateway is back; streams are the gateway's to time out).
+
+The gateway knows the worker by the key it registered with (the Heartbeat's proof), not by the identity,
+which only names the connection (gateway/worker_link.py). A socket monitor reports a lost connection to the gateway
+(closed, or its ZMTP heartbeats stopped): ``take_lost`` is then True once, and the worker aborts what
+that gateway asked of it, since the gateway either restarted or gave those requests up.
 """
 
 from __future__ import annotations
@@ -11,8 +17,10 @@ from __future__ import annotations
 import logging
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from protocol.codec import WireError, decode, encode
+from protocol.curve import PlaneSecurity
 from protocol.serving import AbortRequest, Generate
 from protocol.zmq_util import make_socket
 
@@ -24,14 +32,26 @@ GATEWAY_RECORDS = (Generate, AbortRequest)  # what a gateway sends to a worker
 
 class WorkerSocket:
     def __init__(self, ctx: zmq.Context, gateway_address: str, worker_id: str, *,
-                 accepted: tuple[type, ...] = GATEWAY_RECORDS, hwm: int = 1024):
+                 accepted: tuple[type, ...] = GATEWAY_RECORDS, hwm: int = 1024, security: PlaneSecurity | None = None):
         self.worker_id = worker_id
+        self.gateway_address = gateway_address  # names the gateway in per-gateway state
         self.accepted = accepted  # a prefill worker passes (AbortRequest,)
+        self.security = security or PlaneSecurity(None)
         self.sock = make_socket(ctx, zmq.DEALER, hwm=hwm, max_msg_size=MAX_FRAME_BYTES)
+        self.security.client(self.sock)
         self.sock.setsockopt(zmq.IDENTITY, worker_id.encode())
+        self._monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.sock.connect(gateway_address)
+        self._lost = False
+        self._proofs: dict[str, str] = {}  # incarnation -> registration proof
         self.num_rejected = 0  # frames that were not a valid record of an accepted type
         self.num_dropped = 0  # records not sent: the gateway's queue was full or unreachable
+
+    def registration_proof(self, incarnation: str) -> str:
+        """What the Heartbeat's ``proof`` carries (protocol/curve.py)."""
+        if incarnation not in self._proofs:
+            self._proofs[incarnation] = self.security.registration_proof(self.worker_id, incarnation)
+        return self._proofs[incarnation]
 
     def send(self, record) -> bool:
         try:
@@ -40,6 +60,16 @@ class WorkerSocket:
         except zmq.Again:
             self.num_dropped += 1
             return False
+
+    def take_lost(self) -> bool:
+        """True (once) when the connection to the gateway went down since the last call."""
+        while self._monitor.poll(0):
+            if recv_monitor_message(self._monitor)["event"] == zmq.EVENT_DISCONNECTED:
+                self._lost = True
+        lost, self._lost = self._lost, False
+        if lost:
+            log.warning("lost the connection to the gateway at %s", self.gateway_address)
+        return lost
 
     def poll(self, timeout_ms: int = 0, max_records: int = 1024) -> list:
         """Records that arrived, waiting up to ``timeout_ms`` for the first one."""
@@ -61,8 +91,13 @@ class WorkerSocket:
                 self.num_rejected += 1
                 log.warning("rejected frame from gateway: %s", exc)
                 continue
+            if isinstance(record, AbortRequest) and not record.rid:
+                continue  # the gateway's connection probe (gateway/worker_link.py)
             records.append(record)
         return records
 
     def close(self) -> None:
+        if not self.sock.closed:  # idempotent; a context destroyed first closed it already
+            self.sock.disable_monitor()
+        self._monitor.close(linger=0)
         self.sock.close(linger=0)
