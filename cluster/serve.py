@@ -8,6 +8,10 @@ has registered with the gateway. Ctrl-C or SIGTERM drains every worker and stops
 ``gateway_address`` lists them all), and ready means every gateway sees every worker. With N > 1 the
 gateways share their Responses store in Redis: ``gateway.responses_store_url`` where given, else a
 ``redis-server`` started here on a free loopback port (docs/gateway-replicas.md).
+
+The worker plane is CURVE-encrypted with the configured cluster key, or, when none is configured, with
+a key made for this run: written 0600 in a private temporary directory whose path (never the key) the
+members get in PDSERVE_TRANSFER_CLUSTER_KEY_FILE, removed at exit.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from collections.abc import Callable
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from cluster.keygen import write_private_key
 from cluster.local_cluster import ClusterSpec, LocalCluster, MemberFailed
 from cluster.roles import add_config_args, command_line_overrides, env_of
 from cluster.vllm_flags import add_vllm_groups
@@ -147,23 +152,35 @@ def main(argv: list[str]) -> int:
             redis_argv, env["PDSERVE_GATEWAY_RESPONSES_STORE_URL"] = redis_server(config.gateway.responses_store_mb)
         except ConfigError as exc:
             print(f"pdserve serve: {exc}", file=sys.stderr)
-            return 2
+            return EX_CONFIG
+    made_key = None
+    if not config.transfer.cluster_key_file and not config.transfer.insecure:
+        made_key = env["PDSERVE_TRANSFER_CLUSTER_KEY_FILE"] = write_private_key()
     spec = ClusterSpec(args.config, env, num_prefill, num_decode, threads, drain_timeout_s=config.decode.drain_timeout_s,
                        gateways=gateways if num_gateways > 1 else [], redis_argv=redis_argv)
+    try:
+        return run_cluster(spec, host, [http for http, _ in gateways], model, args.ready_timeout)
+    finally:
+        if made_key is not None:
+            shutil.rmtree(os.path.dirname(made_key), ignore_errors=True)
+
+
+def run_cluster(spec: ClusterSpec, host: str, http_ports: list[int], model: str, ready_timeout: float) -> int:
+    num_prefill, num_decode, threads = spec.num_prefill, spec.num_decode, spec.threads_per_worker
     cluster = LocalCluster(spec)
     stop = []
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.append(True))
-    urls = [f"http://{host}:{http}" for http, _ in gateways]
+    urls = [f"http://{host}:{http}" for http in http_ports]
     url = urls[0]
     print(f"pdserve: gateway {'  '.join(urls)}  ({num_prefill} prefill + {num_decode} decode workers, "
           f"{threads} thread(s) each, model {model})", flush=True)
     cluster.start()
     try:
         expected = {"prefill": num_prefill, "decode": num_decode}
-        if not wait_ready(urls, cluster, args.ready_timeout, expected, stopped=lambda: bool(stop)) and not stop:
+        if not wait_ready(urls, cluster, ready_timeout, expected, stopped=lambda: bool(stop)) and not stop:
             print(f"pdserve: {url}/ready did not answer 200 with all {num_prefill} prefill + {num_decode} decode "
-                  f"workers registered within {args.ready_timeout:.0f} s", file=sys.stderr)
+                  f"workers registered within {ready_timeout:.0f} s", file=sys.stderr)
             return 1
         cluster.serving = True
         if not stop:

@@ -148,6 +148,11 @@ class TransferConfig:
     transport: str = _field("auto", choices=TRANSPORTS)  # auto: best the peer pair supports
     lease_seconds: float = _field(30.0, minimum=0.0)  # a reservation not renewed this long is freed
     max_frame_bytes: int = _field(64 << 20, minimum=1)  # larger wire frames are rejected
+    # The cluster secret (`pdserve keygen > FILE`; a Kubernetes Secret or compose secret mounted as a
+    # file): CurveZMQ encryption and authentication of every worker-plane socket. Required by every role
+    # unless `insecure` (`pdserve serve` makes one for its local cluster). docs/security.md.
+    cluster_key_file: str = ""
+    insecure: bool = False  # plain TCP between gateway and workers: only on a network nobody else reaches
 
 
 @dataclass(slots=True)

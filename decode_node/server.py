@@ -36,6 +36,12 @@ and the loop returns.
 
 One thread runs everything but grammar compiles: it polls the sockets (briefly when idle) and runs an
 engine step when there is work. Nothing in a step waits on the network.
+
+Peers are not trusted (docs/security.md): a request's KV is taken only from the prefill worker's key the
+gateway named (``Generate.prefill_key``), a first token outside the vocabulary fails its request, and a
+message whose handling raises is counted (``handler_error``), its request failed and freed, and the
+loop goes on. A lost gateway connection aborts every request that gateway sent (their streams have no
+reader any more) and frees their blocks.
 """
 
 from __future__ import annotations
@@ -61,6 +67,7 @@ from engine.sequence import SequenceStatus
 from engine.structured_output import StructuredOutputError
 from kvtransfer.events import TransferEvent
 from kvtransfer.receiver import KVReceiver
+from protocol.rejects import RejectLog
 from protocol.serving import (
     AbortRequest, Busy, Generate, Goodbye, Heartbeat, PrefillFailed, PrefillJob,
 )
@@ -85,7 +92,9 @@ class DecodeOptions:
 
 class DecodeServer:
     def __init__(self, engine: LLMEngine, gateway: GatewayLinks, receiver: KVReceiver, prefill: PrefillLinks,
-                 metrics: EngineMetrics, options: DecodeOptions, tracer: Tracer = NO_TRACING):
+                 metrics: EngineMetrics, options: DecodeOptions, rejects: RejectLog | None = None,
+                 tracer: Tracer = NO_TRACING):
+        self.rejects = rejects or receiver.rejects
         self.engine = engine
         self.scheduler = engine.scheduler
         self.block_manager = engine.block_manager
@@ -128,16 +137,13 @@ class DecodeServer:
     def run_once(self) -> None:
         self._wait_for_messages()
         for record in self.gateway.poll():
-            if isinstance(record, Generate):
-                self._on_generate(record)
-            else:
-                self._on_abort(record)
+            self._guarded(self._on_gateway_record, record, "gateway")
         for gateway_id in self.gateway.lost():
             self._on_gateway_lost(gateway_id)
-        for _, failed in self.prefill.poll():
-            self._on_prefill_failed(failed)
+        for address, failed in self.prefill.poll():
+            self._guarded(self._on_prefill_failed, failed, address)
         for event in self.receiver.poll():
-            self._on_transfer(event)
+            self._guarded(self._on_transfer, event, "kv receiver")
         self._on_compiled()
         self._expire_deadlines()
         if self.scheduler.has_unfinished():
@@ -160,6 +166,25 @@ class DecodeServer:
         for sock in [*self.gateway.sockets(), *self.prefill.sockets(), *([kv_socket] if kv_socket is not None else [])]:
             poller.register(sock, zmq.POLLIN)
         poller.poll(timeout)
+
+    def _guarded(self, handle, record, peer: str) -> None:
+        """Handle one message; if that raises, count it, fail and free its request, and go on."""
+        try:
+            handle(record)
+        except Exception as exc:
+            self.rejects.reject("handler_error", peer, f"{type(record).__name__}: {exc!r}", exc_info=True)
+            req = self.requests.get(record.rid)
+            if req is not None:
+                try:
+                    self._fail(req, "internal error on the decode worker")
+                except Exception:
+                    log.exception("rid=%s could not be released after an internal error", record.rid)
+
+    def _on_gateway_record(self, record) -> None:
+        if isinstance(record, Generate):
+            self._on_generate(record)
+        else:
+            self._on_abort(record)
 
     # ---- 1-3. arrival ----
     def _on_generate(self, gen: Generate) -> None:
@@ -253,7 +278,7 @@ class DecodeServer:
         dst_block_ids = bm.reserve(seq, num_tokens)
         skip = seq.num_computed_tokens  # the prefix hit, whole blocks
         req.phase, req.prefill_address, req.generation = Phase.AWAITING_KV, gen.prefill_address, next(self._generations)
-        self.receiver.reserve(req.rid, req.generation, dst_block_ids)
+        self.receiver.reserve(req.rid, req.generation, dst_block_ids, sender_key=gen.prefill_key)
         job = PrefillJob(
             rid=req.rid, token_ids=seq.token_ids[:num_tokens], skip_tokens=skip, dst_block_ids=dst_block_ids,
             generation=req.generation, kv_address=self.options.kv_address, sample_first=seq.params.n == 1,
@@ -288,6 +313,14 @@ class DecodeServer:
         req.prefill_address = ""
         if seq.params.n == 1 and commit.first_token is None:
             self._fail(req, "prefill worker committed without the first token", abort_receiver=False)
+            return
+        vocab_size = self.engine.model_config.vocab_size
+        bad = [t for t in [commit.first_token, *commit.top_token_ids] if t is not None and not 0 <= t < vocab_size]
+        if bad:
+            self.rejects.reject("invalid_value", "prefill worker",
+                                f"rid={req.rid} token {bad[0]} outside the vocabulary of {vocab_size}")
+            self._fail(req, f"prefill worker sent token {bad[0]}, outside the vocabulary of {vocab_size}",
+                       abort_receiver=False)
             return
         if seq.params.n == 1 and seq.guide is not None and not seq.guide.accept(commit.first_token):
             self._fail(req, f"prefill worker's first token {commit.first_token} is outside the request's grammar",
@@ -457,7 +490,8 @@ class DecodeServer:
         queued += sum(s.num_uncomputed_tokens - 1 for s in self.scheduler.running if s.num_uncomputed_tokens > 1)
         return Heartbeat(
             worker_id=self.options.worker_id, role="decode", address=self.options.kv_address,
-            incarnation=self.options.incarnation, block_size=self.block_manager.block_size,
+            incarnation=self.options.incarnation, proof=self.gateway.registration_proof(self.options.incarnation),
+            block_size=self.block_manager.block_size,
             kv_blocks_total=snap.kv_blocks_total, kv_blocks_free=snap.kv_blocks_free,
             kv_blocks_in_use=snap.kv_blocks_in_use, num_running=snap.num_running, num_waiting=snap.num_waiting,
             queued_prefill_tokens=queued, draining=self._drain.requested,

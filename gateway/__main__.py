@@ -79,6 +79,7 @@ def build(config: PdserveConfig):
     from gateway.workers.router import Policy, RouterParams
     from gateway.workers.zmq_backend import ZmqBackend, ZmqBackendParams
     from telemetry.tracing import tracer_for
+    from protocol.curve import plane_security
 
     g = config.gateway
     path = model_dir(config)
@@ -92,7 +93,8 @@ def build(config: PdserveConfig):
     router = RouterParams(config.engine.block_size, Policy(g.routing_policy), g.local_prefill_max_tokens)
     backend = ZmqBackend(registry, metrics, ZmqBackendParams(
         g.host, g.worker_port, router, max_queued_requests=g.max_queued_requests, queue_timeout_s=g.queue_timeout_s,
-        default_timeout_s=g.request_timeout_s))
+        default_timeout_s=g.request_timeout_s,
+        security=plane_security(config.transfer.cluster_key_file, config.transfer.insecure)))
     limits = ServingLimits(name, max_model_len,
                            request_timeout_s=g.request_timeout_s or None,
                            max_prompt_logprobs_entries=g.max_prompt_logprobs_entries,
@@ -126,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         return EX_CONFIG
     import uvicorn
 
+    from protocol.curve import ClusterKeyError
     from telemetry.logs import setup_logging
 
     from .http.limits import HttpLimits, uvicorn_options
@@ -133,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging("gateway", "gateway", config.observability.log_level, config.observability.log_format)
     try:
         app, _ = build(config)
-    except ConfigError as e:  # the model (configs/model_source.py): one line, and no restart helps
+    except (ConfigError, ClusterKeyError) as e:  # the model or the key: one line, and no restart helps
         print(f"pdserve gateway: {e}", file=sys.stderr)
         return EX_CONFIG
     g = config.gateway

@@ -99,6 +99,9 @@ class GatewayMetrics:
             registry=r)
         self.worker_malformed_frames = Counter(
             "pdserve:worker_malformed_frames", "Frames from workers rejected by the codec (ignored).", registry=r)
+        self.rejected_frames = Counter(
+            "pdserve:rejected_frames", "Frames from workers refused, by reason (protocol/rejects.py: malformed, "
+            "bad_proof, identity_taken, unregistered, not_assigned, handler_error).", ["reason"], registry=r)
         # the Responses API's store (gateway/dialects/responses/store.py); read from it at each scrape
         self.stored_responses = Gauge("pdserve:stored_responses", "Responses held for previous_response_id.",
                                       registry=r)

@@ -13,6 +13,7 @@ from telemetry.tracing import tracer_for
 from prefill_node.metrics import PrefillMetrics
 from prefill_node.options import PrefillOptions
 from prefill_node.server import PrefillServer
+from protocol.curve import plane_security
 from worker.gateway_links import loss_timeout_s
 from worker.identity import default_worker_id, kv_model_name
 
@@ -39,8 +40,10 @@ def resolve_model_path(config: PdserveConfig) -> str:
 
 def build_prefill_server(config: PdserveConfig, ctx: zmq.Context,
                          registry: CollectorRegistry | None = None) -> PrefillServer:
+    """Raises ClusterKeyError (before loading the model) without a usable cluster key."""
+    security = plane_security(config.transfer.cluster_key_file, config.transfer.insecure)
     engine = build_engine(resolve_model_path(config), config.model, config.engine)
     metrics = PrefillMetrics(registry or CollectorRegistry(), config.model.name_for_clients())
     options = options_from_config(config)
     tracer = tracer_for("prefill", options.worker_id, config.observability.otlp_traces_endpoint)
-    return PrefillServer(engine, kv_model_name(config.model.path), ctx, options, metrics, tracer)
+    return PrefillServer(engine, kv_model_name(config.model.path), ctx, options, metrics, security, tracer)

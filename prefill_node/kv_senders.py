@@ -9,6 +9,10 @@ comes from, and one newer than our handshake fails what went to the old process 
 so the job itself succeeds; a job from an incarnation we outlived fails at once (its D is gone).
 Handshakes never block the prefill loop: a job waits in the admission queue while the handshake for
 its receiver is in flight, and fails at once when that handshake failed.
+
+A receiver whose connection went down (it exited, or its ZMTP heartbeats stopped) is forgotten: its
+transfers fail and unpin, its socket closes and its shm mapping goes with the sender; a later job for
+that address handshakes again. Addresses come from peers: a malformed one fails its job, nothing more.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from kvtransfer.channel import ZmqClient
 from kvtransfer.events import TransferEvent
 from kvtransfer.metrics import TransferMetrics
 from kvtransfer.sender import HandshakeError, KVSender
+from protocol.curve import PlaneSecurity
+from protocol.endpoints import endpoint_error
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +40,9 @@ MAX_OUTLIVED = 8  # receiver incarnations remembered per address as gone
 class KVSenders:
     def __init__(self, ctx: zmq.Context, pool: KVPool, model_name: str, metrics: TransferMetrics, *,
                  transports: tuple[str, ...], deadline_s: float, handshake_timeout_s: float = 5.0,
-                 max_frame_bytes: int = 64 << 20, clock: Callable[[], float] = time.monotonic):
+                 max_frame_bytes: int = 64 << 20, clock: Callable[[], float] = time.monotonic,
+                 security: PlaneSecurity | None = None):
+        self._security = security or PlaneSecurity(None)
         self._ctx = ctx
         self._pool = pool
         self._model_name = model_name
@@ -67,7 +75,12 @@ class KVSenders:
             del self._failed[address]
         sender = self._senders.get(address)
         if sender is None:
-            channel = ZmqClient(self._ctx, address, max_msg_size=self._max_frame_bytes)
+            if error := endpoint_error(address):
+                raise HandshakeError(f"bad KV address: {error}")
+            try:
+                channel = ZmqClient(self._ctx, address, max_msg_size=self._max_frame_bytes, security=self._security)
+            except zmq.ZMQError as exc:
+                raise HandshakeError(f"cannot connect to {address[:80]!r}: {exc}") from None
             sender = KVSender(self._pool, self._model_name, channel, deadline_s=self._deadline_s,
                               transports=self._transports, metrics=self._metrics, clock=self._clock)
             self._senders[address] = sender
@@ -92,6 +105,13 @@ class KVSenders:
     def poll(self) -> list[TransferEvent]:
         events: list[TransferEvent] = []
         for address, sender in list(self._senders.items()):
+            if sender.channel.take_lost():
+                log.warning("KV receiver at %s disconnected: its transfers fail, its sender closes", address)
+                sender.fail_all("receiver disconnected")
+                events += sender.poll()
+                sender.channel.close()
+                del self._senders[address]
+                continue
             pending = sender.handshake_pending
             events += sender.poll()
             if pending and not sender.handshake_pending:

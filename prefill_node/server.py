@@ -26,6 +26,9 @@ Life cycle of a request on this node:
 Around it: a Heartbeat to every gateway every interval (queued prefill tokens, KV block counts); a
 gateway that stops acking them (worker/gateway_links.py) takes its jobs with it, aborted as in 6.
 /metrics, /health, /ready, and SIGTERM drain (no new jobs, finish in-flight, Goodbye, exit).
+Every socket is CURVE-authenticated with the cluster key (protocol/curve.py). A frame that fails to
+decode or validate is refused and counted (``pdserve:rejected_frames_total{reason}``); one whose handling
+raises is counted as ``handler_error``, its job failed, and the loop goes on.
 """
 
 from __future__ import annotations
@@ -56,6 +59,8 @@ from prefill_node.metrics import PrefillMetrics
 from prefill_node.options import PrefillOptions
 from prefill_node.sampling import first_token_params
 from protocol.codec import WireError, decode, encode
+from protocol.curve import PlaneSecurity
+from protocol.rejects import RejectLog
 from protocol.serving import AbortRequest, Goodbye, Heartbeat, PrefillFailed, PrefillJob, TokenEvent
 from protocol.zmq_util import bind, make_socket
 from telemetry.tracing import NO_TRACING, Tracer
@@ -69,7 +74,10 @@ log = logging.getLogger(__name__)
 
 class PrefillServer:
     def __init__(self, engine: LLMEngine, model_name: str, ctx: zmq.Context, options: PrefillOptions,
-                 metrics: PrefillMetrics, tracer: Tracer = NO_TRACING):
+                 metrics: PrefillMetrics, security: PlaneSecurity | None = None, tracer: Tracer = NO_TRACING):
+        security = security or PlaneSecurity(None)
+        self.security = security
+        self.rejects = RejectLog(log, metrics.transfer.count_rejected)
         self.options = options
         self.tracer = tracer
         self.scheduler = engine.scheduler
@@ -80,14 +88,15 @@ class PrefillServer:
         bm, cfg = self.block_manager, engine.model_config
         self.limits = JobLimits(cfg.vocab_size, bm.block_size, bm.num_blocks, self.scheduler.config.max_model_len)
         self._eos_token_ids = list(cfg.eos_token_ids)
-        self.router = make_socket(ctx, zmq.ROUTER, hwm=1024, max_msg_size=options.max_frame_bytes)
+        self.router = security.server(make_socket(ctx, zmq.ROUTER, hwm=1024, max_msg_size=options.max_frame_bytes))
         self.address = bind(self.router, options.host, options.port)  # our endpoint in heartbeats
         self.gateway = GatewayLinks(ctx, options.gateway_address, options.worker_id, accepted=(AbortRequest,),
-                                    timeout_s=options.gateway_timeout_s, resolve_interval_s=options.heartbeat_s)
+                                    timeout_s=options.gateway_timeout_s, resolve_interval_s=options.heartbeat_s,
+                                    security=security)
         self.senders = KVSenders(ctx, self.runner.kv_pool, model_name, metrics.transfer,
                                  transports=options.transports, deadline_s=options.transfer_deadline_s,
                                  handshake_timeout_s=options.handshake_timeout_s,
-                                 max_frame_bytes=options.max_frame_bytes)
+                                 max_frame_bytes=options.max_frame_bytes, security=security)
         self.pins = BlockPins(bm)
         self.incarnation = uuid.uuid4().hex
         self.jobs: dict[str, JobState] = {}  # every live job, any phase
@@ -150,6 +159,7 @@ class PrefillServer:
         self.senders.close()
         self.router.close(linger=0)
         self.gateway.close()
+        self.security.close()
 
     # ---- messages in ----
     def _receive(self, timeout_ms: int) -> None:
@@ -160,17 +170,25 @@ class PrefillServer:
             poller.poll(timeout_ms)
         while True:
             try:
-                frames = self.router.recv_multipart(zmq.NOBLOCK)
+                frames = self.router.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 break
-            self._on_frames(frames)
+            key = self.security.peer_of(frames[-1])
+            try:
+                self._on_frames([f.bytes for f in frames], key)
+            except Exception as exc:  # a bug met by one message: count it, fail its job, keep serving
+                self._on_handler_error(frames[0].bytes, key, exc)
         for record in self.gateway.poll():
             self._abort(record.rid, f"gateway: {record.reason}")
         for gateway_id in self.gateway.lost():
             for state in [s for s in self.jobs.values() if s.job.gateway_id == gateway_id]:
                 self._abort(state.rid, f"gateway {gateway_id} lost")
 
-    def _on_frames(self, frames: list[bytes]) -> None:
+    def _on_handler_error(self, peer: bytes, key: str, exc: Exception) -> None:
+        # The job it carried, if any, is either not recorded yet or fails later by its deadline.
+        self.rejects.reject("handler_error", key or peer.hex(), repr(exc), exc_info=True)
+
+    def _on_frames(self, frames: list[bytes], key: str = "") -> None:
         peer = frames[0]
         try:
             if len(frames) != 2:
@@ -180,7 +198,7 @@ class PrefillServer:
                 raise WireError(f"{type(record).__name__} is not a decode worker's message")
         except WireError as exc:
             self.metrics.malformed_frames.inc()
-            log.warning("rejected frame from %r: %s", peer[:32], str(exc)[:200])
+            self.rejects.reject("malformed", key or peer.hex(), str(exc))
             return
         if isinstance(record, AbortRequest):
             self._abort(record.rid, f"decode worker: {record.reason}")
@@ -192,6 +210,8 @@ class PrefillServer:
         if job.rid in self.jobs:  # a retry under a new generation replaces the old attempt
             self._abort(job.rid, "superseded")
         reason = "draining" if self.draining else check_job(job, self.limits, time.time())
+        if reason and reason != "draining":
+            self.rejects.reject("invalid_value", peer.hex(), f"job {job.rid[:64]}: {reason}")
         if reason:
             self._reply_failed(peer, job.rid, job.generation, reason, label="bad_job" if reason != "draining" else "draining")
             return
@@ -227,6 +247,11 @@ class PrefillServer:
                     continue
             except HandshakeError as exc:
                 self._fail(state, f"handshake with {state.job.kv_address} failed: {exc}", label="handshake")
+                continue
+            sender = self.senders.get(state.job.kv_address)
+            if max(state.job.dst_block_ids) >= sender.peer_num_blocks:
+                self._fail(state, f"destination block {max(state.job.dst_block_ids)} is outside the receiver's "
+                                  f"pool of {sender.peer_num_blocks} blocks", label="bad_job")
                 continue
             if used + state.num_blocks_needed > self.block_manager.num_blocks:
                 break  # first come, first served: no overtaking a job that waits for blocks
@@ -406,7 +431,8 @@ class PrefillServer:
         num_transferring = sum(1 for s in self.jobs.values() if s.phase == JobPhase.TRANSFERRING)
         return Heartbeat(
             worker_id=self.options.worker_id, role="prefill", address=self.address,
-            incarnation=self.incarnation, block_size=bm.block_size, kv_blocks_total=bm.num_blocks,
+            incarnation=self.incarnation, proof=self.gateway.registration_proof(self.incarnation),
+            block_size=bm.block_size, kv_blocks_total=bm.num_blocks,
             kv_blocks_free=bm.num_allocatable_blocks, kv_blocks_in_use=bm.num_in_use_blocks,
             num_running=self.scheduler.num_running + num_transferring,
             num_waiting=self.scheduler.num_waiting + len(self._queue),

@@ -136,6 +136,9 @@ class Generate:
     # The sending gateway's id (its HeartbeatAck's): where the request's events go back to, and whose
     # loss aborts it. "" from a gateway that never acks (tests): any link not yet acked answers.
     gateway_id: str = ""
+    # The prefill worker's CURVE public key (z85) as it registered: the decode worker takes this request's
+    # KV from that key only. "" on an insecure plane or with local prefill.
+    prefill_key: str = ""
 
     def __post_init__(self) -> None:
         assert self.token_ids, "empty prompt"
@@ -229,6 +232,9 @@ class Heartbeat:
     num_waiting: int
     queued_prefill_tokens: int  # prompt tokens still to compute
     draining: bool = False  # finishing in-flight work; send it nothing new
+    # HMAC(cluster key, the worker's CURVE public key, worker_id, incarnation) in hex: proves membership
+    # (protocol/curve.py); "" on an insecure plane.
+    proof: str = ""
 
     def __post_init__(self) -> None:
         assert self.role in ROLES, self.role

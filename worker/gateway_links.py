@@ -25,6 +25,7 @@ from collections.abc import Callable
 
 import zmq
 
+from protocol.curve import PlaneSecurity
 from worker.gateway_endpoints import Resolver, is_literal, parse_gateway_addresses, resolve_all
 from worker.gateway_socket import GATEWAY_RECORDS, WorkerSocket
 
@@ -42,9 +43,10 @@ class GatewayLinks:
     def __init__(self, ctx: zmq.Context, gateway_address: str, worker_id: str, *, timeout_s: float,
                  resolve_interval_s: float, accepted: tuple[type, ...] = GATEWAY_RECORDS,
                  clock: Callable[[], float] = time.monotonic,
-                 lookup: Callable[[list[str]], list[str]] = resolve_all) -> None:
+                 lookup: Callable[[list[str]], list[str]] = resolve_all, security: PlaneSecurity | None = None) -> None:
         assert timeout_s > 0 and resolve_interval_s > 0
         self._ctx, self._worker_id, self._accepted, self._clock = ctx, worker_id, accepted, clock
+        self.security = security or PlaneSecurity(None)  # one client keypair for every link: one proof
         self.timeout_s = timeout_s
         endpoints = parse_gateway_addresses(gateway_address)
         self._links: dict[str, WorkerSocket] = {}  # address -> link
@@ -59,7 +61,7 @@ class GatewayLinks:
             if address not in self._links:
                 log.info("connecting to gateway %s", address)
                 self._links[address] = WorkerSocket(self._ctx, address, self._worker_id, accepted=self._accepted,
-                                                    clock=self._clock)
+                                                    clock=self._clock, security=self.security)
         for address in [a for a, link in self._links.items() if a not in addresses and not link.gateway_id]:
             log.info("gateway %s no longer resolves: link closed", address)
             self._links.pop(address).close()
@@ -90,6 +92,10 @@ class GatewayLinks:
         unacked = [link for link in self._links.values() if not link.gateway_id]
         return any([link.send(record) for link in unacked])
 
+    def registration_proof(self, incarnation: str) -> str:
+        """What the Heartbeat's ``proof`` carries (protocol/curve.py): the same over every link."""
+        return self.security.registration_proof(self._worker_id, incarnation)
+
     def broadcast(self, record) -> None:
         """To every gateway: heartbeats, goodbye."""
         for link in self._links.values():
@@ -106,9 +112,10 @@ class GatewayLinks:
         for address, link in list(self._links.items()):
             lost += link.replaced_ids
             link.replaced_ids.clear()
-            if link.gateway_id and now - link.last_ack_at > self.timeout_s:
-                log.warning("gateway %s at %s silent for %.1f s: its requests are aborted", link.gateway_id,
-                            address, now - link.last_ack_at)
+            disconnected = link.take_lost()  # closed, or its ZMTP heartbeats stopped
+            if link.gateway_id and (disconnected or now - link.last_ack_at > self.timeout_s):
+                log.warning("gateway %s at %s %s: its requests are aborted", link.gateway_id, address,
+                            "disconnected" if disconnected else f"silent for {now - link.last_ack_at:.1f} s")
                 lost.append(link.gateway_id)
                 link.reset()
                 if address not in self._wanted:

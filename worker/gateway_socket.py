@@ -1,4 +1,5 @@
-"""The worker's socket to one gateway: a DEALER whose ZeroMQ identity is the worker id.
+"""The worker's socket to one gateway: a DEALER (a CURVE client of the cluster's key) whose ZeroMQ
+identity is the worker id.
 
 Frames are single msgpack records (protocol/serving.py). A frame that does not decode into a record
 the gateway may send is dropped and counted (``num_rejected``); the worker keeps running. Sends never
@@ -8,6 +9,11 @@ block: when the gateway is gone or slow and the queue is full, the record is dro
 The gateway answers every heartbeat with a ``HeartbeatAck`` carrying its id; the socket keeps the id
 and when it last heard one (``gateway_id``, ``last_ack_at``), which is how a worker serving several
 gateways knows which is which and which one died (worker/gateway_links.py).
+
+The gateway knows the worker by the key it registered with (the Heartbeat's proof), not by the identity,
+which only names the connection (gateway/workers/worker_link.py). A socket monitor reports a lost connection to
+the gateway (closed, or its ZMTP heartbeats stopped): ``take_lost`` is then True once, and the worker aborts
+what that gateway asked of it, since the gateway either restarted or gave those requests up.
 """
 
 from __future__ import annotations
@@ -17,8 +23,10 @@ import time
 from collections.abc import Callable
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from protocol.codec import WireError, decode, encode
+from protocol.curve import PlaneSecurity
 from protocol.serving import AbortRequest, Generate, HeartbeatAck
 from protocol.zmq_util import make_socket
 
@@ -31,11 +39,15 @@ GATEWAY_RECORDS = (Generate, AbortRequest)  # what a gateway sends to a worker (
 class WorkerSocket:
     def __init__(self, ctx: zmq.Context, gateway_address: str, worker_id: str, *,
                  accepted: tuple[type, ...] = GATEWAY_RECORDS, hwm: int = 1024,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, security: PlaneSecurity | None = None):
         self.address = gateway_address
         self.worker_id = worker_id
+        self.gateway_address = gateway_address  # names the gateway in per-gateway state
         self.accepted = accepted  # a prefill worker passes (AbortRequest,)
         self._ctx, self._hwm, self._clock = ctx, hwm, clock
+        self.security = security or PlaneSecurity(None)
+        self._lost = False
+        self._proofs: dict[str, str] = {}  # incarnation -> registration proof
         self.sock = self._connect()
         self.num_rejected = 0  # frames that were not a valid record of an accepted type
         self.num_dropped = 0  # records not sent: the gateway's queue was full or unreachable
@@ -45,18 +57,26 @@ class WorkerSocket:
 
     def _connect(self) -> zmq.Socket:
         sock = make_socket(self._ctx, zmq.DEALER, hwm=self._hwm, max_msg_size=MAX_FRAME_BYTES)
+        self.security.client(sock)
         sock.setsockopt(zmq.IDENTITY, self.worker_id.encode())
         if self.address.startswith("tcp://["):
             sock.setsockopt(zmq.IPV6, 1)
+        self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         sock.connect(self.address)
         return sock
 
     def reset(self) -> None:
         """A new socket to the same address: what was queued for a dead gateway is dropped, and the
         link waits for an ack again."""
-        self.sock.close(linger=0)
+        self._close_socket()
         self.sock = self._connect()
         self.gateway_id = ""
+
+    def registration_proof(self, incarnation: str) -> str:
+        """What the Heartbeat's ``proof`` carries (protocol/curve.py)."""
+        if incarnation not in self._proofs:
+            self._proofs[incarnation] = self.security.registration_proof(self.worker_id, incarnation)
+        return self._proofs[incarnation]
 
     def send(self, record) -> bool:
         try:
@@ -65,6 +85,16 @@ class WorkerSocket:
         except zmq.Again:
             self.num_dropped += 1
             return False
+
+    def take_lost(self) -> bool:
+        """True (once) when the connection to the gateway went down since the last call."""
+        while self._monitor.poll(0):
+            if recv_monitor_message(self._monitor)["event"] == zmq.EVENT_DISCONNECTED:
+                self._lost = True
+        lost, self._lost = self._lost, False
+        if lost:
+            log.warning("lost the connection to the gateway at %s", self.gateway_address)
+        return lost
 
     def poll(self, timeout_ms: int = 0, max_records: int = 1024) -> list:
         """Records that arrived, waiting up to ``timeout_ms`` for the first one. Acks are taken here."""
@@ -88,6 +118,8 @@ class WorkerSocket:
                 continue
             if isinstance(record, HeartbeatAck):
                 self._on_ack(record.gateway_id)
+            elif isinstance(record, AbortRequest) and not record.rid:
+                continue  # the gateway's connection probe (gateway/workers/worker_link.py)
             else:
                 records.append(record)
         return records
@@ -101,4 +133,10 @@ class WorkerSocket:
         self.last_ack_at = self._clock()
 
     def close(self) -> None:
+        self._close_socket()
+
+    def _close_socket(self) -> None:
+        if not self.sock.closed:  # idempotent; a context destroyed first closed it already
+            self.sock.disable_monitor()
+        self._monitor.close(linger=0)
         self.sock.close(linger=0)

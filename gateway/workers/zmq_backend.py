@@ -33,6 +33,8 @@ from dataclasses import dataclass
 
 from gateway.deadline import get_by
 from gateway.metrics import GatewayMetrics
+from protocol.curve import PlaneSecurity
+from protocol.rejects import RejectLog
 from protocol.serving import (
     AbortRequest, Busy, Generate, Goodbye, Heartbeat, HeartbeatAck, PromptLogprobs, TokenEvent, TokenLogprobRecord,
 )
@@ -62,6 +64,7 @@ class ZmqBackendParams:
     breaker_threshold: int = 3
     breaker_cooldown_s: float = 10.0
     expiry_interval_s: float = 0.5  # how often silent workers are looked for
+    security: PlaneSecurity | None = None  # CURVE keys of the worker plane; None: insecure (in-process tests)
 
 
 @dataclass(slots=True)
@@ -103,8 +106,9 @@ class ZmqBackend(Backend):
         self._router = Router(registry, params.router)
         self._breaker = CircuitBreaker(params.breaker_threshold, params.breaker_cooldown_s)
         self._queue = AdmissionQueue(params.max_queued_requests)
+        self._rejects = RejectLog(log, self._count_rejected)
         self._link = WorkerLink(params.host, params.worker_port, params.max_frame_bytes, self._on_record,
-                                self._on_malformed)
+                                self._rejects, params.security)
         self._flights: dict[str, _Flight] = {}
         self.gateway_id = uuid.uuid4().hex  # workers tell gateway processes apart by it
         self._expiry_task: asyncio.Task | None = None
@@ -216,7 +220,8 @@ class ZmqBackend(Backend):
             prefill = self._registry.get(decision.prefill_worker) if decision.prefill_worker else None
             generate = Generate(flight.rid, request.prompt_token_ids, request.sampling,
                                 prefill.address if prefill is not None else "", self._wall_deadline(request),
-                                request.trace.traceparent() if request.trace else "", self.gateway_id)
+                                request.trace.traceparent() if request.trace else "", self.gateway_id,
+                                prefill_key=self._link.peer_of(prefill.worker_id) if prefill is not None else "")
             # Until the first answer the prompt counts on its P's backlog (the router's local-prefill rule).
             backlog = len(request.prompt_token_ids) - decision.prefill_cached_tokens if prefill is not None else 0
             if backlog:
@@ -341,6 +346,9 @@ class ZmqBackend(Backend):
                     self._add_prompt_logprobs(worker_id, flight, record)
                 else:
                     flight.events.put_nowait(record)
+            else:
+                self._rejects.reject("not_assigned", worker_id, f"{type(record).__name__} for {flight.rid[:64]}, "
+                                     "a request it does not serve")
 
     def _add_prompt_logprobs(self, worker_id: str, flight: _Flight, frame: PromptLogprobs) -> None:
         have = flight.prompt_logprobs
@@ -371,12 +379,18 @@ class ZmqBackend(Backend):
         self._update_pool_gauges()
         self._queue.notify()
 
-    def _on_malformed(self, why: str) -> None:
-        self._metrics.worker_malformed_frames.inc()
-        log.warning("dropped a malformed frame from a worker: %s", why)
+    def _on_malformed(self, why: str, worker_id: str = "") -> None:
+        self._rejects.reject("malformed", worker_id, why)
+
+    def _count_rejected(self, reason: str) -> None:
+        self._metrics.rejected_frames.labels(reason).inc()
+        if reason == "malformed":
+            self._metrics.worker_malformed_frames.inc()
 
     def _worker_left(self, worker_id: str, reason: str) -> None:
         log.warning("worker %s left: %s", worker_id, reason)
+        if reason != "restarted":  # a restarted worker is registered again under its new key already
+            self._link.unbind(worker_id)
         self._router.forget([worker_id])
         self._breaker.forget(worker_id)
         for flight in self._flights.values():
