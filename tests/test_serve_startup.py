@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from cluster.keygen import write_private_key
 import yaml
 
 from configs.schema import EX_CONFIG
@@ -79,7 +81,9 @@ def test_serve_fails_fast_with_one_line(tmp_path, case):
 @pytest.mark.parametrize("case", ["hub id offline", "unsupported architecture"])
 def test_every_role_resolves_the_model_the_same_way(tmp_path, role, argv, case):
     given, expected = BAD_MODELS[case]
-    result = subprocess.run([sys.executable, *argv(given(tmp_path))], cwd=ROOT, env=offline_env(),
+    key = write_private_key(str(tmp_path))  # a role alone needs the cluster key before anything else
+    result = subprocess.run([sys.executable, *argv(given(tmp_path))], cwd=ROOT,
+                            env=offline_env(PDSERVE_TRANSFER_CLUSTER_KEY_FILE=key),
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == EX_CONFIG, result.stderr
     [line] = [line for line in result.stderr.splitlines() if "Kubernetes" not in line]
