@@ -99,9 +99,17 @@ def test_kubernetes_probes_ports_and_grace_periods():
         drain = float(env.get(f"PDSERVE_{role.upper()}_DRAIN_TIMEOUT_S", {"value": "30"})["value"])
         assert pod["terminationGracePeriodSeconds"] > drain
         if role != "gateway":
-            assert env[f"PDSERVE_{role.upper()}_GATEWAY_ADDRESS"]["value"] == "tcp://pdserve-gateway:8001"
+            assert env[f"PDSERVE_{role.upper()}_GATEWAY_ADDRESS"]["value"] == "tcp://pdserve-gateway-workers:8001"
     gateway_service = docs(DEPLOY / "k8s" / "gateway.yaml")[1]
     assert gateway_service["metadata"]["name"] == "pdserve-gateway"
+    # the workers' name resolves to every gateway pod (one A record each): a headless Service
+    [workers_service] = docs(DEPLOY / "k8s" / "gateway-workers-service.yaml")
+    assert workers_service["metadata"]["name"] == "pdserve-gateway-workers"
+    assert workers_service["spec"]["clusterIP"] == "None"
+    assert workers_service["spec"]["publishNotReadyAddresses"] is True  # a gateway is ready only once workers registered
+    assert workers_service["spec"]["selector"] == gateway_service["spec"]["selector"]
+    [hpa] = docs(DEPLOY / "k8s" / "gateway-hpa.yaml")
+    assert hpa["spec"]["scaleTargetRef"]["name"] == docs(DEPLOY / "k8s" / "gateway.yaml")[0]["metadata"]["name"]
 
 
 def exported_metric_names() -> set[str]:
