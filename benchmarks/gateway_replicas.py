@@ -9,8 +9,9 @@ the first point; a closed-loop client keeps ``concurrency`` streams open, spread
 gateways, for ``seconds`` per point, each concurrency on every system in turn, so that the systems see
 the same background load of a shared machine.
 
-Reported per point: completed requests/s, output tokens/s, p50/p99 latency, and the CPU each process
-used over the point (``benchmarks/serve_procs.py``; 100% = one core busy), this client's included.
+Reported per point: completed requests/s, output tokens/s, p50/p99 latency, CPU-milliseconds per
+request of the gateways and of the decode worker (what a request costs each side, which a busy shared
+machine disturbs less than throughput), and the CPU each process used over the point (``benchmarks/serve_procs.py``; 100% = one core busy), this client's included.
 The client is a minimal asyncio HTTP/1.1 keep-alive client on raw sockets, so as little CPU as possible
 goes to measuring.
 """
@@ -49,6 +50,8 @@ class Point:
     p50_ms: float
     p99_ms: float
     cpu_percent: dict[str, float]  # process name -> CPU over the point (100 = one core)
+    gateway_cpu_ms_per_request: float  # every gateway's CPU over the point / requests completed
+    decode_cpu_ms_per_request: float  # the decode worker's, likewise: what a request costs each side
 
 
 async def stream_one(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, body: bytes) -> int:
@@ -116,10 +119,16 @@ def measure(system: ServedSystem, gateways: int, concurrency: int, seconds: floa
             name = sample.name if sample.name != "gateway" else f"gateway:{pid}"
             cpu[name] = round(100.0 * (sample.cpu_s - before[pid].cpu_s) / elapsed, 1)
     ordered = sorted(latencies)
+
+    def ms_per_request(prefix: str) -> float:
+        busy = sum(value for name, value in cpu.items() if name.startswith(prefix)) / 100 * elapsed
+        return round(1000 * busy / max(len(latencies), 1), 2)
+
     return Point(gateways, concurrency, round(elapsed, 1), len(latencies), len(errors),
                  round(len(latencies) / elapsed, 1), round(sum(tokens) / elapsed, 1),
                  round(1000 * statistics.median(ordered), 1) if ordered else 0.0,
-                 round(1000 * ordered[int(0.99 * (len(ordered) - 1))], 1) if ordered else 0.0, cpu)
+                 round(1000 * ordered[int(0.99 * (len(ordered) - 1))], 1) if ordered else 0.0, cpu,
+                 ms_per_request("gateway"), ms_per_request("decode"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -150,11 +159,17 @@ def main(argv: list[str] | None = None) -> int:
                 points.append(point)
                 print(json.dumps(asdict(point)), flush=True)
     print(f"\n{len(cpus)} CPU(s) available to the run (shared with everything else on this host)")
-    print(f"{'gateways':>8} {'streams':>7} {'req/s':>7} {'tok/s':>7} {'p50 ms':>7} {'p99 ms':>7} {'errors':>6}  CPU % per process")
+    print(f"{'gateways':>8} {'streams':>7} {'req/s':>7} {'tok/s':>7} {'p50 ms':>7} {'p99 ms':>7} {'errors':>6} "
+          f"{'gw ms/req':>9} {'D ms/req':>8}  CPU % per process")
     for pt in points:
         cpu = ", ".join(f"{name} {value:.0f}" for name, value in sorted(pt.cpu_percent.items()))
         print(f"{pt.gateways:>8} {pt.concurrency:>7} {pt.requests_per_s:>7.1f} {pt.tokens_per_s:>7.1f} "
-              f"{pt.p50_ms:>7.0f} {pt.p99_ms:>7.0f} {pt.errors:>6}  {cpu}")
+              f"{pt.p50_ms:>7.0f} {pt.p99_ms:>7.0f} {pt.errors:>6} {pt.gateway_cpu_ms_per_request:>9.2f} "
+              f"{pt.decode_cpu_ms_per_request:>8.2f}  {cpu}")
+    gateway_ms = [pt.gateway_cpu_ms_per_request for pt in points if pt.gateways == 1 and pt.requests]
+    if gateway_ms:  # one event loop is one core: where a lone gateway runs out, whatever the workers do
+        print(f"one gateway saturates one core at ~{1000 / statistics.median(gateway_ms):.0f} requests/s "
+              f"(median {statistics.median(gateway_ms):.2f} CPU-ms per request)")
     if args.out:
         args.out.write_text(json.dumps([asdict(pt) for pt in points], indent=1))
     return 0
