@@ -178,6 +178,7 @@ class LocalCluster:
             for member in group:
                 if member.proc is not None and member.proc.poll() is None:
                     member.proc.send_signal(signal.SIGTERM)
+                    member.proc.send_signal(signal.SIGCONT)  # a stopped one (SIGSTOP, ^Z) acts on it too
             deadline = time.monotonic() + self.spec.drain_timeout_s + 5.0
             for member in group:
                 if member.proc is None:

@@ -152,3 +152,30 @@ def _bound(sock: socket.socket, port: int) -> bool:
         return True
     except OSError:
         return False
+
+
+def test_sigterm_while_starting_stops_serve_at_once(tmp_path):
+    # Workers that never come up (stopped here before they register) kept `pdserve serve` waiting for
+    # --ready-timeout; SIGTERM now ends it at once, stopped members included.
+    argv = [sys.executable, "-m", "cluster", "serve", "--model", str(tiny_model_dir("llama")), "--port",
+            str(free_port()), "--prefill", "1", "--decode", "1", "--ready-timeout", "600"]
+    proc = subprocess.Popen(argv, cwd=ROOT, env=offline_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            text=True)
+    try:
+        assert proc.stdout.readline().startswith("pdserve: gateway http://")  # just before the members start
+        give_up = time.monotonic() + 30
+        while len(members := children_of(proc.pid)) < 3 and time.monotonic() < give_up:
+            time.sleep(0.05)
+        workers = [pid for pid in members if "_node" in cmdline(pid)]
+        assert len(workers) == 2, [cmdline(pid) for pid in members]
+        for pid in workers:
+            os.kill(pid, signal.SIGSTOP)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0  # not --ready-timeout's 600 s
+    finally:
+        if proc.poll() is None:  # a failed test leaves nothing running (its members die with it)
+            proc.kill()
+            proc.wait()
+    assert "ready" not in proc.stdout.read()
+    for pid in members:
+        assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
