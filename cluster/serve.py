@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from cluster.gpu_placement import parse_devices
 from cluster.local_cluster import ClusterSpec, LocalCluster, MemberFailed
 from configs.model_source import resolve_model
 from configs.schema import EX_CONFIG, ConfigError, load_config
@@ -30,6 +31,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--port", type=int, help="gateway HTTP port (default 8000)")
     p.add_argument("--prefill", type=int, help="prefill workers (default 1; 0 = decode workers prefill locally)")
     p.add_argument("--decode", type=int, help="decode workers (default 1)")
+    p.add_argument("--devices", help="GPUs the workers take turns over, e.g. 0,1,2,3 (each worker's own "
+                   "CUDA_VISIBLE_DEVICES comes first; default cluster.devices, else every worker sees all)")
     p.add_argument("--api-key", action="append", help="accepted API key; repeat for several")
     add_chat_parser_args(p)
     p.add_argument("--config", help="YAML config file shared by every process")
@@ -105,12 +108,18 @@ def main(argv: list[str]) -> int:
     if num_prefill < 0 or num_decode < 1:
         print("pdserve serve: needs --prefill >= 0 and --decode >= 1", file=sys.stderr)
         return 2
+    try:
+        devices = parse_devices(args.devices if args.devices is not None else ",".join(config.cluster.devices))
+    except ValueError as exc:
+        print(f"pdserve serve: {exc}", file=sys.stderr)
+        return 2
     host = args.host or config.gateway.host
     port = config.gateway.port if args.port is None else args.port
     cores = len(os.sched_getaffinity(0))  # the cores this process may use (taskset, cgroups), not the host's
     threads = max(1, cores // (num_prefill + num_decode))
     spec = ClusterSpec(args.config, cluster_env(args, model, host, config.gateway.worker_port),
-                       num_prefill, num_decode, threads, drain_timeout_s=config.decode.drain_timeout_s)
+                       num_prefill, num_decode, threads, drain_timeout_s=config.decode.drain_timeout_s,
+                       devices=devices)
     cluster = LocalCluster(spec)
     stop = []
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -118,6 +127,10 @@ def main(argv: list[str]) -> int:
     url = f"http://{host}:{port}"
     print(f"pdserve: gateway {url}  ({num_prefill} prefill + {num_decode} decode workers, "
           f"{threads} thread(s) each, model {model})", flush=True)
+    for member in cluster.members:
+        if "CUDA_VISIBLE_DEVICES" in member.env:
+            print(f"pdserve: {member.name} on GPU {member.env['CUDA_VISIBLE_DEVICES'].split(',')[0]} "
+                  f"(CUDA_VISIBLE_DEVICES={member.env['CUDA_VISIBLE_DEVICES']})", flush=True)
     cluster.start()
     try:
         expected = {"prefill": num_prefill, "decode": num_decode}

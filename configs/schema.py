@@ -142,6 +142,9 @@ class TransferConfig:
 class ClusterConfig:
     num_prefill: int = _field(1, minimum=0)  # prefill workers `pdserve cluster` starts (0: decode prefills)
     num_decode: int = _field(1, minimum=1)  # decode workers `pdserve cluster` starts
+    # GPUs (CUDA_VISIBLE_DEVICES entries) the workers take turns over, prefill then decode; each worker's
+    # own GPU is its cuda:0 (cluster/gpu_placement.py). Empty: every worker sees what `pdserve serve` sees.
+    devices: list[str] = field(default_factory=list)
 
 
 @dataclass(slots=True)
