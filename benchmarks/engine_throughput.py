@@ -147,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     shape = roofline.DecoderShape.from_hf_config(hf_model.config)
     spec = WorkloadSpec(vocab_size=shape.vocab_size, num_requests=num_requests, seed=args.seed)
     requests = make_workload(spec)
-    print(f"model {model_dir} ({sum(p.numel() for p in hf_model.parameters()) / 1e6:.1f} M params); every system on {bench.describe()}; "
+    num_params = sum(p.numel() for p in hf_model.parameters())
+    print(f"model {model_dir} ({num_params / 1e6:.1f} M params); every system on {bench.describe()}; "
           f"torch threads = {torch.get_num_threads()} for every system (cpu_count {os.cpu_count()})")
     print(f"workload: {num_requests} requests, seed {args.seed}, prompt U{list(spec.prompt_len_range)}, "
           f"output U{list(spec.output_len_range)}, ignore_eos, greedy; "

@@ -73,7 +73,10 @@ def bench_decode(batch: int, context: int, copy_gbps: float) -> dict:
     ref_ms = time_ms(lambda: paged_attention_reference(*inputs), iters=10)
     rows = {"triton (auto splits)": time_ms(lambda: paged_attention(*inputs))}
     for splits in (1, 2, 4, 8):
-        run = lambda s=splits: paged_decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits=s)
+
+        def run(s=splits):
+            return paged_decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits=s)
+
         rows[f"triton, {splits} split(s)"] = time_ms(run)
     rows["torch reference"] = ref_ms
     error = (paged_attention(*inputs).float() - paged_attention_reference(*inputs).float()).abs().max().item()
@@ -108,8 +111,12 @@ def bench_prefill() -> dict:
 
 
 def bench_block_copy(copy_gbps: float) -> dict:
-    from kernels.block_copy import (gather_blocks_reference, gather_blocks_triton, scatter_blocks_reference,
-                                    scatter_blocks_triton)
+    from kernels.block_copy import (
+        gather_blocks_reference,
+        gather_blocks_triton,
+        scatter_blocks_reference,
+        scatter_blocks_triton,
+    )
 
     pool = torch.randn(COPY_LAYERS, 2, COPY_POOL_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
     ids = torch.randperm(COPY_POOL_BLOCKS, device="cuda")[:COPY_BLOCKS]

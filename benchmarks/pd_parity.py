@@ -135,7 +135,8 @@ def summarize(bench: BenchDevice, prompts, expected, served) -> dict:
             "first_mismatch": next(({"request": i, "engine": a, "served": b} for i, (a, b)
                                     in enumerate(zip(expected, served["outputs"])) if a != b), None),
             "transports": served["transports"], "transfers": m["pdserve:kv_transfer_bytes_count"],
-            "transfer_bytes": m["pdserve:kv_transfer_bytes_sum"], "transfer_seconds": m["pdserve:kv_transfer_seconds_sum"],
+            "transfer_bytes": m["pdserve:kv_transfer_bytes_sum"],
+            "transfer_seconds": m["pdserve:kv_transfer_seconds_sum"],
             "transfer_gbps": gbps, "ttft_seconds": ttft, "ttft_count": m["pdserve:time_to_first_token_seconds_count"],
             "transfer_share_of_ttft": share, "request_seconds": served["request_seconds"], "serve_log": served["log"]}
 
