@@ -112,8 +112,9 @@ class LocalCluster:
         self.members = [Member("gateway", gateway)]
         self.members += [Member(f"prefill-{i}", worker_argv("prefill", i, spec)) for i in range(spec.num_prefill)]
         self.members += [Member(f"decode-{i}", worker_argv("decode", i, spec)) for i in range(spec.num_decode)]
-        gpus = placement(spec.devices, [m.name for m in self.members[1:]])
-        for member in self.members[1:]:
+        workers = [m for m in self.members if m.name.startswith(("prefill-", "decode-"))]  # the gateway needs no GPU
+        gpus = placement(spec.devices, [m.name for m in workers])
+        for member in workers:
             if member.name in gpus:
                 member.env["CUDA_VISIBLE_DEVICES"] = gpus[member.name]
         self._stopping = False
