@@ -88,13 +88,25 @@ def prompt_vocab(model_dir: Path) -> int:
     return Tokenizer.from_file(str(model_dir / "tokenizer.json")).get_vocab_size()
 
 
-def run_hf_static(model_dir: Path, requests: list[BenchRequest], threads: int, report: Report) -> None:
+def served_device(overrides: list[str]):
+    """Where the served workers run, so the offline baseline runs there too: a worker takes CUDA when it
+    sees a GPU, in ``model.dtype`` (an override, else "auto": bfloat16 on CUDA, float32 on CPU)."""
+    import torch
+
+    from benchmarks.device_choice import choose_device
+
+    dtypes = [o.split("=", 1)[1].strip() for o in overrides if o.split("=", 1)[0].strip() == "model.dtype"]
+    return choose_device(None, dtypes[-1] if dtypes else None, torch.cuda.is_available())
+
+
+def run_hf_static(model_dir: Path, requests: list[BenchRequest], threads: int, report: Report,
+                  overrides: list[str]) -> None:
     import torch
 
     from benchmarks import hf_baseline
 
     torch.set_num_threads(threads)
-    model = hf_baseline.load_hf_model(model_dir)
+    model = hf_baseline.load_hf_model(model_dir, served_device(overrides))
     hf_baseline.generate_batch(model, [r.prompt_token_ids[:16] for r in requests[:2]], 2)  # warm-up
     result = hf_baseline.run_static_batching(model, requests, STATIC_BATCH_SIZE)
     report.hf_tps = result.tokens_per_s
@@ -223,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"(total {time.perf_counter() - started:.0f} s)")
         return 0
     if not args.skip_hf and any("mixed_closed" in spec.workloads for spec in p.systems):
-        run_hf_static(model_dir, workloads.mixed(vocab, p.closed_requests, args.seed), len(cpus), report)
+        run_hf_static(model_dir, workloads.mixed(vocab, p.closed_requests, args.seed), len(cpus), report,
+                      args.overrides)
     logs = Path(tempfile.mkdtemp(prefix="pdserve-bench-"))  # kept: each system's serve log
     for spec in p.systems:
         run_system(spec, p, args, model_dir, vocab, cpus, logs, report)

@@ -12,6 +12,8 @@ each its own OS process (``python -m <role>``), supervised.
 - ``stop`` sends SIGTERM to the workers first (they drain: finish in-flight work, deregister), then to
   the gateways, then to Redis, and SIGKILLs whatever is still alive after the deadline. Children also get SIGTERM
   from the kernel if this supervisor dies (PR_SET_PDEATHSIG), so no process is left behind.
+- ``spec.devices`` places workers on GPUs: each worker's CUDA_VISIBLE_DEVICES starts with its own
+  GPU (cluster/gpu_placement.py); a restarted worker keeps its place.
 - A worker killed outright cannot unlink its /dev/shm files (KV pool, fence); their names carry its
   pid (``pdserve-<kind>-<pid>-<uuid>``, kvtransfer/shm_pool.py), so the supervisor removes them when it
   sees the process gone, before a restart and at stop.
@@ -28,6 +30,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from cluster.gpu_placement import placement
 from configs.schema import EX_CONFIG
 
 PR_SET_PDEATHSIG = 1
@@ -75,6 +78,7 @@ class MemberFailed(Exception):
 class Member:
     name: str  # "gateway", "prefill-0", "decode-1", ...
     argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)  # this member's own variables (its GPUs), over the spec's
     proc: subprocess.Popen | None = None
     restarts: int = 0
     died_at: float | None = None  # when an unexpected exit was noticed (restart after the backoff)
@@ -104,6 +108,7 @@ class ClusterSpec:
     num_decode: int
     threads_per_worker: int
     drain_timeout_s: float = 30.0
+    devices: list[str] = field(default_factory=list)  # GPUs the workers take turns over; empty: inherit
     members: list[Member] = field(default_factory=list)
     gateways: list[tuple[int, int]] = field(default_factory=list)  # (HTTP port, worker port) each; []: one, as configured
     redis_argv: list[str] | None = None  # the shared Responses store's server, when this cluster runs it
@@ -132,6 +137,11 @@ class LocalCluster:
             self.members += [Member(f"gateway-{i}", gateway + _ports([ports])) for i, ports in enumerate(spec.gateways)]
         self.members += [Member(f"prefill-{i}", worker_argv("prefill", i, spec)) for i in range(spec.num_prefill)]
         self.members += [Member(f"decode-{i}", worker_argv("decode", i, spec)) for i in range(spec.num_decode)]
+        workers = [m for m in self.members if m.name.startswith(("prefill-", "decode-"))]  # the gateway needs no GPU
+        gpus = placement(spec.devices, [m.name for m in workers])
+        for member in workers:
+            if member.name in gpus:
+                member.env["CUDA_VISIBLE_DEVICES"] = gpus[member.name]
         self._stopping = False
         self.serving = False  # set once every member has come up: from then on an exit is restarted
 
@@ -140,7 +150,7 @@ class LocalCluster:
             self._launch(member)
 
     def _launch(self, member: Member) -> None:
-        env = {**os.environ, **self.spec.env, "OMP_NUM_THREADS": str(self.spec.threads_per_worker)}
+        env = {**os.environ, **self.spec.env, "OMP_NUM_THREADS": str(self.spec.threads_per_worker), **member.env}
         member.proc = subprocess.Popen(member.argv, env=env, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                        preexec_fn=_die_with_parent)
         member.died_at, member.last_line = None, ""

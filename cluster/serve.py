@@ -29,6 +29,7 @@ from collections.abc import Callable
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from cluster.gpu_placement import parse_devices
 from cluster.keygen import write_private_key
 from cluster.local_cluster import ClusterSpec, LocalCluster, MemberFailed
 from cluster.roles import add_config_args, command_line_overrides, env_of
@@ -46,6 +47,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     group.add_argument("--decode", type=int, help="decode workers (default 1)")
     group.add_argument("--gateways", type=int, help="gateways in front of the same workers, on --port, --port + 1, "
                        "... (default 1; cluster.num_gateways)")
+    group.add_argument("--devices", help="GPUs the workers take turns over, e.g. 0,1,2,3 (each worker's own "
+                       "CUDA_VISIBLE_DEVICES comes first; default cluster.devices, else every worker sees all)")
     group.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for every worker")
     add_config_args(p)
     add_vllm_groups(p, "gateway")
@@ -137,6 +140,11 @@ def main(argv: list[str]) -> int:
     if num_prefill < 0 or num_decode < 1:
         print("pdserve serve: needs --prefill >= 0 and --decode >= 1", file=sys.stderr)
         return 2
+    try:
+        devices = parse_devices(args.devices if args.devices is not None else ",".join(config.cluster.devices))
+    except ValueError as exc:
+        print(f"pdserve serve: {exc}", file=sys.stderr)
+        return EX_CONFIG
     num_gateways = config.cluster.num_gateways if args.gateways is None else args.gateways
     if num_gateways < 1:
         print("pdserve serve: needs --gateways >= 1", file=sys.stderr)
@@ -157,7 +165,7 @@ def main(argv: list[str]) -> int:
     if not config.transfer.cluster_key_file and not config.transfer.insecure:
         made_key = env["PDSERVE_TRANSFER_CLUSTER_KEY_FILE"] = write_private_key()
     spec = ClusterSpec(args.config, env, num_prefill, num_decode, threads, drain_timeout_s=config.decode.drain_timeout_s,
-                       gateways=gateways if num_gateways > 1 else [], redis_argv=redis_argv)
+                       gateways=gateways if num_gateways > 1 else [], redis_argv=redis_argv, devices=devices)
     try:
         return run_cluster(spec, host, [http for http, _ in gateways], model, args.ready_timeout)
     finally:
@@ -175,6 +183,10 @@ def run_cluster(spec: ClusterSpec, host: str, http_ports: list[int], model: str,
     url = urls[0]
     print(f"pdserve: gateway {'  '.join(urls)}  ({num_prefill} prefill + {num_decode} decode workers, "
           f"{threads} thread(s) each, model {model})", flush=True)
+    for member in cluster.members:
+        if "CUDA_VISIBLE_DEVICES" in member.env:
+            print(f"pdserve: {member.name} on GPU {member.env['CUDA_VISIBLE_DEVICES'].split(',')[0]} "
+                  f"(CUDA_VISIBLE_DEVICES={member.env['CUDA_VISIBLE_DEVICES']})", flush=True)
     cluster.start()
     try:
         expected = {"prefill": num_prefill, "decode": num_decode}

@@ -163,6 +163,9 @@ class ClusterConfig:
     # the same pools; with more than one they share a Responses store in Redis (gateway.responses_store_url,
     # or a redis-server started for them)
     num_gateways: int = _field(1, minimum=1)
+    # GPUs (CUDA_VISIBLE_DEVICES entries) the workers take turns over, prefill then decode; each worker's
+    # own GPU is its cuda:0 (cluster/gpu_placement.py). Empty: every worker sees what `pdserve serve` sees.
+    devices: list[str] = field(default_factory=list)
 
 
 @dataclass(slots=True)

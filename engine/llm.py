@@ -125,11 +125,13 @@ def _one_thread_too_few(library: cpu_native.NativeLibrary) -> bool:
 class LLM:
     """``LLM(path, block_size=8, ...)``: keyword overrides are fields of the config's engine section."""
 
-    def __init__(self, model: str, config_path: str | None = None, config: PdserveConfig | None = None, **engine_overrides):
+    def __init__(self, model: str, config_path: str | None = None, config: PdserveConfig | None = None,
+                 device: str | None = None, **engine_overrides):
+        """``device``: "cpu" or "cuda"; None: CUDA when there is a GPU (build_engine)."""
         if config is None:
             config = load_config(config_path, overrides={f"engine.{k}": v for k, v in engine_overrides.items()})
         self.model_path = model
-        self.engine = build_engine(model, config.model, config.engine)
+        self.engine = build_engine(model, config.model, config.engine, device=device)
         self._tokenizer = None
 
     @property
