@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 
 SCOPE_NAME = "pdserve"
 STATUS_CODE_ERROR = 2
+EXIT_WAIT_S = 2.0
 _U64 = (1 << 64) - 1
 
 
@@ -120,7 +121,7 @@ class OtlpHttpExporter:
         while not self._stop.wait(self._delay_s):
             self.flush()
 
-    def flush(self) -> None:
+    def flush(self, timeout_s: float | None = None) -> None:
         with self._lock:
             spans, self._spans = list(self._spans), collections.deque()
         if not spans:
@@ -128,7 +129,7 @@ class OtlpHttpExporter:
         request = urllib.request.Request(self.endpoint, data=encode_request(self._resource, spans),
                                          headers=self._headers, method="POST")
         try:
-            with urllib.request.urlopen(request, timeout=self._timeout_s) as response:
+            with urllib.request.urlopen(request, timeout=timeout_s or self._timeout_s) as response:
                 response.read()
         except (urllib.error.URLError, OSError) as exc:
             self.num_failed_posts += 1
@@ -138,7 +139,8 @@ class OtlpHttpExporter:
                 log.warning("OTLP export of %d spans to %s failed: %s", len(spans), self.endpoint, exc)
 
     def shutdown(self) -> None:
-        """Stop the thread and post what is left (at exit: the last requests' spans)."""
+        """Stop the thread and post what is left (at exit: the last requests' spans), waiting at most a
+        few seconds on a collector that does not answer, so a drain is not held up by tracing."""
         self._stop.set()
-        self._thread.join(timeout=self._timeout_s)
-        self.flush()
+        self._thread.join(timeout=EXIT_WAIT_S)
+        self.flush(EXIT_WAIT_S)

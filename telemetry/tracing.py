@@ -109,7 +109,12 @@ def tracer_for(role: str, worker_id: str, endpoint: str, env=os.environ) -> Trac
         log.error("OTLP protocol %r is not supported (only http/protobuf): tracing is off", protocol)
         return NO_TRACING
     resource = {"service.name": f"pdserve-{role}", "service.instance.id": worker_id, "pdserve.role": role}
-    delay_s = float(env.get("OTEL_BSP_SCHEDULE_DELAY", "1000")) / 1000
+    try:
+        delay_s = max(float(env.get("OTEL_BSP_SCHEDULE_DELAY", "1000")) / 1000, 0.01)
+    except ValueError:
+        log.warning("OTEL_BSP_SCHEDULE_DELAY=%r is not a number of milliseconds; using 1000",
+                    env["OTEL_BSP_SCHEDULE_DELAY"])
+        delay_s = 1.0
     exporter = OtlpHttpExporter(endpoint, resource, _headers(env.get("OTEL_EXPORTER_OTLP_TRACES_HEADERS", "")),
                                 delay_s=delay_s)
     atexit.register(exporter.shutdown)

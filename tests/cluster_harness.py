@@ -118,11 +118,12 @@ class ServeProcess:
 
     def metric(self, worker_id: str, name: str) -> float:
         body = urllib.request.urlopen(f"http://127.0.0.1:{self.worker_http[worker_id]}/metrics", timeout=5).read()
+        family = re.sub(r"_(count|sum|bucket)$", "", name.split("{")[0])  # a histogram's series -> its family
         total, exported = 0.0, False
         for line in body.decode().splitlines():
             if line.startswith(name + " ") or line.startswith(name + "{"):
                 total += float(line.rsplit(" ", 1)[1])
-            exported = exported or name in line  # a labelled family with no sample yet: its HELP line
+            exported = exported or family in line  # a labelled family with no such sample yet: its HELP line
         if not exported:  # a misspelt or renamed series must fail the test, not read as 0
             raise KeyError(f"{worker_id} exports no {name}")
         return total
