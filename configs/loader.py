@@ -2,11 +2,13 @@
 
     1. defaults (configs/schema.py)
     2. YAML file: {section: {field: value}}
-    3. environment: PDSERVE_<SECTION>_<FIELD>=value (strings, coerced to the field's type)
+    3. environment: PDSERVE_<SECTION>_<FIELD>=value (strings, coerced to the field's type), and
+       PDSERVE_API_KEY, one more accepted key; other PDSERVE_* variables are ignored with a warning
+       (configs/environment.py: Kubernetes service links share the prefix)
     4. overrides (the CLI): {"section.field": value}; strings are coerced like env values
 
-Every key is checked against the schema as it is read, so a typo fails at once with the key named
-(and a "did you mean"); values are coerced per field type, then choices and bounds are checked.
+Every key from YAML and the overrides is checked against the schema as it is read, so a typo fails at
+once with the key named (and a "did you mean"); values are coerced per field type, then choices and bounds are checked.
 """
 
 from __future__ import annotations
@@ -20,12 +22,8 @@ from collections.abc import Mapping
 
 import yaml
 
+from configs.environment import env_settings
 from configs.schema import ConfigError, PdserveConfig
-
-ENV_PREFIX = "PDSERVE_"
-# Read where they act, not config: the C kernels' build cache (kernels/cpu_native.py) and the CPU
-# matmul forms' cache (engine/forms_cache.py).
-PROCESS_ENV = frozenset({"PDSERVE_NATIVE_CACHE_DIR", "PDSERVE_CPU_FORMS_CACHE_DIR", "PDSERVE_RETIME_CPU_FORMS"})
 
 
 def load_config(yaml_path: str | os.PathLike | None = None, env: Mapping[str, str] | None = os.environ,
@@ -33,10 +31,10 @@ def load_config(yaml_path: str | os.PathLike | None = None, env: Mapping[str, st
     config = PdserveConfig()
     if yaml_path is not None:
         _apply_yaml(config, yaml_path)
-    for name, raw in sorted((env or {}).items()):
-        if name.startswith(ENV_PREFIX) and name not in PROCESS_ENV:
-            section, _, key = name[len(ENV_PREFIX):].lower().partition("_")
-            _set(config, f"{section}.{key}", raw, f"env {name}", from_text=True)
+    settings, api_keys = env_settings(env or {})
+    for setting in settings:
+        _set(config, setting.dotted, setting.raw, setting.source, from_text=True)
+    config.gateway.api_keys += [key for key in api_keys if key not in config.gateway.api_keys]
     for dotted, value in (overrides or {}).items():
         _set(config, dotted, value, "override", from_text=isinstance(value, str))
     _check_bounds(config)

@@ -4,6 +4,7 @@ and `pdserve status` (the gateway's /v1/workers as a table)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -82,6 +83,16 @@ def test_status_prints_a_table(fake_gateway):
         ["decode-b", "decode", "tcp://10.0.0.22:8201", "draining", "3", "1", "0", "25", "100", "25.0%"],
         ["1", "prefill,", "1", "decode", "worker(s)"]]
     assert seen == [("/v1/workers", "Bearer k1")]
+
+
+def test_status_sends_the_key_from_the_environment(fake_gateway):
+    # PDSERVE_API_KEY is the key the gateway accepts (configs/environment.py) and the one status sends.
+    url, seen = fake_gateway
+    env = {**os.environ, "PDSERVE_API_KEY": "sk-env"}
+    out = subprocess.run([sys.executable, "-m", "cluster", "status", "--url", url], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert seen == [("/v1/workers", "Bearer sk-env")]
 
 
 def test_status_unreachable_gateway():
