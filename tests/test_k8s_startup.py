@@ -141,7 +141,12 @@ def test_pods_start_as_the_manifests_say_register_and_serve():
         def tails() -> str:
             return "".join(f"--- {n} (exit {p.proc.poll()})\n" + "".join(p.log[-15:]) for n, p in pods.items())
 
-        assert poll_until(lambda: registered() == {"prefill", "decode"}, 240), "workers never registered\n" + tails()
+        def started() -> bool:
+            exited = [name for name, pod in pods.items() if pod.proc.poll() is not None]
+            assert not exited, f"{exited} exited at start-up\n{tails()}"  # a crash fails at once, not at the deadline
+            return registered() == {"prefill", "decode"}
+
+        assert poll_until(started, 240), "workers never registered\n" + tails()
         for name, pod in pods.items():  # every probe the kubelet would ask now passes
             [container] = deployments[name]["spec"]["template"]["spec"]["containers"]
             for kind in ("startupProbe", "livenessProbe", "readinessProbe"):
