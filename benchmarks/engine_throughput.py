@@ -50,7 +50,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def resolve_model_dir(model: str | None) -> Path:
     """``--model``, else the random-weight llama ``small`` made once and cached (what ``pdserve`` uses)."""
-    from cluster.default_model import default_model_dir
+    from configs.model_source import default_model_dir
 
     return Path(model) if model is not None else default_model_dir()
 

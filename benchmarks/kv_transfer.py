@@ -140,7 +140,7 @@ def time_memcpy(sizes_mib: list[int], repeats: int) -> dict[int, float]:
 
 def time_prefill(prompt_lens: list[int]) -> dict[int, float]:
     """pdserve's own prefill time (time to the first token, best of two) of the ``small`` model."""
-    from cluster.default_model import default_model_dir
+    from configs.model_source import default_model_dir
     from engine.llm import LLM
     from engine.sampling_params import SamplingParams
 

@@ -42,16 +42,21 @@ def main(argv: list[str]) -> int:
     except SamplingError as e:
         print(f"pdserve generate: {e}", file=sys.stderr)
         return 2
-    from configs.schema import ConfigError, load_config
+    from configs.schema import EX_CONFIG, ConfigError, load_config
 
     try:
         config = load_config(args.config)
     except ConfigError as e:
         print(f"pdserve generate: {e}", file=sys.stderr)
-        return 2
-    from cluster.default_model import configured_model_path
+        return EX_CONFIG
+    from configs.model_source import resolve_model
 
-    llm = LLM(configured_model_path(args.model or config.model.path, config.model.cache_dir), config=config)
+    try:
+        model = resolve_model(args.model or config.model.path, config.model.cache_dir)
+    except ConfigError as e:
+        print(f"pdserve generate: {e}", file=sys.stderr)
+        return EX_CONFIG
+    llm = LLM(str(model), config=config)
     prompts = [llm.apply_chat_template(p) for p in args.prompt] if args.chat else args.prompt
     try:
         results = llm.generate(prompts, params)

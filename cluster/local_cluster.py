@@ -4,6 +4,9 @@ OS process (``python -m <role>``), supervised.
 - Workers bind port 0 (any free port) and find each other through the gateway they register with, so
   only the gateway's two ports are fixed.
 - A member that exits on its own is restarted (with a short backoff); the count is kept per member.
+  Not one that exits with EX_CONFIG (its configuration is wrong: a restart fails the same way) or
+  before the cluster first served (start-up failed): ``supervise_once`` raises ``MemberFailed`` and
+  the caller stops everything.
 - ``stop`` sends SIGTERM to the workers first (they drain: finish in-flight work, deregister), then to
   the gateway, and SIGKILLs whatever is still alive after the deadline. Children also get SIGTERM
   from the kernel if this supervisor dies (PR_SET_PDEATHSIG), so no process is left behind.
@@ -21,6 +24,8 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+
+from configs.schema import EX_CONFIG
 
 PR_SET_PDEATHSIG = 1
 RESTART_BACKOFF_S = 1.0
@@ -51,6 +56,16 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     except OSError:
         pass  # not Linux: stop() still cleans up on a normal exit
+
+
+class MemberFailed(Exception):
+    """A member exited in a way no restart mends; the message names it, its exit status and why."""
+
+    def __init__(self, name: str, returncode: int, serving: bool):
+        why = ("a configuration error (see its line above)" if returncode == EX_CONFIG
+               else "before the cluster was ready" if not serving else "")
+        super().__init__(f"{name} exited with code {returncode}: {why}; not restarting it")
+        self.returncode = returncode
 
 
 @dataclass(slots=True)
@@ -93,6 +108,7 @@ class LocalCluster:
         self.members += [Member(f"prefill-{i}", worker_argv("prefill", i, spec)) for i in range(spec.num_prefill)]
         self.members += [Member(f"decode-{i}", worker_argv("decode", i, spec)) for i in range(spec.num_decode)]
         self._stopping = False
+        self.serving = False  # set once every member has come up: from then on an exit is restarted
 
     def start(self) -> None:
         for member in self.members:
@@ -104,7 +120,8 @@ class LocalCluster:
         member.died_at = None
 
     def supervise_once(self, now: float | None = None) -> list[str]:
-        """Restart members that exited on their own; returns the names restarted now."""
+        """Restart members that exited on their own; returns the names restarted now. Raises
+        MemberFailed for an exit a restart cannot mend (EX_CONFIG, or any exit before serving)."""
         now = time.monotonic() if now is None else now
         restarted = []
         for member in self.members:
@@ -113,6 +130,8 @@ class LocalCluster:
             if member.died_at is None:
                 member.died_at = now
                 remove_shm_segments(member.proc.pid)
+                if member.proc.returncode == EX_CONFIG or not self.serving:
+                    raise MemberFailed(member.name, member.proc.returncode, self.serving)
                 print(f"pdserve: {member.name} exited with code {member.proc.returncode}; restarting", flush=True)
             elif now - member.died_at >= RESTART_BACKOFF_S:
                 member.restarts += 1

@@ -13,52 +13,52 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster.local_cluster import ClusterSpec, LocalCluster
-from configs.schema import ConfigError, load_config
-from gateway.__main__ import add_chat_parser_args
+from cluster.local_cluster import ClusterSpec, LocalCluster, MemberFailed
+from cluster.roles import add_config_args, command_line_overrides, env_of
+from cluster.vllm_flags import add_vllm_groups
+from configs.model_source import resolve_model
+from configs.schema import EX_CONFIG, ConfigError, load_config
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="pdserve serve", description=__doc__.splitlines()[0])
-    p.add_argument("--model", help="HF directory or hub id (default: the embedded small model, made on first use)")
-    p.add_argument("--host", help="gateway interface (default 127.0.0.1)")
-    p.add_argument("--port", type=int, help="gateway HTTP port (default 8000)")
-    p.add_argument("--prefill", type=int, help="prefill workers (default 1; 0 = decode workers prefill locally)")
-    p.add_argument("--decode", type=int, help="decode workers (default 1)")
-    p.add_argument("--api-key", action="append", help="accepted API key; repeat for several")
-    add_chat_parser_args(p)
-    p.add_argument("--config", help="YAML config file shared by every process")
-    p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for every worker")
-    return p.parse_args(argv)
+    p.add_argument("model_tag", nargs="?", metavar="MODEL", help="as 'vllm serve MODEL': same as --model")
+    group = p.add_argument_group("pdserve cluster")
+    group.add_argument("--model", help="HF directory or hub id (default: the embedded small model, made on first use)")
+    group.add_argument("--prefill", type=int, help="prefill workers (default 1; 0 = decode workers prefill locally)")
+    group.add_argument("--decode", type=int, help="decode workers (default 1)")
+    group.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for every worker")
+    add_config_args(p)
+    add_vllm_groups(p, "gateway")
+    args = p.parse_args(argv)
+    if args.model_tag and args.model and args.model_tag != args.model:
+        p.error(f"two models given: {args.model_tag!r} and --model {args.model!r}")
+    args.model = args.model or args.model_tag
+    return args
 
 
-def cluster_env(args: argparse.Namespace, model: str, host: str, worker_port: int) -> dict[str, str]:
-    """Settings every member shares, passed as PDSERVE_* variables (they rank below each --set)."""
-    env = {"PDSERVE_MODEL_PATH": model}
-    if args.host:
-        env["PDSERVE_GATEWAY_HOST"] = args.host
-    if args.port is not None:
-        env["PDSERVE_GATEWAY_PORT"] = str(args.port)
-    if args.api_key:
-        env["PDSERVE_GATEWAY_API_KEYS"] = ",".join(args.api_key)
-    for name in ("reasoning_parser", "tool_call_parser"):
-        if getattr(args, name):
-            env[f"PDSERVE_GATEWAY_{name.upper()}"] = getattr(args, name)
+def cluster_env(overrides: dict[str, str], model: str, host: str, worker_port: int) -> dict[str, str]:
+    """Settings every member shares, passed as PDSERVE_* variables: the command line's overrides
+    (written over inherited variables, so the command line still wins over the environment; each
+    member's own --set ranks above them), the model and the gateway's worker address."""
+    env = {**env_of(overrides), "PDSERVE_MODEL_PATH": model}
     for role in ("PREFILL", "DECODE"):
         env[f"PDSERVE_{role}_GATEWAY_ADDRESS"] = f"tcp://{host}:{worker_port}"
     return env
 
 
-def wait_ready(url: str, cluster: LocalCluster, timeout_s: float, expected: dict[str, int]) -> bool:
+def wait_ready(url: str, cluster: LocalCluster, timeout_s: float, expected: dict[str, int],
+               stopped: Callable[[], bool] = lambda: False) -> bool:
     """Until ``/ready`` answers 200 and the gateway counts ``expected`` workers per role. ``/ready``
     alone is satisfied by one decode worker, which serves by prefilling locally: clients let in before
     the prefill workers join run on another system than the one asked for (the serving benchmark's
     first prompts did, and the prefill worker's prefix cache then started without them)."""
     give_up = time.monotonic() + timeout_s
-    while time.monotonic() < give_up:
+    while time.monotonic() < give_up and not stopped():  # SIGTERM while starting: stop now, not at give_up
         cluster.supervise_once()
         try:
             with urllib.request.urlopen(f"{url}/ready", timeout=2) as response:
@@ -82,27 +82,31 @@ def registered_workers(metrics_text: str) -> dict[str, int]:
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     try:
-        config = load_config(args.config)
-    except ConfigError as exc:
+        overrides = command_line_overrides(args, "gateway")
+        config = load_config(args.config, overrides=overrides)
+    except (ConfigError, OSError) as exc:
         print(f"pdserve serve: {exc}", file=sys.stderr)
-        return 2
+        return EX_CONFIG
     model = args.model or config.model.path
     if not model:
-        from cluster.default_model import configured_model_path  # made once, before any member starts
-
         print("pdserve: preparing the embedded default model (first run only) ...", flush=True)
-        model = configured_model_path("", config.model.cache_dir)
+    try:  # once, before any member starts: a hub id is fetched here, and a bad model is one line now
+        resolved = resolve_model(model, config.model.cache_dir)
+    except ConfigError as exc:
+        print(f"pdserve serve: {exc}", file=sys.stderr)
+        return EX_CONFIG
+    if not model:
+        model = str(resolved)
         os.environ.setdefault("PDSERVE_MODEL_SERVED_MODEL_NAME", "pdserve-small")
     num_prefill = config.cluster.num_prefill if args.prefill is None else args.prefill
     num_decode = config.cluster.num_decode if args.decode is None else args.decode
     if num_prefill < 0 or num_decode < 1:
         print("pdserve serve: needs --prefill >= 0 and --decode >= 1", file=sys.stderr)
         return 2
-    host = args.host or config.gateway.host
-    port = config.gateway.port if args.port is None else args.port
+    host, port = config.gateway.host, config.gateway.port
     cores = len(os.sched_getaffinity(0))  # the cores this process may use (taskset, cgroups), not the host's
     threads = max(1, cores // (num_prefill + num_decode))
-    spec = ClusterSpec(args.config, cluster_env(args, model, host, config.gateway.worker_port),
+    spec = ClusterSpec(args.config, cluster_env(overrides, model, host, config.gateway.worker_port),
                        num_prefill, num_decode, threads, drain_timeout_s=config.decode.drain_timeout_s)
     cluster = LocalCluster(spec)
     stop = []
@@ -113,10 +117,12 @@ def main(argv: list[str]) -> int:
           f"{threads} thread(s) each, model {model})", flush=True)
     cluster.start()
     try:
-        if not wait_ready(url, cluster, args.ready_timeout, {"prefill": num_prefill, "decode": num_decode}) and not stop:
+        expected = {"prefill": num_prefill, "decode": num_decode}
+        if not wait_ready(url, cluster, args.ready_timeout, expected, stopped=lambda: bool(stop)) and not stop:
             print(f"pdserve: {url}/ready did not answer 200 with all {num_prefill} prefill + {num_decode} decode "
                   f"workers registered within {args.ready_timeout:.0f} s", file=sys.stderr)
             return 1
+        cluster.serving = True
         if not stop:
             print(f"pdserve: ready — OpenAI API at {url}/v1", flush=True)
         while not stop:
@@ -124,5 +130,8 @@ def main(argv: list[str]) -> int:
             time.sleep(0.5)
         print("pdserve: draining and stopping ...", flush=True)
         return 0
+    except MemberFailed as exc:
+        print(f"pdserve serve: {exc}; stopping the cluster", file=sys.stderr)
+        return EX_CONFIG if exc.returncode == EX_CONFIG else 1
     finally:
         cluster.stop()

@@ -16,6 +16,11 @@ class ConfigError(ValueError):
     """A bad config key or value; the message names the dotted key, the value and where it came from."""
 
 
+# The exit status of a process that stops on a ConfigError (sysexits.h EX_CONFIG): starting it again
+# as it is cannot help, so supervisors (cluster/local_cluster.py) do not restart it.
+EX_CONFIG = 78
+
+
 def _field(default, *, choices: tuple | None = None, minimum: float | None = None):
     return field(default=default, metadata={"choices": choices, "minimum": minimum})
 
@@ -31,6 +36,13 @@ class ModelConfig:
     max_model_len: int | None = _field(None, minimum=1)  # context limit in tokens; None: the model's own
     cache_dir: str = ""  # where the embedded default model is made on first use; "" = ~/.cache/pdserve
     served_model_name: str = ""  # the name clients put in "model"; "" = path as given (the default model: "pdserve-small")
+    # The chat template (vLLM's --chat-template): a Jinja file's path, or the template itself; "" = the
+    # model's own (chat_template.jinja or tokenizer_config.json)
+    chat_template: str = ""
+
+    def name_for_clients(self) -> str:
+        """What /v1/models lists and the metrics' model_name label says, in every process alike."""
+        return self.served_model_name or self.path or "pdserve-small"
 
 
 @dataclass(slots=True)
@@ -42,6 +54,7 @@ class EngineConfig:
     max_num_batched_tokens: int = _field(2048, minimum=1)  # tokens computed in one step (prefill + decode)
     prefill_chunk_size: int = _field(512, minimum=1)  # prompt tokens one request may compute per step
     enable_prefix_caching: bool = True  # reuse full blocks whose token hash chain matches
+    seed: int | None = None  # seeds the sampler unseeded requests share; None: a fresh seed per process
     num_threads: int | None = _field(None, minimum=1)  # torch CPU threads; None: torch's default
     # CPU decode attention: "c" = the C kernel (kernels/cpu_decode.c), built at first use with the
     # machine's compiler, torch where it cannot be built or has no copy for the model; "torch" = torch only
@@ -53,6 +66,11 @@ class EngineConfig:
     # CPU layer steps: "c" = RMSNorm with its residual add, RoPE with the K/V store and SwiGLU's product
     # in C (kernels/cpu_layer_ops.c; float32 weights); "torch" = torch only
     cpu_layer_ops: str = _field("c", choices=("c", "torch"))
+    # Structured outputs (engine/grammar_compiles.py): a request whose grammar has not compiled this long
+    # after it arrived is refused (xgrammar cannot stop the compile; it ends on its thread, unread).
+    grammar_compile_timeout_s: float = _field(30.0, minimum=0.001)
+    grammar_compile_threads: int = _field(2, minimum=1)  # grammars compiling at once on a worker
+    grammar_cache_mb: int = _field(256, minimum=0)  # xgrammar's cache of compiled grammars, least recently used out
 
 
 @dataclass(slots=True)
@@ -74,14 +92,30 @@ class GatewayConfig:
     local_prefill_max_tokens: int = _field(256, minimum=0)
     routing_policy: str = _field("prefix", choices=("prefix", "least_loaded", "round_robin"))  # picks D
     # Chat output readers, as vLLM's --reasoning-parser and --tool-call-parser: <think> reasoning into the
-    # message's reasoning field (gateway/reasoning.py); the model's own tool calls for tool_choice "auto"
-    # (gateway/tool_parsers.py). "none": off (reasoning stays in content; "auto" is a 400).
+    # message's reasoning field (gateway/text/reasoning/); the model's own tool calls for tool_choice "auto"
+    # (gateway/text/tool_parsers/). "none": off (reasoning stays in content; "auto" is a 400).
     reasoning_parser: str = _field("none", choices=("none", "deepseek_r1", "qwen3"))
     tool_call_parser: str = _field("none", choices=("none", "hermes", "llama3_json", "pythonic", "mistral",
                                                     "qwen3_coder", "deepseek_v3", "granite"))
     # Memory for the Responses API's stored answers (previous_response_id, GET /v1/responses/{id}); the
     # least recently used go first. Per gateway process. 0: nothing is stored (store: false is echoed).
     responses_store_mb: int = _field(64, minimum=0)
+    # prompt_logprobs (k <= 20, vLLM's max_logprobs) hold (k + 1) entries per prompt token per choice in
+    # gateway memory (~0.5 KB each once formatted): a request needing more is a 400 naming this limit.
+    # 262144: e.g. a 12k-token prompt at k = 20, or a 130k-token one at k = 1.
+    max_prompt_logprobs_entries: int = _field(262144, minimum=0)
+    # HTTP time limits (gateway/http/limits.py): a request's line and headers must arrive this long after
+    # the connection opens (or the previous response ends), its body this long after the headers; a
+    # client that accepts no response bytes this long (its socket full) is dropped and its requests aborted.
+    http_header_timeout_s: float = _field(10.0, minimum=0.001)
+    http_body_timeout_s: float = _field(30.0, minimum=0.001)
+    http_write_timeout_s: float = _field(30.0, minimum=0.001)
+    # Open HTTP connections (and requests) at most, as uvicorn's limit_concurrency: past it, 503. 0: no limit.
+    max_connections: int = _field(1024, minimum=0)
+    # A stream that has sent nothing this long (queued, prefilling) sends an SSE comment ": keep-alive",
+    # so proxies keep it open and a client gone is noticed; a stream starts at the latest after this long
+    # (a refusal after that comes in-band). 0: never.
+    sse_keepalive_s: float = _field(15.0, minimum=0.0)
 
 
 @dataclass(slots=True)
@@ -119,6 +153,15 @@ class ClusterConfig:
 
 
 @dataclass(slots=True)
+class ObservabilityConfig:
+    log_level: str = _field("info", choices=("debug", "info", "warning", "error", "critical"))
+    log_format: str = _field("text", choices=("text", "json"))  # json: one object per line (worker/logs.py)
+    # OTLP/HTTP protobuf endpoint of a trace collector, e.g. http://127.0.0.1:4318/v1/traces; "" = no
+    # tracing (no span is made). OTEL_EXPORTER_OTLP_TRACES_ENDPOINT is read when this is unset.
+    otlp_traces_endpoint: str = ""
+
+
+@dataclass(slots=True)
 class PdserveConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -127,6 +170,7 @@ class PdserveConfig:
     decode: DecodeConfig = field(default_factory=DecodeConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
 
 
 def load_config(yaml_path=None, env=os.environ, overrides=None) -> PdserveConfig:

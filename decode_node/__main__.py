@@ -9,18 +9,25 @@ from __future__ import annotations
 import os
 import sys
 
+from configs.schema import EX_CONFIG, ConfigError
 from decode_node.node import DecodeNode
-from worker import install_drain, setup_logging
+from worker import default_worker_id, install_drain, setup_logging
 from worker.cli import load_worker_config
 
 
 def main(argv: list[str] | None = None) -> int:
     loaded = load_worker_config("python -m decode_node", "pdserve decode worker", argv)
     if loaded is None:
-        return 2
+        return EX_CONFIG
     config, log_level = loaded
-    setup_logging("decode", config.decode.worker_id or "-", log_level)
-    node = DecodeNode.start(config)
+    if not config.decode.worker_id:  # named once: the log lines of the start-up carry it too
+        config.decode.worker_id = default_worker_id("decode")
+    setup_logging("decode", config.decode.worker_id, log_level, config.observability.log_format)
+    try:
+        node = DecodeNode.start(config)
+    except ConfigError as exc:  # the model: one line, and no restart helps (configs/model_source.py)
+        print(f"pdserve decode: {exc}", file=sys.stderr)
+        return EX_CONFIG
     install_drain(node.server.request_drain)
     print(f"READY http_port={node.http.port} kv_address={node.server.options.kv_address} "
           f"worker_id={node.server.options.worker_id} pid={os.getpid()}", flush=True)

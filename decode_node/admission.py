@@ -33,8 +33,5 @@ def make_sequence(seq_id: int, gen: Generate, engine: LLMEngine) -> Sequence:
     model = engine.model_config
     if error := vocab_error(gen.token_ids, params, model.vocab_size):
         raise RequestError(error)
-    stops = set(params.stop_token_ids)
-    if not params.ignore_eos:
-        stops.update(model.eos_token_ids)
     # A structured output's guide comes later, from its compile (the server's COMPILING phase).
-    return Sequence(seq_id, list(gen.token_ids), params, stop_token_ids=frozenset(stops))
+    return Sequence(seq_id, list(gen.token_ids), params, stop_token_ids=params.stop_ids(model.eos_token_ids))

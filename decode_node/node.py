@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import zmq
 from prometheus_client import CollectorRegistry
 
-from cluster.default_model import configured_model_path
+from configs.model_source import resolve_model
 from configs.schema import PdserveConfig
 from decode_node.prefill_links import PrefillLinks
 from decode_node.server import DecodeOptions, DecodeServer
@@ -22,7 +22,8 @@ from kvtransfer.channel import ZmqServer
 from kvtransfer.compat import new_incarnation
 from kvtransfer.metrics import TransferMetrics
 from kvtransfer.receiver import KVReceiver
-from kvtransfer.shm_pool import SharedTensor, create_shared
+from kvtransfer.shm_pool import SharedTensor, ShmCapacityError, create_shared
+from telemetry.tracing import tracer_for
 from worker import EngineMetrics, HttpHandle, WorkerSocket, default_worker_id, kv_model_name, serve_http
 
 log = logging.getLogger(__name__)
@@ -46,10 +47,10 @@ class DecodeNode:
     def start(cls, config: PdserveConfig, ctx: zmq.Context | None = None) -> DecodeNode:
         ctx = ctx or zmq.Context()
         dc = config.decode
-        model_path = configured_model_path(config.model.path, config.model.cache_dir)
-        engine = build_engine(model_path, config.model, config.engine)
+        model_path = resolve_model(config.model.path, config.model.cache_dir)
+        engine = build_engine(str(model_path), config.model, config.engine)
         registry = CollectorRegistry()
-        shm_pool = _share_pool(engine, config.transfer.transport)
+        shm_pool = share_pool(engine.runner.kv_pool, config.transfer.transport)
         kv_server = ZmqServer(ctx, dc.host, dc.kv_port, max_msg_size=config.transfer.max_frame_bytes)
         receiver = KVReceiver(engine.runner.kv_pool, kv_model_name(config.model.path), kv_server,
                               _keep_with_sequence, TransferMetrics(registry), lease_s=config.transfer.lease_seconds,
@@ -59,7 +60,9 @@ class DecodeNode:
                                 heartbeat_s=config.gateway.worker_heartbeat_s or 5.0,
                                 drain_timeout_s=dc.drain_timeout_s)
         gateway = WorkerSocket(ctx, dc.gateway_address, worker_id)
-        server = DecodeServer(engine, gateway, receiver, PrefillLinks(ctx, worker_id), EngineMetrics(registry), options)
+        server = DecodeServer(engine, gateway, receiver, PrefillLinks(ctx, worker_id),
+                              EngineMetrics(registry, config.model.name_for_clients()), options,
+                              tracer_for("decode", worker_id, config.observability.otlp_traces_endpoint))
         http = serve_http(dc.host, dc.http_port, registry, server.is_ready)
         log.info("decode worker %s: kv %s, http %s:%d, gateway %s, %d KV blocks of %d tokens", worker_id,
                  kv_server.endpoint, dc.host, http.port, dc.gateway_address, engine.block_manager.num_blocks,
@@ -75,14 +78,20 @@ class DecodeNode:
             self.shm_pool.unlink()  # peers that mapped it keep their mapping; the name goes now
 
 
-def _share_pool(engine, transport: str) -> SharedTensor | None:
+def share_pool(pool, transport: str) -> SharedTensor | None:
     """Move a CPU KV pool into /dev/shm so a same-host prefill worker writes straight into reserved
     blocks (the shm transport). The file name carries our pid: a supervisor that sees this process
-    die removes ``pdserve-*-<pid>-*`` (cluster/local_cluster.py)."""
-    pool = engine.runner.kv_pool
+    die removes ``pdserve-*-<pid>-*`` (cluster/local_cluster.py). Where /dev/shm cannot hold it, the
+    pool stays where it is and peers get the zmq transport (a warning names both sizes)."""
     if transport not in ("auto", "shm") or pool.tensor.is_cuda:
         return None
-    shared = create_shared(pool.layout.shape, pool.layout.dtype, prefix=f"kv-{os.getpid()}")
+    try:
+        shared = create_shared(pool.layout.shape, pool.layout.dtype, prefix=f"kv-{os.getpid()}")
+    except ShmCapacityError as e:
+        log.warning("KV pool not shared (%s); prefill workers on this host will use the zmq transport. "
+                    "Enlarge /dev/shm (docker run --shm-size, an emptyDir with medium: Memory) or shrink "
+                    "engine.kv_cache_memory_mb to use shm", e)
+        return None
     shared.tensor.copy_(pool.tensor)  # a fresh pool is zeros, but keep whatever was there
     pool.tensor = shared.tensor  # the runner reads pool.tensor on every step; nothing cached it yet
     return shared

@@ -62,6 +62,7 @@ from kvtransfer.receiver import KVReceiver
 from protocol.serving import (
     AbortRequest, Busy, Generate, Goodbye, Heartbeat, PrefillFailed, PrefillJob,
 )
+from telemetry.tracing import NO_TRACING, RequestTrace, Tracer
 from worker import Drain, EngineMetrics, EngineSnapshot, HeartbeatTimer, WorkerSocket
 from worker.logprob_records import prompt_logprobs_frames
 
@@ -82,7 +83,7 @@ class DecodeOptions:
 
 class DecodeServer:
     def __init__(self, engine: LLMEngine, gateway: WorkerSocket, receiver: KVReceiver, prefill: PrefillLinks,
-                 metrics: EngineMetrics, options: DecodeOptions):
+                 metrics: EngineMetrics, options: DecodeOptions, tracer: Tracer = NO_TRACING):
         self.engine = engine
         self.scheduler = engine.scheduler
         self.block_manager = engine.block_manager
@@ -91,6 +92,7 @@ class DecodeServer:
         self.prefill = prefill
         self.metrics = metrics
         self.options = options
+        self.tracer = tracer
         self.requests: dict[str, DecodeRequest] = {}
         self._compiling: dict[str, tuple[Generate, Future]] = {}  # COMPILING requests: what they asked, their guide
         self._by_seq_id: dict[int, DecodeRequest] = {}
@@ -174,7 +176,13 @@ class DecodeServer:
         if gen.deadline <= time.time():
             self._send_error_all(gen.rid, seq.params.n, "deadline passed before the request arrived")
             return
+        if self.tracer.enabled:
+            req.trace = self.tracer.request("decode", gen.traceparent, **{
+                "gen_ai.request.id": gen.rid, "pdserve.worker_id": self.options.worker_id,
+                "gen_ai.usage.prompt_tokens": seq.num_prompt_tokens})
         if seq.params.structured_output is not None:
+            if req.trace:
+                req.trace.phase("compile_grammar")
             req.phase = Phase.COMPILING
             self._compiling[gen.rid] = (gen, self.engine.new_guide_async(seq.params))
             self._track(req)
@@ -193,11 +201,15 @@ class DecodeServer:
             except StructuredOutputError as exc:
                 self.metrics.request_failure.labels("invalid").inc()
                 self._send_error_all(rid, req.seq.params.n, str(exc), refused=True)
+                if req.trace:
+                    req.trace.end(str(exc))
                 continue
             req.phase = Phase.SCHEDULED
             self._start(req, gen)
 
     def _start(self, req: DecodeRequest, gen: Generate) -> None:
+        if req.trace:
+            req.trace.phase("reserve")
         seq = req.seq
         remote_tokens = self._kv_needed_from_prefill(seq)
         _, hit_tokens = self.block_manager.prefix_hit(seq)
@@ -218,10 +230,13 @@ class DecodeServer:
         _, hit_tokens = bm.prefix_hit(seq)
         needed = cdiv(seq.num_tokens - hit_tokens, bm.block_size) + 1
         if needed + queued > bm.num_allocatable_blocks:
-            self._busy(req.rid, f"KV pool full: needs {needed} blocks, {bm.num_allocatable_blocks - queued} available")
+            self._busy(req.rid, f"KV pool full: needs {needed} blocks, {bm.num_allocatable_blocks - queued} available",
+                       req.trace)
             return
         self.scheduler.add(seq)
         self._track(req)
+        if req.trace:
+            req.trace.phase("prefill_local", cached_tokens=hit_tokens)
         self.metrics.prompt_tokens.inc(seq.num_prompt_tokens)
         log.info("rid=%s local prefill: %d prompt tokens, %d cached, n=%d", req.rid, seq.num_prompt_tokens,
                  hit_tokens, seq.params.n)
@@ -229,7 +244,7 @@ class DecodeServer:
     def _start_remote_prefill(self, req: DecodeRequest, gen: Generate, num_tokens: int) -> None:
         seq, bm = req.seq, self.block_manager
         if not bm.can_reserve(seq, num_tokens, num_spare_blocks=1):
-            self._busy(req.rid, f"KV pool full: {bm.num_allocatable_blocks} blocks available")
+            self._busy(req.rid, f"KV pool full: {bm.num_allocatable_blocks} blocks available", req.trace)
             return
         dst_block_ids = bm.reserve(seq, num_tokens)
         skip = seq.num_computed_tokens  # the prefix hit, whole blocks
@@ -238,7 +253,8 @@ class DecodeServer:
         job = PrefillJob(
             rid=req.rid, token_ids=seq.token_ids[:num_tokens], skip_tokens=skip, dst_block_ids=dst_block_ids,
             generation=req.generation, kv_address=self.options.kv_address, sample_first=seq.params.n == 1,
-            sampling=gen.sampling, deadline=gen.deadline,
+            sampling=gen.sampling, deadline=gen.deadline, kv_incarnation=self.receiver.incarnation,
+            traceparent=req.trace.traceparent() if req.trace else "",
         )
         self._track(req)
         self.metrics.prompt_tokens.inc(seq.num_prompt_tokens)
@@ -247,6 +263,9 @@ class DecodeServer:
             return
         log.info("rid=%s prefill job -> %s: tokens [%d, %d), %d blocks, generation %d", req.rid,
                  gen.prefill_address, skip, num_tokens, len(dst_block_ids), req.generation)
+        if req.trace:
+            req.trace.phase("wait_kv", prefill_address=gen.prefill_address, cached_tokens=skip,
+                            num_blocks=len(dst_block_ids))
 
     def _track(self, req: DecodeRequest) -> None:
         self.requests[req.rid] = req
@@ -284,6 +303,8 @@ class DecodeServer:
         self.block_manager.mark_computed(seq, num_computed)
         finished_at_once = self.scheduler.add_prefilled(seq)
         log.info("rid=%s KV committed: %d tokens, running", req.rid, num_computed)
+        if req.trace:
+            req.trace.phase("decode")
         if finished_at_once:
             self._emit(req, 0, seq)
 
@@ -326,6 +347,8 @@ class DecodeServer:
         if event.token_ids:
             if req.num_sent[index] == 0:
                 self.metrics.time_to_first_token.observe(now - req.arrived)
+                if req.trace and index == 0:  # prefilled here: its first token ends the prefill
+                    req.trace.phase("decode")
             elif req.last_token_at:
                 self.metrics.inter_token_latency.observe(now - req.last_token_at)
             req.last_token_at = now
@@ -339,12 +362,17 @@ class DecodeServer:
                 self.metrics.request_success.labels(event.finish_reason).inc()
                 self.metrics.e2e_request_latency.observe(now - req.arrived)
                 log.info("rid=%s finished: %s", req.rid, event.finish_reason)
+                if req.trace:
+                    req.trace.end(None, **{"gen_ai.response.finish_reasons": event.finish_reason,
+                                           "gen_ai.usage.completion_tokens": sum(req.num_sent)})
 
     # ---- 6. abort, deadline, failure ----
     def _on_abort(self, abort: AbortRequest) -> None:
         req = self.requests.get(abort.rid)
         if req is not None:
             log.info("rid=%s aborted by the gateway: %s", req.rid, abort.reason or "no reason given")
+            if req.trace:
+                req.trace.end(None, **{"pdserve.aborted": abort.reason or "by the gateway"})
             self._release(req)
             self.metrics.request_failure.labels("aborted").inc()
 
@@ -355,6 +383,8 @@ class DecodeServer:
 
     def _fail(self, req: DecodeRequest, error: str, *, abort_receiver: bool = True) -> None:
         log.warning("rid=%s failed: %s", req.rid, error)
+        if req.trace:
+            req.trace.end(error)
         self._release(req, abort_receiver=abort_receiver)
         self.metrics.request_failure.labels("error").inc()
         for index, done in enumerate(req.done):
@@ -364,7 +394,9 @@ class DecodeServer:
     def _release(self, req: DecodeRequest, *, abort_receiver: bool = True) -> None:
         """Free everything the request holds, whatever its phase."""
         if req.phase == Phase.COMPILING:
-            self._compiling.pop(req.rid, None)  # a compile under way ends on its thread, unread
+            _, compiling = self._compiling.pop(req.rid, (None, None))
+            if compiling is not None:
+                compiling.cancel()  # one not started never runs; one under way ends on its thread, unread
         elif req.phase == Phase.AWAITING_KV:
             if abort_receiver:
                 self.receiver.abort(req.rid)  # idempotent; the fence comes down before the blocks are reused
@@ -379,7 +411,9 @@ class DecodeServer:
         self.requests.pop(req.rid, None)
         self._by_seq_id.pop(req.seq.seq_id, None)
 
-    def _busy(self, rid: str, reason: str) -> None:
+    def _busy(self, rid: str, reason: str, trace: RequestTrace | None = None) -> None:
+        if trace:
+            trace.end(f"busy: {reason}")
         self.metrics.request_failure.labels("busy").inc()
         log.info("rid=%s busy: %s", rid, reason)
         self.gateway.send(Busy(rid, reason))

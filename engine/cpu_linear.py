@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import os
 import tempfile
 import time
@@ -49,6 +50,8 @@ from torch import nn
 
 from engine import forms_cache
 from kernels.cpu_native import NativeLibrary
+
+log = logging.getLogger(__name__)
 
 ROW_BUCKETS = (1, 4, 8, 16, 32, 48, 64, 96, 128)  # row counts timed at load
 LM_HEAD_SLICE_ROWS = 1024  # weight rows per matmul in the LM head's transposed form
@@ -188,9 +191,15 @@ def time_forms(groups: dict[str, list[torch.Tensor]], slice_rows: dict[str, int 
         path = forms_cache.path_for(key, None if native is None else native.name)
         picks = forms_cache.load(path, list(groups), FORMS, len(ROW_BUCKETS))
         if picks is None:
+            log.info("timing CPU matmul forms for %d weight shapes at %d row counts (first start on this "
+                     "machine, model and thread count; the picks are kept in %s)", len(groups), len(ROW_BUCKETS), path)
+            started = time.monotonic()
             picks = {k: (forms.per_bucket, forms.prefill)
                      for k, forms in _timed_picks(groups, slice_rows, repeats, native).items()}
             forms_cache.store(path, picks)
+            log.info("timed CPU matmul forms in %.1f s", time.monotonic() - started)
+        else:
+            log.info("CPU matmul forms found in the cache %s: no timing", path)
         _picked[key] = picks
     return {k: MatmulForms(per_bucket, slice_rows.get(k), native if "c" in per_bucket else None, prefill)
             for k, (per_bucket, prefill) in _picked[key].items()}
@@ -201,6 +210,7 @@ def _timed_picks(groups: dict[str, list[torch.Tensor]], slice_rows: dict[str, in
     first = next(iter(groups.values()))[0]
     x = torch.randn(ROW_BUCKETS[-1], max(ws[0].shape[1] for ws in groups.values()), dtype=first.dtype)
     times = {key: [{} for _ in ROW_BUCKETS] for key in groups}  # per bucket: form -> seconds
+    progress = _Progress(len(FORMS) * len(ROW_BUCKETS))
     for form in FORMS:
         # One form's copies at a time: beside the dense weights, at most one more copy of the model.
         copies = {key: _copies_for(form, ws, native) for key, ws in groups.items()}
@@ -212,7 +222,25 @@ def _timed_picks(groups: dict[str, list[torch.Tensor]], slice_rows: dict[str, in
             for _ in range(repeats):
                 for key, seconds in _timed_pass(copies, forms, x[:rows]).items():
                     times[key][bucket][form] = min(times[key][bucket].get(form, float("inf")), seconds)
+            progress.advance(f"{form} at {rows} rows", form_done=bucket == len(ROW_BUCKETS) - 1)
     return {key: _pick(times[key], slice_rows.get(key), native) for key in groups}
+
+
+class _Progress:
+    """Progress lines while the forms are timed (minutes for a large model on few cores): one at the end
+    of each form, and one whenever ``every_s`` passed since the last."""
+
+    def __init__(self, total: int, every_s: float = 5.0) -> None:
+        self.total, self.done, self.every_s = total, 0, every_s
+        self.started = self.last = time.monotonic()
+
+    def advance(self, what: str, form_done: bool) -> None:
+        self.done += 1
+        now = time.monotonic()
+        if form_done or now - self.last >= self.every_s:
+            self.last = now
+            log.info("timing CPU matmul forms: %d/%d passes (%s), %.1f s", self.done, self.total, what,
+                     now - self.started)
 
 
 def _copies_for(form: str, weights: list[torch.Tensor], native: NativeLibrary | None) -> list[WeightCopies]:
@@ -269,7 +297,11 @@ def exclusive_timing(lock_path: str | None = None):
         yield
         return
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)  # released by the kernel if this process dies
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("waiting for another process on this machine to finish timing its CPU forms (%s)", path)
+            fcntl.flock(fd, fcntl.LOCK_EX)  # released by the kernel if this process dies
         yield
     finally:
         os.close(fd)

@@ -14,7 +14,7 @@ from torch import nn
 import kernels
 from engine.attention_metadata import AttentionMetadata
 from engine.cpu_linear import Linear
-from engine.model_config import ModelConfig
+from engine.model_config import HFModelConfig
 from engine.rope import apply_rotary
 from kernels.cpu_native import NativeLibrary
 
@@ -58,7 +58,7 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: HFModelConfig):
         super().__init__()
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
@@ -112,7 +112,7 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU: ``down(silu(gate(x)) * up(x))`` with gate and up in one matmul."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: HFModelConfig):
         super().__init__()
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = _linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
@@ -131,7 +131,7 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: HFModelConfig):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config)

@@ -7,17 +7,21 @@ KV pool from the memory budget, and wires block manager, scheduler, runner and s
 from __future__ import annotations
 
 import logging
+import resource
+import time
 from collections.abc import Sequence as Seq
 
 import torch
 
-from configs.schema import EngineConfig, ModelConfig as ModelSection, PdserveConfig, load_config
+from configs.schema import ConfigError, EngineConfig, ModelConfig, PdserveConfig, load_config
 from engine.block_manager import BlockManager
 from engine.cpu_linear import exclusive_timing
+from engine.grammar_compiles import GrammarLimits
 from engine.kv_pool import KVLayout, KVPool, num_blocks_for_budget
 from engine.llm_engine import LLMEngine, RequestOutput
 from engine.loader import load_model
 from engine.runner import ModelRunner, supports_native_decode
+from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.structured_output import Grammars
@@ -28,12 +32,15 @@ log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def build_engine(model_path: str, model_cfg: ModelSection, engine_cfg: EngineConfig, device: str | None = None) -> LLMEngine:
+def build_engine(model_path: str, model_cfg: ModelConfig, engine_cfg: EngineConfig, device: str | None = None) -> LLMEngine:
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if engine_cfg.num_threads:
         torch.set_num_threads(engine_cfg.num_threads)
     dtype = DTYPES.get(model_cfg.dtype)  # None ("auto"): the loader picks by device
+    started = time.monotonic()
+    log.info("loading model %s (dtype %s, %s, %d threads)", model_path, model_cfg.dtype, device, torch.get_num_threads())
     model, config = load_model(model_path, dtype=dtype, device=device)
+    _log_loaded(model, config, time.monotonic() - started)
     if device == "cpu":  # after set_num_threads: which form wins depends on the thread count
         native = cpu_native.load() if engine_cfg.cpu_decode_linear == "c" else None
         with exclusive_timing():
@@ -45,12 +52,15 @@ def build_engine(model_path: str, model_cfg: ModelSection, engine_cfg: EngineCon
         log.info("CPU norms, RoPE and SwiGLU: %s", "C" if model.native_layer_ops else "torch")
     max_model_len = model_cfg.max_model_len or config.max_position_embeddings
     if max_model_len > config.max_position_embeddings:
-        raise ValueError(f"max_model_len {max_model_len} exceeds the model's {config.max_position_embeddings} positions")
+        raise ConfigError(f"max_model_len {max_model_len} exceeds the model's {config.max_position_embeddings} positions")
     kv_dtype = next(model.parameters()).dtype
     probe = KVLayout(config.num_layers, 1, engine_cfg.block_size, config.num_kv_heads, config.head_dim, kv_dtype)
     num_blocks = engine_cfg.num_kv_blocks or num_blocks_for_budget(engine_cfg.kv_cache_memory_mb << 20, probe.bytes_per_block)
     layout = KVLayout(config.num_layers, num_blocks, engine_cfg.block_size, config.num_kv_heads, config.head_dim, kv_dtype)
     pool = KVPool(layout, device=device)
+    log.info("KV pool: %d blocks of %d tokens (%d tokens), %.0f MiB %s; engine ready in %.1f s, %s", num_blocks,
+             engine_cfg.block_size, num_blocks * engine_cfg.block_size, num_blocks * layout.bytes_per_block / 2**20,
+             layout.dtype, time.monotonic() - started, _memory())
     block_manager = BlockManager(num_blocks, engine_cfg.block_size, enable_prefix_caching=engine_cfg.enable_prefix_caching)
     scheduler = Scheduler(
         SchedulerConfig(
@@ -61,8 +71,29 @@ def build_engine(model_path: str, model_cfg: ModelSection, engine_cfg: EngineCon
         ),
         block_manager,
     )
-    runner = ModelRunner(model, pool, native_decode=_native_decode(engine_cfg, config, pool))
-    return LLMEngine(config, scheduler, runner, Grammars(model_path, config.vocab_size, config.eos_token_ids))
+    runner = ModelRunner(model, pool, Sampler(engine_cfg.seed), native_decode=_native_decode(engine_cfg, config, pool))
+    limits = GrammarLimits(engine_cfg.grammar_compile_timeout_s, engine_cfg.grammar_cache_mb << 20,
+                           engine_cfg.grammar_compile_threads)
+    return LLMEngine(config, scheduler, runner, Grammars(model_path, config.vocab_size, config.eos_token_ids, limits))
+
+
+def _log_loaded(model, config, seconds: float) -> None:
+    weights = list(model.parameters())
+    num_params = sum(w.numel() for w in weights)
+    size_mib = sum(w.numel() * w.element_size() for w in weights) / 2**20
+    log.info("loaded %s: %d layers, %s parameters, %s (%.0f MiB) in %.1f s; %s", config.family, config.num_layers,
+             f"{num_params:,}", weights[0].dtype, size_mib, seconds, _memory())
+
+
+def _memory() -> str:
+    """This process's resident memory now and at its peak (Linux: /proc; elsewhere the peak only)."""
+    peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    try:
+        with open("/proc/self/statm") as f:
+            resident_mib = int(f.read().split()[1]) * resource.getpagesize() / 2**20
+    except OSError:
+        return f"peak resident memory {peak_mib:.0f} MiB"
+    return f"resident memory {resident_mib:.0f} MiB (peak {peak_mib:.0f} MiB)"
 
 
 def _native_decode(engine_cfg: EngineConfig, config, pool: KVPool) -> cpu_native.NativeLibrary | None:

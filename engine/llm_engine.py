@@ -17,7 +17,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
-from engine.model_config import ModelConfig
+from engine.grammar_compiles import CompileTicket
+from engine.model_config import HFModelConfig
 from engine.runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -59,7 +60,7 @@ class _Request:
 
 
 class LLMEngine:
-    def __init__(self, model_config: ModelConfig, scheduler: Scheduler, runner: ModelRunner,
+    def __init__(self, model_config: HFModelConfig, scheduler: Scheduler, runner: ModelRunner,
                  grammars: Grammars | None = None):
         """``grammars``: compiles structured outputs against the model's tokenizer; None refuses them."""
         self.model_config = model_config
@@ -77,11 +78,9 @@ class LLMEngine:
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         if error := vocab_error(prompt_token_ids, params, self.model_config.vocab_size):
             raise ValueError(error)
-        stops = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            stops.update(self.model_config.eos_token_ids)
         request_id = next(self._ids)
-        seq = Sequence(request_id, list(prompt_token_ids), params, stop_token_ids=frozenset(stops),
+        seq = Sequence(request_id, list(prompt_token_ids), params,
+                       stop_token_ids=params.stop_ids(self.model_config.eos_token_ids),
                        guide=self.new_guide(params))
         self.scheduler.add(seq)
         self._requests[request_id] = _Request(list(prompt_token_ids), params)
@@ -96,7 +95,7 @@ class LLMEngine:
             raise StructuredOutputError(NO_GRAMMARS)
         return self.grammars.guide(params.structured_output)
 
-    def new_guide_async(self, params: SamplingParams) -> Future:
+    def new_guide_async(self, params: SamplingParams) -> Future | CompileTicket:
         """``new_guide(params)`` for a structured output, compiled off the caller's thread
         (Grammars.guide_async); the future raises StructuredOutputError where new_guide would."""
         assert params.structured_output is not None

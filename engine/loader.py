@@ -1,7 +1,7 @@
 """Load a Hugging Face Llama-family checkpoint (local directory or hub id) into our ``CausalLM``.
 
-1. resolve the directory (hub ids through ``huggingface_hub.snapshot_download``);
-2. parse ``config.json`` into a ``ModelConfig`` (refusing what we do not support);
+1. resolve the directory (configs/model_source.py: hub ids through ``huggingface_hub.snapshot_download``);
+2. parse ``config.json`` into an ``HFModelConfig`` (refusing what we do not support);
 3. open every safetensors file (one, or the shards an index names) lazily;
 4. check each expected tensor exists with the expected shape, then fuse q/k/v and gate/up rows and
    materialise our parameters directly in the target dtype and device.
@@ -17,19 +17,22 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from configs.model_source import ModelSourceError, resolve_model
 from engine.model import CausalLM
-from engine.model_config import ModelConfig
+from engine.model_config import HFModelConfig
 
-_HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def load_model(
     model: str | Path, dtype: torch.dtype | str | None = None, device: torch.device | str = "cpu"
-) -> tuple[CausalLM, ModelConfig]:
+) -> tuple[CausalLM, HFModelConfig]:
     """Default dtype: float32 on CPU, bfloat16 on CUDA. Returns the model in eval mode, no grads."""
-    path = resolve_model_dir(model)
-    config = ModelConfig.from_hf_dir(path)
+    path = resolve_model(str(model))
+    try:
+        config = HFModelConfig.from_hf_dir(path)
+    except ValueError as exc:  # what the engine cannot run (sliding windows, other RoPE types, ...)
+        raise ModelSourceError(f"model {str(model)!r}: {exc}") from None
     device = torch.device(device)
     dtype = _resolve_dtype(dtype, device)
     lm = CausalLM(config, device)
@@ -37,16 +40,6 @@ def load_model(
         tensors = _open_checkpoint(path, stack)
         _fill_parameters(lm, config, tensors, dtype, device)
     return lm.eval(), config
-
-
-def resolve_model_dir(model: str | Path) -> Path:
-    """A local directory as is; anything else is taken for a hub id and downloaded (or found in the cache)."""
-    path = Path(model)
-    if path.is_dir():
-        return path
-    from huggingface_hub import snapshot_download  # only needed for hub ids
-
-    return Path(snapshot_download(str(model), allow_patterns=_HUB_PATTERNS))
 
 
 def _resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype:
@@ -93,7 +86,7 @@ def _open_checkpoint(path: Path, stack: ExitStack) -> _Tensors:
     return _Tensors(handles)
 
 
-def _fill_parameters(lm: CausalLM, config: ModelConfig, tensors: _Tensors, dtype, device) -> None:
+def _fill_parameters(lm: CausalLM, config: HFModelConfig, tensors: _Tensors, dtype, device) -> None:
     h, d = config.hidden_size, config.head_dim
     q_size, kv_size = config.num_heads * d, config.num_kv_heads * d
 

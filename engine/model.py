@@ -15,13 +15,13 @@ from engine.attention_metadata import AttentionMetadata
 from engine.cpu_linear import LM_HEAD_SLICE_ROWS, PLAIN, Linear, MatmulForms, WeightCopies, linear, time_forms
 from engine.kv_pool import KVPool
 from engine.layers import MLP, Attention, DecoderLayer, RMSNorm, meta_parameter
-from engine.model_config import ModelConfig
+from engine.model_config import HFModelConfig
 from engine.rope import RotaryEmbedding
 from kernels.cpu_native import NativeLibrary
 
 
 class CausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, device: torch.device | str = "cpu"):
+    def __init__(self, config: HFModelConfig, device: torch.device | str = "cpu"):
         super().__init__()
         self.config = config
         self.embed_tokens = meta_parameter(config.vocab_size, config.hidden_size)

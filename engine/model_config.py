@@ -11,18 +11,15 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-# architecture name in config.json -> our family name
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-}
+from configs.model_source import SUPPORTED_ARCHITECTURES  # the one table: the gateway checks it too
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
 @dataclass(slots=True, frozen=True)
-class ModelConfig:
+class HFModelConfig:
+    """A checkpoint's ``config.json`` as the engine reads it; the ``model:`` section of pdserve's own
+    config is ``configs.schema.ModelConfig``."""
+
     family: str  # "llama" | "mistral" | "qwen2" | "qwen3"
     vocab_size: int
     hidden_size: int
@@ -47,7 +44,7 @@ class ModelConfig:
         assert self.family in SUPPORTED_ARCHITECTURES.values(), self.family
 
     @classmethod
-    def from_hf_dir(cls, path: str | Path) -> ModelConfig:
+    def from_hf_dir(cls, path: str | Path) -> HFModelConfig:
         """Read ``config.json`` (and the EOS ids of ``generation_config.json`` when present)."""
         path = Path(path)
         config_file = path / "config.json"
@@ -59,7 +56,7 @@ class ModelConfig:
         return cls.from_hf_dict(hf, extra_eos_token_ids=extra_eos)
 
     @classmethod
-    def from_hf_dict(cls, hf: dict, extra_eos_token_ids: int | list[int] | None = None) -> ModelConfig:
+    def from_hf_dict(cls, hf: dict, extra_eos_token_ids: int | list[int] | None = None) -> HFModelConfig:
         family = _family_of(hf)
         _refuse_unsupported_features(hf)
         num_heads = hf["num_attention_heads"]

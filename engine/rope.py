@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from engine.model_config import ModelConfig
+from engine.model_config import HFModelConfig
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -47,7 +47,7 @@ class RotaryEmbedding:
     transformers' table is ``cat(freqs, freqs)``: both halves are equal, so we keep one half.
     """
 
-    def __init__(self, config: ModelConfig, device: torch.device | str = "cpu"):
+    def __init__(self, config: HFModelConfig, device: torch.device | str = "cpu"):
         self.inv_freq = inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling).to(device)
         self.cos = torch.empty(0, config.head_dim // 2, device=device)  # [cached_positions, head_dim / 2] f32
         self.sin = torch.empty(0, config.head_dim // 2, device=device)

@@ -37,15 +37,19 @@ class SamplingParams:
     # None: any output; else the grammar the output follows (engine/structured_output.py). Compiled at
     # admission into the sequence's matcher, which masks the logits of every step.
     structured_output: StructuredOutput | None = None
+    # "" or a tenant's salt: the prefix cache is shared only between requests with the same one (it
+    # enters the first block's hash; protocol/hashing.py)
+    cache_salt: str = ""
 
     def __post_init__(self) -> None:
         if self.top_k == -1:
             self.top_k = 0
         self.validate()
 
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+    def stop_ids(self, eos_token_ids: list[int]) -> frozenset[int]:
+        """The token ids that end the sequence (a Sequence's ``stop_token_ids``; the sampler masks them
+        while ``min_tokens`` is unmet): the request's stops plus the model's EOS unless ``ignore_eos``."""
+        return frozenset(self.stop_token_ids) | (frozenset() if self.ignore_eos else frozenset(eos_token_ids))
 
     def validate(self) -> None:
         def check(ok: bool, name: str, rule: str) -> None:

@@ -37,7 +37,7 @@ class Sequence:
     seq_id: int
     token_ids: list[int]  # prompt followed by generated tokens
     params: SamplingParams
-    stop_token_ids: frozenset[int] = frozenset()  # params.stop_token_ids plus EOS unless ignore_eos
+    stop_token_ids: frozenset[int] = frozenset()  # params.stop_ids(the model's EOS ids)
     num_prompt_tokens: int = -1  # set from token_ids when not given
     status: SequenceStatus = SequenceStatus.WAITING
     block_table: list[int] = field(default_factory=list)  # physical block ids, in token order

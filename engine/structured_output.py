@@ -27,11 +27,13 @@ import contextlib
 import json
 import re
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
+from engine.grammar_compiles import CompileTicket, GrammarLimits, StructuredOutputError
 from protocol.serving import StructuredOutput
 
 # JSON is generated without free whitespace between tokens: a model is never stuck emitting spaces,
@@ -40,10 +42,6 @@ _JSON_OPTIONS = dict(any_whitespace=False)
 _JSON_OBJECT_SCHEMA = '{"type": "object"}'  # OpenAI's json_object: any JSON object
 _CONTROL_BYTE = re.compile(rb"[\x00-\x1f]")
 _XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: .*? is false: )?")
-
-
-class StructuredOutputError(ValueError):
-    """A grammar that does not compile; the message says why (xgrammar's words, without its source path)."""
 
 
 class ReasoningGate:
@@ -111,23 +109,33 @@ class Guide:
 class Grammars:
     """Compiles requests' grammars against one model's vocabulary; the tokenizer is read on first use."""
 
-    def __init__(self, tokenizer_path: str | Path, vocab_size: int, stop_token_ids: list[int]):
+    def __init__(self, tokenizer_path: str | Path, vocab_size: int, stop_token_ids: list[int],
+                 limits: GrammarLimits = GrammarLimits()):
         self._tokenizer_path = str(tokenizer_path)
+        self._limits = limits
+        self._loaded_at: float | None = None  # time.monotonic() when the tokenizer was read (compile deadlines start)
         self._vocab_size = vocab_size  # the model's logits width (may exceed the tokenizer's size)
         self._stop_token_ids = list(stop_token_ids)  # the grammar's end: the model's EOS ids
         self._compiler = None
         self._json_keep: torch.Tensor | None = None  # tokens JSON output may use (see _load)
         self._token_bytes: list[bytes] = []  # each token id's bytes, for reasoning gates (see _load)
-        self._executor: ThreadPoolExecutor | None = None  # guide_async's thread, started on first use
+        self._executor: ThreadPoolExecutor | None = None  # guide_async's threads, started on first use
         self._loading = threading.Lock()  # guide() runs on that thread and, offline, on the caller's
 
-    def guide_async(self, spec: StructuredOutput) -> Future:
-        """``guide(spec)`` on this object's compiling thread: a worker's loop goes on serving while a
+    def guide_async(self, spec: StructuredOutput) -> CompileTicket:
+        """``guide(spec)`` on this object's compiling threads: a worker's loop goes on serving while a
         grammar compiles (xgrammar lets go of the GIL; one schema tried took 1 s) or the tokenizer
-        loads. The future raises StructuredOutputError where ``guide`` would."""
+        loads. The ticket raises StructuredOutputError where ``guide`` would, and past the compile
+        deadline (engine/grammar_compiles.py)."""
         if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
-        return self._executor.submit(self.guide, spec)
+            self._executor = ThreadPoolExecutor(max_workers=self._limits.num_threads, thread_name_prefix="grammar")
+        return CompileTicket(self._executor.submit(self.guide, spec), self._limits.compile_timeout_s,
+                             lambda: self._loaded_at)
+
+    @property
+    def cache_size_bytes(self) -> int:
+        """Bytes xgrammar's cache of compiled grammars holds now (0 before the first compile)."""
+        return self._compiler.get_cache_size_bytes() if self._compiler is not None else 0
 
     def guide(self, spec: StructuredOutput) -> Guide:
         """A fresh Guide for ``spec``; raises StructuredOutputError."""
@@ -170,7 +178,8 @@ class Grammars:
         for t in control:
             keep[t // 32] &= _CLEAR_BIT[t % 32]
         self._json_keep = keep
-        self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=self._limits.cache_bytes)
+        self._loaded_at = time.monotonic()
 
 
 def apply_grammars_(logits: torch.Tensor, seqs: list) -> set[int]:

@@ -2,11 +2,13 @@
 
 A frame list is ``[header bytes, optional raw block bytes]``. The receiver side serves many senders,
 so its frames carry a peer id. ``InprocServer`` (one process: tests, loopback) and ``ZmqServer`` /
-``ZmqClient`` (ROUTER / DEALER) implement the same small interface.
+``ZmqClient`` (ROUTER / DEALER) implement the same small interface (``ServerChannel``, ``ClientChannel``);
+the transport a pair uses (kvtransfer/transports/) rides on top of it.
 """
 
 from __future__ import annotations
 
+import abc
 import collections
 import itertools
 from typing import Any
@@ -19,13 +21,16 @@ from protocol.zmq_util import bind, make_socket
 Frames = list[Any]  # bytes, memoryview or zmq.Frame
 
 
-class ServerChannel:
-    def recv(self) -> tuple[bytes, Frames] | None:
-        raise NotImplementedError
+class ServerChannel(abc.ABC):
+    """The receiver's end: (peer id, frames) from many senders."""
 
+    @abc.abstractmethod
+    def recv(self) -> tuple[bytes, Frames] | None:
+        """The next message and the peer that sent it; None when none waits (never blocks)."""
+
+    @abc.abstractmethod
     def send(self, peer: bytes, frames: Frames) -> bool:
         """False when the peer is gone or its queue is full."""
-        raise NotImplementedError
 
     def offer_loopback(self, pool: torch.Tensor, fence: torch.Tensor) -> bool:
         """Let same-process clients copy straight into ``pool``; True when this channel can."""
@@ -40,13 +45,16 @@ class ServerChannel:
         pass
 
 
-class ClientChannel:
-    def recv(self) -> Frames | None:
-        raise NotImplementedError
+class ClientChannel(abc.ABC):
+    """The sender's end, to one receiver."""
 
+    @abc.abstractmethod
+    def recv(self) -> Frames | None:
+        """The next reply; None when none waits (never blocks)."""
+
+    @abc.abstractmethod
     def send(self, frames: Frames) -> bool:
         """False when the frames could not be queued now (retry later)."""
-        raise NotImplementedError
 
     def loopback_target(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(receiver pool tensor, receiver fence) when both ends share this process, else None."""

@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import uuid
 
-import msgpack
-
-from engine.kv_pool import KVLayout
+from kvtransfer.pool import PoolLayout
 from protocol.kv_messages import KV_PROTOCOL_VERSION, KVCompat
 
 
-def compat_of(model: str, layout: KVLayout) -> KVCompat:
+def compat_of(model: str, layout: PoolLayout) -> KVCompat:
     return KVCompat(
         protocol_version=KV_PROTOCOL_VERSION,
         model=model,
@@ -22,12 +19,6 @@ def compat_of(model: str, layout: KVLayout) -> KVCompat:
         head_dim=layout.head_dim,
         block_size=layout.block_size,
     )
-
-
-def compat_hash(compat: KVCompat) -> int:
-    """64-bit hash of every compatibility field; equal hashes mean interchangeable blocks."""
-    packed = msgpack.packb([getattr(compat, f.name) for f in dataclasses.fields(compat)])
-    return int.from_bytes(hashlib.blake2b(packed, digest_size=8).digest(), "little")
 
 
 def first_mismatch(ours: KVCompat, theirs: KVCompat) -> str | None:

@@ -184,9 +184,6 @@ class OwnershipTable:
     def live(self) -> list[Reservation]:
         return list(self._live.values())
 
-    def next_deadline(self) -> float | None:
-        return min((r.lease_deadline for r in self._live.values()), default=None)
-
     # -- internals --------------------------------------------------------------------------
     def _check(self, rid: str, generation: int, incarnation: str) -> tuple[Reservation | None, Verdict]:
         if incarnation not in self._peers:

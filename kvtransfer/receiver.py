@@ -2,7 +2,7 @@
 
 Life of one transfer on the receiver:
 1. the decode node reserves the range (``reserve``): blocks leave its free list, fences show the token;
-2. the sender handshakes once per incarnation (compat hash checked, transport chosen);
+2. the sender handshakes once per incarnation (compat checked, transport chosen);
 3. each ``BlockWrite`` is checked against the ownership table, then applied (inline bytes scattered
    into the pool) or just recorded (the sender already copied them); a ``Credit`` goes back either way;
 4. ``Commit`` checks every reserved block was written -> event(ok, first token); the node ``adopt``s;
@@ -19,7 +19,6 @@ from collections.abc import Callable
 
 import torch
 
-from engine.kv_pool import KVPool
 from kernels import scatter_blocks
 from kvtransfer import fence as fences
 from kvtransfer.channel import ServerChannel
@@ -28,7 +27,9 @@ from kvtransfer.cuda_ipc import export_pool
 from kvtransfer.events import TransferEvent
 from kvtransfer.metrics import TransferMetrics
 from kvtransfer.ownership import DEFAULT_LEASE_S, OwnershipTable, RangeState, Verdict
+from kvtransfer.pool import BlockPool
 from kvtransfer.shm_pool import SharedTensor, create_shared
+from kvtransfer.transports import FALLBACK, TRANSPORTS, Exports, Pair
 from protocol.codec import WireError, decode, encode
 from protocol.kv_messages import (
     Abort, BlockWrite, Commit, CommitAck, Credit, CudaIpcHandle, Handshake, HandshakeReply, WriteRejected,
@@ -40,7 +41,7 @@ MAX_HEADER_BYTES = 64 * 1024
 class KVReceiver:
     def __init__(
         self,
-        pool: KVPool,
+        pool: BlockPool,
         model: str,
         channel: ServerChannel,
         release: Callable[[list[int]], None],
@@ -155,12 +156,9 @@ class KVReceiver:
         self.table.register_peer(hs.sender_incarnation)
         transport = self._choose_transport(hs)
         self._transport_of[hs.sender_incarnation] = transport
-        reply = HandshakeReply(
-            True, self.incarnation, transport, self.credits, self.pool.layout.num_blocks,
-            shm_pool_name=self.shm_pool_name if transport == "shm" else None,
-            shm_fence_name=self._fence.name if transport in ("shm", "cuda_ipc") else None,
-            cuda_pool=self._cuda_export() if transport == "cuda_ipc" else None,
-        )
+        exports = Exports(self.shm_pool_name, self._fence.name, self._cuda_export)
+        reply = HandshakeReply(True, self.incarnation, transport, self.credits, self.pool.layout.num_blocks,
+                               **TRANSPORTS[transport].offer(exports))
         self.metrics.handshakes.labels("accepted").inc()
         self.channel.send(peer, [encode(reply)])
 
@@ -170,15 +168,11 @@ class KVReceiver:
         return self._cuda_handle
 
     def _choose_transport(self, hs: Handshake) -> str:
-        same_host = hs.hostname == socket.gethostname()
-        possible = {"zmq"}
-        if self._has_loopback:
-            possible.add("loopback")
-        if same_host and self.shm_pool_name is not None and not self.pool.tensor.is_cuda:
-            possible.add("shm")
-        if same_host and self.pool.tensor.is_cuda and hs.cuda_device is not None:
-            possible.add("cuda_ipc")
-        return next((t for t in hs.transports if t in possible), "zmq")
+        """The first of the sender's offers this pair can use (kvtransfer/transports/)."""
+        pair = Pair(same_host=hs.hostname == socket.gethostname(), has_loopback=self._has_loopback,
+                    pool_on_cuda=self.pool.tensor.is_cuda, pool_in_shm=self.shm_pool_name is not None,
+                    sender_on_cuda=hs.cuda_device is not None)
+        return next((t for t in hs.transports if t in TRANSPORTS and TRANSPORTS[t].possible(pair)), FALLBACK)
 
     def _on_write(self, peer: bytes, w: BlockWrite, frames: list) -> None:
         n = len(w.dst_block_ids)
@@ -209,7 +203,7 @@ class KVReceiver:
         elif verdict is Verdict.OK and r.state == RangeState.COMMITTED:
             num_bytes = len(r.block_ids) * self.pool.layout.bytes_per_block
             started = r.first_write_at if r.first_write_at is not None else r.reserved_at
-            transport = self._transport_of.get(c.sender_incarnation, "zmq")
+            transport = self._transport_of.get(c.sender_incarnation, FALLBACK)
             self.metrics.observe_transfer(transport, num_bytes, max(self._clock() - started, 0.0))
             self._events.append(TransferEvent(c.rid, c.generation, True, commit=c, block_ids=r.block_ids))
         if verdict is not Verdict.OK:

@@ -20,20 +20,19 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.kv_pool import KVPool
 from kernels import gather_blocks
 from kvtransfer import fence as fences
 from kvtransfer.block_runs import copy_blocks
 from kvtransfer.channel import ClientChannel
 from kvtransfer.compat import compat_of, new_incarnation
-from kvtransfer.cuda_ipc import import_pool
 from kvtransfer.events import TransferEvent, TransferStatus
 from kvtransfer.metrics import TransferMetrics
 from kvtransfer.ownership import Verdict
-from kvtransfer.shm_pool import attach_shared
+from kvtransfer.pool import BlockPool
+from kvtransfer.transports import TRANSPORTS, DirectTarget
 from protocol.codec import WireError, decode, encode
 from protocol.kv_messages import (
-    TRANSPORTS, Abort, BlockWrite, Commit, CommitAck, Credit, Handshake, HandshakeReply, WriteRejected,
+    Abort, BlockWrite, Commit, CommitAck, Credit, Handshake, HandshakeReply, WriteRejected,
 )
 
 DEFAULT_DEADLINE_S = 30.0
@@ -61,12 +60,12 @@ class _Transfer:
 class KVSender:
     def __init__(
         self,
-        pool: KVPool,
+        pool: BlockPool,
         model: str,
         channel: ClientChannel,
         *,
         deadline_s: float = DEFAULT_DEADLINE_S,
-        transports: tuple[str, ...] = TRANSPORTS,
+        transports: tuple[str, ...] = tuple(TRANSPORTS),
         unpin: Callable[[list[int]], None] | None = None,
         metrics: TransferMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -90,7 +89,7 @@ class KVSender:
         self.peer_incarnation = ""
         self._credits = 0
         self._window = 0
-        self._target: tuple[torch.Tensor, torch.Tensor] | None = None  # direct transports: (pool, fence)
+        self._target: DirectTarget | None = None  # direct transports: (the receiver's pool, its fence)
         self._transfers: dict[str, _Transfer] = {}  # live transfers only
         self._finished: collections.OrderedDict[str, TransferStatus] = collections.OrderedDict()
         self._events: list[TransferEvent] = []
@@ -146,17 +145,10 @@ class KVSender:
 
     def _attach(self, reply: HandshakeReply) -> None:
         layout = self.pool.layout
-        if reply.transport == "loopback":
-            self._target = self.channel.loopback_target()
-        elif reply.transport in ("shm", "cuda_ipc"):
-            fence = attach_shared(reply.shm_fence_name, (layout.num_blocks,), torch.int64).tensor
-            if reply.transport == "shm":
-                remote = attach_shared(reply.shm_pool_name, layout.shape, layout.dtype).tensor
-            else:
-                remote = import_pool(reply.cuda_pool, layout.shape, layout.dtype)
-            self._target = (remote, fence)
-        assert reply.transport == "zmq" or self._target is not None, reply.transport
-        assert reply.num_blocks == layout.num_blocks or reply.transport == "zmq"
+        transport = TRANSPORTS.get(reply.transport)
+        assert transport is not None, reply.transport
+        self._target = transport.attach(reply, layout, self.channel)
+        assert reply.num_blocks == layout.num_blocks or self._target is None
 
     # -- prefill-node calls --------------------------------------------------------------------
     def send(self, rid: str, generation: int, src_block_ids: list[int], dst_block_ids: list[int]) -> None:
@@ -191,6 +183,14 @@ class KVSender:
         t = self._transfers.get(rid)
         if t is not None and t.generation == generation:
             self._finish(t, False, f"aborted: {reason}")
+
+    def forget_receiver(self, reason: str) -> None:
+        """The receiver restarted (a new incarnation at the same address): transfers to the old one
+        cannot land, so they fail now (unpinned); the next handshake attaches the new one."""
+        for t in list(self._transfers.values()):
+            self._finish(t, False, reason)
+        self.needs_handshake = True
+        self._target = None
 
     def status(self, rid: str) -> TransferStatus | None:
         t = self._transfers.get(rid)
@@ -244,7 +244,7 @@ class KVSender:
             t.commit_sent = self.channel.send([encode(t.commit)])
 
     def _ship(self, t: _Transfer, src: list[int], dst: list[int]):
-        if self._target is None:  # zmq: packed raw bytes ride beside the header, zero-copy
+        if self._target is None:  # over the channel: packed raw bytes ride beside the header, zero-copy
             src_ids = torch.tensor(src, device=self.pool.tensor.device)
             buffer = gather_blocks(self.pool.tensor, src_ids)  # [L, 2, n, bs, kvh, d]
             raw = buffer.contiguous().view(torch.uint8).cpu()

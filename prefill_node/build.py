@@ -5,12 +5,14 @@ from __future__ import annotations
 import zmq
 from prometheus_client import CollectorRegistry
 
+from configs.model_source import resolve_model
 from configs.schema import PdserveConfig
 from engine.llm import build_engine
+from kvtransfer.transports import TRANSPORTS
+from telemetry.tracing import tracer_for
 from prefill_node.metrics import PrefillMetrics
 from prefill_node.options import PrefillOptions
 from prefill_node.server import PrefillServer
-from protocol.kv_messages import TRANSPORTS
 from worker.identity import default_worker_id, kv_model_name
 
 
@@ -22,7 +24,7 @@ def options_from_config(config: PdserveConfig) -> PrefillOptions:
         port=config.prefill.port,
         gateway_address=config.prefill.gateway_address,
         heartbeat_s=config.gateway.worker_heartbeat_s or 5.0,
-        transports=TRANSPORTS if transport == "auto" else (transport,),
+        transports=tuple(TRANSPORTS) if transport == "auto" else (transport,),
         transfer_deadline_s=config.transfer.lease_seconds or 30.0,  # the receiver's lease: same horizon
         drain_timeout_s=config.prefill.drain_timeout_s,
         max_frame_bytes=config.transfer.max_frame_bytes,
@@ -30,13 +32,13 @@ def options_from_config(config: PdserveConfig) -> PrefillOptions:
 
 
 def resolve_model_path(config: PdserveConfig) -> str:
-    from cluster.default_model import configured_model_path
-
-    return configured_model_path(config.model.path, config.model.cache_dir)
+    return str(resolve_model(config.model.path, config.model.cache_dir))
 
 
 def build_prefill_server(config: PdserveConfig, ctx: zmq.Context,
                          registry: CollectorRegistry | None = None) -> PrefillServer:
     engine = build_engine(resolve_model_path(config), config.model, config.engine)
-    metrics = PrefillMetrics(registry or CollectorRegistry())
-    return PrefillServer(engine, kv_model_name(config.model.path), ctx, options_from_config(config), metrics)
+    metrics = PrefillMetrics(registry or CollectorRegistry(), config.model.name_for_clients())
+    options = options_from_config(config)
+    tracer = tracer_for("prefill", options.worker_id, config.observability.otlp_traces_endpoint)
+    return PrefillServer(engine, kv_model_name(config.model.path), ctx, options, metrics, tracer)

@@ -3,12 +3,17 @@
 The handshake picks the transport (the receiver chooses among what we offer: shm on one host on CPU,
 cuda_ipc on one host on GPU, zmq otherwise; loopback only exists inside one process). A sender whose
 receiver restarted (a WriteRejected for an unknown incarnation) asks for a new handshake before its
-next transfer. Handshakes never block the prefill loop: a job waits in the admission queue while the
-handshake for its receiver is in flight, and fails at once when that handshake failed.
+next transfer. A receiver restarted in place (same address, a new incarnation: a container restarted
+by Docker or Kubernetes) is noticed before any transfer: each job names the receiver incarnation it
+comes from, and one newer than our handshake fails what went to the old process and handshakes again,
+so the job itself succeeds; a job from an incarnation we outlived fails at once (its D is gone).
+Handshakes never block the prefill loop: a job waits in the admission queue while the handshake for
+its receiver is in flight, and fails at once when that handshake failed.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from collections.abc import Callable
@@ -22,6 +27,8 @@ from kvtransfer.metrics import TransferMetrics
 from kvtransfer.sender import HandshakeError, KVSender
 
 log = logging.getLogger(__name__)
+
+MAX_OUTLIVED = 8  # receiver incarnations remembered per address as gone
 
 
 class KVSenders:
@@ -41,11 +48,16 @@ class KVSenders:
         # address -> (error, until): jobs for a receiver that just failed its handshake fail at once
         # instead of each waiting out a handshake of its own.
         self._failed: dict[str, tuple[HandshakeError, float]] = {}
+        # address -> receiver incarnations that restarted away from under our handshake
+        self._outlived: dict[str, collections.deque[str]] = {}
 
-    def prepare(self, address: str) -> bool:
-        """True when the sender for ``address`` is handshaken. False while its handshake is in flight
-        (started here; ``poll`` finishes it). Raises the HandshakeError when the receiver refused us
-        or did not answer within the last ``handshake_timeout_s``. Never blocks."""
+    def prepare(self, address: str, incarnation: str = "") -> bool:
+        """True when the sender for ``address`` is handshaken (with receiver ``incarnation``, when one
+        is named). False while its handshake is in flight (started here; ``poll`` finishes it). Raises
+        the HandshakeError when the receiver refused us, did not answer within the last
+        ``handshake_timeout_s``, or ``incarnation`` is one that restarted since. Never blocks."""
+        if incarnation in self._outlived.get(address, ()):
+            raise HandshakeError(f"the receiver at {address} restarted since incarnation {incarnation[:16]}")
         failed = self._failed.get(address)
         if failed is not None:
             if self._clock() < failed[1]:
@@ -57,6 +69,8 @@ class KVSenders:
             sender = KVSender(self._pool, self._model_name, channel, deadline_s=self._deadline_s,
                               transports=self._transports, metrics=self._metrics, clock=self._clock)
             self._senders[address] = sender
+        if incarnation and not sender.needs_handshake and sender.peer_incarnation != incarnation:
+            self._on_receiver_restart(address, sender)
         if sender.needs_handshake and not sender.handshake_pending:
             sender.start_handshake(self._handshake_timeout_s)
         return not sender.needs_handshake
@@ -81,6 +95,13 @@ class KVSenders:
             if pending and not sender.handshake_pending:
                 self._on_handshake_end(address, sender)
         return events
+
+    def _on_receiver_restart(self, address: str, sender: KVSender) -> None:
+        log.info("the KV receiver at %s restarted (incarnation %s gone): handshaking again", address,
+                 sender.peer_incarnation[:16])
+        self._metrics.handshakes.labels("receiver_restarted").inc()
+        self._outlived.setdefault(address, collections.deque(maxlen=MAX_OUTLIVED)).append(sender.peer_incarnation)
+        sender.forget_receiver("the receiver restarted")
 
     def _on_handshake_end(self, address: str, sender: KVSender) -> None:
         error = sender.handshake_error

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from protocol.kv_messages import TRANSPORTS
+from kvtransfer.transports import TRANSPORTS
 
 
 @dataclass(slots=True)
@@ -14,7 +14,7 @@ class PrefillOptions:
     port: int = 0  # 0: any free port (the heartbeat tells the gateway which)
     gateway_address: str = "tcp://127.0.0.1:8001"
     heartbeat_s: float = 5.0
-    transports: tuple[str, ...] = TRANSPORTS  # offered at handshake, best first
+    transports: tuple[str, ...] = tuple(TRANSPORTS)  # offered at handshake, best first
     transfer_deadline_s: float = 30.0  # a receiver silent this long fails the transfer and unpins
     handshake_timeout_s: float = 5.0
     drain_timeout_s: float = 30.0  # SIGTERM: in-flight jobs get this long, then fail

@@ -19,13 +19,5 @@ def first_token_params(spec: SamplingSpec) -> SamplingParams:
         repetition_penalty=spec.repetition_penalty, max_tokens=1, min_tokens=min(spec.min_tokens, 1),
         stop_token_ids=list(spec.stop_token_ids), ignore_eos=spec.ignore_eos, logprobs=spec.logprobs,
         logit_bias=spec.logit_bias_map(), allowed_token_ids=spec.allowed_token_ids, prompt_logprobs=spec.prompt_logprobs,
-        structured_output=spec.structured_output,
+        structured_output=spec.structured_output, cache_salt=spec.cache_salt,
     )
-
-
-def stop_ids(spec: SamplingSpec, eos_token_ids: list[int]) -> frozenset[int]:
-    """What the sampler masks while ``min_tokens`` is unmet: the request's stops plus EOS unless ignored."""
-    ids = set(spec.stop_token_ids)
-    if not spec.ignore_eos:
-        ids.update(eos_token_ids)
-    return frozenset(ids)

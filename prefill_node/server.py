@@ -53,10 +53,11 @@ from prefill_node.job_check import JobLimits, check_job
 from prefill_node.kv_senders import KVSenders
 from prefill_node.metrics import PrefillMetrics
 from prefill_node.options import PrefillOptions
-from prefill_node.sampling import first_token_params, stop_ids
+from prefill_node.sampling import first_token_params
 from protocol.codec import WireError, decode, encode
 from protocol.serving import AbortRequest, Goodbye, Heartbeat, PrefillFailed, PrefillJob, TokenEvent
 from protocol.zmq_util import bind, make_socket
+from telemetry.tracing import NO_TRACING, Tracer
 from worker.gateway_socket import WorkerSocket
 from worker.drain import Drain
 from worker.heartbeat import HeartbeatTimer
@@ -67,8 +68,9 @@ log = logging.getLogger(__name__)
 
 class PrefillServer:
     def __init__(self, engine: LLMEngine, model_name: str, ctx: zmq.Context, options: PrefillOptions,
-                 metrics: PrefillMetrics):
+                 metrics: PrefillMetrics, tracer: Tracer = NO_TRACING):
         self.options = options
+        self.tracer = tracer
         self.scheduler = engine.scheduler
         self.runner = engine.runner
         self.new_guide_async = engine.new_guide_async  # a structured output's matcher, compiled off the loop
@@ -190,12 +192,17 @@ class PrefillServer:
             return
         params = first_token_params(job.sampling)
         seq = Sequence(next(self._seq_ids), list(job.token_ids), params,
-                       stop_token_ids=stop_ids(job.sampling, self._eos_token_ids))
+                       stop_token_ids=params.stop_ids(self._eos_token_ids))
         bs = self.block_manager.block_size
         state = JobState(job, peer, seq, cdiv(len(job.token_ids), bs), time.monotonic(),
                          next_block=job.skip_tokens // bs)
         if params.structured_output is not None:
             state.guide = self.new_guide_async(params)
+        if self.tracer.enabled:
+            state.trace = self.tracer.request("prefill", job.traceparent, **{
+                "gen_ai.request.id": job.rid, "pdserve.worker_id": self.options.worker_id,
+                "pdserve.prompt_tokens": len(job.token_ids), "pdserve.skip_tokens": job.skip_tokens})
+            state.trace.phase("queue")
         self.jobs[job.rid] = state
         self._queue.append(state)
         log.info("rid=%s job: %d tokens, skip %d, %d dst blocks, generation %d", job.rid, len(job.token_ids),
@@ -211,7 +218,7 @@ class PrefillServer:
             if not self._settle_guide(state):
                 continue  # still compiling (holds no blocks: later jobs may go first), or failed
             try:
-                if not self.senders.prepare(state.job.kv_address):
+                if not self.senders.prepare(state.job.kv_address, state.job.kv_incarnation):
                     continue
             except HandshakeError as exc:
                 self._fail(state, f"handshake with {state.job.kv_address} failed: {exc}", label="handshake")
@@ -245,11 +252,17 @@ class PrefillServer:
 
     # ---- one step ----
     def _step(self, batch: ScheduledBatch) -> None:
+        started_ns = time.time_ns() if self.tracer.enabled else 0
         sampled = self.runner.execute(batch)
         self.metrics.computed_tokens.inc(batch.num_batched_tokens)
         rows = {seq.seq_id: j for j, seq in enumerate(batch.sample_seqs)}
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             state = self._by_seq[seq.seq_id]
+            if state.trace:
+                if state.phase == JobPhase.QUEUED:
+                    state.trace.phase("prefill", at_ns=started_ns)
+                state.trace.span("chunk", started_ns, start_token=seq.num_computed_tokens, num_tokens=n,
+                                 batch_tokens=batch.num_batched_tokens)
             state.phase = JobPhase.PREFILLING
             end = seq.num_computed_tokens + n  # postprocess advances the counter; the KV is there now
             if not self._push(state, end) or end < len(state.job.token_ids):
@@ -274,8 +287,11 @@ class PrefillServer:
         if sender is None:
             self._fail(state, f"the KV receiver at {job.kv_address} restarted", label="transfer")
             return False
+        pushed_ns = time.time_ns() if state.trace else 0
         sender.send(job.rid, job.generation, push.src_block_ids, push.dst_block_ids)
         state.is_sending = True
+        if state.trace:
+            state.trace.span("kv_push", pushed_ns, num_blocks=len(push.src_block_ids), transport=sender.transport)
         return True
 
     def _finish_compute(self, state: JobState, token: int, lp) -> None:
@@ -286,6 +302,8 @@ class PrefillServer:
             return
         self.pins.pin(job.rid, state.seq)  # before postprocess releases the sequence's blocks
         state.phase = JobPhase.TRANSFERRING
+        if state.trace:
+            state.trace.phase("transfer")
         if not job.sample_first:
             sender.commit(job.rid, job.generation)
             return
@@ -332,10 +350,15 @@ class PrefillServer:
     def _drop(self, state: JobState, abort_reason: str = "") -> None:
         """Forget a job and free everything it holds here (idempotent per state)."""
         job = state.job
+        if state.trace:
+            state.trace.end(abort_reason or None)
         if self.jobs.get(job.rid) is state:
             del self.jobs[job.rid]
         if state in self._queue:
             self._queue.remove(state)
+        if state.guide is not None:
+            state.guide.cancel()  # a compile not started never runs; one under way ends on its thread, unread
+            state.guide = None
         if state.in_scheduler and not state.seq.is_finished:
             self.scheduler.abort(state.seq.seq_id)
         self._by_seq.pop(state.seq.seq_id, None)

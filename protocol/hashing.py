@@ -2,6 +2,10 @@
 
 A full block's hash chains its parent's, so equal hashes mean equal whole prefixes, not just equal
 blocks. blake2b (not Python's ``hash``) keeps hashes identical across processes and hosts.
+
+A request's ``cache_salt`` (vLLM's field) replaces the first block's parent: every hash of a salted
+sequence differs from the unsalted one's and from any other salt's, so tenants that salt differently
+never share prefix KV (nor can they time each other's cache hits).
 """
 
 from __future__ import annotations
@@ -21,11 +25,19 @@ def hash_block(parent_hash: int, token_ids: Sequence[int]) -> int:
     return int.from_bytes(h.digest(), "little")
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
+def root_hash(cache_salt: str = "") -> int:
+    """Parent hash of a sequence's first block: ROOT_HASH unsalted, else one derived from the salt."""
+    if not cache_salt:
+        return ROOT_HASH
+    h = hashlib.blake2b(b"pdserve-cache-salt\0" + cache_salt.encode("utf-8"), digest_size=8)
+    return int.from_bytes(h.digest(), "little")
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int, cache_salt: str = "") -> list[int]:
     """Chained hashes of every *full* block of ``token_ids``; a partial tail block has none."""
     assert block_size > 0, block_size
     hashes: list[int] = []
-    parent = ROOT_HASH
+    parent = root_hash(cache_salt)
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         parent = hash_block(parent, token_ids[start : start + block_size])
         hashes.append(parent)

@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 from protocol.codec import wire_record
 
 KV_PROTOCOL_VERSION = 1
-TRANSPORTS = ("loopback", "cuda_ipc", "shm", "zmq")  # preference order, fastest first
 
 
 @wire_record("kv.compat")
@@ -45,7 +44,7 @@ class Handshake:
     compat: KVCompat
     sender_incarnation: str  # new on every process start; invalidates cached handshakes
     hostname: str  # shm / cuda_ipc only make sense on one host
-    transports: list[str]  # offered, preference order
+    transports: list[str]  # offered, preference order (kvtransfer/transports/)
     cuda_device: int | None = None  # sender's device when it can use cuda_ipc
 
 

@@ -39,6 +39,7 @@ MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a token's bias: [-100, 100] (gatewa
 STRUCTURED_OUTPUT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 MAX_STRUCTURED_OUTPUT_CHARS = 64 * 1024
 MAX_REASONING_END_CHARS = 64
+MAX_CACHE_SALT_CHARS = 1024
 
 
 @wire_record("serve.token_bias")
@@ -92,10 +93,15 @@ class SamplingSpec:
     allowed_token_ids: list[int] | None = None  # None: any token; else only these are sampled
     prompt_logprobs: int | None = None  # None: none; k: each prompt token's logprob plus the top k
     structured_output: StructuredOutput | None = None  # None: any output
+    # vLLM's cache_salt: "" shares prefix KV with every unsalted request; else only with the same salt
+    # (it enters the first block's hash, protocol/hashing.py). Not sampling, but it travels with it to
+    # every node that hashes the prompt's blocks.
+    cache_salt: str = ""
 
     def __post_init__(self) -> None:
         assert self.max_tokens >= 1 and self.n >= 1, (self.max_tokens, self.n)
         assert 0 <= self.min_tokens <= self.max_tokens, (self.min_tokens, self.max_tokens)
+        assert len(self.cache_salt) <= MAX_CACHE_SALT_CHARS, f"{len(self.cache_salt)} characters of cache_salt"
 
     @property
     def computes_whole_prompt(self) -> bool:
@@ -124,6 +130,7 @@ class Generate:
     sampling: SamplingSpec
     prefill_address: str  # the chosen prefill worker's endpoint; "" = prefill locally on this worker
     deadline: float  # time.time() after which every node drops the request and frees its blocks
+    traceparent: str = ""  # W3C trace context of the gateway's request span; "" = not traced
 
     def __post_init__(self) -> None:
         assert self.token_ids, "empty prompt"
@@ -250,6 +257,10 @@ class PrefillJob:
     sample_first: bool  # sample the first token, stream it to the gateway, carry it in the Commit
     sampling: SamplingSpec
     deadline: float  # time.time()
+    # D's KV receiver incarnation: a P whose sender is handshaken with another one (D restarted in place,
+    # same kv_address) handshakes again before the job; one from an incarnation it outlived fails the job
+    kv_incarnation: str = ""
+    traceparent: str = ""  # W3C trace context of the decode worker's request span; "" = not traced
 
     def __post_init__(self) -> None:
         assert 0 <= self.skip_tokens < len(self.token_ids), (self.skip_tokens, len(self.token_ids))

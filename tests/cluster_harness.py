@@ -29,7 +29,9 @@ def free_port() -> int:
 
 
 class ServeProcess:
-    def __init__(self, model_dir: Path, tmp: Path, num_prefill: int = 1, num_decode: int = 1, **sections):
+    def __init__(self, model_dir: Path, tmp: Path, num_prefill: int = 1, num_decode: int = 1,
+                 extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None, **sections):
+        """``extra_args``: more `pdserve serve` flags; ``env``: variables over this process's."""
         self.port = free_port()
         config = dict(sections)
         config["gateway"] = {**{"worker_port": free_port(), "worker_heartbeat_s": 0.2}, **sections.get("gateway", {})}
@@ -37,8 +39,10 @@ class ServeProcess:
         self.config_path = tmp / "cluster.yaml"
         self.config_path.write_text(yaml.safe_dump(config))
         argv = [sys.executable, "-m", "cluster", "serve", "--model", str(model_dir), "--port", str(self.port),
-                "--prefill", str(num_prefill), "--decode", str(num_decode), "--config", str(self.config_path)]
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                "--prefill", str(num_prefill), "--decode", str(num_decode), "--config", str(self.config_path),
+                *extra_args]
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env={**os.environ, **(env or {})})
         self.lines: queue.Queue[str] = queue.Queue()
         self.log: list[str] = []
         self.worker_http: dict[str, int] = {}  # worker_id -> metrics port (latest incarnation)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import uvicorn
 
-from gateway.backend import Backend, GenerationRequest, NoCapacity, TokenEvent, TokenLogprob
+from gateway.workers.backend import Backend, CompletionEvent, GenerationRequest, NoCapacity, TokenLogprob
 from protocol.hashing import block_hashes
 
 CHAT_TEMPLATE = (
@@ -61,6 +61,7 @@ class FakeBackend(Backend):
     output_ids: list[int]  # every request generates a prefix of this
     block_size: int = 4
     token_delay_s: float = 0.0
+    first_event_delay_s: float = 0.0  # before a request's first event (as if queued for a worker)
     tokens_per_event: int = 1
     capacity: bool = True  # has_capacity(); False -> the gateway's own admission says 503
     no_capacity_retry_after: int | None = None  # set: generate raises NoCapacity(this)
@@ -87,8 +88,8 @@ class FakeBackend(Backend):
     async def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
 
-    def _cached_tokens(self, prompt: list[int]) -> int:
-        hashes = block_hashes(prompt, self.block_size)
+    def _cached_tokens(self, prompt: list[int], cache_salt: str = "") -> int:
+        hashes = block_hashes(prompt, self.block_size, cache_salt)
         hits = 0
         for h in hashes:
             if h not in self._seen_hashes:
@@ -132,25 +133,27 @@ class FakeBackend(Backend):
         if self.no_capacity_retry_after is not None:
             raise NoCapacity(self.no_capacity_retry_after, "all decode workers are full")
         self.received.append(request)
+        if self.first_event_delay_s:
+            await asyncio.sleep(self.first_event_delay_s)
         if self.refusal is not None:
-            yield TokenEvent(error=self.refusal, refused=True)
+            yield CompletionEvent(error=self.refusal, refused=True)
             return
         s = request.sampling
         out = self.output_ids[: s.max_tokens]
         finish = "length" if len(out) < len(self.output_ids) else "stop"
-        cached = self._cached_tokens(request.prompt_token_ids)
+        cached = self._cached_tokens(request.prompt_token_ids, request.sampling.cache_salt)
         prompt_logprobs = (None if s.prompt_logprobs is None
                            else self._prompt_logprobs(request.prompt_token_ids, s.prompt_logprobs))
         for start in range(0, len(out), self.tokens_per_event):
             if self.error_after_tokens is not None and start >= self.error_after_tokens:
-                yield TokenEvent(error="decode worker lost")
+                yield CompletionEvent(error="decode worker lost")
                 return
             if self.token_delay_s:
                 await asyncio.sleep(self.token_delay_s)
             ids = out[start : start + self.tokens_per_event]
             last = start + len(ids) >= len(out)
             for index in range(s.n):
-                yield TokenEvent(index, ids,
+                yield CompletionEvent(index, ids,
                                  self._logprobs(start, ids, s.logprobs) if s.logprobs is not None else None,
                                  finish_reason=finish if last else None,
                                  num_cached_tokens=cached if start == 0 else None,
@@ -161,8 +164,8 @@ class FakeBackend(Backend):
 class LiveServer:
     """The app served by a real uvicorn on 127.0.0.1 (ephemeral port) in a background thread."""
 
-    def __init__(self, app, lifespan: str = "off") -> None:
-        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan=lifespan)
+    def __init__(self, app, lifespan: str = "off", **uvicorn_options) -> None:
+        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan=lifespan, **uvicorn_options)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
@@ -187,17 +190,18 @@ API_KEYS = ["key-one", "key-two"]
 
 
 def make_gateway(tokenizer_dir: Path, max_model_len: int = 64, max_body_bytes: int = 1 << 16, registry=None,
-                 request_timeout_s: float | None = None, **params_given):
+                 request_timeout_s: float | None = None, limits_given: dict | None = None, **params_given):
     """The app over a FakeBackend answering OUTPUT_TEXT; returns (app, backend). ``params_given``: other
-    GatewayParams fields (chat_parsers, response_store, allowed_origins)."""
-    from gateway.app import GatewayParams, build_app
-    from gateway.serving import ServingLimits
-    from gateway.tokenizer import Tokenizer
+    GatewayParams fields (chat_parsers, response_store, allowed_origins); ``limits_given``: other
+    ServingLimits fields."""
+    from gateway.http.app import GatewayParams, build_app
+    from gateway.serving.pipeline import ServingLimits
+    from gateway.text.tokenizer import Tokenizer
 
     tokenizer = Tokenizer(tokenizer_dir)
     backend = FakeBackend(output_ids=tokenizer.encode(OUTPUT_TEXT, add_special_tokens=False))
     limits = ServingLimits(model_name=MODEL, max_model_len=max_model_len, max_concurrent_requests=8,
-                           retry_after_s=3, request_timeout_s=request_timeout_s)
+                           retry_after_s=3, request_timeout_s=request_timeout_s, **(limits_given or {}))
     params = GatewayParams(tokenizer, backend, limits, api_keys=list(API_KEYS), max_body_bytes=max_body_bytes,
                            registry=registry)
     for name, value in params_given.items():
@@ -206,10 +210,11 @@ def make_gateway(tokenizer_dir: Path, max_model_len: int = 64, max_body_bytes: i
 
 
 @contextlib.contextmanager
-def live_gateway(tokenizer_dir: Path, **gateway_kwargs):
-    """``make_gateway`` served by a LiveServer; ``server.backend`` is its FakeBackend."""
+def live_gateway(tokenizer_dir: Path, uvicorn_options: dict | None = None, **gateway_kwargs):
+    """``make_gateway`` served by a LiveServer; ``server.backend`` is its FakeBackend. ``uvicorn_options``:
+    more uvicorn.Config arguments (gateway/http/limits.py's, say)."""
     app, backend = make_gateway(tokenizer_dir, **gateway_kwargs)
-    with LiveServer(app) as server:
+    with LiveServer(app, **(uvicorn_options or {})) as server:
         server.backend = backend
         yield server
 

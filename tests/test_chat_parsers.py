@@ -12,10 +12,10 @@ import operator
 
 import pytest
 
-from gateway.chat_output import ChatOutput, ChatShape, chat_message
-from gateway.reasoning import ReasoningStream, prompt_opens_reasoning
-from gateway.tool_calls import ToolChoice
-from gateway.tool_parsers import make_reader
+from gateway.text.chat_output import ChatOutput, ChatShape, chat_message
+from gateway.text.reasoning.think_tags import ThinkTagParser
+from gateway.text.tool_calls import ToolChoice
+from gateway.text.tool_parsers import make_reader
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
 PARIS = ("get_weather", '{"city": "Paris"}')
@@ -244,7 +244,7 @@ def test_text_nested_deeper_than_the_decoders_go_is_content(parser, opening):
 
 
 def read_reasoning(opened_by_prompt: bool, pieces: list[str]) -> tuple[str, str]:
-    return fed(ReasoningStream(opened_by_prompt).feed, pieces)
+    return fed(ThinkTagParser(opened_by_prompt).feed, pieces)
 
 
 @pytest.mark.parametrize("opened_by_prompt, text, reasoning, content", [
@@ -264,9 +264,9 @@ def test_reasoning_splits_at_every_split(opened_by_prompt, text, reasoning, cont
 
 
 def test_a_prompt_opens_reasoning_when_it_ends_with_think():
-    assert prompt_opens_reasoning("<|assistant|>\n<think>\n")
-    assert not prompt_opens_reasoning("<|assistant|>\n<think>\n\n</think>\n\n")
-    assert not prompt_opens_reasoning("<|assistant|>\n")
+    assert ThinkTagParser.prompt_opens("<|assistant|>\n<think>\n")
+    assert not ThinkTagParser.prompt_opens("<|assistant|>\n<think>\n\n</think>\n\n")
+    assert not ThinkTagParser.prompt_opens("<|assistant|>\n")
 
 
 def stream(shape: ChatShape, pieces: list[str], finish_reason: str) -> tuple[dict, str | None]:
@@ -286,7 +286,7 @@ def stream(shape: ChatShape, pieces: list[str], finish_reason: str) -> tuple[dic
 
 
 def test_reasoning_then_a_hermes_call_streamed_equals_the_whole_message():
-    shape = ChatShape(reasoning=True, tool_choice=ToolChoice(TOOLS, None, "hermes"))
+    shape = ChatShape(reasoning="qwen3", tool_choice=ToolChoice(TOOLS, None, "hermes"))
     text = ('<think>Paris weather needs a tool.</think>\n\n<tool_call>\n{"name": "get_weather", '
             '"arguments": {"city": "Paris"}}\n</tool_call>')
     message, finish = chat_message(shape, text, "stop")
@@ -303,7 +303,7 @@ def test_reasoning_then_a_hermes_call_streamed_equals_the_whole_message():
 
 
 def test_include_reasoning_false_drops_the_reasoning_but_still_splits_it_off():
-    message, finish = chat_message(ChatShape(reasoning=True, include_reasoning=False), "<think>hm</think>Yes.", "stop")
+    message, finish = chat_message(ChatShape(reasoning="qwen3", include_reasoning=False), "<think>hm</think>Yes.", "stop")
     assert message == {"role": "assistant", "content": "Yes."} and finish == "stop"
 
 
@@ -346,7 +346,7 @@ def test_deepseek_v3_reads_calls_at_every_split(text, content, calls):
 
 
 def test_deepseek_v3_keeps_special_tokens_in_the_output_it_reads():
-    from gateway.openai_request import parse_chat
+    from gateway.dialects.openai.request import parse_chat
 
     body = {"messages": [{"role": "user", "content": "Weather?"}], "tools": TOOLS}
     assert parse_chat(body, "deepseek_v3").skip_special_tokens is False

@@ -47,7 +47,7 @@ def test_bad_settings_fail_before_exec():
         role_command("prefill", PRESET, {"engine.block_sise": "8"}, {})
     out = subprocess.run([sys.executable, "-m", "cluster", "prefill", "--config", PRESET, "--set", "nodot"],
                          cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert out.returncode == 2 and "--set expects section.field=value, got 'nodot'" in out.stderr
+    assert out.returncode == 78 and "--set expects section.field=value, got 'nodot'" in out.stderr
 
 
 WORKERS = {"object": "list", "data": [

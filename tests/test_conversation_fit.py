@@ -1,11 +1,11 @@
-"""truncation "auto" (gateway/conversation_fit.py): the fewest earliest whole turns dropped, found by
+"""truncation "auto" (gateway/dialects/responses/conversation_fit.py): the fewest earliest whole turns dropped, found by
 bisection, checked against dropping turns one at a time (the plain reading of the rule)."""
 
 from __future__ import annotations
 
 import pytest
 
-from gateway.conversation_fit import fit_conversation
+from gateway.dialects.responses.conversation_fit import fit_conversation
 
 
 def conversation(turns: int, system: bool = True) -> list[dict]:

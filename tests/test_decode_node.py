@@ -78,7 +78,7 @@ def test_local_prefill_greedy_equals_engine(node):
     node.gateway.send("d0", generate("r2", PROMPT, **params))
     again = node.gateway.collect("r2")[0]
     assert tokens_of(again) == expected.token_ids and again[0].num_cached_tokens == 12
-    assert scrape(node.node.http.port, "pdserve:prefix_cache_hits_total") == 12
+    assert scrape(node.node.http.port, "vllm:prefix_cache_hits_total") == 12
     assert_idle(node)
 
 

@@ -16,8 +16,8 @@ import httpx
 import openai
 import pytest
 
-from gateway.background_responses import BackgroundResponses
-from gateway.response_store import ResponseStore
+from gateway.dialects.responses.background import BackgroundResponses
+from gateway.dialects.responses.store import ResponseStore
 from tests.fake_backend import API_KEYS, MODEL, OUTPUT_TEXT, LiveServer, live_gateway, make_gateway, wait_until
 
 SLOW_TOKEN_S = 0.2  # with OUTPUT_TEXT's tokens: a response runs for seconds

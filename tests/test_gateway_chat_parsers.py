@@ -9,7 +9,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from gateway.chat_output import ChatParsers
+from gateway.text.chat_output import ChatParsers
 from tests.fake_backend import CHAT_TEMPLATE, MODEL, live_gateway, make_test_tokenizer
 
 # Qwen3's way: the generation prompt opens the thinking, or closes it at once with enable_thinking false

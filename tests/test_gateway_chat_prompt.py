@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from gateway.chat_output import ChatParsers
+from gateway.text.chat_output import ChatParsers
 from tests.fake_backend import API_KEYS, CHAT_TEMPLATE, MODEL, live_gateway, make_test_tokenizer
 
 # The tests' template, showing the tools as a system turn; its messages are trimmed (as Llama 3.1's are).

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from gateway.admission import AdmissionQueue
+from gateway.workers.admission import AdmissionQueue
 from gateway.deadline import get_by
 
 

@@ -15,7 +15,7 @@ import anthropic
 import httpx
 import pytest
 
-from gateway.chat_output import ChatParsers
+from gateway.text.chat_output import ChatParsers
 from tests.fake_backend import API_KEYS, MODEL, FakeBackend, live_gateway, make_test_tokenizer
 
 TEMPLATE = (

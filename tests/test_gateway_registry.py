@@ -1,6 +1,6 @@
 """Worker registry: join on heartbeat, restart on a new incarnation, leave after missed heartbeats."""
 
-from gateway.registry import Role, WorkerRegistry
+from gateway.workers.registry import Role, WorkerRegistry
 from protocol.serving import Heartbeat
 
 

@@ -15,8 +15,8 @@ import httpx
 import openai
 import pytest
 
-from gateway.chat_output import ChatParsers
-from gateway.response_store import ResponseStore
+from gateway.text.chat_output import ChatParsers
+from gateway.dialects.responses.store import ResponseStore
 from tests.fake_backend import API_KEYS, MODEL, OUTPUT_TEXT, FakeBackend, live_gateway, make_test_tokenizer
 
 # Tool roles and calls rendered; the thinking opened only where chat_template_kwargs ask for it.

@@ -1,7 +1,7 @@
 """Routing policies and the disaggregation decision, with exact worker choices."""
 
-from gateway.registry import Role, WorkerRegistry
-from gateway.router import Policy, RouteDecision, Router, RouterParams
+from gateway.workers.registry import Role, WorkerRegistry
+from gateway.workers.router import Policy, RouteDecision, Router, RouterParams
 from protocol.serving import Heartbeat
 
 BS = 4

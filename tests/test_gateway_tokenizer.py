@@ -7,9 +7,9 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
-from gateway.detokenizer import IncrementalDetokenizer
-from gateway.stop_strings import StopStringMatcher
-from gateway.tokenizer import ChatTemplateError, Tokenizer
+from gateway.text.detokenizer import IncrementalDetokenizer
+from gateway.text.stop_strings import StopStringMatcher
+from gateway.text.tokenizer import ChatTemplateError, Tokenizer
 
 TEXTS = ["Hello world", "  leading spaces and\ttabs\n\nnew lines", "日本語のテキスト", "émoji 🙂 mix ß ü",
          "The quick brown fox. Stop here!", ""]

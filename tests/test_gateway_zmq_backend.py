@@ -15,13 +15,13 @@ import openai
 import pytest
 import zmq
 
-from gateway.app import GatewayParams, build_app
+from gateway.http.app import GatewayParams, build_app
 from gateway.metrics import GatewayMetrics
-from gateway.registry import WorkerRegistry
-from gateway.router import Policy, RouterParams
-from gateway.serving import ServingLimits
-from gateway.tokenizer import Tokenizer
-from gateway.zmq_backend import ZmqBackend, ZmqBackendParams
+from gateway.workers.registry import WorkerRegistry
+from gateway.workers.router import Policy, RouterParams
+from gateway.serving.pipeline import ServingLimits
+from gateway.text.tokenizer import Tokenizer
+from gateway.workers.zmq_backend import ZmqBackend, ZmqBackendParams
 from protocol.codec import decode, encode
 from protocol.serving import (AbortRequest, Busy, Generate, Goodbye, Heartbeat, PromptLogprobs, TokenEvent,
                               TokenLogprobRecord)
@@ -44,6 +44,7 @@ class FakeWorker:
         self.peer = peer  # the prefill worker a disaggregated Generate names
         self.kv_blocks_in_use = kv_blocks_in_use
         self.received: list = []
+        self.incarnation = "inc-1"
         self.is_heartbeating = True
         self._outbox: list[tuple[float, object]] = []  # (due time, record)
         self._lock = threading.Lock()
@@ -61,7 +62,7 @@ class FakeWorker:
         self._thread.join(timeout=5)
 
     def _heartbeat(self) -> Heartbeat:
-        return Heartbeat(self.worker_id, self.role, self.address, "inc-1", block_size=4, kv_blocks_total=1000,
+        return Heartbeat(self.worker_id, self.role, self.address, self.incarnation, block_size=4, kv_blocks_total=1000,
                          kv_blocks_free=1000 - self.kv_blocks_in_use, kv_blocks_in_use=self.kv_blocks_in_use,
                          num_running=1, num_waiting=2, queued_prefill_tokens=0)
 
@@ -97,6 +98,9 @@ class FakeWorker:
             self.schedule(0, Busy(record.rid, "no free KV blocks"))
         elif isinstance(record, Generate) and self.mode == "die":
             self.is_heartbeating = False  # gone silent, as a crashed process is
+        elif isinstance(record, Generate) and self.mode == "restart":
+            # Killed and started again in place: the request is lost, the new process serves the next.
+            self.incarnation, self.mode = "inc-2", "tokens"
         elif isinstance(record, Generate):
             self._stream(record)
 
@@ -346,6 +350,26 @@ def test_worker_dying_before_first_token_is_retried_once_elsewhere(gateway):
     assert worker_ids(gateway.base_url) == ["d2"]
 
 
+def test_a_request_lost_to_a_restart_is_retried_on_the_restarted_worker(gateway):
+    # The only decode worker restarts in place (same id, new incarnation) with the request in it:
+    # the new process is a new worker, and takes the retry.
+    d1 = gateway.add("d1", mode="restart")
+    r = gateway.client.completions.create(model=MODEL, prompt="Hi", max_tokens=100)
+    assert r.choices[0].text == OUTPUT_TEXT
+    assert len(generates(d1)) == 2
+    assert metric(gateway.base_url, 'pdserve:route_decisions_total{policy="prefix",result="retry"}') == 1
+    assert gateway.backend._registry.get("d1").incarnation == "inc-2"
+
+
+def test_retries_before_the_first_token_are_bounded(gateway):
+    workers = [gateway.add(f"d{i}", mode="die") for i in range(4)]
+    with pytest.raises(openai.APIStatusError) as failed:
+        gateway.client.completions.create(model=MODEL, prompt="Hi", max_tokens=100)
+    assert failed.value.status_code >= 500 and failed.value.body["message"]
+    assert sum(len(generates(w)) for w in workers) == 3  # the first attempt and two retries, no more
+    assert metric(gateway.base_url, 'pdserve:route_decisions_total{policy="prefix",result="retry"}') == 2
+
+
 def _free_port() -> int:
     import socket
 
@@ -360,11 +384,16 @@ def test_process_entry_serves_and_stops_on_sigterm(tok_dir, tmp_path):
     import sys
     from pathlib import Path
 
+    import json
+    import shutil
+
+    model = shutil.copytree(tok_dir, tmp_path / "model")  # the tokenizer, and the config a checkpoint has
+    (model / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
     http_port, worker_port = _free_port(), _free_port()
     config = tmp_path / "gw.yaml"
     config.write_text(f"model:\n  max_model_len: 128\ngateway:\n  worker_port: {worker_port}\n"
                       f"  worker_heartbeat_s: 0.1\n  worker_timeout_s: 0.3\n")
-    proc = subprocess.Popen([sys.executable, "-m", "gateway", "--config", str(config), "--model", str(tok_dir),
+    proc = subprocess.Popen([sys.executable, "-m", "gateway", "--config", str(config), "--model", str(model),
                              "--port", str(http_port), "--api-key", "k1", "--log-level", "warning"],
                             cwd=Path(__file__).resolve().parents[1])
     base = f"http://127.0.0.1:{http_port}"
@@ -382,7 +411,7 @@ def test_process_entry_serves_and_stops_on_sigterm(tok_dir, tmp_path):
                             outputs=[tok.encode(OUTPUT_TEXT, add_special_tokens=False)])
         wait_until(lambda: httpx.get(base + "/ready").status_code == 200, "worker did not register")
         client = openai.OpenAI(base_url=base + "/v1", api_key="k1", max_retries=0)
-        r = client.completions.create(model=str(tok_dir), prompt="Hi", max_tokens=100)
+        r = client.completions.create(model=str(model), prompt="Hi", max_tokens=100)
         assert r.choices[0].text == OUTPUT_TEXT
         assert httpx.get(base + "/v1/workers").status_code == 401  # --api-key took effect
         proc.send_signal(signal.SIGTERM)

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from cluster.make_model import (BOS_ID, EOS_ID, IM_END_ID, PAD_ID, SPECIAL_TOKENS, build_config, build_tokenizer,
                                 main, make_model)
 from engine.loader import load_model
-from engine.model_config import ModelConfig
+from engine.model_config import HFModelConfig
 from tests.model_factory import tiny_model_dir
 
 
@@ -85,7 +85,7 @@ def test_shape_mismatch_names_tensor_and_both_shapes(tmp_path):
 def test_unsupported_architecture_is_refused(tmp_path):
     path = _write_config(tmp_path / "gpt2", architectures=["GPT2LMHeadModel"], model_type="gpt2")
     with pytest.raises(ValueError, match="GPT2LMHeadModel") as info:
-        ModelConfig.from_hf_dir(path)
+        HFModelConfig.from_hf_dir(path)
     assert "LlamaForCausalLM" in str(info.value) and "Qwen3ForCausalLM" in str(info.value)
 
 
@@ -94,7 +94,7 @@ def test_sliding_window_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"sliding_window=128 .*max_position_embeddings=2048"):
         load_model(path)
     # A window as long as the context is plain causal attention.
-    config = ModelConfig.from_hf_dict({**json.loads((path / "config.json").read_text()), "sliding_window": 2048})
+    config = HFModelConfig.from_hf_dict({**json.loads((path / "config.json").read_text()), "sliding_window": 2048})
     assert config.family == "mistral"
 
 
@@ -104,17 +104,17 @@ def test_legacy_rope_fields_and_generation_eos(tmp_path):
     hf["rope_theta"] = 500000.0
     hf["rope_scaling"] = {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                           "original_max_position_embeddings": 8192}  # fmt: skip
-    config = ModelConfig.from_hf_dict(hf, extra_eos_token_ids=[7, 2, 9])
+    config = HFModelConfig.from_hf_dict(hf, extra_eos_token_ids=[7, 2, 9])
     assert config.rope_theta == 500000.0
     assert config.rope_scaling["rope_type"] == "llama3" and config.rope_scaling["factor"] == 8.0
     assert config.eos_token_ids == [2, 7, 9]
-    assert ModelConfig.from_hf_dir(tiny_model_dir("llama")).eos_token_ids == [EOS_ID, IM_END_ID]
+    assert HFModelConfig.from_hf_dir(tiny_model_dir("llama")).eos_token_ids == [EOS_ID, IM_END_ID]
 
 
 def test_family_specifics_are_parsed():
-    qwen3 = ModelConfig.from_hf_dir(tiny_model_dir("qwen3"))
-    qwen2 = ModelConfig.from_hf_dir(tiny_model_dir("qwen2"))
-    llama = ModelConfig.from_hf_dir(tiny_model_dir("llama"))
+    qwen3 = HFModelConfig.from_hf_dir(tiny_model_dir("qwen3"))
+    qwen2 = HFModelConfig.from_hf_dir(tiny_model_dir("qwen2"))
+    llama = HFModelConfig.from_hf_dir(tiny_model_dir("llama"))
     assert (qwen3.qk_norm, qwen3.attention_bias, qwen3.head_dim) == (True, False, 16)
     assert (qwen2.qk_norm, qwen2.attention_bias) == (False, True)
     assert llama.rope_scaling["rope_type"] == "llama3" and llama.max_position_embeddings >= 1024

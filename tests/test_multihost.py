@@ -114,7 +114,7 @@ def test_pools_across_namespaces_scale_and_drain():
         long = [prompt_of(30 + 3 * i, seed=200 + i) for i in range(8)]
         with ThreadPoolExecutor(8) as pool:
             futures = [pool.submit(complete, p, 48) for p in long]
-            wait_until(lambda: hosts["d0"].metric("pdserve:num_requests_running") > 0, "d0 running a request", 60, hosts)
+            wait_until(lambda: hosts["d0"].metric("vllm:num_requests_running") > 0, "d0 running a request", 60, hosts)
             hosts["d0"].proc.send_signal(signal.SIGTERM)
             results = [f.result() for f in futures]
         assert results == [(200, expected(p, 48)) for p in long]

@@ -328,7 +328,7 @@ def test_structured_outputs_equal_the_engine_on_both_workers(client, loose_clien
 
 
 def test_forced_tool_calls_equal_the_engine_under_the_same_schema(client, reference, cluster):
-    from gateway.tool_calls import ToolChoice
+    from gateway.text.tool_calls import ToolChoice
     from protocol.serving import StructuredOutput
 
     weather = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
@@ -346,7 +346,7 @@ def test_forced_tool_calls_equal_the_engine_under_the_same_schema(client, refere
     assert call.function.name == "get_weather"
     assert call.function.arguments == reference.tokenizer.decode(expected.token_ids, skip_special_tokens=True)
     assert set(json.loads(call.function.arguments)) == {"city"}
-    # "required": the engine under the array-of-calls schema (gateway/tool_calls.py) gives the calls.
+    # "required": the engine under the array-of-calls schema (gateway/text/tool_calls.py) gives the calls.
     [expected] = engine_output(reference, ids, temperature=0.0, max_tokens=120,
                                structured_output=ToolChoice(tools, None).structured_output())
     assert expected.finish_reason == "stop"

@@ -12,7 +12,7 @@ import torch
 import zmq
 from prometheus_client import CollectorRegistry
 
-from configs.schema import EngineConfig, ModelConfig as ModelSection
+from configs.schema import EngineConfig, ModelConfig
 from engine.block_manager import cdiv
 from engine.llm import build_engine
 from engine.sampling_params import SamplingParams
@@ -48,7 +48,7 @@ def engine_cfg(**overrides) -> EngineConfig:
 
 
 def build(**overrides):
-    return build_engine(model_path(), ModelSection(path=model_path(), dtype="float32"), engine_cfg(**overrides), device="cpu")
+    return build_engine(model_path(), ModelConfig(path=model_path(), dtype="float32"), engine_cfg(**overrides), device="cpu")
 
 
 def prompt(n: int, seed: int) -> list[int]:
@@ -294,7 +294,7 @@ def test_skip_tokens_sends_only_missing_blocks_and_prefix_cache_skips_compute(cl
     c.decode.adopt("b")
     c.stop()
     assert c.sample("pdserve:prefill_computed_tokens_total") == 19 + 3
-    assert c.sample("pdserve:prefix_cache_hits_total") == 16
+    assert c.sample("vllm:prefix_cache_hits_total", model_name="") == 16
     c.assert_idle_no_leak()
 
 
@@ -532,7 +532,7 @@ def test_metrics_health_ready_and_drain(cluster):
         base = f"http://127.0.0.1:{http.port}"
         body = urllib.request.urlopen(f"{base}/metrics").read().decode()
         for series in ("pdserve:prefill_jobs_total 1.0", "pdserve:kv_blocks_total 48.0",
-                       "pdserve:prefix_cache_queries_total 11.0", "pdserve:kv_handshakes_total"):
+                       'vllm:prefix_cache_queries_total{model_name=""} 11.0', "pdserve:kv_handshakes_total"):
             assert series in body, series
         assert urllib.request.urlopen(f"{base}/health").status == 200
         assert urllib.request.urlopen(f"{base}/ready").status == 200

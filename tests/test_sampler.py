@@ -436,3 +436,9 @@ def test_a_seeded_stream_continues_after_a_first_token_sampled_elsewhere():
     greedy = make_seq([1], temperature=0.0, seed=42)
     continue_seeded_stream(greedy, 50, torch.device("cpu"))
     assert greedy.generator is None  # a greedy first token drew nothing
+
+
+@pytest.mark.parametrize("ignore_eos, expected", [(False, {3, 7, 2, 9}), (True, {3, 7})])
+def test_stop_ids_are_the_requests_stops_plus_eos_unless_ignored(ignore_eos, expected):
+    params = SamplingParams(stop_token_ids=[3, 7, 3], ignore_eos=ignore_eos)
+    assert params.stop_ids([2, 9]) == frozenset(expected)

@@ -3,6 +3,8 @@ is satisfied by one decode worker alone (cluster/serve.py)."""
 
 from __future__ import annotations
 
+import time
+
 from cluster.serve import registered_workers, wait_ready
 from gateway.metrics import GatewayMetrics
 from tests.fake_http import http_get_server
@@ -38,3 +40,15 @@ def test_ready_waits_for_the_prefill_workers_too():
         metrics.pool_workers.labels("prefill").set(1)
         assert wait_ready(url, cluster, 5.0, {"prefill": 1, "decode": 1})
         assert wait_ready(url, cluster, 5.0, {"prefill": 0, "decode": 1})  # --prefill 0: decode alone
+
+
+def test_a_stop_while_starting_ends_the_wait_at_once():
+    # SIGTERM before the workers are up: `pdserve serve` stops now, not after --ready-timeout.
+    def answer(path, headers) -> bytes:
+        return GatewayMetrics().render()
+
+    cluster = _Cluster()
+    with http_get_server(answer) as url:
+        started = time.monotonic()
+        assert not wait_ready(url, cluster, 600.0, {"prefill": 1, "decode": 1}, stopped=lambda: cluster.ticks >= 2)
+        assert cluster.ticks == 2 and time.monotonic() - started < 60

@@ -39,16 +39,20 @@ def test_worker_socket_round_trip_and_rejects_bad_frames():
 
 def test_http_metrics_health_ready():
     registry = CollectorRegistry()
-    metrics = EngineMetrics(registry)
+    metrics = EngineMetrics(registry, "m")
     metrics.update(EngineSnapshot(2, 1, 100, 25, 75, 64, 16, 0, kv_live_slots=380, block_size=16))
     ready = [False]
     handle = serve_http("127.0.0.1", 0, registry, lambda: ready[0])
     url = f"http://127.0.0.1:{handle.port}"
     try:
         body = urllib.request.urlopen(url + "/metrics", timeout=5).read().decode()
-        assert "pdserve:kv_blocks_in_use 25.0" in body and "pdserve:kv_cache_usage_perc 0.25" in body
+        assert "pdserve:kv_blocks_in_use 25.0" in body and 'vllm:kv_cache_usage_perc{model_name="m"} 0.25' in body
         assert "pdserve:kv_live_slots 380.0" in body and "pdserve:kv_slot_utilization 0.95" in body  # 380 / (25 * 16)
-        assert "pdserve:prefix_cache_hits_total 16.0" in body and "pdserve:num_requests_running 2.0" in body
+        assert 'vllm:prefix_cache_hits_total{model_name="m"} 16.0' in body
+        assert 'vllm:prefix_cache_queries_total{model_name="m"} 64.0' in body
+        assert 'vllm:num_requests_running{model_name="m"} 2.0' in body
+        assert 'vllm:num_requests_waiting{model_name="m"} 1.0' in body
+        assert "process_resident_memory_bytes" in body and "process_cpu_seconds_total" in body
         assert urllib.request.urlopen(url + "/health", timeout=5).status == 200
         with pytest.raises(urllib.error.HTTPError) as info:
             urllib.request.urlopen(url + "/ready", timeout=5)
@@ -98,3 +102,50 @@ def test_worker_package_is_torch_free():
 
     code = "import sys, worker; assert 'torch' not in sys.modules, 'worker imported torch'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_http_server_cannot_be_held_by_slow_clients():
+    """An idle and a dribbling connection take the two slots; more are closed at once; the socket timeout
+    ends the idle one, the watchdog the dribbling one (each byte resets a timeout, not the deadline),
+    and scrapes are served again."""
+    import socket
+    import threading
+    import time
+
+    handle = serve_http("127.0.0.1", 0, CollectorRegistry(), lambda: True, max_connections=2, connection_deadline_s=1.0)
+    url = f"http://127.0.0.1:{handle.port}"
+    try:
+        idle = socket.create_connection(("127.0.0.1", handle.port))
+        dribbler = socket.create_connection(("127.0.0.1", handle.port))
+
+        def dribble() -> None:  # a request line that never ends, a byte every 0.1 s, until cut off
+            give_up = time.monotonic() + 60
+            try:
+                dribbler.sendall(b"GET /")
+                while time.monotonic() < give_up:
+                    dribbler.sendall(b"x")
+                    time.sleep(0.1)
+            except OSError:
+                pass
+
+        threading.Thread(target=dribble, daemon=True).start()
+        give_up = time.monotonic() + 60
+        while handle.server.num_refused == 0:  # one more connection: closed at once
+            assert time.monotonic() < give_up, "a connection past the cap was served"
+            with socket.create_connection(("127.0.0.1", handle.port)) as extra:
+                extra.settimeout(60)
+                extra.sendall(b"GET /health HTTP/1.0\r\n\r\n")
+                try:
+                    extra.recv(100)
+                except ConnectionResetError:
+                    pass
+        idle.settimeout(60)
+        assert idle.recv(100) == b""  # the server ended it
+        while handle.server.num_expired == 0:
+            assert time.monotonic() < give_up, "the dribbling connection was never cut off"
+            time.sleep(0.05)
+        idle.close()
+        dribbler.close()
+        assert urllib.request.urlopen(url + "/health", timeout=30).status == 200
+    finally:
+        handle.close()

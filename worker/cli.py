@@ -23,10 +23,14 @@ def load_worker_config(prog: str, description: str, argv: list[str] | None) -> t
     parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("--config", help="YAML config file (configs/schema.py lists every field)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
-    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--log-level", help="debug, info, warning, error or critical (observability.log_level)")
     args = parser.parse_args(argv)
+    overrides = parse_overrides(args.set)
+    if args.log_level:
+        overrides["observability.log_level"] = args.log_level.lower()
     try:
-        return load_config(args.config, overrides=parse_overrides(args.set)), args.log_level
+        config = load_config(args.config, overrides=overrides)
+        return config, config.observability.log_level
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return None

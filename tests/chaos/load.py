@@ -11,8 +11,8 @@ import httpx
 import torch
 
 from engine.llm import LLM
-from gateway.detokenizer import IncrementalDetokenizer
-from gateway.tokenizer import Tokenizer
+from gateway.text.detokenizer import IncrementalDetokenizer
+from gateway.text.tokenizer import Tokenizer
 from engine.sampling_params import SamplingParams
 
 MAX_TOKENS = 24

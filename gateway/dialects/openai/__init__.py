@@ -1,0 +1,1 @@
+"""OpenAI's completions and chat completions: the request, the chat prompt, structured outputs, the output."""

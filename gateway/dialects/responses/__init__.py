@@ -1,0 +1,1 @@
+"""OpenAI's Responses API: the request, its output, the store, its routes, background responses."""

@@ -1,0 +1,1 @@
+"""The gateway's HTTP plumbing: app assembly, auth, errors, request ids, SSE, OpenAPI, typed JSON reads."""

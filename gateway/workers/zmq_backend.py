@@ -1,0 +1,417 @@
+"""The real Backend: worker pools reached over ZeroMQ (protocol/serving.py records).
+
+Life cycle of one request (one prompt, ``n`` completions) in the gateway:
+1. admission: route it (gateway/workers/router.py) over accepting decode workers, minus those that said Busy
+   for it and those whose circuit breaker is open. None registered -> NoCapacity (503). Registered but
+   none with KV room -> wait in the decode pool's bounded queue (full or timed out -> NoCapacity).
+2. send Generate(prefill_address = the chosen P's endpoint, or "" to prefill on D) to the decode worker.
+3. wait for the first answer: Busy -> back to 1 without that worker; the worker lost (expired, restarted,
+   said goodbye, unreachable) or an error before any token -> abort what it held, back to 1 without the
+   worker to blame (at most ``max_retries`` times, within the deadline; counted as route result
+   "retry"). Workers are left out by incarnation: one that restarted since is a new worker, and may
+   take the retry (a decode worker restarted in place, the only one of its pool).
+4. stream: TokenEvents (from P: offset 0; from D: the rest) are put back in order per completion
+   (gateway/workers/completion_order.py) and handed to the HTTP layer; a worker lost now is an in-band error.
+   Asked-for prompt logprobs arrive as PromptLogprobs frames before the first TokenEvent, from the
+   same worker, and ride on every completion's first event.
+5. end: every completion finished, an error, the deadline, or an abort (client gone, stop string) ->
+   AbortRequest to the decode worker and the prefill worker it used, unless it finished by itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+from gateway.deadline import get_by
+from gateway.metrics import GatewayMetrics
+from protocol.serving import (
+    AbortRequest, Busy, Generate, Goodbye, Heartbeat, PromptLogprobs, TokenEvent, TokenLogprobRecord,
+)
+
+from .admission import AdmissionQueue
+from .backend import Backend, CompletionEvent, GenerationRequest, NoCapacity, TokenLogprob
+from .breaker import CircuitBreaker
+from .completion_order import CompletionOrder
+from .registry import Role, WorkerRegistry
+from .router import RouteDecision, Router, RouterParams
+from .worker_link import WorkerLink
+
+log = logging.getLogger("pdserve.gateway")
+
+
+@dataclass(slots=True)
+class ZmqBackendParams:
+    host: str  # interface of the worker ROUTER
+    worker_port: int  # 0: any free port (tests)
+    router: RouterParams
+    max_queued_requests: int = 64  # decode pool admission queue bound
+    queue_timeout_s: float = 5.0
+    retry_after_s: int = 1
+    max_retries: int = 2  # attempts after the first, for a request that failed before its first token
+    default_timeout_s: float = 600.0  # deadline of a request that brings none
+    max_frame_bytes: int = 1 << 20
+    breaker_threshold: int = 3
+    breaker_cooldown_s: float = 10.0
+    expiry_interval_s: float = 0.5  # how often silent workers are looked for
+
+
+@dataclass(slots=True)
+class WorkerGone:
+    """Queued to a request when a worker serving it left (expired, restarted, goodbye, unreachable)."""
+
+    worker_id: str
+    reason: str
+
+
+class _Flight:
+    """One request in flight: which workers serve it, and the records that came back for it."""
+
+    __slots__ = ("rid", "num_prompt_tokens", "num_top_prompt_logprobs", "events", "prompt_logprobs",
+                 "decode_worker", "prefill_worker", "is_done", "is_aborted")
+
+    def __init__(self, rid: str, num_prompt_tokens: int, num_top_prompt_logprobs: int = 0) -> None:
+        self.rid = rid
+        self.num_prompt_tokens = num_prompt_tokens
+        # the k asked for: alternatives past it are dropped on arrival, so a worker cannot grow what is kept
+        self.num_top_prompt_logprobs = num_top_prompt_logprobs
+        self.events: asyncio.Queue = asyncio.Queue()  # TokenEvent | Busy | WorkerGone | None (aborted)
+        # From PromptLogprobs frames, which precede the first TokenEvent; None once a frame was out of order.
+        self.prompt_logprobs: list[TokenLogprob] | None = []
+        self.decode_worker: str | None = None
+        self.prefill_worker: str | None = None
+        self.is_done = False  # finished, failed or aborted: the workers need no more abort
+        self.is_aborted = False  # the HTTP layer gave up on it (client gone, stop string, shutdown)
+
+    def workers(self) -> list[str]:
+        return [w for w in (self.decode_worker, self.prefill_worker) if w is not None]
+
+
+class ZmqBackend(Backend):
+    def __init__(self, registry: WorkerRegistry, metrics: GatewayMetrics, params: ZmqBackendParams) -> None:
+        self._registry = registry
+        self._metrics = metrics
+        self._params = params
+        self._router = Router(registry, params.router)
+        self._breaker = CircuitBreaker(params.breaker_threshold, params.breaker_cooldown_s)
+        self._queue = AdmissionQueue(params.max_queued_requests)
+        self._link = WorkerLink(params.host, params.worker_port, params.max_frame_bytes, self._on_record,
+                                self._on_malformed)
+        self._flights: dict[str, _Flight] = {}
+        self._expiry_task: asyncio.Task | None = None
+        self._update_pool_gauges()
+
+    @property
+    def address(self) -> str:
+        """The bound worker endpoint (tcp://host:port), once started."""
+        return self._link.address
+
+    # --- Backend interface -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        await self._link.start()
+        self._expiry_task = asyncio.create_task(self._expire_loop(), name="gateway-worker-expiry")
+        log.info("worker link bound at %s", self.address)
+
+    async def stop(self) -> None:
+        for rid in list(self._flights):
+            await self.abort(rid)
+        if self._expiry_task is not None:
+            self._expiry_task.cancel()
+            try:
+                await self._expiry_task
+            except asyncio.CancelledError:
+                pass
+        await self._link.close()
+
+    def is_ready(self) -> bool:
+        return bool(self._registry.accepting(Role.DECODE))
+
+    def has_capacity(self) -> bool:
+        # A full queue turns new arrivals away before tokenizing, but a queue of size 0 is always "full":
+        # then nobody waits, and whether a worker has room right now is the router's call, not this one.
+        return self.is_ready() and (self._queue.max_waiting == 0 or not self._queue.is_full)
+
+    async def abort(self, request_id: str) -> None:
+        flight = self._flights.get(request_id)
+        if flight is not None and not flight.is_done:
+            flight.is_aborted = True
+            await self._abort_workers(flight, "aborted by the gateway")
+            flight.events.put_nowait(None)  # wakes the generator, which ends
+
+    async def generate(self, request: GenerationRequest):
+        if request.request_id in self._flights:
+            raise ValueError(f"request id {request.request_id} is already in flight")
+        flight = _Flight(request.request_id, len(request.prompt_token_ids), request.sampling.prompt_logprobs or 0)
+        self._flights[flight.rid] = flight
+        try:
+            first = await self._place(request, flight)
+            order = CompletionOrder(request.sampling.n)
+            event = first
+            queue_time: float | None = time.monotonic() - request.arrival_time
+            while True:
+                if not isinstance(event, TokenEvent):  # aborted, lost, deadline
+                    if event is not None:
+                        yield CompletionEvent(error=_describe(event))
+                    return
+                if event.error:
+                    # A refusal speaks to the client about its request; a failure names the worker.
+                    error = event.error if event.refused else f"worker {flight.decode_worker}: {event.error}"
+                    yield CompletionEvent(index=event.index, error=error, refused=event.refused)
+                    return
+                try:
+                    released = order.push(event)
+                except ValueError as e:
+                    yield CompletionEvent(error=str(e))
+                    return
+                for e in released:
+                    out = _to_backend_event(e, queue_time)
+                    if queue_time is not None:  # the first event: who serves it (the request log line)
+                        out.worker_ids = flight.workers()
+                    queue_time = None
+                    if e.offset == 0 and request.sampling.prompt_logprobs is not None:  # each completion's first
+                        out.prompt_logprobs = flight.prompt_logprobs  # checked against the prompt by Generation
+                    yield out
+                if order.is_finished:
+                    flight.is_done = True  # the workers finished it themselves: nothing to abort
+                    return
+                event = await self._next(flight, request)
+        finally:
+            if not flight.is_done:
+                await self._abort_workers(flight, "request ended in the gateway")
+            del self._flights[flight.rid]
+            self._queue.notify()  # its KV is about to be freed: queued requests may fit now
+
+    # --- placement: route, send, wait for the first answer ------------------------------------------
+
+    async def _place(self, request: GenerationRequest, flight: _Flight):
+        """Returns the first TokenEvent (or a terminal record to turn into an error); raises NoCapacity."""
+        policy = self._params.router.policy.value
+        tried: dict[str, str] = {}  # worker id -> the incarnation that said Busy for this request, or failed it
+        retries_left = self._params.max_retries
+        failure = None  # the last attempt's failure: what the client hears if no retry is possible
+        while True:
+            routing_started_ns = time.time_ns() if request.trace else 0
+            try:
+                decision = await self._route(request, self._still_tried(tried))
+            except NoCapacity:
+                if failure is not None:
+                    return failure
+                raise
+            flight.decode_worker, flight.prefill_worker = decision.decode_worker, decision.prefill_worker
+            incarnations = {w: self._incarnation(w) for w in flight.workers()}  # of this attempt's workers
+            if request.trace:
+                request.trace.span("route", routing_started_ns, decode_worker=decision.decode_worker,
+                                   prefill_worker=decision.prefill_worker or "", cached_tokens=decision.prefill_cached_tokens)
+            flight.events, flight.prompt_logprobs = asyncio.Queue(), []  # nothing left from an earlier attempt
+            prefill = self._registry.get(decision.prefill_worker) if decision.prefill_worker else None
+            generate = Generate(flight.rid, request.prompt_token_ids, request.sampling,
+                                prefill.address if prefill is not None else "", self._wall_deadline(request),
+                                request.trace.traceparent() if request.trace else "")
+            # Until the first answer the prompt counts on its P's backlog (the router's local-prefill rule).
+            backlog = len(request.prompt_token_ids) - decision.prefill_cached_tokens if prefill is not None else 0
+            if backlog:
+                self._router.prefill_sent(prefill.worker_id, backlog)
+            try:
+                if await self._link.send(decision.decode_worker, generate):
+                    answer = await self._next(flight, request)
+                else:
+                    answer = WorkerGone(decision.decode_worker, "not connected")
+            finally:
+                if backlog:
+                    self._router.prefill_done(prefill.worker_id, backlog)
+            if isinstance(answer, TokenEvent) and not answer.error:
+                for worker_id in flight.workers():
+                    self._breaker.record_success(worker_id)
+                return answer
+            if isinstance(answer, Busy):
+                self._metrics.route_decisions.labels(policy, "busy").inc()
+                tried[decision.decode_worker] = incarnations[decision.decode_worker]
+                flight.decode_worker = flight.prefill_worker = None  # a Busy worker kept nothing
+                continue
+            if answer is None or (isinstance(answer, WorkerGone) and answer.reason == "deadline"):
+                return answer  # aborted or out of time: nothing to retry
+            if isinstance(answer, WorkerGone):
+                failed = answer.worker_id
+            else:  # the decode worker is alive and answered an error: blame the prefill worker it relied on
+                failed = decision.prefill_worker or decision.decode_worker
+            if self._incarnation(failed) == incarnations.get(failed, ""):  # not one that restarted or left since
+                self._breaker.record_failure(failed, time.monotonic())
+            await self._abort_workers(flight, f"attempt failed: {_describe(answer)}")
+            if flight.is_aborted:
+                return None
+            flight.is_done = False  # the request itself goes on
+            if retries_left == 0 or (request.deadline is not None and time.monotonic() >= request.deadline):
+                return answer
+            retries_left -= 1
+            tried[failed] = incarnations.get(failed, "")
+            failure = answer
+            self._metrics.route_decisions.labels(policy, "retry").inc()
+            log.warning("request %s: %s before the first token; retrying elsewhere", flight.rid,
+                        _describe(answer))
+
+    def _incarnation(self, worker_id: str) -> str:
+        """The registered incarnation of ``worker_id``; "" when it is not registered."""
+        info = self._registry.get(worker_id)
+        return info.incarnation if info is not None else ""
+
+    def _still_tried(self, tried: dict[str, str]) -> set[str]:
+        """The workers to leave out: those tried, unless they restarted since (a new incarnation)."""
+        return {w for w, incarnation in tried.items() if self._incarnation(w) in (incarnation, "")}
+
+    async def _route(self, request: GenerationRequest, tried: set[str]) -> RouteDecision:
+        """A decision, waiting in the admission queue while workers exist but lack KV room."""
+        policy = self._params.router.policy.value
+        give_up = time.monotonic() + self._params.queue_timeout_s
+        while True:
+            excluded = tried | self._breaker.open_workers(time.monotonic())
+            spec = request.sampling
+            decision = self._router.route(request.prompt_token_ids, frozenset(excluded), spec.computes_whole_prompt,
+                                          prefill_on_decode=spec.prefills_on_decode, cache_salt=spec.cache_salt)
+            if decision is not None:
+                result = "local" if decision.prefill_worker is None else "disaggregated"
+                self._metrics.route_decisions.labels(policy, result).inc()
+                return decision
+            candidates = [w for w in self._registry.accepting(Role.DECODE) if w.worker_id not in excluded]
+            if not candidates:
+                self._metrics.route_decisions.labels(policy, "no_capacity").inc()
+                why = "every decode worker is busy" if tried else "no decode worker is available"
+                raise NoCapacity(self._params.retry_after_s, why)
+            if self._queue.is_full:
+                self._metrics.route_decisions.labels(policy, "queue_full").inc()
+                raise NoCapacity(self._params.retry_after_s,
+                                 f"the decode pool's queue is full ({self._queue.max_waiting} waiting)")
+            remaining = give_up - time.monotonic()
+            if request.deadline is not None:
+                remaining = min(remaining, request.deadline - time.monotonic())
+            self._metrics.admission_queue.labels(Role.DECODE.value).inc()
+            try:
+                woken = remaining > 0 and await self._queue.wait(remaining)
+            finally:
+                self._metrics.admission_queue.labels(Role.DECODE.value).dec()
+            if not woken:
+                self._metrics.route_decisions.labels(policy, "no_capacity").inc()
+                raise NoCapacity(self._params.retry_after_s, "no decode worker had KV room in time")
+
+    async def _next(self, flight: _Flight, request: GenerationRequest):
+        """The next record for ``flight``; WorkerGone(reason="deadline") when the deadline passes first."""
+        try:
+            return await get_by(flight.events, request.deadline)
+        except TimeoutError:
+            return WorkerGone(flight.decode_worker or "", "deadline")
+
+    async def _abort_workers(self, flight: _Flight, reason: str) -> None:
+        flight.is_done = True
+        for worker_id in flight.workers():
+            await self._link.send(worker_id, AbortRequest(flight.rid, reason))
+
+    def _wall_deadline(self, request: GenerationRequest) -> float:
+        """The request's monotonic deadline on the wall clock, which other hosts share."""
+        if request.deadline is None:
+            return time.time() + self._params.default_timeout_s
+        return time.time() + (request.deadline - time.monotonic())
+
+    # --- records from workers ---------------------------------------------------------------------
+
+    def _on_record(self, worker_id: str, record) -> None:
+        if isinstance(record, Heartbeat):
+            self._on_heartbeat(worker_id, record)
+        elif isinstance(record, Goodbye):
+            if record.worker_id != worker_id:
+                self._on_malformed(f"goodbye for {record.worker_id[:64]!r} from {worker_id[:64]!r}")
+            elif self._registry.remove(worker_id):
+                self._metrics.workers_lost.labels("goodbye").inc()
+                self._worker_left(worker_id, "said goodbye")
+        else:  # TokenEvent, PromptLogprobs or Busy: only the workers serving the request may speak for it
+            flight = self._flights.get(record.rid)
+            if flight is None or flight.is_done:
+                return  # finished or aborted already; late records are expected
+            if worker_id == flight.decode_worker or (isinstance(record, (TokenEvent, PromptLogprobs))
+                                                     and worker_id == flight.prefill_worker):
+                if isinstance(record, PromptLogprobs):
+                    self._add_prompt_logprobs(worker_id, flight, record)
+                else:
+                    flight.events.put_nowait(record)
+
+    def _add_prompt_logprobs(self, worker_id: str, flight: _Flight, frame: PromptLogprobs) -> None:
+        have = flight.prompt_logprobs
+        if have is None:
+            return  # already failed
+        if frame.start != len(have) or len(have) + len(frame.logprobs) > flight.num_prompt_tokens - 1:
+            # A gap, a repeat or more than the prompt has: counted, and the request fails at its first
+            # token (Generation checks the prompt logprobs against the prompt); nothing piles up here.
+            flight.prompt_logprobs = None
+            self._on_malformed(f"prompt logprobs for {flight.rid[:64]} from {worker_id[:64]!r}: entries "
+                               f"{frame.start}..{frame.start + len(frame.logprobs)} for a prompt of "
+                               f"{flight.num_prompt_tokens} tokens, {len(have)} received")
+            return
+        k = flight.num_top_prompt_logprobs
+        have += [_to_logprob(r, rank, k) for r, rank in zip(frame.logprobs, frame.ranks)]
+
+    def _on_heartbeat(self, worker_id: str, hb: Heartbeat) -> None:
+        if hb.worker_id != worker_id:
+            self._on_malformed(f"heartbeat for {hb.worker_id[:64]!r} from {worker_id[:64]!r}")
+            return
+        known = self._registry.get(worker_id)
+        if known is not None and known.incarnation != hb.incarnation:
+            self._worker_left(worker_id, "restarted")  # its in-flight requests died with the old process
+        if known is None:
+            log.info("worker %s (%s) registered at %s", worker_id, hb.role, hb.address)
+        self._registry.observe(hb, time.monotonic())
+        self._update_pool_gauges()
+        self._queue.notify()
+
+    def _on_malformed(self, why: str) -> None:
+        self._metrics.worker_malformed_frames.inc()
+        log.warning("dropped a malformed frame from a worker: %s", why)
+
+    def _worker_left(self, worker_id: str, reason: str) -> None:
+        log.warning("worker %s left: %s", worker_id, reason)
+        self._router.forget([worker_id])
+        self._breaker.forget(worker_id)
+        for flight in self._flights.values():
+            if not flight.is_done and worker_id in flight.workers():
+                flight.events.put_nowait(WorkerGone(worker_id, reason))
+        self._update_pool_gauges()
+
+    async def _expire_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._params.expiry_interval_s)
+            for worker_id in self._registry.expire(time.monotonic()):
+                self._metrics.workers_lost.labels("expired").inc()
+                self._worker_left(worker_id, "heartbeats stopped")
+
+    def _update_pool_gauges(self) -> None:
+        m = self._metrics
+        for role in Role:
+            workers = self._registry.workers(role)
+            total = sum(w.heartbeat.kv_blocks_total for w in workers)
+            m.pool_workers.labels(role.value).set(len(workers))
+            m.pool_kv_cache_usage.labels(role.value).set(
+                sum(w.heartbeat.kv_blocks_in_use for w in workers) / total if total else 0.0)
+            m.pool_requests_running.labels(role.value).set(sum(w.heartbeat.num_running for w in workers))
+            m.pool_requests_waiting.labels(role.value).set(sum(w.heartbeat.num_waiting for w in workers))
+
+
+def _to_logprob(r: TokenLogprobRecord, rank: int | None = None, max_top: int | None = None) -> TokenLogprob:
+    return TokenLogprob(r.token_id, r.logprob, list(zip(r.top_ids[:max_top], r.top_logprobs[:max_top])), rank)
+
+
+def _to_backend_event(e: TokenEvent, queue_time_s: float | None) -> CompletionEvent:
+    logprobs = None if e.logprobs is None else [_to_logprob(r) for r in e.logprobs]
+    return CompletionEvent(index=e.index, token_ids=list(e.token_ids), logprobs=logprobs,
+                      finish_reason=e.finish_reason or None,
+                      num_cached_tokens=e.num_cached_tokens if e.num_cached_tokens >= 0 else None,
+                      queue_time_s=queue_time_s)
+
+
+def _describe(answer) -> str:
+    if isinstance(answer, WorkerGone):
+        if answer.reason == "deadline":
+            return "the request's deadline passed"
+        return f"worker {answer.worker_id} {answer.reason}"
+    if isinstance(answer, TokenEvent):
+        return f"worker error: {answer.error[:200]}"
+    return "aborted"
