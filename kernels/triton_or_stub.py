@@ -19,8 +19,10 @@ except ImportError:  # the CPU image: every CUDA launch below names what is miss
             self.__name__ = getattr(fn, "__name__", "kernel")
 
         def __getitem__(self, grid):
-            raise RuntimeError(f"Triton kernel {self.__name__} needs Triton, which is not installed "
-                               "(the CPU image leaves it out; CUDA tensors need the CUDA image)")
+            raise RuntimeError(
+                f"Triton kernel {self.__name__} needs Triton, which is not installed "
+                "(the CPU image leaves it out; CUDA tensors need the CUDA image)"
+            )
 
     triton = types.SimpleNamespace(
         jit=_NotInstalledKernel,

@@ -51,11 +51,18 @@ class Deployment:
 
     @property
     def env(self) -> dict[str, str]:
-        return {**os.environ, "PDSERVE_PORT": str(self.port), "PDSERVE_API_KEY": self.api_key,
-                "PDSERVE_PREFILL_REPLICAS": "2", "PDSERVE_DECODE_REPLICAS": "2"}
+        return {
+            **os.environ,
+            "PDSERVE_PORT": str(self.port),
+            "PDSERVE_API_KEY": self.api_key,
+            "PDSERVE_PREFILL_REPLICAS": "2",
+            "PDSERVE_DECODE_REPLICAS": "2",
+        }
 
     def compose(self, *args: str, timeout_s: float = 600) -> str:
-        done = subprocess.run([*COMPOSE, *args], env=self.env, capture_output=True, text=True, timeout=timeout_s, check=False)
+        done = subprocess.run(
+            [*COMPOSE, *args], env=self.env, capture_output=True, text=True, timeout=timeout_s, check=False
+        )
         if done.returncode != 0:
             raise RuntimeError(f"docker compose {' '.join(args)} failed:\n{done.stdout}\n{done.stderr}")
         return done.stdout
@@ -67,7 +74,10 @@ class Deployment:
         for cid in ids:
             started, restarts = subprocess.run(
                 ["docker", "inspect", "-f", "{{.State.StartedAt}} {{.RestartCount}}", cid],
-                capture_output=True, text=True, check=True).stdout.split()
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout.split()
             out[cid] = (started, int(restarts))
         return out
 
@@ -82,8 +92,10 @@ class Deployment:
             return exc.code, exc.read().decode(errors="replace")[:500]
 
     def complete(self, prompt: list[int]) -> tuple[int, object]:
-        status, body = self.request("/v1/completions", {"model": MODEL, "prompt": [prompt], "max_tokens": 8,
-                                                        "temperature": 0.0, "ignore_eos": True})
+        status, body = self.request(
+            "/v1/completions",
+            {"model": MODEL, "prompt": [prompt], "max_tokens": 8, "temperature": 0.0, "ignore_eos": True},
+        )
         return status, body["choices"][0]["text"] if status == 200 else body
 
     def workers(self) -> dict[str, dict]:
@@ -161,8 +173,10 @@ def reference_cases(count: int) -> list[tuple[list[int], str]]:
     with tempfile.TemporaryDirectory() as cache:
         llm = LLM(str(default_model_dir(cache)), block_size=16)
         cases = []
-        prompts = [torch.randint(5, 768, (24 + seed % 40,), generator=torch.Generator().manual_seed(seed)).tolist()
-                   for seed in range(count)]  # distinct prompts: no prefix hit steers them to one worker
+        prompts = [
+            torch.randint(5, 768, (24 + seed % 40,), generator=torch.Generator().manual_seed(seed)).tolist()
+            for seed in range(count)
+        ]  # distinct prompts: no prefix hit steers them to one worker
         outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
         for prompt, out in zip(prompts, outs, strict=True):
             cases.append((prompt, llm.tokenizer.decode(out.outputs[0].token_ids, skip_special_tokens=True)))
@@ -173,7 +187,9 @@ def time_to_ready(d: Deployment, cases, timeout_s: float) -> float:
     """Seconds from `up -d` until 2 prefill + 2 decode are registered and a completion is served."""
     start = time.monotonic()
     d.compose("up", "-d")
-    wait_for(lambda: len(d.pool("prefill")) == 2 and len(d.pool("decode")) == 2, "2 prefill + 2 decode registered", timeout_s)
+    wait_for(
+        lambda: len(d.pool("prefill")) == 2 and len(d.pool("decode")) == 2, "2 prefill + 2 decode registered", timeout_s
+    )
     wait_for(lambda: d.complete(cases[0][0]) == (200, cases[0][1]), "a completion served", 120)
     return time.monotonic() - start
 
@@ -183,8 +199,11 @@ def scale_decode(d: Deployment, loop: RequestLoop, figures: dict) -> None:
     for replicas in (1, 2):
         log(f"scaling decode to {replicas} under the request loop")
         d.compose("up", "-d", "--scale", f"decode={replicas}")  # the operator's command, as documented
-        wait_for(lambda n=replicas: len(d.pool("decode")) == n and len(d.containers("decode")) == n,
-                 f"{replicas} decode workers", 300)
+        wait_for(
+            lambda n=replicas: len(d.pool("decode")) == n and len(d.containers("decode")) == n,
+            f"{replicas} decode workers",
+            300,
+        )
         loop.wait_served(10)
     assert d.containers("gateway") == gateway, "the gateway container was recreated or restarted"
     assert d.containers("prefill") == prefill, "the prefill pool was recreated or restarted"
@@ -197,6 +216,7 @@ def restart_decode(d: Deployment, loop: RequestLoop, figures: dict) -> None:
     log(f"restarting decode container {victim[:12]} in place under the request loop")
     subprocess.run(["docker", "restart", "-t", "40", victim], check=True, capture_output=True, timeout=120)
     restarted_at = time.time()
+
     # back with a new incarnation (same worker id: same hostname and pid), or a new id
     def back() -> bool:
         now = d.pool("decode")
@@ -206,8 +226,9 @@ def restart_decode(d: Deployment, loop: RequestLoop, figures: dict) -> None:
     loop.wait_served(30)
 
     def served_by_restarted() -> int:  # requests the restarted worker finished since it came back
-        logs = subprocess.run(["docker", "logs", "--since", str(int(restarted_at)), victim],
-                              capture_output=True, text=True, check=True)
+        logs = subprocess.run(
+            ["docker", "logs", "--since", str(int(restarted_at)), victim], capture_output=True, text=True, check=True
+        )
         return (logs.stdout + logs.stderr).count(" finished: ")
 
     figures["served_by_restarted"] = wait_for(served_by_restarted, "the restarted worker serving requests", 300)
@@ -225,8 +246,12 @@ def main() -> int:
         start = time.monotonic()
         d.compose("build", timeout_s=1800)
         figures["build_s"] = round(time.monotonic() - start, 1)
-        size = subprocess.run(["docker", "image", "inspect", "-f", "{{.Size}}", "pdserve:local"],
-                              capture_output=True, text=True, check=True).stdout
+        size = subprocess.run(
+            ["docker", "image", "inspect", "-f", "{{.Size}}", "pdserve:local"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
         figures["image_bytes"] = int(size)
         d.compose("down", "-v", "--remove-orphans")  # a fresh cache volume: the cold start
         log("starting 2 prefill + 2 decode + gateway (cold cache volume)")

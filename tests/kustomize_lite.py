@@ -31,8 +31,11 @@ def render(directory: Path) -> list[dict]:
                 container["image"] = f"{image.get('newName', name)}:{image.get('newTag', tag)}"
     for patch in spec.get("patches", []):
         ops = yaml.safe_load(patch["patch"] if "patch" in patch else (directory / patch["path"]).read_text())
-        targets = [d for d in docs if all(d[k] == v if k == "kind" else d["metadata"][k] == v
-                                          for k, v in patch["target"].items())]
+        targets = [
+            d
+            for d in docs
+            if all(d[k] == v if k == "kind" else d["metadata"][k] == v for k, v in patch["target"].items())
+        ]
         assert targets, f"{directory}: patch target {patch['target']} matches nothing"
         for doc in targets:
             for op in ops:

@@ -259,3 +259,15 @@ def test_dashboard_picks_its_datasource_and_model_and_repeats_per_pool():
     selectors = re.findall(r"vllm:[a-z0-9_]+\{[^}]*\}", " ".join(t["expr"] for p in graphs for t in p["targets"]))
     assert selectors and all('model_name=~"$model_name"' in s for s in selectors)
     assert [p["title"] for p in dashboard["panels"] if p.get("repeat") == "pool"] == ["Pool: $pool"]
+
+
+def test_the_image_context_holds_every_package_and_no_tests():
+    """deploy/Dockerfile copies the build context whole; .dockerignore keeps the rest out. A package
+    left out there would be missing from the image while every test from the checkout passes."""
+    import tomllib
+
+    packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    ignored = {line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
+               if line.strip() and not line.startswith("#")}
+    assert not {p.split(".")[0] for p in packages} & ignored
+    assert {".git", ".venv", "tests", "docs", "deploy"} <= ignored  # nothing the image runs; big or churning

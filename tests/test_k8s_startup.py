@@ -38,8 +38,12 @@ CLUSTER_IPS = iter(f"10.96.0.{i}" for i in range(10, 250))
 
 def service_links(services: list[dict], ips: dict[str, str]) -> dict[str, str]:
     """What the kubelet injects for each Service with a cluster IP (headless ones get none)."""
-    env = {"KUBERNETES_SERVICE_HOST": "10.96.0.1", "KUBERNETES_SERVICE_PORT": "443",
-           "KUBERNETES_SERVICE_PORT_HTTPS": "443", "KUBERNETES_PORT": "tcp://10.96.0.1:443"}
+    env = {
+        "KUBERNETES_SERVICE_HOST": "10.96.0.1",
+        "KUBERNETES_SERVICE_PORT": "443",
+        "KUBERNETES_SERVICE_PORT_HTTPS": "443",
+        "KUBERNETES_PORT": "tcp://10.96.0.1:443",
+    }
     for service in services:
         if service["spec"].get("clusterIP") == "None":
             continue
@@ -51,12 +55,20 @@ def service_links(services: list[dict], ips: dict[str, str]) -> dict[str, str]:
             if "name" in port:
                 env[f"{name}_SERVICE_PORT_{port['name'].upper().replace('-', '_')}"] = str(port["port"])
             tcp = f"{name}_PORT_{port['port']}_TCP"
-            env.update({tcp: f"tcp://{ip}:{port['port']}", f"{tcp}_PROTO": "tcp", f"{tcp}_PORT": str(port["port"]),
-                        f"{tcp}_ADDR": ip})
+            env.update(
+                {
+                    tcp: f"tcp://{ip}:{port['port']}",
+                    f"{tcp}_PROTO": "tcp",
+                    f"{tcp}_PORT": str(port["port"]),
+                    f"{tcp}_ADDR": ip,
+                }
+            )
     return env
 
 
-def cluster_dns(services: list[dict], pods: dict[str, dict], pod_ips: dict[str, str], ips: dict[str, str]) -> dict[str, str]:
+def cluster_dns(
+    services: list[dict], pods: dict[str, dict], pod_ips: dict[str, str], ips: dict[str, str]
+) -> dict[str, str]:
     """Service name -> address, for pods none of which is ready yet (see the module docstring)."""
     names = {}
     for service in services:
@@ -71,12 +83,18 @@ def cluster_dns(services: list[dict], pods: dict[str, dict], pod_ips: dict[str, 
     return names
 
 
-def container_env(container: dict, configmaps: dict[str, dict], secrets_: dict[str, dict], pod_ip: str,
-                  links: dict[str, str]) -> dict[str, str]:
+def container_env(
+    container: dict, configmaps: dict[str, dict], secrets_: dict[str, dict], pod_ip: str, links: dict[str, str]
+) -> dict[str, str]:
     """The container's environment in the kubelet's order: service links, then envFrom, then env."""
     # the image's own environment (HOME: the cache volume shared by the workers is this machine's cache)
-    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": os.environ.get("HOME", "/root"), "PYTHONUNBUFFERED": "1",
-           "PYTHONPATH": str(ROOT), **links}
+    env = {
+        "PATH": "/usr/local/bin:/usr/bin:/bin",
+        "HOME": os.environ.get("HOME", "/root"),
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONPATH": str(ROOT),
+        **links,
+    }
     for source in container.get("envFrom", []):
         env.update(configmaps[source["configMapRef"]["name"]])
     for var in container.get("env", []):
@@ -152,21 +170,30 @@ def test_pods_start_as_the_manifests_say_register_and_serve():
             for kind in ("startupProbe", "livenessProbe", "readinessProbe"):
                 assert poll_until(lambda p=pod, c=container, k=kind: probe(p, c, k) == 200, 60), (name, kind, tails())
 
-        body = json.dumps({"model": model, "prompt": [[5, 6, 7, 8, 9, 10, 11, 12]], "max_tokens": 6,
-                           "temperature": 0.0, "ignore_eos": True}).encode()
+        body = json.dumps(
+            {
+                "model": model,
+                "prompt": [[5, 6, 7, 8, 9, 10, 11, 12]],
+                "max_tokens": 6,
+                "temperature": 0.0,
+                "ignore_eos": True,
+            }
+        ).encode()
         anonymous = urllib.request.Request(f"{base}/v1/completions", body, {"content-type": "application/json"})
         try:
             urllib.request.urlopen(anonymous, timeout=60)
             raise AssertionError("served without the Secret's key")
         except urllib.error.HTTPError as exc:
             assert exc.code == 401
-        keyed = urllib.request.Request(f"{base}/v1/completions", body,
-                                       {"content-type": "application/json", "authorization": f"Bearer {api_key}"})
+        keyed = urllib.request.Request(
+            f"{base}/v1/completions", body, {"content-type": "application/json", "authorization": f"Bearer {api_key}"}
+        )
         with urllib.request.urlopen(keyed, timeout=120) as response:
             text = json.loads(response.read())["choices"][0]["text"]
         reference = LLM(model, block_size=16)
-        [out] = reference.generate([[5, 6, 7, 8, 9, 10, 11, 12]],
-                                   SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+        [out] = reference.generate(
+            [[5, 6, 7, 8, 9, 10, 11, 12]], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+        )
         assert text == reference.tokenizer.decode(out.outputs[0].token_ids, skip_special_tokens=True)
     finally:
         for pod in pods.values():
