@@ -79,8 +79,10 @@ class ClusterKey:
             text = open(path, encoding="ascii").read().strip()
         except (OSError, UnicodeDecodeError) as exc:
             raise ClusterKeyError(f"cluster key file {path}: {exc}") from None
-        if mode & (stat.S_IRWXG | stat.S_IRWXO) and not stat.S_ISLNK(mode):
+        if mode & stat.S_IRWXO and not stat.S_ISLNK(mode):
             # Kubernetes mounts Secrets 0644 by default (defaultMode 0400 is advised): warn, do not refuse.
+            # Group bits are no warning: with fsGroup the kubelet makes a 0400 Secret 0440, group = the
+            # pod's own group, which is how a non-root pod reads it (deploy/k8s).
             log.warning("cluster key file %s is readable by other users (mode %o); chmod 600 it", path, mode & 0o777)
         try:
             secret = bytes.fromhex(text)

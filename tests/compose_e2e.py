@@ -1,7 +1,8 @@
 """deploy/compose.yaml on a real Docker engine, end to end (run by scripts/compose-test):
 
 1. build the image (only the gateway service builds it), start 2 prefill + 2 decode + the gateway on
-   a fresh cache volume, and time until a completion is served (cold);
+   a fresh cache volume with a new cluster key (the `cluster_key` secret, owned by the containers'
+   uid 10001 as docs/deploy.md says), and time until a completion is served (cold);
 2. serve requests: greedy output equals this machine's engine on the same embedded model;
 3. under a request loop, `up -d --scale decode=1` then `--scale decode=2`: no request fails, and the
    gateway and the prefill pool keep their containers (same id, same start, no restart);
@@ -18,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import socket
 import subprocess
 import sys
@@ -28,6 +30,8 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from cluster.keygen import write_private_key
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = ["docker", "compose", "-f", str(ROOT / "deploy" / "compose.yaml"), "-p", "pdserve-e2e"]
@@ -44,10 +48,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def cluster_key_file() -> str:
+    """A new cluster key as the operator makes one (docs/deploy.md): `pdserve keygen > cluster.key`, then
+    readable by the containers' user only. Compose bind-mounts a file secret as it is on the host (it
+    ignores uid/gid/mode for file secrets), so the file must belong to uid 10001; where this runs
+    unprivileged, chown is refused and the file is made readable by all instead (pdserve warns)."""
+    path = write_private_key()  # mode 0600, in a new 0700 directory
+    try:
+        os.chown(path, 10001, 10001)
+        os.chmod(path, 0o400)
+    except PermissionError:
+        os.chmod(path, 0o644)
+    return path
+
+
 @dataclass
 class Deployment:
     port: int = field(default_factory=free_port)
     api_key: str = field(default_factory=lambda: secrets.token_hex(16))
+    key_file: str = field(default_factory=lambda: cluster_key_file())
 
     @property
     def env(self) -> dict[str, str]:
@@ -55,6 +74,7 @@ class Deployment:
             **os.environ,
             "PDSERVE_PORT": str(self.port),
             "PDSERVE_API_KEY": self.api_key,
+            "PDSERVE_CLUSTER_KEY_FILE": self.key_file,
             "PDSERVE_PREFILL_REPLICAS": "2",
             "PDSERVE_DECODE_REPLICAS": "2",
         }
@@ -283,6 +303,7 @@ def main() -> int:
             d.compose("down", "-v", "--remove-orphans")
         except (RuntimeError, OSError, subprocess.SubprocessError) as exc:  # report; do not hide the step that failed
             log(f"teardown failed: {exc}")
+        shutil.rmtree(Path(d.key_file).parent, ignore_errors=True)
         figures["total_s"] = round(time.monotonic() - began, 1)
         print(json.dumps(figures, indent=2), flush=True)
     failed = figures.get("scale_failures", 0) + figures.get("restart_failures", 0)

@@ -76,9 +76,10 @@ class Network:
     def address(self, index: int) -> str:
         return SUBNET.format(self.net, index) if self.isolated else "127.0.0.1"
 
-    def add_host(self, name: str, index: int, names: dict[str, str] | None = None) -> tuple[str, list[str]]:
+    def add_host(self, name: str, index: int, names: dict[str, str | list[str]] | None = None) -> tuple[str, list[str]]:
         """(address, argv prefix) of a new host. ``names``: what resolves there (its /etc/hosts), by
-        default 'gateway' to host index 10."""
+        default 'gateway' to host index 10; a name with a list resolves to every address of it (one
+        hosts line each: glibc's getaddrinfo returns them all, as DNS returns a headless Service's A records)."""
         if not self.isolated:
             return "127.0.0.1", []
         ns, veth = f"{self.prefix}-{name}", f"{self.prefix}{index}"
@@ -94,7 +95,8 @@ class Network:
         etc = Path("/etc/netns") / ns  # `ip netns exec` mounts this over /etc: the gateway's name resolves
         etc.mkdir(parents=True, exist_ok=True)
         names = {"gateway": self.address(10)} if names is None else names
-        (etc / "hosts").write_text("127.0.0.1 localhost\n" + "".join(f"{ip} {name}\n" for name, ip in names.items()))
+        lines = [f"{ip} {name}\n" for name, ips in names.items() for ip in ([ips] if isinstance(ips, str) else ips)]
+        (etc / "hosts").write_text("127.0.0.1 localhost\n" + "".join(lines))
         return address, ["ip", "netns", "exec", ns]
 
     def set_link(self, name: str, up: bool) -> None:

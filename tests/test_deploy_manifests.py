@@ -133,7 +133,7 @@ def test_pools_have_disruption_budgets_volumes_and_startup_probes():
             assert container["image"] == {"cpu": "pdserve:local", "gpu": "pdserve:cuda"}[overlay]
             assert container["envFrom"] == [{"configMapRef": {"name": "pdserve-env"}}]
             mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
-            claims = {v["name"]: v["persistentVolumeClaim"]["claimName"] for v in pod["spec"]["volumes"]}
+            claims = {v["name"]: v["persistentVolumeClaim"]["claimName"] for v in pod["spec"]["volumes"] if "persistentVolumeClaim" in v}
             assert claims[mounts["/models"]["name"]] == "pdserve-models" and mounts["/models"]["readOnly"]
             startup = container["startupProbe"]
             assert startup["httpGet"] == container["livenessProbe"]["httpGet"]
@@ -145,6 +145,29 @@ def test_pools_have_disruption_budgets_volumes_and_startup_probes():
             assert budget["selector"]["matchLabels"] == pod["metadata"]["labels"] and budget["maxUnavailable"] == 1
             gpus = container["resources"]["limits"].get("nvidia.com/gpu")
             assert gpus == (1 if overlay == "gpu" else None), (overlay, role)
+
+
+def test_every_role_reads_the_cluster_key_from_its_secret_and_none_runs_insecure():
+    """The worker plane is CurveZMQ-authenticated (docs/security.md): each gateway, prefill and decode pod
+    mounts the operator's Secret read-only where PDSERVE_TRANSFER_CLUSTER_KEY_FILE points; no manifest
+    carries a key or turns authentication off."""
+    for overlay, rendered in OVERLAYS.items():
+        for role in ("gateway", "prefill", "decode"):
+            pod = one(rendered, "Deployment", f"pdserve-{role}")["spec"]["template"]["spec"]
+            [container] = pod["containers"]
+            env = {e["name"]: e for e in container["env"]}
+            key_file = Path(env["PDSERVE_TRANSFER_CLUSTER_KEY_FILE"]["value"])
+            [mount] = [m for m in container["volumeMounts"] if m["mountPath"] == str(key_file.parent)]
+            assert mount["readOnly"] is True, (overlay, role)
+            [volume] = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+            # the file name is the Secret's key: `kubectl create secret generic --from-file=cluster.key`
+            assert volume["secret"] == {"secretName": "pdserve-cluster-key", "defaultMode": 0o400}, (overlay, role)
+            assert key_file.name == "cluster.key" and pod["securityContext"]["fsGroup"] == 10001  # group-readable by uid 10001
+        assert not [d for d in rendered if d["kind"] == "Secret"], overlay  # the operator creates Secrets
+    manifests = [*DEPLOY.glob("k8s/**/*.yaml"), *DEPLOY.glob("**/compose*.yaml")]
+    for path in manifests:
+        text = path.read_text()
+        assert "INSECURE" not in text.upper(), path
 
 
 def test_network_policy_keeps_worker_ports_to_pdserve_pods():
@@ -184,10 +207,15 @@ def test_compose_builds_once_and_shares_model_and_cache_volumes():
     for name, service in pdserve.items():
         assert service["volumes"] == ["${PDSERVE_MODEL_DIR:-models}:/models:ro", f"cache:{CACHE_MOUNT}"], name
         assert service["environment"]["PDSERVE_TRANSFER_TRANSPORT"] == "zmq"  # no shm across containers
+        # the worker plane's key: the operator's file, mounted as the `cluster_key` secret (docs/deploy.md)
+        assert service["secrets"] == ["cluster_key"], name
+        assert service["environment"]["PDSERVE_TRANSFER_CLUSTER_KEY_FILE"] == "/run/secrets/cluster_key", name
         health = service["healthcheck"]
         assert health["start_period"] == "15m" and health["retries"] >= 3, name
     assert services["gateway"]["ports"] == ["${PDSERVE_PUBLISH_HOST:-127.0.0.1}:${PDSERVE_PORT:-8000}:8000"]
     assert services["gateway"]["environment"]["PDSERVE_GATEWAY_API_KEYS"] == "${PDSERVE_API_KEY:-}"
+    assert yaml.safe_load((DEPLOY / "compose.yaml").read_text())["secrets"] == {
+        "cluster_key": {"file": "${PDSERVE_CLUSTER_KEY_FILE:-./cluster.key}"}}
     for name in ("prometheus", "grafana"):  # images from a registry: only with --profile monitoring
         assert services[name]["profiles"] == ["monitoring"]
 

@@ -1,39 +1,54 @@
-"""The Kubernetes manifests start and serve, without a cluster: each pod of deploy/k8s/overlays/cpu runs
-in its own network namespace, started exactly as the kubelet would start it (the image's entrypoint and
-the container's args, env and envFrom, fieldRef status.podIP, the API key from its Secret, and the
-service-link variables Kubernetes injects for every Service with a cluster IP in the namespace), with
-the Service names resolving as cluster DNS would:
+"""The Kubernetes manifests start and serve, without a cluster: each pod of deploy/k8s/overlays/cpu (as
+many as each Deployment's replicas: two gateways) runs in its own network namespace, started exactly as
+the kubelet would start it (the container's command, or the image's entrypoint, and its args, env and
+envFrom, fieldRef status.podIP, Secrets as env vars and as mounted files, and the service-link variables
+Kubernetes injects for every Service with a cluster IP in the namespace), with the Service names
+resolving as cluster DNS would:
 
-- a headless Service resolves to the pods it selects, before they are ready only with
+- a headless Service resolves to every pod it selects, before they are ready only with
   publishNotReadyAddresses (at start-up no pod is ready yet);
 - a Service with a cluster IP resolves to that IP, which forwards to ready pods only: here, to
-  nothing, since no gateway is ready before a worker has registered.
+  nothing, since no gateway is ready before a worker has registered. The one exception is
+  pdserve-redis, whose pod is ready as soon as it listens (a tcpSocket probe): its name resolves to
+  its pod, as the Service's forwarding would reach it.
 
 So workers that registered through the API Service, or through a worker-plane Service without
 publishNotReadyAddresses, would never reach a starting gateway, and the test would time out as the
-cluster would. The probes of each container are then asked at the ports the manifests name."""
+cluster would; a worker that found only one gateway replica would be missing from the other. The
+worker plane is authenticated with the cluster key of the Secret the operator creates (docs/deploy.md);
+the Responses store is the Redis pod (this machine's redis-server run with the manifest's command). The
+probes of each container are then asked at the ports the manifests name."""
 
 from __future__ import annotations
 
 import json
 import os
 import secrets
+import socket
 import sys
+import tempfile
 import urllib.error
 import urllib.request
+from pathlib import Path
+
+from transformers import AutoTokenizer
 
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
+from protocol.curve import new_secret_text
 from tests.kustomize_lite import render
 from tests.model_factory import tiny_model_dir
 from tests.netns import ROOT, HostProcess, Network, poll_until
 
 APP_DIR = "/app/"  # the image's WORKDIR: the repository's configs/ are at /app/configs (deploy/Dockerfile)
 ENTRYPOINT = [sys.executable, "-m", "cluster"]  # the image's ENTRYPOINT ["pdserve"]
-POD_INDEX = {"pdserve-gateway": 10, "pdserve-prefill": 11, "pdserve-decode": 21}
+# each Deployment's pods take host indexes from here on, one per replica
+FIRST_INDEX = {"pdserve-gateway": 10, "pdserve-redis": 30, "pdserve-prefill": 40, "pdserve-decode": 50}
 # Cluster IPs lie outside the pods' subnet and no namespace has a route there: nothing answers at one
 # (see the module docstring)
 CLUSTER_IPS = iter(f"10.96.0.{i}" for i in range(10, 250))
+# Services whose pods are ready from the start, so cluster DNS may as well name the pod (module docstring)
+READY_AT_ONCE = {"pdserve-redis"}
 
 
 def service_links(services: list[dict], ips: dict[str, str]) -> dict[str, str]:
@@ -68,23 +83,47 @@ def service_links(services: list[dict], ips: dict[str, str]) -> dict[str, str]:
 
 def cluster_dns(
     services: list[dict], pods: dict[str, dict], pod_ips: dict[str, str], ips: dict[str, str]
-) -> dict[str, str]:
-    """Service name -> address, for pods none of which is ready yet (see the module docstring)."""
+) -> dict[str, list[str]]:
+    """Service name -> its addresses, for pods none of which is ready yet (see the module docstring)."""
     names = {}
     for service in services:
         name, spec = service["metadata"]["name"], service["spec"]
-        if spec.get("clusterIP") != "None":
-            names[name] = ips[name]
-            continue
-        selected = [pod for pod, labels in pods.items() if spec["selector"].items() <= labels.items()]
-        if spec.get("publishNotReadyAddresses") and selected:
-            [pod] = selected  # one replica each here; /etc/hosts holds one address per name
-            names[name] = pod_ips[pod]
+        selected = [pod_ips[pod] for pod, labels in pods.items() if spec["selector"].items() <= labels.items()]
+        if name in READY_AT_ONCE:
+            names[name] = selected
+        elif spec.get("clusterIP") != "None":
+            names[name] = [ips[name]]
+        elif spec.get("publishNotReadyAddresses") and selected:
+            names[name] = selected  # one A record per pod: one hosts line each (tests/netns.py)
     return names
 
 
+def mount_secrets(pod_spec: dict, container: dict, secrets_: dict[str, dict], root: Path) -> dict[str, str]:
+    """The container's Secret volumes as the kubelet writes them (one file per key, defaultMode), under
+    ``root``: this machine's /etc is not ours to write, so each mountPath becomes a temporary directory
+    and the env values that name a file below it are rewritten to match (container_env). Returns
+    mountPath -> that directory."""
+    volumes = {v["name"]: v["secret"] for v in pod_spec.get("volumes", []) if "secret" in v}
+    mounts = {}
+    for mount in container.get("volumeMounts", []):
+        if (secret := volumes.get(mount["name"])) is None:
+            continue
+        folder = Path(tempfile.mkdtemp(dir=root))
+        for key, text in secrets_[secret["secretName"]].items():
+            path = folder / key
+            path.write_text(text)
+            path.chmod(secret.get("defaultMode", 0o644))
+        mounts[mount["mountPath"]] = str(folder)
+    return mounts
+
+
 def container_env(
-    container: dict, configmaps: dict[str, dict], secrets_: dict[str, dict], pod_ip: str, links: dict[str, str]
+    container: dict,
+    configmaps: dict[str, dict],
+    secrets_: dict[str, dict],
+    pod_ip: str,
+    links: dict[str, str],
+    mounts: dict[str, str],
 ) -> dict[str, str]:
     """The container's environment in the kubelet's order: service links, then envFrom, then env."""
     # the image's own environment (HOME: the cache volume shared by the workers is this machine's cache)
@@ -100,6 +139,9 @@ def container_env(
     for var in container.get("env", []):
         if "value" in var:
             env[var["name"]] = var["value"]
+            for mount_path, folder in mounts.items():  # a file on a Secret volume (mount_secrets)
+                if var["value"].startswith(mount_path.rstrip("/") + "/"):
+                    env[var["name"]] = folder + var["value"][len(mount_path.rstrip("/")) :]
         elif "fieldRef" in var["valueFrom"]:
             assert var["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP", var
             env[var["name"]] = pod_ip
@@ -110,8 +152,12 @@ def container_env(
 
 
 def probe(pod: HostProcess, container: dict, name: str) -> int:
-    get = container[name]["httpGet"]
+    """The probe's verdict as an HTTP status (a tcpSocket probe that connects: 200)."""
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    if tcp := container[name].get("tcpSocket"):
+        socket.create_connection((pod.address, ports.get(tcp["port"], tcp["port"])), timeout=5).close()
+        return 200
+    get = container[name]["httpGet"]
     port = ports.get(get["port"], get["port"])
     try:
         with urllib.request.urlopen(f"http://{pod.address}:{port}{get['path']}", timeout=5) as response:
@@ -120,7 +166,7 @@ def probe(pod: HostProcess, container: dict, name: str) -> int:
         return exc.code
 
 
-def test_pods_start_as_the_manifests_say_register_and_serve():
+def test_pods_start_as_the_manifests_say_register_with_every_gateway_and_serve(tmp_path):
     model = str(tiny_model_dir("llama"))
     rendered = render(ROOT / "deploy" / "k8s" / "overlays" / "cpu")
     deployments = {d["metadata"]["name"]: d for d in rendered if d["kind"] == "Deployment"}
@@ -129,32 +175,47 @@ def test_pods_start_as_the_manifests_say_register_and_serve():
     # the operator's one setting for a real model (docs/deploy.md); here the test's small checkpoint
     configmaps["pdserve-env"]["PDSERVE_MODEL_PATH"] = model
     api_key = secrets.token_hex(16)
-    secrets_ = {"pdserve-api-keys": {"keys": api_key}}  # `kubectl create secret generic pdserve-api-keys`
-    assert set(deployments) == set(POD_INDEX)
+    secrets_ = {  # what the operator creates (docs/deploy.md)
+        "pdserve-api-keys": {"keys": api_key},  # kubectl create secret generic pdserve-api-keys --from-literal=keys=...
+        "pdserve-cluster-key": {"cluster.key": new_secret_text()},  # pdserve keygen > cluster.key; --from-file=cluster.key
+    }
+    assert set(deployments) == set(FIRST_INDEX)
+    assert deployments["pdserve-gateway"]["spec"]["replicas"] == 2
 
     net = Network()
     assert net.isolated, f"the start-up test needs network namespaces (root and `ip`): {getattr(net, 'reason', '')}"
     pods: dict[str, HostProcess] = {}
     try:
-        pod_ips = {name: net.address(index) for name, index in POD_INDEX.items()}
-        labels = {name: d["spec"]["template"]["metadata"]["labels"] for name, d in deployments.items()}
+        replicas = {  # pod name -> (its Deployment, its host index)
+            f"{name}-{i}": (name, FIRST_INDEX[name] + i)
+            for name, d in deployments.items()
+            for i in range(d["spec"]["replicas"])
+        }
+        pod_ips = {pod: net.address(index) for pod, (_, index) in replicas.items()}
+        labels = {pod: deployments[name]["spec"]["template"]["metadata"]["labels"] for pod, (name, _) in replicas.items()}
         ips = {s["metadata"]["name"]: next(CLUSTER_IPS) for s in services if s["spec"].get("clusterIP") != "None"}
         links, names = service_links(services, ips), cluster_dns(services, labels, pod_ips, ips)
-        for name, deployment in deployments.items():
-            [container] = deployment["spec"]["template"]["spec"]["containers"]
-            address, prefix = net.add_host(name.removeprefix("pdserve-"), POD_INDEX[name], names)
-            args = [str(ROOT / a.removeprefix(APP_DIR)) if a.startswith(APP_DIR) else a for a in container["args"]]
-            env = container_env(container, configmaps, secrets_, address, links)
-            pods[name] = HostProcess(address, prefix + ENTRYPOINT + args, env)
+        for pod, (name, index) in replicas.items():
+            spec = deployments[name]["spec"]["template"]["spec"]
+            [container] = spec["containers"]
+            address, prefix = net.add_host(pod.removeprefix("pdserve-"), index, names)
+            args = [str(ROOT / a.removeprefix(APP_DIR)) if a.startswith(APP_DIR) else a for a in container.get("args", [])]
+            mounts = mount_secrets(spec, container, secrets_, tmp_path)
+            env = container_env(container, configmaps, secrets_, address, links, mounts)
+            pods[pod] = HostProcess(address, prefix + (container.get("command") or ENTRYPOINT) + args, env)
 
-        gateway = pods["pdserve-gateway"]
         [gateway_container] = deployments["pdserve-gateway"]["spec"]["template"]["spec"]["containers"]
-        base = f"http://{gateway.address}:{gateway_container['ports'][0]['containerPort']}"
+        port = gateway_container["ports"][0]["containerPort"]
+        bases = [f"http://{pods[pod].address}:{port}" for pod in sorted(pods) if pod.startswith("pdserve-gateway-")]
+        keyed = {"content-type": "application/json", "authorization": f"Bearer {api_key}"}
 
-        def registered() -> set[str]:
-            request = urllib.request.Request(f"{base}/v1/workers", headers={"authorization": f"Bearer {api_key}"})
-            with urllib.request.urlopen(request, timeout=5) as response:
-                return {w["role"] for w in json.loads(response.read())["data"]}
+        def call(url: str, body: dict | None = None, headers: dict = keyed) -> dict:
+            data = None if body is None else json.dumps(body).encode()
+            with urllib.request.urlopen(urllib.request.Request(url, data, headers), timeout=120) as response:
+                return json.loads(response.read())
+
+        def workers(base: str) -> list[tuple[str, str]]:
+            return sorted((w["role"], w["id"]) for w in call(f"{base}/v1/workers")["data"])
 
         def tails() -> str:
             return "".join(f"--- {n} (exit {p.proc.poll()})\n" + "".join(p.log[-15:]) for n, p in pods.items())
@@ -162,39 +223,44 @@ def test_pods_start_as_the_manifests_say_register_and_serve():
         def started() -> bool:
             exited = [name for name, pod in pods.items() if pod.proc.poll() is not None]
             assert not exited, f"{exited} exited at start-up\n{tails()}"  # a crash fails at once, not at the deadline
-            return registered() == {"prefill", "decode"}
+            return all([role for role, _ in workers(base)] == ["decode", "prefill"] for base in bases)
 
-        assert poll_until(started, 240), "workers never registered\n" + tails()
-        for name, pod in pods.items():  # every probe the kubelet would ask now passes
+        assert poll_until(started, 240), "workers never registered with every gateway\n" + tails()
+        # the same two workers on both replicas: each worker found every gateway behind the headless Service
+        assert workers(bases[0]) == workers(bases[1])
+        for pod, (name, _) in replicas.items():  # every probe the kubelet would ask now passes
             [container] = deployments[name]["spec"]["template"]["spec"]["containers"]
             for kind in ("startupProbe", "livenessProbe", "readinessProbe"):
-                assert poll_until(lambda p=pod, c=container, k=kind: probe(p, c, k) == 200, 60), (name, kind, tails())
+                if kind in container:
+                    assert poll_until(lambda p=pods[pod], c=container, k=kind: probe(p, c, k) == 200, 60), (pod, kind, tails())
 
-        body = json.dumps(
-            {
-                "model": model,
-                "prompt": [[5, 6, 7, 8, 9, 10, 11, 12]],
-                "max_tokens": 6,
-                "temperature": 0.0,
-                "ignore_eos": True,
-            }
-        ).encode()
-        anonymous = urllib.request.Request(f"{base}/v1/completions", body, {"content-type": "application/json"})
-        try:
-            urllib.request.urlopen(anonymous, timeout=60)
-            raise AssertionError("served without the Secret's key")
-        except urllib.error.HTTPError as exc:
-            assert exc.code == 401
-        keyed = urllib.request.Request(
-            f"{base}/v1/completions", body, {"content-type": "application/json", "authorization": f"Bearer {api_key}"}
-        )
-        with urllib.request.urlopen(keyed, timeout=120) as response:
-            text = json.loads(response.read())["choices"][0]["text"]
+        prompt = [5, 6, 7, 8, 9, 10, 11, 12]
+        body = {"model": model, "prompt": [prompt], "max_tokens": 6, "temperature": 0.0, "ignore_eos": True}
         reference = LLM(model, block_size=16)
-        [out] = reference.generate(
-            [[5, 6, 7, 8, 9, 10, 11, 12]], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+        [out] = reference.generate([prompt], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+        expected = reference.tokenizer.decode(out.outputs[0].token_ids, skip_special_tokens=True)
+        for base in bases:
+            try:
+                call(f"{base}/v1/completions", body, {"content-type": "application/json"})
+                raise AssertionError(f"{base} served without the Secret's key")
+            except urllib.error.HTTPError as exc:
+                assert exc.code == 401
+            assert call(f"{base}/v1/completions", body)["choices"][0]["text"] == expected, base
+
+        # a conversation begun at one replica goes on at the other: the store is the Redis pod
+        ask = {"model": model, "max_output_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+        first = call(f"{bases[0]}/v1/responses", {**ask, "input": "Tell me about foxes."})
+        after = call(f"{bases[1]}/v1/responses", {**ask, "input": "And wolves?", "previous_response_id": first["id"]})
+        messages = [
+            {"role": "user", "content": "Tell me about foxes."},
+            {"role": "assistant", "content": first["output"][0]["content"][0]["text"]},
+            {"role": "user", "content": "And wolves?"},
+        ]
+        ids = AutoTokenizer.from_pretrained(model).apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False
         )
-        assert text == reference.tokenizer.decode(out.outputs[0].token_ids, skip_special_tokens=True)
+        assert after["usage"]["input_tokens"] == len(ids)  # gateway 2's prompt held gateway 1's answer
+        assert call(f"{bases[1]}/v1/responses/{first['id']}") == first
     finally:
         for pod in pods.values():
             pod.stop()
