@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass
 
 from protocol.curve import PlaneSecurity
+from protocol.endpoints import endpoint_error
 from protocol.rejects import RejectLog
 from protocol.serving import AbortRequest, Busy, Generate, Goodbye, Heartbeat, PromptLogprobs, TokenLogprobRecord
 from protocol.serving import TokenEvent as WireTokenEvent
@@ -335,6 +336,9 @@ class ZmqBackend(Backend):
     def _on_heartbeat(self, worker_id: str, hb: Heartbeat) -> None:
         if hb.worker_id != worker_id:
             self._on_malformed(f"heartbeat for {hb.worker_id[:64]!r} from {worker_id[:64]!r}")
+            return
+        if error := endpoint_error(hb.address):  # decode workers would be sent to it
+            self._rejects.reject("invalid_value", worker_id, f"heartbeat address: {error}")
             return
         known = self._registry.get(worker_id)
         if known is not None and known.incarnation != hb.incarnation:

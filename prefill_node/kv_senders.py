@@ -108,6 +108,8 @@ class KVSenders:
             log.info("handshake with %s: transport %s", address, sender.transport)
             return
         self._metrics.handshakes.labels("failed").inc()
+        if error.invalid_reply:
+            self._metrics.count_rejected("invalid_value")
         log.warning("handshake with %s failed: %s", address, error)
         self._failed[address] = (error, self._clock() + self._handshake_timeout_s)
         if not error.field:  # unreachable: start from a fresh socket next time
