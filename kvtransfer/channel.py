@@ -144,6 +144,10 @@ class ZmqServer(ServerChannel):
     def socket(self) -> zmq.Socket:
         return self.sock
 
+    def close_security(self) -> None:
+        """Stop the ZAP handler this server started (before its context is terminated)."""
+        self._security.close()
+
     def recv(self):
         try:
             parts = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)

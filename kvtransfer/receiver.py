@@ -229,6 +229,8 @@ class KVReceiver:
             self._events.append(TransferEvent(c.rid, c.generation, True, commit=c, block_ids=r.block_ids))
         if verdict is not Verdict.OK:
             self.metrics.rejected_writes.labels(verdict.value).inc()
+        if verdict is Verdict.NOT_ASSIGNED:
+            self.rejects.reject("not_assigned", self._key_of.get(peer, ""), f"commit of {c.rid[:64]}")
         self.channel.send(peer, [encode(CommitAck(c.rid, c.generation, verdict is Verdict.OK, verdict.value))])
 
     def _reject(self, peer: bytes, record, verdict: Verdict) -> None:

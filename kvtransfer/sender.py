@@ -41,9 +41,10 @@ MAX_CREDITS = 1 << 16  # blocks in flight a receiver may grant; more is a hostil
 
 
 class HandshakeError(RuntimeError):
-    def __init__(self, message: str, field: str = ""):
+    def __init__(self, message: str, field: str = "", invalid_reply: bool = False):
         super().__init__(message)
         self.field = field  # the compatibility field that differs, when that was the reason
+        self.invalid_reply = invalid_reply  # the receiver answered values we cannot use: a hostile or broken peer
 
 
 @dataclass(slots=True)
@@ -141,7 +142,7 @@ class KVSender:
             except (ValueError, OSError, RuntimeError) as exc:  # a name that is not there, a size that differs
                 error = f"cannot map the receiver's pool: {str(exc)[:200]}"
         if error:
-            self._end_handshake(HandshakeError(f"invalid handshake reply: {error}"))
+            self._end_handshake(HandshakeError(f"invalid handshake reply: {error}", invalid_reply=True))
             return
         self.transport, self.peer_incarnation = reply.transport, reply.receiver_incarnation
         self._credits = self._window = reply.credits

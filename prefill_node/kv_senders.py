@@ -141,6 +141,8 @@ class KVSenders:
                 self._outlive(address, named)
             return
         self._metrics.handshakes.labels("failed").inc()
+        if error.invalid_reply:
+            self._metrics.count_rejected("invalid_value")
         log.warning("handshake with %s failed: %s", address, error)
         self._failed[address] = (error, self._clock() + self._handshake_timeout_s)
         if not error.field:  # unreachable: start from a fresh socket next time

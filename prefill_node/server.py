@@ -250,6 +250,8 @@ class PrefillServer:
                 continue
             sender = self.senders.get(state.job.kv_address)
             if max(state.job.dst_block_ids) >= sender.peer_num_blocks:
+                self.rejects.reject("invalid_value", state.peer.hex(), f"job {state.rid[:64]}: destination "
+                                    f"block {max(state.job.dst_block_ids)} outside the receiver's pool")
                 self._fail(state, f"destination block {max(state.job.dst_block_ids)} is outside the receiver's "
                                   f"pool of {sender.peer_num_blocks} blocks", label="bad_job")
                 continue

@@ -33,9 +33,17 @@ def generate(rid: str, prompt: list[int], prefill_address: str = "", timeout_s: 
 
 
 class FakeGateway:
-    def __init__(self, ctx: zmq.Context):
+    def __init__(self, ctx: zmq.Context, address: str = ""):
+        """``address``: bind that endpoint again (a gateway restarted on its port); "": any free port."""
         self.sock = make_socket(ctx, zmq.ROUTER)
-        self.address = bind(self.sock, "127.0.0.1", 0)
+        if address:
+            for _ in range(200):  # zmq releases a closed socket's port asynchronously
+                try:
+                    self.sock.bind(address)
+                    break
+                except zmq.ZMQError:
+                    time.sleep(0.01)
+        self.address = address or bind(self.sock, "127.0.0.1", 0)
         self.heartbeats: list[Heartbeat] = []
         self.others: list = []  # every non-heartbeat record, in arrival order
 

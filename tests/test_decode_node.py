@@ -297,4 +297,22 @@ def test_a_grammar_compile_past_its_deadline_refuses_its_request(node, held_comp
     held_compiles.set()
     node.gateway.send("d0", generate("plain", PROMPT, max_tokens=4, ignore_eos=True, temperature=0.0))
     assert len(tokens_of(node.gateway.collect("plain")[0])) == 4  # the worker serves on
+
+
+def test_lost_gateway_aborts_its_requests_and_frees_their_blocks(node):
+    prefill = make_socket(node.ctx, zmq.ROUTER)
+    prefill_address = bind(prefill, "127.0.0.1", 0)  # a prefill worker that never answers: "a" waits for KV
+    node.gateway.send("d0", generate("a", list(range(1, 101)), prefill_address=prefill_address))
+    assert prefill.poll(30_000) and decode(prefill.recv_multipart()[1], expected=PrefillJob).rid == "a"
+    node.gateway.wait_heartbeat(lambda hb: hb.kv_blocks_in_use == 25)
+    old = node.gateway
+    old.sock.close(linger=0)  # the gateway is gone: nobody will ever read "a"'s tokens
+    node.gateway = FakeGateway(node.ctx, old.address)  # a new gateway process on the same port
+    # The decode worker dropped "a" when the connection closed, long before its 10 s lease: its next
+    # registration shows nothing held, it counts an abort and no expired lease, and P was told.
+    node.gateway.wait_heartbeat(lambda hb: hb.kv_blocks_in_use == 0 and hb.num_waiting == 0)
+    assert scrape(node.node.http.port, 'pdserve:request_failure_total{reason="aborted"}') == 1
+    assert scrape(node.node.http.port, "pdserve:kv_lease_expired_total") == 0
+    assert decode(prefill.recv_multipart()[1], expected=AbortRequest).rid == "a"
+    prefill.close(linger=0)
     assert_idle(node)

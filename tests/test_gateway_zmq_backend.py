@@ -8,6 +8,7 @@ request, AFTER the decode worker's own events, so the gateway must put them back
 from __future__ import annotations
 
 import threading
+import zlib
 import time
 
 import httpx
@@ -38,7 +39,8 @@ class FakeWorker:
                  outputs: list[list[int]] | None = None, token_delay_s: float = 0.0, peer: FakeWorker | None = None,
                  kv_blocks_in_use: int = 0) -> None:
         self.worker_id, self.role, self.mode = worker_id, role, mode
-        self.address = f"tcp://127.0.0.1:{7000 + len(worker_id)}/{worker_id}"  # its own endpoint (never dialed)
+        # its own endpoint (never dialed), one per worker id
+        self.address = f"tcp://127.0.0.1:{7000 + zlib.crc32(worker_id.encode()) % 1000}"
         self.outputs = outputs or []
         self.token_delay_s = token_delay_s
         self.peer = peer  # the prefill worker a disaggregated Generate names

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from gateway.deadline import get_by
 from gateway.metrics import GatewayMetrics
 from protocol.curve import PlaneSecurity
+from protocol.endpoints import endpoint_error
 from protocol.rejects import RejectLog
 from protocol.serving import (
     AbortRequest, Busy, Generate, Goodbye, Heartbeat, HeartbeatAck, PromptLogprobs, TokenEvent, TokenLogprobRecord,
@@ -368,6 +369,9 @@ class ZmqBackend(Backend):
     def _on_heartbeat(self, worker_id: str, hb: Heartbeat) -> None:
         if hb.worker_id != worker_id:
             self._on_malformed(f"heartbeat for {hb.worker_id[:64]!r} from {worker_id[:64]!r}")
+            return
+        if error := endpoint_error(hb.address):  # decode workers would be sent to it
+            self._rejects.reject("invalid_value", worker_id, f"heartbeat address: {error}")
             return
         self._link.send_nowait(worker_id, HeartbeatAck(self.gateway_id))
         known = self._registry.get(worker_id)

@@ -20,6 +20,7 @@ import urllib.request
 from pathlib import Path
 
 from benchmarks.client import parse_metric
+from cluster.keygen import write_private_key
 from tests.cluster_harness import ServeProcess
 from tests.netns import ROOT, Host, Network
 
@@ -113,7 +114,8 @@ class NetnsCluster:
         self.hosts: dict[str, Host] = {}
         self.log: list[str] = []
         common = {f"{section}.{key}": value for section, fields in SETTINGS.items() for key, value in fields.items()}
-        common.update({"model.path": model, "engine.num_threads": 1, "gateway.port": 8000, "gateway.worker_port": 8001})
+        common.update({"model.path": model, "engine.num_threads": 1, "gateway.port": 8000, "gateway.worker_port": 8001,
+                       "transfer.cluster_key_file": write_private_key()})  # CURVE between the hosts, as deployed
         try:
             for index, member in zip((10, 11, 12, 21, 22), MEMBERS):
                 role = member.split("-")[0]

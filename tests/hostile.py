@@ -1,0 +1,118 @@
+"""Attackers for tests/test_hostile_peers.py: processes' sockets speaking the project's own protocol, with
+or without the cluster key (protocol/curve.py), as someone on the worker network would."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+import uuid
+
+import torch
+import zmq
+
+from engine.kv_pool import KVLayout, KVPool
+from kvtransfer.channel import ZmqClient
+from kvtransfer.sender import KVSender
+from protocol.codec import decode, encode
+from protocol.curve import ClusterKey, PlaneSecurity
+from protocol.kv_messages import HandshakeReply
+from protocol.serving import Heartbeat
+from protocol.zmq_util import bind, make_socket
+from tests.model_factory import tiny_model_dir
+
+MODEL = str(tiny_model_dir("llama"))
+
+
+def key_holder(key_file: str) -> PlaneSecurity:
+    """A process holding the cluster key: it can complete CURVE handshakes (its own client key)."""
+    return PlaneSecurity(ClusterKey.from_file(key_file))
+
+
+def dealer(ctx: zmq.Context, endpoint: str, security: PlaneSecurity | None = None,
+           identity: bytes | None = None) -> zmq.Socket:
+    sock = make_socket(ctx, zmq.DEALER)
+    if security is not None:
+        security.client(sock)
+    if identity is not None:
+        sock.setsockopt(zmq.IDENTITY, identity)
+    sock.connect(endpoint)
+    return sock
+
+
+def heartbeat(worker_id: str, role: str, address: str, incarnation: str, proof: str = "",
+              draining: bool = False) -> Heartbeat:
+    return Heartbeat(worker_id, role, address, incarnation, 16, 64, 64, 0, 0, 0, 0, draining=draining, proof=proof)
+
+
+def register(sock: zmq.Socket, security: PlaneSecurity, worker_id: str, role: str, address: str,
+             draining: bool = False) -> str:
+    """Send a Heartbeat with a valid membership proof for ``security``'s key; returns the incarnation."""
+    incarnation = uuid.uuid4().hex
+    proof = security.registration_proof(worker_id, incarnation)
+    sock.send(encode(heartbeat(worker_id, role, address, incarnation, proof, draining)))
+    return incarnation
+
+
+def tiny_layout(block_size: int, num_blocks: int = 64) -> KVLayout:
+    config = json.loads((tiny_model_dir("llama") / "config.json").read_text())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    return KVLayout(config["num_hidden_layers"], num_blocks, block_size, config["num_key_value_heads"], head_dim,
+                    torch.float32)
+
+
+def kv_sender(ctx: zmq.Context, kv_address: str, security: PlaneSecurity, block_size: int) -> KVSender:
+    """The project's own KV sender, over zmq, with the attacker's key; handshaken."""
+    pool = KVPool(tiny_layout(block_size), tensor=torch.full(tiny_layout(block_size).shape, 7.0))
+    sender = KVSender(pool, MODEL, ZmqClient(ctx, kv_address, max_msg_size=64 << 20, security=security),
+                      transports=("zmq",))
+    sender.handshake(timeout_s=30)
+    return sender
+
+
+def drive(sender: KVSender, until, timeout_s: float = 30.0) -> list:
+    """Poll ``sender`` until ``until(events)``; returns its events."""
+    events, give_up = [], time.monotonic() + timeout_s
+    while not until(events) and time.monotonic() < give_up:
+        events += sender.poll()
+        time.sleep(0.002)
+    return events
+
+
+class FakeReceiver:
+    """A KV receiver (a key holder's ROUTER, a CURVE server of the cluster) that answers every handshake
+    with ``reply``: a hostile one."""
+
+    def __init__(self, ctx: zmq.Context, security: PlaneSecurity, reply: HandshakeReply):
+        self.sock = security.server(make_socket(ctx, zmq.ROUTER))
+        self.address = bind(self.sock, "127.0.0.1", 0)
+        self.reply = reply
+        self.num_handshakes = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if self.sock.poll(20):
+                peer, *_ = self.sock.recv_multipart()
+                self.num_handshakes += 1
+                self.sock.send_multipart([peer, encode(self.reply)])
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.sock.close(linger=0)
+
+
+def replies(sock: zmq.Socket, count: int = 1, timeout_s: float = 30.0) -> list:
+    out, give_up = [], time.monotonic() + timeout_s
+    while len(out) < count and time.monotonic() < give_up:
+        if sock.poll(200):
+            out.append(decode(sock.recv_multipart()[-1]))
+    return out
+
+
+def hostname() -> str:
+    return socket.gethostname()
