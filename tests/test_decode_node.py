@@ -4,6 +4,7 @@ single-process engine's, aborts and Busy free everything, a remote prefill lands
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from engine.sampling_params import SamplingParams
 from kvtransfer.channel import ZmqClient
 from kvtransfer.sender import KVSender
 from protocol.codec import decode, encode
-from protocol.serving import AbortRequest, Busy, PrefillJob, TokenBias
+from protocol.serving import AbortRequest, Busy, HeartbeatAck, PrefillJob, TokenBias
 from protocol.zmq_util import bind, make_socket
 from tests.decode_harness import FakeGateway, decode_config, generate, scrape, tokens_of
 from tests.invariants import assert_no_leak
@@ -128,7 +129,10 @@ def test_abort_while_decoding_frees_everything(node):
 def test_busy_when_pool_cannot_hold_request(node):
     prefill = make_socket(node.ctx, zmq.ROUTER)
     prefill_address = bind(prefill, "127.0.0.1", 0)  # a prefill worker that never answers: "a" holds its blocks
-    node.gateway.send("d0", generate("a", list(range(1, 101)), prefill_address=prefill_address))
+    node.gateway.wait_heartbeat(lambda hb: True)
+    node.gateway.send("d0", HeartbeatAck("gw-1"))  # as a real gateway acks: the worker knows it by its id
+    node.gateway.send("d0", replace(generate("a", list(range(1, 101)), prefill_address=prefill_address),
+                                    gateway_id="gw-1"))
     assert prefill.poll(30_000) and decode(prefill.recv_multipart()[1], expected=PrefillJob).rid == "a"
     node.gateway.wait_heartbeat(lambda hb: hb.kv_blocks_in_use == 25)  # 100 tokens in blocks of 4
     # The reservation's 100 slots are all spoken for: the utilisation gauges count them live.
@@ -302,7 +306,10 @@ def test_a_grammar_compile_past_its_deadline_refuses_its_request(node, held_comp
 def test_lost_gateway_aborts_its_requests_and_frees_their_blocks(node):
     prefill = make_socket(node.ctx, zmq.ROUTER)
     prefill_address = bind(prefill, "127.0.0.1", 0)  # a prefill worker that never answers: "a" waits for KV
-    node.gateway.send("d0", generate("a", list(range(1, 101)), prefill_address=prefill_address))
+    node.gateway.wait_heartbeat(lambda hb: True)
+    node.gateway.send("d0", HeartbeatAck("gw-1"))  # as a real gateway acks: the worker knows it by its id
+    node.gateway.send("d0", replace(generate("a", list(range(1, 101)), prefill_address=prefill_address),
+                                    gateway_id="gw-1"))
     assert prefill.poll(30_000) and decode(prefill.recv_multipart()[1], expected=PrefillJob).rid == "a"
     node.gateway.wait_heartbeat(lambda hb: hb.kv_blocks_in_use == 25)
     old = node.gateway
