@@ -389,5 +389,5 @@ def test_a_worker_without_a_key_refuses_to_start(role, tmp_path):
                           "--set", f"{section}.gateway_address=tcp://127.0.0.1:9"],
                          cwd=ROOT, capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PYTHONPATH": ROOT, "PDSERVE_TRANSFER_CLUSTER_KEY_FILE": ""})
-    assert out.returncode == 2
+    assert out.returncode == 78  # EX_CONFIG: a configuration error, never restarted
     assert "no cluster key: set transfer.cluster_key_file" in out.stderr, out.stderr
