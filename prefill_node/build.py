@@ -36,6 +36,6 @@ def resolve_model_path(config: PdserveConfig) -> str:
 
 def build_prefill_server(config: PdserveConfig, ctx: zmq.Context,
                          registry: CollectorRegistry | None = None) -> PrefillServer:
-    engine = build_engine(resolve_model_path(config), config.model, config.engine)
+    engine = build_engine(resolve_model_path(config), config.model, config.engine, lora_cfg=config.lora)
     metrics = PrefillMetrics(registry or CollectorRegistry())
     return PrefillServer(engine, kv_model_name(config.model.path), ctx, options_from_config(config), metrics)
