@@ -24,6 +24,7 @@ import socket
 import struct
 import sys
 
+from cluster.lora_args import add_lora_args, lora_settings
 from configs.schema import EX_CONFIG, ConfigError, load_config
 
 ROLE_MODULES = {"gateway": "gateway", "prefill": "prefill_node", "decode": "decode_node"}
@@ -96,9 +97,10 @@ def main_for(role: str, argv: list[str]) -> int:
     p.add_argument("--config", help="YAML config file (configs/schema.py lists every field)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field, e.g. --set engine.block_size=32 (repeatable)")
+    add_lora_args(p)
     args = p.parse_args(argv)
     try:
-        command, env = role_command(role, args.config, parse_sets(args.set), dict(os.environ))
+        command, env = role_command(role, args.config, lora_settings(args) | parse_sets(args.set), dict(os.environ))
     except (ConfigError, OSError) as exc:
         print(f"pdserve {role}: {exc}", file=sys.stderr)
         return EX_CONFIG

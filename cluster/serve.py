@@ -18,6 +18,7 @@ from collections.abc import Callable
 from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.local_cluster import ClusterSpec, LocalCluster, MemberFailed
+from cluster.lora_args import add_lora_args, lora_settings
 from configs.model_source import resolve_model
 from configs.schema import EX_CONFIG, ConfigError, load_config
 from gateway.__main__ import add_chat_parser_args
@@ -32,6 +33,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--decode", type=int, help="decode workers (default 1)")
     p.add_argument("--api-key", action="append", help="accepted API key; repeat for several")
     add_chat_parser_args(p)
+    add_lora_args(p)
     p.add_argument("--config", help="YAML config file shared by every process")
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for every worker")
     return p.parse_args(argv)
@@ -49,6 +51,8 @@ def cluster_env(args: argparse.Namespace, model: str, host: str, worker_port: in
     for name in ("reasoning_parser", "tool_call_parser"):
         if getattr(args, name):
             env[f"PDSERVE_GATEWAY_{name.upper()}"] = getattr(args, name)
+    for dotted, value in lora_settings(args).items():
+        env[f"PDSERVE_{dotted.replace('.', '_').upper()}"] = value
     for role in ("PREFILL", "DECODE"):
         env[f"PDSERVE_{role}_GATEWAY_ADDRESS"] = f"tcp://{host}:{worker_port}"
     return env

@@ -154,3 +154,4 @@ class LoRAManager:
     @property
     def host_names(self) -> list[str]:
         return list(self._host)
+

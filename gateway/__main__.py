@@ -17,7 +17,6 @@ from pathlib import Path
 
 from configs.schema import EX_CONFIG, ConfigError, PdserveConfig, load_config
 
-
 DEFAULT_MODEL_NAME = "pdserve-small"  # what clients call the embedded default model
 
 
@@ -73,6 +72,7 @@ def build(config: PdserveConfig):
     from gateway.dialects.responses.store import ResponseStore
     from gateway.http.app import GatewayParams, build_app
     from gateway.metrics import GatewayMetrics
+    from gateway.serving.lora_adapters import LoRAAdapters
     from gateway.serving.pipeline import ServingLimits
     from gateway.text.chat_output import ChatParsers
     from gateway.text.tokenizer import Tokenizer
@@ -98,7 +98,8 @@ def build(config: PdserveConfig):
                            sse_keepalive_s=g.sse_keepalive_s or None)
     parsers = ChatParsers(None if g.reasoning_parser == "none" else g.reasoning_parser,
                           None if g.tool_call_parser == "none" else g.tool_call_parser)
-    params = GatewayParams(Tokenizer(path), backend, limits, api_keys=list(g.api_keys),
+    adapters = LoRAAdapters(name, config.lora.enable_lora, config.lora.modules())
+    params = GatewayParams(Tokenizer(path), backend, limits, api_keys=list(g.api_keys), lora_adapters=adapters,
                            max_body_bytes=g.max_body_bytes, registry=registry, metrics=metrics, chat_parsers=parsers,
                            allowed_origins=list(g.allowed_origins), response_store=ResponseStore(g.responses_store_mb << 20))
     return build_app(params), backend

@@ -13,13 +13,13 @@ import logging
 import zmq
 
 from protocol.codec import WireError, decode, encode
-from protocol.serving import AbortRequest, Generate
+from protocol.serving import AbortRequest, Generate, LoRAAdapterSet
 from protocol.zmq_util import make_socket
 
 log = logging.getLogger(__name__)
 
 MAX_FRAME_BYTES = 16 << 20  # a Generate carries a whole prompt: generous, still bounded
-GATEWAY_RECORDS = (Generate, AbortRequest)  # what a gateway sends to a worker
+GATEWAY_RECORDS = (Generate, AbortRequest, LoRAAdapterSet)  # what a gateway sends to a worker
 
 
 class WorkerSocket:
