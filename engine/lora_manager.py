@@ -88,14 +88,13 @@ class LoRAManager:
         if not name:
             raise LoRAError("a LoRA adapter needs a non-empty name")
         adapter = load_adapter(name, path, self.config, self.limits.max_lora_rank, self.dtype)
-        self.remove(name)
+        self._slots.pop(name, None)  # a replaced adapter's old weights are not used again
         self.known[name] = str(path)
         self._keep_on_host(adapter)
 
     def remove(self, name: str) -> bool:
-        """Forget adapter ``name``; False when it was not known."""
-        self._slots.pop(name, None)
-        self._host.pop(name, None)
+        """Forget adapter ``name`` (new requests are refused); False when it was not known. Its copies
+        stay until least recently used out, so requests already running under it finish."""
         return self.known.pop(name, None) is not None
 
     def check(self, name: str) -> str:
@@ -131,11 +130,11 @@ class LoRAManager:
         return device_copy  # no slot free of this step's adapters: used for this step only
 
     def _on_host(self, name: str) -> LoRAAdapter:
-        if name not in self.known:
-            raise LoRAError(f"LoRA adapter {name!r} is not loaded on this worker")
-        if name in self._host:
+        if name in self._host:  # known, or removed while requests still run under it
             self._host.move_to_end(name)
             return self._host[name]
+        if name not in self.known:
+            raise LoRAError(f"LoRA adapter {name!r} is not loaded on this worker")
         adapter = load_adapter(name, self.known[name], self.config, self.limits.max_lora_rank, self.dtype)
         self._keep_on_host(adapter)
         return adapter

@@ -5,6 +5,7 @@ run time on every worker; bad adapters are refused by name and the server keeps 
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -117,6 +118,22 @@ def test_load_and_unload_at_run_time(cluster, client) -> None:
         complete(client, "gamma", prompt)
     gone = httpx.post(f"{cluster.url}/v1/unload_lora_adapter", json={"lora_name": "gamma"})
     assert gone.status_code == 404 and gone.json()["error"]["message"] == "The lora adapter 'gamma' cannot be found."
+
+
+def test_a_worker_that_joins_later_gets_the_adapters_loaded_at_run_time(cluster, client) -> None:
+    r = httpx.post(f"{cluster.url}/v1/load_lora_adapter", timeout=120,
+                   json={"lora_name": "delta", "lora_path": str(tiny_adapter_dir("beta", FAMILY))})
+    assert r.status_code == 200, r.text
+    for worker_id in ("decode-0", "prefill-0"):  # killed: the supervisor starts a new process from the config
+        old = cluster.registered(worker_id)["incarnation"]
+        cluster.signal(worker_id, signal.SIGKILL)
+        cluster.wait_restarted(worker_id, old, timeout_s=120)
+        cluster.wait_until(lambda: "delta" in cluster.registered(worker_id)["lora_names"],
+                           f"{worker_id} loaded delta after its restart", timeout_s=60, poll_s=0.1)
+    prompt = prompt_of(21, seed=11)
+    expected = text_of(peft_greedy(FAMILY, "beta", [prompt], NEW_TOKENS)[0])
+    assert complete(client, "delta", prompt).choices[0].text == expected
+    assert httpx.post(f"{cluster.url}/v1/unload_lora_adapter", json={"lora_name": "delta"}, timeout=120).status_code == 200
 
 
 @pytest.mark.parametrize("path,message", [

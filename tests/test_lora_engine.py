@@ -54,6 +54,23 @@ def test_adapters_and_base_in_one_batch_equal_peft(max_loras: int) -> None:
         assert out.outputs[0].token_ids == expected[name][i], f"adapter {name!r} prompt {i}"
     manager = llm.engine.runner.lora
     assert len(manager.slot_names) <= max_loras and len(manager.host_names) <= max_loras
+    if max_loras == 1:  # two adapters in every step, one slot and one host copy: paged from disk, never refused
+        assert manager.num_host_loads > 2
+
+
+def test_an_adapter_unloaded_mid_request_lets_its_running_requests_finish() -> None:
+    llm = lora_llm()
+    ps = prompts()
+    expected = peft_greedy(FAMILY, "alpha", ps[:1], NEW_TOKENS)[0]
+    request_id = llm.engine.add_request(ps[0], greedy("alpha"))
+    llm.engine.step()  # running under alpha
+    assert llm.engine.runner.lora.remove("alpha")
+    with pytest.raises(ValueError, match="'alpha' is not loaded"):  # new requests refused at once
+        llm.engine.add_request(ps[1], greedy("alpha"))
+    done = []
+    while llm.engine.has_unfinished():
+        done += llm.engine.step()
+    assert [(o.request_id, o.outputs[0].token_ids) for o in done] == [(request_id, expected)]
     assert_no_leak(llm.engine.block_manager)
 
 
