@@ -7,6 +7,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -144,3 +146,21 @@ def test_rank_above_the_maximum_and_missing_files_are_refused() -> None:
     with pytest.raises(LoRAError, match=r"'other': layer 0 v_proj has lora_A \[4, 64\] and lora_B \[32, 4\]; "
                                         r"this base model expects \[4, 64\] and \[16, 4\]"):
         load_adapter("other", tiny_adapter_dir("alpha", FAMILY), other, max_rank=16)
+
+
+def test_pdserve_generate_runs_a_prompt_under_an_adapter_as_peft_does() -> None:
+    from transformers import AutoTokenizer
+
+    model = tiny_model_dir(FAMILY)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    prompt = "hello world, the adapter speaks"
+    expected = peft_greedy(FAMILY, "beta", [tokenizer.encode(prompt)], NEW_TOKENS)[0]
+    argv = [sys.executable, "-m", "cluster", "generate", "--model", str(model), "--prompt", prompt,
+            "--max-tokens", str(NEW_TOKENS), "--ignore-eos", "--enable-lora", "--lora-modules",
+            f"beta={tiny_adapter_dir('beta', FAMILY)}", "--max-lora-rank", "8", "--lora-name", "beta"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[1:] == [tokenizer.decode(expected, skip_special_tokens=True)]
+    bad = subprocess.run(argv[:-4] + ["--max-lora-rank", "4", "--lora-name", "beta"], capture_output=True, text=True,
+                         timeout=300)
+    assert bad.returncode == 78 and "LoRA adapter 'beta' has rank 8, above max_lora_rank=4" in bad.stderr
