@@ -92,7 +92,7 @@ class LLMEngine:
             return ""
         if self.runner.lora is None:
             return f"LoRA adapter {params.lora_name!r} requested; this worker serves no adapters (--enable-lora)"
-        return self.runner.lora.check(params.lora_name)
+        return self.runner.lora.check(params.lora_name, params.lora_path)
 
     def new_guide(self, params: SamplingParams):
         """The Guide of ``params.structured_output`` for a new sequence (None without one); raises

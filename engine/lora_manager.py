@@ -97,10 +97,13 @@ class LoRAManager:
         stay until least recently used out, so requests already running under it finish."""
         return self.known.pop(name, None) is not None
 
-    def check(self, name: str) -> str:
-        """Empty when a request may name ``name`` ("" is the base), else the reason."""
+    def check(self, name: str, path: str = "") -> str:
+        """Empty when a request may name ``name`` ("" is the base), else the reason. ``path``: the
+        directory the request's gateway knows it by ("" any): it must be the one loaded here."""
         if name and name not in self.known:
             return f"LoRA adapter {name!r} is not loaded on this worker"
+        if name and path and self.known[name] != path:
+            return f"LoRA adapter {name!r} is loaded from {self.known[name]} on this worker, not {path}"
         return ""
 
     def step(self, names_per_token: list[str]) -> LoRAStep:

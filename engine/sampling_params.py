@@ -43,6 +43,7 @@ class SamplingParams:
     # "" for the base model, else the LoRA adapter the request runs under (engine/lora_manager.py); it
     # enters the first block's hash too, so no KV is shared across adapters
     lora_name: str = ""
+    lora_path: str = ""  # the directory the gateway knows the adapter by ("" offline: this engine's own)
 
     def __post_init__(self) -> None:
         if self.top_k == -1:

@@ -101,6 +101,7 @@ class SamplingSpec:
     # "" for the base model, else the LoRA adapter the request runs under (a served name, /v1/models):
     # every node computes its KV with that adapter and hashes its blocks under it (protocol/hashing.py)
     lora_name: str = ""
+    lora_path: str = ""  # the adapter's directory as the gateway lists it: hashed with the name, checked by workers
 
     def __post_init__(self) -> None:
         assert len(self.lora_name) <= MAX_LORA_NAME_CHARS, f"{len(self.lora_name)} characters of lora_name"

@@ -119,6 +119,15 @@ def test_load_and_unload_at_run_time(cluster, client) -> None:
     gone = httpx.post(f"{cluster.url}/v1/unload_lora_adapter", json={"lora_name": "gamma"})
     assert gone.status_code == 404 and gone.json()["error"]["message"] == "The lora adapter 'gamma' cannot be found."
 
+    # gamma again, now from beta's directory: none of the old gamma's KV is reused, beta's tokens come out
+    r = httpx.post(f"{cluster.url}/v1/load_lora_adapter", timeout=120,
+                   json={"lora_name": "gamma", "lora_path": str(tiny_adapter_dir("beta", FAMILY))})
+    assert r.status_code == 200, r.text
+    reloaded = complete(client, "gamma", prompt)
+    assert reloaded.usage.prompt_tokens_details.cached_tokens == 0
+    assert reloaded.choices[0].text == text_of(peft_greedy(FAMILY, "beta", [prompt], NEW_TOKENS)[0])
+    assert httpx.post(f"{cluster.url}/v1/unload_lora_adapter", json={"lora_name": "gamma"}, timeout=120).status_code == 200
+
 
 def test_a_worker_that_joins_later_gets_the_adapters_loaded_at_run_time(cluster, client) -> None:
     r = httpx.post(f"{cluster.url}/v1/load_lora_adapter", timeout=120,

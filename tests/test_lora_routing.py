@@ -9,7 +9,7 @@ from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 from gateway.workers.registry import Role, WorkerRegistry
 from gateway.workers.router import Policy, Router, RouterParams
-from protocol.hashing import block_hashes, root_hash
+from protocol.hashing import block_hashes, lora_identity, root_hash
 from tests.test_gateway_router import BS, hb
 
 
@@ -25,13 +25,14 @@ def test_every_adapter_and_salt_hashes_a_prompt_apart():
 def test_the_engine_caches_under_the_gateways_hashes():
     bm = BlockManager(16, BS)
     prompt = list(range(2 * BS + 1))
-    seq = Sequence(0, prompt, SamplingParams(lora_name="a"))
+    seq = Sequence(0, prompt, SamplingParams(lora_name="a", lora_path="/x"))
     bm.allocate(seq, len(prompt))
     seq.num_computed_tokens = len(prompt)
     bm.cache_full_blocks(seq)
-    assert bm.match_prefix(prompt, lora_name="a") == (seq.block_table[:2], 2 * BS)
-    assert bm.match_prefix(prompt) == ([], 0) and bm.match_prefix(prompt, lora_name="b") == ([], 0)
-    assert [bm.block_hash[b] for b in seq.block_table[:2]] == block_hashes(prompt, BS, lora_name="a")
+    assert bm.match_prefix(prompt, lora=lora_identity("a", "/x")) == (seq.block_table[:2], 2 * BS)
+    for other in ("", lora_identity("b", "/x"), lora_identity("a", "/y")):  # another adapter, or a reload from elsewhere
+        assert bm.match_prefix(prompt, lora=other) == ([], 0), other
+    assert [bm.block_hash[b] for b in seq.block_table[:2]] == block_hashes(prompt, BS, lora=lora_identity("a", "/x"))
 
 
 def worker(wid, role=Role.DECODE, in_use=0, loras=(), hot=()):

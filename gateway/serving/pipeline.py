@@ -135,6 +135,7 @@ class Serving:
         p, chat = asked.parsed, dialect.chat
         lora_name = self.check_model(p.model)
         p.sampling["lora_name"] = lora_name  # into every SamplingSpec of the request: the workers run it
+        p.sampling["lora_path"] = self.adapters.paths.get(lora_name, "")
         if self.num_in_flight >= self._limits.max_concurrent_requests or not self._backend.has_capacity():
             self._metrics.requests.labels("rejected").inc()
             raise no_capacity(self._limits.retry_after_s)

@@ -32,7 +32,7 @@ import enum
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from protocol.hashing import block_hashes
+from protocol.hashing import block_hashes, lora_identity
 
 from .registry import Role, WorkerInfo, WorkerRegistry
 
@@ -97,17 +97,18 @@ class Router:
         self._sent_prefill_tokens: dict[str, int] = {}  # P -> uncached tokens sent, no first token yet
 
     def route(self, prompt_ids: list[int], exclude: frozenset[str] = frozenset(), whole_prompt: bool = False,
-              prefill_on_decode: bool = False, cache_salt: str = "", lora_name: str = "") -> RouteDecision | None:
+              prefill_on_decode: bool = False, cache_salt: str = "", lora_name: str = "",
+              lora_path: str = "") -> RouteDecision | None:
         """Where to run ``prompt_ids``; None when no decode worker has KV room for it (answer 503).
 
         ``exclude`` holds workers not to use (said Busy for this request, failed, or circuit-broken);
         draining workers are never chosen. ``whole_prompt``: the workers compute every prompt token
         whatever they cache (prompt logprobs), so no prefix hit counts; ``prefill_on_decode``: D
-        prefills it itself (prompt logprobs with n > 1); ``cache_salt`` and ``lora_name``: the request's,
-        which its blocks' hashes carry on the workers too. Only workers whose heartbeat lists the LoRA
+        prefills it itself (prompt logprobs with n > 1); ``cache_salt``, ``lora_name`` and ``lora_path``: the
+        request's, which its blocks' hashes carry on the workers too. Only workers whose heartbeat lists the LoRA
         adapter take the request; among equal prefix hits, one that holds it in a device slot is first."""
         bs = self._params.block_size
-        hashes = block_hashes(prompt_ids, bs, cache_salt, lora_name)
+        hashes = block_hashes(prompt_ids, bs, cache_salt, lora_identity(lora_name, lora_path))
         hit_hashes = [] if whole_prompt else hashes
         num_blocks_needed = -(-(len(prompt_ids) + 1) // bs)  # the prompt plus the first generated token
         decoders = [w for w in self._registry.accepting(Role.DECODE)

@@ -267,7 +267,7 @@ class ZmqBackend(Backend):
             spec = request.sampling
             decision = self._router.route(request.prompt_token_ids, frozenset(excluded), spec.computes_whole_prompt,
                                           prefill_on_decode=spec.prefills_on_decode, cache_salt=spec.cache_salt,
-                                          lora_name=spec.lora_name)
+                                          lora_name=spec.lora_name, lora_path=spec.lora_path)
             if decision is not None:
                 result = "local" if decision.prefill_worker is None else "disaggregated"
                 self._metrics.route_decisions.labels(policy, result).inc()
