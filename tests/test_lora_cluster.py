@@ -129,6 +129,22 @@ def test_load_and_unload_at_run_time(cluster, client) -> None:
     assert httpx.post(f"{cluster.url}/v1/unload_lora_adapter", json={"lora_name": "gamma"}, timeout=120).status_code == 200
 
 
+def test_load_and_unload_under_traffic_leave_other_requests_exact(cluster, client) -> None:
+    prompts = [prompt_of(12 + i, seed=40 + i) for i in range(6)]
+    expected = {n: peft_greedy(FAMILY, n, prompts, NEW_TOKENS) for n in ("", "alpha")}
+    jobs = [(n, i) for i in range(len(prompts)) for n in ("", "alpha")]
+    models = {"": base_name(), "alpha": "alpha"}
+    with ThreadPoolExecutor(4) as pool:
+        answers = pool.map(lambda job: complete(client, models[job[0]], prompts[job[1]]), jobs)
+        for _ in range(2):  # the adapter list changes on every worker while those run
+            body = {"lora_name": "epsilon", "lora_path": str(tiny_adapter_dir("beta", FAMILY))}
+            assert httpx.post(f"{cluster.url}/v1/load_lora_adapter", json=body, timeout=120).status_code == 200
+            assert httpx.post(f"{cluster.url}/v1/unload_lora_adapter", json={"lora_name": "epsilon"},
+                              timeout=120).status_code == 200
+        for (name, i), answer in zip(jobs, list(answers)):
+            assert answer.choices[0].text == text_of(expected[name][i]), (name, i)
+
+
 def test_a_worker_that_joins_later_gets_the_adapters_loaded_at_run_time(cluster, client) -> None:
     r = httpx.post(f"{cluster.url}/v1/load_lora_adapter", timeout=120,
                    json={"lora_name": "delta", "lora_path": str(tiny_adapter_dir("beta", FAMILY))})
