@@ -58,6 +58,10 @@ def complete(client, model: str, prompt: list[int]):
                                      extra_body={"ignore_eos": True})
 
 
+def unload(cluster, name: str) -> httpx.Response:
+    return httpx.post(f"{cluster.url}/v1/unload_lora_adapter", json={"lora_name": name}, timeout=120)
+
+
 def base_name() -> str:
     return str(tiny_model_dir(FAMILY))
 
@@ -126,7 +130,7 @@ def test_load_and_unload_at_run_time(cluster, client) -> None:
     reloaded = complete(client, "gamma", prompt)
     assert reloaded.usage.prompt_tokens_details.cached_tokens == 0
     assert reloaded.choices[0].text == text_of(peft_greedy(FAMILY, "beta", [prompt], NEW_TOKENS)[0])
-    assert httpx.post(f"{cluster.url}/v1/unload_lora_adapter", json={"lora_name": "gamma"}, timeout=120).status_code == 200
+    assert unload(cluster, "gamma").status_code == 200
 
 
 def test_load_and_unload_under_traffic_leave_other_requests_exact(cluster, client) -> None:
@@ -153,12 +157,12 @@ def test_a_worker_that_joins_later_gets_the_adapters_loaded_at_run_time(cluster,
         old = cluster.registered(worker_id)["incarnation"]
         cluster.signal(worker_id, signal.SIGKILL)
         cluster.wait_restarted(worker_id, old, timeout_s=120)
-        cluster.wait_until(lambda: "delta" in cluster.registered(worker_id)["lora_names"],
+        cluster.wait_until(lambda worker_id=worker_id: "delta" in cluster.registered(worker_id)["lora_names"],
                            f"{worker_id} loaded delta after its restart", timeout_s=60, poll_s=0.1)
     prompt = prompt_of(21, seed=11)
     expected = text_of(peft_greedy(FAMILY, "beta", [prompt], NEW_TOKENS)[0])
     assert complete(client, "delta", prompt).choices[0].text == expected
-    assert httpx.post(f"{cluster.url}/v1/unload_lora_adapter", json={"lora_name": "delta"}, timeout=120).status_code == 200
+    assert unload(cluster, "delta").status_code == 200
 
 
 @pytest.mark.parametrize("path,message", [
@@ -189,8 +193,9 @@ def test_bad_adapter_at_start_up_stops_serve_with_the_adapter_named(tmp_path) ->
     bad = broken_copy("alpha", wrong_shape)
     config = tmp_path / "c.yaml"
     config.write_text(json.dumps({"gateway": {"worker_port": free_port()}, "engine": {"kv_cache_memory_mb": 8}}))
-    argv = [sys.executable, "-m", "cluster", "serve", "--model", str(tiny_model_dir(FAMILY)), "--port", str(free_port()),
-            "--config", str(config), "--enable-lora", "--lora-modules", f"bad={bad}", "--max-lora-rank", "8"]
+    argv = [sys.executable, "-m", "cluster", "serve", "--model", str(tiny_model_dir(FAMILY)),
+            "--port", str(free_port()), "--config", str(config),
+            "--enable-lora", "--lora-modules", f"bad={bad}", "--max-lora-rank", "8"]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
     assert done.returncode == 78, done.stdout + done.stderr  # EX_CONFIG: no restart can help
     assert "LoRA adapter 'bad': layer 0 v_proj has lora_A [4, 64] and lora_B [33, 4]" in done.stdout + done.stderr

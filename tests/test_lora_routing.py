@@ -30,7 +30,8 @@ def test_the_engine_caches_under_the_gateways_hashes():
     seq.num_computed_tokens = len(prompt)
     bm.cache_full_blocks(seq)
     assert bm.match_prefix(prompt, lora=lora_identity("a", "/x")) == (seq.block_table[:2], 2 * BS)
-    for other in ("", lora_identity("b", "/x"), lora_identity("a", "/y")):  # another adapter, or a reload from elsewhere
+    # the base, another adapter, the same name loaded again from elsewhere
+    for other in ("", lora_identity("b", "/x"), lora_identity("a", "/y")):
         assert bm.match_prefix(prompt, lora=other) == ([], 0), other
     assert [bm.block_hash[b] for b in seq.block_table[:2]] == block_hashes(prompt, BS, lora=lora_identity("a", "/x"))
 

@@ -378,7 +378,8 @@ class ZmqBackend(Backend):
             if all(w.heartbeat.lora_version == version for w in current):
                 return ""
             await asyncio.sleep(0.05)
-        late = [w.worker_id for w in workers if (x := self._registry.get(w.worker_id)) and x.heartbeat.lora_version != version]
+        late = [w.worker_id for w in workers
+                if (x := self._registry.get(w.worker_id)) and x.heartbeat.lora_version != version]
         return f"workers {', '.join(late)} did not apply the adapter list within {self._params.lora_load_timeout_s:g} s"
 
     def _send_lora_set(self, worker_id: str, incarnation: str) -> None:
