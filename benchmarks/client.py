@@ -28,6 +28,11 @@ from benchmarks.workload import BenchRequest
 class Target:
     url: str  # gateway base URL, e.g. http://127.0.0.1:8000
     model: str  # the served model id (from /v1/models)
+    api_key: str = ""  # sent as a bearer token when set (a server started with --api-key)
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
 
 def request_body(target: Target, r: BenchRequest) -> dict:
@@ -41,7 +46,8 @@ async def send_one(client: httpx.AsyncClient, target: Target, item: Scheduled) -
     r = item.request
     t = RequestTimeline(r.index, item.tag, r.prompt_len, r.output_len, send_s=time.perf_counter())
     try:
-        async with client.stream("POST", f"{target.url}/v1/completions", json=request_body(target, r)) as response:
+        async with client.stream("POST", f"{target.url}/v1/completions", json=request_body(target, r),
+                                 headers=target.headers) as response:
             if response.status_code != 200:
                 t.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
                 return t

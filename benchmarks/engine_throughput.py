@@ -1,18 +1,19 @@
 """Offline engine throughput: pdserve vs transformers, on one seeded workload, in one process.
 
-    python -m benchmarks.engine_throughput [--quick] [--model DIR]
+    python -m benchmarks.engine_throughput [--quick] [--model DIR] [--device cpu|cuda] [--dtype ...]
 
 Systems: (1) transformers ``generate`` one request at a time, (2) transformers static batching
 (batches of 16 in arrival order, left-padded, run to the batch's longest request; only requested
-tokens count), (3) pdserve ``LLM.generate`` over the whole workload. All greedy, EOS ignored, fp32,
-the same torch thread count. Model loading is not timed; each system gets one short warm-up.
+tokens count), (3) pdserve ``LLM.generate`` over the whole workload. All greedy, EOS ignored, on one
+device in one dtype (default: CUDA bfloat16 where there is a GPU, else CPU float32; --device/--dtype
+choose), the same torch thread count. Model loading is not timed; each system gets one short warm-up.
 
-Reported per system: output tokens/s, output tokens per process CPU-second, wall time. Then the
+Reported per system: output tokens/s, output tokens per process CPU-second, wall time. Then, on CPU, the
 compute roofline of the pdserve run (see benchmarks/roofline.py) next to the highest fraction this
 machine allows for these steps (the matmul floor, benchmarks/matmul_floor.py), the targets, and a token-for-token
 cross-check of pdserve's greedy output against transformers. The last line is
 
-    vs_hf_static=<pdserve tok/s / static tok/s> roofline=<fraction>
+    vs_hf_static=<pdserve tok/s / static tok/s> roofline=<fraction, or n/a off CPU>
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import hf_baseline, matmul_floor, roofline
+from benchmarks.device_choice import BenchDevice, add_device_args, choose_device
 from benchmarks.workload import BenchRequest, SystemResult, WorkloadSpec, make_workload, total_output_tokens
 
 TARGET_VS_STATIC = 2.5
@@ -45,6 +47,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads for every system")
     p.add_argument("--max-num-seqs", type=int, default=None, help="passed to LLM(...) when given")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="passed to LLM(...) when given")
+    add_device_args(p)
     return p.parse_args(argv)
 
 
@@ -55,13 +58,22 @@ def resolve_model_dir(model: str | None) -> Path:
     return Path(model) if model is not None else default_model_dir()
 
 
-def run_pdserve(model_dir: Path, requests: list[BenchRequest], llm_kwargs: dict) -> tuple[SystemResult, float]:
+def pdserve_config(bench: BenchDevice, engine_overrides: dict):
+    """The config pdserve runs with: the benchmark's dtype, whatever the presets' "auto" would pick."""
+    from configs.schema import load_config
+
+    overrides = {"model.dtype": bench.dtype, **{f"engine.{k}": v for k, v in engine_overrides.items()}}
+    return load_config(None, env={}, overrides=overrides)
+
+
+def run_pdserve(model_dir: Path, requests: list[BenchRequest], bench: BenchDevice,
+                engine_overrides: dict) -> tuple[SystemResult, float]:
     """pdserve's offline ``LLM`` over the whole workload; returns the result and the load time."""
     from engine.llm import LLM
     from engine.sampling_params import SamplingParams
 
     load_start = time.perf_counter()
-    llm = LLM(str(model_dir), **llm_kwargs)
+    llm = LLM(str(model_dir), config=pdserve_config(bench, engine_overrides), device=bench.device)
     load_s = time.perf_counter() - load_start
     warmup = requests[0]
     llm.generate([list(warmup.prompt_token_ids[:16])], [_greedy(SamplingParams, 2)])
@@ -126,12 +138,17 @@ def main(argv: list[str] | None = None) -> int:
     subset = min(args.one_at_a_time_requests or (2 if args.quick else num_requests), num_requests)
     torch.set_num_threads(args.threads)
     model_dir = resolve_model_dir(args.model)
+    try:
+        bench = choose_device(args.device, args.dtype, torch.cuda.is_available())
+    except ValueError as exc:
+        raise SystemExit(f"python -m benchmarks.engine_throughput: {exc}") from None
 
-    hf_model = hf_baseline.load_hf_model(model_dir)
+    hf_model = hf_baseline.load_hf_model(model_dir, bench)
     shape = roofline.DecoderShape.from_hf_config(hf_model.config)
     spec = WorkloadSpec(vocab_size=shape.vocab_size, num_requests=num_requests, seed=args.seed)
     requests = make_workload(spec)
-    print(f"model {model_dir} ({sum(p.numel() for p in hf_model.parameters()) / 1e6:.1f} M params, fp32); "
+    num_params = sum(p.numel() for p in hf_model.parameters())
+    print(f"model {model_dir} ({num_params / 1e6:.1f} M params); every system on {bench.describe()}; "
           f"torch threads = {torch.get_num_threads()} for every system (cpu_count {os.cpu_count()})")
     print(f"workload: {num_requests} requests, seed {args.seed}, prompt U{list(spec.prompt_len_range)}, "
           f"output U{list(spec.output_len_range)}, ignore_eos, greedy; "
@@ -147,22 +164,38 @@ def main(argv: list[str] | None = None) -> int:
 
     llm_kwargs = {k: v for k, v in (("max_num_seqs", args.max_num_seqs),
                                     ("max_num_batched_tokens", args.max_num_batched_tokens)) if v is not None}
-    pd, load_s = run_pdserve(model_dir, requests, llm_kwargs)
+    pd, load_s = run_pdserve(model_dir, requests, bench, llm_kwargs)
     print_row(pd)
     print(f"(model load not timed; pdserve LLM() took {load_s:.1f} s; each system had one short warm-up)")
-    print_summary(shape, requests, one, static, pd)
+    print_summary(shape, requests, one, static, pd, with_roofline=bench.device == "cpu")
     return 0
 
 
 def print_summary(shape: roofline.DecoderShape, requests: list[BenchRequest],
-                  one: SystemResult, static: SystemResult, pd: SystemResult) -> None:
-    """Roofline, speed-ups against the targets, the greedy cross-check, and the one-line result."""
+                  one: SystemResult, static: SystemResult, pd: SystemResult, with_roofline: bool = True) -> None:
+    """Roofline (CPU only: it and the matmul floor time fp32 ``torch.mm`` on this CPU), speed-ups
+    against the targets, the greedy cross-check, and the one-line result."""
+    vs_static = pd.tokens_per_s / static.tokens_per_s
+    fraction = print_roofline(shape, requests, pd) if with_roofline else None
+    print(f"pdserve vs hf one-at-a-time: {pd.tokens_per_s / one.tokens_per_s:.2f}x"
+          + (" (one-at-a-time extrapolated)" if one.note else ""))
+    print(f"pdserve vs hf static batching: {vs_static:.2f}x   (target >= {TARGET_VS_STATIC}x) "
+          f"{'MET' if vs_static >= TARGET_VS_STATIC else 'NOT MET'}")
+    if fraction is not None:
+        print(f"roofline fraction: {fraction:.2f}   (target >= {TARGET_ROOFLINE}) "
+              f"{'MET' if fraction >= TARGET_ROOFLINE else 'NOT MET'}")
+    for ref in (one, static):
+        compared, bad, first = count_mismatches(ref, pd)
+        print(f"greedy cross-check vs {ref.name}: {bad} mismatched of {compared} requests{first}")
+    print(f"vs_hf_static={vs_static:.2f} roofline={'n/a' if fraction is None else f'{fraction:.2f}'}")
+
+
+def print_roofline(shape: roofline.DecoderShape, requests: list[BenchRequest], pd: SystemResult) -> float:
     lengths = [(r.prompt_len, r.output_len) for r in requests]
     required = roofline.workload_flops(shape, lengths)
     matmul_flops = roofline.measure_matmul_flops(shape)
     fraction = roofline.roofline_fraction(required, matmul_flops, pd.wall_s)
     floor = matmul_floor.matmul_floor(shape, lengths, required, matmul_flops)
-    vs_static = pd.tokens_per_s / static.tokens_per_s
     print()
     print(f"roofline: required {required / 1e9:.1f} GFLOP / measured fp32 mm {matmul_flops / 1e9:.1f} GFLOP/s "
           f"= {required / matmul_flops:.2f} s ideal; pdserve wall {pd.wall_s:.2f} s")
@@ -170,16 +203,7 @@ def print_summary(shape: roofline.DecoderShape, requests: list[BenchRequest],
           f"{floor.decode_measured_s:.2f} s measured at their row counts against {floor.decode_ideal_s:.2f} s at "
           f"the peak), so no engine running these steps here exceeds roofline {floor.roofline_at_floor:.2f}; "
           f"pdserve's wall is {pd.wall_s / floor.floor_s:.2f}x the floor")
-    print(f"pdserve vs hf one-at-a-time: {pd.tokens_per_s / one.tokens_per_s:.2f}x"
-          + (" (one-at-a-time extrapolated)" if one.note else ""))
-    print(f"pdserve vs hf static batching: {vs_static:.2f}x   (target >= {TARGET_VS_STATIC}x) "
-          f"{'MET' if vs_static >= TARGET_VS_STATIC else 'NOT MET'}")
-    print(f"roofline fraction: {fraction:.2f}   (target >= {TARGET_ROOFLINE}) "
-          f"{'MET' if fraction >= TARGET_ROOFLINE else 'NOT MET'}")
-    for ref in (one, static):
-        compared, bad, first = count_mismatches(ref, pd)
-        print(f"greedy cross-check vs {ref.name}: {bad} mismatched of {compared} requests{first}")
-    print(f"vs_hf_static={vs_static:.2f} roofline={fraction:.2f}")
+    return fraction
 
 
 if __name__ == "__main__":

@@ -15,13 +15,16 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 
+from benchmarks.device_choice import BenchDevice
 from benchmarks.workload import BenchRequest, SystemResult
 
+CPU_FP32 = BenchDevice("cpu", "float32")
 
-def load_hf_model(model_dir: str | Path) -> PreTrainedModel:
-    """The checkpoint in fp32 on CPU, as pdserve's CPU path runs it."""
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    return model.eval()
+
+def load_hf_model(model_dir: str | Path, bench: BenchDevice = CPU_FP32) -> PreTrainedModel:
+    """The checkpoint on the device and in the dtype pdserve is run with (``bench``)."""
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=bench.torch_dtype)
+    return model.to(bench.device).eval()
 
 
 def _greedy_config(max_new_tokens: int, pad_token_id: int) -> GenerationConfig:
@@ -49,8 +52,8 @@ def generate_batch(model: PreTrainedModel, prompts: list[tuple[int, ...]], max_n
         input_ids[row, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
         attention_mask[row, width - len(prompt):] = 1
     out = model.generate(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
+        input_ids=input_ids.to(model.device),
+        attention_mask=attention_mask.to(model.device),
         generation_config=_greedy_config(max_new_tokens, pad_id),
     )  # [batch, width + max_new_tokens]
     return out[:, width:].tolist()

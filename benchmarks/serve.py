@@ -3,6 +3,7 @@ batching, side by side in one run, on the ``small`` model.
 
     python -m benchmarks.serve [--quick] [--plots-dir docs] [--json FILE]
                                [--systems disagg,coloc] [--workloads interference] [--set SECTION.KEY=VALUE]
+    python -m benchmarks.serve --base-url http://host:8000 [--model TOKENIZER_DIR] [--quick] [--workloads ...]
 
 1. transformers static batching (batch 16, offline, greedy, EOS ignored) on the mixed workload, with
    torch threads = the benchmark's cores.
@@ -17,6 +18,10 @@ batching, side by side in one run, on the ``small`` model.
 
 ``--systems``, ``--workloads`` and ``--set`` narrow a run to an A/B of one setting on one workload
 (``serve_plan.select``); a headline ratio whose runs were left out is nan.
+
+``--base-url`` measures a server that is already running (vLLM, SGLang, a pdserve cluster elsewhere)
+with the same workloads and client, so one tool compares them: no system is started, no baseline runs,
+and the table's system column says ``endpoint``.
 """
 
 from __future__ import annotations
@@ -29,16 +34,19 @@ import os
 import platform
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from benchmarks import serve_workloads as workloads
 from benchmarks.client import KvSampler, Target, run_closed_loop, run_open_loop
 from benchmarks.serve_launcher import ServedSystem
 from benchmarks.serve_metrics import Slo, kv_utilization, summarize
-from benchmarks.serve_plan import STATIC_BATCH_SIZE, Plan, SystemSpec, plan, select
+from benchmarks.serve_plan import STATIC_BATCH_SIZE, WORKLOADS, Plan, SystemSpec, plan, select
 from benchmarks.serve_procs import cpu_delta, sample_tree, self_sample
 from benchmarks.serve_report import ALL_AT_ONCE, HEADER, Report, make_run, print_procs, print_targets, run_row, write_json
 from benchmarks.workload import BenchRequest
+
+ENDPOINT_SETTLE_S = 2.0  # --base-url: the pause between runs (no idle signal from an unknown server)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -59,6 +67,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "transformers baseline runs only with mixed_closed")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", dest="overrides",
                    help="config of every pdserve system, e.g. gateway.local_prefill_max_tokens=0 (repeatable)")
+    p.add_argument("--base-url", default=None,
+                   help="measure this running OpenAI-compatible server instead of starting pdserve systems, e.g. "
+                        "http://127.0.0.1:8000 (prompts are token ids below the vocabulary of --model's tokenizer)")
+    p.add_argument("--served-model-name", default=None, help="with --base-url: the model to ask for "
+                                                             "(default: the first one /v1/models lists)")
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY", ""),
+                   help="with --base-url: bearer key for the server (default: $OPENAI_API_KEY)")
     return p.parse_args(argv)
 
 
@@ -73,13 +88,25 @@ def prompt_vocab(model_dir: Path) -> int:
     return Tokenizer.from_file(str(model_dir / "tokenizer.json")).get_vocab_size()
 
 
-def run_hf_static(model_dir: Path, requests: list[BenchRequest], threads: int, report: Report) -> None:
+def served_device(overrides: list[str]):
+    """Where the served workers run, so the offline baseline runs there too: a worker takes CUDA when it
+    sees a GPU, in ``model.dtype`` (an override, else "auto": bfloat16 on CUDA, float32 on CPU)."""
+    import torch
+
+    from benchmarks.device_choice import choose_device
+
+    dtypes = [o.split("=", 1)[1].strip() for o in overrides if o.split("=", 1)[0].strip() == "model.dtype"]
+    return choose_device(None, dtypes[-1] if dtypes else None, torch.cuda.is_available())
+
+
+def run_hf_static(model_dir: Path, requests: list[BenchRequest], threads: int, report: Report,
+                  overrides: list[str]) -> None:
     import torch
 
     from benchmarks import hf_baseline
 
     torch.set_num_threads(threads)
-    model = hf_baseline.load_hf_model(model_dir)
+    model = hf_baseline.load_hf_model(model_dir, served_device(overrides))
     hf_baseline.generate_batch(model, [r.prompt_token_ids[:16] for r in requests[:2]], 2)  # warm-up
     result = hf_baseline.run_static_batching(model, requests, STATIC_BATCH_SIZE)
     report.hf_tps = result.tokens_per_s
@@ -104,45 +131,78 @@ def run_system(spec: SystemSpec, p: Plan, args, model_dir: Path, vocab: int, cpu
         warm_up(target, vocab)
         system.wait_idle()
         before = sample_tree(system.proc.pid)
-        slo = Slo(args.slo_ttft, args.slo_tpot)
-
-        def record(workload: str, load: str, rate: float, timelines, duration) -> None:
-            for tag in sorted({t.tag for t in timelines}) if workload == "interference" else [None]:
-                picked = [t for t in timelines if tag is None or t.tag == tag]
-                name = workload if tag is None else f"{workload}:{tag}"
-                run = make_run(spec.name, name, load, rate, summarize(picked, duration, slo), picked)
-                report.runs.append(run)
-                print(run_row(run), flush=True)
-            system.wait_idle()
-
-        if "mixed_rates" in spec.workloads:
-            for rate, mixed in workloads.rate_sweep(vocab, p.rate_requests, p.rates_rps, args.seed):
-                schedule = workloads.poisson_schedule(mixed, rate, "mixed", args.seed)
-                record("mixed", f"poisson {rate:g} rps", rate, *asyncio.run(run_open_loop(target, schedule)))
-        if "mixed_closed" in spec.workloads:
-            sampler = KvSampler(system.metrics_urls("decode"), spec.sections.get("engine", {}).get("block_size", 16))
-            paced = workloads.paced_mixed(vocab, p.closed_requests, args.seed)
-            mixed = workloads.mixed(vocab, p.closed_requests, args.seed)  # the baseline's requests
-            for requests, concurrency, load in ((paced, p.concurrency, f"closed c={p.concurrency}"),
-                                                (mixed, len(mixed), ALL_AT_ONCE)):
-                result = asyncio.run(run_closed_loop(target, requests, concurrency, "mixed", sampler))
-                record("mixed", load, float("inf"), *result)
-            report.kv_util[spec.name] = (kv_utilization(sampler.samples), len(sampler.samples), sampler.num_discarded)
-        if "prefix" in spec.workloads:
-            prefix = workloads.shared_prefix(workloads.SharedPrefixSpec(vocab, p.prefix_requests, seed=args.seed))
-            schedule = workloads.poisson_schedule(prefix, p.prefix_rate_rps, "prefix", args.seed)
-            record("prefix", f"poisson {p.prefix_rate_rps:g} rps", p.prefix_rate_rps,
-                   *asyncio.run(run_open_loop(target, schedule)))
-        if "interference" in spec.workloads:
-            schedule = workloads.interference(workloads.InterferenceSpec(
-                vocab, p.short_requests, p.short_rate_rps, num_bursts=p.num_bursts, burst_size=p.burst_size,
-                seed=args.seed))
-            record("interference", f"{p.short_rate_rps:g} rps+bursts", p.short_rate_rps,
-                   *asyncio.run(run_open_loop(target, schedule)))
+        sampler = KvSampler(system.metrics_urls("decode"), spec.sections.get("engine", {}).get("block_size", 16))
+        run_workloads(spec.name, spec.workloads, target, p, args, vocab, report, system.wait_idle, sampler)
         report.procs += [(spec.name, s) for s in cpu_delta(before, sample_tree(system.proc.pid))]
         print(f"  ({spec.name}: {system.threads_per_worker} thread(s) per worker; log {system.log_path})", flush=True)
     finally:
         system.stop()
+
+
+def run_workloads(name: str, chosen: tuple[str, ...], target: Target, p: Plan, args, vocab: int, report: Report,
+                  settle: Callable[[], None], sampler: KvSampler | None) -> None:
+    """The plan's workloads against ``target`` (a system started here, or any server: --base-url);
+    ``settle`` waits between runs until the server is idle; ``sampler`` reads pdserve's KV gauges."""
+    slo = Slo(args.slo_ttft, args.slo_tpot)
+
+    def record(workload: str, load: str, rate: float, timelines, duration) -> None:
+        for tag in sorted({t.tag for t in timelines}) if workload == "interference" else [None]:
+            picked = [t for t in timelines if tag is None or t.tag == tag]
+            label = workload if tag is None else f"{workload}:{tag}"
+            run = make_run(name, label, load, rate, summarize(picked, duration, slo), picked)
+            report.runs.append(run)
+            print(run_row(run), flush=True)
+        settle()
+
+    if "mixed_rates" in chosen:
+        for rate, mixed in workloads.rate_sweep(vocab, p.rate_requests, p.rates_rps, args.seed):
+            schedule = workloads.poisson_schedule(mixed, rate, "mixed", args.seed)
+            record("mixed", f"poisson {rate:g} rps", rate, *asyncio.run(run_open_loop(target, schedule)))
+    if "mixed_closed" in chosen:
+        paced = workloads.paced_mixed(vocab, p.closed_requests, args.seed)
+        mixed = workloads.mixed(vocab, p.closed_requests, args.seed)  # the baseline's requests
+        for requests, concurrency, load in ((paced, p.concurrency, f"closed c={p.concurrency}"),
+                                            (mixed, len(mixed), ALL_AT_ONCE)):
+            result = asyncio.run(run_closed_loop(target, requests, concurrency, "mixed", sampler))
+            record("mixed", load, float("inf"), *result)
+        if sampler is not None:
+            report.kv_util[name] = (kv_utilization(sampler.samples), len(sampler.samples), sampler.num_discarded)
+    if "prefix" in chosen:
+        prefix = workloads.shared_prefix(workloads.SharedPrefixSpec(vocab, p.prefix_requests, seed=args.seed))
+        schedule = workloads.poisson_schedule(prefix, p.prefix_rate_rps, "prefix", args.seed)
+        record("prefix", f"poisson {p.prefix_rate_rps:g} rps", p.prefix_rate_rps,
+               *asyncio.run(run_open_loop(target, schedule)))
+    if "interference" in chosen:
+        schedule = workloads.interference(workloads.InterferenceSpec(
+            vocab, p.short_requests, p.short_rate_rps, num_bursts=p.num_bursts, burst_size=p.burst_size,
+            seed=args.seed))
+        record("interference", f"{p.short_rate_rps:g} rps+bursts", p.short_rate_rps,
+               *asyncio.run(run_open_loop(target, schedule)))
+
+
+def run_endpoint(args, p: Plan, vocab: int, report: Report) -> None:
+    """--base-url: the same workloads against a server already running (vLLM, SGLang, another pdserve),
+    named by its /v1/models (or --served-model-name); a short pause stands in for pdserve's idle wait."""
+    url = args.base_url.rstrip("/").removesuffix("/v1")
+    model = args.served_model_name or served_model(url, args.api_key)
+    target = Target(url, model, args.api_key)
+    chosen = tuple(w for w in WORKLOADS if not args.workloads or w in _names(args.workloads))
+    print(f"endpoint {url}, model {model}, workloads {', '.join(chosen)}", flush=True)
+    warm_up(target, vocab)
+    run_workloads("endpoint", chosen, target, p, args, vocab, report, lambda: time.sleep(ENDPOINT_SETTLE_S), None)
+
+
+def served_model(url: str, api_key: str) -> str:
+    """The first model a server lists at /v1/models."""
+    import httpx
+
+    response = httpx.get(f"{url}/v1/models", headers=Target(url, "", api_key).headers, timeout=30)
+    if response.status_code != 200:
+        raise SystemExit(f"{url}/v1/models answered {response.status_code}: {response.text[:300]}")
+    data = response.json()["data"]
+    if not data:
+        raise SystemExit(f"{url}/v1/models lists no model")
+    return data[0]["id"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -168,8 +228,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"selected: {selection['systems']}; config overrides {args.overrides}")
     report = Report()
     print(f"\n{HEADER}", flush=True)
+    if args.base_url:
+        run_endpoint(args, p, vocab, report)
+        if args.json:
+            write_json(report, Path(args.json), {"quick": args.quick, "base_url": args.base_url, "model": str(model_dir)})
+        print(f"(total {time.perf_counter() - started:.0f} s)")
+        return 0
     if not args.skip_hf and any("mixed_closed" in spec.workloads for spec in p.systems):
-        run_hf_static(model_dir, workloads.mixed(vocab, p.closed_requests, args.seed), len(cpus), report)
+        run_hf_static(model_dir, workloads.mixed(vocab, p.closed_requests, args.seed), len(cpus), report,
+                      args.overrides)
     logs = Path(tempfile.mkdtemp(prefix="pdserve-bench-"))  # kept: each system's serve log
     for spec in p.systems:
         run_system(spec, p, args, model_dir, vocab, cpus, logs, report)

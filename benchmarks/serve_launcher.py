@@ -9,6 +9,7 @@ threads between its workers (``engine.num_threads``).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -36,6 +37,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_ports(count: int) -> int:
+    """The first of ``count`` consecutive free ports (``pdserve serve --gateways N`` takes port, +1, ...)."""
+    while True:
+        first = free_port()
+        with contextlib.ExitStack() as held:
+            try:
+                for port in range(first + 1, first + count):
+                    held.enter_context(socket.socket()).bind(("127.0.0.1", port))
+                return first
+            except OSError:
+                continue
+
+
 def _pinned(cpus: set[int]):
     def hook() -> None:  # in the child, before exec: same cores as every other system; die with us
         os.sched_setaffinity(0, cpus)
@@ -47,24 +61,26 @@ def _pinned(cpus: set[int]):
 
 
 class ServedSystem:
-    """``pdserve serve --prefill N --decode M`` with ``sections`` written as its YAML config."""
+    """``pdserve serve --prefill N --decode M --gateways G`` with ``sections`` written as its YAML config."""
 
     def __init__(self, name: str, model_dir: Path, workdir: Path, cpus: set[int], num_prefill: int,
-                 num_decode: int, sections: dict, ready_timeout_s: float = 300.0):
+                 num_decode: int, sections: dict, ready_timeout_s: float = 300.0, num_gateways: int = 1):
         self.name = name
-        self.port = free_port()
-        config = {**sections, "gateway": {"worker_port": free_port(), "worker_heartbeat_s": 0.5,
+        self.port = free_ports(num_gateways)
+        config = {**sections, "gateway": {"worker_port": free_ports(num_gateways), "worker_heartbeat_s": 0.5,
                                           **sections.get("gateway", {})}}
         workdir.mkdir(parents=True, exist_ok=True)
         config_path = workdir / f"{name}.yaml"
         config_path.write_text(yaml.safe_dump(config))
         argv = [sys.executable, "-m", "cluster", "serve", "--model", str(model_dir), "--port", str(self.port),
-                "--prefill", str(num_prefill), "--decode", str(num_decode), "--config", str(config_path)]
+                "--prefill", str(num_prefill), "--decode", str(num_decode), "--gateways", str(num_gateways),
+                "--config", str(config_path)]
         self.log_path = workdir / f"{name}.log"
         self._log = self.log_path.open("w")
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      preexec_fn=_pinned(cpus))
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.urls = [f"http://127.0.0.1:{self.port + i}" for i in range(num_gateways)]
+        self.url = self.urls[0]
         self.worker_http: dict[str, int] = {}  # worker_id -> metrics port
         self.threads_per_worker = 0
         self._lines: queue.Queue[str] = queue.Queue()

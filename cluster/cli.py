@@ -14,6 +14,7 @@ SUBCOMMANDS = {
     "gateway": ("cluster.roles:gateway_main", "run the gateway alone (containers, Kubernetes)"),
     "prefill": ("cluster.roles:prefill_main", "run one prefill worker (containers, Kubernetes)"),
     "decode": ("cluster.roles:decode_main", "run one decode worker (containers, Kubernetes)"),
+    "keygen": ("cluster.keygen", "print a new cluster key (transfer.cluster_key_file) for the worker plane"),
     "status": ("cluster.status", "the workers registered with a gateway and their load"),
 }
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from cluster.lora_args import add_lora_args, lora_settings
+from cluster.vllm_flags import add_lora_flags, lora_overrides
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -26,7 +26,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--frequency-penalty", type=float, default=0.0)
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--config", default=None, help="YAML config file (engine section is used)")
-    add_lora_args(p)
+    add_lora_flags(p)
     p.add_argument("--lora-name", default="", help="run every prompt under this adapter of --lora-modules")
     return p.parse_args(argv)
 
@@ -49,7 +49,7 @@ def main(argv: list[str]) -> int:
     from configs.schema import EX_CONFIG, ConfigError, load_config
 
     try:
-        config = load_config(args.config, overrides=lora_settings(args))
+        config = load_config(args.config, overrides=lora_overrides(args))
     except ConfigError as e:
         print(f"pdserve generate: {e}", file=sys.stderr)
         return EX_CONFIG

@@ -1,5 +1,5 @@
-"""``pdserve gateway|prefill|decode --config FILE [--set section.field=value ...]``: one role in this
-process, as a container or a Kubernetes pod runs it.
+"""``pdserve gateway|prefill|decode --config FILE [--set section.field=value ...] [vLLM flags]``: one
+role in this process, as a container or a Kubernetes pod runs it (cluster/vllm_flags.py: the vLLM flags).
 
 The role's own entry point (``python -m gateway|prefill_node|decode_node``) replaces this process
 (``exec``), so SIGTERM from Docker or the kubelet reaches the role directly and drains it.
@@ -24,7 +24,7 @@ import socket
 import struct
 import sys
 
-from cluster.lora_args import add_lora_args, lora_settings
+from cluster.vllm_flags import add_vllm_groups, vllm_overrides
 from configs.schema import EX_CONFIG, ConfigError, load_config
 
 ROLE_MODULES = {"gateway": "gateway", "prefill": "prefill_node", "decode": "decode_node"}
@@ -71,6 +71,15 @@ def parse_sets(items: list[str]) -> dict[str, str]:
     return overrides
 
 
+def env_of(overrides: dict[str, str]) -> dict[str, str]:
+    """The PDSERVE_<SECTION>_<FIELD> variables that carry ``{"section.field": value}`` to a child."""
+    env = {}
+    for dotted, value in overrides.items():
+        section, _, key = dotted.partition(".")
+        env[f"PDSERVE_{section.upper()}_{key.upper()}"] = value
+    return env
+
+
 def role_command(role: str, config_path: str | None, overrides: dict[str, str],
                  env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
     """(argv, env) that run ``role`` with the given settings, its bind host resolved.
@@ -83,24 +92,34 @@ def role_command(role: str, config_path: str | None, overrides: dict[str, str],
     argv = [sys.executable, "-m", ROLE_MODULES[role]] + (["--config", config_path] if config_path else [])
     env = dict(env)
     if role == "gateway":
-        for dotted, value in bound.items():
-            section, _, key = dotted.partition(".")
-            env[f"PDSERVE_{section.upper()}_{key.upper()}"] = value
+        env.update(env_of(bound))
     else:
         for dotted, value in bound.items():
             argv += ["--set", f"{dotted}={value}"]
     return argv, env
 
 
+def add_config_args(p: argparse.ArgumentParser) -> None:
+    """pdserve's own way to every field: a YAML file and --set (the vLLM flags are views of the same fields)."""
+    group = p.add_argument_group("pdserve config")
+    group.add_argument("--config", help="YAML config file (configs/schema.py lists every field)")
+    group.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a config field, e.g. --set engine.block_size=32 (repeatable; "
+                            "a vLLM flag for the same field wins)")
+
+
+def command_line_overrides(args: argparse.Namespace, role: str) -> dict[str, str]:
+    """--set, then the vLLM flags over it: the one dict of CLI overrides."""
+    return {**parse_sets(args.set), **vllm_overrides(args, role)}
+
+
 def main_for(role: str, argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog=f"pdserve {role}", description=f"run one pdserve {role} process")
-    p.add_argument("--config", help="YAML config file (configs/schema.py lists every field)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config field, e.g. --set engine.block_size=32 (repeatable)")
-    add_lora_args(p)
+    add_config_args(p)
+    add_vllm_groups(p, role)
     args = p.parse_args(argv)
     try:
-        command, env = role_command(role, args.config, lora_settings(args) | parse_sets(args.set), dict(os.environ))
+        command, env = role_command(role, args.config, command_line_overrides(args, role), dict(os.environ))
     except (ConfigError, OSError) as exc:
         print(f"pdserve {role}: {exc}", file=sys.stderr)
         return EX_CONFIG

@@ -2,13 +2,25 @@
 
 Prints the URL at once and ``pdserve: ready`` when ``/ready`` answers 200 and every worker it started
 has registered with the gateway. Ctrl-C or SIGTERM drains every worker and stops everything.
+
+``--gateways N`` runs N gateways on ``--port``, ``--port + 1``, ... (worker ports likewise from
+``gateway.worker_port``) in front of the same pools: every worker registers with each (its
+``gateway_address`` lists them all), and ready means every gateway sees every worker. With N > 1 the
+gateways share their Responses store in Redis: ``gateway.responses_store_url`` where given, else a
+``redis-server`` started here on a free loopback port (docs/gateway-replicas.md).
+
+The worker plane is CURVE-encrypted with the configured cluster key, or, when none is configured, with
+a key made for this run: written 0600 in a private temporary directory whose path (never the key) the
+members get in PDSERVE_TRANSFER_CLUSTER_KEY_FILE, removed at exit.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
+import socket
 import sys
 import time
 import urllib.error
@@ -17,67 +29,85 @@ from collections.abc import Callable
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from cluster.gpu_placement import parse_devices
+from cluster.keygen import write_private_key
 from cluster.local_cluster import ClusterSpec, LocalCluster, MemberFailed
-from cluster.lora_args import add_lora_args, lora_settings
+from cluster.roles import add_config_args, command_line_overrides, env_of
+from cluster.vllm_flags import add_vllm_groups
 from configs.model_source import resolve_model
 from configs.schema import EX_CONFIG, ConfigError, load_config
-from gateway.__main__ import add_chat_parser_args
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="pdserve serve", description=__doc__.splitlines()[0])
-    p.add_argument("--model", help="HF directory or hub id (default: the embedded small model, made on first use)")
-    p.add_argument("--host", help="gateway interface (default 127.0.0.1)")
-    p.add_argument("--port", type=int, help="gateway HTTP port (default 8000)")
-    p.add_argument("--prefill", type=int, help="prefill workers (default 1; 0 = decode workers prefill locally)")
-    p.add_argument("--decode", type=int, help="decode workers (default 1)")
-    p.add_argument("--api-key", action="append", help="accepted API key; repeat for several")
-    add_chat_parser_args(p)
-    add_lora_args(p)
-    p.add_argument("--config", help="YAML config file shared by every process")
-    p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for every worker")
-    return p.parse_args(argv)
+    p.add_argument("model_tag", nargs="?", metavar="MODEL", help="as 'vllm serve MODEL': same as --model")
+    group = p.add_argument_group("pdserve cluster")
+    group.add_argument("--model", help="HF directory or hub id (default: the embedded small model, made on first use)")
+    group.add_argument("--prefill", type=int, help="prefill workers (default 1; 0 = decode workers prefill locally)")
+    group.add_argument("--decode", type=int, help="decode workers (default 1)")
+    group.add_argument("--gateways", type=int, help="gateways in front of the same workers, on --port, --port + 1, "
+                       "... (default 1; cluster.num_gateways)")
+    group.add_argument("--devices", help="GPUs the workers take turns over, e.g. 0,1,2,3 (each worker's own "
+                       "CUDA_VISIBLE_DEVICES comes first; default cluster.devices, else every worker sees all)")
+    group.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for every worker")
+    add_config_args(p)
+    add_vllm_groups(p, "gateway")
+    args = p.parse_args(argv)
+    if args.model_tag and args.model and args.model_tag != args.model:
+        p.error(f"two models given: {args.model_tag!r} and --model {args.model!r}")
+    args.model = args.model or args.model_tag
+    return args
 
 
-def cluster_env(args: argparse.Namespace, model: str, host: str, worker_port: int) -> dict[str, str]:
-    """Settings every member shares, passed as PDSERVE_* variables (they rank below each --set)."""
-    env = {"PDSERVE_MODEL_PATH": model}
-    if args.host:
-        env["PDSERVE_GATEWAY_HOST"] = args.host
-    if args.port is not None:
-        env["PDSERVE_GATEWAY_PORT"] = str(args.port)
-    if args.api_key:
-        env["PDSERVE_GATEWAY_API_KEYS"] = ",".join(args.api_key)
-    for name in ("reasoning_parser", "tool_call_parser"):
-        if getattr(args, name):
-            env[f"PDSERVE_GATEWAY_{name.upper()}"] = getattr(args, name)
-    for dotted, value in lora_settings(args).items():
-        env[f"PDSERVE_{dotted.replace('.', '_').upper()}"] = value
+def cluster_env(overrides: dict[str, str], model: str, host: str, worker_ports: list[int]) -> dict[str, str]:
+    """Settings every member shares, passed as PDSERVE_* variables: the command line's overrides
+    (written over inherited variables, so the command line still wins over the environment; each
+    member's own --set ranks above them), the model and the gateway's worker address."""
+    env = {**env_of(overrides), "PDSERVE_MODEL_PATH": model}
     for role in ("PREFILL", "DECODE"):
-        env[f"PDSERVE_{role}_GATEWAY_ADDRESS"] = f"tcp://{host}:{worker_port}"
+        env[f"PDSERVE_{role}_GATEWAY_ADDRESS"] = ",".join(f"tcp://{host}:{port}" for port in worker_ports)
     return env
 
 
-def wait_ready(url: str, cluster: LocalCluster, timeout_s: float, expected: dict[str, int],
+def redis_server(max_mb: int) -> tuple[list[str], str]:
+    """(argv, url) of a redis-server on a free loopback port holding the gateways' Responses store:
+    nothing written to disk, the least recently used responses dropped past ``max_mb``."""
+    exe = shutil.which("redis-server")
+    if exe is None:
+        raise ConfigError("--gateways > 1 needs a shared Responses store: install redis-server (Debian: "
+                          "apt-get install redis-server) or set gateway.responses_store_url")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = [exe, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no",
+            "--maxmemory", f"{max(max_mb, 1)}mb", "--maxmemory-policy", "allkeys-lru"]
+    return argv, f"redis://127.0.0.1:{port}/0"
+
+
+def wait_ready(urls: list[str], cluster: LocalCluster, timeout_s: float, expected: dict[str, int],
                stopped: Callable[[], bool] = lambda: False) -> bool:
-    """Until ``/ready`` answers 200 and the gateway counts ``expected`` workers per role. ``/ready``
+    """Until ``/ready`` answers 200 and every gateway counts ``expected`` workers per role. ``/ready``
     alone is satisfied by one decode worker, which serves by prefilling locally: clients let in before
     the prefill workers join run on another system than the one asked for (the serving benchmark's
     first prompts did, and the prefill worker's prefix cache then started without them)."""
     give_up = time.monotonic() + timeout_s
     while time.monotonic() < give_up and not stopped():  # SIGTERM while starting: stop now, not at give_up
         cluster.supervise_once()
-        try:
-            with urllib.request.urlopen(f"{url}/ready", timeout=2) as response:
-                ready = response.status == 200
-            with urllib.request.urlopen(f"{url}/metrics", timeout=2) as response:
-                registered = registered_workers(response.read().decode())
-            if ready and all(registered.get(role, 0) >= n for role, n in expected.items()):
-                return True
-        except (urllib.error.URLError, OSError):
-            pass
+        if all(gateway_ready(url, expected) for url in urls):
+            return True
         time.sleep(0.3)
     return False
+
+
+def gateway_ready(url: str, expected: dict[str, int]) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/ready", timeout=2) as response:
+            ready = response.status == 200
+        with urllib.request.urlopen(f"{url}/metrics", timeout=2) as response:
+            registered = registered_workers(response.read().decode())
+        return ready and all(registered.get(role, 0) >= n for role, n in expected.items())
+    except (urllib.error.URLError, OSError):
+        return False
 
 
 def registered_workers(metrics_text: str) -> dict[str, int]:
@@ -89,8 +119,9 @@ def registered_workers(metrics_text: str) -> dict[str, int]:
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     try:
-        config = load_config(args.config)
-    except ConfigError as exc:
+        overrides = command_line_overrides(args, "gateway")
+        config = load_config(args.config, overrides=overrides)
+    except (ConfigError, OSError) as exc:
         print(f"pdserve serve: {exc}", file=sys.stderr)
         return EX_CONFIG
     model = args.model or config.model.path
@@ -109,25 +140,59 @@ def main(argv: list[str]) -> int:
     if num_prefill < 0 or num_decode < 1:
         print("pdserve serve: needs --prefill >= 0 and --decode >= 1", file=sys.stderr)
         return 2
-    host = args.host or config.gateway.host
-    port = config.gateway.port if args.port is None else args.port
+    try:
+        devices = parse_devices(args.devices if args.devices is not None else ",".join(config.cluster.devices))
+    except ValueError as exc:
+        print(f"pdserve serve: {exc}", file=sys.stderr)
+        return EX_CONFIG
+    num_gateways = config.cluster.num_gateways if args.gateways is None else args.gateways
+    if num_gateways < 1:
+        print("pdserve serve: needs --gateways >= 1", file=sys.stderr)
+        return 2
+    host, port = config.gateway.host, config.gateway.port
+    gateways = [(port + i, config.gateway.worker_port + i) for i in range(num_gateways)]
     cores = len(os.sched_getaffinity(0))  # the cores this process may use (taskset, cgroups), not the host's
     threads = max(1, cores // (num_prefill + num_decode))
-    spec = ClusterSpec(args.config, cluster_env(args, model, host, config.gateway.worker_port),
-                       num_prefill, num_decode, threads, drain_timeout_s=config.decode.drain_timeout_s)
+    env = cluster_env(overrides, model, host, [worker for _, worker in gateways])
+    redis_argv = None
+    if num_gateways > 1 and not config.gateway.responses_store_url:
+        try:
+            redis_argv, env["PDSERVE_GATEWAY_RESPONSES_STORE_URL"] = redis_server(config.gateway.responses_store_mb)
+        except ConfigError as exc:
+            print(f"pdserve serve: {exc}", file=sys.stderr)
+            return EX_CONFIG
+    made_key = None
+    if not config.transfer.cluster_key_file and not config.transfer.insecure:
+        made_key = env["PDSERVE_TRANSFER_CLUSTER_KEY_FILE"] = write_private_key()
+    spec = ClusterSpec(args.config, env, num_prefill, num_decode, threads, drain_timeout_s=config.decode.drain_timeout_s,
+                       gateways=gateways if num_gateways > 1 else [], redis_argv=redis_argv, devices=devices)
+    try:
+        return run_cluster(spec, host, [http for http, _ in gateways], model, args.ready_timeout)
+    finally:
+        if made_key is not None:
+            shutil.rmtree(os.path.dirname(made_key), ignore_errors=True)
+
+
+def run_cluster(spec: ClusterSpec, host: str, http_ports: list[int], model: str, ready_timeout: float) -> int:
+    num_prefill, num_decode, threads = spec.num_prefill, spec.num_decode, spec.threads_per_worker
     cluster = LocalCluster(spec)
     stop = []
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.append(True))
-    url = f"http://{host}:{port}"
-    print(f"pdserve: gateway {url}  ({num_prefill} prefill + {num_decode} decode workers, "
+    urls = [f"http://{host}:{http}" for http in http_ports]
+    url = urls[0]
+    print(f"pdserve: gateway {'  '.join(urls)}  ({num_prefill} prefill + {num_decode} decode workers, "
           f"{threads} thread(s) each, model {model})", flush=True)
+    for member in cluster.members:
+        if "CUDA_VISIBLE_DEVICES" in member.env:
+            print(f"pdserve: {member.name} on GPU {member.env['CUDA_VISIBLE_DEVICES'].split(',')[0]} "
+                  f"(CUDA_VISIBLE_DEVICES={member.env['CUDA_VISIBLE_DEVICES']})", flush=True)
     cluster.start()
     try:
         expected = {"prefill": num_prefill, "decode": num_decode}
-        if not wait_ready(url, cluster, args.ready_timeout, expected, stopped=lambda: bool(stop)) and not stop:
+        if not wait_ready(urls, cluster, ready_timeout, expected, stopped=lambda: bool(stop)) and not stop:
             print(f"pdserve: {url}/ready did not answer 200 with all {num_prefill} prefill + {num_decode} decode "
-                  f"workers registered within {args.ready_timeout:.0f} s", file=sys.stderr)
+                  f"workers registered within {ready_timeout:.0f} s", file=sys.stderr)
             return 1
         cluster.serving = True
         if not stop:
@@ -138,7 +203,8 @@ def main(argv: list[str]) -> int:
         print("pdserve: draining and stopping ...", flush=True)
         return 0
     except MemberFailed as exc:
-        print(f"pdserve serve: {exc}; stopping the cluster", file=sys.stderr)
+        cluster.stop()  # first: the reason is the last line the operator sees
+        print(f"pdserve serve: {exc}; every member stopped", file=sys.stderr)
         return EX_CONFIG if exc.returncode == EX_CONFIG else 1
     finally:
         cluster.stop()

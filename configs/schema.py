@@ -36,6 +36,13 @@ class ModelConfig:
     max_model_len: int | None = _field(None, minimum=1)  # context limit in tokens; None: the model's own
     cache_dir: str = ""  # where the embedded default model is made on first use; "" = ~/.cache/pdserve
     served_model_name: str = ""  # the name clients put in "model"; "" = path as given (the default model: "pdserve-small")
+    # The chat template (vLLM's --chat-template): a Jinja file's path, or the template itself; "" = the
+    # model's own (chat_template.jinja or tokenizer_config.json)
+    chat_template: str = ""
+
+    def name_for_clients(self) -> str:
+        """What /v1/models lists and the metrics' model_name label says, in every process alike."""
+        return self.served_model_name or self.path or "pdserve-small"
 
 
 @dataclass(slots=True)
@@ -47,6 +54,7 @@ class EngineConfig:
     max_num_batched_tokens: int = _field(2048, minimum=1)  # tokens computed in one step (prefill + decode)
     prefill_chunk_size: int = _field(512, minimum=1)  # prompt tokens one request may compute per step
     enable_prefix_caching: bool = True  # reuse full blocks whose token hash chain matches
+    seed: int | None = None  # seeds the sampler unseeded requests share; None: a fresh seed per process
     num_threads: int | None = _field(None, minimum=1)  # torch CPU threads; None: torch's default
     # CPU decode attention: "c" = the C kernel (kernels/cpu_decode.c), built at first use with the
     # machine's compiler, torch where it cannot be built or has no copy for the model; "torch" = torch only
@@ -62,7 +70,7 @@ class EngineConfig:
     # after it arrived is refused (xgrammar cannot stop the compile; it ends on its thread, unread).
     grammar_compile_timeout_s: float = _field(30.0, minimum=0.001)
     grammar_compile_threads: int = _field(2, minimum=1)  # grammars compiling at once on a worker
-    grammar_cache_mb: int = _field(256, minimum=0)  # xgrammar's cache of compiled grammars, least recently used out
+    grammar_cache_mb: int = _field(512, minimum=0)  # xgrammar's cache of compiled grammars, least recently used out (vLLM's 512)
 
 
 @dataclass(slots=True)
@@ -102,12 +110,16 @@ class GatewayConfig:
     http_header_timeout_s: float = _field(10.0, minimum=0.001)
     http_body_timeout_s: float = _field(30.0, minimum=0.001)
     http_write_timeout_s: float = _field(30.0, minimum=0.001)
-    # Open HTTP connections (and requests) at most, as uvicorn's limit_concurrency: past it, 503. 0: no limit.
+    # Open HTTP connections at most: a request on one opened past it gets 503 (OpenAI error JSON,
+    # Retry-After) and its connection is closed. 0: no limit.
     max_connections: int = _field(1024, minimum=0)
     # A stream that has sent nothing this long (queued, prefilling) sends an SSE comment ": keep-alive",
     # so proxies keep it open and a client gone is noticed; a stream starts at the latest after this long
     # (a refusal after that comes in-band). 0: never.
     sse_keepalive_s: float = _field(15.0, minimum=0.0)
+    # A Redis every gateway replica shares the Responses API's store in (redis://host:port/db), so that
+    # any replica reads back and goes on from any response; "": this process's memory (one gateway).
+    responses_store_url: str = ""
 
 
 @dataclass(slots=True)
@@ -136,12 +148,33 @@ class TransferConfig:
     transport: str = _field("auto", choices=TRANSPORTS)  # auto: best the peer pair supports
     lease_seconds: float = _field(30.0, minimum=0.0)  # a reservation not renewed this long is freed
     max_frame_bytes: int = _field(64 << 20, minimum=1)  # larger wire frames are rejected
+    # The cluster secret (`pdserve keygen > FILE`; a Kubernetes Secret or compose secret mounted as a
+    # file): CurveZMQ encryption and authentication of every worker-plane socket. Required by every role
+    # unless `insecure` (`pdserve serve` makes one for its local cluster). docs/security.md.
+    cluster_key_file: str = ""
+    insecure: bool = False  # plain TCP between gateway and workers: only on a network nobody else reaches
 
 
 @dataclass(slots=True)
 class ClusterConfig:
     num_prefill: int = _field(1, minimum=0)  # prefill workers `pdserve cluster` starts (0: decode prefills)
     num_decode: int = _field(1, minimum=1)  # decode workers `pdserve cluster` starts
+    # gateways `pdserve serve` starts on gateway.port, +1, ... (their worker ports likewise), in front of
+    # the same pools; with more than one they share a Responses store in Redis (gateway.responses_store_url,
+    # or a redis-server started for them)
+    num_gateways: int = _field(1, minimum=1)
+    # GPUs (CUDA_VISIBLE_DEVICES entries) the workers take turns over, prefill then decode; each worker's
+    # own GPU is its cuda:0 (cluster/gpu_placement.py). Empty: every worker sees what `pdserve serve` sees.
+    devices: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class ObservabilityConfig:
+    log_level: str = _field("info", choices=("debug", "info", "warning", "error", "critical"))
+    log_format: str = _field("text", choices=("text", "json"))  # json: one object per line (worker/logs.py)
+    # OTLP/HTTP protobuf endpoint of a trace collector, e.g. http://127.0.0.1:4318/v1/traces; "" = no
+    # tracing (no span is made). OTEL_EXPORTER_OTLP_TRACES_ENDPOINT is read when this is unset.
+    otlp_traces_endpoint: str = ""
 
 
 @dataclass(slots=True)
@@ -177,6 +210,7 @@ class PdserveConfig:
     decode: DecodeConfig = field(default_factory=DecodeConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
 
 

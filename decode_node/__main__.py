@@ -11,6 +11,7 @@ import sys
 
 from configs.schema import EX_CONFIG, ConfigError
 from decode_node.node import DecodeNode
+from protocol.curve import ClusterKeyError
 from worker import default_worker_id, install_drain, setup_logging
 from worker.cli import load_worker_config
 
@@ -22,10 +23,10 @@ def main(argv: list[str] | None = None) -> int:
     config, log_level = loaded
     if not config.decode.worker_id:  # named once: the log lines of the start-up carry it too
         config.decode.worker_id = default_worker_id("decode")
-    setup_logging("decode", config.decode.worker_id, log_level)
+    setup_logging("decode", config.decode.worker_id, log_level, config.observability.log_format)
     try:
         node = DecodeNode.start(config)
-    except ConfigError as exc:  # the model: one line, and no restart helps (configs/model_source.py)
+    except (ConfigError, ClusterKeyError) as exc:  # the model or the key: one line, and no restart helps
         print(f"pdserve decode: {exc}", file=sys.stderr)
         return EX_CONFIG
     install_drain(node.server.request_drain)

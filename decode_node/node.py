@@ -23,7 +23,11 @@ from kvtransfer.compat import new_incarnation
 from kvtransfer.metrics import TransferMetrics
 from kvtransfer.receiver import KVReceiver
 from kvtransfer.shm_pool import SharedTensor, ShmCapacityError, create_shared
-from worker import EngineMetrics, HttpHandle, WorkerSocket, default_worker_id, kv_model_name, serve_http
+from protocol.curve import PlaneSecurity, plane_security
+from protocol.rejects import RejectLog
+from telemetry.tracing import tracer_for
+from worker import EngineMetrics, GatewayLinks, HttpHandle, default_worker_id, kv_model_name, serve_http
+from worker.gateway_links import loss_timeout_s
 
 log = logging.getLogger(__name__)
 
@@ -41,36 +45,48 @@ class DecodeNode:
     registry: CollectorRegistry
     ctx: zmq.Context
     shm_pool: SharedTensor | None = None  # the KV pool's /dev/shm file when the shm transport is offered
+    security: PlaneSecurity | None = None
 
     @classmethod
     def start(cls, config: PdserveConfig, ctx: zmq.Context | None = None) -> DecodeNode:
+        """Raises ClusterKeyError (before loading the model) without a usable cluster key."""
+        security = plane_security(config.transfer.cluster_key_file, config.transfer.insecure)
         ctx = ctx or zmq.Context()
         dc = config.decode
         model_path = resolve_model(config.model.path, config.model.cache_dir)
         engine = build_engine(str(model_path), config.model, config.engine, lora_cfg=config.lora)
         registry = CollectorRegistry()
         shm_pool = share_pool(engine.runner.kv_pool, config.transfer.transport)
-        kv_server = ZmqServer(ctx, dc.host, dc.kv_port, max_msg_size=config.transfer.max_frame_bytes)
+        kv_server = ZmqServer(ctx, dc.host, dc.kv_port, max_msg_size=config.transfer.max_frame_bytes,
+                              security=security)
+        transfer_metrics = TransferMetrics(registry)
+        rejects = RejectLog(log, transfer_metrics.count_rejected)  # one per process: the loop's and the plane's
         receiver = KVReceiver(engine.runner.kv_pool, kv_model_name(config.model.path), kv_server,
-                              _keep_with_sequence, TransferMetrics(registry), lease_s=config.transfer.lease_seconds,
-                              shm_pool_name=shm_pool.name if shm_pool else None)
+                              _keep_with_sequence, transfer_metrics, lease_s=config.transfer.lease_seconds,
+                              shm_pool_name=shm_pool.name if shm_pool else None, rejects=rejects)
         worker_id = dc.worker_id or default_worker_id("decode")
         options = DecodeOptions(worker_id, kv_server.endpoint, new_incarnation(),
                                 heartbeat_s=config.gateway.worker_heartbeat_s or 5.0,
                                 drain_timeout_s=dc.drain_timeout_s)
-        gateway = WorkerSocket(ctx, dc.gateway_address, worker_id)
-        server = DecodeServer(engine, gateway, receiver, PrefillLinks(ctx, worker_id), EngineMetrics(registry), options)
+        gateway = GatewayLinks(ctx, dc.gateway_address, worker_id, resolve_interval_s=options.heartbeat_s,
+                               timeout_s=loss_timeout_s(config.gateway.worker_timeout_s, options.heartbeat_s),
+                               security=security)
+        server = DecodeServer(engine, gateway, receiver, PrefillLinks(ctx, worker_id, security),
+                              EngineMetrics(registry, config.model.name_for_clients()), options, rejects,
+                              tracer_for("decode", worker_id, config.observability.otlp_traces_endpoint))
         http = serve_http(dc.host, dc.http_port, registry, server.is_ready)
         log.info("decode worker %s: kv %s, http %s:%d, gateway %s, %d KV blocks of %d tokens", worker_id,
                  kv_server.endpoint, dc.host, http.port, dc.gateway_address, engine.block_manager.num_blocks,
                  engine.block_manager.block_size)
-        return cls(server, receiver, http, registry, ctx, shm_pool)
+        return cls(server, receiver, http, registry, ctx, shm_pool, security)
 
     def close(self) -> None:
         self.http.close()
         self.server.gateway.close()
         self.server.prefill.close()
         self.receiver.close()
+        if self.security is not None:
+            self.security.close()
         if self.shm_pool is not None:
             self.shm_pool.unlink()  # peers that mapped it keep their mapping; the name goes now
 

@@ -2,6 +2,8 @@
 
 decode -> prefill: PrefillJob, AbortRequest;  prefill -> decode: PrefillFailed. Sends never block:
 a prefill worker that is gone or full makes ``send`` return False and the caller fails the request.
+Addresses come from the gateway, which took them from the prefill workers' heartbeats: one that is not a
+tcp endpoint fails its request (``send`` is False), never this worker.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ import logging
 import zmq
 
 from protocol.codec import WireError, decode, encode
+from protocol.curve import PlaneSecurity
+from protocol.endpoints import endpoint_error
 from protocol.serving import PrefillFailed
 from protocol.zmq_util import make_socket
 
@@ -21,21 +25,30 @@ MAX_LINKS = 256  # distinct prefill addresses kept connected at most (the oldest
 
 
 class PrefillLinks:
-    def __init__(self, ctx: zmq.Context, worker_id: str):
+    def __init__(self, ctx: zmq.Context, worker_id: str, security: PlaneSecurity | None = None):
         self._ctx = ctx
         self._identity = worker_id.encode()  # the prefill worker's ROUTER sees us by our worker id
+        self._security = security or PlaneSecurity(None)
         self._socks: dict[str, zmq.Socket] = {}
         self.num_rejected = 0  # frames from prefill workers that were not a PrefillFailed
 
     def send(self, address: str, record) -> bool:
         sock = self._socks.get(address)
         if sock is None:
+            if error := endpoint_error(address):
+                log.warning("prefill address refused: %s", error)
+                return False
             if len(self._socks) >= MAX_LINKS:
                 oldest = next(iter(self._socks))
                 self._socks.pop(oldest).close(linger=0)
-            sock = make_socket(self._ctx, zmq.DEALER, max_msg_size=MAX_REPLY_BYTES)
+            sock = self._security.client(make_socket(self._ctx, zmq.DEALER, max_msg_size=MAX_REPLY_BYTES))
             sock.setsockopt(zmq.IDENTITY, self._identity)
-            sock.connect(address)
+            try:
+                sock.connect(address)
+            except zmq.ZMQError as exc:  # e.g. a name that does not resolve
+                log.warning("cannot connect to prefill worker %s: %s", address[:80], exc)
+                sock.close(linger=0)
+                return False
             self._socks[address] = sock
         try:
             # A fresh DEALER queues while it connects; EAGAIN only when the queue (HWM) is full.

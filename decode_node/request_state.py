@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from engine.sequence import Sequence
+from telemetry.tracing import RequestTrace
 
 
 class Phase(enum.IntEnum):
@@ -27,6 +28,8 @@ class DecodeRequest:
     done: list[bool] = field(default_factory=list)  # per completion: finished (event sent)
     announced: list[bool] = field(default_factory=list)  # per completion: this node sent it an event
     last_token_at: float = 0.0  # time.monotonic() of the last token streamed (inter-token latency)
+    trace: RequestTrace | None = None  # its span here when the gateway traces it (telemetry/tracing.py)
+    gateway_id: str = ""  # the gateway that sent it: its events go there, and its loss aborts it
 
     def __post_init__(self) -> None:
         n = self.seq.params.n

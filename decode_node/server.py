@@ -29,11 +29,19 @@ Life cycle of a request on this node:
 6. On finish the full blocks stay in the prefix cache and the rest are freed. ``AbortRequest`` or the
    deadline, at any phase, frees everything (and forwards the abort to the prefill worker while its
    job is out).
-Alongside: a Heartbeat (load from the block manager) every interval; SIGTERM drains: Busy to new work,
-in-flight requests get ``drain_timeout_s``, then ``Goodbye`` and the loop returns.
+Alongside: a Heartbeat (load from the block manager) to every gateway every interval; a gateway that
+stops acking them (worker/gateway_links.py) takes its requests with it: they are released as an abort
+would. SIGTERM drains: Busy to new work, in-flight requests get ``drain_timeout_s``, then ``Goodbye``
+and the loop returns.
 
 One thread runs everything but grammar compiles: it polls the sockets (briefly when idle) and runs an
 engine step when there is work. Nothing in a step waits on the network.
+
+Peers are not trusted (docs/security.md): a request's KV is taken only from the prefill worker's key the
+gateway named (``Generate.prefill_key``), a first token outside the vocabulary fails its request, and a
+message whose handling raises is counted (``handler_error``), its request failed and freed, and the
+loop goes on. A lost gateway connection aborts every request that gateway sent (their streams have no
+reader any more) and frees their blocks.
 """
 
 from __future__ import annotations
@@ -60,10 +68,12 @@ from engine.sequence import SequenceStatus
 from engine.structured_output import StructuredOutputError
 from kvtransfer.events import TransferEvent
 from kvtransfer.receiver import KVReceiver
+from protocol.rejects import RejectLog
 from protocol.serving import (
     AbortRequest, Busy, Generate, Goodbye, Heartbeat, LoRAAdapterSet, PrefillFailed, PrefillJob,
 )
-from worker import Drain, EngineMetrics, EngineSnapshot, HeartbeatTimer, WorkerSocket
+from telemetry.tracing import NO_TRACING, RequestTrace, Tracer
+from worker import Drain, EngineMetrics, EngineSnapshot, GatewayLinks, HeartbeatTimer
 from worker.logprob_records import prompt_logprobs_frames
 
 log = logging.getLogger(__name__)
@@ -82,8 +92,10 @@ class DecodeOptions:
 
 
 class DecodeServer:
-    def __init__(self, engine: LLMEngine, gateway: WorkerSocket, receiver: KVReceiver, prefill: PrefillLinks,
-                 metrics: EngineMetrics, options: DecodeOptions):
+    def __init__(self, engine: LLMEngine, gateway: GatewayLinks, receiver: KVReceiver, prefill: PrefillLinks,
+                 metrics: EngineMetrics, options: DecodeOptions, rejects: RejectLog | None = None,
+                 tracer: Tracer = NO_TRACING):
+        self.rejects = rejects or receiver.rejects
         self.engine = engine
         self.scheduler = engine.scheduler
         self.block_manager = engine.block_manager
@@ -92,6 +104,7 @@ class DecodeServer:
         self.prefill = prefill
         self.metrics = metrics
         self.options = options
+        self.tracer = tracer
         self.requests: dict[str, DecodeRequest] = {}
         self._compiling: dict[str, tuple[Generate, Future]] = {}  # COMPILING requests: what they asked, their guide
         self._by_seq_id: dict[int, DecodeRequest] = {}
@@ -126,24 +139,20 @@ class DecodeServer:
     def run_once(self) -> None:
         self._wait_for_messages()
         for record in self.gateway.poll():
-            if isinstance(record, Generate):
-                self._on_generate(record)
-            elif isinstance(record, LoRAAdapterSet):
-                self.lora_sync.apply(record)
-                self._heartbeat.fire_now()  # the gateway waits for the version applied
-            else:
-                self._on_abort(record)
-        for _, failed in self.prefill.poll():
-            self._on_prefill_failed(failed)
+            self._guarded(self._on_gateway_record, record, "gateway")
+        for gateway_id in self.gateway.lost():
+            self._on_gateway_lost(gateway_id)
+        for address, failed in self.prefill.poll():
+            self._guarded(self._on_prefill_failed, failed, address)
         for event in self.receiver.poll():
-            self._on_transfer(event)
+            self._guarded(self._on_transfer, event, "kv receiver")
         self._on_compiled()
         self._expire_deadlines()
         if self.scheduler.has_unfinished():
             self._step()
         self._update_metrics()
         if self._heartbeat.due():
-            self.gateway.send(self._heartbeat_record())
+            self.gateway.broadcast(self._heartbeat_record())
         self._drain_tick()
 
     def _wait_for_messages(self) -> None:
@@ -156,30 +165,58 @@ class DecodeServer:
         else:
             timeout = min(IDLE_POLL_MS, int(self._heartbeat.seconds_left() * 1000) + 1)
         poller = zmq.Poller()
-        for sock in [self.gateway.sock, *self.prefill.sockets(), *([kv_socket] if kv_socket is not None else [])]:
+        for sock in [*self.gateway.sockets(), *self.prefill.sockets(), *([kv_socket] if kv_socket is not None else [])]:
             poller.register(sock, zmq.POLLIN)
         poller.poll(timeout)
+
+    def _guarded(self, handle, record, peer: str) -> None:
+        """Handle one message; if that raises, count it, fail and free its request, and go on."""
+        try:
+            handle(record)
+        except Exception as exc:
+            self.rejects.reject("handler_error", peer, f"{type(record).__name__}: {exc!r}", exc_info=True)
+            req = self.requests.get(record.rid)
+            if req is not None:
+                try:
+                    self._fail(req, "internal error on the decode worker")
+                except Exception:
+                    log.exception("rid=%s could not be released after an internal error", record.rid)
+
+    def _on_gateway_record(self, record) -> None:
+        if isinstance(record, Generate):
+            self._on_generate(record)
+        elif isinstance(record, LoRAAdapterSet):
+            self.lora_sync.apply(record)
+            self._heartbeat.fire_now()  # the gateway waits for the version applied
+        else:
+            self._on_abort(record)
 
     # ---- 1-3. arrival ----
     def _on_generate(self, gen: Generate) -> None:
         if gen.rid in self.requests:
-            self._send_error_all(gen.rid, gen.sampling.n, "request id already in use on this worker")
+            self._send_error_all(gen.rid, gen.gateway_id, gen.sampling.n, "request id already in use on this worker")
             return
         if self._drain.requested:
-            self._busy(gen.rid, "worker is draining")
+            self._busy(gen.rid, gen.gateway_id, "worker is draining")
             return
         try:
             seq = make_sequence(next(self._seq_ids), gen, self.engine)
             self.scheduler.check_admissible(seq)
         except (RequestError, AdmissionError) as exc:
             self.metrics.request_failure.labels("invalid").inc()
-            self._send_error_all(gen.rid, gen.sampling.n, str(exc), refused=True)
+            self._send_error_all(gen.rid, gen.gateway_id, gen.sampling.n, str(exc), refused=True)
             return
-        req = DecodeRequest(gen.rid, seq, gen.deadline, time.monotonic(), Phase.SCHEDULED)
+        req = DecodeRequest(gen.rid, seq, gen.deadline, time.monotonic(), Phase.SCHEDULED, gateway_id=gen.gateway_id)
         if gen.deadline <= time.time():
-            self._send_error_all(gen.rid, seq.params.n, "deadline passed before the request arrived")
+            self._send_error_all(gen.rid, gen.gateway_id, seq.params.n, "deadline passed before the request arrived")
             return
+        if self.tracer.enabled:
+            req.trace = self.tracer.request("decode", gen.traceparent, **{
+                "gen_ai.request.id": gen.rid, "pdserve.worker_id": self.options.worker_id,
+                "gen_ai.usage.prompt_tokens": seq.num_prompt_tokens})
         if seq.params.structured_output is not None:
+            if req.trace:
+                req.trace.phase("compile_grammar")
             req.phase = Phase.COMPILING
             self._compiling[gen.rid] = (gen, self.engine.new_guide_async(seq.params))
             self._track(req)
@@ -197,12 +234,16 @@ class DecodeServer:
                 req.seq.guide = future.result()
             except StructuredOutputError as exc:
                 self.metrics.request_failure.labels("invalid").inc()
-                self._send_error_all(rid, req.seq.params.n, str(exc), refused=True)
+                self._send_error_all(rid, req.gateway_id, req.seq.params.n, str(exc), refused=True)
+                if req.trace:
+                    req.trace.end(str(exc))
                 continue
             req.phase = Phase.SCHEDULED
             self._start(req, gen)
 
     def _start(self, req: DecodeRequest, gen: Generate) -> None:
+        if req.trace:
+            req.trace.phase("reserve")
         seq = req.seq
         remote_tokens = self._kv_needed_from_prefill(seq)
         _, hit_tokens = self.block_manager.prefix_hit(seq)
@@ -223,10 +264,13 @@ class DecodeServer:
         _, hit_tokens = bm.prefix_hit(seq)
         needed = cdiv(seq.num_tokens - hit_tokens, bm.block_size) + 1
         if needed + queued > bm.num_allocatable_blocks:
-            self._busy(req.rid, f"KV pool full: needs {needed} blocks, {bm.num_allocatable_blocks - queued} available")
+            self._busy(req.rid, req.gateway_id,
+                       f"KV pool full: needs {needed} blocks, {bm.num_allocatable_blocks - queued} available", req.trace)
             return
         self.scheduler.add(seq)
         self._track(req)
+        if req.trace:
+            req.trace.phase("prefill_local", cached_tokens=hit_tokens)
         self.metrics.prompt_tokens.inc(seq.num_prompt_tokens)
         log.info("rid=%s local prefill: %d prompt tokens, %d cached, n=%d", req.rid, seq.num_prompt_tokens,
                  hit_tokens, seq.params.n)
@@ -234,16 +278,17 @@ class DecodeServer:
     def _start_remote_prefill(self, req: DecodeRequest, gen: Generate, num_tokens: int) -> None:
         seq, bm = req.seq, self.block_manager
         if not bm.can_reserve(seq, num_tokens, num_spare_blocks=1):
-            self._busy(req.rid, f"KV pool full: {bm.num_allocatable_blocks} blocks available")
+            self._busy(req.rid, req.gateway_id, f"KV pool full: {bm.num_allocatable_blocks} blocks available", req.trace)
             return
         dst_block_ids = bm.reserve(seq, num_tokens)
         skip = seq.num_computed_tokens  # the prefix hit, whole blocks
         req.phase, req.prefill_address, req.generation = Phase.AWAITING_KV, gen.prefill_address, next(self._generations)
-        self.receiver.reserve(req.rid, req.generation, dst_block_ids)
+        self.receiver.reserve(req.rid, req.generation, dst_block_ids, sender_key=gen.prefill_key)
         job = PrefillJob(
             rid=req.rid, token_ids=seq.token_ids[:num_tokens], skip_tokens=skip, dst_block_ids=dst_block_ids,
             generation=req.generation, kv_address=self.options.kv_address, sample_first=seq.params.n == 1,
             sampling=gen.sampling, deadline=gen.deadline, kv_incarnation=self.receiver.incarnation,
+            traceparent=req.trace.traceparent() if req.trace else "", gateway_id=gen.gateway_id,
         )
         self._track(req)
         self.metrics.prompt_tokens.inc(seq.num_prompt_tokens)
@@ -252,6 +297,9 @@ class DecodeServer:
             return
         log.info("rid=%s prefill job -> %s: tokens [%d, %d), %d blocks, generation %d", req.rid,
                  gen.prefill_address, skip, num_tokens, len(dst_block_ids), req.generation)
+        if req.trace:
+            req.trace.phase("wait_kv", prefill_address=gen.prefill_address, cached_tokens=skip,
+                            num_blocks=len(dst_block_ids))
 
     def _track(self, req: DecodeRequest) -> None:
         self.requests[req.rid] = req
@@ -275,6 +323,14 @@ class DecodeServer:
         if seq.params.n == 1 and commit.first_token is None:
             self._fail(req, "prefill worker committed without the first token", abort_receiver=False)
             return
+        vocab_size = self.engine.model_config.vocab_size
+        bad = [t for t in [commit.first_token, *commit.top_token_ids] if t is not None and not 0 <= t < vocab_size]
+        if bad:
+            self.rejects.reject("invalid_value", "prefill worker",
+                                f"rid={req.rid} token {bad[0]} outside the vocabulary of {vocab_size}")
+            self._fail(req, f"prefill worker sent token {bad[0]}, outside the vocabulary of {vocab_size}",
+                       abort_receiver=False)
+            return
         if seq.params.n == 1 and seq.guide is not None and not seq.guide.accept(commit.first_token):
             self._fail(req, f"prefill worker's first token {commit.first_token} is outside the request's grammar",
                        abort_receiver=False)
@@ -293,6 +349,8 @@ class DecodeServer:
         self.block_manager.mark_computed(seq, num_computed)
         finished_at_once = self.scheduler.add_prefilled(seq)
         log.info("rid=%s KV committed: %d tokens, running", req.rid, num_computed)
+        if req.trace:
+            req.trace.phase("decode")
         if finished_at_once:
             self._emit(req, 0, seq)
 
@@ -329,18 +387,20 @@ class DecodeServer:
             return
         if index == 0 and not req.announced[0] and req.num_sent[0] == 0 and seq.params.prompt_logprobs is not None:
             for frame in prompt_logprobs_frames(req.rid, seq.prompt_logprobs):  # prefilled here: ours to send
-                self.gateway.send(frame)
+                self.gateway.send(req.gateway_id, frame)
         req.announced[index] = True
         now = time.monotonic()
         if event.token_ids:
             if req.num_sent[index] == 0:
                 self.metrics.time_to_first_token.observe(now - req.arrived)
+                if req.trace and index == 0:  # prefilled here: its first token ends the prefill
+                    req.trace.phase("decode")
             elif req.last_token_at:
                 self.metrics.inter_token_latency.observe(now - req.last_token_at)
             req.last_token_at = now
         self.metrics.generation_tokens.inc(len(event.token_ids))
         req.num_sent[index] += len(event.token_ids)
-        self.gateway.send(event)
+        self.gateway.send(req.gateway_id, event)
         if event.finish_reason:
             req.done[index] = True
             if req.is_done:
@@ -348,12 +408,25 @@ class DecodeServer:
                 self.metrics.request_success.labels(event.finish_reason).inc()
                 self.metrics.e2e_request_latency.observe(now - req.arrived)
                 log.info("rid=%s finished: %s", req.rid, event.finish_reason)
+                if req.trace:
+                    req.trace.end(None, **{"gen_ai.response.finish_reasons": event.finish_reason,
+                                           "gen_ai.usage.completion_tokens": sum(req.num_sent)})
 
     # ---- 6. abort, deadline, failure ----
     def _on_abort(self, abort: AbortRequest) -> None:
         req = self.requests.get(abort.rid)
         if req is not None:
             log.info("rid=%s aborted by the gateway: %s", req.rid, abort.reason or "no reason given")
+            if req.trace:
+                req.trace.end(None, **{"pdserve.aborted": abort.reason or "by the gateway"})
+            self._release(req)
+            self.metrics.request_failure.labels("aborted").inc()
+
+    def _on_gateway_lost(self, gateway_id: str) -> None:
+        """Nobody reads these requests' tokens any more: free what they hold, as an abort would."""
+        orphans = [req for req in self.requests.values() if req.gateway_id == gateway_id]
+        log.warning("gateway %s lost: aborting its %d requests", gateway_id, len(orphans))
+        for req in orphans:
             self._release(req)
             self.metrics.request_failure.labels("aborted").inc()
 
@@ -364,11 +437,13 @@ class DecodeServer:
 
     def _fail(self, req: DecodeRequest, error: str, *, abort_receiver: bool = True) -> None:
         log.warning("rid=%s failed: %s", req.rid, error)
+        if req.trace:
+            req.trace.end(error)
         self._release(req, abort_receiver=abort_receiver)
         self.metrics.request_failure.labels("error").inc()
         for index, done in enumerate(req.done):
             if not done:
-                self.gateway.send(error_event(req.rid, index, req.num_sent[index], error))
+                self.gateway.send(req.gateway_id, error_event(req.rid, index, req.num_sent[index], error))
 
     def _release(self, req: DecodeRequest, *, abort_receiver: bool = True) -> None:
         """Free everything the request holds, whatever its phase."""
@@ -390,15 +465,17 @@ class DecodeServer:
         self.requests.pop(req.rid, None)
         self._by_seq_id.pop(req.seq.seq_id, None)
 
-    def _busy(self, rid: str, reason: str) -> None:
+    def _busy(self, rid: str, gateway_id: str, reason: str, trace: RequestTrace | None = None) -> None:
+        if trace:
+            trace.end(f"busy: {reason}")
         self.metrics.request_failure.labels("busy").inc()
         log.info("rid=%s busy: %s", rid, reason)
-        self.gateway.send(Busy(rid, reason))
+        self.gateway.send(gateway_id, Busy(rid, reason))
 
-    def _send_error_all(self, rid: str, n: int, error: str, refused: bool = False) -> None:
+    def _send_error_all(self, rid: str, gateway_id: str, n: int, error: str, refused: bool = False) -> None:
         log.warning("rid=%s refused: %s", rid, error)
         for index in range(n):
-            self.gateway.send(error_event(rid, index, 0, error, refused))
+            self.gateway.send(gateway_id, error_event(rid, index, 0, error, refused))
 
     # ---- load, metrics, drain ----
     def snapshot(self) -> EngineSnapshot:
@@ -422,7 +499,8 @@ class DecodeServer:
         queued += sum(s.num_uncomputed_tokens - 1 for s in self.scheduler.running if s.num_uncomputed_tokens > 1)
         return Heartbeat(
             worker_id=self.options.worker_id, role="decode", address=self.options.kv_address,
-            incarnation=self.options.incarnation, block_size=self.block_manager.block_size,
+            incarnation=self.options.incarnation, proof=self.gateway.registration_proof(self.options.incarnation),
+            block_size=self.block_manager.block_size,
             kv_blocks_total=snap.kv_blocks_total, kv_blocks_free=snap.kv_blocks_free,
             kv_blocks_in_use=snap.kv_blocks_in_use, num_running=snap.num_running, num_waiting=snap.num_waiting,
             queued_prefill_tokens=queued, draining=self._drain.requested, **self.lora_sync.heartbeat_fields(),
@@ -431,12 +509,12 @@ class DecodeServer:
     def _drain_tick(self) -> None:
         if self._drain.start_if_requested():
             log.info("draining: %d requests in flight, %.1f s to finish", len(self.requests), self._drain.timeout_s)
-            self.gateway.send(self._heartbeat_record())  # tell the gateway now, not at the next interval
+            self.gateway.broadcast(self._heartbeat_record())  # tell the gateways now, not at the next interval
         if not self._drain.is_over(in_flight=bool(self.requests)):
             return
         for req in list(self.requests.values()):
             self._fail(req, "decode worker shut down before the request finished")
-        self.gateway.send(self._heartbeat_record())  # the final load: nothing held any more
-        self.gateway.send(Goodbye(self.options.worker_id))
+        self.gateway.broadcast(self._heartbeat_record())  # the final load: nothing held any more
+        self.gateway.broadcast(Goodbye(self.options.worker_id))
         log.info("drained; goodbye")
         self._stopped = True

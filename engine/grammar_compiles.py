@@ -5,7 +5,8 @@ minutes. So a request waits for its compile only until its deadline (counted fro
 the tokenizer is loaded: the first compile's one-time load is not the request's doing); past it, the
 request is refused with the limit named, and the compile is left to end on its thread, unread. A
 request aborted before its compile started cancels it. xgrammar's cache of compiled grammars keeps
-the most recently used under a byte budget (vLLM's unbounded one was GHSA-hf3c-wxg2-49q9).
+the most recently used under a byte budget: unbounded, each unique grammar a client sends stays in memory
+(xgrammar's GHSA-389x-67px-mjg3; vLLM bounds it at 512 MB, VLLM_XGRAMMAR_CACHE_MB, as we do).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ log = logging.getLogger(__name__)
 @dataclass(slots=True, frozen=True)
 class GrammarLimits:
     compile_timeout_s: float = 30.0  # engine.grammar_compile_timeout_s
-    cache_bytes: int = 256 << 20  # engine.grammar_cache_mb: xgrammar's LRU cache of compiled grammars; -1: unbounded
+    cache_bytes: int = 512 << 20  # engine.grammar_cache_mb: xgrammar's LRU cache of compiled grammars; -1: unbounded
     num_threads: int = 2  # engine.grammar_compile_threads: compiles running at once
 
     def __post_init__(self) -> None:

@@ -23,6 +23,7 @@ from engine.loader import load_model
 from engine.lora_adapter import LoRAError
 from engine.lora_manager import LoRALimits, LoRAManager
 from engine.runner import ModelRunner, supports_native_decode
+from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.structured_output import Grammars
@@ -74,7 +75,8 @@ def build_engine(model_path: str, model_cfg: ModelConfig, engine_cfg: EngineConf
         block_manager,
     )
     lora = _lora_manager(model, config, lora_cfg or LoRAConfig(), kv_dtype, device)
-    runner = ModelRunner(model, pool, native_decode=_native_decode(engine_cfg, config, pool), lora=lora)
+    runner = ModelRunner(model, pool, Sampler(engine_cfg.seed), native_decode=_native_decode(engine_cfg, config, pool),
+                         lora=lora)
     limits = GrammarLimits(engine_cfg.grammar_compile_timeout_s, engine_cfg.grammar_cache_mb << 20,
                            engine_cfg.grammar_compile_threads)
     return LLMEngine(config, scheduler, runner, Grammars(model_path, config.vocab_size, config.eos_token_ids, limits))
@@ -147,12 +149,14 @@ class LLM:
     """``LLM(path, block_size=8, ...)``: keyword overrides are fields of the config's engine section (or
     of its lora section: ``enable_lora``, ``lora_modules``, ``max_loras``, ...)."""
 
-    def __init__(self, model: str, config_path: str | None = None, config: PdserveConfig | None = None, **engine_overrides):
+    def __init__(self, model: str, config_path: str | None = None, config: PdserveConfig | None = None,
+                 device: str | None = None, **engine_overrides):
+        """``device``: "cpu" or "cuda"; None: CUDA when there is a GPU (build_engine)."""
         if config is None:
             sections = {k: "lora" if k in LoRAConfig.__dataclass_fields__ else "engine" for k in engine_overrides}
             config = load_config(config_path, overrides={f"{sections[k]}.{k}": v for k, v in engine_overrides.items()})
         self.model_path = model
-        self.engine = build_engine(model, config.model, config.engine, lora_cfg=config.lora)
+        self.engine = build_engine(model, config.model, config.engine, device=device, lora_cfg=config.lora)
         self._tokenizer = None
 
     @property

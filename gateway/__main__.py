@@ -17,7 +17,7 @@ from pathlib import Path
 
 from configs.schema import EX_CONFIG, ConfigError, PdserveConfig, load_config
 
-DEFAULT_MODEL_NAME = "pdserve-small"  # what clients call the embedded default model
+
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -31,7 +31,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--allowed-origins", nargs="+", metavar="ORIGIN",
                    help="origins whose browser pages may call the API (CORS; '*': any) (gateway.allowed_origins)")
     add_chat_parser_args(p)
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-level", help="debug, info, warning, error or critical (observability.log_level)")
     return p.parse_args(argv)
 
 
@@ -49,7 +49,8 @@ def add_chat_parser_args(p: argparse.ArgumentParser) -> None:
 def overrides_of(args: argparse.Namespace) -> dict:
     given = {"gateway.host": args.host, "gateway.port": args.port, "gateway.worker_port": args.worker_port,
              "model.path": args.model, "gateway.api_keys": args.api_key, "gateway.allowed_origins": args.allowed_origins,
-             "gateway.reasoning_parser": args.reasoning_parser, "gateway.tool_call_parser": args.tool_call_parser}
+             "gateway.reasoning_parser": args.reasoning_parser, "gateway.tool_call_parser": args.tool_call_parser,
+             "observability.log_level": args.log_level}
     return {k: v for k, v in given.items() if v is not None}
 
 
@@ -69,7 +70,6 @@ def context_length(path: Path, configured: int | None) -> int:
 
 def build(config: PdserveConfig):
     """(app, backend) for ``config``; torch-free."""
-    from gateway.dialects.responses.store import ResponseStore
     from gateway.http.app import GatewayParams, build_app
     from gateway.metrics import GatewayMetrics
     from gateway.serving.lora_adapters import LoRAAdapters
@@ -79,6 +79,8 @@ def build(config: PdserveConfig):
     from gateway.workers.registry import WorkerRegistry
     from gateway.workers.router import Policy, RouterParams
     from gateway.workers.zmq_backend import ZmqBackend, ZmqBackendParams
+    from telemetry.tracing import tracer_for
+    from protocol.curve import plane_security
 
     g = config.gateway
     path = model_dir(config)
@@ -86,28 +88,42 @@ def build(config: PdserveConfig):
                                               config.model.path or "(the embedded default)", path)
     registry = WorkerRegistry(heartbeat_interval_s=g.worker_heartbeat_s,
                               max_missed=max(1, round(g.worker_timeout_s / g.worker_heartbeat_s)))
-    metrics = GatewayMetrics()
+    name = config.model.name_for_clients()
+    max_model_len = context_length(path, config.model.max_model_len)
+    metrics = GatewayMetrics(name, max_model_len)
     router = RouterParams(config.engine.block_size, Policy(g.routing_policy), g.local_prefill_max_tokens)
     backend = ZmqBackend(registry, metrics, ZmqBackendParams(
         g.host, g.worker_port, router, max_queued_requests=g.max_queued_requests, queue_timeout_s=g.queue_timeout_s,
-        default_timeout_s=g.request_timeout_s))
-    name = config.model.served_model_name or config.model.path or DEFAULT_MODEL_NAME
-    limits = ServingLimits(name, context_length(path, config.model.max_model_len),
+        default_timeout_s=g.request_timeout_s,
+        security=plane_security(config.transfer.cluster_key_file, config.transfer.insecure)))
+    limits = ServingLimits(name, max_model_len,
                            request_timeout_s=g.request_timeout_s or None,
                            max_prompt_logprobs_entries=g.max_prompt_logprobs_entries,
                            sse_keepalive_s=g.sse_keepalive_s or None)
     parsers = ChatParsers(None if g.reasoning_parser == "none" else g.reasoning_parser,
                           None if g.tool_call_parser == "none" else g.tool_call_parser)
     adapters = LoRAAdapters(name, config.lora.enable_lora, config.lora.modules())
-    params = GatewayParams(Tokenizer(path), backend, limits, api_keys=list(g.api_keys), lora_adapters=adapters,
+    params = GatewayParams(Tokenizer(path, config.model.chat_template), backend, limits, api_keys=list(g.api_keys),
+                           lora_adapters=adapters,
                            max_body_bytes=g.max_body_bytes, registry=registry, metrics=metrics, chat_parsers=parsers,
-                           allowed_origins=list(g.allowed_origins), response_store=ResponseStore(g.responses_store_mb << 20))
+                           allowed_origins=list(g.allowed_origins), response_store=response_store(g),
+                           tracer=tracer_for("gateway", "gateway", config.observability.otlp_traces_endpoint))
     return build_app(params), backend
+
+
+def response_store(g):
+    """The Responses API's store: in this process's memory, or the Redis the replicas share."""
+    if g.responses_store_url:
+        from gateway.dialects.responses.redis_store import RedisResponseStore
+
+        return RedisResponseStore(g.responses_store_url, g.responses_store_mb << 20)
+    from gateway.dialects.responses.store import ResponseStore
+
+    return ResponseStore(g.responses_store_mb << 20)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
     try:
         config = load_config(args.config, overrides=overrides_of(args))
     except (ConfigError, OSError) as e:
@@ -115,11 +131,15 @@ def main(argv: list[str] | None = None) -> int:
         return EX_CONFIG
     import uvicorn
 
+    from protocol.curve import ClusterKeyError
+    from telemetry.logs import setup_logging
+
     from .http.limits import HttpLimits, uvicorn_options
 
+    setup_logging("gateway", "gateway", config.observability.log_level, config.observability.log_format)
     try:
         app, _ = build(config)
-    except ConfigError as e:  # the model (configs/model_source.py): one line, and no restart helps
+    except (ConfigError, ClusterKeyError) as e:  # the model or the key: one line, and no restart helps
         print(f"pdserve gateway: {e}", file=sys.stderr)
         return EX_CONFIG
     g = config.gateway
@@ -127,8 +147,9 @@ def main(argv: list[str] | None = None) -> int:
     # uvicorn handles SIGINT/SIGTERM: stops accepting, finishes open responses, runs the lifespan exit,
     # then re-raises the signal under the handler found before it; a drained stop is a clean exit, so 0
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    uvicorn.run(app, host=config.gateway.host, port=config.gateway.port, log_level=args.log_level,
-                timeout_graceful_shutdown=30, **uvicorn_options(limits))
+    # log_config=None: uvicorn's records go through the root handler, in the format asked for
+    uvicorn.run(app, host=config.gateway.host, port=config.gateway.port, log_level=config.observability.log_level,
+                log_config=None, timeout_graceful_shutdown=30, **uvicorn_options(limits))
     return 0
 
 

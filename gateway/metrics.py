@@ -1,43 +1,82 @@
 """The gateway's Prometheus metrics, in a registry per app (no process-global state).
 
-Names follow vLLM where the meaning matches, under the ``pdserve:`` prefix.
+Request-level series are vLLM's (``vllm:`` names, buckets and the ``model_name`` label), exported where a
+request ends, which in P/D is here: one count per request whichever workers served it. The engine-level
+ones (running, waiting, KV usage, prefix cache) are the workers' (worker/metrics.py). ``pdserve:`` names
+what only P/D has: pools, routing, admission, the stores. ``process_*``: this process's CPU, memory, fds.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-                    10.0, 20.0, 40.0, 80.0, 160.0)
-_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
-                0.4, 0.5, 0.75, 1.0, 2.5)
+from telemetry.buckets import REQUEST_LATENCY_BUCKETS, TOKEN_LATENCY_BUCKETS, TTFT_BUCKETS, token_count_buckets
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+@dataclass(slots=True)
+class ChoiceTiming:
+    """One completion's life at the gateway (monotonic seconds), what the request histograms need."""
+
+    queue_time_s: float  # as its worker reported it (0 when it did not)
+    first_token_at: float | None  # None: no token came
+    last_token_at: float | None
+    num_output_tokens: int
+    finish_reason: str | None  # "stop" | "length"; None: it did not finish (aborted, failed)
 
 
 class GatewayMetrics:
     """Latency histograms, request outcomes and token counters of one gateway."""
 
-    def __init__(self) -> None:
+    def __init__(self, model_name: str = "", max_model_len: int = 1 << 20) -> None:
         self.registry = CollectorRegistry()
+        self.model_name = model_name
         r = self.registry
-        self.time_to_first_token = Histogram(
-            "pdserve:time_to_first_token_seconds", "Arrival to first generated token, per choice.",
-            buckets=_LATENCY_BUCKETS, registry=r)
-        self.inter_token_latency = Histogram(
-            "pdserve:inter_token_latency_seconds", "Time between consecutive token events of a choice.",
-            buckets=_ITL_BUCKETS, registry=r)
-        self.e2e_request_latency = Histogram(
-            "pdserve:e2e_request_latency_seconds", "Arrival to the last byte of the response.",
-            buckets=_LATENCY_BUCKETS, registry=r)
-        self.request_queue_time = Histogram(
-            "pdserve:request_queue_time_seconds", "Time a request waited for a worker, as reported by it.",
-            buckets=_LATENCY_BUCKETS, registry=r)
+        ProcessCollector(registry=r)
+
+        def histogram(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(f"vllm:{name}", doc, ["model_name"], buckets=buckets, registry=r).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(f"vllm:{name}", doc, ["model_name"], registry=r).labels(model_name)
+
+        self.time_to_first_token = histogram(
+            "time_to_first_token_seconds", "Arrival to first generated token, per choice.", TTFT_BUCKETS)
+        self.inter_token_latency = histogram(
+            "inter_token_latency_seconds", "Time between consecutive token events of a choice.", TOKEN_LATENCY_BUCKETS)
+        self.time_per_output_token = histogram(
+            "time_per_output_token_seconds", "Mean time per output token after the first, per choice "
+            "(vLLM's older name; inter_token_latency_seconds per token).", TOKEN_LATENCY_BUCKETS)
+        self.e2e_request_latency = histogram(
+            "e2e_request_latency_seconds", "Arrival to the last byte of the response.", REQUEST_LATENCY_BUCKETS)
+        self.request_queue_time = histogram(
+            "request_queue_time_seconds", "Time a request waited for a worker, as reported by it.",
+            REQUEST_LATENCY_BUCKETS)
+        self.request_prefill_time = histogram(
+            "request_prefill_time_seconds", "Leaving the queue to the first token (the prompt's prefill and its "
+            "KV transfer), per choice.", REQUEST_LATENCY_BUCKETS)
+        self.request_decode_time = histogram(
+            "request_decode_time_seconds", "First to last token of a choice.", REQUEST_LATENCY_BUCKETS)
+        self.request_inference_time = histogram(
+            "request_inference_time_seconds", "Leaving the queue to the last token, per choice.",
+            REQUEST_LATENCY_BUCKETS)
+        self.request_prompt_tokens = histogram(
+            "request_prompt_tokens", "Prompt tokens per finished request.", token_count_buckets(max_model_len))
+        self.request_generation_tokens = histogram(
+            "request_generation_tokens", "Generated tokens per finished request.", token_count_buckets(max_model_len))
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens.")
+        self.request_success = Counter(
+            "vllm:request_success", "Finished completions by finish reason (stop | length | abort).",
+            ["model_name", "finished_reason"], registry=r)
+        for reason in ("stop", "length", "abort"):  # listed from the first scrape, as vLLM's are
+            self.request_success.labels(model_name, reason)
         self.requests = Counter(
             "pdserve:requests", "Finished HTTP generation requests by outcome.", ["outcome"], registry=r)
-        self.prompt_tokens = Counter("pdserve:prompt_tokens", "Prompt tokens of finished requests.", registry=r)
-        self.generation_tokens = Counter("pdserve:generation_tokens", "Generated tokens.", registry=r)
         self.cached_prompt_tokens = Counter(
             "pdserve:cached_prompt_tokens", "Prompt tokens served from a prefix cache (not recomputed).",
             registry=r)
@@ -60,6 +99,9 @@ class GatewayMetrics:
             registry=r)
         self.worker_malformed_frames = Counter(
             "pdserve:worker_malformed_frames", "Frames from workers rejected by the codec (ignored).", registry=r)
+        self.rejected_frames = Counter(
+            "pdserve:rejected_frames", "Frames from workers refused, by reason (protocol/rejects.py: malformed, "
+            "bad_proof, identity_taken, unregistered, not_assigned, handler_error).", ["reason"], registry=r)
         # the Responses API's store (gateway/dialects/responses/store.py); read from it at each scrape
         self.stored_responses = Gauge("pdserve:stored_responses", "Responses held for previous_response_id.",
                                       registry=r)
@@ -70,6 +112,21 @@ class GatewayMetrics:
         self.workers_lost = Counter(
             "pdserve:workers_lost", "Workers removed from the registry, by reason (expired | goodbye).", ["reason"],
             registry=r)
+
+    def observe_choices(self, arrival: float, timings: list[ChoiceTiming], aborted: bool) -> None:
+        """A request's per-completion histograms and finish reasons, once it is over."""
+        for t in timings:
+            reason = t.finish_reason or ("abort" if aborted else None)
+            if reason is not None:
+                self.request_success.labels(self.model_name, reason).inc()
+            if t.first_token_at is None:
+                continue
+            started = arrival + t.queue_time_s
+            self.request_prefill_time.observe(max(t.first_token_at - started, 0.0))
+            self.request_decode_time.observe(t.last_token_at - t.first_token_at)
+            self.request_inference_time.observe(max(t.last_token_at - started, 0.0))
+            if t.num_output_tokens > 1:
+                self.time_per_output_token.observe((t.last_token_at - t.first_token_at) / (t.num_output_tokens - 1))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

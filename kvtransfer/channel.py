@@ -1,9 +1,11 @@
 """Message channels under the transfer protocol: frames in, frames out, never blocking.
 
 A frame list is ``[header bytes, optional raw block bytes]``. The receiver side serves many senders,
-so its frames carry a peer id. ``InprocServer`` (one process: tests, loopback) and ``ZmqServer`` /
+so its frames carry a peer id, and the sender's CURVE public key ("" in-process or on an insecure
+plane: protocol/curve.py). ``InprocServer`` (one process: tests, loopback) and ``ZmqServer`` /
 ``ZmqClient`` (ROUTER / DEALER) implement the same small interface (``ServerChannel``, ``ClientChannel``);
-the transport a pair uses (kvtransfer/transports/) rides on top of it.
+the transport a pair uses (kvtransfer/transports/) rides on top of it. A ``ZmqClient`` reports a lost
+connection (closed, or its ZMTP heartbeats stopped) once through ``take_lost``.
 """
 
 from __future__ import annotations
@@ -16,17 +18,21 @@ from typing import Any
 import torch
 import zmq
 
+from zmq.utils.monitor import recv_monitor_message
+
+from protocol.curve import PlaneSecurity
 from protocol.zmq_util import bind, make_socket
 
 Frames = list[Any]  # bytes, memoryview or zmq.Frame
 
 
 class ServerChannel(abc.ABC):
-    """The receiver's end: (peer id, frames) from many senders."""
+    """The receiver's end: (peer id, frames, the peer's public key or "") from many senders."""
 
     @abc.abstractmethod
-    def recv(self) -> tuple[bytes, Frames] | None:
-        """The next message and the peer that sent it; None when none waits (never blocks)."""
+    def recv(self) -> tuple[bytes, Frames, str] | None:
+        """The next message, the peer that sent it and its CURVE public key ("" in-process or on an
+        insecure plane); None when none waits (never blocks)."""
 
     @abc.abstractmethod
     def send(self, peer: bytes, frames: Frames) -> bool:
@@ -60,6 +66,10 @@ class ClientChannel(abc.ABC):
         """(receiver pool tensor, receiver fence) when both ends share this process, else None."""
         return None
 
+    def take_lost(self) -> bool:
+        """True (once) when the connection to the receiver went down since the last call."""
+        return False
+
     @property
     def socket(self) -> zmq.Socket | None:
         """The socket whose readiness means replies wait (for a poller to sleep on); None: in-process."""
@@ -87,7 +97,7 @@ class InprocServer(ServerChannel):
         return client
 
     def recv(self):
-        return self._incoming.popleft() if self._incoming else None
+        return (*self._incoming.popleft(), "") if self._incoming else None
 
     def send(self, peer, frames):
         client = self._clients.get(peer)
@@ -123,8 +133,11 @@ class InprocClient(ClientChannel):
 class ZmqServer(ServerChannel):
     """ROUTER bound to one interface; ``max_msg_size`` makes zmq drop any peer sending more."""
 
-    def __init__(self, ctx: zmq.Context, interface: str, port: int = 0, *, max_msg_size: int, hwm: int = 256):
+    def __init__(self, ctx: zmq.Context, interface: str, port: int = 0, *, max_msg_size: int, hwm: int = 256,
+                 security: PlaneSecurity | None = None):
         self.sock = make_socket(ctx, zmq.ROUTER, hwm=hwm, max_msg_size=max_msg_size)
+        self._security = security or PlaneSecurity(None)
+        self._security.server(self.sock)
         self.endpoint = bind(self.sock, interface, port)
 
     @property
@@ -136,7 +149,7 @@ class ZmqServer(ServerChannel):
             parts = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
         except zmq.Again:
             return None
-        return parts[0].bytes, [p.buffer for p in parts[1:]]
+        return parts[0].bytes, [p.buffer for p in parts[1:]], self._security.peer_of(parts[-1])
 
     def send(self, peer, frames):
         try:
@@ -152,9 +165,17 @@ class ZmqServer(ServerChannel):
 class ZmqClient(ClientChannel):
     """DEALER; large frames go ``copy=False`` (the caller keeps the buffer alive until credited)."""
 
-    def __init__(self, ctx: zmq.Context, endpoint: str, *, max_msg_size: int = 1 << 20, hwm: int = 256):
+    def __init__(self, ctx: zmq.Context, endpoint: str, *, max_msg_size: int = 1 << 20, hwm: int = 256,
+                 security: PlaneSecurity | None = None):
         self.sock = make_socket(ctx, zmq.DEALER, hwm=hwm, max_msg_size=max_msg_size)
-        self.sock.connect(endpoint)
+        (security or PlaneSecurity(None)).client(self.sock)
+        self._monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        self.num_connected = 0  # connections that completed their handshake, as far as take_lost has read
+        try:
+            self.sock.connect(endpoint)
+        except zmq.ZMQError:
+            self.close()
+            raise
 
     @property
     def socket(self) -> zmq.Socket:
@@ -173,5 +194,16 @@ class ZmqClient(ClientChannel):
         except zmq.Again:  # no connected receiver yet, or its queue is full
             return False
 
+    def take_lost(self) -> bool:
+        lost = False
+        while self._monitor.poll(0):
+            event = recv_monitor_message(self._monitor)["event"]
+            lost |= event == zmq.EVENT_DISCONNECTED
+            self.num_connected += event == zmq.EVENT_HANDSHAKE_SUCCEEDED
+        return lost
+
     def close(self):
+        if not self.sock.closed:  # idempotent; a context destroyed first closed it already
+            self.sock.disable_monitor()
+        self._monitor.close(linger=0)
         self.sock.close(linger=0)

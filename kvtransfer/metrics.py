@@ -33,6 +33,13 @@ class TransferMetrics:
             "pdserve:kv_blocks_held_for_peer", "Blocks reserved for incoming transfers", registry=registry)
         self.handshakes = Counter(
             "pdserve:kv_handshakes", "Handshakes by result", ["result"], registry=registry)
+        # Every frame this process refused from a peer, by reason (protocol/rejects.py); the node's server
+        # loop and its transfer plane count here alike.
+        self.rejected_frames = Counter(
+            "pdserve:rejected_frames", "Frames from peers refused, by reason", ["reason"], registry=registry)
+
+    def count_rejected(self, reason: str) -> None:
+        self.rejected_frames.labels(reason).inc()
 
     def observe_transfer(self, transport: str, num_bytes: int, seconds: float) -> None:
         self.transfer_bytes.labels(transport).observe(num_bytes)

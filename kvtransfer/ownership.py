@@ -44,6 +44,7 @@ class Verdict(enum.Enum):
     OUT_OF_RANGE = "out_of_range"  # block ids outside the reserved range
     INCOMPLETE = "incomplete"  # commit before every reserved block was written
     WRONG_STATE = "wrong_state"  # e.g. a write after commit
+    NOT_ASSIGNED = "not_assigned"  # the writer's key is not the one the range was reserved for
 
 
 class OwnershipError(RuntimeError):
@@ -61,6 +62,7 @@ class Reservation:
     state: RangeState = RangeState.RESERVED
     written: set[int] = field(default_factory=set)
     first_write_at: float | None = None
+    sender_key: str = ""  # the only peer key that may write or commit it ("": any, insecure plane)
 
 
 class OwnershipTable:
@@ -98,7 +100,8 @@ class OwnershipTable:
 
     # -- receiver-side calls ------------------------------------------------------------------
     def reserve(
-        self, rid: str, generation: int, block_ids: Iterable[int], sender_incarnation: str | None = None
+        self, rid: str, generation: int, block_ids: Iterable[int], sender_incarnation: str | None = None,
+        sender_key: str = "",
     ) -> Reservation:
         ids = tuple(block_ids)
         if not ids or len(set(ids)) != len(ids):
@@ -109,7 +112,7 @@ class OwnershipTable:
         if taken:
             raise OwnershipError(f"blocks {taken} are already held by {self._owner_of[taken[0]]!r}")
         now = self._clock()
-        r = Reservation(rid, generation, ids, sender_incarnation, now + self.lease_s, now)
+        r = Reservation(rid, generation, ids, sender_incarnation, now + self.lease_s, now, sender_key=sender_key)
         self._live[rid] = r
         self._ended.pop(rid, None)
         for b in ids:
@@ -141,10 +144,10 @@ class OwnershipTable:
         return expired
 
     # -- sender-driven calls (each frame from the wire) --------------------------------------
-    def write(self, rid: str, generation: int, incarnation: str, block_ids: Iterable[int]) -> Verdict:
+    def write(self, rid: str, generation: int, incarnation: str, block_ids: Iterable[int], key: str = "") -> Verdict:
         """Check a write before its bytes are applied; on OK the blocks count as written."""
         ids = list(block_ids)
-        r, verdict = self._check(rid, generation, incarnation)
+        r, verdict = self._check(rid, generation, incarnation, key)
         if verdict is Verdict.OK and r.state == RangeState.COMMITTED:
             verdict = Verdict.WRONG_STATE
         if verdict is Verdict.OK and any(self._owner_of.get(b) != rid for b in ids):
@@ -160,8 +163,8 @@ class OwnershipTable:
         r.lease_deadline = now + self.lease_s  # progress renews the lease
         return verdict
 
-    def commit(self, rid: str, generation: int, incarnation: str) -> Verdict:
-        r, verdict = self._check(rid, generation, incarnation)
+    def commit(self, rid: str, generation: int, incarnation: str, key: str = "") -> Verdict:
+        r, verdict = self._check(rid, generation, incarnation, key)
         if verdict is Verdict.OK and r.state == RangeState.COMMITTED:
             return verdict  # a retried commit is harmless
         if verdict is Verdict.OK and len(r.written) != len(r.block_ids):
@@ -185,12 +188,14 @@ class OwnershipTable:
         return list(self._live.values())
 
     # -- internals --------------------------------------------------------------------------
-    def _check(self, rid: str, generation: int, incarnation: str) -> tuple[Reservation | None, Verdict]:
+    def _check(self, rid: str, generation: int, incarnation: str, key: str) -> tuple[Reservation | None, Verdict]:
         if incarnation not in self._peers:
             return None, Verdict.UNKNOWN_INCARNATION
         r = self._live.get(rid)
         if r is None or r.generation != generation:
             return None, Verdict.STALE
+        if r.sender_key and key != r.sender_key:
+            return None, Verdict.NOT_ASSIGNED
         if r.sender_incarnation not in (None, incarnation):
             return None, Verdict.UNKNOWN_INCARNATION
         return r, Verdict.OK

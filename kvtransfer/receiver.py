@@ -7,10 +7,16 @@ Life of one transfer on the receiver:
    into the pool) or just recorded (the sender already copied them); a ``Credit`` goes back either way;
 4. ``Commit`` checks every reserved block was written -> event(ok, first token); the node ``adopt``s;
 5. otherwise abort or lease expiry hands the blocks back through ``release`` -> event(not ok).
+
+Who may write: a range reserved with a ``sender_key`` (the CURVE public key of the prefill worker the
+gateway assigned, protocol/curve.py) takes writes, its commit and its abort only from a connection
+authenticated with that key; anyone else's frames for it are refused (``not_assigned``), so a cluster
+member that was not given the request cannot put KV into it, nor into the prefix cache through it.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import time
@@ -31,11 +37,13 @@ from kvtransfer.pool import BlockPool
 from kvtransfer.shm_pool import SharedTensor, create_shared
 from kvtransfer.transports import FALLBACK, TRANSPORTS, Exports, Pair
 from protocol.codec import WireError, decode, encode
+from protocol.rejects import RejectLog
 from protocol.kv_messages import (
     Abort, BlockWrite, Commit, CommitAck, Credit, CudaIpcHandle, Handshake, HandshakeReply, WriteRejected,
 )
 
 MAX_HEADER_BYTES = 64 * 1024
+log = logging.getLogger(__name__)
 
 
 class KVReceiver:
@@ -51,8 +59,10 @@ class KVReceiver:
         credits: int = 256,
         shm_pool_name: str | None = None,
         clock: Callable[[], float] = time.monotonic,
+        rejects: RejectLog | None = None,
     ):
         self.pool = pool
+        self.rejects = rejects or RejectLog(log, metrics.count_rejected)
         self.compat = compat_of(model, pool.layout)
         self.incarnation = new_incarnation()
         self.channel = channel
@@ -66,6 +76,7 @@ class KVReceiver:
         self._fence: SharedTensor = create_shared((pool.layout.num_blocks,), torch.int64,
                                                     prefix=f"fence-{os.getpid()}")  # pid: a supervisor cleans up after us
         self._peer_of: dict[bytes, str] = {}  # channel peer id -> sender incarnation
+        self._key_of: dict[bytes, str] = {}  # channel peer id -> its public key at handshake
         self._transport_of: dict[str, str] = {}  # sender incarnation -> transport
         self._events: list[TransferEvent] = []
         self._cuda_handle: CudaIpcHandle | None = None
@@ -73,8 +84,10 @@ class KVReceiver:
         self._has_loopback = channel.offer_loopback(pool.tensor, self._fence.tensor)
 
     # -- decode-node calls -------------------------------------------------------------------
-    def reserve(self, rid: str, generation: int, block_ids: list[int], sender_incarnation: str | None = None):
-        self.table.reserve(rid, generation, block_ids, sender_incarnation)
+    def reserve(self, rid: str, generation: int, block_ids: list[int], sender_incarnation: str | None = None,
+                sender_key: str = ""):
+        """``sender_key``: only the peer authenticated with this key may write the range ("": any peer)."""
+        self.table.reserve(rid, generation, block_ids, sender_incarnation, sender_key=sender_key)
         self._fence.tensor[torch.tensor(block_ids)] = fences.fence_token(rid, generation)
         self.metrics.blocks_held_for_peer.set(len(self.table.held_blocks()))
 
@@ -94,7 +107,10 @@ class KVReceiver:
             message = self.channel.recv()
             if message is None:
                 break
-            self._handle(*message)
+            try:
+                self._handle(*message)
+            except Exception as exc:  # one bad message must not take the node down
+                self.rejects.reject("handler_error", message[2] or message[0].hex(), repr(exc), exc_info=True)
         for r in self.table.expire():
             self.metrics.expired_leases.inc()
             self._fail(r.rid, r.generation, "lease expired", r.block_ids)
@@ -111,7 +127,7 @@ class KVReceiver:
         self._fence.unlink()
 
     # -- frames ------------------------------------------------------------------------------
-    def _handle(self, peer: bytes, frames: list) -> None:
+    def _handle(self, peer: bytes, frames: list, key: str = "") -> None:
         try:
             if not frames:
                 raise WireError("empty message")
@@ -120,11 +136,12 @@ class KVReceiver:
                 raise WireError(f"{type(record).__name__} with {len(frames)} frames")
             if not isinstance(record, (Handshake, BlockWrite, Commit, Abort)):
                 raise WireError(f"{type(record).__name__} is not a sender's message")
-        except WireError:
+        except WireError as exc:
             self.metrics.malformed_frames.inc()
+            self.rejects.reject("malformed", key or peer.hex(), str(exc))
             return
         if isinstance(record, Handshake):
-            self._on_handshake(peer, record)
+            self._on_handshake(peer, record, key)
         elif self._peer_of.get(peer) != record.sender_incarnation:
             self._reject(peer, record, Verdict.UNKNOWN_INCARNATION)  # no handshake, or spoofed incarnation
         elif isinstance(record, BlockWrite):
@@ -136,11 +153,13 @@ class KVReceiver:
             # Once committed the range is the decode node's (a "committed" event may already be on its
             # way to it): a sender's abort arriving after its own commit has nothing left to abort.
             live = r is not None and r.state != RangeState.COMMITTED
-            if live and r.sender_incarnation in (None, record.sender_incarnation):
+            if live and r.sender_key and r.sender_key != self._key_of.get(peer):
+                self.rejects.reject("not_assigned", self._key_of.get(peer, ""), f"abort of {record.rid[:64]}")
+            elif live and r.sender_incarnation in (None, record.sender_incarnation):
                 if self.table.abort(record.rid, record.generation):
                     self._fail(record.rid, record.generation, f"aborted by sender: {record.reason}", r.block_ids)
 
-    def _on_handshake(self, peer: bytes, hs: Handshake) -> None:
+    def _on_handshake(self, peer: bytes, hs: Handshake, key: str = "") -> None:
         field = first_mismatch(self.compat, hs.compat)
         if field is not None:
             self.metrics.handshakes.labels("refused").inc()
@@ -153,6 +172,7 @@ class KVReceiver:
             for r in self.table.forget_peer(old):
                 self._fail(r.rid, r.generation, "sender restarted", r.block_ids)
         self._peer_of[peer] = hs.sender_incarnation
+        self._key_of[peer] = key
         self.table.register_peer(hs.sender_incarnation)
         transport = self._choose_transport(hs)
         self._transport_of[hs.sender_incarnation] = transport
@@ -182,7 +202,8 @@ class KVReceiver:
             self.metrics.malformed_frames.inc()
             self._reject(peer, w, Verdict.OUT_OF_RANGE)
             return
-        verdict = self.table.write(w.rid, w.generation, w.sender_incarnation, w.dst_block_ids)
+        verdict = self.table.write(w.rid, w.generation, w.sender_incarnation, w.dst_block_ids,
+                                   key=self._key_of.get(peer, ""))
         if verdict is Verdict.OK and w.inline:
             layout = self.pool.layout
             with warnings.catch_warnings():  # zmq frames are read-only; we copy out of them at once
@@ -195,7 +216,7 @@ class KVReceiver:
             self._reject(peer, w, verdict)
 
     def _on_commit(self, peer: bytes, c: Commit) -> None:
-        verdict = self.table.commit(c.rid, c.generation, c.sender_incarnation)
+        verdict = self.table.commit(c.rid, c.generation, c.sender_incarnation, key=self._key_of.get(peer, ""))
         r = self.table.get(c.rid)
         if verdict is Verdict.INCOMPLETE:  # a sender bug: never let a half-written range decode
             self.table.abort(c.rid, c.generation)
@@ -212,6 +233,8 @@ class KVReceiver:
 
     def _reject(self, peer: bytes, record, verdict: Verdict) -> None:
         self.metrics.rejected_writes.labels(verdict.value).inc()
+        if verdict is Verdict.NOT_ASSIGNED:
+            self.rejects.reject("not_assigned", self._key_of.get(peer, ""), f"write for {record.rid[:64]}")
         self.channel.send(peer, [encode(WriteRejected(record.rid, record.generation, verdict.value))])
 
     def _fail(self, rid: str, generation: int, reason: str, block_ids) -> None:

@@ -44,6 +44,7 @@ from protocol.kv_messages import (
 
 DEFAULT_DEADLINE_S = 30.0
 MAX_FINISHED = 4096
+MAX_CREDITS = 1 << 16  # blocks in flight a receiver may grant; more is a hostile or broken reply
 
 
 class HandshakeError(RuntimeError):
@@ -93,6 +94,7 @@ class KVSender:
         self._handshake_reply: HandshakeReply | None = None
         self._clock = clock
         self.transport = ""  # chosen at handshake
+        self.peer_num_blocks = 0  # the receiver's pool: destination block ids are below it
         self.peer_incarnation = ""
         self._credits = 0
         self._window = 0
@@ -139,7 +141,15 @@ class KVSender:
         if not reply.accepted:
             self._end_handshake(HandshakeError(reply.error, reply.mismatched_field))
             return
-        self._attach(reply)
+        error = self._reply_error(reply)
+        if not error:
+            try:
+                self._attach(reply)
+            except (ValueError, OSError, RuntimeError) as exc:  # a name that is not there, a size that differs
+                error = f"cannot map the receiver's pool: {str(exc)[:200]}"
+        if error:
+            self._end_handshake(HandshakeError(f"invalid handshake reply: {error}"))
+            return
         self.transport, self.peer_incarnation = reply.transport, reply.receiver_incarnation
         self._credits = self._window = reply.credits
         self.needs_handshake = False
@@ -150,12 +160,33 @@ class KVSender:
         self.handshake_error = error
         self._handshake_give_up = None
 
+    def _reply_error(self, reply: HandshakeReply) -> str:
+        """Why an accepted reply cannot be used ("" when it can): the receiver is a peer, not trusted."""
+        if reply.transport not in self.transports:
+            return f"transport {reply.transport[:40]!r} was not offered"
+        if reply.transport == "loopback" and self.channel.loopback_target() is None:
+            return "loopback outside one process"
+        if not 1 <= reply.credits <= MAX_CREDITS:
+            return f"credits {reply.credits} outside [1, {MAX_CREDITS}]"
+        if reply.transport != "zmq" and reply.num_blocks != self.pool.layout.num_blocks:
+            return f"pool of {reply.num_blocks} blocks, expected {self.pool.layout.num_blocks}"
+        if reply.transport in ("shm", "cuda_ipc") and reply.shm_fence_name is None:
+            return "no fence"
+        if reply.transport == "shm" and reply.shm_pool_name is None:
+            return "no shm pool"
+        if reply.transport == "cuda_ipc" and reply.cuda_pool is None:
+            return "no cuda pool handle"
+        if reply.num_blocks < 1:
+            return f"pool of {reply.num_blocks} blocks"
+        return ""
+
     def _attach(self, reply: HandshakeReply) -> None:
         layout = self.pool.layout
         transport = TRANSPORTS.get(reply.transport)
         assert transport is not None, reply.transport
         self._target = transport.attach(reply, layout, self.channel)
         assert reply.num_blocks == layout.num_blocks or self._target is None
+        self.peer_num_blocks = reply.num_blocks
 
     # -- prefill-node calls --------------------------------------------------------------------
     def send(self, rid: str, generation: int, src_block_ids: list[int], dst_block_ids: list[int]) -> None:
@@ -268,8 +299,15 @@ class KVSender:
             torch.cuda.current_stream(remote.device).synchronize()  # bytes land before the header
         return BlockWrite(t.rid, t.generation, self.incarnation, dst, False, 0), [], None
 
+    def fail_all(self, reason: str) -> None:
+        """The receiver is gone: every transfer to it fails and unpins now."""
+        for t in list(self._transfers.values()):
+            self._finish(t, False, reason)
+
     def _on_message(self, frames: list) -> None:
         try:
+            if len(frames) != 1:
+                raise WireError(f"{len(frames)} frames")
             msg = decode(frames[0])
         except WireError:
             return  # a broken reply: the deadline decides

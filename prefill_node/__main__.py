@@ -14,6 +14,7 @@ import zmq
 
 from configs.schema import EX_CONFIG, ConfigError
 from prefill_node.build import build_prefill_server
+from protocol.curve import ClusterKeyError
 from worker import default_worker_id, install_drain, serve_http, setup_logging
 from worker.cli import load_worker_config
 
@@ -27,11 +28,11 @@ def main(argv: list[str] | None = None) -> int:
     config, log_level = loaded
     if not config.prefill.worker_id:  # named once: the log lines of the start-up carry it too
         config.prefill.worker_id = default_worker_id("prefill")
-    setup_logging("prefill", config.prefill.worker_id, log_level)
+    setup_logging("prefill", config.prefill.worker_id, log_level, config.observability.log_format)
     ctx = zmq.Context()
     try:
         server = build_prefill_server(config, ctx)
-    except ConfigError as exc:  # the model: one line, and no restart helps (configs/model_source.py)
+    except (ConfigError, ClusterKeyError) as exc:  # the model or the key: one line, and no restart helps
         print(f"pdserve prefill: {exc}", file=sys.stderr)
         return EX_CONFIG
     http = serve_http(config.prefill.host, config.prefill.http_port, server.metrics.registry, server.is_ready)

@@ -9,9 +9,12 @@ from configs.model_source import resolve_model
 from configs.schema import PdserveConfig
 from engine.llm import build_engine
 from kvtransfer.transports import TRANSPORTS
+from telemetry.tracing import tracer_for
 from prefill_node.metrics import PrefillMetrics
 from prefill_node.options import PrefillOptions
 from prefill_node.server import PrefillServer
+from protocol.curve import plane_security
+from worker.gateway_links import loss_timeout_s
 from worker.identity import default_worker_id, kv_model_name
 
 
@@ -23,6 +26,7 @@ def options_from_config(config: PdserveConfig) -> PrefillOptions:
         port=config.prefill.port,
         gateway_address=config.prefill.gateway_address,
         heartbeat_s=config.gateway.worker_heartbeat_s or 5.0,
+        gateway_timeout_s=loss_timeout_s(config.gateway.worker_timeout_s, config.gateway.worker_heartbeat_s or 5.0),
         transports=tuple(TRANSPORTS) if transport == "auto" else (transport,),
         transfer_deadline_s=config.transfer.lease_seconds or 30.0,  # the receiver's lease: same horizon
         drain_timeout_s=config.prefill.drain_timeout_s,
@@ -36,6 +40,10 @@ def resolve_model_path(config: PdserveConfig) -> str:
 
 def build_prefill_server(config: PdserveConfig, ctx: zmq.Context,
                          registry: CollectorRegistry | None = None) -> PrefillServer:
+    """Raises ClusterKeyError (before loading the model) without a usable cluster key."""
+    security = plane_security(config.transfer.cluster_key_file, config.transfer.insecure)
     engine = build_engine(resolve_model_path(config), config.model, config.engine, lora_cfg=config.lora)
-    metrics = PrefillMetrics(registry or CollectorRegistry())
-    return PrefillServer(engine, kv_model_name(config.model.path), ctx, options_from_config(config), metrics)
+    metrics = PrefillMetrics(registry or CollectorRegistry(), config.model.name_for_clients())
+    options = options_from_config(config)
+    tracer = tracer_for("prefill", options.worker_id, config.observability.otlp_traces_endpoint)
+    return PrefillServer(engine, kv_model_name(config.model.path), ctx, options, metrics, security, tracer)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from engine.sequence import Sequence
 from protocol.serving import PrefillJob
+from telemetry.tracing import RequestTrace
 
 
 class JobPhase(enum.IntEnum):
@@ -38,6 +39,7 @@ class JobState:
     next_block: int = 0  # first block index (of token_ids) not yet pushed
     is_sending: bool = False  # the KV sender has a live transfer for it (abort must tell the receiver)
     guide: Future | None = None  # its structured output's guide while that compiles, with its deadline (then on seq)
+    trace: RequestTrace | None = None  # its span here when the decode worker traces it (telemetry/tracing.py)
 
     @property
     def rid(self) -> str:

@@ -8,6 +8,7 @@ from engine.block_manager import cdiv
 from engine.sampling_params import SamplingError
 from engine.sequence import vocab_error
 from prefill_node.sampling import first_token_params
+from protocol.endpoints import endpoint_error
 from protocol.serving import PrefillJob
 
 
@@ -22,6 +23,8 @@ class JobLimits:
 def check_job(job: PrefillJob, limits: JobLimits, now: float) -> str:
     """Empty string when ``job`` can run here, else the reason (names the limit and the value)."""
     n, bs = len(job.token_ids), limits.block_size
+    if error := endpoint_error(job.kv_address):
+        return f"kv_address: {error}"
     try:
         params = first_token_params(job.sampling)
     except SamplingError as exc:

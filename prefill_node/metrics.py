@@ -11,9 +11,9 @@ from worker.metrics import EngineMetrics, EngineSnapshot
 
 
 class PrefillMetrics:
-    def __init__(self, registry: CollectorRegistry):
+    def __init__(self, registry: CollectorRegistry, model_name: str = ""):
         self.registry = registry
-        self.engine = EngineMetrics(registry)
+        self.engine = EngineMetrics(registry, model_name, prompt_series="pdserve:prefill_computed_tokens_total")
         self.transfer = TransferMetrics(registry)
         self.jobs = Counter("pdserve:prefill_jobs", "Prefill jobs received", registry=registry)
         self.jobs_rejected = Counter(

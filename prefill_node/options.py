@@ -14,6 +14,7 @@ class PrefillOptions:
     port: int = 0  # 0: any free port (the heartbeat tells the gateway which)
     gateway_address: str = "tcp://127.0.0.1:8001"
     heartbeat_s: float = 5.0
+    gateway_timeout_s: float = 15.0  # a gateway that acks no heartbeat this long is lost: its jobs abort
     transports: tuple[str, ...] = tuple(TRANSPORTS)  # offered at handshake, best first
     transfer_deadline_s: float = 30.0  # a receiver silent this long fails the transfer and unpins
     handshake_timeout_s: float = 5.0
@@ -22,4 +23,4 @@ class PrefillOptions:
     idle_poll_ms: int = 20  # how long an idle loop waits on its sockets
 
     def __post_init__(self) -> None:
-        assert self.worker_id and self.heartbeat_s > 0 and self.transports, (self.worker_id, self.transports)
+        assert self.worker_id and self.heartbeat_s > 0 and self.gateway_timeout_s > 0 and self.transports, (self.worker_id, self.transports)

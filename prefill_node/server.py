@@ -23,8 +23,12 @@ Life cycle of a request on this node:
    expired or retried) is an abort, whichever of the refusal and D's ``AbortRequest`` arrives first.
 6. ``AbortRequest`` (from D or the gateway) at any phase — queued, prefilling, transferring — frees
    everything here and aborts the transfer. Past its deadline a job fails the same way.
-Around it: a Heartbeat to the gateway every interval (queued prefill tokens, KV block counts),
+Around it: a Heartbeat to every gateway every interval (queued prefill tokens, KV block counts); a
+gateway that stops acking them (worker/gateway_links.py) takes its jobs with it, aborted as in 6.
 /metrics, /health, /ready, and SIGTERM drain (no new jobs, finish in-flight, Goodbye, exit).
+Every socket is CURVE-authenticated with the cluster key (protocol/curve.py). A frame that fails to
+decode or validate is refused and counted (``pdserve:rejected_frames_total{reason}``); one whose handling
+raises is counted as ``handler_error``, its job failed, and the loop goes on.
 """
 
 from __future__ import annotations
@@ -56,8 +60,12 @@ from prefill_node.metrics import PrefillMetrics
 from prefill_node.options import PrefillOptions
 from prefill_node.sampling import first_token_params
 from protocol.codec import WireError, decode, encode
+from protocol.curve import PlaneSecurity
+from protocol.rejects import RejectLog
 from protocol.serving import AbortRequest, Goodbye, Heartbeat, LoRAAdapterSet, PrefillFailed, PrefillJob, TokenEvent
 from protocol.zmq_util import bind, make_socket
+from telemetry.tracing import NO_TRACING, Tracer
+from worker.gateway_links import GatewayLinks
 from worker.drain import Drain
 from worker.gateway_socket import WorkerSocket
 from worker.heartbeat import HeartbeatTimer
@@ -68,8 +76,12 @@ log = logging.getLogger(__name__)
 
 class PrefillServer:
     def __init__(self, engine: LLMEngine, model_name: str, ctx: zmq.Context, options: PrefillOptions,
-                 metrics: PrefillMetrics):
+                 metrics: PrefillMetrics, security: PlaneSecurity | None = None, tracer: Tracer = NO_TRACING):
+        security = security or PlaneSecurity(None)
+        self.security = security
+        self.rejects = RejectLog(log, metrics.transfer.count_rejected)
         self.options = options
+        self.tracer = tracer
         self.scheduler = engine.scheduler
         self.runner = engine.runner
         self.new_guide_async = engine.new_guide_async  # a structured output's matcher, compiled off the loop
@@ -79,15 +91,16 @@ class PrefillServer:
         bm, cfg = self.block_manager, engine.model_config
         self.limits = JobLimits(cfg.vocab_size, bm.block_size, bm.num_blocks, self.scheduler.config.max_model_len)
         self._eos_token_ids = list(cfg.eos_token_ids)
-        self.router = make_socket(ctx, zmq.ROUTER, hwm=1024, max_msg_size=options.max_frame_bytes)
+        self.router = security.server(make_socket(ctx, zmq.ROUTER, hwm=1024, max_msg_size=options.max_frame_bytes))
         self.address = bind(self.router, options.host, options.port)  # our endpoint in heartbeats
-        self.gateway = WorkerSocket(ctx, options.gateway_address, options.worker_id,
-                                    accepted=(AbortRequest, LoRAAdapterSet))
+        self.gateway = GatewayLinks(ctx, options.gateway_address, options.worker_id, accepted=(AbortRequest, LoRAAdapterSet),
+                                    timeout_s=options.gateway_timeout_s, resolve_interval_s=options.heartbeat_s,
+                                    security=security)
         self.lora_sync = LoRASync(engine.runner.lora)
         self.senders = KVSenders(ctx, self.runner.kv_pool, model_name, metrics.transfer,
                                  transports=options.transports, deadline_s=options.transfer_deadline_s,
                                  handshake_timeout_s=options.handshake_timeout_s,
-                                 max_frame_bytes=options.max_frame_bytes)
+                                 max_frame_bytes=options.max_frame_bytes, security=security)
         self.pins = BlockPins(bm)
         self.incarnation = uuid.uuid4().hex
         self.jobs: dict[str, JobState] = {}  # every live job, any phase
@@ -150,28 +163,40 @@ class PrefillServer:
         self.senders.close()
         self.router.close(linger=0)
         self.gateway.close()
+        self.security.close()
 
     # ---- messages in ----
     def _receive(self, timeout_ms: int) -> None:
         if timeout_ms:
             poller = zmq.Poller()
-            for sock in (self.router, self.gateway.sock, *self.senders.sockets()):
+            for sock in (self.router, *self.gateway.sockets(), *self.senders.sockets()):
                 poller.register(sock, zmq.POLLIN)
             poller.poll(timeout_ms)
         while True:
             try:
-                frames = self.router.recv_multipart(zmq.NOBLOCK)
+                frames = self.router.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 break
-            self._on_frames(frames)
+            key = self.security.peer_of(frames[-1])
+            try:
+                self._on_frames([f.bytes for f in frames], key)
+            except Exception as exc:  # a bug met by one message: count it, fail its job, keep serving
+                self._on_handler_error(frames[0].bytes, key, exc)
         for record in self.gateway.poll():
             if isinstance(record, LoRAAdapterSet):
                 self.lora_sync.apply(record)
                 self._heartbeat.fire_now()  # the gateway waits for the version applied
             else:
                 self._abort(record.rid, f"gateway: {record.reason}")
+        for gateway_id in self.gateway.lost():
+            for state in [s for s in self.jobs.values() if s.job.gateway_id == gateway_id]:
+                self._abort(state.rid, f"gateway {gateway_id} lost")
 
-    def _on_frames(self, frames: list[bytes]) -> None:
+    def _on_handler_error(self, peer: bytes, key: str, exc: Exception) -> None:
+        # The job it carried, if any, is either not recorded yet or fails later by its deadline.
+        self.rejects.reject("handler_error", key or peer.hex(), repr(exc), exc_info=True)
+
+    def _on_frames(self, frames: list[bytes], key: str = "") -> None:
         peer = frames[0]
         try:
             if len(frames) != 2:
@@ -181,7 +206,7 @@ class PrefillServer:
                 raise WireError(f"{type(record).__name__} is not a decode worker's message")
         except WireError as exc:
             self.metrics.malformed_frames.inc()
-            log.warning("rejected frame from %r: %s", peer[:32], str(exc)[:200])
+            self.rejects.reject("malformed", key or peer.hex(), str(exc))
             return
         if isinstance(record, AbortRequest):
             self._abort(record.rid, f"decode worker: {record.reason}")
@@ -193,6 +218,8 @@ class PrefillServer:
         if job.rid in self.jobs:  # a retry under a new generation replaces the old attempt
             self._abort(job.rid, "superseded")
         reason = "draining" if self.draining else check_job(job, self.limits, time.time())
+        if reason and reason != "draining":
+            self.rejects.reject("invalid_value", peer.hex(), f"job {job.rid[:64]}: {reason}")
         if reason:
             self._reply_failed(peer, job.rid, job.generation, reason, label="bad_job" if reason != "draining" else "draining")
             return
@@ -207,6 +234,11 @@ class PrefillServer:
                          next_block=job.skip_tokens // bs)
         if params.structured_output is not None:
             state.guide = self.new_guide_async(params)
+        if self.tracer.enabled:
+            state.trace = self.tracer.request("prefill", job.traceparent, **{
+                "gen_ai.request.id": job.rid, "pdserve.worker_id": self.options.worker_id,
+                "pdserve.prompt_tokens": len(job.token_ids), "pdserve.skip_tokens": job.skip_tokens})
+            state.trace.phase("queue")
         self.jobs[job.rid] = state
         self._queue.append(state)
         log.info("rid=%s job: %d tokens, skip %d, %d dst blocks, generation %d", job.rid, len(job.token_ids),
@@ -226,6 +258,11 @@ class PrefillServer:
                     continue
             except HandshakeError as exc:
                 self._fail(state, f"handshake with {state.job.kv_address} failed: {exc}", label="handshake")
+                continue
+            sender = self.senders.get(state.job.kv_address)
+            if max(state.job.dst_block_ids) >= sender.peer_num_blocks:
+                self._fail(state, f"destination block {max(state.job.dst_block_ids)} is outside the receiver's "
+                                  f"pool of {sender.peer_num_blocks} blocks", label="bad_job")
                 continue
             if used + state.num_blocks_needed > self.block_manager.num_blocks:
                 break  # first come, first served: no overtaking a job that waits for blocks
@@ -256,11 +293,17 @@ class PrefillServer:
 
     # ---- one step ----
     def _step(self, batch: ScheduledBatch) -> None:
+        started_ns = time.time_ns() if self.tracer.enabled else 0
         sampled = self.runner.execute(batch)
         self.metrics.computed_tokens.inc(batch.num_batched_tokens)
         rows = {seq.seq_id: j for j, seq in enumerate(batch.sample_seqs)}
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             state = self._by_seq[seq.seq_id]
+            if state.trace:
+                if state.phase == JobPhase.QUEUED:
+                    state.trace.phase("prefill", at_ns=started_ns)
+                state.trace.span("chunk", started_ns, start_token=seq.num_computed_tokens, num_tokens=n,
+                                 batch_tokens=batch.num_batched_tokens)
             state.phase = JobPhase.PREFILLING
             end = seq.num_computed_tokens + n  # postprocess advances the counter; the KV is there now
             if not self._push(state, end) or end < len(state.job.token_ids):
@@ -285,8 +328,11 @@ class PrefillServer:
         if sender is None:
             self._fail(state, f"the KV receiver at {job.kv_address} restarted", label="transfer")
             return False
+        pushed_ns = time.time_ns() if state.trace else 0
         sender.send(job.rid, job.generation, push.src_block_ids, push.dst_block_ids)
         state.is_sending = True
+        if state.trace:
+            state.trace.span("kv_push", pushed_ns, num_blocks=len(push.src_block_ids), transport=sender.transport)
         return True
 
     def _finish_compute(self, state: JobState, token: int, lp) -> None:
@@ -297,14 +343,16 @@ class PrefillServer:
             return
         self.pins.pin(job.rid, state.seq)  # before postprocess releases the sequence's blocks
         state.phase = JobPhase.TRANSFERRING
+        if state.trace:
+            state.trace.phase("transfer")
         lora_name = job.sampling.lora_name  # the decode worker checks its request runs under the same
         if not job.sample_first:
             sender.commit(job.rid, job.generation, lora_name=lora_name)
             return
         records = None if lp is None else [logprob_record(lp)]
         for frame in prompt_logprobs_frames(job.rid, state.seq.prompt_logprobs):
-            self.gateway.send(frame)  # before the first token, on the same socket: the gateway has them first
-        self.gateway.send(TokenEvent(job.rid, 0, 0, [token], records))
+            self.gateway.send(job.gateway_id, frame)  # before the first token, on the same socket: it has them first
+        self.gateway.send(job.gateway_id, TokenEvent(job.rid, 0, 0, [token], records))
         self.metrics.engine.time_to_first_token.observe(time.monotonic() - state.arrived_at)
         if records is None:
             sender.commit(job.rid, job.generation, token, lora_name=lora_name)
@@ -345,6 +393,8 @@ class PrefillServer:
     def _drop(self, state: JobState, abort_reason: str = "") -> None:
         """Forget a job and free everything it holds here (idempotent per state)."""
         job = state.job
+        if state.trace:
+            state.trace.end(abort_reason or None)
         if self.jobs.get(job.rid) is state:
             del self.jobs[job.rid]
         if state in self._queue:
@@ -381,11 +431,11 @@ class PrefillServer:
             log.info("draining: %d jobs in flight, %.1f s to finish", len(self.jobs), self._drain.timeout_s)
             self._heartbeat.fire_now()  # tell the gateway now, not at the next interval
         if self._heartbeat.due():
-            self.gateway.send(self.heartbeat())
+            self.gateway.broadcast(self.heartbeat())
         if self._drain.is_over(in_flight=bool(self.jobs)):
             for state in list(self.jobs.values()):
                 self._fail(state, "worker shut down before the job finished", label="draining")
-            self.gateway.send(Goodbye(self.options.worker_id))
+            self.gateway.broadcast(Goodbye(self.options.worker_id))
             self.is_done = True
             log.info("drained; goodbye")
 
@@ -394,7 +444,8 @@ class PrefillServer:
         num_transferring = sum(1 for s in self.jobs.values() if s.phase == JobPhase.TRANSFERRING)
         return Heartbeat(
             worker_id=self.options.worker_id, role="prefill", address=self.address,
-            incarnation=self.incarnation, block_size=bm.block_size, kv_blocks_total=bm.num_blocks,
+            incarnation=self.incarnation, proof=self.gateway.registration_proof(self.incarnation),
+            block_size=bm.block_size, kv_blocks_total=bm.num_blocks,
             kv_blocks_free=bm.num_allocatable_blocks, kv_blocks_in_use=bm.num_in_use_blocks,
             num_running=self.scheduler.num_running + num_transferring,
             num_waiting=self.scheduler.num_waiting + len(self._queue),

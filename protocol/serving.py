@@ -6,7 +6,9 @@ Sockets (every bind on a configured interface, never all interfaces by default):
               ZeroMQ identity is its worker_id.
               worker -> gateway: Heartbeat (also the registration), TokenEvent, PromptLogprobs, Busy,
               Goodbye
-              gateway -> worker: Generate (decode only), AbortRequest (both roles)
+              gateway -> worker: HeartbeatAck (both roles), Generate (decode only), AbortRequest (both)
+              Several gateways may serve one pool: a worker connects one DEALER to each
+              (worker/gateway_links.py) and answers a request on the gateway that sent it.
     prefill   ROUTER bound at prefill.host:prefill.port (its ``address`` in heartbeats).
               decode -> prefill: PrefillJob, AbortRequest;  prefill -> decode: PrefillFailed
     decode    KV receiver (kvtransfer) bound at decode.host:decode.kv_port; prefill workers write there.
@@ -136,6 +138,13 @@ class Generate:
     sampling: SamplingSpec
     prefill_address: str  # the chosen prefill worker's endpoint; "" = prefill locally on this worker
     deadline: float  # time.time() after which every node drops the request and frees its blocks
+    traceparent: str = ""  # W3C trace context of the gateway's request span; "" = not traced
+    # The sending gateway's id (its HeartbeatAck's): where the request's events go back to, and whose
+    # loss aborts it. "" from a gateway that never acks (tests): any link not yet acked answers.
+    gateway_id: str = ""
+    # The prefill worker's CURVE public key (z85) as it registered: the decode worker takes this request's
+    # KV from that key only. "" on an insecure plane or with local prefill.
+    prefill_key: str = ""
 
     def __post_init__(self) -> None:
         assert self.token_ids, "empty prompt"
@@ -229,6 +238,9 @@ class Heartbeat:
     num_waiting: int
     queued_prefill_tokens: int  # prompt tokens still to compute
     draining: bool = False  # finishing in-flight work; send it nothing new
+    # HMAC(cluster key, the worker's CURVE public key, worker_id, incarnation) in hex: proves membership
+    # (protocol/curve.py); "" on an insecure plane.
+    proof: str = ""
     lora_names: list[str] = field(default_factory=list)  # LoRA adapters loaded (requests may name them)
     hot_lora_names: list[str] = field(default_factory=list)  # of those, the ones in device slots now
     lora_version: int = 0  # the gateway's LoRAAdapterSet version this worker applied last (0: its config's)
@@ -237,6 +249,19 @@ class Heartbeat:
     def __post_init__(self) -> None:
         assert self.role in ROLES, self.role
         assert 0 <= self.kv_blocks_in_use <= self.kv_blocks_total, (self.kv_blocks_in_use, self.kv_blocks_total)
+
+
+@wire_record("serve.heartbeat_ack")
+@dataclass(slots=True)
+class HeartbeatAck:
+    """gateway -> worker, for every Heartbeat: the gateway is alive, and this is its id (new on every
+    gateway start). A worker that hears no ack from a gateway for its timeout takes it for dead and
+    aborts that gateway's requests; an ack with another id on the same link means it restarted."""
+
+    gateway_id: str
+
+    def __post_init__(self) -> None:
+        assert 0 < len(self.gateway_id) <= 64, "gateway id of 1 to 64 characters"
 
 
 @wire_record("serve.lora_adapters")
@@ -285,6 +310,8 @@ class PrefillJob:
     # D's KV receiver incarnation: a P whose sender is handshaken with another one (D restarted in place,
     # same kv_address) handshakes again before the job; one from an incarnation it outlived fails the job
     kv_incarnation: str = ""
+    traceparent: str = ""  # W3C trace context of the decode worker's request span; "" = not traced
+    gateway_id: str = ""  # the Generate's: the gateway the first token streams to
 
     def __post_init__(self) -> None:
         assert 0 <= self.skip_tokens < len(self.token_ids), (self.skip_tokens, len(self.token_ids))

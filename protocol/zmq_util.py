@@ -4,6 +4,12 @@ Every socket gets a high-water mark (a slow peer blocks or drops, it never grows
 bound), a ``MAXMSGSIZE`` on receiving sockets (zmq disconnects a peer that sends a bigger message
 before it reaches our code), ``LINGER`` so close never hangs, and ROUTER sockets get
 ``ROUTER_MANDATORY`` so a send to a vanished peer fails loudly instead of being dropped.
+
+Every connection carries ZMTP heartbeats: a peer that stops answering them (host gone, cable pulled,
+process frozen) is disconnected after ``HEARTBEAT_TIMEOUT_MS`` instead of holding the connection open
+forever; the TTL asks the other end to do the same. ROUTERs do not hand a routing id over to a second
+connection (``ROUTER_HANDOVER`` off): who a frame comes from is decided by its CURVE key
+(protocol/curve.py), never by an identity the peer picks.
 """
 
 from __future__ import annotations
@@ -12,6 +18,9 @@ import zmq
 
 DEFAULT_HWM = 64
 DEFAULT_LINGER_MS = 0
+HEARTBEAT_IVL_MS = 2_000
+# Generous: a worker paused for a long GC or a debugger is not dropped, a dead one is within ~20 s.
+HEARTBEAT_TIMEOUT_MS = 20_000
 
 
 def make_socket(
@@ -28,11 +37,11 @@ def make_socket(
     sock.setsockopt(zmq.LINGER, linger_ms)
     if max_msg_size is not None:
         sock.setsockopt(zmq.MAXMSGSIZE, max_msg_size)
+    sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TTL, HEARTBEAT_TIMEOUT_MS)
     if kind == zmq.ROUTER:
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        # A restarted peer reconnects under its old identity (its worker id) before the dead
-        # connection is noticed; without handover ZeroMQ would ignore the new one until then.
-        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
     return sock
 
 

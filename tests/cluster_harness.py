@@ -18,6 +18,8 @@ from pathlib import Path
 
 import yaml
 
+from benchmarks.serve_launcher import free_ports
+
 READY_LINE = re.compile(r"READY http_port=(\d+) .*worker_id=(\S+)")
 READY_PID = re.compile(r"READY .* pid=(\d+)")
 
@@ -29,28 +31,35 @@ def free_port() -> int:
 
 
 class ServeProcess:
-    def __init__(self, model_dir: Path, tmp: Path, num_prefill: int = 1, num_decode: int = 1, **sections):
-        self.port = free_port()
+    def __init__(self, model_dir: Path, tmp: Path, num_prefill: int = 1, num_decode: int = 1, num_gateways: int = 1,
+                 extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None, **sections):
+        """``extra_args``: more `pdserve serve` flags; ``env``: variables over this process's."""
+        self.port = free_ports(num_gateways)
         config = dict(sections)
-        config["gateway"] = {**{"worker_port": free_port(), "worker_heartbeat_s": 0.2}, **sections.get("gateway", {})}
+        config["gateway"] = {**{"worker_port": free_ports(num_gateways), "worker_heartbeat_s": 0.2},
+                             **sections.get("gateway", {})}
         self.config = config
         self.config_path = tmp / "cluster.yaml"
         self.config_path.write_text(yaml.safe_dump(config))
         argv = [sys.executable, "-m", "cluster", "serve", "--model", str(model_dir), "--port", str(self.port),
-                "--prefill", str(num_prefill), "--decode", str(num_decode), "--config", str(self.config_path)]
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                "--prefill", str(num_prefill), "--decode", str(num_decode), "--gateways", str(num_gateways),
+                "--config", str(self.config_path), *extra_args]
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env={**os.environ, **(env or {})})
         self.lines: queue.Queue[str] = queue.Queue()
         self.log: list[str] = []
         self.worker_http: dict[str, int] = {}  # worker_id -> metrics port (latest incarnation)
         self.worker_pid: dict[str, int] = {}  # worker_id -> OS pid (latest incarnation)
         threading.Thread(target=self._read, daemon=True).start()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.urls = [f"http://127.0.0.1:{self.port + i}" for i in range(num_gateways)]
+        self.url = self.urls[0]
         try:
             self._wait_for("pdserve: ready", timeout_s=240)
             # /ready needs only one decode worker: wait for every member to register and announce itself.
             expected = {f"prefill-{i}" for i in range(num_prefill)} | {f"decode-{i}" for i in range(num_decode)}
-            self.wait_until(lambda: {w["id"] for w in self.workers()} == expected and expected <= set(self.worker_http),
-                            "every worker registered", timeout_s=120, poll_s=0.1)
+            for url in self.urls:
+                self.wait_until(lambda: {w["id"] for w in self.workers(url)} == expected and expected <= set(self.worker_http),
+                                f"every worker registered at {url}", timeout_s=120, poll_s=0.1)
         except BaseException:
             self.stop()  # never leave a half-started cluster behind for later tests to trip over
             raise
@@ -75,10 +84,11 @@ class ServeProcess:
                     break
         raise TimeoutError(f"'{text}' not printed; log tail:\n{''.join(self.log[-30:])}")
 
-    def workers(self) -> list[dict]:
+    def workers(self, url: str | None = None) -> list[dict]:
+        """The workers registered with the gateway at ``url`` (the first one by default)."""
         keys = self.config["gateway"].get("api_keys") or []
         headers = {"Authorization": f"Bearer {keys[0]}"} if keys else {}
-        request = urllib.request.Request(f"{self.url}/v1/workers", headers=headers)
+        request = urllib.request.Request(f"{url or self.url}/v1/workers", headers=headers)
         with urllib.request.urlopen(request, timeout=5) as response:
             return json.loads(response.read())["data"]
 
@@ -108,10 +118,14 @@ class ServeProcess:
 
     def metric(self, worker_id: str, name: str) -> float:
         body = urllib.request.urlopen(f"http://127.0.0.1:{self.worker_http[worker_id]}/metrics", timeout=5).read()
-        total = 0.0
+        family = re.sub(r"_(count|sum|bucket)$", "", name.split("{")[0])  # a histogram's series -> its family
+        total, exported = 0.0, False
         for line in body.decode().splitlines():
             if line.startswith(name + " ") or line.startswith(name + "{"):
                 total += float(line.rsplit(" ", 1)[1])
+            exported = exported or family in line  # a labelled family with no such sample yet: its HELP line
+        if not exported:  # a misspelt or renamed series must fail the test, not read as 0
+            raise KeyError(f"{worker_id} exports no {name}")
         return total
 
     def registered(self, worker_id: str) -> dict | None:

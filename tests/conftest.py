@@ -85,3 +85,36 @@ def client(live, backend):
 
     return openai.OpenAI(base_url=live.base_url + "/v1", api_key=API_KEYS[0], max_retries=0,
                          _strict_response_validation=True)
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory):
+    """A real redis-server (Debian's package; scripts/test installs it) on a free loopback port, nothing
+    written to disk; its URL, and it is stopped after the module."""
+    import shutil
+    import socket
+    import subprocess
+    import time
+
+    import redis
+
+    exe = shutil.which("redis-server")
+    assert exe is not None, "redis-server is not installed (apt-get install redis-server; scripts/test does)"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([exe, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no",
+                             "--dir", str(tmp_path_factory.mktemp("redis"))], stdout=subprocess.DEVNULL)
+    url = f"redis://127.0.0.1:{port}/0"
+    client = redis.Redis.from_url(url)
+    give_up = time.monotonic() + 30
+    while True:
+        try:
+            client.ping()
+            break
+        except redis.ConnectionError:
+            assert time.monotonic() < give_up and proc.poll() is None, "redis-server did not start"
+            time.sleep(0.05)
+    yield url
+    proc.terminate()
+    proc.wait(timeout=10)

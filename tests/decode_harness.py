@@ -21,6 +21,7 @@ def decode_config(gateway_address: str, **engine):
         "engine.prefill_chunk_size": 16, "engine.num_threads": 1,
         "decode.gateway_address": gateway_address, "decode.kv_port": 0, "decode.http_port": 0,
         "decode.worker_id": "d0", "gateway.worker_heartbeat_s": 0.2, "transfer.lease_seconds": 10,
+        "transfer.insecure": True,  # the fakes here speak plain ZeroMQ; tests/test_hostile_peers.py runs CURVE
     }
     overrides.update({f"engine.{k}": v for k, v in engine.items()})
     return load_config(None, env={}, overrides=overrides)

@@ -178,3 +178,34 @@ def test_select_narrows_the_plan_and_overrides_every_system():
 def test_select_names_what_is_wrong(args, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         P.select(P.plan(quick=False), *args)
+
+
+def test_base_url_measures_a_running_server_with_the_same_workloads(tok_dir, tmp_path):
+    """--base-url against a live gateway (fake workers answering a fixed text): no system is started,
+    the closed-loop runs happen, every request reaches the server (its /metrics count them), and the
+    ones the benchmark counts as complete are exactly those asking for no more tokens than the text has."""
+    import json
+
+    import httpx
+
+    from benchmarks.serve import main
+    from gateway.serving.pipeline import ServingLimits
+    from tests import prom
+    from tests.fake_backend import API_KEYS, MODEL, live_gateway
+
+    limits = ServingLimits(MODEL, 1 << 20, max_concurrent_requests=256)  # no 503: every request is answered
+    with live_gateway(tok_dir, limits=limits) as live:
+        text_tokens = len(live.backend.output_ids)
+        assert main(["--base-url", f"{live.base_url}/v1", "--api-key", API_KEYS[0], "--model", str(tok_dir),
+                     "--quick", "--workloads", "mixed_closed", "--json", str(tmp_path / "out.json")]) == 0
+        metrics = httpx.get(f"{live.base_url}/metrics").text
+    runs = json.loads((tmp_path / "out.json").read_text())["runs"]
+    assert [(r["system"], r["workload"], r["load"]) for r in runs] == [
+        ("endpoint", "mixed", "closed c=16"), ("endpoint", "mixed", "all at once")]
+    plan = P.plan(quick=True)
+    sent = [W.paced_mixed(300, plan.closed_requests, 0), W.mixed(300, plan.closed_requests, 0)]
+    assert [r["num_requests"] for r in runs] == [len(s) for s in sent]
+    assert [r["num_ok"] for r in runs] == [sum(q.output_len <= text_tokens for q in s) for s in sent]
+    served = sum(len(s) for s in sent) + 2  # and the warm-up's two
+    assert prom.total(metrics, "pdserve:requests_total", outcome="success") == served
+    assert prom.samples(metrics, "vllm:e2e_request_latency_seconds_count", model_name=MODEL) == [served]

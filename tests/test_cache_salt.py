@@ -85,6 +85,8 @@ def cached_tokens(live, path: str, body: dict) -> int:
     r = httpx.post(live.base_url + path, json={"model": MODEL, **body}, headers=HEADERS, timeout=30)
     assert r.status_code == 200, r.text
     usage = r.json()["usage"]
+    if "cache_read_input_tokens" in usage:  # Anthropic's Messages
+        return usage["cache_read_input_tokens"]
     details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details")
     return details["cached_tokens"]
 
@@ -93,6 +95,7 @@ def cached_tokens(live, path: str, body: dict) -> int:
     ("/v1/completions", {"prompt": list(range(40, 60)), "max_tokens": 1}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "The quick brown fox " * 4}], "max_tokens": 1}),
     ("/v1/responses", {"input": "The lazy dog sat on the mat " * 3, "max_output_tokens": 1}),
+    ("/v1/messages", {"messages": [{"role": "user", "content": "Hello world, hello there! " * 3}], "max_tokens": 1}),
 ])
 def test_each_api_carries_cache_salt_to_the_workers(live, backend, path, body):
     assert cached_tokens(live, path, {**body, "cache_salt": "tenant-a"}) == 0

@@ -133,7 +133,7 @@ def test_shipped_local_yaml_loads():
 
 
 def test_import_does_not_pull_in_torch():
-    code = ("import sys, configs.schema, configs.loader; "
+    code = ("import sys, configs.schema, configs.loader, configs.environment, configs.model_source; "
             "configs.schema.load_config('configs/local.yaml', env={}); "
             "assert 'torch' not in sys.modules, 'torch imported'")
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=30)

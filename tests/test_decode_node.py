@@ -78,7 +78,7 @@ def test_local_prefill_greedy_equals_engine(node):
     node.gateway.send("d0", generate("r2", PROMPT, **params))
     again = node.gateway.collect("r2")[0]
     assert tokens_of(again) == expected.token_ids and again[0].num_cached_tokens == 12
-    assert scrape(node.node.http.port, "pdserve:prefix_cache_hits_total") == 12
+    assert scrape(node.node.http.port, "vllm:prefix_cache_hits_total") == 12
     assert_idle(node)
 
 
@@ -281,3 +281,20 @@ def test_abort_deadline_and_a_bad_grammar_while_compiling(node, held_compiles):
     assert bad.refused and bad.error.startswith("invalid regex: Regex parsing error at position 4")
     assert_idle(node)
     assert not any(getattr(r, "rid", "") == "aborted" for r in node.gateway.others)  # cut short, silently
+
+
+def test_a_grammar_compile_past_its_deadline_refuses_its_request(node, held_compiles):
+    from engine.grammar_compiles import GrammarLimits
+    from protocol.serving import StructuredOutput
+
+    grammars = node.node.server.engine.grammars
+    grammars._load()  # the tokenizer's one-time load is not the request's: deadlines count from here
+    grammars._limits = GrammarLimits(compile_timeout_s=0.5)
+    node.gateway.send("d0", generate("slow", PROMPT, structured_output=StructuredOutput("regex", "a+")))
+    [slow] = node.gateway.collect("slow")[0]  # its compile is held: only the deadline ends the wait
+    assert slow.refused and slow.error == ("the grammar did not compile within this server's limit of 0.5 s "
+                                           "(engine.grammar_compile_timeout_s)")
+    held_compiles.set()
+    node.gateway.send("d0", generate("plain", PROMPT, max_tokens=4, ignore_eos=True, temperature=0.0))
+    assert len(tokens_of(node.gateway.collect("plain")[0])) == 4  # the worker serves on
+    assert_idle(node)

@@ -99,9 +99,17 @@ def test_kubernetes_probes_ports_and_grace_periods():
         drain = float(env.get(f"PDSERVE_{role.upper()}_DRAIN_TIMEOUT_S", {"value": "30"})["value"])
         assert pod["terminationGracePeriodSeconds"] > drain
         if role != "gateway":
-            assert env[f"PDSERVE_{role.upper()}_GATEWAY_ADDRESS"]["value"] == "tcp://pdserve-gateway:8001"
+            assert env[f"PDSERVE_{role.upper()}_GATEWAY_ADDRESS"]["value"] == "tcp://pdserve-gateway-workers:8001"
     gateway_service = docs(DEPLOY / "k8s" / "gateway.yaml")[1]
     assert gateway_service["metadata"]["name"] == "pdserve-gateway"
+    # the workers' name resolves to every gateway pod (one A record each): a headless Service
+    [workers_service] = docs(DEPLOY / "k8s" / "gateway-workers-service.yaml")
+    assert workers_service["metadata"]["name"] == "pdserve-gateway-workers"
+    assert workers_service["spec"]["clusterIP"] == "None"
+    assert workers_service["spec"]["publishNotReadyAddresses"] is True  # a gateway is ready only once workers registered
+    assert workers_service["spec"]["selector"] == gateway_service["spec"]["selector"]
+    [hpa] = docs(DEPLOY / "k8s" / "gateway-hpa.yaml")
+    assert hpa["spec"]["scaleTargetRef"]["name"] == docs(DEPLOY / "k8s" / "gateway.yaml")[0]["metadata"]["name"]
 
 
 def exported_metric_names() -> set[str]:
@@ -121,12 +129,26 @@ def exported_metric_names() -> set[str]:
 
 def test_dashboard_and_autoscalers_use_metrics_the_code_exports():
     dashboard = json.loads((DEPLOY / "grafana" / "dashboards" / "pdserve.json").read_text())
-    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
     titles = " ".join(p["title"] for p in dashboard["panels"]).lower()
     for topic in ("first token", "inter-token", "throughput", "kv cache", "bandwidth", "pool sizes"):
         assert topic in titles, topic
     exprs += [t["metadata"]["query"] for p in SCALED for t in docs(p)[0]["spec"]["triggers"]]
-    used = {m for e in exprs for m in re.findall(r"pdserve:[a-z_]+", e)}
-    assert len(used) >= 15
+    used = {m for e in exprs for m in re.findall(r"(?:pdserve|vllm):[a-z0-9_]+|process_[a-z_]+", e)}
+    assert len(used) >= 25
     assert used <= exported_metric_names(), used - exported_metric_names()
     assert len({p["id"] for p in dashboard["panels"]}) == len(dashboard["panels"])
+
+
+def test_dashboard_picks_its_datasource_and_model_and_repeats_per_pool():
+    dashboard = json.loads((DEPLOY / "grafana" / "dashboards" / "pdserve.json").read_text())
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
+    assert "model_name" in variables["model_name"]["definition"]
+    assert variables["pool"]["query"] == "prefill,decode"
+    graphs = [p for p in dashboard["panels"] if p["type"] != "row"]
+    assert all(p["datasource"]["uid"] == "${datasource}" for p in graphs)  # no hard-coded datasource left
+    # every vLLM series is filtered by the chosen model(s), and the engine panels repeat per pool
+    selectors = re.findall(r"vllm:[a-z0-9_]+\{[^}]*\}", " ".join(t["expr"] for p in graphs for t in p["targets"]))
+    assert selectors and all('model_name=~"$model_name"' in s for s in selectors)
+    assert [p["title"] for p in dashboard["panels"] if p.get("repeat") == "pool"] == ["Pool: $pool"]

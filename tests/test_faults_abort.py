@@ -50,7 +50,7 @@ def aborted(cluster, worker: str) -> float:
 
 
 def running(cluster, worker: str) -> float:
-    return cluster.metric(worker, "pdserve:num_requests_running")
+    return cluster.metric(worker, "vllm:num_requests_running")
 
 
 def check_still_exact(cluster) -> None:
@@ -70,7 +70,7 @@ def test_abort_while_queued_and_while_prefilling(cluster):
     long = RawStream(cluster.url, body(prompt_of(LONG, seed=1), 4))  # holds P's only slot (max_num_seqs 1)
     cluster.wait_until(lambda: running(cluster, "prefill-0") == 1, "P prefilling")
     queued = RawStream(cluster.url, body(prompt_of(40, seed=2), 4))
-    cluster.wait_until(lambda: cluster.metric("prefill-0", "pdserve:num_requests_waiting") == 1,
+    cluster.wait_until(lambda: cluster.metric("prefill-0", "vllm:num_requests_waiting") == 1,
                        "the second job queued on P")
     cluster.signal("prefill-0", signal.SIGSTOP)  # freeze both phases
     try:

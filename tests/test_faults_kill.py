@@ -143,7 +143,7 @@ def test_sigkill_decode_mid_transfer(cluster, reference):
         decode_pids.add(old_pid)
         # P pushes into a dead receiver: no credits come back, so the transfer deadline fails it (or
         # the gateway, seeing D gone, aborts the job first); either way P unpins every block.
-        serve.wait_until(lambda: serve.metric("prefill-0", "pdserve:num_requests_running") == 0
+        serve.wait_until(lambda: serve.metric("prefill-0", "vllm:num_requests_running") == 0
                          and serve.metric("prefill-0", "pdserve:kv_blocks_in_use") == 0, "P holds nothing for D",
                          timeout_s=LEASE_S + 15)
         exact_or_clear_error(future.result(timeout=90), expected)  # no hang

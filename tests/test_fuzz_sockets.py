@@ -3,7 +3,10 @@ ROUTER, the prefill worker's job ROUTER and the decode worker's KV receiver. Ran
 oversized and wrong-typed msgpack, wrong frame counts, records meant for another socket, and KV
 writes/commits under a stale generation or an unknown incarnation. Each node must drop them, count
 them in its /metrics (exactly one count per hostile message), and keep serving: a real disaggregated
-request afterwards gives the same greedy text as before the barrage."""
+request afterwards gives the same greedy text as before the barrage.
+
+The fuzzer holds the cluster key (a compromised member, the strongest attacker short of code execution):
+without it no frame gets past the CURVE handshake at all (tests/test_hostile_peers.py shows that)."""
 
 from __future__ import annotations
 
@@ -18,7 +21,9 @@ import pytest
 import yaml
 import zmq
 
+from cluster.keygen import write_private_key
 from protocol.codec import decode, encode
+from protocol.curve import ClusterKey, PlaneSecurity
 from protocol.kv_messages import (KV_PROTOCOL_VERSION, Abort, BlockWrite, Commit, CommitAck, Credit, Handshake,
                                   HandshakeReply, KVCompat, WriteRejected)
 from protocol.serving import (AbortRequest, Heartbeat, PrefillJob, PromptLogprobs, SamplingSpec, TokenEvent,
@@ -29,13 +34,14 @@ from tests.model_factory import tiny_model_dir
 MODEL = str(tiny_model_dir("llama"))
 BLOCK = 16
 MAX_FRAME = 4 << 20
+KEY_FILE = write_private_key()
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     serve = ServeProcess(tiny_model_dir("llama"), tmp_path_factory.mktemp("cluster"),
                          engine={"block_size": BLOCK, "kv_cache_memory_mb": 8},
-                         transfer={"max_frame_bytes": MAX_FRAME, "transport": "zmq"},
+                         transfer={"max_frame_bytes": MAX_FRAME, "transport": "zmq", "cluster_key_file": KEY_FILE},
                          gateway={"local_prefill_max_tokens": 0})  # every prompt goes through prefill + KV
     yield serve
     assert serve.stop() == 0, "".join(serve.log[-30:])
@@ -86,7 +92,7 @@ def wait_for_count(read, expected: float, timeout_s: float = 30.0) -> float:
 
 
 def dealer(ctx, endpoint: str) -> zmq.Socket:
-    sock = ctx.socket(zmq.DEALER)
+    sock = PlaneSecurity(ClusterKey.from_file(KEY_FILE)).client(ctx.socket(zmq.DEALER))
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(endpoint)
     return sock
@@ -124,7 +130,7 @@ def send_all(sock: zmq.Socket, messages: list[list[bytes]]) -> None:
 
 
 def test_gateway_worker_router_rejects_and_counts(cluster, endpoints, baseline, ctx):
-    name = "pdserve:worker_malformed_frames_total"
+    name = "pdserve:rejected_frames_total"  # every reason: the spoofed heartbeat is bad_proof, the rest malformed
     before = gateway_metric(cluster, name)
     sock = dealer(ctx, endpoints["gateway"])
     messages = garbage_messages(seed=1)

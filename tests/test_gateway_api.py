@@ -9,6 +9,7 @@ import pytest
 
 from gateway.workers.registry import WorkerRegistry
 from protocol.serving import Heartbeat, TokenBias
+from tests import prom
 from tests.fake_backend import (API_KEYS, MODEL, OUTPUT_TEXT, FakeBackend, live_gateway, num_requests_running,
                                 wait_until)
 
@@ -286,15 +287,21 @@ def test_metrics_count_requests_and_tokens(client, live, backend, hf_tok):
     before = httpx.get(live.base_url + "/metrics").text
     client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, n=2)
     text = httpx.get(live.base_url + "/metrics").text
-    for name, delta in (("pdserve:generation_tokens_total", 6), ("pdserve:prompt_tokens_total",
-                                                                  len(hf_tok.encode("Hello"))),
-                        ('pdserve:requests_total{outcome="success"}', 1)):
-        assert _metric(text, name) - _metric(before, name) == delta, name
+    for name, labels, delta in (("vllm:generation_tokens_total", {}, 6),
+                                ("vllm:prompt_tokens_total", {}, len(hf_tok.encode("Hello"))),
+                                ("vllm:request_success_total", {"finished_reason": "length"}, 2),  # n=2, max_tokens
+                                ("vllm:request_decode_time_seconds_count", {}, 2),
+                                ("vllm:time_per_output_token_seconds_count", {}, 2),
+                                ("vllm:request_generation_tokens_count", {}, 1),
+                                ("pdserve:requests_total", {"outcome": "success"}, 1)):
+        if name.startswith("vllm:"):
+            labels = {"model_name": MODEL, **labels}
+        assert prom.total(text, name, **labels) - prom.total(before, name, **labels) == delta, name
     assert _metric(text, "pdserve:num_requests_running") == 0
-    for name in ("pdserve:time_to_first_token_seconds_bucket", "pdserve:inter_token_latency_seconds_count",
-                 "pdserve:e2e_request_latency_seconds_count", "pdserve:request_queue_time_seconds_count",
-                 'pdserve:requests_total{outcome="success"}', "pdserve:generation_tokens_total",
-                 "pdserve:prompt_tokens_total", "pdserve:cached_prompt_tokens_total"):
+    for name in ("vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_count",
+                 "vllm:e2e_request_latency_seconds_count", "vllm:request_queue_time_seconds_count",
+                 "vllm:request_prefill_time_seconds_count", 'pdserve:requests_total{outcome="success"}',
+                 "pdserve:cached_prompt_tokens_total", "process_resident_memory_bytes"):
         assert name in text, name
 
 

@@ -140,12 +140,14 @@ def test_malformed_fields_are_400_naming_them(client, backend, extra, message):
 
 
 def test_vllm_flags_of_pdserve_serve_and_the_gateway_set_the_config():
+    from cluster.roles import command_line_overrides
     from cluster.serve import cluster_env, parse_args as serve_args
     from configs.schema import ConfigError, load_config
     from gateway.__main__ import overrides_of, parse_args as gateway_args
 
     flags = ["--reasoning-parser", "deepseek_r1", "--tool-call-parser", "llama3_json"]
-    env = cluster_env(serve_args(flags), "/m", "127.0.0.1", 8001)  # what every member of the cluster gets
+    # what every member of the cluster gets
+    env = cluster_env(command_line_overrides(serve_args(flags), "gateway"), "/m", "127.0.0.1", [8001])
     for config in (load_config(env=env), load_config(env={}, overrides=overrides_of(gateway_args(flags)))):
         assert (config.gateway.reasoning_parser, config.gateway.tool_call_parser) == ("deepseek_r1", "llama3_json")
     assert load_config(env={}).gateway.tool_call_parser == "none"

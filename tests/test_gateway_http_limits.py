@@ -130,7 +130,12 @@ def test_too_many_connections_get_a_503(tok_dir):
     with live_gateway(tok_dir, uvicorn_options=uvicorn_options(limits)) as server:
         idle = [connect(server) for _ in range(4)]
         with httpx.Client(timeout=30) as client:  # a fresh connection each time: no keep-alive reuse
-            assert client.get(server.base_url + "/health", headers={"connection": "close"}).status_code == 503
+            refused = client.get(server.base_url + "/health", headers={"connection": "close"})
+            assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+            assert refused.json() == {"error": {
+                "message": "service unavailable: this server has 4 connections open, its limit "
+                           "(gateway.max_connections); retry after 1 s",
+                "type": "service_unavailable", "param": None, "code": "no_capacity"}}
             for sock in idle:
                 sock.close()
             wait_until(lambda: client.get(server.base_url + "/health", headers={"connection": "close"}).status_code
@@ -177,3 +182,14 @@ def test_a_quick_refusal_is_still_a_proper_400(live, backend):
     backend.refusal = "the grammar does not compile"
     status, _ = stream_lines(live, max_tokens=3)
     assert status == 400
+
+
+def test_the_openai_client_reads_through_keep_alives(live, backend, hf_tok):
+    import openai
+
+    backend.first_event_delay_s, backend.token_delay_s = 0.7, 0.4  # keep-alives before and between tokens
+    client = openai.OpenAI(base_url=live.base_url + "/v1", api_key=API_KEYS[0], max_retries=0)
+    chunks = list(client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == hf_tok.decode(backend.output_ids[:3])
+    status, lines = stream_lines(live, max_tokens=3)  # the same stream, raw: the comments were there
+    assert status == 200 and lines.count(": keep-alive") >= 2

@@ -330,9 +330,11 @@ def test_malformed_frames_are_counted_and_ignored(gateway):
     junk.send(encode(AbortRequest("x")))  # a valid record, but not one a worker sends
     junk.send_multipart([b"a", b"b"])
     hb = Heartbeat("d1", "decode", "tcp://evil", "inc-9", 4, 10, 10, 0, 0, 0, 0)
-    junk.send(encode(hb))  # claims another worker's id
-    wait_until(lambda: metric(gateway.base_url, "pdserve:worker_malformed_frames_total") == 4,
-               "malformed frames not counted")
+    junk.send(encode(hb))  # claims another worker's id, which is bound to d1's live connection
+    wait_until(lambda: metric(gateway.base_url, 'pdserve:rejected_frames_total{reason="identity_taken"}') == 1,
+               "identity takeover not refused")
+    assert metric(gateway.base_url, "pdserve:worker_malformed_frames_total") == 3
+    assert metric(gateway.base_url, 'pdserve:rejected_frames_total{reason="malformed"}') == 3
     assert gateway.backend._registry.get("d1").incarnation == "inc-1"
     r = gateway.client.completions.create(model=MODEL, prompt="Hi", max_tokens=100)
     assert r.choices[0].text == OUTPUT_TEXT
@@ -392,7 +394,8 @@ def test_process_entry_serves_and_stops_on_sigterm(tok_dir, tmp_path):
     http_port, worker_port = _free_port(), _free_port()
     config = tmp_path / "gw.yaml"
     config.write_text(f"model:\n  max_model_len: 128\ngateway:\n  worker_port: {worker_port}\n"
-                      f"  worker_heartbeat_s: 0.1\n  worker_timeout_s: 0.3\n")
+                      f"  worker_heartbeat_s: 0.1\n  worker_timeout_s: 0.3\n"
+                      "transfer:\n  insecure: true\n")  # its fake worker speaks plain ZeroMQ
     proc = subprocess.Popen([sys.executable, "-m", "gateway", "--config", str(config), "--model", str(model),
                              "--port", str(http_port), "--api-key", "k1", "--log-level", "warning"],
                             cwd=Path(__file__).resolve().parents[1])

@@ -22,24 +22,26 @@ ROOT = Path(__file__).resolve().parents[1]
 MAY_IMPORT = {
     "protocol": set(),  # torch-free vocabulary of every process: messages, codec, ZeroMQ helpers
     "configs": set(),  # the typed config schema
+    "telemetry": set(),  # logs and traces every process shares (torch-free)
     "kernels": set(),  # kernels and their torch references
     "kvtransfer": {"kernels", "protocol"},  # declares the pool it moves (kvtransfer/pool.py), never the engine
-    "engine": {"kernels", "protocol", "configs"},  # knows nothing of KV transfer
-    "worker": {"protocol", "configs"},  # what both worker roles share: the gateway socket, heartbeats, identity
-    "prefill_node": {"engine", "kernels", "kvtransfer", "protocol", "configs", "worker"},
-    "decode_node": {"engine", "kernels", "kvtransfer", "protocol", "configs", "worker"},
-    "gateway": {"protocol", "configs"},
+    "engine": {"kernels", "protocol", "configs", "telemetry"},  # knows nothing of KV transfer
+    "worker": {"protocol", "configs", "telemetry"},  # what both worker roles share: the gateway socket, heartbeats, identity
+    "prefill_node": {"engine", "kernels", "kvtransfer", "protocol", "configs", "worker", "telemetry"},
+    "decode_node": {"engine", "kernels", "kvtransfer", "protocol", "configs", "worker", "telemetry"},
+    "gateway": {"protocol", "configs", "telemetry"},
     # the launcher: starts the roles as processes; imports the engine for `pdserve generate` and the
     # gateway's chat-parser flags for `pdserve serve`
-    "cluster": {"configs", "protocol", "engine", "gateway"},
+    "cluster": {"configs", "protocol", "engine", "gateway", "telemetry"},
     "benchmarks": {"protocol", "configs", "kernels", "kvtransfer", "engine", "worker", "prefill_node", "decode_node",
-                   "gateway", "cluster"},  # anything
+                   "gateway", "cluster", "telemetry"},  # anything
 }
 NEVER_IMPORTS = {
     "protocol": {"torch", "transformers", "triton"},
     "configs": {"torch", "transformers", "triton"},
     "gateway": {"torch", "transformers", "triton"},  # the front door runs where there is no GPU stack
     "worker": {"torch", "transformers", "triton"},
+    "telemetry": {"torch", "transformers", "triton"},
 }
 # Inside the gateway: the worker side (registry, router, backend) knows nothing of HTTP or the API
 # dialects, and text handling nothing of the dialects, the pipeline or the workers.

@@ -18,6 +18,7 @@ import torch
 
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
+from cluster.keygen import write_private_key
 from tests.model_factory import tiny_model_dir
 from tests.netns import ROOT, Host, Network, poll_until
 
@@ -48,7 +49,8 @@ def test_pools_across_namespaces_scale_and_drain():
     hosts: dict[str, Host] = {}
     gw_port, worker_port = (8000, 8001) if net.isolated else (free_port(), free_port())
     common = {"model.path": model, "engine.block_size": 16, "engine.num_kv_blocks": 96, "engine.num_threads": 1,
-              "engine.prefill_chunk_size": 24, "gateway.worker_heartbeat_s": 0.2, "gateway.worker_port": worker_port}
+              "engine.prefill_chunk_size": 24, "gateway.worker_heartbeat_s": 0.2, "gateway.worker_port": worker_port,
+              "transfer.cluster_key_file": write_private_key()}  # CURVE across the namespaces, as deployed
     if not net.isolated:  # one host: every worker on loopback, each on free ports
         common.update({"gateway.host": "127.0.0.1", "prefill.host": "127.0.0.1", "decode.host": "127.0.0.1",
                        "prefill.port": 0, "prefill.http_port": 0, "decode.port": 0, "decode.kv_port": 0,
@@ -114,7 +116,7 @@ def test_pools_across_namespaces_scale_and_drain():
         long = [prompt_of(30 + 3 * i, seed=200 + i) for i in range(8)]
         with ThreadPoolExecutor(8) as pool:
             futures = [pool.submit(complete, p, 48) for p in long]
-            wait_until(lambda: hosts["d0"].metric("pdserve:num_requests_running") > 0, "d0 running a request", 60, hosts)
+            wait_until(lambda: hosts["d0"].metric("vllm:num_requests_running") > 0, "d0 running a request", 60, hosts)
             hosts["d0"].proc.send_signal(signal.SIGTERM)
             results = [f.result() for f in futures]
         assert results == [(200, expected(p, 48)) for p in long]

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 import urllib.request
@@ -25,7 +26,7 @@ from prefill_node.metrics import PrefillMetrics
 from prefill_node.options import PrefillOptions
 from prefill_node.server import PrefillServer
 from protocol.codec import decode, encode
-from protocol.serving import AbortRequest, Goodbye, Heartbeat, PrefillFailed, PrefillJob, SamplingSpec, TokenBias, TokenEvent
+from protocol.serving import AbortRequest, Goodbye, Heartbeat, HeartbeatAck, PrefillFailed, PrefillJob, SamplingSpec, TokenBias, TokenEvent
 from protocol.zmq_util import bind, make_socket
 from tests.invariants import assert_integrity, assert_no_leak
 from tests.model_factory import tiny_model_dir
@@ -173,13 +174,13 @@ class Cluster:
     """A prefill server (driven by the test, or on its own thread), a fake gateway, a fake decode worker."""
 
     def __init__(self, transport: str = "shm", credits: int = 64, deadline_s: float = 30.0,
-                 handshake_timeout_s: float = 5.0, **engine_overrides):
+                 handshake_timeout_s: float = 5.0, gateway_timeout_s: float = 15.0, **engine_overrides):
         self.ctx = zmq.Context()
         self.gateway = FakeGateway(self.ctx)
         self.engine = build(**engine_overrides)
         options = PrefillOptions(worker_id="prefill-test", gateway_address=self.gateway.address, heartbeat_s=0.2,
                                  transfer_deadline_s=deadline_s, drain_timeout_s=5.0,
-                                 handshake_timeout_s=handshake_timeout_s)
+                                 handshake_timeout_s=handshake_timeout_s, gateway_timeout_s=gateway_timeout_s)
         self.metrics = PrefillMetrics(CollectorRegistry())
         self.server = PrefillServer(self.engine, kv_model_name(model_path()), self.ctx, options, self.metrics)
         self.decode = FakeDecode(self.ctx, self.engine.runner.kv_pool.layout, self.server.address, transport, credits)
@@ -294,7 +295,7 @@ def test_skip_tokens_sends_only_missing_blocks_and_prefix_cache_skips_compute(cl
     c.decode.adopt("b")
     c.stop()
     assert c.sample("pdserve:prefill_computed_tokens_total") == 19 + 3
-    assert c.sample("pdserve:prefix_cache_hits_total") == 16
+    assert c.sample("vllm:prefix_cache_hits_total", model_name="") == 16
     c.assert_idle_no_leak()
 
 
@@ -396,6 +397,28 @@ def test_abort_while_queued_prefilling_and_transferring_frees_everything(cluster
     c.assert_idle_no_leak()
     assert c.sample("pdserve:prefill_jobs_aborted_total") == 3
     assert c.decode.free == set(range(48))  # every reserved range came back on D
+
+
+@pytest.mark.parametrize("cluster", [{"gateway_timeout_s": 0.5}], indirect=True)
+def test_a_lost_gateway_takes_its_jobs_with_it_and_no_other(cluster):
+    c = cluster
+    c.turn()  # the first heartbeat registers the worker with the (fake) gateway, which acks as gw-a
+    c.gateway.wait(Heartbeat)
+    c.gateway.sock.send_multipart([b"prefill-test", encode(HeartbeatAck("gw-a"))])
+    c.decode.send(dataclasses.replace(c.decode.job("a", prompt(24, seed=3)), gateway_id="gw-a"))
+    c.decode.send(dataclasses.replace(c.decode.job("b", prompt(24, seed=4)), gateway_id="gw-b"))
+    c.delivered()
+    c.turn()  # the ack and both jobs arrive; a and b prefill their first chunks
+    assert c.server.phase_of("a") is JobPhase.PREFILLING and c.server.phase_of("b") is JobPhase.PREFILLING
+    time.sleep(0.6)  # gw-a acks no heartbeat for longer than the timeout: it is lost
+    c.turn()
+    assert c.server.phase_of("a") is None and c.server.phase_of("b") is not None
+    assert c.decode.wait_event("a").reason.startswith("aborted by sender")  # D's range released at once
+    c.turn(6)  # b goes on to its end
+    assert c.decode.wait_event("b").ok
+    c.decode.adopt("b")
+    c.assert_idle_no_leak()
+    assert c.sample("pdserve:prefill_jobs_aborted_total") == 1
 
 
 @pytest.mark.parametrize("cluster", [{"transport": "shm"}, {"transport": "zmq"}], indirect=True)
@@ -532,7 +555,7 @@ def test_metrics_health_ready_and_drain(cluster):
         base = f"http://127.0.0.1:{http.port}"
         body = urllib.request.urlopen(f"{base}/metrics").read().decode()
         for series in ("pdserve:prefill_jobs_total 1.0", "pdserve:kv_blocks_total 48.0",
-                       "pdserve:prefix_cache_queries_total 11.0", "pdserve:kv_handshakes_total"):
+                       'vllm:prefix_cache_queries_total{model_name=""} 11.0', "pdserve:kv_handshakes_total"):
             assert series in body, series
         assert urllib.request.urlopen(f"{base}/health").status == 200
         assert urllib.request.urlopen(f"{base}/ready").status == 200
@@ -587,3 +610,32 @@ def test_a_grammar_compiles_off_the_loop_while_other_jobs_prefill(cluster):
     assert c.sample("pdserve:prefill_jobs_rejected_total", reason="bad_job") == 1
     c.assert_idle_no_leak()
 
+
+
+def test_a_job_from_a_receiver_incarnation_that_is_gone_fails_at_once_and_the_next_one_serves(cluster):
+    # A job names D's receiver incarnation (a D restarted in place keeps its address). One that names an
+    # incarnation the receiver no longer is (its D died after sending it) costs one handshake to find
+    # out, fails with the reason, and leaves the jobs of the live incarnation exact.
+    c = cluster
+    tokens = prompt(11, seed=31)
+    ref_kv, ref_token = reference(tokens)
+    c.start()
+    stale = c.decode.job("old", tokens)
+    stale.kv_incarnation = "a-process-that-died"
+    c.decode.send(stale)
+    failed = c.decode.recv_failed()
+    assert failed.rid == "old" and "the job's receiver incarnation a-process-that-d is gone" in failed.reason
+    assert c.sample("pdserve:kv_handshakes_total", result="receiver_restarted") == 1
+    with c.decode.lock:
+        c.decode.rx.abort("old")  # as the decode worker does on PrefillFailed
+    for rid in ("new-1", "new-2"):
+        job = c.decode.job(rid, tokens)
+        job.kv_incarnation = c.decode.rx.incarnation
+        c.decode.send(job)
+        done = c.decode.wait_event(rid)
+        assert done.ok and done.commit.first_token == ref_token
+        expect_kv(c, job, ref_kv)
+        c.decode.adopt(rid)
+    assert c.sample("pdserve:kv_handshakes_total", result="receiver_restarted") == 1  # no more handshakes
+    c.stop()
+    c.assert_idle_no_leak()

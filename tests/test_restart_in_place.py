@@ -18,6 +18,8 @@ import pytest
 import torch
 import yaml
 
+from cluster.keygen import write_private_key
+
 from cluster.local_cluster import remove_shm_segments
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
@@ -42,7 +44,7 @@ class Roles:
             "prefill": {"port": 0, "http_port": 0, "worker_id": "prefill-0", "gateway_address": gateway_address},
             "decode": {"port": 0, "http_port": 0, "kv_port": self.kv_port, "worker_id": "decode-0",
                        "gateway_address": gateway_address},
-            "transfer": {"transport": transport},
+            "transfer": {"transport": transport, "cluster_key_file": write_private_key(str(tmp))},  # CURVE, as deployed
         }
         self.config_path = tmp / "roles.yaml"
         self.config_path.write_text(yaml.safe_dump(config))

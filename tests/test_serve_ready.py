@@ -35,11 +35,11 @@ def test_ready_waits_for_the_prefill_workers_too():
 
     cluster = _Cluster()
     with http_get_server(answer) as url:
-        assert not wait_ready(url, cluster, 1.0, {"prefill": 1, "decode": 1})
+        assert not wait_ready([url], cluster, 1.0, {"prefill": 1, "decode": 1})
         assert cluster.ticks >= 2  # the workers stay supervised while it waits
         metrics.pool_workers.labels("prefill").set(1)
-        assert wait_ready(url, cluster, 5.0, {"prefill": 1, "decode": 1})
-        assert wait_ready(url, cluster, 5.0, {"prefill": 0, "decode": 1})  # --prefill 0: decode alone
+        assert wait_ready([url], cluster, 5.0, {"prefill": 1, "decode": 1})
+        assert wait_ready([url], cluster, 5.0, {"prefill": 0, "decode": 1})  # --prefill 0: decode alone
 
 
 def test_a_stop_while_starting_ends_the_wait_at_once():
@@ -50,5 +50,5 @@ def test_a_stop_while_starting_ends_the_wait_at_once():
     cluster = _Cluster()
     with http_get_server(answer) as url:
         started = time.monotonic()
-        assert not wait_ready(url, cluster, 600.0, {"prefill": 1, "decode": 1}, stopped=lambda: cluster.ticks >= 2)
+        assert not wait_ready([url], cluster, 600.0, {"prefill": 1, "decode": 1}, stopped=lambda: cluster.ticks >= 2)
         assert cluster.ticks == 2 and time.monotonic() - started < 60

@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from cluster.keygen import write_private_key
 import yaml
 
 from configs.schema import EX_CONFIG
@@ -79,7 +81,9 @@ def test_serve_fails_fast_with_one_line(tmp_path, case):
 @pytest.mark.parametrize("case", ["hub id offline", "unsupported architecture"])
 def test_every_role_resolves_the_model_the_same_way(tmp_path, role, argv, case):
     given, expected = BAD_MODELS[case]
-    result = subprocess.run([sys.executable, *argv(given(tmp_path))], cwd=ROOT, env=offline_env(),
+    key = write_private_key(str(tmp_path))  # a role alone needs the cluster key before anything else
+    result = subprocess.run([sys.executable, *argv(given(tmp_path))], cwd=ROOT,
+                            env=offline_env(PDSERVE_TRANSFER_CLUSTER_KEY_FILE=key),
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == EX_CONFIG, result.stderr
     [line] = [line for line in result.stderr.splitlines() if "Kubernetes" not in line]
@@ -102,8 +106,11 @@ def test_a_member_that_fails_its_configuration_is_not_restarted(tmp_path):
                             "--config", str(config), timeout_s=180)
     assert result.returncode == EX_CONFIG, result.stderr
     assert "exceeds the model's 2048 positions" in result.stderr
-    assert re.search(r"pdserve serve: (prefill|decode)-0 exited with code 78: a configuration error .*; "
-                     r"not restarting it; stopping the cluster", result.stderr), result.stderr
+    # The member's own line, then the supervisor's, which repeats it: the last line says it all.
+    last = result.stderr.splitlines()[-1]
+    assert re.fullmatch(r"pdserve serve: (prefill|decode)-0 exited with code 78, a configuration error \(pdserve "
+                        r"(prefill|decode): max_model_len 100000 exceeds the model's 2048 positions\); not restarting "
+                        r"it; every member stopped", last), result.stderr
     assert "restarting" not in result.stdout
 
 
@@ -145,3 +152,30 @@ def _bound(sock: socket.socket, port: int) -> bool:
         return True
     except OSError:
         return False
+
+
+def test_sigterm_while_starting_stops_serve_at_once(tmp_path):
+    # Workers that never come up (stopped here before they register) kept `pdserve serve` waiting for
+    # --ready-timeout; SIGTERM now ends it at once, stopped members included.
+    argv = [sys.executable, "-m", "cluster", "serve", "--model", str(tiny_model_dir("llama")), "--port",
+            str(free_port()), "--prefill", "1", "--decode", "1", "--ready-timeout", "600"]
+    proc = subprocess.Popen(argv, cwd=ROOT, env=offline_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            text=True)
+    try:
+        assert proc.stdout.readline().startswith("pdserve: gateway http://")  # just before the members start
+        give_up = time.monotonic() + 30
+        while len(members := children_of(proc.pid)) < 3 and time.monotonic() < give_up:
+            time.sleep(0.05)
+        workers = [pid for pid in members if "_node" in cmdline(pid)]
+        assert len(workers) == 2, [cmdline(pid) for pid in members]
+        for pid in workers:
+            os.kill(pid, signal.SIGSTOP)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0  # not --ready-timeout's 600 s
+    finally:
+        if proc.poll() is None:  # a failed test leaves nothing running (its members die with it)
+            proc.kill()
+            proc.wait()
+    assert "ready" not in proc.stdout.read()
+    for pid in members:
+        assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]

@@ -39,16 +39,20 @@ def test_worker_socket_round_trip_and_rejects_bad_frames():
 
 def test_http_metrics_health_ready():
     registry = CollectorRegistry()
-    metrics = EngineMetrics(registry)
+    metrics = EngineMetrics(registry, "m")
     metrics.update(EngineSnapshot(2, 1, 100, 25, 75, 64, 16, 0, kv_live_slots=380, block_size=16))
     ready = [False]
     handle = serve_http("127.0.0.1", 0, registry, lambda: ready[0])
     url = f"http://127.0.0.1:{handle.port}"
     try:
         body = urllib.request.urlopen(url + "/metrics", timeout=5).read().decode()
-        assert "pdserve:kv_blocks_in_use 25.0" in body and "pdserve:kv_cache_usage_perc 0.25" in body
+        assert "pdserve:kv_blocks_in_use 25.0" in body and 'vllm:kv_cache_usage_perc{model_name="m"} 0.25' in body
         assert "pdserve:kv_live_slots 380.0" in body and "pdserve:kv_slot_utilization 0.95" in body  # 380 / (25 * 16)
-        assert "pdserve:prefix_cache_hits_total 16.0" in body and "pdserve:num_requests_running 2.0" in body
+        assert 'vllm:prefix_cache_hits_total{model_name="m"} 16.0' in body
+        assert 'vllm:prefix_cache_queries_total{model_name="m"} 64.0' in body
+        assert 'vllm:num_requests_running{model_name="m"} 2.0' in body
+        assert 'vllm:num_requests_waiting{model_name="m"} 1.0' in body
+        assert "process_resident_memory_bytes" in body and "process_cpu_seconds_total" in body
         assert urllib.request.urlopen(url + "/health", timeout=5).status == 200
         with pytest.raises(urllib.error.HTTPError) as info:
             urllib.request.urlopen(url + "/ready", timeout=5)

@@ -1,6 +1,7 @@
 """Plumbing shared by the prefill and decode worker processes (torch-free).
 
-- ``WorkerSocket``: the DEALER to the gateway's ROUTER (identity = worker id); typed records in and out
+- ``WorkerSocket``: the DEALER to one gateway's ROUTER (identity = worker id); typed records in and out
+- ``GatewayLinks``: one WorkerSocket per gateway (several gateways share a pool), gateways lost noticed
 - ``HeartbeatTimer``: when the next Heartbeat is due
 - ``serve_http``: /metrics (Prometheus), /health, /ready on a daemon thread
 - ``EngineMetrics``: the vLLM-named gauges and counters every node exports (``pdserve:`` prefix)
@@ -15,7 +16,8 @@ from worker.identity import default_worker_id, kv_model_name
 from worker.http_server import HttpHandle, serve_http
 from worker.logs import setup_logging
 from worker.metrics import EngineMetrics, EngineSnapshot
+from worker.gateway_links import GatewayLinks
 from worker.gateway_socket import WorkerSocket
 
 __all__ = [
-    "Drain", "EngineMetrics", "EngineSnapshot", "default_worker_id", "kv_model_name", "HeartbeatTimer", "HttpHandle", "WorkerSocket", "install_drain", "serve_http", "setup_logging"]
+    "Drain", "EngineMetrics", "EngineSnapshot", "GatewayLinks", "default_worker_id", "kv_model_name", "HeartbeatTimer", "HttpHandle", "WorkerSocket", "install_drain", "serve_http", "setup_logging"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 from configs.schema import ConfigError, PdserveConfig, load_config
@@ -23,10 +24,17 @@ def load_worker_config(prog: str, description: str, argv: list[str] | None) -> t
     parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("--config", help="YAML config file (configs/schema.py lists every field)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
-    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--log-level", help="debug, info, warning, error or critical (observability.log_level)")
     args = parser.parse_args(argv)
+    overrides = parse_overrides(args.set)
+    if args.log_level:
+        overrides["observability.log_level"] = args.log_level.lower()
+    # Until the worker sets up its own format (worker/logs.py, once its id is known): what loading the
+    # config logs (environment variables it ignores, configs/environment.py) is shown at the asked level.
+    logging.basicConfig(level=(args.log_level or "info").upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        return load_config(args.config, overrides=parse_overrides(args.set)), args.log_level
+        config = load_config(args.config, overrides=overrides)
+        return config, config.observability.log_level
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return None

@@ -1,4 +1,7 @@
-"""The engine-side series every node exports, vLLM suffixes under the ``pdserve:`` prefix.
+"""The engine-side series every node exports: vLLM's names (``vllm:``, label ``model_name``) where the
+meaning is vLLM's (running, waiting, KV usage, prefix cache, preemptions); ``pdserve:`` for the rest,
+which are per node (a request counts at its prefill and at its decode worker; the gateway's ``vllm:``
+request series count it once). Plus ``process_*`` (CPU, memory, fds) of this process.
 
 Torch-free on purpose: ``update`` takes plain numbers, so either node (and tests) can feed it.
 Counters that the engine keeps as running totals (prefix cache tokens, preemptions) are advanced by
@@ -10,7 +13,9 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
+
+from worker.stats_log import StatsLog
 
 log = logging.getLogger(__name__)
 INTEGRITY_CHECK_INTERVAL_S = 1.0
@@ -35,25 +40,35 @@ class EngineSnapshot:
 
 
 class EngineMetrics:
-    def __init__(self, registry: CollectorRegistry):
+    def __init__(self, registry: CollectorRegistry, model_name: str = "",
+                 prompt_series: str = "pdserve:prompt_tokens_total"):
+        """``prompt_series``: the counter of prompt work on this node, for the periodic stats line."""
+        ProcessCollector(registry=registry)  # every worker registry gets one EngineMetrics
+
+        def vllm_gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"vllm:{name}", doc, ["model_name"], registry=registry).labels(model_name)
+
+        def vllm_counter(name: str, doc: str) -> Counter:
+            return Counter(f"vllm:{name}", doc, ["model_name"], registry=registry).labels(model_name)
+
         def gauge(name: str, doc: str) -> Gauge:
             return Gauge(f"pdserve:{name}", doc, registry=registry)
 
         def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
             return Counter(f"pdserve:{name}", doc, labels, registry=registry)
 
-        self.num_requests_running = gauge("num_requests_running", "Requests in the running batch")
-        self.num_requests_waiting = gauge("num_requests_waiting", "Requests queued (incl. waiting for KV)")
-        self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "Fraction of KV blocks in use, 0..1")
+        self.num_requests_running = vllm_gauge("num_requests_running", "Requests in the running batch")
+        self.num_requests_waiting = vllm_gauge("num_requests_waiting", "Requests queued (incl. waiting for KV)")
+        self.kv_cache_usage_perc = vllm_gauge("kv_cache_usage_perc", "Fraction of KV blocks in use, 0..1")
         self.kv_blocks_in_use = gauge("kv_blocks_in_use", "KV blocks referenced by live requests or reservations")
         self.kv_blocks_free = gauge("kv_blocks_free", "KV blocks free or evictable")
         self.kv_blocks_total = gauge("kv_blocks_total", "KV blocks in the pool")
         self.kv_live_slots = gauge("kv_live_slots", "Token slots of in-use KV blocks that hold a live token")
         self.kv_slot_utilization = gauge(
             "kv_slot_utilization", "Live tokens / slots of in-use KV blocks, 0..1 (0 when none is in use)")
-        self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
-        self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache")
-        self.num_preemptions = counter("num_preemptions", "Sequences preempted (recomputed later)")
+        self.prefix_cache_queries = vllm_counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
+        self.prefix_cache_hits = vllm_counter("prefix_cache_hits", "Prompt tokens found in the prefix cache")
+        self.num_preemptions = vllm_counter("num_preemptions", "Sequences preempted (recomputed later)")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of admitted requests")
         self.generation_tokens = counter("generation_tokens", "Tokens generated")
         self.request_success = counter("request_success", "Finished requests", ("finished_reason",))
@@ -73,6 +88,7 @@ class EngineMetrics:
         self._last_integrity_check = float("-inf")
         self._checked_fingerprint: tuple | None = None
         self._last = EngineSnapshot(0, 0, 0, 0, 0, 0, 0, 0)
+        self.stats = StatsLog(registry, model_name, prompt_series)
 
     def update(self, s: EngineSnapshot) -> None:
         self.num_requests_running.set(s.num_running)
@@ -89,6 +105,7 @@ class EngineMetrics:
         self.prefix_cache_hits.inc(max(s.prefix_hit_tokens - last.prefix_hit_tokens, 0))
         self.num_preemptions.inc(max(s.num_preemptions - last.num_preemptions, 0))
         self._last = s
+        self.stats.tick()
 
     def check_integrity_if_idle(self, block_manager, is_idle: bool, now: float) -> None:
         """When the node is idle, at most once a second, run the block manager's invariant check and

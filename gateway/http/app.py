@@ -38,6 +38,7 @@ from gateway.text.tokenizer import Tokenizer
 from gateway.text.tool_calls import parse_tools
 from gateway.workers.backend import Backend
 from gateway.workers.registry import WorkerRegistry
+from telemetry.tracing import NO_TRACING, Tracer
 
 from .auth import ApiKeys
 from .errors import APIError, bad_request
@@ -58,7 +59,7 @@ class GatewayParams:
     api_keys: list[str] = field(default_factory=list)  # empty: no authentication
     max_body_bytes: int = 1 << 20
     registry: WorkerRegistry | None = None  # shown at /v1/workers
-    metrics: GatewayMetrics = field(default_factory=GatewayMetrics)  # shared with the backend's pool gauges
+    metrics: GatewayMetrics | None = None  # shared with the backend's pool gauges; None: made for limits' model
     chat_parsers: ChatParsers = ChatParsers()  # reasoning and tool-call parsers of chat output
     # Origins whose browser pages may call the API (CORS, as vLLM's --allowed-origins); "*" any.
     # Empty: no CORS headers, so a page from another origin cannot read an answer.
@@ -66,6 +67,7 @@ class GatewayParams:
     # the Responses API's store (its budget: gateway.responses_store_mb)
     response_store: ResponseStore = field(
         default_factory=lambda: ResponseStore(GatewayConfig().responses_store_mb << 20))
+    tracer: Tracer = NO_TRACING  # request traces (observability.otlp_traces_endpoint); off by default
     lora_adapters: LoRAAdapters | None = None  # None: no LoRA (requests may name the base model only)
 
 
@@ -107,9 +109,9 @@ async def read_json(request: Request, max_bytes: int):
 
 
 def build_app(params: GatewayParams) -> Starlette:
-    metrics = params.metrics
+    metrics = params.metrics or GatewayMetrics(params.limits.model_name, params.limits.max_model_len)
     serving = Serving(params.tokenizer, params.backend, params.limits, metrics, params.chat_parsers,
-                      params.response_store, params.lora_adapters)
+                      params.response_store, params.tracer, params.lora_adapters)
     keys = ApiKeys(params.api_keys)
     metrics.stored_responses.set_function(lambda: len(serving.store))
     metrics.stored_responses_bytes.set_function(lambda: serving.store.num_bytes)
@@ -277,9 +279,16 @@ def build_app(params: GatewayParams) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app):
         await params.backend.start()  # in the serving loop: the backend's sockets and tasks live there
+        stop_listening = None
+        if serving.store.is_shared:  # cancels of background responses asked of another replica
+            loop = asyncio.get_running_loop()
+            stop_listening = serving.store.listen_for_cancels(
+                lambda rid: loop.call_soon_threadsafe(serving.background.cancel_soon, rid))
         try:
             yield
         finally:
+            if stop_listening is not None:
+                stop_listening()
             await serving.background.cancel_all()  # their workers let go before the backend's sockets close
             await params.backend.stop()
 

@@ -11,19 +11,23 @@ A connection moves through:
               pause longer than ``write_timeout_s`` drops the client; the app sees ``http.disconnect``
               and aborts its backend requests, so the workers free its blocks.
 
-A connection past a limit is aborted (RST, nothing buffered left to flush: a stalled client must not
-pin a socket either). The connection limit is uvicorn's ``limit_concurrency``: past it a request gets
-503. ``TimedH11Protocol`` is uvicorn's own h11 protocol with these timers; gateway/__main__.py passes it.
+A connection past a limit is aborted (nothing buffered is flushed: a stalled client must not pin a
+socket either). A connection opened while ``max_connections`` are open gets OpenAI's error JSON, 503 with
+Retry-After, to its request, and is closed. ``TimedH11Protocol`` is uvicorn's own h11 protocol with these
+timers; gateway/__main__.py passes it.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import logging
 from dataclasses import dataclass
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from .errors import no_capacity
 
 log = logging.getLogger("pdserve.gateway")
 
@@ -33,7 +37,7 @@ class HttpLimits:
     header_timeout_s: float = 10.0  # gateway.http_header_timeout_s
     body_timeout_s: float = 30.0  # gateway.http_body_timeout_s
     write_timeout_s: float = 30.0  # gateway.http_write_timeout_s
-    max_connections: int | None = 1024  # gateway.max_connections (uvicorn's limit_concurrency); None: no limit
+    max_connections: int | None = 1024  # gateway.max_connections; None: no limit
 
 
 class TimedH11Protocol(H11Protocol):
@@ -48,6 +52,9 @@ class TimedH11Protocol(H11Protocol):
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
+        limit = self._limits.max_connections
+        if limit is not None and len(self.connections) > limit:  # this one is counted already
+            self.app = _refusal(limit)  # its request (after its headers, read as any) gets the 503
         self._arm_read("headers")
 
     def data_received(self, data: bytes) -> None:
@@ -112,6 +119,20 @@ def _address(client: tuple[str, int] | None) -> str:
     return f"{client[0]}:{client[1]}" if client else "?"
 
 
+def _refusal(limit: int):
+    """An ASGI app answering 503 in OpenAI's error shape, and closing the connection."""
+    error = no_capacity(1, f"this server has {limit} connections open, its limit (gateway.max_connections)")
+    body = json.dumps(error.body()).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+               (b"retry-after", b"1"), (b"connection", b"close")]
+
+    async def refuse(scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": 503, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    return refuse
+
+
 def uvicorn_options(limits: HttpLimits) -> dict:
     """uvicorn.Config / uvicorn.run keyword arguments that apply ``limits``."""
-    return {"http": functools.partial(TimedH11Protocol, limits=limits), "limit_concurrency": limits.max_connections}
+    return {"http": functools.partial(TimedH11Protocol, limits=limits)}

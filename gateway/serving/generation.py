@@ -23,7 +23,7 @@ import anyio
 
 from gateway.deadline import get_by
 from gateway.http.errors import APIError, bad_request, no_capacity
-from gateway.metrics import GatewayMetrics
+from gateway.metrics import ChoiceTiming, GatewayMetrics
 from gateway.workers.backend import Backend, CompletionEvent, GenerationRequest, NoCapacity
 
 from .choice import ChoiceDelta, ChoiceState
@@ -38,10 +38,11 @@ class GenerationFailed(APIError):
 
 class Generation:
     __slots__ = ("_backend", "_requests", "states", "_metrics", "_gens", "_firsts", "_pumps", "_queue",
-                 "_last_event_time", "_is_closed", "num_choices_per_prompt")
+                 "_last_event_time", "_first_token_time", "_queue_time", "_is_closed", "num_choices_per_prompt",
+                 "worker_ids", "request_id")
 
     def __init__(self, backend: Backend, requests: list[GenerationRequest], states: list[ChoiceState],
-                 metrics: GatewayMetrics, num_choices_per_prompt: int = 1) -> None:
+                 metrics: GatewayMetrics, num_choices_per_prompt: int = 1, request_id: str = "") -> None:
         assert len(states) == len(requests) * num_choices_per_prompt
         self._backend = backend
         self._requests = requests
@@ -52,6 +53,10 @@ class Generation:
         self._pumps: list[asyncio.Task] = []
         self._queue: asyncio.Queue[tuple[int, CompletionEvent]] = asyncio.Queue()  # (request index, event)
         self._last_event_time: list[float | None] = [None] * len(states)
+        self._first_token_time: list[float | None] = [None] * len(states)
+        self._queue_time: list[float] = [0.0] * len(requests)  # as each request's worker reported it
+        self.request_id = request_id  # the client's id of the HTTP request (logs)
+        self.worker_ids: list[str] = []  # every worker that served one of its requests (the request log line)
         self._is_closed = False
         self.num_choices_per_prompt = num_choices_per_prompt  # choices i*n .. i*n+n-1 share prompt i
 
@@ -145,12 +150,28 @@ class Generation:
         last = self._last_event_time[i]
         if event.queue_time_s is not None:
             self._metrics.request_queue_time.observe(event.queue_time_s)
+            self._queue_time[r] = event.queue_time_s
+        for worker_id in event.worker_ids or ():
+            if worker_id not in self.worker_ids:
+                self.worker_ids.append(worker_id)
         if event.token_ids:
             if last is None:
+                self._first_token_time[i] = now
                 self._metrics.time_to_first_token.observe(now - self._requests[r].arrival_time)
             else:
                 self._metrics.inter_token_latency.observe(now - last)
             self._last_event_time[i] = now
+
+    @property
+    def trace(self):
+        """The HTTP request's trace (every backend request carries the same); None when not traced."""
+        return self._requests[0].trace
+
+    def timings(self) -> list[ChoiceTiming]:
+        """Each choice's timestamps and outcome so far (the request metrics and log line read them)."""
+        n = self.num_choices_per_prompt
+        return [ChoiceTiming(self._queue_time[i // n], self._first_token_time[i], self._last_event_time[i],
+                             s.num_output_tokens, s.finish_reason) for i, s in enumerate(self.states)]
 
     async def abort(self) -> None:
         """Abort every backend request (the client left before the first token): the workers let go

@@ -44,11 +44,13 @@ from gateway.text.chat_output import ChatParsers, ChatShape
 from gateway.text.reasoning import PARSERS as REASONING_PARSERS
 from gateway.text.tokenizer import ChatTemplateError, Tokenizer
 from gateway.workers.backend import Backend, GenerationRequest
+from telemetry.tracing import KIND_SERVER, NO_TRACING, RequestTrace, Tracer
 
 from .choice import ChoiceState
 from .dialect import Asked, Dialect, OutputBuilder, OutputContext, ParseContext, StoredOutput
 from .generation import Generation
 from .lora_adapters import LoRAAdapters
+from .request_report import RequestReport
 
 log = logging.getLogger("pdserve.gateway")
 
@@ -69,7 +71,8 @@ class Serving:
 
     def __init__(self, tokenizer: Tokenizer, backend: Backend, limits: ServingLimits,
                  metrics: GatewayMetrics, parsers: ChatParsers = ChatParsers(),
-                 store: ResponseStore | None = None, adapters: LoRAAdapters | None = None) -> None:
+                 store: ResponseStore | None = None, tracer: Tracer = NO_TRACING,
+                 adapters: LoRAAdapters | None = None) -> None:
         self._tok = tokenizer
         # the LoRA adapters a request may name as its model (also /v1/models and the load routes')
         self.adapters = adapters if adapters is not None else LoRAAdapters(limits.model_name, enabled=False)
@@ -79,20 +82,36 @@ class Serving:
         self._backend = backend
         self._limits = limits
         self._metrics = metrics
+        self._tracer = tracer
         self._formats = {as_ids: LogprobFormatter(tokenizer, as_ids) for as_ids in (False, True)}
         self.num_in_flight = 0
 
     async def serve(self, request: Request, body, dialect: Dialect) -> object:
         """The answer to ``body`` in ``dialect``: the completion or chat request it amounts to, generated,
         and answered by the dialect's output builder."""
-        asked = dialect.parse(body, ParseContext(self._parsers.tool_calls, self.store))
-        return await self._serve(request, asked, dialect)
+        trace = self._trace(request)
+        try:
+            asked = dialect.parse(body, ParseContext(self._parsers.tool_calls, self.store))
+            return await self._serve(request, asked, dialect, trace)
+        except BaseException as e:  # refused before it began (a 400, 404, 503), or the client left: the span ends
+            if trace is not None:
+                trace.end(error=f"{type(e).__name__}: {e}"[:300])
+            raise
 
     def count_message_tokens(self, body) -> dict:
         """Anthropic's count_tokens: the prompt a Messages request would have (max_tokens is not needed)."""
         p = parse_messages({**body, "max_tokens": 1} if isinstance(body, dict) else body, self._parsers.tool_calls)
         self.check_model(p.model)
         return {"input_tokens": len(self._tok.encode(self.render(p.chat_prompt), add_special_tokens=False))}
+
+    def _trace(self, request: Request) -> RequestTrace | None:
+        """The request's span (a child of the client's traceparent header, if any), its parse phase open."""
+        if not self._tracer.enabled:
+            return None
+        trace = self._tracer.request(f"{request.method} {request.url.path}", request.headers.get("traceparent", ""),
+                                     kind=KIND_SERVER, **{"gen_ai.request.model": self._limits.model_name})
+        trace.phase("parse")
+        return trace
 
     def tokenize_prompt(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
         if isinstance(prompt, str):
@@ -130,8 +149,10 @@ class Serving:
             raise bad_request(f"model must be a string, got {type(model).__name__}", "model")
         return self.adapters.resolve(model)
 
-    async def _serve(self, request: Request, asked: Asked, dialect: Dialect) -> object:
+    async def _serve(self, request: Request, asked: Asked, dialect: Dialect, trace: RequestTrace | None) -> object:
         arrival = time.monotonic()
+        if trace is not None:
+            trace.phase("tokenize")
         p, chat = asked.parsed, dialect.chat
         lora_name = self.check_model(p.model)
         p.sampling["lora_name"] = lora_name  # into every SamplingSpec of the request: the workers run it
@@ -164,10 +185,13 @@ class Serving:
         rid = dialect.id_prefix + (given or uuid.uuid4().hex)
         # the workers' ids: a client's id may be reused, so they get a nonce of their own
         backend_rid = f"{rid}-{uuid.uuid4().hex[:8]}" if given else rid
-        requests, states = self._fan_out(backend_rid, p, prompts, chat, arrival)
+        requests, states = self._fan_out(backend_rid, p, prompts, chat, arrival, trace)
+        if trace is not None:
+            trace.set(**{"gen_ai.request.id": rid})
+            trace.phase("generate")  # routing (a "route" span per prompt), queueing, prefill: up to the first token
         opts = ResponseOptions(p.logprobs, p.prompt_logprobs, p.n, self._echo_texts(p, prompts) if p.echo else None,
                                shape)
-        generation = Generation(self._backend, requests, states, self._metrics, p.n)
+        generation = Generation(self._backend, requests, states, self._metrics, p.n, request_id=rid)
         out = asked.output(OutputContext(rid, int(time.time()), lora_name or self._limits.model_name, len(states), shape,
                                          self._formats[p.tokens_as_ids], opts, self._tok))
         self.num_in_flight += 1
@@ -175,14 +199,17 @@ class Serving:
         if asked.background:
             return self._answer_in_background(generation, out, asked.keep, rid, arrival)
         starting = asyncio.ensure_future(generation.start())
+        patience_s = self._limits.sse_keepalive_s if p.stream else None  # JSON answers wait for the start
         try:
-            started = await self._start(request, generation, starting, self._limits.sse_keepalive_s if p.stream else None)
+            started = await self._start(request, generation, starting, patience_s)
         except APIError as e:
             await self._close(generation, arrival, "rejected" if e.status == 503 else "failed")
             raise
         if started is None:
             await self._close(generation, arrival, "aborted")
             return JSONResponse({}, status_code=499)  # the client left; nobody reads this
+        if trace is not None:
+            trace.phase("stream")
         if p.stream:
             return EventStreamResponse(self._stream(generation, out, rid, arrival, None if started else starting),
                                        on_close=lambda: self._close(generation, arrival, "aborted", starting),
@@ -262,13 +289,15 @@ class Serving:
         return [sent if isinstance(sent, str) else self._tok.decode(ids, skip_special_tokens=False)
                 for sent, ids in zip(p.prompts, prompts)]
 
-    def _fan_out(self, rid: str, p: ParsedRequest, prompts: list[list[int]], chat: bool, arrival: float):
+    def _fan_out(self, rid: str, p: ParsedRequest, prompts: list[list[int]], chat: bool, arrival: float,
+                 trace: RequestTrace | None = None):
         deadline = arrival + self._limits.request_timeout_s if self._limits.request_timeout_s else None
         requests, states = [], []
         for prompt_index, ids in enumerate(prompts):
             max_tokens = resolve_max_tokens(p.max_tokens, len(ids), self._limits.max_model_len, chat)
             request_id = f"{rid}-{prompt_index}"
-            requests.append(GenerationRequest(request_id, ids, p.sampling_options(max_tokens), arrival, deadline))
+            requests.append(GenerationRequest(request_id, ids, p.sampling_options(max_tokens), arrival, deadline,
+                                              trace))
             for j in range(p.n):  # choice prompt_index * n + j is completion j of that request
                 states.append(ChoiceState(prompt_index * p.n + j, request_id, self._tok, ids, p.stop,
                                           p.skip_special_tokens, p.sampling["stop_token_ids"], p.include_stop_str))
@@ -384,3 +413,13 @@ class Serving:
         m.generation_tokens.inc(counts["completion_tokens"])
         m.prompt_tokens.inc(counts["prompt_tokens"])
         m.cached_prompt_tokens.inc(counts["prompt_tokens_details"]["cached_tokens"])
+        if outcome in ("success", "aborted"):
+            m.request_prompt_tokens.observe(counts["prompt_tokens"])
+            m.request_generation_tokens.observe(counts["completion_tokens"])
+        timings = generation.timings()
+        m.observe_choices(arrival, timings, aborted=outcome == "aborted")
+        report = RequestReport.of(generation.request_id, self._limits.model_name, outcome, counts, timings,
+                                  generation.worker_ids, arrival, time.monotonic())
+        log.info("%s", report.log_line())
+        if generation.trace is not None:
+            generation.trace.end(report.error, **report.span_attributes())

@@ -57,6 +57,16 @@ def _pick_template(raw) -> str | None:
     return raw if isinstance(raw, str) else None
 
 
+def load_chat_template(given: str) -> str:
+    """The template vLLM's --chat-template names: a file's contents, or the text itself when it is
+    Jinja. A path that does not exist is an error rather than a one-line template of its name."""
+    if Path(given).is_file():
+        return Path(given).read_text(encoding="utf-8")
+    if "{" in given:
+        return given
+    raise ValueError(f"chat template {given!r} is neither a file nor a Jinja template")
+
+
 def _clean_up_spaces(text: str) -> str:
     # transformers' clean_up_tokenization: undo the spaces old tokenizers put before punctuation
     for before, after in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
@@ -91,7 +101,8 @@ def _embedding_rows(path: Path) -> int | None:
 class Tokenizer:
     """Encode, decode and chat-template one checkpoint's tokenizer."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, chat_template: str = "") -> None:
+        """``chat_template``: vLLM's --chat-template (a file, or the template text) over the model's own."""
         path = Path(path)
         self._tok = HFTokenizer.from_file(str(path / "tokenizer.json"))
         config_path = path / "tokenizer_config.json"
@@ -101,6 +112,7 @@ class Tokenizer:
         jinja_path = path / "chat_template.jinja"
         source = jinja_path.read_text(encoding="utf-8") if jinja_path.exists() else _pick_template(
             config.get("chat_template"))
+        source = load_chat_template(chat_template) if chat_template else source
         self._template = _compile_template(source) if source else None
         eos = self.special_tokens.get("eos_token")
         self.eos_token_id: int | None = self._tok.token_to_id(eos) if eos else None

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from protocol.serving import SamplingSpec
+from telemetry.tracing import RequestTrace
 
 
 class NoCapacity(Exception):
@@ -32,6 +33,7 @@ class GenerationRequest:
     sampling: SamplingSpec  # the wire record itself: what the workers need to sample
     arrival_time: float  # time.monotonic() when the HTTP request arrived
     deadline: float | None = None  # time.monotonic() after which workers drop the request
+    trace: RequestTrace | None = None  # the HTTP request's trace (telemetry/tracing.py); None: not traced
 
     def __post_init__(self) -> None:
         assert self.prompt_token_ids, "empty prompt"
@@ -61,6 +63,7 @@ class CompletionEvent:
     refused: bool = False  # with error: refused as invalid before any work (the client's fault: a 400)
     # Asked-for prompt logprobs, on each completion's first event: one per prompt token after the first.
     prompt_logprobs: list[TokenLogprob] | None = None
+    worker_ids: list[str] | None = None  # the workers serving it (decode, then prefill); with the first event
 
     def __post_init__(self) -> None:
         assert self.finish_reason in (None, "stop", "length"), self.finish_reason

@@ -16,6 +16,11 @@ Life cycle of one request (one prompt, ``n`` completions) in the gateway:
    same worker, and ride on every completion's first event.
 5. end: every completion finished, an error, the deadline, or an abort (client gone, stop string) ->
    AbortRequest to the decode worker and the prefill worker it used, unless it finished by itself.
+
+Several gateways may share the pools (docs/gateway-replicas.md): each worker heartbeats to each, and
+this one acks every heartbeat with its id (``HeartbeatAck``, new per process), which its Generates
+carry, so workers answer here and abort this gateway's requests if it dies. A worker's KV is its own
+to reserve: a heartbeat's free blocks are a hint, and a worker that another gateway filled says Busy.
 """
 
 from __future__ import annotations
@@ -23,12 +28,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from dataclasses import dataclass
 
 from gateway.deadline import get_by
 from gateway.metrics import GatewayMetrics
+from protocol.curve import PlaneSecurity
+from protocol.rejects import RejectLog
 from protocol.serving import (
-    AbortRequest, Busy, Generate, Goodbye, Heartbeat, LoRAAdapterSet, PromptLogprobs, TokenEvent,
+    AbortRequest, Busy, Generate, Goodbye, Heartbeat, HeartbeatAck, LoRAAdapterSet, PromptLogprobs, TokenEvent,
     TokenLogprobRecord,
 )
 
@@ -57,6 +65,7 @@ class ZmqBackendParams:
     breaker_threshold: int = 3
     breaker_cooldown_s: float = 10.0
     expiry_interval_s: float = 0.5  # how often silent workers are looked for
+    security: PlaneSecurity | None = None  # CURVE keys of the worker plane; None: insecure (in-process tests)
     lora_load_timeout_s: float = 60.0  # /v1/load_lora_adapter waits this long for every worker
 
 
@@ -99,9 +108,11 @@ class ZmqBackend(Backend):
         self._router = Router(registry, params.router)
         self._breaker = CircuitBreaker(params.breaker_threshold, params.breaker_cooldown_s)
         self._queue = AdmissionQueue(params.max_queued_requests)
+        self._rejects = RejectLog(log, self._count_rejected)
         self._link = WorkerLink(params.host, params.worker_port, params.max_frame_bytes, self._on_record,
-                                self._on_malformed)
+                                self._rejects, params.security)
         self._flights: dict[str, _Flight] = {}
+        self.gateway_id = uuid.uuid4().hex  # workers tell gateway processes apart by it
         self._lora_set = LoRAAdapterSet(0, [], [])  # version 0: the list in the workers' own config
         self._lora_sent: dict[tuple[str, str], int] = {}  # (worker, incarnation) -> version last sent to it
         self._expiry_task: asyncio.Task | None = None
@@ -172,6 +183,8 @@ class ZmqBackend(Backend):
                     return
                 for e in released:
                     out = _to_backend_event(e, queue_time)
+                    if queue_time is not None:  # the first event: who serves it (the request log line)
+                        out.worker_ids = flight.workers()
                     queue_time = None
                     if e.offset == 0 and request.sampling.prompt_logprobs is not None:  # each completion's first
                         out.prompt_logprobs = flight.prompt_logprobs  # checked against the prompt by Generation
@@ -195,6 +208,7 @@ class ZmqBackend(Backend):
         retries_left = self._params.max_retries
         failure = None  # the last attempt's failure: what the client hears if no retry is possible
         while True:
+            routing_started_ns = time.time_ns() if request.trace else 0
             try:
                 decision = await self._route(request, self._still_tried(tried))
             except NoCapacity:
@@ -203,10 +217,15 @@ class ZmqBackend(Backend):
                 raise
             flight.decode_worker, flight.prefill_worker = decision.decode_worker, decision.prefill_worker
             incarnations = {w: self._incarnation(w) for w in flight.workers()}  # of this attempt's workers
+            if request.trace:
+                request.trace.span("route", routing_started_ns, decode_worker=decision.decode_worker,
+                                   prefill_worker=decision.prefill_worker or "", cached_tokens=decision.prefill_cached_tokens)
             flight.events, flight.prompt_logprobs = asyncio.Queue(), []  # nothing left from an earlier attempt
             prefill = self._registry.get(decision.prefill_worker) if decision.prefill_worker else None
             generate = Generate(flight.rid, request.prompt_token_ids, request.sampling,
-                                prefill.address if prefill is not None else "", self._wall_deadline(request))
+                                prefill.address if prefill is not None else "", self._wall_deadline(request),
+                                request.trace.traceparent() if request.trace else "", self.gateway_id,
+                                prefill_key=self._link.peer_of(prefill.worker_id) if prefill is not None else "")
             # Until the first answer the prompt counts on its P's backlog (the router's local-prefill rule).
             backlog = len(request.prompt_token_ids) - decision.prefill_cached_tokens if prefill is not None else 0
             if backlog:
@@ -332,6 +351,9 @@ class ZmqBackend(Backend):
                     self._add_prompt_logprobs(worker_id, flight, record)
                 else:
                     flight.events.put_nowait(record)
+            else:
+                self._rejects.reject("not_assigned", worker_id, f"{type(record).__name__} for {flight.rid[:64]}, "
+                                     "a request it does not serve")
 
     def _add_prompt_logprobs(self, worker_id: str, flight: _Flight, frame: PromptLogprobs) -> None:
         have = flight.prompt_logprobs
@@ -352,6 +374,7 @@ class ZmqBackend(Backend):
         if hb.worker_id != worker_id:
             self._on_malformed(f"heartbeat for {hb.worker_id[:64]!r} from {worker_id[:64]!r}")
             return
+        self._link.send_nowait(worker_id, HeartbeatAck(self.gateway_id))
         known = self._registry.get(worker_id)
         if known is not None and known.incarnation != hb.incarnation:
             self._worker_left(worker_id, "restarted")  # its in-flight requests died with the old process
@@ -389,12 +412,18 @@ class ZmqBackend(Backend):
         self._lora_sent[key] = self._lora_set.version
         asyncio.ensure_future(self._link.send(worker_id, self._lora_set))
 
-    def _on_malformed(self, why: str) -> None:
-        self._metrics.worker_malformed_frames.inc()
-        log.warning("dropped a malformed frame from a worker: %s", why)
+    def _on_malformed(self, why: str, worker_id: str = "") -> None:
+        self._rejects.reject("malformed", worker_id, why)
+
+    def _count_rejected(self, reason: str) -> None:
+        self._metrics.rejected_frames.labels(reason).inc()
+        if reason == "malformed":
+            self._metrics.worker_malformed_frames.inc()
 
     def _worker_left(self, worker_id: str, reason: str) -> None:
         log.warning("worker %s left: %s", worker_id, reason)
+        if reason != "restarted":  # a restarted worker is registered again under its new key already
+            self._link.unbind(worker_id)
         self._router.forget([worker_id])
         for key in [k for k in self._lora_sent if k[0] == worker_id]:
             del self._lora_sent[key]

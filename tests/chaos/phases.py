@@ -26,8 +26,11 @@ PHASES = ("queued", "prefilling", "transferring", "decoding")
 POLL_S = 0.02
 
 
+VLLM_NAMED = ("num_requests_running", "num_requests_waiting")  # the engine gauges under vLLM's names
+
+
 def _m(cluster, member: str, name: str) -> float:
-    return cluster.metric(member, f"pdserve:{name}")
+    return cluster.metric(member, f"{'vllm' if name in VLLM_NAMED else 'pdserve'}:{name}")
 
 
 def _on_prefill(cluster, p: str, phase: str, decoders: list[str]) -> bool:

@@ -127,14 +127,15 @@ def _recover(cluster, scenario: Scenario, member: str, before: dict[str, str], l
     return first.ended - faulted_at
 
 
-IDLE_GAUGES = ("kv_blocks_in_use", "num_requests_running", "num_requests_waiting", "kv_blocks_held_for_peer")
+IDLE_GAUGES = ("pdserve:kv_blocks_in_use", "vllm:num_requests_running", "vllm:num_requests_waiting",
+               "pdserve:kv_blocks_held_for_peer")
 
 
 def settle(cluster, timeout_s: float) -> tuple[bool, int]:
     """(idle, leaked): idle once every worker's own /metrics shows nothing in use, running, waiting or held
     for a peer; leaked = the KV blocks still in use when ``timeout_s`` ran out (0 when idle)."""
     def idle() -> bool:
-        return all(cluster.metric(w, f"pdserve:{name}") == 0 for w in WORKERS for name in IDLE_GAUGES)
+        return all(cluster.metric(w, name) == 0 for w in WORKERS for name in IDLE_GAUGES)
 
     if poll_until(idle, timeout_s, poll_s=0.2):
         return True, 0

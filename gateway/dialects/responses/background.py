@@ -7,6 +7,8 @@
    is stored ``cancelled``. Cancelling one that ended returns it as it ended
 4. gateway shutdown cancels what still runs: a background response outlives its HTTP request, never
    its gateway
+5. behind several replicas sharing a Redis store, a cancel that reaches another replica is published
+   there, and this one stops the response if it runs it (``cancel_soon``)
 
 Cancelling goes through an anyio cancel scope, not ``Task.cancel``: the scope reaches the work even
 where it has not taken its first step yet (a cancelled task that never started skips its own cleanup),
@@ -55,6 +57,12 @@ class BackgroundResponses:
         running.scope.cancel()
         await asyncio.wait([running.task])
         return True
+
+    def cancel_soon(self, response_id: str) -> None:
+        """Another replica was asked to cancel it: stop it if it runs here (it stores itself cancelled)."""
+        running = self._running.get(response_id)
+        if running is not None:
+            running.scope.cancel()
 
     async def cancel_all(self) -> None:
         await asyncio.gather(*(self.cancel(response_id) for response_id in list(self._running)))

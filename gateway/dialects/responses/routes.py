@@ -6,11 +6,17 @@
     POST   /v1/responses/{id}/cancel       a background response: stopped if still running (stored cancelled),
                                            returned as it is; any other: a 400
 
+Behind replicas sharing the store, a background response runs on the replica that took its POST; a
+cancel (or DELETE) reaching another one is published to every replica, and the answer waits (up to
+``CANCEL_WAIT_S``) until the store shows it ended.
+
 An id the store does not hold is a 404 that says why it may be gone.
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Callable
 
 from starlette.requests import Request
@@ -23,6 +29,8 @@ from .background import BackgroundResponses
 from .store import MAX_INPUT_ITEMS_PAGE, ResponseStore, StoredResponse, input_items_page
 
 DEFAULT_PAGE = 20  # OpenAI's default limit
+CANCEL_WAIT_S = 10.0  # a cancel waits this long for another replica to stop the response
+RUNNING = ("queued", "in_progress")
 
 
 def response_routes(store: ResponseStore, background: BackgroundResponses,
@@ -38,10 +46,28 @@ def response_routes(store: ResponseStore, background: BackgroundResponses,
                            code="not_found")
         return entry
 
+    async def stop_background(entry: StoredResponse) -> StoredResponse:
+        """Stops a background response wherever it runs; returns it as it ended (as it is, where another
+        replica did not stop it in time)."""
+        rid = entry.body["id"]
+        if await background.cancel(rid):
+            return store.get(rid) or entry  # it stored itself cancelled
+        if not (store.is_shared and entry.body["status"] in RUNNING):
+            return entry
+        store.publish_cancel(rid)
+        give_up = time.monotonic() + CANCEL_WAIT_S
+        while time.monotonic() < give_up:
+            await asyncio.sleep(0.05)
+            now = store.get(rid)
+            if now is None or now.body["status"] not in RUNNING:
+                return now or entry
+        return entry
+
     async def response(request: Request):
         entry = stored(request)
         if request.method == "DELETE":
-            await background.cancel(entry.body["id"])  # a deleted response stops taking up a worker
+            if entry.body.get("background"):
+                await stop_background(entry)  # a deleted response stops taking up a worker
             store.delete(entry.body["id"])
             return JSONResponse({"id": entry.body["id"], "object": "response", "deleted": True})
         return JSONResponse(entry.body)
@@ -52,8 +78,7 @@ def response_routes(store: ResponseStore, background: BackgroundResponses,
         if not entry.body.get("background"):
             raise bad_request(f"Only background responses can be cancelled; {rid!r} was answered while "
                               f"its request waited (status {entry.body['status']!r})", "response_id")
-        if await background.cancel(rid):
-            entry = store.get(rid) or entry  # it stored itself cancelled
+        entry = await stop_background(entry)
         return JSONResponse(entry.body)  # cancelling one that ended returns it as it ended (idempotent)
 
     async def input_items(request: Request):

@@ -7,15 +7,16 @@ memory budget (``gateway.responses_store_mb``; 0 turns the store off, and a resp
 reading a response, or going on from it, uses every response of its chain.
 
 A response keeps its own input items and its output, and names the one it went on from; a continuation
-walks those links back, so a conversation of n turns is held once, not n times. The store is one gateway
-process's: behind several replicas, a continuation must reach the replica that answered (sticky sessions),
-as with vLLM's in-memory store.
+walks those links back, so a conversation of n turns is held once, not n times. This store is one gateway
+process's; behind several replicas, ``gateway.responses_store_url`` names a Redis that all of them share
+(gateway/dialects/responses/redis_store.py, the same interface), so any replica goes on from any response.
 """
 
 from __future__ import annotations
 
 import json
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 MAX_INPUT_ITEMS_PAGE = 100  # OpenAI's limit on one page of input items
@@ -29,6 +30,8 @@ class StoredResponse:
 
 
 class ResponseStore:
+    is_shared = False  # other gateways see nothing kept here
+
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
         self._entries: OrderedDict[str, StoredResponse] = OrderedDict()  # least recently used first
@@ -73,18 +76,22 @@ class ResponseStore:
         return entry is not None
 
     def conversation(self, rid: str) -> list[dict] | str:
-        """The items a response going on from ``rid`` starts with: every input and output item of its
-        chain, oldest first. Where a response of the chain is not held (never stored, deleted or
-        evicted), its id instead."""
-        chain: list[StoredResponse] = []
-        wanted: str | None = rid
-        while wanted is not None and len(chain) <= len(self._entries):  # ids are new: a chain has no loop
-            entry = self.get(wanted)
-            if entry is None:
-                return wanted
-            chain.append(entry)
-            wanted = entry.body.get("previous_response_id")
-        return [item for entry in reversed(chain) for item in entry.input_items + entry.body["output"]]
+        return conversation(self.get, rid, len(self._entries))
+
+
+def conversation(get: Callable[[str], StoredResponse | None], rid: str, max_chain: int) -> list[dict] | str:
+    """The items a response going on from ``rid`` starts with: every input and output item of its chain
+    (read with ``get``), oldest first. Where a response of the chain is not held (never stored, deleted
+    or evicted), its id instead."""
+    chain: list[StoredResponse] = []
+    wanted: str | None = rid
+    while wanted is not None and len(chain) <= max_chain:  # ids are new: a chain has no loop
+        entry = get(wanted)
+        if entry is None:
+            return wanted
+        chain.append(entry)
+        wanted = entry.body.get("previous_response_id")
+    return [item for entry in reversed(chain) for item in entry.input_items + entry.body["output"]]
 
 
 def input_items_page(items: list[dict], after: str | None, limit: int, order: str) -> dict | None:

@@ -1,0 +1,73 @@
+"""A real OTLP/HTTP trace receiver on a loopback port, for tests: it decodes each POST with the
+OpenTelemetry project's own protobuf classes (opentelemetry-proto), independently of our encoder."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (ExportTraceServiceRequest,
+                                                                      ExportTraceServiceResponse)
+
+
+@dataclass(frozen=True, slots=True)
+class ReceivedSpan:
+    service: str  # the resource's service.name
+    name: str
+    trace_id: str  # hex
+    span_id: str
+    parent_span_id: str  # "" for a root
+    start_ns: int
+    end_ns: int
+    attributes: dict
+    error: str | None  # the status message when the status is ERROR
+
+
+class OtlpReceiver:
+    def __init__(self) -> None:
+        self.spans: list[ReceivedSpan] = []
+        self.content_types: set[str] = set()
+        lock, spans, content_types = threading.Lock(), self.spans, self.content_types
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                request = ExportTraceServiceRequest.FromString(body)
+                with lock:
+                    content_types.add(self.headers["Content-Type"])
+                    spans.extend(_spans_of(request))
+                answer = ExportTraceServiceResponse().SerializeToString()
+                self.send_response(200 if self.path == "/v1/traces" else 404)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.send_header("Content-Length", str(len(answer)))
+                self.end_headers()
+                self.wfile.write(answer)
+
+            def log_message(self, format, *args) -> None:
+                pass
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}/v1/traces"
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+def _value(any_value):
+    return getattr(any_value, any_value.WhichOneof("value"))
+
+
+def _spans_of(request: ExportTraceServiceRequest) -> list[ReceivedSpan]:
+    out = []
+    for resource_spans in request.resource_spans:
+        resource = {kv.key: _value(kv.value) for kv in resource_spans.resource.attributes}
+        for scope_spans in resource_spans.scope_spans:
+            for s in scope_spans.spans:
+                error = s.status.message if s.status.code == s.status.STATUS_CODE_ERROR else None
+                out.append(ReceivedSpan(resource["service.name"], s.name, s.trace_id.hex(), s.span_id.hex(),
+                                        s.parent_span_id.hex(), s.start_time_unix_nano, s.end_time_unix_nano,
+                                        {kv.key: _value(kv.value) for kv in s.attributes}, error))
+    return out
