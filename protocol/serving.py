@@ -243,8 +243,10 @@ class Heartbeat:
     proof: str = ""
     lora_names: list[str] = field(default_factory=list)  # LoRA adapters loaded (requests may name them)
     hot_lora_names: list[str] = field(default_factory=list)  # of those, the ones in device slots now
-    lora_version: int = 0  # the gateway's LoRAAdapterSet version this worker applied last (0: its config's)
-    lora_errors: list[str] = field(default_factory=list)  # "name: why" of adapters in that set it could not load
+    # "gateway_id:version" of the LoRAAdapterSet each gateway sent that this worker applied last (none
+    # from a gateway: its version 0, the worker's config); one heartbeat goes to every gateway
+    lora_versions: list[str] = field(default_factory=list)
+    lora_errors: list[str] = field(default_factory=list)  # "name: why" of adapters in those sets it could not load
 
     def __post_init__(self) -> None:
         assert self.role in ROLES, self.role
@@ -274,6 +276,7 @@ class LoRAAdapterSet:
     version: int
     names: list[str]
     paths: list[str]  # directories on the worker's filesystem, one per name
+    gateway_id: str = ""  # the sender (HeartbeatAck's id): with several gateways, a worker serves every list's union
 
     def __post_init__(self) -> None:
         assert self.version >= 0 and len(self.names) == len(self.paths), (self.version, len(self.names))

@@ -164,3 +164,21 @@ def test_pdserve_generate_runs_a_prompt_under_an_adapter_as_peft_does() -> None:
     bad = subprocess.run(argv[:-4] + ["--max-lora-rank", "4", "--lora-name", "beta"], capture_output=True, text=True,
                          timeout=300)
     assert bad.returncode == 78 and "LoRA adapter 'beta' has rank 8, above max_lora_rank=4" in bad.stderr
+
+
+def test_a_worker_serves_the_union_of_every_gateways_list() -> None:
+    from engine.lora_sync import LoRASync
+    from protocol.serving import LoRAAdapterSet
+
+    manager = lora_llm().engine.runner.lora
+    sync = LoRASync(manager)  # the config's alpha and beta
+    gamma = str(tiny_adapter_dir("alpha", FAMILY))
+    sync.apply(LoRAAdapterSet(1, ["alpha", "beta", "gamma"], [*map(manager.known.get, ("alpha", "beta")), gamma], "g1"))
+    sync.apply(LoRAAdapterSet(1, ["alpha"], [manager.known["alpha"]], "g2"))  # g2 unloaded beta; knows no gamma
+    assert sorted(manager.known) == ["alpha", "beta", "gamma"]  # neither list undoes the other
+    assert sorted(sync.heartbeat_fields()["lora_versions"]) == ["g1:1", "g2:1"]
+    sync.apply(LoRAAdapterSet(2, ["alpha", "beta"], [manager.known["alpha"], manager.known["beta"]], "g1"))
+    assert sorted(manager.known) == ["alpha", "beta"]  # gamma was g1's alone
+    sync.apply(LoRAAdapterSet(3, ["alpha", "beta", "bad"], [manager.known["alpha"], manager.known["beta"], "/nope"],
+                              "g1"))
+    assert sync.heartbeat_fields()["lora_errors"] == ["bad: LoRA adapter 'bad': no adapter_config.json in /nope"]

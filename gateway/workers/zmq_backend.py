@@ -381,29 +381,34 @@ class ZmqBackend(Backend):
         if known is None:
             log.info("worker %s (%s) registered at %s", worker_id, hb.role, hb.address)
         self._registry.observe(hb, time.monotonic())
-        if hb.lora_version != self._lora_set.version:  # joined later, or restarted: send it the current list
+        if self._lora_version(hb) != self._lora_set.version:  # joined later, or restarted: send it the list
             self._send_lora_set(worker_id, hb.incarnation)
         self._update_pool_gauges()
         self._queue.notify()
 
     async def set_lora_adapters(self, adapters: dict[str, str], version: int, name: str) -> str:
-        self._lora_set = LoRAAdapterSet(version, list(adapters), list(adapters.values()))
+        self._lora_set = LoRAAdapterSet(version, list(adapters), list(adapters.values()), self.gateway_id)
         workers = self._registry.workers()
         for w in workers:
             self._send_lora_set(w.worker_id, w.incarnation)
         give_up = time.monotonic() + self._params.lora_load_timeout_s
         while time.monotonic() < give_up:
             current = [w for w in (self._registry.get(x.worker_id) for x in workers) if w is not None]
-            errors = [e for w in current if w.heartbeat.lora_version == version
+            errors = [e for w in current if self._lora_version(w.heartbeat) == version
                       for e in w.heartbeat.lora_errors if e.startswith(f"{name}: ")]
             if errors:
                 return f"worker: {errors[0][len(name) + 2:]}"
-            if all(w.heartbeat.lora_version == version for w in current):
+            if all(self._lora_version(w.heartbeat) == version for w in current):
                 return ""
             await asyncio.sleep(0.05)
         late = [w.worker_id for w in workers
-                if (x := self._registry.get(w.worker_id)) and x.heartbeat.lora_version != version]
+                if (x := self._registry.get(w.worker_id)) and self._lora_version(x.heartbeat) != version]
         return f"workers {', '.join(late)} did not apply the adapter list within {self._params.lora_load_timeout_s:g} s"
+
+    def _lora_version(self, hb: Heartbeat) -> int:
+        """The version of this gateway's adapter list the worker applied last (0: none sent yet)."""
+        mine = f"{self.gateway_id}:"
+        return next((int(v[len(mine):]) for v in hb.lora_versions if v.startswith(mine)), 0)
 
     def _send_lora_set(self, worker_id: str, incarnation: str) -> None:
         key = (worker_id, incarnation)
