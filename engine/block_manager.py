@@ -118,9 +118,9 @@ class BlockManager:
     def _seq_hashes(self, seq: Sequence, num_full: int) -> list[int]:
         # Tokens are only ever appended, so hashes of a sequence's full blocks can be memoized.
         hashes = self._hashes.setdefault(seq.seq_id, [])
-        bs = self.block_size
+        bs, params = self.block_size, seq.params
         while len(hashes) < num_full:
-            parent = hashes[-1] if hashes else root_hash(seq.params.cache_salt, lora_identity(seq.params.lora_name, seq.params.lora_path))
+            parent = hashes[-1] if hashes else root_hash(params.cache_salt, lora_identity(params.lora_name, params.lora_path))
             start = len(hashes) * bs
             hashes.append(hash_block(parent, seq.token_ids[start : start + bs]))
         return hashes

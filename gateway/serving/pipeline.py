@@ -192,7 +192,8 @@ class Serving:
         opts = ResponseOptions(p.logprobs, p.prompt_logprobs, p.n, self._echo_texts(p, prompts) if p.echo else None,
                                shape)
         generation = Generation(self._backend, requests, states, self._metrics, p.n, request_id=rid)
-        out = asked.output(OutputContext(rid, int(time.time()), lora_name or self._limits.model_name, len(states), shape,
+        served_as = lora_name or self._limits.model_name  # the adapter's name answers as the model, as vLLM's
+        out = asked.output(OutputContext(rid, int(time.time()), served_as, len(states), shape,
                                          self._formats[p.tokens_as_ids], opts, self._tok))
         self.num_in_flight += 1
         self._metrics.num_requests_running.inc()
