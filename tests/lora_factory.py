@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import functools
+import zlib
 from pathlib import Path
 
 import torch
@@ -35,7 +36,7 @@ def tiny_adapter_dir(name: str, family: str = "llama", seed: int = 0) -> Path:
     config = LoraConfig(r=rank, lora_alpha=alpha, use_rslora=rslora, target_modules=list(targets),
                         lora_dropout=0.0, bias="none", task_type="CAUSAL_LM")
     model = get_peft_model(_base(family), config)
-    g = torch.Generator().manual_seed(hash((name, seed)) % 2**31)
+    g = torch.Generator().manual_seed(zlib.crc32(f"{name}-{seed}".encode()))  # not hash(): salted per process
     with torch.no_grad():
         for param_name, param in model.named_parameters():
             if "lora_" in param_name:  # lora_A and lora_B both random, sized so the delta matters

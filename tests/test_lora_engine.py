@@ -160,7 +160,7 @@ def test_pdserve_generate_runs_a_prompt_under_an_adapter_as_peft_does() -> None:
             f"beta={tiny_adapter_dir('beta', FAMILY)}", "--max-lora-rank", "8", "--lora-name", "beta"]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.splitlines()[1:] == [tokenizer.decode(expected, skip_special_tokens=True)]
+    assert done.stdout.split("\n")[1:-1] == [tokenizer.decode(expected, skip_special_tokens=True)]  # not splitlines: \x1e
     bad = subprocess.run(argv[:-4] + ["--max-lora-rank", "4", "--lora-name", "beta"], capture_output=True, text=True,
                          timeout=300)
     assert bad.returncode == 78 and "LoRA adapter 'beta' has rank 8, above max_lora_rank=4" in bad.stderr
