@@ -7,8 +7,7 @@ KV head. The softmax is online and in base 2 (scores pre-multiplied by scale * l
 
 from __future__ import annotations
 
-import triton
-import triton.language as tl
+from kernels.triton_or_stub import tl, triton
 
 
 @triton.jit

@@ -8,8 +8,8 @@ both tensors, so the Triton kernel is a plain strided copy of such runs: exact, 
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+
+from kernels.triton_or_stub import tl, triton
 
 _CHUNK = 1024  # elements each program copies
 

@@ -12,11 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import triton
-import triton.language as tl
 
 from kernels.attention_tile import load_kv_tile, online_softmax_step
 from kernels.cpu_native import NativeLibrary
+from kernels.triton_or_stub import tl, triton
 
 _LOG2E = 1.4426950408889634
 _MIN_SPLIT_TOKENS = 256  # below this a split's fixed cost outweighs the extra parallelism

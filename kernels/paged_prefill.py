@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
 from kernels.attention_tile import load_kv_tile, online_softmax_step
 from kernels.paged_decode import gather_context
+from kernels.triton_or_stub import tl, triton
 
 _LOG2E = 1.4426950408889634
 _ROWS = 64  # (query, group head) rows per program

@@ -7,8 +7,8 @@ slot = block_id * block_size + offset_in_block, one per new token. The Triton ke
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+
+from kernels.triton_or_stub import tl, triton
 
 
 def store_kv_reference(

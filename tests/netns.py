@@ -48,6 +48,7 @@ class Network:
         self.namespaces: list[str] = []
         self.links: list[str] = []
         self.veths: dict[str, str] = {}  # host name -> its veth's bridge end
+        self.forward_rule: list[str] | None = None  # the iptables FORWARD rule we added, removed on close
         self.isolated = os.geteuid() == 0 and shutil.which("ip") is not None and not os.environ.get("MULTIHOST_LOOPBACK")
         if self.isolated:
             try:
@@ -55,6 +56,7 @@ class Network:
                 self.links.append(self.bridge)
                 _run("ip", "addr", "add", f"{SUBNET.format(self.net, 1)}/24", "dev", self.bridge)
                 _run("ip", "link", "set", self.bridge, "up")
+                self._accept_bridged_traffic()
             except (subprocess.CalledProcessError, OSError) as exc:
                 self.isolated = False
                 self.reason = f"cannot create a bridge: {getattr(exc, 'stderr', exc)}"
@@ -62,8 +64,21 @@ class Network:
             self.reason = "not root, no `ip` command, or MULTIHOST_LOOPBACK set"
         print(f"multihost: {'network namespaces on bridge ' + self.bridge if self.isolated else 'LOOPBACK fallback: ' + self.reason}")
 
-    def add_host(self, name: str, index: int) -> tuple[str, list[str]]:
-        """(address, argv prefix) of a new host; the gateway is host index 10 and answers to 'gateway'."""
+    def _accept_bridged_traffic(self) -> None:
+        """Where bridged frames pass iptables (br_netfilter), a FORWARD policy of DROP (dockerd sets
+        it) silently cuts the hosts off from each other: accept our bridge's traffic explicitly."""
+        if shutil.which("iptables") is None:
+            return
+        rule = ["FORWARD", "-i", self.bridge, "-o", self.bridge, "-j", "ACCEPT"]
+        if subprocess.run(["iptables", "-I", *rule], capture_output=True, check=False).returncode == 0:
+            self.forward_rule = rule
+
+    def address(self, index: int) -> str:
+        return SUBNET.format(self.net, index) if self.isolated else "127.0.0.1"
+
+    def add_host(self, name: str, index: int, names: dict[str, str] | None = None) -> tuple[str, list[str]]:
+        """(address, argv prefix) of a new host. ``names``: what resolves there (its /etc/hosts), by
+        default 'gateway' to host index 10."""
         if not self.isolated:
             return "127.0.0.1", []
         ns, veth = f"{self.prefix}-{name}", f"{self.prefix}{index}"
@@ -78,7 +93,8 @@ class Network:
             _run("ip", "netns", "exec", ns, "ip", *cmd)
         etc = Path("/etc/netns") / ns  # `ip netns exec` mounts this over /etc: the gateway's name resolves
         etc.mkdir(parents=True, exist_ok=True)
-        (etc / "hosts").write_text(f"127.0.0.1 localhost\n{SUBNET.format(self.net, 10)} gateway\n")
+        names = {"gateway": self.address(10)} if names is None else names
+        (etc / "hosts").write_text("127.0.0.1 localhost\n" + "".join(f"{ip} {name}\n" for name, ip in names.items()))
         return address, ["ip", "netns", "exec", ns]
 
     def set_link(self, name: str, up: bool) -> None:
@@ -91,16 +107,16 @@ class Network:
             shutil.rmtree(Path("/etc/netns") / ns, ignore_errors=True)
         for link in reversed(self.links):
             subprocess.run(["ip", "link", "del", link], capture_output=True)
+        if self.forward_rule:
+            subprocess.run(["iptables", "-D", *self.forward_rule], capture_output=True, check=False)
 
 
-class Host:
-    """One pdserve process on one host."""
+class HostProcess:
+    """One process at ``address`` (``argv`` already entered its host's namespace), its output kept."""
 
-    def __init__(self, net: Network, name: str, index: int, role: str, sets: dict[str, object], preset: str):
-        self.address, prefix = net.add_host(name, index)
-        argv = prefix + [sys.executable, "-m", "cluster", role, "--config", preset]
-        argv += [arg for key, value in sets.items() for arg in ("--set", f"{key}={value}")]
-        self.proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    def __init__(self, address: str, argv: list[str], env: dict[str, str] | None = None):
+        self.address = address
+        self.proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.log: list[str] = []
         self.http_port: int | None = None
         threading.Thread(target=self._read, daemon=True).start()
@@ -127,3 +143,13 @@ class Host:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+
+
+class Host(HostProcess):
+    """One pdserve process on one host, started as a container starts it."""
+
+    def __init__(self, net: Network, name: str, index: int, role: str, sets: dict[str, object], preset: str):
+        address, prefix = net.add_host(name, index)
+        argv = prefix + [sys.executable, "-m", "cluster", role, "--config", preset]
+        argv += [arg for key, value in sets.items() for arg in ("--set", f"{key}={value}")]
+        super().__init__(address, argv)

@@ -1,9 +1,11 @@
-"""deploy/ validated offline: compose against the compose spec, Kubernetes manifests strictly against the
-API schemas, KEDA ScaledObjects against our own schema (each with a broken copy that must fail), and the
-cross-file facts a deployment depends on (ports, names, grace periods, metric names the code exports)."""
+"""deploy/ validated offline: compose against the compose spec, Kubernetes manifests (each overlay, rendered
+as kustomize would) strictly against the API schemas and against Pod Security "restricted", KEDA
+ScaledObjects against our own schema (each with a broken copy that must fail), and the cross-file facts a
+deployment depends on (ports, names, grace periods, volumes, metric names the code exports)."""
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import subprocess
@@ -14,13 +16,16 @@ import yaml
 from prometheus_client import CollectorRegistry
 
 from configs.schema import load_config
+from tests.kustomize_lite import render
+from tests.pod_security import restricted_violations
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
 BIN = Path(sys.executable).parent
 PRESET = load_config(ROOT / "configs" / "multinode.yaml", env={})
-K8S_CORE = sorted((DEPLOY / "k8s").glob("*.yaml"))
+OVERLAYS = {name: render(DEPLOY / "k8s" / "overlays" / name) for name in ("cpu", "gpu")}
 SCALED = sorted((DEPLOY / "k8s" / "autoscaling").glob("*.yaml"))
+CACHE_MOUNT = "/home/pdserve/.cache/pdserve"  # ~/.cache/pdserve of the image's user (deploy/Dockerfile)
 SCHEMA = DEPLOY / "k8s" / "schemas" / "scaledobject.schema.json"
 
 
@@ -41,24 +46,117 @@ def test_compose_matches_the_compose_spec(tmp_path):
     assert run(BIN / "check-jsonschema", "--builtin-schema", "vendor.compose-spec", tmp_path / "compose.yaml").returncode == 1
 
 
-def test_kubernetes_manifests_validate_strictly(tmp_path):
-    assert {p.name for p in K8S_CORE} >= {"gateway.yaml", "prefill.yaml", "decode.yaml"}
-    ok = run(BIN / "kubernetes-validate", "--strict", *K8S_CORE)
-    assert ok.returncode == 0, ok.stdout + ok.stderr
-    broken = docs(DEPLOY / "k8s" / "decode.yaml")
-    broken[0]["spec"]["template"]["spec"]["terminationGracePeriod"] = 45  # unknown field
-    (tmp_path / "decode.yaml").write_text(yaml.safe_dump_all(broken))
+def one(rendered: list[dict], kind: str, name: str) -> dict:
+    [doc] = [d for d in rendered if d["kind"] == kind and d["metadata"]["name"] == name]
+    return doc
+
+
+def test_kubernetes_overlays_validate_strictly(tmp_path):
+    for overlay, rendered in OVERLAYS.items():
+        core = [d for d in rendered if d["kind"] != "ScaledObject"]
+        assert {d["kind"] for d in core} == {"ConfigMap", "PersistentVolumeClaim", "Deployment", "Service",
+                                             "PodDisruptionBudget", "NetworkPolicy", "HorizontalPodAutoscaler"}, overlay
+        (tmp_path / f"{overlay}.yaml").write_text(yaml.safe_dump_all(core))
+        ok = run(BIN / "kubernetes-validate", "--strict", tmp_path / f"{overlay}.yaml")
+        assert ok.returncode == 0, overlay + ok.stdout + ok.stderr
+    broken = copy.deepcopy(one(OVERLAYS["cpu"], "Deployment", "pdserve-decode"))
+    broken["spec"]["template"]["spec"]["terminationGracePeriod"] = 45  # unknown field
+    (tmp_path / "decode.yaml").write_text(yaml.safe_dump(broken))
     assert run(BIN / "kubernetes-validate", "--strict", tmp_path / "decode.yaml").returncode != 0
 
 
 def test_scaled_objects_match_our_schema(tmp_path):
     assert [p.name for p in SCALED] == ["decode-scaledobject.yaml", "prefill-scaledobject.yaml"]
-    ok = run(BIN / "check-jsonschema", "--schemafile", SCHEMA, *SCALED)
-    assert ok.returncode == 0, ok.stdout + ok.stderr
+    for overlay, rendered in OVERLAYS.items():
+        scaled = [d for d in rendered if d["kind"] == "ScaledObject"]
+        assert sorted(d["spec"]["scaleTargetRef"]["name"] for d in scaled) == ["pdserve-decode", "pdserve-prefill"]
+        paths = [tmp_path / f"{overlay}-{d['metadata']['name']}.yaml" for d in scaled]
+        for path, doc in zip(paths, scaled):
+            path.write_text(yaml.safe_dump(doc))
+        ok = run(BIN / "check-jsonschema", "--schemafile", SCHEMA, *paths)
+        assert ok.returncode == 0, ok.stdout + ok.stderr
+        for trigger in (t for d in scaled for t in d["spec"]["triggers"]):
+            # per pool by pod name, not by one scrape job's label convention
+            assert "job=" not in trigger["metadata"]["query"]
+            pool = re.search(r'pod=~"pdserve-(prefill|decode)-\.\+"', trigger["metadata"]["query"])
+            assert pool, trigger
     broken = docs(SCALED[0])[0]
     broken["spec"]["triggers"][0]["metadata"]["threshold"] = "seventy"
     (tmp_path / "bad.yaml").write_text(yaml.safe_dump(broken))
     assert run(BIN / "check-jsonschema", "--schemafile", SCHEMA, tmp_path / "bad.yaml").returncode == 1
+
+
+def test_every_pod_passes_pod_security_restricted():
+    for overlay, rendered in OVERLAYS.items():
+        for deployment in (d for d in rendered if d["kind"] == "Deployment"):
+            pod = deployment["spec"]["template"]["spec"]
+            assert restricted_violations(pod) == [], (overlay, deployment["metadata"]["name"])
+            assert pod["securityContext"]["runAsUser"] == 10001  # the image's USER (deploy/Dockerfile)
+    pod = copy.deepcopy(one(OVERLAYS["cpu"], "Deployment", "pdserve-decode")["spec"]["template"]["spec"])
+    pod["volumes"].append({"name": "ckpt", "hostPath": {"path": "/srv/models"}})
+    pod["containers"][0]["securityContext"] = {"capabilities": {"add": ["SYS_ADMIN"]}}
+    del pod["securityContext"]["seccompProfile"]
+    assert sorted(restricted_violations(pod)) == [
+        "container decode: adds capabilities ['SYS_ADMIN']",
+        "container decode: allowPrivilegeEscalation must be false",
+        "container decode: capabilities must drop ALL",
+        "container decode: seccompProfile must be RuntimeDefault or Localhost, got None",
+        "volume ckpt: type hostPath is not allowed",
+    ]
+    assert "pod: runAsUser 0" in restricted_violations({**pod, "securityContext": {"runAsUser": 0}})
+
+
+def test_workers_register_through_a_service_that_lists_starting_gateways():
+    """The gateway is ready only once a decode worker has registered: registering through a Service of
+    ready pods deadlocks a fresh install. Workers use the headless worker-plane Service instead."""
+    rendered = OVERLAYS["cpu"]
+    plane = one(rendered, "Service", "pdserve-gateway-workers")["spec"]
+    assert plane["clusterIP"] == "None" and plane["publishNotReadyAddresses"] is True
+    assert plane["ports"] == [{"name": "workers", "port": PRESET.gateway.worker_port, "targetPort": "workers"}]
+    gateway = one(rendered, "Deployment", "pdserve-gateway")["spec"]["template"]
+    assert plane["selector"] == gateway["metadata"]["labels"]
+    api = one(rendered, "Service", "pdserve-gateway")["spec"]
+    assert [p["port"] for p in api["ports"]] == [PRESET.gateway.port]  # the API; workers never use it
+    for role in ("prefill", "decode"):
+        env = {e["name"]: e for e in one(rendered, "Deployment", f"pdserve-{role}")["spec"]["template"]["spec"]["containers"][0]["env"]}
+        assert env[f"PDSERVE_{role.upper()}_GATEWAY_ADDRESS"]["value"] == f"tcp://pdserve-gateway-workers:{PRESET.gateway.worker_port}"
+
+
+def test_pools_have_disruption_budgets_volumes_and_startup_probes():
+    for overlay, rendered in OVERLAYS.items():
+        config = one(rendered, "ConfigMap", "pdserve-env")["data"]
+        assert load_config(ROOT / "configs" / "multinode.yaml", env=config).transfer.transport == "zmq"
+        for role in ("gateway", "prefill", "decode"):
+            pod = one(rendered, "Deployment", f"pdserve-{role}")["spec"]["template"]
+            [container] = pod["spec"]["containers"]
+            assert container["imagePullPolicy"] == "IfNotPresent"
+            assert container["image"] == {"cpu": "pdserve:local", "gpu": "pdserve:cuda"}[overlay]
+            assert container["envFrom"] == [{"configMapRef": {"name": "pdserve-env"}}]
+            mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+            claims = {v["name"]: v["persistentVolumeClaim"]["claimName"] for v in pod["spec"]["volumes"]}
+            assert claims[mounts["/models"]["name"]] == "pdserve-models" and mounts["/models"]["readOnly"]
+            startup = container["startupProbe"]
+            assert startup["httpGet"] == container["livenessProbe"]["httpGet"]
+            if role == "gateway":
+                continue
+            assert claims[mounts[CACHE_MOUNT]["name"]] == "pdserve-cache"
+            assert startup["periodSeconds"] * startup["failureThreshold"] >= 20 * 60  # a cold cache times matmul forms
+            budget = one(rendered, "PodDisruptionBudget", f"pdserve-{role}")["spec"]
+            assert budget["selector"]["matchLabels"] == pod["metadata"]["labels"] and budget["maxUnavailable"] == 1
+            gpus = container["resources"]["limits"].get("nvidia.com/gpu")
+            assert gpus == (1 if overlay == "gpu" else None), (overlay, role)
+
+
+def test_network_policy_keeps_worker_ports_to_pdserve_pods():
+    policy = one(OVERLAYS["cpu"], "NetworkPolicy", "pdserve-worker-plane")["spec"]
+    pdserve = {"matchLabels": {"app.kubernetes.io/name": "pdserve"}}
+    assert policy["podSelector"] == pdserve and policy["policyTypes"] == ["Ingress"]
+    from_pods, open_ports = policy["ingress"]
+    assert from_pods == {"from": [{"podSelector": pdserve}]}
+    opened = {p["port"] for p in open_ports["ports"]}
+    assert opened == {PRESET.gateway.port, PRESET.prefill.http_port, PRESET.decode.http_port}
+    worker_plane = {PRESET.gateway.worker_port, PRESET.prefill.port, PRESET.decode.port, PRESET.decode.kv_port}
+    assert not opened & worker_plane
 
 
 def test_compose_workers_scale_without_edits():
@@ -72,6 +170,26 @@ def test_compose_workers_scale_without_edits():
         assert worker["command"][:1] == [role] and worker["command"][-1] == "/app/configs/multinode.yaml"
         assert int(worker["stop_grace_period"].rstrip("s")) > getattr(PRESET, role).drain_timeout_s
         assert getattr(PRESET, role).host == "eth0"  # the container's own address, resolved by `pdserve <role>`
+        # each pool's size is its own variable: `up --scale decode=N` leaves prefill at its size
+        assert worker["deploy"]["replicas"] == f"${{PDSERVE_{role.upper()}_REPLICAS:-1}}"
+
+
+def test_compose_builds_once_and_shares_model_and_cache_volumes():
+    services = yaml.safe_load((DEPLOY / "compose.yaml").read_text())["services"]
+    pdserve = {name: s for name, s in services.items() if name in ("gateway", "prefill", "decode")}
+    # one builder: were `build:` on every service, each would retag the image and the next `up`
+    # would recreate every container, the gateway included
+    assert [name for name, s in services.items() if "build" in s] == ["gateway"]
+    assert {s["image"] for s in pdserve.values()} == {"${PDSERVE_IMAGE:-pdserve:local}"}
+    for name, service in pdserve.items():
+        assert service["volumes"] == ["${PDSERVE_MODEL_DIR:-models}:/models:ro", f"cache:{CACHE_MOUNT}"], name
+        assert service["environment"]["PDSERVE_TRANSFER_TRANSPORT"] == "zmq"  # no shm across containers
+        health = service["healthcheck"]
+        assert health["start_period"] == "15m" and health["retries"] >= 3, name
+    assert services["gateway"]["ports"] == ["${PDSERVE_PUBLISH_HOST:-127.0.0.1}:${PDSERVE_PORT:-8000}:8000"]
+    assert services["gateway"]["environment"]["PDSERVE_GATEWAY_API_KEYS"] == "${PDSERVE_API_KEY:-}"
+    for name in ("prometheus", "grafana"):  # images from a registry: only with --profile monitoring
+        assert services[name]["profiles"] == ["monitoring"]
 
 
 def test_prometheus_scrapes_every_pool_on_the_ports_the_preset_binds():
@@ -86,8 +204,7 @@ def test_prometheus_scrapes_every_pool_on_the_ports_the_preset_binds():
 def test_kubernetes_probes_ports_and_grace_periods():
     for role, http_port in (("prefill", PRESET.prefill.http_port), ("decode", PRESET.decode.http_port),
                             ("gateway", PRESET.gateway.port)):
-        deployment, service = docs(DEPLOY / "k8s" / f"{role}.yaml")
-        pod = deployment["spec"]["template"]["spec"]
+        pod = one(OVERLAYS["cpu"], "Deployment", f"pdserve-{role}")["spec"]["template"]["spec"]
         [container] = pod["containers"]
         ports = {p["name"]: p["containerPort"] for p in container["ports"]}
         probe_port = container["readinessProbe"]["httpGet"]["port"]
@@ -98,18 +215,15 @@ def test_kubernetes_probes_ports_and_grace_periods():
         assert env[f"PDSERVE_{role.upper()}_HOST"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
         drain = float(env.get(f"PDSERVE_{role.upper()}_DRAIN_TIMEOUT_S", {"value": "30"})["value"])
         assert pod["terminationGracePeriodSeconds"] > drain
-        if role != "gateway":
+        if role == "gateway":  # the API key comes from a Secret, never from the manifest
+            assert env["PDSERVE_GATEWAY_API_KEYS"]["valueFrom"] == {"secretKeyRef": {"name": "pdserve-api-keys", "key": "keys"}}
+            # replicas share their Responses store in Redis, so a conversation goes on at any of them
+            assert env["PDSERVE_GATEWAY_RESPONSES_STORE_URL"]["value"] == "redis://pdserve-redis:6379/0"
+        else:  # every gateway replica: the headless worker-plane Service has one A record per gateway pod
             assert env[f"PDSERVE_{role.upper()}_GATEWAY_ADDRESS"]["value"] == "tcp://pdserve-gateway-workers:8001"
-    gateway_service = docs(DEPLOY / "k8s" / "gateway.yaml")[1]
-    assert gateway_service["metadata"]["name"] == "pdserve-gateway"
-    # the workers' name resolves to every gateway pod (one A record each): a headless Service
-    [workers_service] = docs(DEPLOY / "k8s" / "gateway-workers-service.yaml")
-    assert workers_service["metadata"]["name"] == "pdserve-gateway-workers"
-    assert workers_service["spec"]["clusterIP"] == "None"
-    assert workers_service["spec"]["publishNotReadyAddresses"] is True  # a gateway is ready only once workers registered
-    assert workers_service["spec"]["selector"] == gateway_service["spec"]["selector"]
-    [hpa] = docs(DEPLOY / "k8s" / "gateway-hpa.yaml")
-    assert hpa["spec"]["scaleTargetRef"]["name"] == docs(DEPLOY / "k8s" / "gateway.yaml")[0]["metadata"]["name"]
+    hpa = one(OVERLAYS["cpu"], "HorizontalPodAutoscaler", "pdserve-gateway")["spec"]
+    assert hpa["scaleTargetRef"]["name"] == "pdserve-gateway" and hpa["minReplicas"] >= 2
+    one(OVERLAYS["cpu"], "Deployment", "pdserve-redis")
 
 
 def exported_metric_names() -> set[str]:
@@ -152,3 +266,15 @@ def test_dashboard_picks_its_datasource_and_model_and_repeats_per_pool():
     selectors = re.findall(r"vllm:[a-z0-9_]+\{[^}]*\}", " ".join(t["expr"] for p in graphs for t in p["targets"]))
     assert selectors and all('model_name=~"$model_name"' in s for s in selectors)
     assert [p["title"] for p in dashboard["panels"] if p.get("repeat") == "pool"] == ["Pool: $pool"]
+
+
+def test_the_image_context_holds_every_package_and_no_tests():
+    """deploy/Dockerfile copies the build context whole; .dockerignore keeps the rest out. A package
+    left out there would be missing from the image while every test from the checkout passes."""
+    import tomllib
+
+    packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    ignored = {line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
+               if line.strip() and not line.startswith("#")}
+    assert not {p.split(".")[0] for p in packages} & ignored
+    assert {".git", ".venv", "tests", "docs", "deploy"} <= ignored  # nothing the image runs; big or churning

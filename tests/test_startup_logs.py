@@ -14,6 +14,7 @@ from pathlib import Path
 
 from safetensors import safe_open
 
+from cluster.keygen import write_private_key
 from tests.cluster_harness import free_port
 from tests.model_factory import tiny_model_dir
 
@@ -26,6 +27,7 @@ def start_decode_worker(forms_cache: Path) -> list[str]:
     """The log lines of a decode worker until it is READY (then it is stopped)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
     env["PDSERVE_CPU_FORMS_CACHE_DIR"] = str(forms_cache)
+    env["PDSERVE_TRANSFER_CLUSTER_KEY_FILE"] = write_private_key(str(forms_cache.parent))  # CURVE is on by default
     argv = [sys.executable, "-m", "decode_node", "--set", f"model.path={tiny_model_dir('llama')}",
             "--set", f"engine.num_kv_blocks={NUM_BLOCKS}", "--set", f"engine.block_size={BLOCK}",
             "--set", "engine.num_threads=1", "--set", "decode.worker_id=decode-logs", "--set", "decode.kv_port=0",
