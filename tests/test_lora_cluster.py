@@ -5,6 +5,7 @@ run time on every worker; bad adapters are refused by name and the server keeps 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -154,6 +155,9 @@ def test_a_worker_that_joins_later_gets_the_adapters_loaded_at_run_time(cluster,
                    json={"lora_name": "delta", "lora_path": str(tiny_adapter_dir("beta", FAMILY))})
     assert r.status_code == 200, r.text
     for worker_id in ("decode-0", "prefill-0"):  # killed: the supervisor starts a new process from the config
+        # its current process (a READY line names it; the pid read earlier may be a restarted one's)
+        cluster.wait_until(lambda worker_id=worker_id: os.path.exists(f"/proc/{cluster.worker_pid[worker_id]}"),
+                           f"{worker_id}'s process", timeout_s=60, poll_s=0.1)
         old = cluster.registered(worker_id)["incarnation"]
         cluster.signal(worker_id, signal.SIGKILL)
         cluster.wait_restarted(worker_id, old, timeout_s=120)
