@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from cluster.vllm_flags import add_lora_flags, lora_overrides
+
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="pdserve generate", description=__doc__)
@@ -24,6 +26,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--frequency-penalty", type=float, default=0.0)
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--config", default=None, help="YAML config file (engine section is used)")
+    add_lora_flags(p)
+    p.add_argument("--lora-name", default="", help="run every prompt under this adapter of --lora-modules")
     return p.parse_args(argv)
 
 
@@ -37,7 +41,7 @@ def main(argv: list[str]) -> int:
             n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
             seed=args.seed, max_tokens=args.max_tokens, min_tokens=args.min_tokens,
             repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
-            frequency_penalty=args.frequency_penalty, ignore_eos=args.ignore_eos,
+            frequency_penalty=args.frequency_penalty, ignore_eos=args.ignore_eos, lora_name=args.lora_name,
         )
     except SamplingError as e:
         print(f"pdserve generate: {e}", file=sys.stderr)
@@ -45,7 +49,7 @@ def main(argv: list[str]) -> int:
     from configs.schema import EX_CONFIG, ConfigError, load_config
 
     try:
-        config = load_config(args.config)
+        config = load_config(args.config, overrides=lora_overrides(args))
     except ConfigError as e:
         print(f"pdserve generate: {e}", file=sys.stderr)
         return EX_CONFIG
@@ -56,7 +60,11 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"pdserve generate: {e}", file=sys.stderr)
         return EX_CONFIG
-    llm = LLM(str(model), config=config)
+    try:
+        llm = LLM(str(model), config=config)
+    except ConfigError as e:  # an adapter that does not fit the model: named, with the mismatch
+        print(f"pdserve generate: {e}", file=sys.stderr)
+        return EX_CONFIG
     prompts = [llm.apply_chat_template(p) for p in args.prompt] if args.chat else args.prompt
     try:
         results = llm.generate(prompts, params)

@@ -72,6 +72,14 @@ GROUPS: dict[str, tuple[Flag, ...]] = {
         Flag(("--long-prefill-token-threshold",), "engine.prefill_chunk_size",
              "prompt tokens one request may compute per step (pdserve's prefill chunk)", int),
     ),
+    "LoRAConfig": (  # config section lora (engine/lora_manager.py)
+        Flag(("--enable-lora",), "lora.enable_lora", "serve LoRA adapters; a request names one as its model", None),
+        Flag(("--lora-modules",), "lora.lora_modules", "adapters served from the start, NAME=PATH (PEFT "
+             "directories, the same path on every worker)", "list", "NAME=PATH"),
+        Flag(("--max-loras",), "lora.max_loras", "adapters in a worker's device slots at once", int),
+        Flag(("--max-lora-rank",), "lora.max_lora_rank", "highest adapter rank accepted", int),
+        Flag(("--max-cpu-loras",), "lora.max_cpu_loras", "adapters kept in a worker's host memory", int),
+    ),
     "ObservabilityConfig": (
         Flag(("--otlp-traces-endpoint",), "observability.otlp_traces_endpoint",
              "OTLP/HTTP traces endpoint, e.g. http://collector:4318/v1/traces (off when unset)"),
@@ -121,16 +129,32 @@ def add_vllm_groups(parser: argparse.ArgumentParser, role: str) -> None:
     """The ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig, ObservabilityConfig and Frontend
     groups, each flag's help naming the config field it sets."""
     for title, flags in flags_for(role).items():
-        group = parser.add_argument_group(title)
-        for flag in flags:
-            group.add_argument(*flag.names, dest=_dest(flag), default=None, help=f"{flag.help} ({flag.key})",
-                               metavar=flag.metavar or _metavar(flag.names[0]), **_kind(flag))
+        group = _add_group(parser, title, flags)
         if title == "CacheConfig":
             _add_refused(group, "--gpu-memory-utilization")
         if title == "SchedulerConfig":
             parallel = parser.add_argument_group("ParallelConfig")
             _add_refused(parallel, "--tensor-parallel-size")
             _add_refused(parallel, "--pipeline-parallel-size")
+
+
+def _add_group(parser: argparse.ArgumentParser, title: str, flags: tuple[Flag, ...]):
+    group = parser.add_argument_group(title)
+    for flag in flags:
+        group.add_argument(*flag.names, dest=_dest(flag), default=None, help=f"{flag.help} ({flag.key})",
+                           metavar=flag.metavar or _metavar(flag.names[0]), **_kind(flag))
+    return group
+
+
+def add_lora_flags(parser: argparse.ArgumentParser) -> None:
+    """The LoRAConfig group alone (``pdserve generate``, whose other flags are sampling's)."""
+    _add_group(parser, "LoRAConfig", GROUPS["LoRAConfig"])
+
+
+def lora_overrides(args: argparse.Namespace) -> dict[str, str]:
+    """The config overrides of the LoRAConfig flags on ``args`` (added by ``add_lora_flags``)."""
+    return {flag.key: _as_text(flag, value) for flag in GROUPS["LoRAConfig"]
+            if (value := getattr(args, _dest(flag), None)) is not None}
 
 
 def _metavar(name: str) -> str:

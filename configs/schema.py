@@ -178,6 +178,30 @@ class ObservabilityConfig:
 
 
 @dataclass(slots=True)
+class LoRAConfig:
+    """Multi-LoRA serving, as vLLM's --enable-lora flags (engine/lora_manager.py). Adapters are PEFT
+    directories each worker reads from its own filesystem (the same path on every host)."""
+
+    enable_lora: bool = False  # serve LoRA adapters; requests name one as their "model"
+    lora_modules: list[str] = field(default_factory=list)  # NAME=PATH of each adapter served from the start
+    max_loras: int = _field(1, minimum=1)  # adapters in a worker's device slots at once (more run, paged in LRU)
+    max_lora_rank: int = _field(16, minimum=1)  # adapters of a higher rank are refused
+    max_cpu_loras: int | None = _field(None, minimum=1)  # adapters kept in host memory; None: max_loras
+
+    def modules(self) -> dict[str, str]:
+        """``lora_modules`` as name -> path; raises ConfigError for an entry that is not NAME=PATH."""
+        parsed: dict[str, str] = {}
+        for entry in self.lora_modules:
+            name, sep, path = entry.partition("=")
+            if not sep or not name.strip() or not path.strip():
+                raise ConfigError(f"lora.lora_modules: {entry!r} is not NAME=PATH")
+            parsed[name.strip()] = path.strip()
+        if parsed and not self.enable_lora:
+            raise ConfigError("lora.lora_modules names adapters but lora.enable_lora is false (--enable-lora)")
+        return parsed
+
+
+@dataclass(slots=True)
 class PdserveConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -187,6 +211,7 @@ class PdserveConfig:
     transfer: TransferConfig = field(default_factory=TransferConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
 
 def load_config(yaml_path=None, env=os.environ, overrides=None) -> PdserveConfig:

@@ -31,7 +31,7 @@ def sampling_params(spec: SamplingSpec) -> SamplingParams:
 def make_sequence(seq_id: int, gen: Generate, engine: LLMEngine) -> Sequence:
     params = sampling_params(gen.sampling)
     model = engine.model_config
-    if error := vocab_error(gen.token_ids, params, model.vocab_size):
+    if error := vocab_error(gen.token_ids, params, model.vocab_size) or engine.lora_error(params):
         raise RequestError(error)
     # A structured output's guide comes later, from its compile (the server's COMPILING phase).
     return Sequence(seq_id, list(gen.token_ids), params, stop_token_ids=params.stop_ids(model.eos_token_ids))

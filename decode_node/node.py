@@ -54,7 +54,7 @@ class DecodeNode:
         ctx = ctx or zmq.Context()
         dc = config.decode
         model_path = resolve_model(config.model.path, config.model.cache_dir)
-        engine = build_engine(str(model_path), config.model, config.engine)
+        engine = build_engine(str(model_path), config.model, config.engine, lora_cfg=config.lora)
         registry = CollectorRegistry()
         shm_pool = share_pool(engine.runner.kv_pool, config.transfer.transport)
         kv_server = ZmqServer(ctx, dc.host, dc.kv_port, max_msg_size=config.transfer.max_frame_bytes,

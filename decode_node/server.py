@@ -61,6 +61,7 @@ from decode_node.request_state import DecodeRequest, Phase
 from decode_node.streaming import error_event, new_tokens_event
 from engine.block_manager import cdiv
 from engine.llm_engine import LLMEngine
+from engine.lora_sync import LoRASync
 from engine.sampler import TokenLogprobs, continue_seeded_stream
 from engine.scheduler import AdmissionError
 from engine.sequence import SequenceStatus
@@ -69,7 +70,7 @@ from kvtransfer.events import TransferEvent
 from kvtransfer.receiver import KVReceiver
 from protocol.rejects import RejectLog
 from protocol.serving import (
-    AbortRequest, Busy, Generate, Goodbye, Heartbeat, PrefillFailed, PrefillJob,
+    AbortRequest, Busy, Generate, Goodbye, Heartbeat, LoRAAdapterSet, PrefillFailed, PrefillJob,
 )
 from telemetry.tracing import NO_TRACING, RequestTrace, Tracer
 from worker import Drain, EngineMetrics, EngineSnapshot, GatewayLinks, HeartbeatTimer
@@ -110,6 +111,7 @@ class DecodeServer:
         self._seq_ids = itertools.count()
         self._generations = itertools.count(1)
         self._heartbeat = HeartbeatTimer(options.heartbeat_s)
+        self.lora_sync = LoRASync(engine.runner.lora)
         self._drain = Drain(options.drain_timeout_s)
         self._stopped = False
         self.is_running = False  # the loop has started and not ended (readiness)
@@ -183,6 +185,9 @@ class DecodeServer:
     def _on_gateway_record(self, record) -> None:
         if isinstance(record, Generate):
             self._on_generate(record)
+        elif isinstance(record, LoRAAdapterSet):
+            self.lora_sync.apply(record)
+            self._heartbeat.fire_now()  # the gateway waits for the version applied
         else:
             self._on_abort(record)
 
@@ -311,6 +316,10 @@ class DecodeServer:
         commit, seq = event.commit, req.seq
         self.receiver.adopt(req.rid)  # the range is ours again (the seq has held its blocks all along)
         req.prefill_address = ""
+        if commit.lora_name != seq.params.lora_name:
+            self._fail(req, f"prefill worker computed the KV under LoRA adapter {commit.lora_name!r}; the request "
+                            f"runs under {seq.params.lora_name!r}", abort_receiver=False)
+            return
         if seq.params.n == 1 and commit.first_token is None:
             self._fail(req, "prefill worker committed without the first token", abort_receiver=False)
             return
@@ -494,7 +503,7 @@ class DecodeServer:
             block_size=self.block_manager.block_size,
             kv_blocks_total=snap.kv_blocks_total, kv_blocks_free=snap.kv_blocks_free,
             kv_blocks_in_use=snap.kv_blocks_in_use, num_running=snap.num_running, num_waiting=snap.num_waiting,
-            queued_prefill_tokens=queued, draining=self._drain.requested,
+            queued_prefill_tokens=queued, draining=self._drain.requested, **self.lora_sync.heartbeat_fields(),
         )
 
     def _drain_tick(self) -> None:

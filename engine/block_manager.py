@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 
 from engine.sequence import Sequence
-from protocol.hashing import block_hashes, hash_block, root_hash
+from protocol.hashing import block_hashes, hash_block, lora_identity, root_hash
 
 
 def cdiv(a: int, b: int) -> int:
@@ -90,13 +90,13 @@ class BlockManager:
         return self.num_in_use_blocks / self.num_blocks
 
     # ---- prefix cache lookups (read-only) ----
-    def match_prefix(self, token_ids: list[int], cache_salt: str = "") -> tuple[list[int], int]:
+    def match_prefix(self, token_ids: list[int], cache_salt: str = "", lora: str = "") -> tuple[list[int], int]:
         """Longest run of cached full blocks at the start of ``token_ids``: (block ids, tokens covered).
 
         Read-only: no counters, no ref counts. Covers every full block of ``token_ids``; callers that
         must compute the last token pass ``token_ids[:-1]`` (``allocate`` does).
         """
-        return self._walk(block_hashes(token_ids, self.block_size, cache_salt))
+        return self._walk(block_hashes(token_ids, self.block_size, cache_salt, lora))
 
     def prefix_hit(self, seq: Sequence) -> tuple[list[int], int]:
         """What ``allocate`` would reuse for ``seq`` now: full blocks within its first num_tokens - 1 tokens
@@ -118,9 +118,9 @@ class BlockManager:
     def _seq_hashes(self, seq: Sequence, num_full: int) -> list[int]:
         # Tokens are only ever appended, so hashes of a sequence's full blocks can be memoized.
         hashes = self._hashes.setdefault(seq.seq_id, [])
-        bs = self.block_size
+        bs, params = self.block_size, seq.params
         while len(hashes) < num_full:
-            parent = hashes[-1] if hashes else root_hash(seq.params.cache_salt)
+            parent = hashes[-1] if hashes else root_hash(params.cache_salt, lora_identity(params.lora_name, params.lora_path))
             start = len(hashes) * bs
             hashes.append(hash_block(parent, seq.token_ids[start : start + bs]))
         return hashes

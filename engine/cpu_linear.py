@@ -325,6 +325,10 @@ class Linear(nn.Linear):
         super().__init__(*args, **kwargs)
         self.forms = PLAIN
         self.copies: WeightCopies | None = None  # set by use_forms
+        # (layer index, module name) and the model's LoRA step holder, once LoRA is enabled
+        # (engine/lora_manager.py): the step's adapters add their deltas to the output
+        self.lora_key: tuple[int, str] | None = None
+        self.lora_ref = None
 
     def use_forms(self, forms: MatmulForms) -> None:
         """From now on compute in ``forms``, holding the copies of the weight they read (the dense
@@ -335,5 +339,9 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.copies is None:  # no forms chosen (CUDA, or before timing): plain
-            return F.linear(x, self.weight, self.bias)
-        return linear(x, self.copies, self.bias, self.forms)
+            y = F.linear(x, self.weight, self.bias)
+        else:
+            y = linear(x, self.copies, self.bias, self.forms)
+        if self.lora_ref is not None and self.lora_ref.step.groups:
+            self.lora_ref.step.add_delta(self.lora_key, x, y)
+        return y

@@ -13,13 +13,15 @@ from collections.abc import Sequence as Seq
 
 import torch
 
-from configs.schema import ConfigError, EngineConfig, ModelConfig, PdserveConfig, load_config
+from configs.schema import ConfigError, EngineConfig, LoRAConfig, ModelConfig, PdserveConfig, load_config
 from engine.block_manager import BlockManager
 from engine.cpu_linear import exclusive_timing
 from engine.grammar_compiles import GrammarLimits
 from engine.kv_pool import KVLayout, KVPool, num_blocks_for_budget
 from engine.llm_engine import LLMEngine, RequestOutput
 from engine.loader import load_model
+from engine.lora_adapter import LoRAError
+from engine.lora_manager import LoRALimits, LoRAManager
 from engine.runner import ModelRunner, supports_native_decode
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
@@ -32,7 +34,8 @@ log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def build_engine(model_path: str, model_cfg: ModelConfig, engine_cfg: EngineConfig, device: str | None = None) -> LLMEngine:
+def build_engine(model_path: str, model_cfg: ModelConfig, engine_cfg: EngineConfig, device: str | None = None,
+                 lora_cfg: LoRAConfig | None = None) -> LLMEngine:
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if engine_cfg.num_threads:
         torch.set_num_threads(engine_cfg.num_threads)
@@ -71,10 +74,30 @@ def build_engine(model_path: str, model_cfg: ModelConfig, engine_cfg: EngineConf
         ),
         block_manager,
     )
-    runner = ModelRunner(model, pool, Sampler(engine_cfg.seed), native_decode=_native_decode(engine_cfg, config, pool))
+    lora = _lora_manager(model, config, lora_cfg or LoRAConfig(), kv_dtype, device)
+    runner = ModelRunner(model, pool, Sampler(engine_cfg.seed), native_decode=_native_decode(engine_cfg, config, pool),
+                         lora=lora)
     limits = GrammarLimits(engine_cfg.grammar_compile_timeout_s, engine_cfg.grammar_cache_mb << 20,
                            engine_cfg.grammar_compile_threads)
     return LLMEngine(config, scheduler, runner, Grammars(model_path, config.vocab_size, config.eos_token_ids, limits))
+
+
+def _lora_manager(model, config, lora_cfg: LoRAConfig, dtype: torch.dtype, device: str) -> LoRAManager | None:
+    """The adapters of ``lora_cfg``, each read and checked now: one that does not fit is a ConfigError
+    (the worker exits at start-up, naming the adapter and the mismatch)."""
+    if not lora_cfg.enable_lora:
+        return None
+    model.enable_lora()
+    limits = LoRALimits(lora_cfg.max_loras, lora_cfg.max_lora_rank,
+                        max(lora_cfg.max_cpu_loras or lora_cfg.max_loras, lora_cfg.max_loras))
+    manager = LoRAManager(config, limits, dtype, device)
+    for name, path in lora_cfg.modules().items():
+        try:
+            manager.add(name, path)
+        except LoRAError as exc:
+            raise ConfigError(str(exc)) from None
+        log.info("LoRA adapter %s: %s", name, path)
+    return manager
 
 
 def _log_loaded(model, config, seconds: float) -> None:
@@ -123,15 +146,17 @@ def _one_thread_too_few(library: cpu_native.NativeLibrary) -> bool:
 
 
 class LLM:
-    """``LLM(path, block_size=8, ...)``: keyword overrides are fields of the config's engine section."""
+    """``LLM(path, block_size=8, ...)``: keyword overrides are fields of the config's engine section (or
+    of its lora section: ``enable_lora``, ``lora_modules``, ``max_loras``, ...)."""
 
     def __init__(self, model: str, config_path: str | None = None, config: PdserveConfig | None = None,
                  device: str | None = None, **engine_overrides):
         """``device``: "cpu" or "cuda"; None: CUDA when there is a GPU (build_engine)."""
         if config is None:
-            config = load_config(config_path, overrides={f"engine.{k}": v for k, v in engine_overrides.items()})
+            sections = {k: "lora" if k in LoRAConfig.__dataclass_fields__ else "engine" for k in engine_overrides}
+            config = load_config(config_path, overrides={f"{sections[k]}.{k}": v for k, v in engine_overrides.items()})
         self.model_path = model
-        self.engine = build_engine(model, config.model, config.engine, device=device)
+        self.engine = build_engine(model, config.model, config.engine, device=device, lora_cfg=config.lora)
         self._tokenizer = None
 
     @property

@@ -76,7 +76,7 @@ class LLMEngine:
         return self.scheduler.block_manager
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
-        if error := vocab_error(prompt_token_ids, params, self.model_config.vocab_size):
+        if error := vocab_error(prompt_token_ids, params, self.model_config.vocab_size) or self.lora_error(params):
             raise ValueError(error)
         request_id = next(self._ids)
         seq = Sequence(request_id, list(prompt_token_ids), params,
@@ -85,6 +85,14 @@ class LLMEngine:
         self.scheduler.add(seq)
         self._requests[request_id] = _Request(list(prompt_token_ids), params)
         return request_id
+
+    def lora_error(self, params: SamplingParams) -> str:
+        """Empty when this engine serves the adapter ``params`` names (or none), else the reason."""
+        if not params.lora_name:
+            return ""
+        if self.runner.lora is None:
+            return f"LoRA adapter {params.lora_name!r} requested; this worker serves no adapters (--enable-lora)"
+        return self.runner.lora.check(params.lora_name, params.lora_path)
 
     def new_guide(self, params: SamplingParams):
         """The Guide of ``params.structured_output`` for a new sequence (None without one); raises

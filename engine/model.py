@@ -15,6 +15,7 @@ from engine.attention_metadata import AttentionMetadata
 from engine.cpu_linear import LM_HEAD_SLICE_ROWS, PLAIN, Linear, MatmulForms, WeightCopies, linear, time_forms
 from engine.kv_pool import KVPool
 from engine.layers import MLP, Attention, DecoderLayer, RMSNorm, meta_parameter
+from engine.lora_manager import NO_LORA, LoRAStep, LoRAStepRef
 from engine.model_config import HFModelConfig
 from engine.rope import RotaryEmbedding
 from kernels.cpu_native import NativeLibrary
@@ -34,6 +35,7 @@ class CausalLM(nn.Module):
         self.lm_head_forms = PLAIN  # CPU matmul forms of the LM head (choose_cpu_matmul_forms)
         self.lm_head_copies: WeightCopies | None = None  # the copies of the LM head those forms read
         self.native_layer_ops = False  # use_native_layer_ops
+        self.lora_ref: LoRAStepRef | None = None  # enable_lora: the step's adapters, read by every projection
 
     def forward(
         self,
@@ -41,7 +43,10 @@ class CausalLM(nn.Module):
         positions: torch.Tensor,  # [T] int64, each token's position in its sequence
         kv_pool: KVPool,
         meta: AttentionMetadata,
+        lora: LoRAStep | None = None,  # the step's adapters per token row (None: base only)
     ) -> torch.Tensor:  # [T, hidden], before the final norm
+        if self.lora_ref is not None:
+            self.lora_ref.step = lora or NO_LORA
         x = F.embedding(input_ids, self.embed_tokens)  # [T, hidden], a fresh tensor (the residual stream)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)  # each [T, 1, head_dim / 2], shared by all layers
         if self.native_layer_ops:
@@ -50,6 +55,15 @@ class CausalLM(nn.Module):
         for index, layer in enumerate(self.layers):
             x, residual = layer(x, residual, cos, sin, kv_pool.layer(index), meta)
         return x + residual
+
+    def enable_lora(self) -> None:
+        """Let every projection add the step's LoRA deltas (engine/lora_adapter.py names them by layer
+        and fused module)."""
+        self.lora_ref = LoRAStepRef()
+        for index, layer in enumerate(self.layers):
+            for name, module in (("qkv_proj", layer.self_attn.qkv_proj), ("o_proj", layer.self_attn.o_proj),
+                                 ("gate_up_proj", layer.mlp.gate_up_proj), ("down_proj", layer.mlp.down_proj)):
+                module.lora_key, module.lora_ref = (index, name), self.lora_ref
 
     def use_native_layer_ops(self, native: NativeLibrary) -> None:
         """RMSNorm (with its residual add), RoPE with the K/V store and SwiGLU's product in C

@@ -15,6 +15,7 @@ import torch
 import kernels
 from engine.attention_metadata import AttentionMetadata
 from engine.kv_pool import KVPool
+from engine.lora_manager import LoRAManager, LoRAStep
 from engine.model import CausalLM
 from engine.prompt_logprobs import record_prompt_logprobs
 from engine.sampler import Sampler, SamplerOutput
@@ -32,13 +33,15 @@ def supports_native_decode(library: NativeLibrary, num_heads: int, kv_pool: KVPo
 
 class ModelRunner:
     def __init__(self, model: CausalLM, kv_pool: KVPool, sampler: Sampler | None = None,
-                 native_decode: NativeLibrary | None = None):
+                 native_decode: NativeLibrary | None = None, lora: LoRAManager | None = None):
         """``native_decode``: the C decode kernel (CPU only), for a model and pool it supports
-        (``supports_native_decode``); None keeps decode attention on the torch path."""
+        (``supports_native_decode``); None keeps decode attention on the torch path. ``lora``: the
+        adapters requests may name (the model must have LoRA enabled); None: base only."""
         self.model = model
         self.kv_pool = kv_pool
         self.sampler = sampler or Sampler()
         self.native_decode = native_decode
+        self.lora = lora
         self.block_size = kv_pool.layout.block_size
         self.device = kv_pool.tensor.device
 
@@ -48,12 +51,18 @@ class ModelRunner:
         prompt logprobs of the sequences that ask (engine/prompt_logprobs.py)."""
         self._copy_blocks(batch.block_copies)
         input_ids, positions, meta = self._prepare(batch)
-        hidden = self.model(input_ids, positions, self.kv_pool, meta)  # [num_tokens, hidden]
+        hidden = self.model(input_ids, positions, self.kv_pool, meta, self._lora_step(batch))  # [num_tokens, hidden]
         record_prompt_logprobs(self.model.compute_logits, hidden, batch, meta.query_start_loc)
         last_token_rows = meta.query_start_loc[1:].long() - 1  # [batch]: each seq's last new token
         rows = last_token_rows[torch.tensor(batch.sample_rows, dtype=torch.long, device=self.device)]
         logits = self.model.compute_logits(hidden[rows])  # [num_samples, vocab]
         return self.sampler(logits, batch.sample_seqs)
+
+    def _lora_step(self, batch: ScheduledBatch) -> LoRAStep | None:
+        if self.lora is None or not any(seq.params.lora_name for seq in batch.seqs):
+            return None
+        names = [seq.params.lora_name for seq, n in zip(batch.seqs, batch.num_new_tokens) for _ in range(n)]
+        return self.lora.step(names)  # [num_tokens] rows, in the order _prepare flattens them
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         # Copy-on-write of a shared partial block: whole blocks, every layer, K and V.

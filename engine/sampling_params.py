@@ -40,6 +40,10 @@ class SamplingParams:
     # "" or a tenant's salt: the prefix cache is shared only between requests with the same one (it
     # enters the first block's hash; protocol/hashing.py)
     cache_salt: str = ""
+    # "" for the base model, else the LoRA adapter the request runs under (engine/lora_manager.py); it
+    # enters the first block's hash too, so no KV is shared across adapters
+    lora_name: str = ""
+    lora_path: str = ""  # the directory the gateway knows the adapter by ("" offline: this engine's own)
 
     def __post_init__(self) -> None:
         if self.top_k == -1:

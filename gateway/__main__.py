@@ -72,6 +72,7 @@ def build(config: PdserveConfig):
     """(app, backend) for ``config``; torch-free."""
     from gateway.http.app import GatewayParams, build_app
     from gateway.metrics import GatewayMetrics
+    from gateway.serving.lora_adapters import LoRAAdapters
     from gateway.serving.pipeline import ServingLimits
     from gateway.text.chat_output import ChatParsers
     from gateway.text.tokenizer import Tokenizer
@@ -101,7 +102,9 @@ def build(config: PdserveConfig):
                            sse_keepalive_s=g.sse_keepalive_s or None)
     parsers = ChatParsers(None if g.reasoning_parser == "none" else g.reasoning_parser,
                           None if g.tool_call_parser == "none" else g.tool_call_parser)
+    adapters = LoRAAdapters(name, config.lora.enable_lora, config.lora.modules())
     params = GatewayParams(Tokenizer(path, config.model.chat_template), backend, limits, api_keys=list(g.api_keys),
+                           lora_adapters=adapters,
                            max_body_bytes=g.max_body_bytes, registry=registry, metrics=metrics, chat_parsers=parsers,
                            allowed_origins=list(g.allowed_origins), response_store=response_store(g),
                            tracer=tracer_for("gateway", "gateway", config.observability.otlp_traces_endpoint))

@@ -32,7 +32,14 @@ from kvtransfer.pool import BlockPool
 from kvtransfer.transports import TRANSPORTS, DirectTarget
 from protocol.codec import WireError, decode, encode
 from protocol.kv_messages import (
-    Abort, BlockWrite, Commit, CommitAck, Credit, Handshake, HandshakeReply, WriteRejected,
+    Abort,
+    BlockWrite,
+    Commit,
+    CommitAck,
+    Credit,
+    Handshake,
+    HandshakeReply,
+    WriteRejected,
 )
 
 DEFAULT_DEADLINE_S = 30.0
@@ -199,14 +206,15 @@ class KVSender:
             t.queued.append((src_block_ids[start : start + piece], dst_block_ids[start : start + piece]))
 
     def commit(self, rid: str, generation: int, first_token: int | None = None, first_logprob: float | None = None,
-               top_token_ids: list[int] | None = None, top_logprobs: list[float] | None = None) -> bool:
+               top_token_ids: list[int] | None = None, top_logprobs: list[float] | None = None,
+               lora_name: str = "") -> bool:
         """Queue the commit behind the transfer's last piece. False when the transfer already ended
         (its failure event says why)."""
         t = self._transfers.get(rid)
         if t is None or t.generation != generation:
             return False
         t.commit = Commit(rid, generation, self.incarnation, first_token, first_logprob,
-                          list(top_token_ids or []), list(top_logprobs or []))
+                          list(top_token_ids or []), list(top_logprobs or []), lora_name)
         return True
 
     def abort(self, rid: str, generation: int, reason: str = "") -> None:

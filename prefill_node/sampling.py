@@ -20,4 +20,5 @@ def first_token_params(spec: SamplingSpec) -> SamplingParams:
         stop_token_ids=list(spec.stop_token_ids), ignore_eos=spec.ignore_eos, logprobs=spec.logprobs,
         logit_bias=spec.logit_bias_map(), allowed_token_ids=spec.allowed_token_ids, prompt_logprobs=spec.prompt_logprobs,
         structured_output=spec.structured_output, cache_salt=spec.cache_salt,
+        lora_name=spec.lora_name, lora_path=spec.lora_path,
     )

@@ -44,6 +44,7 @@ import zmq
 
 from engine.block_manager import cdiv
 from engine.llm_engine import LLMEngine
+from engine.lora_sync import LoRASync
 from engine.scheduled_batch import ScheduledBatch
 from engine.scheduler import AdmissionError
 from engine.sequence import Sequence
@@ -61,11 +62,12 @@ from prefill_node.sampling import first_token_params
 from protocol.codec import WireError, decode, encode
 from protocol.curve import PlaneSecurity
 from protocol.rejects import RejectLog
-from protocol.serving import AbortRequest, Goodbye, Heartbeat, PrefillFailed, PrefillJob, TokenEvent
+from protocol.serving import AbortRequest, Goodbye, Heartbeat, LoRAAdapterSet, PrefillFailed, PrefillJob, TokenEvent
 from protocol.zmq_util import bind, make_socket
 from telemetry.tracing import NO_TRACING, Tracer
 from worker.gateway_links import GatewayLinks
 from worker.drain import Drain
+from worker.gateway_socket import WorkerSocket
 from worker.heartbeat import HeartbeatTimer
 from worker.logprob_records import logprob_record, prompt_logprobs_frames
 
@@ -83,6 +85,7 @@ class PrefillServer:
         self.scheduler = engine.scheduler
         self.runner = engine.runner
         self.new_guide_async = engine.new_guide_async  # a structured output's matcher, compiled off the loop
+        self.lora_error = engine.lora_error  # why a job's LoRA adapter cannot run here ("" when it can)
         self.block_manager = engine.scheduler.block_manager
         self.metrics = metrics
         bm, cfg = self.block_manager, engine.model_config
@@ -90,9 +93,10 @@ class PrefillServer:
         self._eos_token_ids = list(cfg.eos_token_ids)
         self.router = security.server(make_socket(ctx, zmq.ROUTER, hwm=1024, max_msg_size=options.max_frame_bytes))
         self.address = bind(self.router, options.host, options.port)  # our endpoint in heartbeats
-        self.gateway = GatewayLinks(ctx, options.gateway_address, options.worker_id, accepted=(AbortRequest,),
+        self.gateway = GatewayLinks(ctx, options.gateway_address, options.worker_id, accepted=(AbortRequest, LoRAAdapterSet),
                                     timeout_s=options.gateway_timeout_s, resolve_interval_s=options.heartbeat_s,
                                     security=security)
+        self.lora_sync = LoRASync(engine.runner.lora)
         self.senders = KVSenders(ctx, self.runner.kv_pool, model_name, metrics.transfer,
                                  transports=options.transports, deadline_s=options.transfer_deadline_s,
                                  handshake_timeout_s=options.handshake_timeout_s,
@@ -179,7 +183,11 @@ class PrefillServer:
             except Exception as exc:  # a bug met by one message: count it, fail its job, keep serving
                 self._on_handler_error(frames[0].bytes, key, exc)
         for record in self.gateway.poll():
-            self._abort(record.rid, f"gateway: {record.reason}")
+            if isinstance(record, LoRAAdapterSet):
+                self.lora_sync.apply(record)
+                self._heartbeat.fire_now()  # the gateway waits for the version applied
+            else:
+                self._abort(record.rid, f"gateway: {record.reason}")
         for gateway_id in self.gateway.lost():
             for state in [s for s in self.jobs.values() if s.job.gateway_id == gateway_id]:
                 self._abort(state.rid, f"gateway {gateway_id} lost")
@@ -216,6 +224,9 @@ class PrefillServer:
             self._reply_failed(peer, job.rid, job.generation, reason, label="bad_job" if reason != "draining" else "draining")
             return
         params = first_token_params(job.sampling)
+        if reason := self.lora_error(params):  # not loaded here (yet): D retries or fails it
+            self._reply_failed(peer, job.rid, job.generation, reason, label="bad_job")
+            return
         seq = Sequence(next(self._seq_ids), list(job.token_ids), params,
                        stop_token_ids=params.stop_ids(self._eos_token_ids))
         bs = self.block_manager.block_size
@@ -336,8 +347,9 @@ class PrefillServer:
         state.phase = JobPhase.TRANSFERRING
         if state.trace:
             state.trace.phase("transfer")
+        lora_name = job.sampling.lora_name  # the decode worker checks its request runs under the same
         if not job.sample_first:
-            sender.commit(job.rid, job.generation)
+            sender.commit(job.rid, job.generation, lora_name=lora_name)
             return
         records = None if lp is None else [logprob_record(lp)]
         for frame in prompt_logprobs_frames(job.rid, state.seq.prompt_logprobs):
@@ -345,9 +357,10 @@ class PrefillServer:
         self.gateway.send(job.gateway_id, TokenEvent(job.rid, 0, 0, [token], records))
         self.metrics.engine.time_to_first_token.observe(time.monotonic() - state.arrived_at)
         if records is None:
-            sender.commit(job.rid, job.generation, token)
+            sender.commit(job.rid, job.generation, token, lora_name=lora_name)
         else:
-            sender.commit(job.rid, job.generation, token, lp.logprob, records[0].top_ids, records[0].top_logprobs)
+            sender.commit(job.rid, job.generation, token, lp.logprob, records[0].top_ids, records[0].top_logprobs,
+                          lora_name)
         log.info("rid=%s computed; first token %d sent", job.rid, token)
 
     # ---- transfers ending ----
@@ -439,6 +452,7 @@ class PrefillServer:
             num_running=self.scheduler.num_running + num_transferring,
             num_waiting=self.scheduler.num_waiting + len(self._queue),
             queued_prefill_tokens=self.queued_prefill_tokens(), draining=self.draining,
+            **self.lora_sync.heartbeat_fields(),
         )
 
     def queued_prefill_tokens(self) -> int:

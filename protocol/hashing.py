@@ -5,7 +5,8 @@ blocks. blake2b (not Python's ``hash``) keeps hashes identical across processes 
 
 A request's ``cache_salt`` (vLLM's field) replaces the first block's parent: every hash of a salted
 sequence differs from the unsalted one's and from any other salt's, so tenants that salt differently
-never share prefix KV (nor can they time each other's cache hits).
+never share prefix KV (nor can they time each other's cache hits). A request's LoRA adapter enters the
+same root: KV computed under one adapter (or the base) is never reused under another.
 """
 
 from __future__ import annotations
@@ -25,19 +26,29 @@ def hash_block(parent_hash: int, token_ids: Sequence[int]) -> int:
     return int.from_bytes(h.digest(), "little")
 
 
-def root_hash(cache_salt: str = "") -> int:
-    """Parent hash of a sequence's first block: ROOT_HASH unsalted, else one derived from the salt."""
-    if not cache_salt:
+def root_hash(cache_salt: str = "", lora: str = "") -> int:
+    """Parent hash of a sequence's first block: ROOT_HASH for the base model unsalted, else one derived
+    from the salt and the adapter (``lora_identity``)."""
+    if not cache_salt and not lora:
         return ROOT_HASH
-    h = hashlib.blake2b(b"pdserve-cache-salt\0" + cache_salt.encode("utf-8"), digest_size=8)
+    seed = b"pdserve-cache-salt\0" + cache_salt.encode("utf-8")
+    if lora:
+        seed = b"pdserve-lora\0" + lora.encode("utf-8") + b"\0" + seed
+    h = hashlib.blake2b(seed, digest_size=8)
     return int.from_bytes(h.digest(), "little")
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int, cache_salt: str = "") -> list[int]:
+def lora_identity(lora_name: str, lora_path: str) -> str:
+    """What a block hash knows of a request's adapter: its name and the directory it was loaded from,
+    so an adapter unloaded and loaded again from elsewhere under the same name shares no KV with the old."""
+    return f"{lora_name}\0{lora_path}" if lora_name else ""
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int, cache_salt: str = "", lora: str = "") -> list[int]:
     """Chained hashes of every *full* block of ``token_ids``; a partial tail block has none."""
     assert block_size > 0, block_size
     hashes: list[int] = []
-    parent = root_hash(cache_salt)
+    parent = root_hash(cache_salt, lora)
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         parent = hash_block(parent, token_ids[start : start + block_size])
         hashes.append(parent)

@@ -109,6 +109,9 @@ class Commit:
     first_logprob: float | None = None
     top_token_ids: list[int] = field(default_factory=list)
     top_logprobs: list[float] = field(default_factory=list)
+    # The LoRA adapter the KV was computed under ("" = the base): the receiver's request must run under
+    # the same one, or the KV (and the first token) belong to another model
+    lora_name: str = ""
 
     def __post_init__(self):
         assert len(self.top_token_ids) == len(self.top_logprobs), "top logprobs need one id per value"

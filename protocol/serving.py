@@ -42,6 +42,7 @@ STRUCTURED_OUTPUT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 MAX_STRUCTURED_OUTPUT_CHARS = 64 * 1024
 MAX_REASONING_END_CHARS = 64
 MAX_CACHE_SALT_CHARS = 1024
+MAX_LORA_NAME_CHARS = 256
 
 
 @wire_record("serve.token_bias")
@@ -99,8 +100,13 @@ class SamplingSpec:
     # (it enters the first block's hash, protocol/hashing.py). Not sampling, but it travels with it to
     # every node that hashes the prompt's blocks.
     cache_salt: str = ""
+    # "" for the base model, else the LoRA adapter the request runs under (a served name, /v1/models):
+    # every node computes its KV with that adapter and hashes its blocks under it (protocol/hashing.py)
+    lora_name: str = ""
+    lora_path: str = ""  # the adapter's directory as the gateway lists it: hashed with the name, checked by workers
 
     def __post_init__(self) -> None:
+        assert len(self.lora_name) <= MAX_LORA_NAME_CHARS, f"{len(self.lora_name)} characters of lora_name"
         assert self.max_tokens >= 1 and self.n >= 1, (self.max_tokens, self.n)
         assert 0 <= self.min_tokens <= self.max_tokens, (self.min_tokens, self.max_tokens)
         assert len(self.cache_salt) <= MAX_CACHE_SALT_CHARS, f"{len(self.cache_salt)} characters of cache_salt"
@@ -235,6 +241,12 @@ class Heartbeat:
     # HMAC(cluster key, the worker's CURVE public key, worker_id, incarnation) in hex: proves membership
     # (protocol/curve.py); "" on an insecure plane.
     proof: str = ""
+    lora_names: list[str] = field(default_factory=list)  # LoRA adapters loaded (requests may name them)
+    hot_lora_names: list[str] = field(default_factory=list)  # of those, the ones in device slots now
+    # "gateway_id:version" of the LoRAAdapterSet each gateway sent that this worker applied last (none
+    # from a gateway: its version 0, the worker's config); one heartbeat goes to every gateway
+    lora_versions: list[str] = field(default_factory=list)
+    lora_errors: list[str] = field(default_factory=list)  # "name: why" of adapters in those sets it could not load
 
     def __post_init__(self) -> None:
         assert self.role in ROLES, self.role
@@ -252,6 +264,23 @@ class HeartbeatAck:
 
     def __post_init__(self) -> None:
         assert 0 < len(self.gateway_id) <= 64, "gateway id of 1 to 64 characters"
+
+
+@wire_record("serve.lora_adapters")
+@dataclass(slots=True)
+class LoRAAdapterSet:
+    """gateway -> every worker: the LoRA adapters to serve, the whole list (``/v1/load_lora_adapter``
+    and ``/v1/unload_lora_adapter`` change it). The worker loads what it lacks from each path, drops
+    what is not listed, and answers with a heartbeat carrying ``version`` (and any load errors)."""
+
+    version: int
+    names: list[str]
+    paths: list[str]  # directories on the worker's filesystem, one per name
+    gateway_id: str = ""  # the sender (HeartbeatAck's id): with several gateways, a worker serves every list's union
+
+    def __post_init__(self) -> None:
+        assert self.version >= 0 and len(self.names) == len(self.paths), (self.version, len(self.names))
+        assert all(0 < len(n) <= MAX_LORA_NAME_CHARS for n in self.names), "bad adapter name"
 
 
 @wire_record("serve.goodbye")

@@ -353,6 +353,7 @@ def test_workers_lists_the_registry(live, backend):
     r = httpx.get(live.base_url + "/v1/workers", headers={"Authorization": f"Bearer {API_KEYS[0]}"})
     assert r.json()["data"] == [{"id": "decode-0", "role": "decode", "address": "tcp://127.0.0.1:7101",
                                  "incarnation": "inc-1", "draining": False, "block_size": 4,
+                                 "lora_names": [], "hot_lora_names": [],
                                  "load": {"num_running": 2, "num_waiting": 0, "queued_prefill_tokens": 0,
                                           "kv_blocks_in_use": 7, "kv_blocks_free": 57, "kv_blocks_total": 64}}]
     assert httpx.get(live.base_url + "/v1/workers").status_code == 401

@@ -36,6 +36,8 @@ BODIES = {
     "/v1/messages/count_tokens": {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]},
     "/tokenize": {"prompt": "hi"},
     "/detokenize": {"tokens": [5, 6]},
+    "/v1/load_lora_adapter": {"lora_name": "a", "lora_path": "/nonexistent"},
+    "/v1/unload_lora_adapter": {"lora_name": "a"},
 }
 
 
@@ -78,6 +80,9 @@ def test_every_protected_route_needs_a_key(cluster):
             response = call(cluster, method, path, auth, stored)
             if path.endswith("/cancel"):  # past the key: only background responses can be cancelled
                 assert response.status_code == 400 and "Only background" in response.json()["error"]["message"]
+            elif path.endswith("load_lora_adapter"):  # past the key: this server runs without --enable-lora
+                assert response.status_code in (400, 404), response.text
+                assert "not enabled" in response.text or "cannot be found" in response.text
             else:
                 assert response.status_code == 200, (method, path, response.text)
 

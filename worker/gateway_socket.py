@@ -27,13 +27,13 @@ from zmq.utils.monitor import recv_monitor_message
 
 from protocol.codec import WireError, decode, encode
 from protocol.curve import PlaneSecurity
-from protocol.serving import AbortRequest, Generate, HeartbeatAck
+from protocol.serving import AbortRequest, Generate, HeartbeatAck, LoRAAdapterSet
 from protocol.zmq_util import make_socket
 
 log = logging.getLogger(__name__)
 
 MAX_FRAME_BYTES = 16 << 20  # a Generate carries a whole prompt: generous, still bounded
-GATEWAY_RECORDS = (Generate, AbortRequest)  # what a gateway sends to a worker (besides acks)
+GATEWAY_RECORDS = (Generate, AbortRequest, LoRAAdapterSet)  # what a gateway sends to a worker (besides acks)
 
 
 class WorkerSocket:

@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from configs.schema import GatewayConfig
@@ -31,6 +31,7 @@ from gateway.dialects.responses.routes import response_routes
 from gateway.dialects.responses.store import ResponseStore
 from gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from gateway.serving.dialect import Dialect
+from gateway.serving.lora_adapters import LoRAAdapters
 from gateway.serving.pipeline import Serving, ServingLimits
 from gateway.text.chat_output import ChatParsers
 from gateway.text.tokenizer import Tokenizer
@@ -67,6 +68,7 @@ class GatewayParams:
     response_store: ResponseStore = field(
         default_factory=lambda: ResponseStore(GatewayConfig().responses_store_mb << 20))
     tracer: Tracer = NO_TRACING  # request traces (observability.otlp_traces_endpoint); off by default
+    lora_adapters: LoRAAdapters | None = None  # None: no LoRA (requests may name the base model only)
 
 
 def error_response(e: APIError) -> JSONResponse:
@@ -109,7 +111,7 @@ async def read_json(request: Request, max_bytes: int):
 def build_app(params: GatewayParams) -> Starlette:
     metrics = params.metrics or GatewayMetrics(params.limits.model_name, params.limits.max_model_len)
     serving = Serving(params.tokenizer, params.backend, params.limits, metrics, params.chat_parsers,
-                      params.response_store, params.tracer)
+                      params.response_store, params.tracer, params.lora_adapters)
     keys = ApiKeys(params.api_keys)
     metrics.stored_responses.set_function(lambda: len(serving.store))
     metrics.stored_responses_bytes.set_function(lambda: serving.store.num_bytes)
@@ -144,7 +146,44 @@ def build_app(params: GatewayParams) -> Starlette:
         authorize(request)
         return JSONResponse({"object": "list", "data": [
             {"id": limits.model_name, "object": "model", "created": started, "owned_by": "pdserve",
-             "max_model_len": limits.max_model_len}]})
+             "max_model_len": limits.max_model_len},
+            *serving.adapters.model_cards(started, limits.max_model_len)]})
+
+    lora_changes = asyncio.Lock()
+
+    async def load_lora_adapter(request: Request):
+        """vLLM's runtime route: {"lora_name", "lora_path"}; every worker loads it before the answer."""
+        authorize(request)
+        body = await read_json(request, params.max_body_bytes)
+        if not isinstance(body, dict):
+            raise bad_request("request body must be a JSON object")
+        adapters = serving.adapters
+        name, path = body.get("lora_name"), body.get("lora_path")
+        async with lora_changes:  # one change at a time: each waits for the workers to apply its version
+            adapters.check_new(name, path)
+            adapters.add(name, path)
+            error = await params.backend.set_lora_adapters(adapters.paths, adapters.version, name)
+            if error:  # taken back from every worker: the list is as before
+                adapters.remove(name)
+                await params.backend.set_lora_adapters(adapters.paths, adapters.version, name)
+                raise bad_request(f"LoRA adapter {name!r} could not be loaded: {error}", "lora_path")
+        log.info("LoRA adapter %s loaded from %s", name, path)
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def unload_lora_adapter(request: Request):
+        authorize(request)
+        body = await read_json(request, params.max_body_bytes)
+        if not isinstance(body, dict):
+            raise bad_request("request body must be a JSON object")
+        adapters, name = serving.adapters, body.get("lora_name")
+        async with lora_changes:
+            if not isinstance(name, str) or name not in adapters.paths:
+                raise APIError(404, f"The lora adapter '{str(name)[:200]}' cannot be found.", param="lora_name",
+                               code="model_not_found")
+            adapters.remove(name)
+            await params.backend.set_lora_adapters(adapters.paths, adapters.version, name)
+        log.info("LoRA adapter %s unloaded", name)
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
     async def workers(request: Request):
         authorize(request)
@@ -227,6 +266,8 @@ def build_app(params: GatewayParams) -> Starlette:
         *response_routes(serving.store, serving.background, authorize),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/workers", workers, methods=["GET"]),
+        Route("/v1/load_lora_adapter", load_lora_adapter, methods=["POST"]),
+        Route("/v1/unload_lora_adapter", unload_lora_adapter, methods=["POST"]),
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
         Route("/health", health, methods=["GET"]),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from gateway import __version__
 from gateway.dialects.openai.request import MAX_LOGPROBS
-from protocol.serving import MAX_CACHE_SALT_CHARS
+from protocol.serving import MAX_CACHE_SALT_CHARS, MAX_LORA_NAME_CHARS
 
 _JSON = {"application/json": {"schema": {"type": "object"}}}
 _ERROR = {"description": "OpenAI error object", "content": _JSON}
@@ -126,6 +126,11 @@ _BODIES = {
                                 **_TEMPLATE, "tools": _TOOLS, "add_special_tokens": {"type": "boolean"},
                                 "return_token_strs": {"type": "boolean"}}},
     "detokenize": {"required": ["tokens"], "properties": {"model": {"type": "string"}, "tokens": _TOKEN_IDS}},
+    # vLLM's runtime LoRA routes (gateway/serving/lora_adapters.py); 200 answers are text
+    "load_lora_adapter": {"required": ["lora_name", "lora_path"], "properties": {
+        "lora_name": {"type": "string", "minLength": 1, "maxLength": MAX_LORA_NAME_CHARS},
+        "lora_path": {"type": "string", "minLength": 1}}},
+    "unload_lora_adapter": {"required": ["lora_name"], "properties": {"lora_name": {"type": "string"}}},
 }
 
 
@@ -172,6 +177,8 @@ def openapi_spec() -> dict:
             "/v1/responses/{response_id}/cancel": _stored("post", "Cancel a background response still running"),
             "/v1/models": _get("Served models"),
             "/v1/workers": _get("Registered prefill and decode workers"),
+            "/v1/load_lora_adapter": _post("Load a LoRA adapter on every worker (--enable-lora)", "load_lora_adapter"),
+            "/v1/unload_lora_adapter": _post("Unload a LoRA adapter from every worker", "unload_lora_adapter"),
             "/tokenize": _post("Prompt or messages to token ids", "tokenize"),
             "/detokenize": _post("Token ids to text", "detokenize"),
             "/health": _get("Liveness"),

@@ -49,6 +49,7 @@ from telemetry.tracing import KIND_SERVER, NO_TRACING, RequestTrace, Tracer
 from .choice import ChoiceState
 from .dialect import Asked, Dialect, OutputBuilder, OutputContext, ParseContext, StoredOutput
 from .generation import Generation
+from .lora_adapters import LoRAAdapters
 from .request_report import RequestReport
 
 log = logging.getLogger("pdserve.gateway")
@@ -70,8 +71,11 @@ class Serving:
 
     def __init__(self, tokenizer: Tokenizer, backend: Backend, limits: ServingLimits,
                  metrics: GatewayMetrics, parsers: ChatParsers = ChatParsers(),
-                 store: ResponseStore | None = None, tracer: Tracer = NO_TRACING) -> None:
+                 store: ResponseStore | None = None, tracer: Tracer = NO_TRACING,
+                 adapters: LoRAAdapters | None = None) -> None:
         self._tok = tokenizer
+        # the LoRA adapters a request may name as its model (also /v1/models and the load routes')
+        self.adapters = adapters if adapters is not None else LoRAAdapters(limits.model_name, enabled=False)
         self.store = store if store is not None else ResponseStore(0)  # the Responses API's; also read by the routes that show it
         self.background = BackgroundResponses()  # its background responses still running
         self._parsers = parsers
@@ -139,19 +143,20 @@ class Serving:
         except ChatTemplateError as e:
             raise bad_request(str(e), "messages") from None
 
-    def check_model(self, model: str | None) -> None:
+    def check_model(self, model: str | None) -> str:
+        """The LoRA adapter ``model`` names ("" for the base model); a 404 for a model not served."""
         if model is not None and not isinstance(model, str):  # /tokenize and /detokenize pass it unparsed
             raise bad_request(f"model must be a string, got {type(model).__name__}", "model")
-        if model is not None and model != self._limits.model_name:
-            raise APIError(404, f"The model `{model[:200]}` does not exist; this server serves "
-                                f"`{self._limits.model_name}`", param="model", code="model_not_found")
+        return self.adapters.resolve(model)
 
     async def _serve(self, request: Request, asked: Asked, dialect: Dialect, trace: RequestTrace | None) -> object:
         arrival = time.monotonic()
         if trace is not None:
             trace.phase("tokenize")
         p, chat = asked.parsed, dialect.chat
-        self.check_model(p.model)
+        lora_name = self.check_model(p.model)
+        p.sampling["lora_name"] = lora_name  # into every SamplingSpec of the request: the workers run it
+        p.sampling["lora_path"] = self.adapters.paths.get(lora_name, "")
         if self.num_in_flight >= self._limits.max_concurrent_requests or not self._backend.has_capacity():
             self._metrics.requests.labels("rejected").inc()
             raise no_capacity(self._limits.retry_after_s)
@@ -187,7 +192,8 @@ class Serving:
         opts = ResponseOptions(p.logprobs, p.prompt_logprobs, p.n, self._echo_texts(p, prompts) if p.echo else None,
                                shape)
         generation = Generation(self._backend, requests, states, self._metrics, p.n, request_id=rid)
-        out = asked.output(OutputContext(rid, int(time.time()), self._limits.model_name, len(states), shape,
+        served_as = lora_name or self._limits.model_name  # the adapter's name answers as the model, as vLLM's
+        out = asked.output(OutputContext(rid, int(time.time()), served_as, len(states), shape,
                                          self._formats[p.tokens_as_ids], opts, self._tok))
         self.num_in_flight += 1
         self._metrics.num_requests_running.inc()

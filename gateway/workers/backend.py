@@ -87,6 +87,12 @@ class Backend(abc.ABC):
     def is_ready(self) -> bool:
         """At least one worker able to serve a request is registered."""
 
+    async def set_lora_adapters(self, adapters: dict[str, str], version: int, name: str) -> str:
+        """Make ``adapters`` (name -> path) the list every worker serves, now and for workers that join
+        later; wait until each worker has applied ``version``. Returns "" or why adapter ``name`` did not
+        load on some worker. A backend without separate workers has nothing to tell: ""."""
+        return ""
+
     @abc.abstractmethod
     def has_capacity(self) -> bool:
         """A new request would be admitted now (checked before tokenizing, to shed load cheaply)."""

@@ -63,6 +63,7 @@ class WorkerInfo:
         hb = self.heartbeat
         return {"id": hb.worker_id, "role": hb.role, "address": hb.address, "incarnation": hb.incarnation,
                 "draining": hb.draining, "block_size": hb.block_size,
+                "lora_names": list(hb.lora_names), "hot_lora_names": list(hb.hot_lora_names),
                 "load": {"num_running": hb.num_running, "num_waiting": hb.num_waiting,
                          "queued_prefill_tokens": hb.queued_prefill_tokens,
                          "kv_blocks_in_use": hb.kv_blocks_in_use, "kv_blocks_free": hb.kv_blocks_free,

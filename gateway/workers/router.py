@@ -32,7 +32,7 @@ import enum
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from protocol.hashing import block_hashes
+from protocol.hashing import block_hashes, lora_identity
 
 from .registry import Role, WorkerInfo, WorkerRegistry
 
@@ -97,26 +97,29 @@ class Router:
         self._sent_prefill_tokens: dict[str, int] = {}  # P -> uncached tokens sent, no first token yet
 
     def route(self, prompt_ids: list[int], exclude: frozenset[str] = frozenset(), whole_prompt: bool = False,
-              prefill_on_decode: bool = False, cache_salt: str = "") -> RouteDecision | None:
+              prefill_on_decode: bool = False, cache_salt: str = "", lora_name: str = "",
+              lora_path: str = "") -> RouteDecision | None:
         """Where to run ``prompt_ids``; None when no decode worker has KV room for it (answer 503).
 
         ``exclude`` holds workers not to use (said Busy for this request, failed, or circuit-broken);
         draining workers are never chosen. ``whole_prompt``: the workers compute every prompt token
         whatever they cache (prompt logprobs), so no prefix hit counts; ``prefill_on_decode``: D
-        prefills it itself (prompt logprobs with n > 1); ``cache_salt``: the request's, which its blocks'
-        hashes carry on the workers too."""
+        prefills it itself (prompt logprobs with n > 1); ``cache_salt``, ``lora_name`` and ``lora_path``: the
+        request's, which its blocks' hashes carry on the workers too. Only workers whose heartbeat lists the LoRA
+        adapter take the request; among equal prefix hits, one that holds it in a device slot is first."""
         bs = self._params.block_size
-        hashes = block_hashes(prompt_ids, bs, cache_salt)
+        hashes = block_hashes(prompt_ids, bs, cache_salt, lora_identity(lora_name, lora_path))
         hit_hashes = [] if whole_prompt else hashes
         num_blocks_needed = -(-(len(prompt_ids) + 1) // bs)  # the prompt plus the first generated token
         decoders = [w for w in self._registry.accepting(Role.DECODE)
-                    if w.worker_id not in exclude and w.kv_blocks_free >= num_blocks_needed]
+                    if w.worker_id not in exclude and w.kv_blocks_free >= num_blocks_needed and _serves(w, lora_name)]
         if not decoders:
             return None
-        d = self._pick_decode(decoders, hit_hashes)
+        d = self._pick_decode(decoders, hit_hashes, lora_name)
         d_cached = self._hits(d, hit_hashes) * bs
         uncached = len(prompt_ids) - d_cached
-        prefillers = [w for w in self._registry.accepting(Role.PREFILL) if w.worker_id not in exclude]
+        prefillers = [w for w in self._registry.accepting(Role.PREFILL)
+                      if w.worker_id not in exclude and _serves(w, lora_name)]
         local_max = self._params.local_prefill_max_tokens
         # Within one block a suffix adds less to D's step than the round trip through a P would cost.
         tiny = uncached <= min(bs, local_max)
@@ -124,24 +127,25 @@ class Router:
         if not prefillers or tiny or busy or prefill_on_decode:
             decision = RouteDecision(d.worker_id, None, d_cached, 0)
         else:
-            p = min(prefillers, key=lambda w: self._prefill_cost(w, prompt_ids, hit_hashes))
+            p = min(prefillers, key=lambda w: self._prefill_cost(w, prompt_ids, hit_hashes, lora_name))
             decision = RouteDecision(d.worker_id, p.worker_id, d_cached, self._hits(p, hit_hashes) * bs)
         self._record(decision, hashes)
         return decision
 
-    def _pick_decode(self, decoders: list[WorkerInfo], hashes: list[int]) -> WorkerInfo:
+    def _pick_decode(self, decoders: list[WorkerInfo], hashes: list[int], lora_name: str) -> WorkerInfo:
         policy = self._params.policy
         if policy is Policy.ROUND_ROBIN:
             chosen = decoders[self._next_rr % len(decoders)]
             self._next_rr += 1
             return chosen
         if policy is Policy.LEAST_LOADED:
-            return min(decoders, key=_load_key)
-        return min(decoders, key=lambda w: (-self._hits(w, hashes), *_load_key(w)))
+            return min(decoders, key=lambda w: (_cold(w, lora_name), *_load_key(w)))
+        return min(decoders, key=lambda w: (-self._hits(w, hashes), _cold(w, lora_name), *_load_key(w)))
 
-    def _prefill_cost(self, prefiller: WorkerInfo, prompt_ids: list[int], hashes: list[int]) -> tuple:
+    def _prefill_cost(self, prefiller: WorkerInfo, prompt_ids: list[int], hashes: list[int], lora_name: str) -> tuple:
         hit_tokens = self._hits(prefiller, hashes) * self._params.block_size
-        return (self.backlog(prefiller) + len(prompt_ids) - hit_tokens, -hit_tokens, prefiller.worker_id)
+        return (self.backlog(prefiller) + len(prompt_ids) - hit_tokens, -hit_tokens, _cold(prefiller, lora_name),
+                prefiller.worker_id)
 
     def _tracked_for(self, worker: WorkerInfo) -> _TrackedBlocks:
         tracked = self._tracked.get(worker.worker_id)
@@ -183,6 +187,16 @@ class Router:
         for worker_id in worker_ids:
             self._tracked.pop(worker_id, None)
             self._sent_prefill_tokens.pop(worker_id, None)
+
+
+def _serves(w: WorkerInfo, lora_name: str) -> bool:
+    """The worker has the request's LoRA adapter loaded (every worker serves the base)."""
+    return not lora_name or lora_name in w.heartbeat.lora_names
+
+
+def _cold(w: WorkerInfo, lora_name: str) -> bool:
+    """The adapter is not in one of the worker's device slots: its first step there pages it in."""
+    return bool(lora_name) and lora_name not in w.heartbeat.hot_lora_names
 
 
 def _load_key(w: WorkerInfo) -> tuple:

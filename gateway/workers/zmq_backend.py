@@ -37,7 +37,8 @@ from protocol.curve import PlaneSecurity
 from protocol.endpoints import endpoint_error
 from protocol.rejects import RejectLog
 from protocol.serving import (
-    AbortRequest, Busy, Generate, Goodbye, Heartbeat, HeartbeatAck, PromptLogprobs, TokenEvent, TokenLogprobRecord,
+    AbortRequest, Busy, Generate, Goodbye, Heartbeat, HeartbeatAck, LoRAAdapterSet, PromptLogprobs, TokenEvent,
+    TokenLogprobRecord,
 )
 
 from .admission import AdmissionQueue
@@ -66,6 +67,7 @@ class ZmqBackendParams:
     breaker_cooldown_s: float = 10.0
     expiry_interval_s: float = 0.5  # how often silent workers are looked for
     security: PlaneSecurity | None = None  # CURVE keys of the worker plane; None: insecure (in-process tests)
+    lora_load_timeout_s: float = 60.0  # /v1/load_lora_adapter waits this long for every worker
 
 
 @dataclass(slots=True)
@@ -112,6 +114,8 @@ class ZmqBackend(Backend):
                                 self._rejects, params.security)
         self._flights: dict[str, _Flight] = {}
         self.gateway_id = uuid.uuid4().hex  # workers tell gateway processes apart by it
+        self._lora_set = LoRAAdapterSet(0, [], [])  # version 0: the list in the workers' own config
+        self._lora_sent: dict[tuple[str, str], int] = {}  # (worker, incarnation) -> version last sent to it
         self._expiry_task: asyncio.Task | None = None
         self._update_pool_gauges()
 
@@ -282,7 +286,8 @@ class ZmqBackend(Backend):
             excluded = tried | self._breaker.open_workers(time.monotonic())
             spec = request.sampling
             decision = self._router.route(request.prompt_token_ids, frozenset(excluded), spec.computes_whole_prompt,
-                                          prefill_on_decode=spec.prefills_on_decode, cache_salt=spec.cache_salt)
+                                          prefill_on_decode=spec.prefills_on_decode, cache_salt=spec.cache_salt,
+                                          lora_name=spec.lora_name, lora_path=spec.lora_path)
             if decision is not None:
                 result = "local" if decision.prefill_worker is None else "disaggregated"
                 self._metrics.route_decisions.labels(policy, result).inc()
@@ -380,8 +385,41 @@ class ZmqBackend(Backend):
         if known is None:
             log.info("worker %s (%s) registered at %s", worker_id, hb.role, hb.address)
         self._registry.observe(hb, time.monotonic())
+        if self._lora_version(hb) != self._lora_set.version:  # joined later, or restarted: send it the list
+            self._send_lora_set(worker_id, hb.incarnation)
         self._update_pool_gauges()
         self._queue.notify()
+
+    async def set_lora_adapters(self, adapters: dict[str, str], version: int, name: str) -> str:
+        self._lora_set = LoRAAdapterSet(version, list(adapters), list(adapters.values()), self.gateway_id)
+        workers = self._registry.workers()
+        for w in workers:
+            self._send_lora_set(w.worker_id, w.incarnation)
+        give_up = time.monotonic() + self._params.lora_load_timeout_s
+        while time.monotonic() < give_up:
+            current = [w for w in (self._registry.get(x.worker_id) for x in workers) if w is not None]
+            errors = [e for w in current if self._lora_version(w.heartbeat) == version
+                      for e in w.heartbeat.lora_errors if e.startswith(f"{name}: ")]
+            if errors:
+                return f"worker: {errors[0][len(name) + 2:]}"
+            if all(self._lora_version(w.heartbeat) == version for w in current):
+                return ""
+            await asyncio.sleep(0.05)
+        late = [w.worker_id for w in workers
+                if (x := self._registry.get(w.worker_id)) and self._lora_version(x.heartbeat) != version]
+        return f"workers {', '.join(late)} did not apply the adapter list within {self._params.lora_load_timeout_s:g} s"
+
+    def _lora_version(self, hb: Heartbeat) -> int:
+        """The version of this gateway's adapter list the worker applied last (0: none sent yet)."""
+        mine = f"{self.gateway_id}:"
+        return next((int(v[len(mine):]) for v in hb.lora_versions if v.startswith(mine)), 0)
+
+    def _send_lora_set(self, worker_id: str, incarnation: str) -> None:
+        key = (worker_id, incarnation)
+        if self._lora_sent.get(key) == self._lora_set.version:
+            return  # on its way; the worker's next heartbeat reports it
+        self._lora_sent[key] = self._lora_set.version
+        asyncio.ensure_future(self._link.send(worker_id, self._lora_set))
 
     def _on_malformed(self, why: str, worker_id: str = "") -> None:
         self._rejects.reject("malformed", worker_id, why)
@@ -396,6 +434,8 @@ class ZmqBackend(Backend):
         if reason != "restarted":  # a restarted worker is registered again under its new key already
             self._link.unbind(worker_id)
         self._router.forget([worker_id])
+        for key in [k for k in self._lora_sent if k[0] == worker_id]:
+            del self._lora_sent[key]
         self._breaker.forget(worker_id)
         for flight in self._flights.values():
             if not flight.is_done and worker_id in flight.workers():
