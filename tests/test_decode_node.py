@@ -129,10 +129,7 @@ def test_abort_while_decoding_frees_everything(node):
 def test_busy_when_pool_cannot_hold_request(node):
     prefill = make_socket(node.ctx, zmq.ROUTER)
     prefill_address = bind(prefill, "127.0.0.1", 0)  # a prefill worker that never answers: "a" holds its blocks
-    node.gateway.wait_heartbeat(lambda hb: True)
-    node.gateway.send("d0", HeartbeatAck("gw-1"))  # as a real gateway acks: the worker knows it by its id
-    node.gateway.send("d0", replace(generate("a", list(range(1, 101)), prefill_address=prefill_address),
-                                    gateway_id="gw-1"))
+    node.gateway.send("d0", generate("a", list(range(1, 101)), prefill_address=prefill_address))
     assert prefill.poll(30_000) and decode(prefill.recv_multipart()[1], expected=PrefillJob).rid == "a"
     node.gateway.wait_heartbeat(lambda hb: hb.kv_blocks_in_use == 25)  # 100 tokens in blocks of 4
     # The reservation's 100 slots are all spoken for: the utilisation gauges count them live.
