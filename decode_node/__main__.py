@@ -14,6 +14,7 @@ from decode_node.node import DecodeNode
 from protocol.curve import ClusterKeyError
 from worker import default_worker_id, install_drain, setup_logging
 from worker.cli import load_worker_config
+from worker.ready_line import announce_ready
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,8 +31,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pdserve decode: {exc}", file=sys.stderr)
         return EX_CONFIG
     install_drain(node.server.request_drain)
-    print(f"READY http_port={node.http.port} kv_address={node.server.options.kv_address} "
-          f"worker_id={node.server.options.worker_id} pid={os.getpid()}", flush=True)
+    announce_ready(http_port=node.http.port, kv_address=node.server.options.kv_address,
+                   worker_id=node.server.options.worker_id, pid=os.getpid())
     try:
         node.server.run()
     finally:

@@ -17,6 +17,7 @@ from prefill_node.build import build_prefill_server
 from protocol.curve import ClusterKeyError
 from worker import default_worker_id, install_drain, serve_http, setup_logging
 from worker.cli import load_worker_config
+from worker.ready_line import announce_ready
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     install_drain(server.request_drain)
     log.info("prefill worker %s: jobs at %s, http %s:%d, gateway %s", server.options.worker_id, server.address,
              config.prefill.host, http.port, config.prefill.gateway_address)
-    print(f"READY http_port={http.port} address={server.address} worker_id={server.options.worker_id} "
-          f"pid={os.getpid()}", flush=True)
+    announce_ready(http_port=http.port, address=server.address, worker_id=server.options.worker_id, pid=os.getpid())
     try:
         server.serve_forever()
     finally:
