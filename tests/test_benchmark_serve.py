@@ -178,3 +178,12 @@ def test_select_narrows_the_plan_and_overrides_every_system():
 def test_select_names_what_is_wrong(args, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         P.select(P.plan(quick=False), *args)
+
+
+def test_insecure_twins_run_each_system_with_and_without_curve():
+    picked = P.with_insecure_twins(P.select(P.plan(quick=True), ["disagg"], ["mixed_closed"]))
+    assert [(s.name, s.workloads) for s in picked.systems] == [("disagg", ("mixed_closed",)),
+                                                               ("disagg-insecure", ("mixed_closed",))]
+    assert "transfer" not in picked.systems[0].sections
+    assert picked.systems[1].sections["transfer"] == {"insecure": True}
+    assert picked.systems[1].sections["engine"] == picked.systems[0].sections["engine"]
