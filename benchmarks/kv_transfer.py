@@ -1,6 +1,6 @@
 """KV transfer bandwidth per transport vs raw pyzmq PUSH/PULL and vs memcpy (torch ``copy_``).
 
-    python -m benchmarks.kv_transfer [--quick]
+    python -m benchmarks.kv_transfer [--quick] [--compare-insecure]
 
 Layout: the ``small`` model (8 layers, 2 KV heads, head dim 64, fp32, block size 16 -> 128 KiB a block).
 Each transfer: reserve on the receiver, send + commit, time until the receiver's commit event. Best of a few repeats. Last line::
@@ -10,6 +10,10 @@ Each transfer: reserve on the receiver, send + commit, time until the receiver's
 ``ttft_share_4096``: zmq transfer time of a 4096-token prompt's KV / (that + pdserve's prefill time of
 the ``small`` model for that prompt), also reported for 512 tokens. The transfer is counted whole, as if
 it did not overlap prefill (the real node overlaps it per chunk), so this is an upper bound.
+
+``--compare-insecure`` adds the socket transports with CurveZMQ on (the product's default, the
+``zmq+curve`` and ``shm+curve`` columns; the plain columns are ``transfer.insecure``) and a last line
+``curve_zmq_vs_plain=<bandwidth ratio> curve_shm_vs_plain=<ratio>`` (docs/security.md).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from kvtransfer.metrics import TransferMetrics
 from kvtransfer.receiver import KVReceiver
 from kvtransfer.sender import KVSender
 from kvtransfer.shm_pool import create_shared
+from protocol.curve import ClusterKey, PlaneSecurity
 
 MIB = 1 << 20
 WINDOW_BLOCKS = 256  # credit window: 32 MiB in flight
@@ -37,17 +42,20 @@ def small_layout(num_blocks: int) -> KVLayout:
     return KVLayout(num_layers=8, num_blocks=num_blocks, block_size=16, kv_heads=2, head_dim=64, dtype=torch.float32)
 
 
-def time_transport(transport: str, sizes_mib: list[int], repeats: int) -> dict[int, float]:
-    """Seconds per transfer (best of ``repeats``) for each size."""
+def time_transport(transport: str, sizes_mib: list[int], repeats: int, curve: bool = False) -> dict[int, float]:
+    """Seconds per transfer (best of ``repeats``) for each size; ``curve``: both ends CURVE-encrypted,
+    each with its own client key, as two worker processes are."""
+    key = ClusterKey.from_secret(bytes(32)) if curve else None
     layout = small_layout(max(sizes_mib) * MIB // small_layout(1).bytes_per_block)
     shared = create_shared(layout.shape, layout.dtype) if transport == "shm" else None
     dst = KVPool(layout, tensor=shared.tensor if shared else None)
     ctx = zmq.Context()
     server = InprocServer() if transport == "loopback" else ZmqServer(
-        ctx, "127.0.0.1", max_msg_size=WINDOW_BLOCKS * layout.bytes_per_block + MIB)
+        ctx, "127.0.0.1", max_msg_size=WINDOW_BLOCKS * layout.bytes_per_block + MIB, security=PlaneSecurity(key))
     rx = KVReceiver(dst, "small", server, lambda ids: None, TransferMetrics(CollectorRegistry()),
                     credits=WINDOW_BLOCKS, shm_pool_name=shared.name if shared else None)
-    channel = server.connect() if transport == "loopback" else ZmqClient(ctx, server.endpoint)
+    channel = server.connect() if transport == "loopback" else ZmqClient(ctx, server.endpoint,
+                                                                           security=PlaneSecurity(key))
     tx = KVSender(KVPool(layout, tensor=torch.randn(layout.shape)), "small", channel)
     _handshake(rx, tx, transport)
     results = {}
@@ -59,6 +67,8 @@ def time_transport(transport: str, sizes_mib: list[int], repeats: int) -> dict[i
     finally:
         rx.close()
         channel.close()
+        if isinstance(server, ZmqServer):
+            server.close_security()
         ctx.destroy(linger=0)
         if shared:
             shared.unlink()
@@ -162,12 +172,16 @@ def time_prefill(prompt_lens: list[int]) -> dict[int, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="1..16 MiB, fewer repeats")
+    parser.add_argument("--compare-insecure", action="store_true",
+                        help="also time zmq and shm with CurveZMQ on (the default in the product)")
     args = parser.parse_args()
     sizes = [1, 4, 16] if args.quick else [1, 4, 16, 64, 256]
     repeats = 2 if args.quick else 3
     frame_bytes = WINDOW_BLOCKS * small_layout(1).bytes_per_block
 
     timings = {t: time_transport(t, sizes, repeats) for t in ("loopback", "shm", "zmq")}
+    if args.compare_insecure:
+        timings.update({f"{t}+curve": time_transport(t, sizes, repeats, curve=True) for t in ("shm", "zmq")})
     timings["raw_zmq"] = time_raw_zmq(sizes, repeats, frame_bytes)
     timings["memcpy"] = time_memcpy(sizes, repeats)
     print(f"{'MiB/request':>12} " + " ".join(f"{name:>10}" for name in timings) + "   (GiB/s)")
@@ -186,6 +200,9 @@ def main() -> None:
         print(f"{tokens}-token prompt: KV {kv_mib} MiB, zmq transfer {transfer * 1e3:.1f} ms, "
               f"pdserve prefill (TTFT) {prefill[tokens] * 1e3:.1f} ms, transfer share {share[tokens]:.3f}")
     print(f"zmq_vs_raw={zmq_vs_raw:.3f} shm_vs_memcpy={shm_vs_memcpy:.3f} ttft_share_4096={share[4096]:.3f}")
+    if args.compare_insecure:
+        print(" ".join(f"curve_{t}_vs_plain={timings[t][largest] / timings[f'{t}+curve'][largest]:.3f}"
+                       for t in ("zmq", "shm")))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Serving benchmark: pdserve disaggregated vs colocated vs prefix cache off vs transformers static
 batching, side by side in one run, on the ``small`` model.
 
-    python -m benchmarks.serve [--quick] [--plots-dir docs] [--json FILE]
+    python -m benchmarks.serve [--quick] [--plots-dir docs] [--json FILE] [--compare-insecure]
                                [--systems disagg,coloc] [--workloads interference] [--set SECTION.KEY=VALUE]
     python -m benchmarks.serve --base-url http://host:8000 [--model TOKENIZER_DIR] [--quick] [--workloads ...]
 
@@ -16,6 +16,8 @@ batching, side by side in one run, on the ``small`` model.
 3. The table, per-process costs, the targets next to the measured values, optional plots and JSON;
    the last line is ``vs_hf_static=<x> tpot_p99_disagg_vs_coloc=<y> prefix_ttft_gain=<z>``.
 
+``--compare-insecure`` runs each chosen system twice, CurveZMQ on (the default) and ``<name>-insecure``
+(``transfer.insecure``), and prints the served throughput of the second over the first.
 ``--systems``, ``--workloads`` and ``--set`` narrow a run to an A/B of one setting on one workload
 (``serve_plan.select``); a headline ratio whose runs were left out is nan.
 
@@ -41,9 +43,10 @@ from benchmarks import serve_workloads as workloads
 from benchmarks.client import KvSampler, Target, run_closed_loop, run_open_loop
 from benchmarks.serve_launcher import ServedSystem
 from benchmarks.serve_metrics import Slo, kv_utilization, summarize
-from benchmarks.serve_plan import STATIC_BATCH_SIZE, WORKLOADS, Plan, SystemSpec, plan, select
+from benchmarks.serve_plan import STATIC_BATCH_SIZE, WORKLOADS, Plan, SystemSpec, plan, select, with_insecure_twins
 from benchmarks.serve_procs import cpu_delta, sample_tree, self_sample
-from benchmarks.serve_report import ALL_AT_ONCE, HEADER, Report, make_run, print_procs, print_targets, run_row, write_json
+from benchmarks.serve_report import (ALL_AT_ONCE, HEADER, Report, make_run, print_encryption_cost, print_procs,
+                                     print_targets, run_row, write_json)
 from benchmarks.workload import BenchRequest
 
 ENDPOINT_SETTLE_S = 2.0  # --base-url: the pause between runs (no idle signal from an unknown server)
@@ -65,6 +68,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workloads", default=None,
                    help="only these of mixed_rates,mixed_closed,prefix,interference (comma-separated); the "
                         "transformers baseline runs only with mixed_closed")
+    p.add_argument("--compare-insecure", action="store_true",
+                   help="also run each system with transfer.insecure (no CurveZMQ): the encryption's cost")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", dest="overrides",
                    help="config of every pdserve system, e.g. gateway.local_prefill_max_tokens=0 (repeatable)")
     p.add_argument("--base-url", default=None,
@@ -218,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     vocab = prompt_vocab(model_dir)
     try:
         p = select(plan(args.quick), _names(args.systems), _names(args.workloads), args.overrides)
+        p = with_insecure_twins(p) if args.compare_insecure else p
     except ValueError as exc:
         raise SystemExit(f"python -m benchmarks.serve: {exc}") from None
     print(f"pdserve serving benchmark{' (--quick)' if args.quick else ''}: model {model_dir}, cpus {sorted(cpus)}, "
@@ -242,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
         run_system(spec, p, args, model_dir, vocab, cpus, logs, report)
     print_procs(report)
     headline = print_targets(report)
+    if args.compare_insecure:
+        print_encryption_cost(report, [spec.name for spec in p.systems if not spec.name.endswith("-insecure")])
     if args.json:
         write_json(report, Path(args.json), {"quick": args.quick, "cpus": sorted(cpus), "model": str(model_dir),
                                              **selection})

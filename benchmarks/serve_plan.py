@@ -81,6 +81,16 @@ def plan(quick: bool) -> Plan:
                 short_rate_rps=1.5, num_bursts=8, burst_size=2, systems=systems(False))
 
 
+def with_insecure_twins(p: Plan) -> Plan:
+    """Each system, then the same system with ``transfer.insecure`` (plain TCP on the worker plane), so
+    the cost of CurveZMQ is measured side by side in one run (docs/security.md)."""
+    twins = []
+    for spec in p.systems:
+        sections = {**spec.sections, "transfer": {**spec.sections.get("transfer", {}), "insecure": True}}
+        twins += [spec, replace(spec, name=f"{spec.name}-insecure", sections=sections)]
+    return replace(p, systems=tuple(twins))
+
+
 def select(p: Plan, systems: list[str] | None = None, workloads: list[str] | None = None,
            overrides: list[str] = ()) -> Plan:
     """``p`` narrowed to some systems and workloads (each system keeps only those of its own it is

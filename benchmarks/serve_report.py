@@ -100,6 +100,15 @@ def print_targets(report: Report) -> tuple[float, float, float]:
     return vs_static, tpot_ratio, gain
 
 
+def print_encryption_cost(report: Report, systems: list[str]) -> None:
+    """Served throughput (all requests at once) with CurveZMQ over without, per system; target >= 0.9."""
+    for system in systems:
+        secure, plain = report.find(system, "mixed", ALL_AT_ONCE), report.find(f"{system}-insecure", "mixed", ALL_AT_ONCE)
+        ratio = _ratio(secure.summary.output_tps if secure else math.nan, plain.summary.output_tps if plain else math.nan)
+        print(f"  encryption cost ({system}): output throughput, all requests at once, CurveZMQ / insecure = "
+              f"{ratio:.3f} (target >= 0.90) {'not measured' if math.isnan(ratio) else _verdict(ratio >= 0.9)}")
+
+
 def write_json(report: Report, path: Path, meta: dict) -> None:
     record = {"meta": meta, "hf_static_tps": report.hf_tps, "kv_util": report.kv_util,
               "runs": [{**asdict(r.summary), "output_tps": r.summary.output_tps, "system": r.system,

@@ -143,7 +143,9 @@ class PlaneSecurity:
             return
         # The handler runs on its own thread with a plain context over the same C context (the caller's
         # may be a zmq.asyncio one); every client key that completes the handshake is let in.
-        auth = ThreadAuthenticator(zmq.Context.shadow(address), log=logging.getLogger("pdserve.zap"))
+        shadow = zmq.Context.shadow(address)
+        shadow.setsockopt(zmq.LINGER, 0)  # its sockets never hold the context's term() open
+        auth = ThreadAuthenticator(shadow, log=logging.getLogger("pdserve.zap"))
         auth.start()
         auth.configure_curve(domain="*", location=zmq.auth.CURVE_ALLOW_ANY)
         self._authenticators[address] = auth

@@ -209,3 +209,12 @@ def test_base_url_measures_a_running_server_with_the_same_workloads(tok_dir, tmp
     served = sum(len(s) for s in sent) + 2  # and the warm-up's two
     assert prom.total(metrics, "pdserve:requests_total", outcome="success") == served
     assert prom.samples(metrics, "vllm:e2e_request_latency_seconds_count", model_name=MODEL) == [served]
+
+
+def test_insecure_twins_run_each_system_with_and_without_curve():
+    picked = P.with_insecure_twins(P.select(P.plan(quick=True), ["disagg"], ["mixed_closed"]))
+    assert [(s.name, s.workloads) for s in picked.systems] == [("disagg", ("mixed_closed",)),
+                                                               ("disagg-insecure", ("mixed_closed",))]
+    assert "transfer" not in picked.systems[0].sections
+    assert picked.systems[1].sections["transfer"] == {"insecure": True}
+    assert picked.systems[1].sections["engine"] == picked.systems[0].sections["engine"]
