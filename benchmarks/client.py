@@ -37,8 +37,13 @@ class Target:
 
 def request_body(target: Target, r: BenchRequest) -> dict:
     return {
-        "model": target.model, "prompt": list(r.prompt_token_ids), "max_tokens": r.output_len,
-        "temperature": 0.0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+        "model": target.model,
+        "prompt": list(r.prompt_token_ids),
+        "max_tokens": r.output_len,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
     }
 
 
@@ -46,8 +51,9 @@ async def send_one(client: httpx.AsyncClient, target: Target, item: Scheduled) -
     r = item.request
     t = RequestTimeline(r.index, item.tag, r.prompt_len, r.output_len, send_s=time.perf_counter())
     try:
-        async with client.stream("POST", f"{target.url}/v1/completions", json=request_body(target, r),
-                                 headers=target.headers) as response:
+        async with client.stream(
+            "POST", f"{target.url}/v1/completions", json=request_body(target, r), headers=target.headers
+        ) as response:
             if response.status_code != 200:
                 t.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
                 return t
@@ -75,8 +81,9 @@ def _client() -> httpx.AsyncClient:
     return httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=httpx.Limits(max_connections=512))
 
 
-async def run_open_loop(target: Target, schedule: list[Scheduled], sampler: "KvSampler | None" = None
-                        ) -> tuple[list[RequestTimeline], float]:
+async def run_open_loop(
+    target: Target, schedule: list[Scheduled], sampler: KvSampler | None = None
+) -> tuple[list[RequestTimeline], float]:
     """Sends each request at its ``at_s``; returns the timelines (workload order) and the wall time
     from the start to the last response."""
     async with _client() as client:
@@ -95,8 +102,9 @@ async def run_open_loop(target: Target, schedule: list[Scheduled], sampler: "KvS
     return sorted(timelines, key=lambda t: t.index), duration
 
 
-async def run_closed_loop(target: Target, requests: list[BenchRequest], concurrency: int, tag: str,
-                          sampler: "KvSampler | None" = None) -> tuple[list[RequestTimeline], float]:
+async def run_closed_loop(
+    target: Target, requests: list[BenchRequest], concurrency: int, tag: str, sampler: KvSampler | None = None
+) -> tuple[list[RequestTimeline], float]:
     """``concurrency`` requests in flight at all times (a new one as soon as one finishes)."""
     queue: asyncio.Queue[BenchRequest] = asyncio.Queue()
     for r in requests:

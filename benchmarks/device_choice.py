@@ -47,7 +47,15 @@ def choose_device(device: str | None, dtype: str | None, cuda_available: bool) -
 
 
 def add_device_args(parser) -> None:
-    parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
-                        help="where every system runs (default: cuda if available, else cpu)")
-    parser.add_argument("--dtype", choices=(*DTYPES, "auto"), default=None,
-                        help="dtype of every system (default auto: bfloat16 on cuda, float32 on cpu)")
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default=None,
+        help="where every system runs (default: cuda if available, else cpu)",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=(*DTYPES, "auto"),
+        default=None,
+        help="dtype of every system (default auto: bfloat16 on cuda, float32 on cpu)",
+    )

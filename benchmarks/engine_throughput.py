@@ -35,14 +35,22 @@ STATIC_BATCH_SIZE = 16
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.engine_throughput", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true",
-                   help="16 requests; one-at-a-time on 4 of them, extrapolated per token")
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.engine_throughput",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--quick", action="store_true", help="16 requests; one-at-a-time on 4 of them, extrapolated per token"
+    )
     p.add_argument("--model", default=None, help="HF model directory (default: the cached llama-small)")
     p.add_argument("--num-requests", type=int, default=None, help="default 64 (also with --quick)")
-    p.add_argument("--one-at-a-time-requests", type=int, default=None,
-                   help="requests run one at a time (default all, or 2 with --quick); the rest is extrapolated")
+    p.add_argument(
+        "--one-at-a-time-requests",
+        type=int,
+        default=None,
+        help="requests run one at a time (default all, or 2 with --quick); the rest is extrapolated",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads for every system")
     p.add_argument("--max-num-seqs", type=int, default=None, help="passed to LLM(...) when given")
@@ -66,8 +74,9 @@ def pdserve_config(bench: BenchDevice, engine_overrides: dict):
     return load_config(None, env={}, overrides=overrides)
 
 
-def run_pdserve(model_dir: Path, requests: list[BenchRequest], bench: BenchDevice,
-                engine_overrides: dict) -> tuple[SystemResult, float]:
+def run_pdserve(
+    model_dir: Path, requests: list[BenchRequest], bench: BenchDevice, engine_overrides: dict
+) -> tuple[SystemResult, float]:
     """pdserve's offline ``LLM`` over the whole workload; returns the result and the load time."""
     from engine.llm import LLM
     from engine.sampling_params import SamplingParams
@@ -101,10 +110,14 @@ def run_one_at_a_time(model, requests: list[BenchRequest], subset: int) -> Syste
         return measured
     scale = total_output_tokens(requests) / measured.output_tokens
     return SystemResult(
-        measured.name, len(requests), total_output_tokens(requests), measured.wall_s * scale,
-        measured.cpu_s * scale, measured.outputs,
+        measured.name,
+        len(requests),
+        total_output_tokens(requests),
+        measured.wall_s * scale,
+        measured.cpu_s * scale,
+        measured.outputs,
         note=f"EXTRAPOLATED per token from {subset} requests ({measured.output_tokens} tokens, "
-             f"{measured.wall_s:.1f} s)",
+        f"{measured.wall_s:.1f} s)",
     )
 
 
@@ -124,12 +137,15 @@ TABLE_HEADER = f"{'system':<22}{'reqs':>5}{'out tok':>9}{'wall s':>9}{'tok/s':>9
 
 
 def print_row(r: SystemResult) -> None:
-    print(f"{r.name:<22}{r.num_requests:>5}{r.output_tokens:>9}{r.wall_s:>9.2f}"
-          f"{r.tokens_per_s:>9.1f}{r.tokens_per_cpu_s:>11.1f}  {r.note}", flush=True)
+    print(
+        f"{r.name:<22}{r.num_requests:>5}{r.output_tokens:>9}{r.wall_s:>9.2f}"
+        f"{r.tokens_per_s:>9.1f}{r.tokens_per_cpu_s:>11.1f}  {r.note}",
+        flush=True,
+    )
 
 
 def hf_warmup(model, requests: list[BenchRequest]) -> None:
-    hf_baseline.generate_batch(model, [r.prompt_token_ids[:16 - 8 * i] for i, r in enumerate(requests[:2])], 2)
+    hf_baseline.generate_batch(model, [r.prompt_token_ids[: 16 - 8 * i] for i, r in enumerate(requests[:2])], 2)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -148,11 +164,15 @@ def main(argv: list[str] | None = None) -> int:
     spec = WorkloadSpec(vocab_size=shape.vocab_size, num_requests=num_requests, seed=args.seed)
     requests = make_workload(spec)
     num_params = sum(p.numel() for p in hf_model.parameters())
-    print(f"model {model_dir} ({num_params / 1e6:.1f} M params); every system on {bench.describe()}; "
-          f"torch threads = {torch.get_num_threads()} for every system (cpu_count {os.cpu_count()})")
-    print(f"workload: {num_requests} requests, seed {args.seed}, prompt U{list(spec.prompt_len_range)}, "
-          f"output U{list(spec.output_len_range)}, ignore_eos, greedy; "
-          f"{sum(r.prompt_len for r in requests)} prompt + {total_output_tokens(requests)} output tokens")
+    print(
+        f"model {model_dir} ({num_params / 1e6:.1f} M params); every system on {bench.describe()}; "
+        f"torch threads = {torch.get_num_threads()} for every system (cpu_count {os.cpu_count()})"
+    )
+    print(
+        f"workload: {num_requests} requests, seed {args.seed}, prompt U{list(spec.prompt_len_range)}, "
+        f"output U{list(spec.output_len_range)}, ignore_eos, greedy; "
+        f"{sum(r.prompt_len for r in requests)} prompt + {total_output_tokens(requests)} output tokens"
+    )
 
     print(f"\n{TABLE_HEADER}", flush=True)
     hf_warmup(hf_model, requests)
@@ -162,8 +182,11 @@ def main(argv: list[str] | None = None) -> int:
     print_row(static)
     del hf_model
 
-    llm_kwargs = {k: v for k, v in (("max_num_seqs", args.max_num_seqs),
-                                    ("max_num_batched_tokens", args.max_num_batched_tokens)) if v is not None}
+    llm_kwargs = {
+        k: v
+        for k, v in (("max_num_seqs", args.max_num_seqs), ("max_num_batched_tokens", args.max_num_batched_tokens))
+        if v is not None
+    }
     pd, load_s = run_pdserve(model_dir, requests, bench, llm_kwargs)
     print_row(pd)
     print(f"(model load not timed; pdserve LLM() took {load_s:.1f} s; each system had one short warm-up)")
@@ -171,19 +194,31 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def print_summary(shape: roofline.DecoderShape, requests: list[BenchRequest],
-                  one: SystemResult, static: SystemResult, pd: SystemResult, with_roofline: bool = True) -> None:
+def print_summary(
+    shape: roofline.DecoderShape,
+    requests: list[BenchRequest],
+    one: SystemResult,
+    static: SystemResult,
+    pd: SystemResult,
+    with_roofline: bool = True,
+) -> None:
     """Roofline (CPU only: it and the matmul floor time fp32 ``torch.mm`` on this CPU), speed-ups
     against the targets, the greedy cross-check, and the one-line result."""
     vs_static = pd.tokens_per_s / static.tokens_per_s
     fraction = print_roofline(shape, requests, pd) if with_roofline else None
-    print(f"pdserve vs hf one-at-a-time: {pd.tokens_per_s / one.tokens_per_s:.2f}x"
-          + (" (one-at-a-time extrapolated)" if one.note else ""))
-    print(f"pdserve vs hf static batching: {vs_static:.2f}x   (target >= {TARGET_VS_STATIC}x) "
-          f"{'MET' if vs_static >= TARGET_VS_STATIC else 'NOT MET'}")
+    print(
+        f"pdserve vs hf one-at-a-time: {pd.tokens_per_s / one.tokens_per_s:.2f}x"
+        + (" (one-at-a-time extrapolated)" if one.note else "")
+    )
+    print(
+        f"pdserve vs hf static batching: {vs_static:.2f}x   (target >= {TARGET_VS_STATIC}x) "
+        f"{'MET' if vs_static >= TARGET_VS_STATIC else 'NOT MET'}"
+    )
     if fraction is not None:
-        print(f"roofline fraction: {fraction:.2f}   (target >= {TARGET_ROOFLINE}) "
-              f"{'MET' if fraction >= TARGET_ROOFLINE else 'NOT MET'}")
+        print(
+            f"roofline fraction: {fraction:.2f}   (target >= {TARGET_ROOFLINE}) "
+            f"{'MET' if fraction >= TARGET_ROOFLINE else 'NOT MET'}"
+        )
     for ref in (one, static):
         compared, bad, first = count_mismatches(ref, pd)
         print(f"greedy cross-check vs {ref.name}: {bad} mismatched of {compared} requests{first}")
@@ -197,12 +232,16 @@ def print_roofline(shape: roofline.DecoderShape, requests: list[BenchRequest], p
     fraction = roofline.roofline_fraction(required, matmul_flops, pd.wall_s)
     floor = matmul_floor.matmul_floor(shape, lengths, required, matmul_flops)
     print()
-    print(f"roofline: required {required / 1e9:.1f} GFLOP / measured fp32 mm {matmul_flops / 1e9:.1f} GFLOP/s "
-          f"= {required / matmul_flops:.2f} s ideal; pdserve wall {pd.wall_s:.2f} s")
-    print(f"matmul floor: {floor.floor_s:.2f} s (the {floor.num_decode_steps} decode steps' projections take "
-          f"{floor.decode_measured_s:.2f} s measured at their row counts against {floor.decode_ideal_s:.2f} s at "
-          f"the peak), so no engine running these steps here exceeds roofline {floor.roofline_at_floor:.2f}; "
-          f"pdserve's wall is {pd.wall_s / floor.floor_s:.2f}x the floor")
+    print(
+        f"roofline: required {required / 1e9:.1f} GFLOP / measured fp32 mm {matmul_flops / 1e9:.1f} GFLOP/s "
+        f"= {required / matmul_flops:.2f} s ideal; pdserve wall {pd.wall_s:.2f} s"
+    )
+    print(
+        f"matmul floor: {floor.floor_s:.2f} s (the {floor.num_decode_steps} decode steps' projections take "
+        f"{floor.decode_measured_s:.2f} s measured at their row counts against {floor.decode_ideal_s:.2f} s at "
+        f"the peak), so no engine running these steps here exceeds roofline {floor.roofline_at_floor:.2f}; "
+        f"pdserve's wall is {pd.wall_s / floor.floor_s:.2f}x the floor"
+    )
     return fraction
 
 

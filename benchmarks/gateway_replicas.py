@@ -11,7 +11,8 @@ the same background load of a shared machine.
 
 Reported per point: completed requests/s, output tokens/s, p50/p99 latency, CPU-milliseconds per
 request of the gateways and of the decode worker (what a request costs each side, which a busy shared
-machine disturbs less than throughput), and the CPU each process used over the point (``benchmarks/serve_procs.py``; 100% = one core busy), this client's included.
+machine disturbs less than throughput), and the CPU each process used over the point
+(``benchmarks/serve_procs.py``; 100% = one core busy), this client's included.
 The client is a minimal asyncio HTTP/1.1 keep-alive client on raw sockets, so as little CPU as possible
 goes to measuring.
 """
@@ -33,8 +34,16 @@ from pathlib import Path
 from benchmarks.serve_launcher import ServedSystem
 from benchmarks.serve_procs import sample_tree
 
-PROMPTS = ["Tell me about foxes.", "What is a wolf?", "Name a river.", "Count to three.", "Say hello.",
-           "Why is the sky blue?", "A short poem:", "Define entropy."]
+PROMPTS = [
+    "Tell me about foxes.",
+    "What is a wolf?",
+    "Name a river.",
+    "Count to three.",
+    "Say hello.",
+    "Why is the sky blue?",
+    "A short poem:",
+    "Define entropy.",
+]
 MAX_TOKENS = 8
 
 
@@ -56,8 +65,10 @@ class Point:
 
 async def stream_one(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, body: bytes) -> int:
     """One streamed completion on a kept-alive connection; returns the output tokens (from usage)."""
-    writer.write(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                 b"content-length: %d\r\n\r\n%s" % (len(body), body))
+    writer.write(
+        b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        b"content-length: %d\r\n\r\n%s" % (len(body), body)
+    )
     status = await reader.readline()
     if b" 200 " not in status:
         raise RuntimeError(status.decode(errors="replace").strip())
@@ -71,19 +82,28 @@ async def stream_one(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
             return tokens
         data = await reader.readexactly(size + 2)
         if b'"usage"' in data and b'"completion_tokens"' in data:
-            tokens = json.loads(data[data.index(b"{"):data.rindex(b"}") + 1])["usage"]["completion_tokens"]
+            tokens = json.loads(data[data.index(b"{") : data.rindex(b"}") + 1])["usage"]["completion_tokens"]
 
 
-async def client_loop(url: str, model: str, index: int, stop_at: float, latencies: list[float],
-                      tokens: list[int], errors: list[str]) -> None:
+async def client_loop(
+    url: str, model: str, index: int, stop_at: float, latencies: list[float], tokens: list[int], errors: list[str]
+) -> None:
     host, port = url.removeprefix("http://").split(":")
     reader, writer = await asyncio.open_connection(host, int(port))
     n = index
     try:
         while time.perf_counter() < stop_at:
-            body = json.dumps({"model": model, "prompt": PROMPTS[n % len(PROMPTS)], "max_tokens": MAX_TOKENS,
-                               "temperature": 0.0, "ignore_eos": True, "stream": True,
-                               "stream_options": {"include_usage": True}}).encode()
+            body = json.dumps(
+                {
+                    "model": model,
+                    "prompt": PROMPTS[n % len(PROMPTS)],
+                    "max_tokens": MAX_TOKENS,
+                    "temperature": 0.0,
+                    "ignore_eos": True,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                }
+            ).encode()
             n += 1
             sent = time.perf_counter()
             try:
@@ -98,14 +118,20 @@ async def client_loop(url: str, model: str, index: int, stop_at: float, latencie
         writer.close()
 
 
-async def run_point(system: ServedSystem, concurrency: int, seconds: float) -> tuple[list[float], list[int], list[str], float]:
+async def run_point(
+    system: ServedSystem, concurrency: int, seconds: float
+) -> tuple[list[float], list[int], list[str], float]:
     latencies: list[float] = []
     tokens: list[int] = []
     errors: list[str] = []
     start = time.perf_counter()
     stop_at = start + seconds
-    await asyncio.gather(*(client_loop(system.urls[i % len(system.urls)], system.model, i, stop_at, latencies,
-                                       tokens, errors) for i in range(concurrency)))
+    await asyncio.gather(
+        *(
+            client_loop(system.urls[i % len(system.urls)], system.model, i, stop_at, latencies, tokens, errors)
+            for i in range(concurrency)
+        )
+    )
     return latencies, tokens, errors, time.perf_counter() - start
 
 
@@ -124,11 +150,20 @@ def measure(system: ServedSystem, gateways: int, concurrency: int, seconds: floa
         busy = sum(value for name, value in cpu.items() if name.startswith(prefix)) / 100 * elapsed
         return round(1000 * busy / max(len(latencies), 1), 2)
 
-    return Point(gateways, concurrency, round(elapsed, 1), len(latencies), len(errors),
-                 round(len(latencies) / elapsed, 1), round(sum(tokens) / elapsed, 1),
-                 round(1000 * statistics.median(ordered), 1) if ordered else 0.0,
-                 round(1000 * ordered[int(0.99 * (len(ordered) - 1))], 1) if ordered else 0.0, cpu,
-                 ms_per_request("gateway"), ms_per_request("decode"))
+    return Point(
+        gateways,
+        concurrency,
+        round(elapsed, 1),
+        len(latencies),
+        len(errors),
+        round(len(latencies) / elapsed, 1),
+        round(sum(tokens) / elapsed, 1),
+        round(1000 * statistics.median(ordered), 1) if ordered else 0.0,
+        round(1000 * ordered[int(0.99 * (len(ordered) - 1))], 1) if ordered else 0.0,
+        cpu,
+        ms_per_request("gateway"),
+        ms_per_request("decode"),
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -146,9 +181,16 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as running:
         systems = {}
         for gateways in args.gateways:  # all started up front; an idle one costs next to nothing
-            system = ServedSystem(f"gateways-{gateways}", model, Path(tmp), cpus, 0, 1,
-                                  {"engine": {"block_size": 16, "num_kv_blocks": 2048},
-                                   "gateway": {"max_queued_requests": 1024}}, num_gateways=gateways)
+            system = ServedSystem(
+                f"gateways-{gateways}",
+                model,
+                Path(tmp),
+                cpus,
+                0,
+                1,
+                {"engine": {"block_size": 16, "num_kv_blocks": 2048}, "gateway": {"max_queued_requests": 1024}},
+                num_gateways=gateways,
+            )
             running.callback(system.stop)
             asyncio.run(run_point(system, 16, 5.0))  # warm: the first requests pay for lazy imports
             systems[gateways] = system
@@ -159,17 +201,23 @@ def main(argv: list[str] | None = None) -> int:
                 points.append(point)
                 print(json.dumps(asdict(point)), flush=True)
     print(f"\n{len(cpus)} CPU(s) available to the run (shared with everything else on this host)")
-    print(f"{'gateways':>8} {'streams':>7} {'req/s':>7} {'tok/s':>7} {'p50 ms':>7} {'p99 ms':>7} {'errors':>6} "
-          f"{'gw ms/req':>9} {'D ms/req':>8}  CPU % per process")
+    print(
+        f"{'gateways':>8} {'streams':>7} {'req/s':>7} {'tok/s':>7} {'p50 ms':>7} {'p99 ms':>7} {'errors':>6} "
+        f"{'gw ms/req':>9} {'D ms/req':>8}  CPU % per process"
+    )
     for pt in points:
         cpu = ", ".join(f"{name} {value:.0f}" for name, value in sorted(pt.cpu_percent.items()))
-        print(f"{pt.gateways:>8} {pt.concurrency:>7} {pt.requests_per_s:>7.1f} {pt.tokens_per_s:>7.1f} "
-              f"{pt.p50_ms:>7.0f} {pt.p99_ms:>7.0f} {pt.errors:>6} {pt.gateway_cpu_ms_per_request:>9.2f} "
-              f"{pt.decode_cpu_ms_per_request:>8.2f}  {cpu}")
+        print(
+            f"{pt.gateways:>8} {pt.concurrency:>7} {pt.requests_per_s:>7.1f} {pt.tokens_per_s:>7.1f} "
+            f"{pt.p50_ms:>7.0f} {pt.p99_ms:>7.0f} {pt.errors:>6} {pt.gateway_cpu_ms_per_request:>9.2f} "
+            f"{pt.decode_cpu_ms_per_request:>8.2f}  {cpu}"
+        )
     gateway_ms = [pt.gateway_cpu_ms_per_request for pt in points if pt.gateways == 1 and pt.requests]
     if gateway_ms:  # one event loop is one core: where a lone gateway runs out, whatever the workers do
-        print(f"one gateway saturates one core at ~{1000 / statistics.median(gateway_ms):.0f} requests/s "
-              f"(median {statistics.median(gateway_ms):.2f} CPU-ms per request)")
+        print(
+            f"one gateway saturates one core at ~{1000 / statistics.median(gateway_ms):.0f} requests/s "
+            f"(median {statistics.median(gateway_ms):.2f} CPU-ms per request)"
+        )
     if args.out:
         args.out.write_text(json.dumps([asdict(pt) for pt in points], indent=1))
     return 0

@@ -51,20 +51,55 @@ class Step:
 def steps(out: Path) -> list[Step]:
     py = sys.executable
     return [
-        Step("tests_gpu", [py, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", "tests/gpu",
-                           f"--junitxml={out / 'tests_gpu.xml'}"], 240, "parity.jsonl"),
+        Step(
+            "tests_gpu",
+            [
+                py,
+                "-m",
+                "pytest",
+                "-q",
+                "-rA",
+                "-p",
+                "no:cacheprovider",
+                "tests/gpu",
+                f"--junitxml={out / 'tests_gpu.xml'}",
+            ],
+            240,
+            "parity.jsonl",
+        ),
         Step("kernels", [py, "-m", "benchmarks.kernels", "--json", str(out / "kernels.json")], 60, "kernels.json"),
-        Step("pd_parity", [py, "-m", "benchmarks.pd_parity", "--device", "cuda", "--json", str(out / "pd_parity.json"),
-                           "--workdir", str(out / "pd_parity")], 120, "pd_parity.json"),
-        Step("engine_throughput", [py, "-m", "benchmarks.engine_throughput", "--quick", "--device", "cuda",
-                                   "--threads", "8"], 120),
+        Step(
+            "pd_parity",
+            [
+                py,
+                "-m",
+                "benchmarks.pd_parity",
+                "--device",
+                "cuda",
+                "--json",
+                str(out / "pd_parity.json"),
+                "--workdir",
+                str(out / "pd_parity"),
+            ],
+            120,
+            "pd_parity.json",
+        ),
+        Step(
+            "engine_throughput",
+            [py, "-m", "benchmarks.engine_throughput", "--quick", "--device", "cuda", "--threads", "8"],
+            120,
+        ),
     ]
 
 
 def carried_bytes(extra: list[Path]) -> int:
     """Bytes the device tool sends: tracked files, untracked files git does not ignore, and ``extra``."""
-    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-                            capture_output=True, check=True).stdout.split(b"\0")
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        capture_output=True,
+        check=True,
+    ).stdout.split(b"\0")
     files = [ROOT / os.fsdecode(name) for name in listed if name]
     files += [f for folder in extra if folder.is_dir() for f in folder.rglob("*")]
     return sum(f.stat().st_size for f in files if f.is_file() and not f.is_symlink())
@@ -73,9 +108,23 @@ def carried_bytes(extra: list[Path]) -> int:
 def fetch_wheels(wheels: Path) -> int:
     """Dev machine: the Python 3.12 manylinux wheels of scripts/gpu-wheels.txt into ``wheels``."""
     wheels.mkdir(parents=True, exist_ok=True)
-    argv = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version", "3.12",
-            "--implementation", "cp", *[a for p in PLATFORMS for a in ("--platform", p)], "-d", str(wheels),
-            "-r", str(WHEEL_LIST)]
+    argv = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--python-version",
+        "3.12",
+        "--implementation",
+        "cp",
+        *[a for p in PLATFORMS for a in ("--platform", p)],
+        "-d",
+        str(wheels),
+        "-r",
+        str(WHEEL_LIST),
+    ]
     if subprocess.run(argv).returncode != 0:
         print("gpu-check: pip download failed (see above)", file=sys.stderr)
         return 1
@@ -83,13 +132,17 @@ def fetch_wheels(wheels: Path) -> int:
     total = carried_bytes([wheels])
     for f in sorted(wheels.glob("*.whl")):
         print(f"  {f.stat().st_size / 2**20:7.2f} MiB  {f.name}")
-    print(f"gpu-check: {len(list(wheels.glob('*.whl')))} wheels, {size / 2**20:.1f} MiB in {wheels}; with the tree "
-          f"{total / 2**20:.1f} MiB of the device tool's {CARRY_LIMIT >> 20} MiB")
+    print(
+        f"gpu-check: {len(list(wheels.glob('*.whl')))} wheels, {size / 2**20:.1f} MiB in {wheels}; with the tree "
+        f"{total / 2**20:.1f} MiB of the device tool's {CARRY_LIMIT >> 20} MiB"
+    )
     if total > CARRY_LIMIT:
         print("gpu-check: too big to carry; drop the optional wheels (xgrammar and its dependencies)", file=sys.stderr)
         return 1
-    print(f'next: the device tool\'s run with carry ["{wheels.relative_to(ROOT)}"] and command '
-          '"bash scripts/gpu-check --out $OUT", timeout_s 540')
+    print(
+        f'next: the device tool\'s run with carry ["{wheels.relative_to(ROOT)}"] and command '
+        '"bash scripts/gpu-check --out $OUT", timeout_s 540'
+    )
     return 0
 
 
@@ -106,11 +159,20 @@ def ensure_deps(wheels: Path, out: Path, log) -> dict[str, str]:
     if not any(wheels.glob("*.whl")):
         log(f"missing {missing} and no wheels in {wheels}: run scripts/gpu-check --fetch-wheels with PyPI at hand")
         return state
-    pip = [sys.executable, "-m", "pip", "install", "--no-index", "--find-links", str(wheels),
-           "--disable-pip-version-check"]
+    pip = [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "--no-index",
+        "--find-links",
+        str(wheels),
+        "--disable-pip-version-check",
+    ]
     for module in missing:  # one at a time: an optional one failing leaves the others installed
-        done = subprocess.run(pip + [NEEDED[module]], capture_output=True, text=True,
-                              env={**os.environ, "PIP_BREAK_SYSTEM_PACKAGES": "1"})
+        done = subprocess.run(
+            pip + [NEEDED[module]], capture_output=True, text=True, env={**os.environ, "PIP_BREAK_SYSTEM_PACKAGES": "1"}
+        )
         log(f"pip install {NEEDED[module]}: exit {done.returncode}\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
         if done.returncode == 0 and importable(module):
             state[module] = "installed"
@@ -138,9 +200,11 @@ def unpack_missing(wheels: Path, site: Path, log) -> None:
 
 
 def cuda_info() -> dict:
-    probe = ("import json, torch; ok = torch.cuda.is_available(); print(json.dumps({'available': ok, "
-             "'torch': torch.__version__, 'cuda': torch.version.cuda, 'device': torch.cuda.get_device_name() if ok "
-             "else None, 'count': torch.cuda.device_count() if ok else 0}))")
+    probe = (
+        "import json, torch; ok = torch.cuda.is_available(); print(json.dumps({'available': ok, "
+        "'torch': torch.__version__, 'cuda': torch.version.cuda, 'device': torch.cuda.get_device_name() if ok "
+        "else None, 'count': torch.cuda.device_count() if ok else 0}))"
+    )
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
     info = json.loads(done.stdout) if done.returncode == 0 else {"available": False, "error": done.stderr[-2000:]}
     include = Path(sysconfig.get_paths()["include"]) / "Python.h"
@@ -162,12 +226,17 @@ def run_step(step: Step, out: Path, deadline: float) -> dict:
     if timeout < 10:
         return {"status": "skipped", "why": "no time left under --budget-s"}
     log_path = out / f"{step.name}.log"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-           "PDSERVE_GPU_FIGURES": str(out / "parity.jsonl"), "PYTHONUNBUFFERED": "1"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        "PDSERVE_GPU_FIGURES": str(out / "parity.jsonl"),
+        "PYTHONUNBUFFERED": "1",
+    }
     started = time.monotonic()
     with log_path.open("w") as log:
-        proc = subprocess.Popen(step.argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            step.argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -175,8 +244,13 @@ def run_step(step: Step, out: Path, deadline: float) -> dict:
             rc = proc.wait()
             rc = "timeout"
     lines = log_path.read_text(errors="replace").splitlines()
-    result = {"status": "ok" if rc == 0 else "failed", "exit": rc, "seconds": round(time.monotonic() - started, 1),
-              "log": log_path.name, "tail": lines[-15:]}
+    result = {
+        "status": "ok" if rc == 0 else "failed",
+        "exit": rc,
+        "seconds": round(time.monotonic() - started, 1),
+        "log": log_path.name,
+        "tail": lines[-15:],
+    }
     if step.figures:
         result["figures"] = read_figures(out / step.figures)
     if step.name == "engine_throughput":
@@ -185,9 +259,12 @@ def run_step(step: Step, out: Path, deadline: float) -> dict:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="scripts/gpu-check", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=__doc__.split("\n\n", 1)[1])
+    p = argparse.ArgumentParser(
+        prog="scripts/gpu-check",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1],
+    )
     p.add_argument("--fetch-wheels", action="store_true", help="dev machine: fetch the wheels, check the size, exit")
     p.add_argument("--out", help="figures and logs (default $OUT, else ./gpu-check-out)")
     p.add_argument("--wheels", default=str(WHEELS), help="wheel folder (default .gpu-wheels)")
@@ -217,11 +294,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpu-check: {text}", flush=True)
         log_file.write(text + "\n")
 
-    report = {"started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "host": platform.node(), "python": sys.version,
-              "argv": sys.argv[1:], "budget_s": args.budget_s, "steps": {}}
+    report = {
+        "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "host": platform.node(),
+        "python": sys.version,
+        "argv": sys.argv[1:],
+        "budget_s": args.budget_s,
+        "steps": {},
+    }
     wheels = Path(args.wheels)
-    report["wheels"] = {"dir": str(wheels), "count": len(list(wheels.glob("*.whl"))),
-                        "mib": round(sum(f.stat().st_size for f in wheels.glob("*.whl")) / 2**20, 2)}
+    report["wheels"] = {
+        "dir": str(wheels),
+        "count": len(list(wheels.glob("*.whl"))),
+        "mib": round(sum(f.stat().st_size for f in wheels.glob("*.whl")) / 2**20, 2),
+    }
     report["deps"] = ensure_deps(wheels, out, log)
     report["structured_output"] = report["deps"]["xgrammar"] != "missing"
     required_missing = [m for m, s in report["deps"].items() if s == "missing" and m not in OPTIONAL]

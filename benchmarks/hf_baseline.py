@@ -49,8 +49,8 @@ def generate_batch(model: PreTrainedModel, prompts: list[tuple[int, ...]], max_n
     input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)  # [batch, width]
     attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)  # 0 on the left padding
     for row, prompt in enumerate(prompts):
-        input_ids[row, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
-        attention_mask[row, width - len(prompt):] = 1
+        input_ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+        attention_mask[row, width - len(prompt) :] = 1
     out = model.generate(
         input_ids=input_ids.to(model.device),
         attention_mask=attention_mask.to(model.device),
@@ -72,8 +72,9 @@ def run_one_at_a_time(model: PreTrainedModel, requests: list[BenchRequest]) -> S
         return {r.index: generate_batch(model, [r.prompt_token_ids], r.output_len)[0] for r in requests}
 
     outputs, wall_s, cpu_s = _timed(run)
-    return SystemResult("hf one-at-a-time", len(requests), sum(len(o) for o in outputs.values()),
-                        wall_s, cpu_s, outputs)
+    return SystemResult(
+        "hf one-at-a-time", len(requests), sum(len(o) for o in outputs.values()), wall_s, cpu_s, outputs
+    )
 
 
 def run_static_batching(model: PreTrainedModel, requests: list[BenchRequest], batch_size: int = 16) -> SystemResult:
@@ -86,13 +87,14 @@ def run_static_batching(model: PreTrainedModel, requests: list[BenchRequest], ba
     def run() -> dict[int, list[int]]:
         outputs = {}
         for start in range(0, len(requests), batch_size):
-            batch = requests[start:start + batch_size]
+            batch = requests[start : start + batch_size]
             longest = max(r.output_len for r in batch)
             rows = generate_batch(model, [r.prompt_token_ids for r in batch], longest)
             for r, row in zip(batch, rows):
-                outputs[r.index] = row[:r.output_len]  # only the requested tokens
+                outputs[r.index] = row[: r.output_len]  # only the requested tokens
         return outputs
 
     outputs, wall_s, cpu_s = _timed(run)
-    return SystemResult(f"hf static batch={batch_size}", len(requests), sum(len(o) for o in outputs.values()),
-                        wall_s, cpu_s, outputs)
+    return SystemResult(
+        f"hf static batch={batch_size}", len(requests), sum(len(o) for o in outputs.values()), wall_s, cpu_s, outputs
+    )

@@ -80,17 +80,29 @@ def bench_decode(batch: int, context: int, copy_gbps: float) -> dict:
         rows[f"triton, {splits} split(s)"] = time_ms(run)
     rows["torch reference"] = ref_ms
     error = (paged_attention(*inputs).float() - paged_attention_reference(*inputs).float()).abs().max().item()
-    print(f"decode: batch {batch} x context {context}, {HEADS} q / {KV_HEADS} kv heads, head dim {HEAD_DIM}, "
-          f"block size {BLOCK_SIZE}, {DTYPE}; K/V read {kv_bytes / 1e6:.0f} MB")
+    print(
+        f"decode: batch {batch} x context {context}, {HEADS} q / {KV_HEADS} kv heads, head dim {HEAD_DIM}, "
+        f"block size {BLOCK_SIZE}, {DTYPE}; K/V read {kv_bytes / 1e6:.0f} MB"
+    )
     print(f"{'variant':<24}{'time ms':>10}{'GB/s':>10}{'of copy':>10}{'vs torch':>10}")
     for name, ms in rows.items():
         gbps = kv_bytes / ms / 1e6
         print(f"{name:<24}{ms:>10.3f}{gbps:>10.0f}{gbps / copy_gbps:>10.1%}{ref_ms / ms:>9.1f}x")
     fraction = kv_bytes / rows["triton (auto splits)"] / 1e6 / copy_gbps
-    print(f"max |triton - reference| = {error:.2e}; decode bandwidth {fraction:.2f} of copy "
-          f"(target >= {TARGET_DECODE_OF_COPY}) {'MET' if fraction >= TARGET_DECODE_OF_COPY else 'NOT MET'}")
-    return {"batch": batch, "context": context, "kv_bytes": kv_bytes, "ms": rows, "max_abs_error": error,
-            "of_copy": fraction, "target_of_copy": TARGET_DECODE_OF_COPY, "met": fraction >= TARGET_DECODE_OF_COPY}
+    print(
+        f"max |triton - reference| = {error:.2e}; decode bandwidth {fraction:.2f} of copy "
+        f"(target >= {TARGET_DECODE_OF_COPY}) {'MET' if fraction >= TARGET_DECODE_OF_COPY else 'NOT MET'}"
+    )
+    return {
+        "batch": batch,
+        "context": context,
+        "kv_bytes": kv_bytes,
+        "ms": rows,
+        "max_abs_error": error,
+        "of_copy": fraction,
+        "target_of_copy": TARGET_DECODE_OF_COPY,
+        "met": fraction >= TARGET_DECODE_OF_COPY,
+    }
 
 
 def bench_prefill() -> dict:
@@ -106,8 +118,14 @@ def bench_prefill() -> dict:
     for name, ms in (("triton", triton_ms), ("torch reference (SDPA)", ref_ms)):
         print(f"{name:<24}{ms:>10.3f} ms{flops / ms / 1e9:>10.1f} TFLOP/s{ref_ms / ms:>9.1f}x")
     print(f"max |triton - reference| = {error:.2e}")
-    return {"q_lens": PREFILL_LENS, "flops": flops, "ms": {"triton": triton_ms, "torch reference": ref_ms},
-            "tflops": flops / triton_ms / 1e9, "vs_torch": ref_ms / triton_ms, "max_abs_error": error}
+    return {
+        "q_lens": PREFILL_LENS,
+        "flops": flops,
+        "ms": {"triton": triton_ms, "torch reference": ref_ms},
+        "tflops": flops / triton_ms / 1e9,
+        "vs_torch": ref_ms / triton_ms,
+        "max_abs_error": error,
+    }
 
 
 def bench_block_copy(copy_gbps: float) -> dict:
@@ -129,8 +147,10 @@ def bench_block_copy(copy_gbps: float) -> dict:
         "scatter triton": time_ms(lambda: scatter_blocks_triton(pool, ids, buffer)),
         "scatter torch": time_ms(lambda: scatter_blocks_reference(pool, ids, buffer)),
     }
-    print(f"\nblock copy: {COPY_BLOCKS} of {COPY_POOL_BLOCKS} blocks x {COPY_LAYERS} layers "
-          f"({buffer.numel() * buffer.element_size() / 1e6:.0f} MB)")
+    print(
+        f"\nblock copy: {COPY_BLOCKS} of {COPY_POOL_BLOCKS} blocks x {COPY_LAYERS} layers "
+        f"({buffer.numel() * buffer.element_size() / 1e6:.0f} MB)"
+    )
     for name, ms in rows.items():
         print(f"{name:<24}{ms:>10.3f} ms{moved / ms / 1e6:>10.0f} GB/s{moved / ms / 1e6 / copy_gbps:>10.1%} of copy")
     return {"bytes": moved // 2, "ms": rows, "of_copy": {k: moved / ms / 1e6 / copy_gbps for k, ms in rows.items()}}
@@ -147,9 +167,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     copy_gbps = copy_bandwidth_gbps()
     print(f"device: {torch.cuda.get_device_name()}; copy bandwidth {copy_gbps:.0f} GB/s")
-    figures = {"device": torch.cuda.get_device_name(), "copy_gbps": copy_gbps,
-               "decode": bench_decode(args.batch, args.context, copy_gbps), "prefill": bench_prefill(),
-               "block_copy": bench_block_copy(copy_gbps)}
+    figures = {
+        "device": torch.cuda.get_device_name(),
+        "copy_gbps": copy_gbps,
+        "decode": bench_decode(args.batch, args.context, copy_gbps),
+        "prefill": bench_prefill(),
+        "block_copy": bench_block_copy(copy_gbps),
+    }
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(figures, f, indent=2)

@@ -3,7 +3,8 @@
     python -m benchmarks.kv_transfer [--quick] [--compare-insecure]
 
 Layout: the ``small`` model (8 layers, 2 KV heads, head dim 64, fp32, block size 16 -> 128 KiB a block).
-Each transfer: reserve on the receiver, send + commit, time until the receiver's commit event. Best of a few repeats. Last line::
+Each transfer: reserve on the receiver, send + commit, time until the receiver's commit event. Best of a few
+repeats. Last line::
 
     zmq_vs_raw=<zmq / raw PUSH-PULL bandwidth> shm_vs_memcpy=<shm / copy_ bandwidth> ttft_share_4096=<share>
 
@@ -50,12 +51,25 @@ def time_transport(transport: str, sizes_mib: list[int], repeats: int, curve: bo
     shared = create_shared(layout.shape, layout.dtype) if transport == "shm" else None
     dst = KVPool(layout, tensor=shared.tensor if shared else None)
     ctx = zmq.Context()
-    server = InprocServer() if transport == "loopback" else ZmqServer(
-        ctx, "127.0.0.1", max_msg_size=WINDOW_BLOCKS * layout.bytes_per_block + MIB, security=PlaneSecurity(key))
-    rx = KVReceiver(dst, "small", server, lambda ids: None, TransferMetrics(CollectorRegistry()),
-                    credits=WINDOW_BLOCKS, shm_pool_name=shared.name if shared else None)
-    channel = server.connect() if transport == "loopback" else ZmqClient(ctx, server.endpoint,
-                                                                           security=PlaneSecurity(key))
+    server = (
+        InprocServer()
+        if transport == "loopback"
+        else ZmqServer(
+            ctx, "127.0.0.1", max_msg_size=WINDOW_BLOCKS * layout.bytes_per_block + MIB, security=PlaneSecurity(key)
+        )
+    )
+    rx = KVReceiver(
+        dst,
+        "small",
+        server,
+        lambda ids: None,
+        TransferMetrics(CollectorRegistry()),
+        credits=WINDOW_BLOCKS,
+        shm_pool_name=shared.name if shared else None,
+    )
+    channel = (
+        server.connect() if transport == "loopback" else ZmqClient(ctx, server.endpoint, security=PlaneSecurity(key))
+    )
     tx = KVSender(KVPool(layout, tensor=torch.randn(layout.shape)), "small", channel)
     _handshake(rx, tx, transport)
     results = {}
@@ -172,8 +186,11 @@ def time_prefill(prompt_lens: list[int]) -> dict[int, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="1..16 MiB, fewer repeats")
-    parser.add_argument("--compare-insecure", action="store_true",
-                        help="also time zmq and shm with CurveZMQ on (the default in the product)")
+    parser.add_argument(
+        "--compare-insecure",
+        action="store_true",
+        help="also time zmq and shm with CurveZMQ on (the default in the product)",
+    )
     args = parser.parse_args()
     sizes = [1, 4, 16] if args.quick else [1, 4, 16, 64, 256]
     repeats = 2 if args.quick else 3
@@ -197,12 +214,17 @@ def main() -> None:
         kv_mib = tokens // 16 * small_layout(1).bytes_per_block // MIB  # 512 -> 4 MiB, 4096 -> 32 MiB
         transfer = time_transport("zmq", [kv_mib], repeats)[kv_mib]
         share[tokens] = transfer / (transfer + prefill[tokens])
-        print(f"{tokens}-token prompt: KV {kv_mib} MiB, zmq transfer {transfer * 1e3:.1f} ms, "
-              f"pdserve prefill (TTFT) {prefill[tokens] * 1e3:.1f} ms, transfer share {share[tokens]:.3f}")
+        print(
+            f"{tokens}-token prompt: KV {kv_mib} MiB, zmq transfer {transfer * 1e3:.1f} ms, "
+            f"pdserve prefill (TTFT) {prefill[tokens] * 1e3:.1f} ms, transfer share {share[tokens]:.3f}"
+        )
     print(f"zmq_vs_raw={zmq_vs_raw:.3f} shm_vs_memcpy={shm_vs_memcpy:.3f} ttft_share_4096={share[4096]:.3f}")
     if args.compare_insecure:
-        print(" ".join(f"curve_{t}_vs_plain={timings[t][largest] / timings[f'{t}+curve'][largest]:.3f}"
-                       for t in ("zmq", "shm")))
+        print(
+            " ".join(
+                f"curve_{t}_vs_plain={timings[t][largest] / timings[f'{t}+curve'][largest]:.3f}" for t in ("zmq", "shm")
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -46,16 +46,19 @@ def write_adapter(out: Path, config: HFModelConfig, rank: int, seed: int) -> Pat
             tensors[f"{key}.lora_B.weight"] = torch.randn(out_features, rank, generator=g) * 0.02
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, out / "adapter_model.safetensors")
-    (out / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(PROJECTIONS)}))
+    (out / "adapter_config.json").write_text(
+        json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(PROJECTIONS)})
+    )
     return out
 
 
 def run(llm, requests, names: list[str]) -> tuple[float, int]:
     from engine.sampling_params import SamplingParams
 
-    params = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True, lora_name=names[i % len(names)])
-              for i, r in enumerate(requests)]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True, lora_name=names[i % len(names)])
+        for i, r in enumerate(requests)
+    ]
     llm.generate([list(requests[0].prompt_token_ids[:16])], params[:1])  # warm-up
     start = time.perf_counter()
     results = llm.generate([list(r.prompt_token_ids) for r in requests], params)
@@ -77,8 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     requests = make_workload(WorkloadSpec(config.vocab_size, args.num_requests, (64, 256), (32, 96), seed=0))
     with tempfile.TemporaryDirectory(prefix="pdserve-lora-bench-") as tmp:
         modules = [f"a{i}={write_adapter(Path(tmp) / f'a{i}', config, args.rank, i)}" for i in range(NUM_ADAPTERS)]
-        llm = LLM(str(model_dir), enable_lora=True, lora_modules=modules, max_loras=NUM_ADAPTERS,
-                  max_lora_rank=args.rank)
+        llm = LLM(
+            str(model_dir), enable_lora=True, lora_modules=modules, max_loras=NUM_ADAPTERS, max_lora_rank=args.rank
+        )
         base_s, base_tokens = run(llm, requests, [""])
         lora_s, lora_tokens = run(llm, requests, [f"a{i}" for i in range(NUM_ADAPTERS)])
     base_tps, lora_tps = base_tokens / base_s, lora_tokens / lora_s

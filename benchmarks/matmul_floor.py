@@ -14,7 +14,8 @@ Decode step t = 1 .. max(L) - 1 has ``#{requests with L > t}`` rows: the most fa
 with every request decoding in one batch from the first step (fewer rows per step never costs less
 per token). Each row count is timed with weights of the model's shapes, one copy per layer (so a step
 streams all of them, as the model does), in the fastest of the plain, the transposed and the packed
-product and the C linear on its own copy (engine/cpu_linear.py, kernels/cpu_linear.c), best of ``repeats``. ``ideal / floor`` is the highest roofline fraction an
+product and the C linear on its own copy (engine/cpu_linear.py, kernels/cpu_linear.c), best of ``repeats``.
+``ideal / floor`` is the highest roofline fraction an
 engine running these steps on this machine could show.
 """
 
@@ -53,8 +54,9 @@ def decode_rows(output_lens: list[int]) -> list[int]:
     return [sum(1 for n in output_lens if n > t) for t in range(1, max(output_lens, default=1))]
 
 
-def matmul_floor(shape: DecoderShape, lengths: list[tuple[int, int]], required_flops: float,
-                 flops_per_s: float, repeats: int = 2) -> MatmulFloor:
+def matmul_floor(
+    shape: DecoderShape, lengths: list[tuple[int, int]], required_flops: float, flops_per_s: float, repeats: int = 2
+) -> MatmulFloor:
     """``lengths``: (prompt_len, output_len) per request; ``required_flops``/``flops_per_s`` as in the roofline."""
     rows = decode_rows([out for _, out in lengths])
     decode_flops = sum(linear_flops(shape, n, n) for n in rows)
@@ -66,8 +68,10 @@ def matmul_floor(shape: DecoderShape, lengths: list[tuple[int, int]], required_f
 def _measure_steps(shape: DecoderShape, row_counts: list[int], repeats: int) -> dict[int, float]:
     """Seconds of one decode step's projections and LM head at each row count."""
     gen = torch.Generator().manual_seed(0)
-    layers = [[torch.randn(d_out, d_in, generator=gen) for d_in, d_out in shape.linear_shapes()]
-              for _ in range(shape.num_layers)]  # [out, in] each, as nn.Linear holds them
+    layers = [
+        [torch.randn(d_out, d_in, generator=gen) for d_in, d_out in shape.linear_shapes()]
+        for _ in range(shape.num_layers)
+    ]  # [out, in] each, as nn.Linear holds them
     lm_head = torch.randn(shape.vocab_size, shape.hidden_size, generator=gen)
     packed_layers = [[pack_weight(w) for w in weights] for weights in layers]
     packed_lm_head = pack_weight(lm_head)

@@ -60,18 +60,28 @@ def engine_greedy(model_dir: Path, bench: BenchDevice, prompts: list[list[int]])
 
 
 def served_sections(bench: BenchDevice) -> dict:
-    return {"model": {"dtype": bench.dtype},
-            "engine": {"kv_cache_memory_mb": 1024, "block_size": 16},
-            "transfer": {"transport": "cuda_ipc" if bench.device == "cuda" else "shm"},
-            "gateway": {"local_prefill_max_tokens": 0}}
+    return {
+        "model": {"dtype": bench.dtype},
+        "engine": {"kv_cache_memory_mb": 1024, "block_size": 16},
+        "transfer": {"transport": "cuda_ipc" if bench.device == "cuda" else "shm"},
+        "gateway": {"local_prefill_max_tokens": 0},
+    }
 
 
 def complete(url: str, model: str, prompt: list[int]) -> tuple[list[int], float]:
     """Greedy completion of a token-id prompt; (token ids, seconds for the whole answer)."""
-    body = {"model": model, "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0.0, "ignore_eos": True,
-            "logprobs": 0, "return_tokens_as_token_ids": True}
-    request = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": NEW_TOKENS,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "logprobs": 0,
+        "return_tokens_as_token_ids": True,
+    }
+    request = urllib.request.Request(
+        f"{url}/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     started = time.perf_counter()
     with urllib.request.urlopen(request, timeout=300) as response:
         answer = json.loads(response.read())
@@ -94,8 +104,14 @@ def metric_sums(url: str, names: set[str]) -> dict[str, float]:
 def transports_used(url: str) -> list[str]:
     with urllib.request.urlopen(url, timeout=10) as response:
         text = response.read().decode()
-    return sorted({s.labels["transport"] for f in text_string_to_metric_families(text) for s in f.samples
-                   if s.name == "pdserve:kv_transfer_bytes_count" and s.value > 0})
+    return sorted(
+        {
+            s.labels["transport"]
+            for f in text_string_to_metric_families(text)
+            for s in f.samples
+            if s.name == "pdserve:kv_transfer_bytes_count" and s.value > 0
+        }
+    )
 
 
 def run_served(model_dir: Path, bench: BenchDevice, prompts: list[list[int]], workdir: Path) -> dict:
@@ -117,8 +133,13 @@ def run_served(model_dir: Path, bench: BenchDevice, prompts: list[list[int]], wo
         system.wait_idle()
         after = {**metric_sums(decode_metrics, names), **metric_sums(f"{system.url}/metrics", ttft_names)}
         delta = {k: after[k] - before[k] for k in after}
-        return {"outputs": outputs, "request_seconds": seconds, "metrics": delta,
-                "transports": transports_used(decode_metrics), "log": str(system.log_path)}
+        return {
+            "outputs": outputs,
+            "request_seconds": seconds,
+            "metrics": delta,
+            "transports": transports_used(decode_metrics),
+            "log": str(system.log_path),
+        }
     finally:
         system.stop()
 
@@ -126,19 +147,38 @@ def run_served(model_dir: Path, bench: BenchDevice, prompts: list[list[int]], wo
 def summarize(bench: BenchDevice, prompts, expected, served) -> dict:
     m = served["metrics"]
     equal = sum(a == b for a, b in zip(expected, served["outputs"]))
-    gbps = m["pdserve:kv_transfer_bytes_sum"] / m["pdserve:kv_transfer_seconds_sum"] / 1e9 \
-        if m["pdserve:kv_transfer_seconds_sum"] > 0 else 0.0
+    gbps = (
+        m["pdserve:kv_transfer_bytes_sum"] / m["pdserve:kv_transfer_seconds_sum"] / 1e9
+        if m["pdserve:kv_transfer_seconds_sum"] > 0
+        else 0.0
+    )
     ttft = m["pdserve:time_to_first_token_seconds_sum"]
     share = m["pdserve:kv_transfer_seconds_sum"] / ttft if ttft > 0 else 0.0
-    return {"device": bench.describe(), "prompt_lengths": [len(p) for p in prompts], "new_tokens": NEW_TOKENS,
-            "requests": len(prompts), "equal": equal,
-            "first_mismatch": next(({"request": i, "engine": a, "served": b} for i, (a, b)
-                                    in enumerate(zip(expected, served["outputs"])) if a != b), None),
-            "transports": served["transports"], "transfers": m["pdserve:kv_transfer_bytes_count"],
-            "transfer_bytes": m["pdserve:kv_transfer_bytes_sum"],
-            "transfer_seconds": m["pdserve:kv_transfer_seconds_sum"],
-            "transfer_gbps": gbps, "ttft_seconds": ttft, "ttft_count": m["pdserve:time_to_first_token_seconds_count"],
-            "transfer_share_of_ttft": share, "request_seconds": served["request_seconds"], "serve_log": served["log"]}
+    return {
+        "device": bench.describe(),
+        "prompt_lengths": [len(p) for p in prompts],
+        "new_tokens": NEW_TOKENS,
+        "requests": len(prompts),
+        "equal": equal,
+        "first_mismatch": next(
+            (
+                {"request": i, "engine": a, "served": b}
+                for i, (a, b) in enumerate(zip(expected, served["outputs"]))
+                if a != b
+            ),
+            None,
+        ),
+        "transports": served["transports"],
+        "transfers": m["pdserve:kv_transfer_bytes_count"],
+        "transfer_bytes": m["pdserve:kv_transfer_bytes_sum"],
+        "transfer_seconds": m["pdserve:kv_transfer_seconds_sum"],
+        "transfer_gbps": gbps,
+        "ttft_seconds": ttft,
+        "ttft_count": m["pdserve:time_to_first_token_seconds_count"],
+        "transfer_share_of_ttft": share,
+        "request_seconds": served["request_seconds"],
+        "serve_log": served["log"],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -160,16 +200,21 @@ def main(argv: list[str] | None = None) -> int:
 
     vocab = Tokenizer.from_file(str(model_dir / "tokenizer.json")).get_vocab_size()
     prompts = prompts_for(QUICK_PROMPT_LENGTHS if args.quick else PROMPT_LENGTHS, vocab)
-    print(f"pd_parity: {model_dir} on {bench.describe()}; prompts {[len(x) for x in prompts]}, "
-          f"{NEW_TOKENS} greedy tokens each", flush=True)
+    print(
+        f"pd_parity: {model_dir} on {bench.describe()}; prompts {[len(x) for x in prompts]}, "
+        f"{NEW_TOKENS} greedy tokens each",
+        flush=True,
+    )
     expected = engine_greedy(model_dir, bench, prompts)
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="pdserve-pd-"))
     figures = summarize(bench, prompts, expected, run_served(model_dir, bench, prompts, workdir))
     print(json.dumps({k: v for k, v in figures.items() if k != "request_seconds"}, indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=2))
-    print(f"pd_equal={figures['equal']}/{figures['requests']} transfer_gbps={figures['transfer_gbps']:.2f} "
-          f"transfer_share_of_ttft={figures['transfer_share_of_ttft']:.3f}")
+    print(
+        f"pd_equal={figures['equal']}/{figures['requests']} transfer_gbps={figures['transfer_gbps']:.2f} "
+        f"transfer_share_of_ttft={figures['transfer_share_of_ttft']:.3f}"
+    )
     return 0 if figures["equal"] == figures["requests"] else 1
 
 

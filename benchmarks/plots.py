@@ -25,8 +25,10 @@ def write_plots(report: Report, out_dir: Path) -> list[Path]:
 
     fig, (ax_ttft, ax_tpot) = plt.subplots(1, 2, figsize=(10, 4))
     for system in systems:
-        runs = sorted((r for r in report.runs if r.system == system and r.workload == "mixed"
-                       and math.isfinite(r.rate_rps)), key=lambda r: r.rate_rps)
+        runs = sorted(
+            (r for r in report.runs if r.system == system and r.workload == "mixed" and math.isfinite(r.rate_rps)),
+            key=lambda r: r.rate_rps,
+        )
         if runs:
             rates = [r.rate_rps for r in runs]
             ax_ttft.plot(rates, [r.summary.ttft["p50"] for r in runs], marker="o", label=system)

@@ -45,16 +45,26 @@ from benchmarks.serve_launcher import ServedSystem
 from benchmarks.serve_metrics import Slo, kv_utilization, summarize
 from benchmarks.serve_plan import STATIC_BATCH_SIZE, WORKLOADS, Plan, SystemSpec, plan, select, with_insecure_twins
 from benchmarks.serve_procs import cpu_delta, sample_tree, self_sample
-from benchmarks.serve_report import (ALL_AT_ONCE, HEADER, Report, make_run, print_encryption_cost, print_procs,
-                                     print_targets, run_row, write_json)
+from benchmarks.serve_report import (
+    ALL_AT_ONCE,
+    HEADER,
+    Report,
+    make_run,
+    print_encryption_cost,
+    print_procs,
+    print_targets,
+    run_row,
+    write_json,
+)
 from benchmarks.workload import BenchRequest
 
 ENDPOINT_SETTLE_S = 2.0  # --base-url: the pause between runs (no idle signal from an unknown server)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.serve", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--quick", action="store_true", help="smaller workloads, fewer rates (< 10 min on 2 cores)")
     p.add_argument("--model", default=None, help="HF model directory (default: the cached llama-small)")
     p.add_argument("--cpus", default=None, help="CPU list for every system, e.g. 0,1 (default: this process's)")
@@ -65,20 +75,41 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", default=None, help="write every number to this JSON file")
     p.add_argument("--skip-hf", action="store_true", help="no transformers baseline (vs_hf_static is nan)")
     p.add_argument("--systems", default=None, help="only these of disagg,coloc,nocache (comma-separated)")
-    p.add_argument("--workloads", default=None,
-                   help="only these of mixed_rates,mixed_closed,prefix,interference (comma-separated); the "
-                        "transformers baseline runs only with mixed_closed")
-    p.add_argument("--compare-insecure", action="store_true",
-                   help="also run each system with transfer.insecure (no CurveZMQ): the encryption's cost")
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", dest="overrides",
-                   help="config of every pdserve system, e.g. gateway.local_prefill_max_tokens=0 (repeatable)")
-    p.add_argument("--base-url", default=None,
-                   help="measure this running OpenAI-compatible server instead of starting pdserve systems, e.g. "
-                        "http://127.0.0.1:8000 (prompts are token ids below the vocabulary of --model's tokenizer)")
-    p.add_argument("--served-model-name", default=None, help="with --base-url: the model to ask for "
-                                                             "(default: the first one /v1/models lists)")
-    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY", ""),
-                   help="with --base-url: bearer key for the server (default: $OPENAI_API_KEY)")
+    p.add_argument(
+        "--workloads",
+        default=None,
+        help="only these of mixed_rates,mixed_closed,prefix,interference (comma-separated); the "
+        "transformers baseline runs only with mixed_closed",
+    )
+    p.add_argument(
+        "--compare-insecure",
+        action="store_true",
+        help="also run each system with transfer.insecure (no CurveZMQ): the encryption's cost",
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        dest="overrides",
+        help="config of every pdserve system, e.g. gateway.local_prefill_max_tokens=0 (repeatable)",
+    )
+    p.add_argument(
+        "--base-url",
+        default=None,
+        help="measure this running OpenAI-compatible server instead of starting pdserve systems, e.g. "
+        "http://127.0.0.1:8000 (prompts are token ids below the vocabulary of --model's tokenizer)",
+    )
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="with --base-url: the model to ask for (default: the first one /v1/models lists)",
+    )
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("OPENAI_API_KEY", ""),
+        help="with --base-url: bearer key for the server (default: $OPENAI_API_KEY)",
+    )
     return p.parse_args(argv)
 
 
@@ -104,8 +135,9 @@ def served_device(overrides: list[str]):
     return choose_device(None, dtypes[-1] if dtypes else None, torch.cuda.is_available())
 
 
-def run_hf_static(model_dir: Path, requests: list[BenchRequest], threads: int, report: Report,
-                  overrides: list[str]) -> None:
+def run_hf_static(
+    model_dir: Path, requests: list[BenchRequest], threads: int, report: Report, overrides: list[str]
+) -> None:
     import torch
 
     from benchmarks import hf_baseline
@@ -116,10 +148,12 @@ def run_hf_static(model_dir: Path, requests: list[BenchRequest], threads: int, r
     result = hf_baseline.run_static_batching(model, requests, STATIC_BATCH_SIZE)
     report.hf_tps = result.tokens_per_s
     me = self_sample("benchmark (hf)")
-    report.hf_row = (f"{'hf':<9}{'mixed':<20}{f'offline b={STATIC_BATCH_SIZE}':<17}"
-                     f"{f'{len(requests)}/{len(requests)}':>7}{result.tokens_per_s:>10.1f}   "
-                     f"(wall {result.wall_s:.1f} s, {result.cpu_s:.1f} CPU-s, {threads} threads, "
-                     f"process peak RSS {me.peak_rss_mb:.0f} MB)")
+    report.hf_row = (
+        f"{'hf':<9}{'mixed':<20}{f'offline b={STATIC_BATCH_SIZE}':<17}"
+        f"{f'{len(requests)}/{len(requests)}':>7}{result.tokens_per_s:>10.1f}   "
+        f"(wall {result.wall_s:.1f} s, {result.cpu_s:.1f} CPU-s, {threads} threads, "
+        f"process peak RSS {me.peak_rss_mb:.0f} MB)"
+    )
     print(report.hf_row, flush=True)
 
 
@@ -128,8 +162,9 @@ def warm_up(target: Target, vocab: int) -> None:
     asyncio.run(run_closed_loop(target, requests, 2, "warmup"))
 
 
-def run_system(spec: SystemSpec, p: Plan, args, model_dir: Path, vocab: int, cpus: set[int],
-               workdir: Path, report: Report) -> None:
+def run_system(
+    spec: SystemSpec, p: Plan, args, model_dir: Path, vocab: int, cpus: set[int], workdir: Path, report: Report
+) -> None:
     system = ServedSystem(spec.name, model_dir, workdir, cpus, spec.num_prefill, spec.num_decode, spec.sections)
     try:
         target = Target(system.url, system.model)
@@ -144,8 +179,17 @@ def run_system(spec: SystemSpec, p: Plan, args, model_dir: Path, vocab: int, cpu
         system.stop()
 
 
-def run_workloads(name: str, chosen: tuple[str, ...], target: Target, p: Plan, args, vocab: int, report: Report,
-                  settle: Callable[[], None], sampler: KvSampler | None) -> None:
+def run_workloads(
+    name: str,
+    chosen: tuple[str, ...],
+    target: Target,
+    p: Plan,
+    args,
+    vocab: int,
+    report: Report,
+    settle: Callable[[], None],
+    sampler: KvSampler | None,
+) -> None:
     """The plan's workloads against ``target`` (a system started here, or any server: --base-url);
     ``settle`` waits between runs until the server is idle; ``sampler`` reads pdserve's KV gauges."""
     slo = Slo(args.slo_ttft, args.slo_tpot)
@@ -166,8 +210,10 @@ def run_workloads(name: str, chosen: tuple[str, ...], target: Target, p: Plan, a
     if "mixed_closed" in chosen:
         paced = workloads.paced_mixed(vocab, p.closed_requests, args.seed)
         mixed = workloads.mixed(vocab, p.closed_requests, args.seed)  # the baseline's requests
-        for requests, concurrency, load in ((paced, p.concurrency, f"closed c={p.concurrency}"),
-                                            (mixed, len(mixed), ALL_AT_ONCE)):
+        for requests, concurrency, load in (
+            (paced, p.concurrency, f"closed c={p.concurrency}"),
+            (mixed, len(mixed), ALL_AT_ONCE),
+        ):
             result = asyncio.run(run_closed_loop(target, requests, concurrency, "mixed", sampler))
             record("mixed", load, float("inf"), *result)
         if sampler is not None:
@@ -175,14 +221,29 @@ def run_workloads(name: str, chosen: tuple[str, ...], target: Target, p: Plan, a
     if "prefix" in chosen:
         prefix = workloads.shared_prefix(workloads.SharedPrefixSpec(vocab, p.prefix_requests, seed=args.seed))
         schedule = workloads.poisson_schedule(prefix, p.prefix_rate_rps, "prefix", args.seed)
-        record("prefix", f"poisson {p.prefix_rate_rps:g} rps", p.prefix_rate_rps,
-               *asyncio.run(run_open_loop(target, schedule)))
+        record(
+            "prefix",
+            f"poisson {p.prefix_rate_rps:g} rps",
+            p.prefix_rate_rps,
+            *asyncio.run(run_open_loop(target, schedule)),
+        )
     if "interference" in chosen:
-        schedule = workloads.interference(workloads.InterferenceSpec(
-            vocab, p.short_requests, p.short_rate_rps, num_bursts=p.num_bursts, burst_size=p.burst_size,
-            seed=args.seed))
-        record("interference", f"{p.short_rate_rps:g} rps+bursts", p.short_rate_rps,
-               *asyncio.run(run_open_loop(target, schedule)))
+        schedule = workloads.interference(
+            workloads.InterferenceSpec(
+                vocab,
+                p.short_requests,
+                p.short_rate_rps,
+                num_bursts=p.num_bursts,
+                burst_size=p.burst_size,
+                seed=args.seed,
+            )
+        )
+        record(
+            "interference",
+            f"{p.short_rate_rps:g} rps+bursts",
+            p.short_rate_rps,
+            *asyncio.run(run_open_loop(target, schedule)),
+        )
 
 
 def run_endpoint(args, p: Plan, vocab: int, report: Report) -> None:
@@ -226,9 +287,11 @@ def main(argv: list[str] | None = None) -> int:
         p = with_insecure_twins(p) if args.compare_insecure else p
     except ValueError as exc:
         raise SystemExit(f"python -m benchmarks.serve: {exc}") from None
-    print(f"pdserve serving benchmark{' (--quick)' if args.quick else ''}: model {model_dir}, cpus {sorted(cpus)}, "
-          f"{platform.processor() or platform.machine()}, {datetime.datetime.now():%Y-%m-%d %H:%M}; "
-          f"prompt ids from a vocab of {vocab}; SLO TTFT {args.slo_ttft} s, TPOT {args.slo_tpot} s")
+    print(
+        f"pdserve serving benchmark{' (--quick)' if args.quick else ''}: model {model_dir}, cpus {sorted(cpus)}, "
+        f"{platform.processor() or platform.machine()}, {datetime.datetime.now():%Y-%m-%d %H:%M}; "
+        f"prompt ids from a vocab of {vocab}; SLO TTFT {args.slo_ttft} s, TPOT {args.slo_tpot} s"
+    )
     selection = {"systems": {spec.name: list(spec.workloads) for spec in p.systems}, "overrides": args.overrides}
     if args.systems or args.workloads or args.overrides:
         print(f"selected: {selection['systems']}; config overrides {args.overrides}")
@@ -237,12 +300,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.base_url:
         run_endpoint(args, p, vocab, report)
         if args.json:
-            write_json(report, Path(args.json), {"quick": args.quick, "base_url": args.base_url, "model": str(model_dir)})
+            write_json(
+                report, Path(args.json), {"quick": args.quick, "base_url": args.base_url, "model": str(model_dir)}
+            )
         print(f"(total {time.perf_counter() - started:.0f} s)")
         return 0
     if not args.skip_hf and any("mixed_closed" in spec.workloads for spec in p.systems):
-        run_hf_static(model_dir, workloads.mixed(vocab, p.closed_requests, args.seed), len(cpus), report,
-                      args.overrides)
+        run_hf_static(
+            model_dir, workloads.mixed(vocab, p.closed_requests, args.seed), len(cpus), report, args.overrides
+        )
     logs = Path(tempfile.mkdtemp(prefix="pdserve-bench-"))  # kept: each system's serve log
     for spec in p.systems:
         run_system(spec, p, args, model_dir, vocab, cpus, logs, report)
@@ -251,15 +317,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.compare_insecure:
         print_encryption_cost(report, [spec.name for spec in p.systems if not spec.name.endswith("-insecure")])
     if args.json:
-        write_json(report, Path(args.json), {"quick": args.quick, "cpus": sorted(cpus), "model": str(model_dir),
-                                             **selection})
+        write_json(
+            report, Path(args.json), {"quick": args.quick, "cpus": sorted(cpus), "model": str(model_dir), **selection}
+        )
     if args.plots_dir:
         from benchmarks.plots import write_plots
 
         for path in write_plots(report, Path(args.plots_dir)):
             print(f"plot: {path}")
     print(f"(total {time.perf_counter() - started:.0f} s)")
-    print(f"vs_hf_static={headline[0]:.2f} tpot_p99_disagg_vs_coloc={headline[1]:.2f} prefix_ttft_gain={headline[2]:.2f}")
+    print(
+        f"vs_hf_static={headline[0]:.2f} tpot_p99_disagg_vs_coloc={headline[1]:.2f} prefix_ttft_gain={headline[2]:.2f}"
+    )
     return 0
 
 

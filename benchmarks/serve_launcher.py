@@ -57,28 +57,61 @@ def _pinned(cpus: set[int]):
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
         except OSError:
             pass
+
     return hook
 
 
 class ServedSystem:
     """``pdserve serve --prefill N --decode M --gateways G`` with ``sections`` written as its YAML config."""
 
-    def __init__(self, name: str, model_dir: Path, workdir: Path, cpus: set[int], num_prefill: int,
-                 num_decode: int, sections: dict, ready_timeout_s: float = 300.0, num_gateways: int = 1):
+    def __init__(
+        self,
+        name: str,
+        model_dir: Path,
+        workdir: Path,
+        cpus: set[int],
+        num_prefill: int,
+        num_decode: int,
+        sections: dict,
+        ready_timeout_s: float = 300.0,
+        num_gateways: int = 1,
+    ):
         self.name = name
         self.port = free_ports(num_gateways)
-        config = {**sections, "gateway": {"worker_port": free_ports(num_gateways), "worker_heartbeat_s": 0.5,
-                                          **sections.get("gateway", {})}}
+        config = {
+            **sections,
+            "gateway": {
+                "worker_port": free_ports(num_gateways),
+                "worker_heartbeat_s": 0.5,
+                **sections.get("gateway", {}),
+            },
+        }
         workdir.mkdir(parents=True, exist_ok=True)
         config_path = workdir / f"{name}.yaml"
         config_path.write_text(yaml.safe_dump(config))
-        argv = [sys.executable, "-m", "cluster", "serve", "--model", str(model_dir), "--port", str(self.port),
-                "--prefill", str(num_prefill), "--decode", str(num_decode), "--gateways", str(num_gateways),
-                "--config", str(config_path)]
+        argv = [
+            sys.executable,
+            "-m",
+            "cluster",
+            "serve",
+            "--model",
+            str(model_dir),
+            "--port",
+            str(self.port),
+            "--prefill",
+            str(num_prefill),
+            "--decode",
+            str(num_decode),
+            "--gateways",
+            str(num_gateways),
+            "--config",
+            str(config_path),
+        ]
         self.log_path = workdir / f"{name}.log"
         self._log = self.log_path.open("w")
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     preexec_fn=_pinned(cpus))
+        self.proc = subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=_pinned(cpus)
+        )
         self.urls = [f"http://127.0.0.1:{self.port + i}" for i in range(num_gateways)]
         self.url = self.urls[0]
         self.worker_http: dict[str, int] = {}  # worker_id -> metrics port
@@ -115,16 +148,19 @@ class ServedSystem:
             return json.loads(response.read())
 
     def metrics_urls(self, role: str) -> list[str]:
-        return [f"http://127.0.0.1:{port}/metrics" for wid, port in sorted(self.worker_http.items())
-                if wid.startswith(role)]
+        return [
+            f"http://127.0.0.1:{port}/metrics" for wid, port in sorted(self.worker_http.items()) if wid.startswith(role)
+        ]
 
     def wait_idle(self, timeout_s: float = 60.0) -> None:
         """Until every worker reports nothing running, waiting or holding KV (between runs)."""
         give_up = time.monotonic() + timeout_s
         while time.monotonic() < give_up:
             workers = self._get("/v1/workers")["data"]
-            if workers and all(w["load"]["kv_blocks_in_use"] == 0 and w["load"]["num_running"] == 0
-                               and w["load"]["num_waiting"] == 0 for w in workers):
+            if workers and all(
+                w["load"]["kv_blocks_in_use"] == 0 and w["load"]["num_running"] == 0 and w["load"]["num_waiting"] == 0
+                for w in workers
+            ):
                 return
             time.sleep(0.25)
         raise RuntimeError(f"{self.name}: workers not idle after {timeout_s} s")

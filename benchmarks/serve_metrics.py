@@ -106,7 +106,9 @@ def summarize(timelines: list[RequestTimeline], duration_s: float, slo: Slo) -> 
     ok = [t for t in timelines if t.ok]
     good = sum(is_good(t, slo) for t in timelines)
     return Summary(
-        num_requests=len(timelines), num_ok=len(ok), duration_s=duration_s,
+        num_requests=len(timelines),
+        num_ok=len(ok),
+        duration_s=duration_s,
         output_tokens=sum(t.output_tokens for t in ok),
         ttft=_stats([t.ttft for t in ok]),
         tpot=_stats([t.tpot for t in ok if t.tpot is not None]),

@@ -45,16 +45,25 @@ class Plan:
 
 def _sections(prefix_caching: bool = True) -> dict:
     # Long enough for 2048-token prompts; pools sized so no workload preempts.
-    return {"model": {"max_model_len": 4096},
-            "engine": {"enable_prefix_caching": prefix_caching, "max_num_seqs": 64, "kv_cache_memory_mb": 1024}}
+    return {
+        "model": {"max_model_len": 4096},
+        "engine": {"enable_prefix_caching": prefix_caching, "max_num_seqs": 64, "kv_cache_memory_mb": 1024},
+    }
 
 
 def systems(quick: bool) -> tuple[SystemSpec, ...]:
     return (
         SystemSpec("disagg", 1, 1, _sections(), WORKLOADS),
-        SystemSpec("coloc", 0, 1, _sections(), WORKLOADS if not quick else ("mixed_rates", "mixed_closed", "interference")),
-        SystemSpec("nocache", 1, 1, _sections(prefix_caching=False),
-                   ("mixed_closed", "prefix") + (() if quick else ("mixed_rates",))),
+        SystemSpec(
+            "coloc", 0, 1, _sections(), WORKLOADS if not quick else ("mixed_rates", "mixed_closed", "interference")
+        ),
+        SystemSpec(
+            "nocache",
+            1,
+            1,
+            _sections(prefix_caching=False),
+            ("mixed_closed", "prefix") + (() if quick else ("mixed_rates",)),
+        ),
     )
 
 
@@ -73,12 +82,32 @@ def plan(quick: bool) -> Plan:
     # rates: at 0.5 rps its 12 requests took 22 s of the 537 a quick run took (2026-11-25), against
     # the 10-minute budget.
     if quick:
-        return Plan(closed_requests=64, concurrency=STATIC_BATCH_SIZE, rate_requests=12,
-                    rates_rps=(1.0, 2.0), prefix_requests=32, prefix_rate_rps=1.0, short_requests=108,
-                    short_rate_rps=1.5, num_bursts=6, burst_size=2, systems=systems(True))
-    return Plan(closed_requests=64, concurrency=STATIC_BATCH_SIZE, rate_requests=32,
-                rates_rps=(0.25, 0.5, 1.0, 2.0), prefix_requests=48, prefix_rate_rps=0.5, short_requests=144,
-                short_rate_rps=1.5, num_bursts=8, burst_size=2, systems=systems(False))
+        return Plan(
+            closed_requests=64,
+            concurrency=STATIC_BATCH_SIZE,
+            rate_requests=12,
+            rates_rps=(1.0, 2.0),
+            prefix_requests=32,
+            prefix_rate_rps=1.0,
+            short_requests=108,
+            short_rate_rps=1.5,
+            num_bursts=6,
+            burst_size=2,
+            systems=systems(True),
+        )
+    return Plan(
+        closed_requests=64,
+        concurrency=STATIC_BATCH_SIZE,
+        rate_requests=32,
+        rates_rps=(0.25, 0.5, 1.0, 2.0),
+        prefix_requests=48,
+        prefix_rate_rps=0.5,
+        short_requests=144,
+        short_rate_rps=1.5,
+        num_bursts=8,
+        burst_size=2,
+        systems=systems(False),
+    )
 
 
 def with_insecure_twins(p: Plan) -> Plan:
@@ -91,8 +120,9 @@ def with_insecure_twins(p: Plan) -> Plan:
     return replace(p, systems=tuple(twins))
 
 
-def select(p: Plan, systems: list[str] | None = None, workloads: list[str] | None = None,
-           overrides: list[str] = ()) -> Plan:
+def select(
+    p: Plan, systems: list[str] | None = None, workloads: list[str] | None = None, overrides: list[str] = ()
+) -> Plan:
     """``p`` narrowed to some systems and workloads (each system keeps only those of its own it is
     asked for), with ``SECTION.KEY=VALUE`` config overrides (VALUE read as YAML) on every system:
     for A/B runs of one setting on one workload. Raises ValueError naming a wrong name or override."""

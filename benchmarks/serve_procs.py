@@ -25,7 +25,7 @@ class ProcSample:
 def parse_stat(text: str) -> tuple[int, float]:
     """(ppid, cpu seconds) from the text of /proc/<pid>/stat; the command name may hold spaces and
     parentheses, so fields are counted from the last ')'."""
-    fields = text[text.rindex(")") + 2:].split()
+    fields = text[text.rindex(")") + 2 :].split()
     # fields[0] is field 3 (state): ppid is field 4, utime 14, stime 15 (1-based, proc(5)).
     return int(fields[1]), (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
 
@@ -42,8 +42,10 @@ def _name(pid: int) -> str:
     argv = [a.decode(errors="replace") for a in argv if a]
     if "-m" in argv and argv.index("-m") + 1 < len(argv):
         module = argv[argv.index("-m") + 1]
-        rest = argv[argv.index("-m") + 2:]
-        worker = next((a.split("=", 1)[1] for a in rest if a.startswith(("prefill.worker_id=", "decode.worker_id="))), "")
+        rest = argv[argv.index("-m") + 2 :]
+        worker = next(
+            (a.split("=", 1)[1] for a in rest if a.startswith(("prefill.worker_id=", "decode.worker_id="))), ""
+        )
         return worker or (module + (" " + rest[0] if module == "cluster" and rest else ""))
     return Path(argv[0]).name if argv else str(pid)
 
@@ -86,5 +88,7 @@ def self_sample(name: str) -> ProcSample:
 
 def cpu_delta(before: dict[int, ProcSample], after: dict[int, ProcSample]) -> list[ProcSample]:
     """Per process alive at the end: CPU spent between the snapshots (all of it if it started since)."""
-    return [ProcSample(pid, s.name, s.cpu_s - (before[pid].cpu_s if pid in before else 0.0), s.peak_rss_mb)
-            for pid, s in sorted(after.items())]
+    return [
+        ProcSample(pid, s.name, s.cpu_s - (before[pid].cpu_s if pid in before else 0.0), s.peak_rss_mb)
+        for pid, s in sorted(after.items())
+    ]

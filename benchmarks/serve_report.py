@@ -35,21 +35,28 @@ class Report:
     procs: list[tuple[str, ProcSample]] = field(default_factory=list)  # (system, process)
     hf_tps: float = math.nan
     hf_row: str = ""
-    kv_util: dict[str, tuple[float, int, int]] = field(default_factory=dict)  # system -> (util, busy samples, failed scrapes)
+    kv_util: dict[str, tuple[float, int, int]] = field(
+        default_factory=dict
+    )  # system -> (util, busy samples, failed scrapes)
 
     def find(self, system: str, workload: str, load_prefix: str = "") -> Run | None:
-        return next((r for r in self.runs if r.system == system and r.workload == workload
-                     and r.load.startswith(load_prefix)), None)
+        return next(
+            (r for r in self.runs if r.system == system and r.workload == workload and r.load.startswith(load_prefix)),
+            None,
+        )
 
 
-def make_run(system: str, workload: str, load: str, rate: float, summary: Summary,
-             timelines: list[RequestTimeline]) -> Run:
+def make_run(
+    system: str, workload: str, load: str, rate: float, summary: Summary, timelines: list[RequestTimeline]
+) -> Run:
     tpots = [t.tpot for t in timelines if t.ok and t.tpot is not None]
     return Run(system, workload, load, rate, summary, tpots)
 
 
-HEADER = (f"{'system':<9}{'workload':<20}{'load':<17}{'ok':>7}{'out tok/s':>10}{'TTFT p50':>9}{'p99':>8}"
-          f"{'TPOT p50':>9}{'p99':>8}{'ITL p99':>8}{'e2e p50':>8}{'good':>6}")
+HEADER = (
+    f"{'system':<9}{'workload':<20}{'load':<17}{'ok':>7}{'out tok/s':>10}{'TTFT p50':>9}{'p99':>8}"
+    f"{'TPOT p50':>9}{'p99':>8}{'ITL p99':>8}{'e2e p50':>8}{'good':>6}"
+)
 
 
 def _ms(x: float) -> str:
@@ -58,9 +65,11 @@ def _ms(x: float) -> str:
 
 def run_row(r: Run) -> str:
     s = r.summary
-    return (f"{r.system:<9}{r.workload:<20}{r.load:<17}{f'{s.num_ok}/{s.num_requests}':>7}{s.output_tps:>10.1f}"
-            f"{_ms(s.ttft['p50']):>9}{_ms(s.ttft['p99']):>8}{_ms(s.tpot['p50']):>9}{_ms(s.tpot['p99']):>8}"
-            f"{_ms(s.itl['p99']):>8}{_ms(s.e2e['p50']):>8}{s.goodput_share:>6.2f}")
+    return (
+        f"{r.system:<9}{r.workload:<20}{r.load:<17}{f'{s.num_ok}/{s.num_requests}':>7}{s.output_tps:>10.1f}"
+        f"{_ms(s.ttft['p50']):>9}{_ms(s.ttft['p99']):>8}{_ms(s.tpot['p50']):>9}{_ms(s.tpot['p99']):>8}"
+        f"{_ms(s.itl['p99']):>8}{_ms(s.e2e['p50']):>8}{s.goodput_share:>6.2f}"
+    )
 
 
 def print_procs(report: Report) -> None:
@@ -84,36 +93,70 @@ def print_targets(report: Report) -> tuple[float, float, float]:
     dis, col = report.find("disagg", "interference:short"), report.find("coloc", "interference:short")
     tpot_ratio = _ratio(dis.summary.tpot["p99"] if dis else math.nan, col.summary.tpot["p99"] if col else math.nan)
     cached, uncached = report.find("disagg", "prefix"), report.find("nocache", "prefix")
-    gain = _ratio(uncached.summary.ttft["p50"] if uncached else math.nan, cached.summary.ttft["p50"] if cached else math.nan)
+    gain = _ratio(
+        uncached.summary.ttft["p50"] if uncached else math.nan, cached.summary.ttft["p50"] if cached else math.nan
+    )
     print("\ntargets:")
     for what, value, target, met in (
-            ("mixed output throughput, disagg all requests at once / hf static batch=16", vs_static,
-             f">= {TARGET_VS_STATIC}", vs_static >= TARGET_VS_STATIC),
-            ("interference short-request TPOT p99, disagg / coloc", tpot_ratio, f"<= {TARGET_TPOT_RATIO}",
-             tpot_ratio <= TARGET_TPOT_RATIO),
-            ("shared-prefix TTFT p50, cache off / cache on", gain, f">= {TARGET_PREFIX_GAIN}", gain >= TARGET_PREFIX_GAIN)):
+        (
+            "mixed output throughput, disagg all requests at once / hf static batch=16",
+            vs_static,
+            f">= {TARGET_VS_STATIC}",
+            vs_static >= TARGET_VS_STATIC,
+        ),
+        (
+            "interference short-request TPOT p99, disagg / coloc",
+            tpot_ratio,
+            f"<= {TARGET_TPOT_RATIO}",
+            tpot_ratio <= TARGET_TPOT_RATIO,
+        ),
+        ("shared-prefix TTFT p50, cache off / cache on", gain, f">= {TARGET_PREFIX_GAIN}", gain >= TARGET_PREFIX_GAIN),
+    ):
         verdict = "not measured: a run it needs was left out" if math.isnan(value) else f"{value:.2f} {_verdict(met)}"
         print(f"  {what}: {verdict} (target {target})")
     for system, (util, n, failed) in report.kv_util.items():
-        print(f"  KV memory utilisation ({system} decode, pdserve:kv_live_slots / slots of kv_blocks_in_use, "
-              f"{n} busy samples, {failed} failed scrapes): {util:.3f} (target >= {TARGET_KV_UTIL}) {_verdict(util >= TARGET_KV_UTIL)}")
+        print(
+            f"  KV memory utilisation ({system} decode, pdserve:kv_live_slots / slots of kv_blocks_in_use, "
+            f"{n} busy samples, {failed} failed scrapes): {util:.3f} (target >= {TARGET_KV_UTIL}) "
+            f"{_verdict(util >= TARGET_KV_UTIL)}"
+        )
     return vs_static, tpot_ratio, gain
 
 
 def print_encryption_cost(report: Report, systems: list[str]) -> None:
     """Served throughput (all requests at once) with CurveZMQ over without, per system; target >= 0.9."""
     for system in systems:
-        secure, plain = report.find(system, "mixed", ALL_AT_ONCE), report.find(f"{system}-insecure", "mixed", ALL_AT_ONCE)
-        ratio = _ratio(secure.summary.output_tps if secure else math.nan, plain.summary.output_tps if plain else math.nan)
-        print(f"  encryption cost ({system}): output throughput, all requests at once, CurveZMQ / insecure = "
-              f"{ratio:.3f} (target >= 0.90) {'not measured' if math.isnan(ratio) else _verdict(ratio >= 0.9)}")
+        secure, plain = (
+            report.find(system, "mixed", ALL_AT_ONCE),
+            report.find(f"{system}-insecure", "mixed", ALL_AT_ONCE),
+        )
+        ratio = _ratio(
+            secure.summary.output_tps if secure else math.nan, plain.summary.output_tps if plain else math.nan
+        )
+        print(
+            f"  encryption cost ({system}): output throughput, all requests at once, CurveZMQ / insecure = "
+            f"{ratio:.3f} (target >= 0.90) {'not measured' if math.isnan(ratio) else _verdict(ratio >= 0.9)}"
+        )
 
 
 def write_json(report: Report, path: Path, meta: dict) -> None:
-    record = {"meta": meta, "hf_static_tps": report.hf_tps, "kv_util": report.kv_util,
-              "runs": [{**asdict(r.summary), "output_tps": r.summary.output_tps, "system": r.system,
-                        "workload": r.workload, "load": r.load, "rate_rps": r.rate_rps, "tpots": r.tpots}
-                       for r in report.runs],
-              "procs": [{"system": s, **asdict(p)} for s, p in report.procs]}
+    record = {
+        "meta": meta,
+        "hf_static_tps": report.hf_tps,
+        "kv_util": report.kv_util,
+        "runs": [
+            {
+                **asdict(r.summary),
+                "output_tps": r.summary.output_tps,
+                "system": r.system,
+                "workload": r.workload,
+                "load": r.load,
+                "rate_rps": r.rate_rps,
+                "tpots": r.tpots,
+            }
+            for r in report.runs
+        ],
+        "procs": [{"system": s, **asdict(p)} for s, p in report.procs],
+    }
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=1, default=str))

@@ -53,8 +53,9 @@ def paced_mixed(vocab_size: int, num_requests: int, seed: int = 0) -> list[Bench
     return mixed(vocab_size, num_requests, seed + 1000)
 
 
-def rate_sweep(vocab_size: int, num_requests: int, rates_rps: tuple[float, ...],
-               seed: int = 0) -> list[tuple[float, list[BenchRequest]]]:
+def rate_sweep(
+    vocab_size: int, num_requests: int, rates_rps: tuple[float, ...], seed: int = 0
+) -> list[tuple[float, list[BenchRequest]]]:
     """The mixed workload once per rate, with fresh prompts each time: replayed prompts would hit the
     prefix cache the run before filled, and ``mixed(..., seed)`` itself is kept for the closed loop
     (the requests transformers gets), which must find nothing cached either."""

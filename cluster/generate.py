@@ -38,10 +38,19 @@ def main(argv: list[str]) -> int:
 
     try:
         params = SamplingParams(
-            n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-            seed=args.seed, max_tokens=args.max_tokens, min_tokens=args.min_tokens,
-            repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
-            frequency_penalty=args.frequency_penalty, ignore_eos=args.ignore_eos, lora_name=args.lora_name,
+            n=args.n,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            min_p=args.min_p,
+            seed=args.seed,
+            max_tokens=args.max_tokens,
+            min_tokens=args.min_tokens,
+            repetition_penalty=args.repetition_penalty,
+            presence_penalty=args.presence_penalty,
+            frequency_penalty=args.frequency_penalty,
+            ignore_eos=args.ignore_eos,
+            lora_name=args.lora_name,
         )
     except SamplingError as e:
         print(f"pdserve generate: {e}", file=sys.stderr)
@@ -73,7 +82,9 @@ def main(argv: list[str]) -> int:
         return 2
     for prompt, result in zip(args.prompt, results):
         for completion in result.outputs:
-            print(f"--- prompt: {prompt!r} completion {completion.index} ({completion.finish_reason}, "
-                  f"{len(completion.token_ids)} tokens)")
+            print(
+                f"--- prompt: {prompt!r} completion {completion.index} ({completion.finish_reason}, "
+                f"{len(completion.token_ids)} tokens)"
+            )
             print(completion.text)
     return 0

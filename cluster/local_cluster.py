@@ -110,7 +110,9 @@ class ClusterSpec:
     drain_timeout_s: float = 30.0
     devices: list[str] = field(default_factory=list)  # GPUs the workers take turns over; empty: inherit
     members: list[Member] = field(default_factory=list)
-    gateways: list[tuple[int, int]] = field(default_factory=list)  # (HTTP port, worker port) each; []: one, as configured
+    gateways: list[tuple[int, int]] = field(
+        default_factory=list
+    )  # (HTTP port, worker port) each; []: one, as configured
     redis_argv: list[str] | None = None  # the shared Responses store's server, when this cluster runs it
 
 
@@ -118,8 +120,12 @@ def worker_argv(role: str, index: int, spec: ClusterSpec) -> list[str]:
     argv = [sys.executable, "-m", f"{role}_node"]
     if spec.config_path:
         argv += ["--config", spec.config_path]
-    for key, value in ((f"{role}.port", 0), (f"{role}.http_port", 0), (f"{role}.worker_id", f"{role}-{index}"),
-                       ("engine.num_threads", spec.threads_per_worker)):
+    for key, value in (
+        (f"{role}.port", 0),
+        (f"{role}.http_port", 0),
+        (f"{role}.worker_id", f"{role}-{index}"),
+        ("engine.num_threads", spec.threads_per_worker),
+    ):
         argv += ["--set", f"{key}={value}"]
     if role == "decode":
         argv += ["--set", "decode.kv_port=0"]
@@ -151,8 +157,9 @@ class LocalCluster:
 
     def _launch(self, member: Member) -> None:
         env = {**os.environ, **self.spec.env, "OMP_NUM_THREADS": str(self.spec.threads_per_worker), **member.env}
-        member.proc = subprocess.Popen(member.argv, env=env, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                       preexec_fn=_die_with_parent)
+        member.proc = subprocess.Popen(
+            member.argv, env=env, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=_die_with_parent
+        )
         member.died_at, member.last_line = None, ""
         member.forwarder = threading.Thread(target=_forward_stderr, args=(member, member.proc.stderr), daemon=True)
         member.forwarder.start()

@@ -105,8 +105,9 @@ def build_tokenizer(vocab_size: int):
     # The corpus runs out of merges long before a 32000 vocabulary. Fill the rest with plain word
     # tokens, so every id the model can emit decodes to text as in a released checkpoint: random
     # weights sample all ids alike, and an id with no text would stream as nothing at all.
-    fillers = [AddedToken(f" w{i}", normalized=False, special=False)
-               for i in range(tokenizer.get_vocab_size(), vocab_size)]
+    fillers = [
+        AddedToken(f" w{i}", normalized=False, special=False) for i in range(tokenizer.get_vocab_size(), vocab_size)
+    ]
     tokenizer.add_tokens(fillers)
     assert tokenizer.get_vocab_size() == vocab_size, (tokenizer.get_vocab_size(), vocab_size)
     assert [tokenizer.token_to_id(t) for t in SPECIAL_TOKENS] == list(range(len(SPECIAL_TOKENS)))

@@ -58,7 +58,9 @@ def resolve_host(host: str) -> str:
     try:
         return socket.gethostbyname(host)
     except OSError as exc:
-        raise ConfigError(f"bind host {host!r} is neither an IP address, an interface nor a resolvable name: {exc}")
+        raise ConfigError(
+            f"bind host {host!r} is neither an IP address, an interface nor a resolvable name: {exc}"
+        ) from None
 
 
 def parse_sets(items: list[str]) -> dict[str, str]:
@@ -80,8 +82,9 @@ def env_of(overrides: dict[str, str]) -> dict[str, str]:
     return env
 
 
-def role_command(role: str, config_path: str | None, overrides: dict[str, str],
-                 env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+def role_command(
+    role: str, config_path: str | None, overrides: dict[str, str], env: dict[str, str]
+) -> tuple[list[str], dict[str, str]]:
     """(argv, env) that run ``role`` with the given settings, its bind host resolved.
 
     The workers take ``--set``; the gateway takes none, so its settings travel as PDSERVE_* variables
@@ -103,9 +106,14 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
     """pdserve's own way to every field: a YAML file and --set (the vLLM flags are views of the same fields)."""
     group = p.add_argument_group("pdserve config")
     group.add_argument("--config", help="YAML config file (configs/schema.py lists every field)")
-    group.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                       help="override a config field, e.g. --set engine.block_size=32 (repeatable; "
-                            "a vLLM flag for the same field wins)")
+    group.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config field, e.g. --set engine.block_size=32 (repeatable; "
+        "a vLLM flag for the same field wins)",
+    )
 
 
 def command_line_overrides(args: argparse.Namespace, role: str) -> dict[str, str]:

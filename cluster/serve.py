@@ -45,10 +45,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     group.add_argument("--model", help="HF directory or hub id (default: the embedded small model, made on first use)")
     group.add_argument("--prefill", type=int, help="prefill workers (default 1; 0 = decode workers prefill locally)")
     group.add_argument("--decode", type=int, help="decode workers (default 1)")
-    group.add_argument("--gateways", type=int, help="gateways in front of the same workers, on --port, --port + 1, "
-                       "... (default 1; cluster.num_gateways)")
-    group.add_argument("--devices", help="GPUs the workers take turns over, e.g. 0,1,2,3 (each worker's own "
-                       "CUDA_VISIBLE_DEVICES comes first; default cluster.devices, else every worker sees all)")
+    group.add_argument(
+        "--gateways",
+        type=int,
+        help="gateways in front of the same workers, on --port, --port + 1, ... (default 1; cluster.num_gateways)",
+    )
+    group.add_argument(
+        "--devices",
+        help="GPUs the workers take turns over, e.g. 0,1,2,3 (each worker's own "
+        "CUDA_VISIBLE_DEVICES comes first; default cluster.devices, else every worker sees all)",
+    )
     group.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for every worker")
     add_config_args(p)
     add_vllm_groups(p, "gateway")
@@ -74,18 +80,38 @@ def redis_server(max_mb: int) -> tuple[list[str], str]:
     nothing written to disk, the least recently used responses dropped past ``max_mb``."""
     exe = shutil.which("redis-server")
     if exe is None:
-        raise ConfigError("--gateways > 1 needs a shared Responses store: install redis-server (Debian: "
-                          "apt-get install redis-server) or set gateway.responses_store_url")
+        raise ConfigError(
+            "--gateways > 1 needs a shared Responses store: install redis-server (Debian: "
+            "apt-get install redis-server) or set gateway.responses_store_url"
+        )
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    argv = [exe, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no",
-            "--maxmemory", f"{max(max_mb, 1)}mb", "--maxmemory-policy", "allkeys-lru"]
+    argv = [
+        exe,
+        "--bind",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+        "--maxmemory",
+        f"{max(max_mb, 1)}mb",
+        "--maxmemory-policy",
+        "allkeys-lru",
+    ]
     return argv, f"redis://127.0.0.1:{port}/0"
 
 
-def wait_ready(urls: list[str], cluster: LocalCluster, timeout_s: float, expected: dict[str, int],
-               stopped: Callable[[], bool] = lambda: False) -> bool:
+def wait_ready(
+    urls: list[str],
+    cluster: LocalCluster,
+    timeout_s: float,
+    expected: dict[str, int],
+    stopped: Callable[[], bool] = lambda: False,
+) -> bool:
     """Until ``/ready`` answers 200 and every gateway counts ``expected`` workers per role. ``/ready``
     alone is satisfied by one decode worker, which serves by prefilling locally: clients let in before
     the prefill workers join run on another system than the one asked for (the serving benchmark's
@@ -112,8 +138,12 @@ def gateway_ready(url: str, expected: dict[str, int]) -> bool:
 
 def registered_workers(metrics_text: str) -> dict[str, int]:
     """Workers per role from the gateway's ``pdserve:pool_workers`` gauge (Prometheus text)."""
-    return {sample.labels["role"]: int(sample.value) for family in text_string_to_metric_families(metrics_text)
-            for sample in family.samples if sample.name == "pdserve:pool_workers"}
+    return {
+        sample.labels["role"]: int(sample.value)
+        for family in text_string_to_metric_families(metrics_text)
+        for sample in family.samples
+        if sample.name == "pdserve:pool_workers"
+    }
 
 
 def main(argv: list[str]) -> int:
@@ -164,8 +194,17 @@ def main(argv: list[str]) -> int:
     made_key = None
     if not config.transfer.cluster_key_file and not config.transfer.insecure:
         made_key = env["PDSERVE_TRANSFER_CLUSTER_KEY_FILE"] = write_private_key()
-    spec = ClusterSpec(args.config, env, num_prefill, num_decode, threads, drain_timeout_s=config.decode.drain_timeout_s,
-                       gateways=gateways if num_gateways > 1 else [], redis_argv=redis_argv, devices=devices)
+    spec = ClusterSpec(
+        args.config,
+        env,
+        num_prefill,
+        num_decode,
+        threads,
+        drain_timeout_s=config.decode.drain_timeout_s,
+        gateways=gateways if num_gateways > 1 else [],
+        redis_argv=redis_argv,
+        devices=devices,
+    )
     try:
         return run_cluster(spec, host, [http for http, _ in gateways], model, args.ready_timeout)
     finally:
@@ -181,18 +220,27 @@ def run_cluster(spec: ClusterSpec, host: str, http_ports: list[int], model: str,
         signal.signal(sig, lambda *_: stop.append(True))
     urls = [f"http://{host}:{http}" for http in http_ports]
     url = urls[0]
-    print(f"pdserve: gateway {'  '.join(urls)}  ({num_prefill} prefill + {num_decode} decode workers, "
-          f"{threads} thread(s) each, model {model})", flush=True)
+    print(
+        f"pdserve: gateway {'  '.join(urls)}  ({num_prefill} prefill + {num_decode} decode workers, "
+        f"{threads} thread(s) each, model {model})",
+        flush=True,
+    )
     for member in cluster.members:
         if "CUDA_VISIBLE_DEVICES" in member.env:
-            print(f"pdserve: {member.name} on GPU {member.env['CUDA_VISIBLE_DEVICES'].split(',')[0]} "
-                  f"(CUDA_VISIBLE_DEVICES={member.env['CUDA_VISIBLE_DEVICES']})", flush=True)
+            print(
+                f"pdserve: {member.name} on GPU {member.env['CUDA_VISIBLE_DEVICES'].split(',')[0]} "
+                f"(CUDA_VISIBLE_DEVICES={member.env['CUDA_VISIBLE_DEVICES']})",
+                flush=True,
+            )
     cluster.start()
     try:
         expected = {"prefill": num_prefill, "decode": num_decode}
         if not wait_ready(urls, cluster, ready_timeout, expected, stopped=lambda: bool(stop)) and not stop:
-            print(f"pdserve: {url}/ready did not answer 200 with all {num_prefill} prefill + {num_decode} decode "
-                  f"workers registered within {ready_timeout:.0f} s", file=sys.stderr)
+            print(
+                f"pdserve: {url}/ready did not answer 200 with all {num_prefill} prefill + {num_decode} decode "
+                f"workers registered within {ready_timeout:.0f} s",
+                file=sys.stderr,
+            )
             return 1
         cluster.serving = True
         if not stop:

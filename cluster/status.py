@@ -28,9 +28,20 @@ def rows_of(workers: list[dict]) -> list[tuple[str, ...]]:
         load = w["load"]
         total = load["kv_blocks_total"]
         usage = f"{100.0 * load['kv_blocks_in_use'] / total:.1f}%" if total else "-"
-        rows.append((w["id"], w["role"], w["address"], "draining" if w["draining"] else "serving",
-                     str(load["num_running"]), str(load["num_waiting"]), str(load["queued_prefill_tokens"]),
-                     str(load["kv_blocks_in_use"]), str(total), usage))
+        rows.append(
+            (
+                w["id"],
+                w["role"],
+                w["address"],
+                "draining" if w["draining"] else "serving",
+                str(load["num_running"]),
+                str(load["num_waiting"]),
+                str(load["queued_prefill_tokens"]),
+                str(load["kv_blocks_in_use"]),
+                str(total),
+                usage,
+            )
+        )
     return rows
 
 
@@ -46,14 +57,19 @@ def format_table(workers: list[dict]) -> str:
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="pdserve status", description=__doc__.splitlines()[0])
     p.add_argument("--url", default="http://127.0.0.1:8000", help="the gateway (default http://127.0.0.1:8000)")
-    p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
-                   help="bearer key when the gateway asks for one (default: $PDSERVE_API_KEY)")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("PDSERVE_API_KEY"),
+        help="bearer key when the gateway asks for one (default: $PDSERVE_API_KEY)",
+    )
     args = p.parse_args(argv)
     try:
         workers = fetch_workers(args.url, args.api_key)
     except urllib.error.HTTPError as exc:
-        print(f"pdserve status: {args.url}/v1/workers answered {exc.code}: {exc.read()[:300].decode(errors='replace')}",
-              file=sys.stderr)
+        print(
+            f"pdserve status: {args.url}/v1/workers answered {exc.code}: {exc.read()[:300].decode(errors='replace')}",
+            file=sys.stderr,
+        )
         return 1
     except (urllib.error.URLError, OSError) as exc:
         print(f"pdserve status: cannot reach {args.url}: {getattr(exc, 'reason', exc)}", file=sys.stderr)

@@ -19,8 +19,17 @@ from dataclasses import dataclass
 from configs.schema import ConfigError, PdserveConfig
 
 _DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's other spellings of the same dtypes
-_SIZE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
-               "ki": 1 << 10, "mi": 1 << 20, "gi": 1 << 30, "ti": 1 << 40}
+_SIZE_UNITS = {
+    "": 1,
+    "k": 10**3,
+    "m": 10**6,
+    "g": 10**9,
+    "t": 10**12,
+    "ki": 1 << 10,
+    "mi": 1 << 20,
+    "gi": 1 << 30,
+    "ti": 1 << 40,
+}
 
 
 def parse_size(text: str) -> int:
@@ -51,38 +60,62 @@ class Flag:
 
 GROUPS: dict[str, tuple[Flag, ...]] = {
     "ModelConfig": (
-        Flag(("--served-model-name",), "model.served_model_name", "the name clients put in 'model' (one; vLLM "
-             "takes several)", "list"),
-        Flag(("--max-model-len",), "model.max_model_len", "context length in tokens (e.g. 4096, 4k, 4K); "
-             "longer prompts are a 400", parse_token_count),
+        Flag(
+            ("--served-model-name",),
+            "model.served_model_name",
+            "the name clients put in 'model' (one; vLLM takes several)",
+            "list",
+        ),
+        Flag(
+            ("--max-model-len",),
+            "model.max_model_len",
+            "context length in tokens (e.g. 4096, 4k, 4K); longer prompts are a 400",
+            parse_token_count,
+        ),
         Flag(("--dtype",), "model.dtype", "weights and KV dtype: auto, float32 (float), bfloat16, float16 (half)"),
         Flag(("--seed",), "engine.seed", "seed of the sampler shared by unseeded requests", int),
     ),
     "CacheConfig": (
         Flag(("--block-size",), "engine.block_size", "tokens per KV block (prefill and decode must agree)", int),
-        Flag(("--enable-prefix-caching",), "engine.enable_prefix_caching", "reuse cached KV of shared prefixes",
-             None),
-        Flag(("--kv-cache-memory-bytes", "--kv-cache-memory"), "engine.kv_cache_memory_mb",
-             "each worker's KV pool size in bytes (e.g. 2G, 2GiB); stored rounded down to MiB", parse_size, "BYTES"),
+        Flag(("--enable-prefix-caching",), "engine.enable_prefix_caching", "reuse cached KV of shared prefixes", None),
+        Flag(
+            ("--kv-cache-memory-bytes", "--kv-cache-memory"),
+            "engine.kv_cache_memory_mb",
+            "each worker's KV pool size in bytes (e.g. 2G, 2GiB); stored rounded down to MiB",
+            parse_size,
+            "BYTES",
+        ),
         Flag(("--num-gpu-blocks-override",), "engine.num_kv_blocks", "exact KV pool size in blocks", int),
     ),
     "SchedulerConfig": (
         Flag(("--max-num-seqs",), "engine.max_num_seqs", "sequences in one decode batch at most", int),
         Flag(("--max-num-batched-tokens",), "engine.max_num_batched_tokens", "tokens computed in one step", int),
-        Flag(("--long-prefill-token-threshold",), "engine.prefill_chunk_size",
-             "prompt tokens one request may compute per step (pdserve's prefill chunk)", int),
+        Flag(
+            ("--long-prefill-token-threshold",),
+            "engine.prefill_chunk_size",
+            "prompt tokens one request may compute per step (pdserve's prefill chunk)",
+            int,
+        ),
     ),
     "LoRAConfig": (  # config section lora (engine/lora_manager.py)
         Flag(("--enable-lora",), "lora.enable_lora", "serve LoRA adapters; a request names one as its model", None),
-        Flag(("--lora-modules",), "lora.lora_modules", "adapters served from the start, NAME=PATH (PEFT "
-             "directories, the same path on every worker)", "list", "NAME=PATH"),
+        Flag(
+            ("--lora-modules",),
+            "lora.lora_modules",
+            "adapters served from the start, NAME=PATH (PEFT directories, the same path on every worker)",
+            "list",
+            "NAME=PATH",
+        ),
         Flag(("--max-loras",), "lora.max_loras", "adapters in a worker's device slots at once", int),
         Flag(("--max-lora-rank",), "lora.max_lora_rank", "highest adapter rank accepted", int),
         Flag(("--max-cpu-loras",), "lora.max_cpu_loras", "adapters kept in a worker's host memory", int),
     ),
     "ObservabilityConfig": (
-        Flag(("--otlp-traces-endpoint",), "observability.otlp_traces_endpoint",
-             "OTLP/HTTP traces endpoint, e.g. http://collector:4318/v1/traces (off when unset)"),
+        Flag(
+            ("--otlp-traces-endpoint",),
+            "observability.otlp_traces_endpoint",
+            "OTLP/HTTP traces endpoint, e.g. http://collector:4318/v1/traces (off when unset)",
+        ),
         Flag(("--log-level",), "observability.log_level", "debug, info, warning, error or critical"),
         Flag(("--log-format",), "observability.log_format", "text, or json: one object per line"),
     ),
@@ -102,15 +135,22 @@ FRONTEND = (
 
 def worker_frontend(role: str) -> tuple[Flag, ...]:
     """... and a worker's: its bind interface and its HTTP port (/metrics, /health, /ready)."""
-    return (Flag(("--host",), f"{role}.host", "interface the worker binds (and advertises)"),
-            Flag(("--port",), f"{role}.http_port", "HTTP port of /metrics, /health and /ready", int))
+    return (
+        Flag(("--host",), f"{role}.host", "interface the worker binds (and advertises)"),
+        Flag(("--port",), f"{role}.http_port", "HTTP port of /metrics, /health and /ready", int),
+    )
+
 
 # Flags vLLM has and pdserve refuses (a value it honours is accepted): flag -> (accepted, what to do instead)
 REFUSED: dict[str, tuple[str | None, str]] = {
-    "--tensor-parallel-size": ("1", "pdserve runs each worker on one device; add workers (--prefill N, --decode N) "
-                                    "to use more devices"),
-    "--pipeline-parallel-size": ("1", "pdserve runs each worker on one device; add workers (--prefill N, --decode N) "
-                                      "to use more devices"),
+    "--tensor-parallel-size": (
+        "1",
+        "pdserve runs each worker on one device; add workers (--prefill N, --decode N) to use more devices",
+    ),
+    "--pipeline-parallel-size": (
+        "1",
+        "pdserve runs each worker on one device; add workers (--prefill N, --decode N) to use more devices",
+    ),
     "--gpu-memory-utilization": (None, "pdserve sizes each worker's KV pool in bytes: use --kv-cache-memory-bytes"),
 }
 _REFUSED_ALIASES = {"--tensor-parallel-size": ("-tp",), "--pipeline-parallel-size": ("-pp",)}
@@ -141,8 +181,14 @@ def add_vllm_groups(parser: argparse.ArgumentParser, role: str) -> None:
 def _add_group(parser: argparse.ArgumentParser, title: str, flags: tuple[Flag, ...]):
     group = parser.add_argument_group(title)
     for flag in flags:
-        group.add_argument(*flag.names, dest=_dest(flag), default=None, help=f"{flag.help} ({flag.key})",
-                           metavar=flag.metavar or _metavar(flag.names[0]), **_kind(flag))
+        group.add_argument(
+            *flag.names,
+            dest=_dest(flag),
+            default=None,
+            help=f"{flag.help} ({flag.key})",
+            metavar=flag.metavar or _metavar(flag.names[0]),
+            **_kind(flag),
+        )
     return group
 
 
@@ -153,8 +199,11 @@ def add_lora_flags(parser: argparse.ArgumentParser) -> None:
 
 def lora_overrides(args: argparse.Namespace) -> dict[str, str]:
     """The config overrides of the LoRAConfig flags on ``args`` (added by ``add_lora_flags``)."""
-    return {flag.key: _as_text(flag, value) for flag in GROUPS["LoRAConfig"]
-            if (value := getattr(args, _dest(flag), None)) is not None}
+    return {
+        flag.key: _as_text(flag, value)
+        for flag in GROUPS["LoRAConfig"]
+        if (value := getattr(args, _dest(flag), None)) is not None
+    }
 
 
 def _metavar(name: str) -> str:
@@ -182,8 +231,14 @@ def _kind(flag: Flag) -> dict:
 def _add_refused(group, name: str) -> None:
     accepted, instead = REFUSED[name]
     note = f"only {accepted}: " if accepted else "not supported: "
-    group.add_argument(name, *_REFUSED_ALIASES.get(name, ()), dest="refused_" + name.lstrip("-").replace("-", "_"),
-                       default=None, metavar=_metavar(name), help=note + instead)
+    group.add_argument(
+        name,
+        *_REFUSED_ALIASES.get(name, ()),
+        dest="refused_" + name.lstrip("-").replace("-", "_"),
+        default=None,
+        metavar=_metavar(name),
+        help=note + instead,
+    )
 
 
 def vllm_overrides(args: argparse.Namespace, role: str) -> dict[str, str]:

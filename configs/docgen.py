@@ -45,7 +45,8 @@ Later wins ([`configs/loader.py`](../configs/loader.py)):
 A YAML key or `--set` that is not in the schema is refused at start-up with the key named (and, where
 one is close, the real one suggested). An `{environment.ENV_PREFIX}*` variable that names no field (a Kubernetes
 service link such as `{environment.ENV_PREFIX}GATEWAY_PORT=tcp://...`, a typo) is ignored with one warning
-naming it (configs/environment.py); `{environment.API_KEY_ENV}` adds one accepted key to `gateway.api_keys`. Values from the environment and the command line are text, read as the field's
+naming it (configs/environment.py); `{environment.API_KEY_ENV}` adds one accepted key to `gateway.api_keys`.
+Values from the environment and the command line are text, read as the field's
 type: booleans as `true/false`, `1/0`, `yes/no`, `on/off`; lists comma-separated
 (`{environment.ENV_PREFIX}GATEWAY_API_KEYS=k1,k2`); `none`, `null` or nothing for a field that may be None.
 Choices and minimums are checked once, after all layers are merged. Each failure is a `ConfigError`

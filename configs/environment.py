@@ -61,8 +61,10 @@ def env_settings(env: Mapping[str, str]) -> tuple[list[EnvSetting], list[str]]:
         dotted = _dotted(name)
         if dotted in fields:
             if not _is_text(fields[dotted]) and _LINK_VALUE.match(raw.strip()):
-                _warn_once(f"{name}={raw!r} looks like a Kubernetes service link, not a value for {dotted}; "
-                           f"ignored (enableServiceLinks: false in the pod spec removes these variables)")
+                _warn_once(
+                    f"{name}={raw!r} looks like a Kubernetes service link, not a value for {dotted}; "
+                    f"ignored (enableServiceLinks: false in the pod spec removes these variables)"
+                )
             else:
                 settings.append(EnvSetting(dotted, raw, f"env {name}"))
         elif _LINK_NAME.search(name) or _LINK_VALUE.match(raw.strip()):
@@ -78,7 +80,7 @@ def env_settings(env: Mapping[str, str]) -> tuple[list[EnvSetting], list[str]]:
 
 
 def _dotted(name: str) -> str:
-    section, _, key = name[len(ENV_PREFIX):].lower().partition("_")
+    section, _, key = name[len(ENV_PREFIX) :].lower().partition("_")
     return f"{section}.{key}"
 
 
@@ -90,8 +92,11 @@ def _env_name(dotted: str) -> str:
 def _field_types() -> dict[str, object]:
     """{"section.field": the field's type hint} for every field of the schema."""
     config = PdserveConfig()
-    return {f"{section.name}.{name}": hint for section in dataclasses.fields(config)
-            for name, hint in typing.get_type_hints(type(getattr(config, section.name))).items()}
+    return {
+        f"{section.name}.{name}": hint
+        for section in dataclasses.fields(config)
+        for name, hint in typing.get_type_hints(type(getattr(config, section.name))).items()
+    }
 
 
 def _is_text(hint) -> bool:

@@ -26,8 +26,11 @@ from configs.environment import env_settings
 from configs.schema import ConfigError, PdserveConfig
 
 
-def load_config(yaml_path: str | os.PathLike | None = None, env: Mapping[str, str] | None = os.environ,
-                overrides: Mapping[str, object] | None = None) -> PdserveConfig:
+def load_config(
+    yaml_path: str | os.PathLike | None = None,
+    env: Mapping[str, str] | None = os.environ,
+    overrides: Mapping[str, object] | None = None,
+) -> PdserveConfig:
     config = PdserveConfig()
     if yaml_path is not None:
         _apply_yaml(config, yaml_path)

@@ -68,7 +68,8 @@ def check_checkpoint(directory: Path, given: str) -> None:
     if not any(name in SUPPORTED_ARCHITECTURES for name in architectures):
         raise ModelSourceError(
             f"model {given!r}: unsupported architecture {architectures or None} (model_type "
-            f"{hf.get('model_type')!r}); pdserve runs {', '.join(SUPPORTED_ARCHITECTURES)}")
+            f"{hf.get('model_type')!r}); pdserve runs {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
 
 
 def _locate(path: str, weights: bool) -> Path:
@@ -91,8 +92,9 @@ def _from_hub(repo_id: str, weights: bool) -> Path:
     except Exception as exc:  # the hub's error classes differ between huggingface_hub versions
         offline = " (HF_HUB_OFFLINE is set)" if os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0") else ""
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ModelSourceError(f"model {repo_id!r} is not a local directory and the Hugging Face hub cannot "
-                               f"provide it{offline}: {reason}") from None
+        raise ModelSourceError(
+            f"model {repo_id!r} is not a local directory and the Hugging Face hub cannot provide it{offline}: {reason}"
+        ) from None
 
 
 def default_model_dir(cache_dir: str = "", family: str = DEFAULT_FAMILY, size: str = DEFAULT_SIZE) -> Path:

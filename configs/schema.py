@@ -35,7 +35,9 @@ class ModelConfig:
     dtype: str = _field("auto", choices=DTYPES)  # weights and KV dtype; auto: bfloat16 on GPU, float32 on CPU
     max_model_len: int | None = _field(None, minimum=1)  # context limit in tokens; None: the model's own
     cache_dir: str = ""  # where the embedded default model is made on first use; "" = ~/.cache/pdserve
-    served_model_name: str = ""  # the name clients put in "model"; "" = path as given (the default model: "pdserve-small")
+    served_model_name: str = (
+        ""  # the name clients put in "model"; "" = path as given (the default model: "pdserve-small")
+    )
     # The chat template (vLLM's --chat-template): a Jinja file's path, or the template itself; "" = the
     # model's own (chat_template.jinja or tokenizer_config.json)
     chat_template: str = ""
@@ -70,7 +72,9 @@ class EngineConfig:
     # after it arrived is refused (xgrammar cannot stop the compile; it ends on its thread, unread).
     grammar_compile_timeout_s: float = _field(30.0, minimum=0.001)
     grammar_compile_threads: int = _field(2, minimum=1)  # grammars compiling at once on a worker
-    grammar_cache_mb: int = _field(512, minimum=0)  # xgrammar's cache of compiled grammars, least recently used out (vLLM's 512)
+    grammar_cache_mb: int = _field(
+        512, minimum=0
+    )  # xgrammar's cache of compiled grammars, least recently used out (vLLM's 512)
 
 
 @dataclass(slots=True)
@@ -95,8 +99,10 @@ class GatewayConfig:
     # message's reasoning field (gateway/text/reasoning/); the model's own tool calls for tool_choice "auto"
     # (gateway/text/tool_parsers/). "none": off (reasoning stays in content; "auto" is a 400).
     reasoning_parser: str = _field("none", choices=("none", "deepseek_r1", "qwen3"))
-    tool_call_parser: str = _field("none", choices=("none", "hermes", "llama3_json", "pythonic", "mistral",
-                                                    "qwen3_coder", "deepseek_v3", "granite"))
+    tool_call_parser: str = _field(
+        "none",
+        choices=("none", "hermes", "llama3_json", "pythonic", "mistral", "qwen3_coder", "deepseek_v3", "granite"),
+    )
     # Memory for the Responses API's stored answers (previous_response_id, GET /v1/responses/{id}); the
     # least recently used go first. Per gateway process. 0: nothing is stored (store: false is echoed).
     responses_store_mb: int = _field(64, minimum=0)

@@ -31,8 +31,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pdserve decode: {exc}", file=sys.stderr)
         return EX_CONFIG
     install_drain(node.server.request_drain)
-    announce_ready(http_port=node.http.port, kv_address=node.server.options.kv_address,
-                   worker_id=node.server.options.worker_id, pid=os.getpid())
+    announce_ready(
+        http_port=node.http.port,
+        kv_address=node.server.options.kv_address,
+        worker_id=node.server.options.worker_id,
+        pid=os.getpid(),
+    )
     try:
         node.server.run()
     finally:

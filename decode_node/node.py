@@ -57,27 +57,56 @@ class DecodeNode:
         engine = build_engine(str(model_path), config.model, config.engine, lora_cfg=config.lora)
         registry = CollectorRegistry()
         shm_pool = share_pool(engine.runner.kv_pool, config.transfer.transport)
-        kv_server = ZmqServer(ctx, dc.host, dc.kv_port, max_msg_size=config.transfer.max_frame_bytes,
-                              security=security)
+        kv_server = ZmqServer(ctx, dc.host, dc.kv_port, max_msg_size=config.transfer.max_frame_bytes, security=security)
         transfer_metrics = TransferMetrics(registry)
         rejects = RejectLog(log, transfer_metrics.count_rejected)  # one per process: the loop's and the plane's
-        receiver = KVReceiver(engine.runner.kv_pool, kv_model_name(config.model.path), kv_server,
-                              _keep_with_sequence, transfer_metrics, lease_s=config.transfer.lease_seconds,
-                              shm_pool_name=shm_pool.name if shm_pool else None, rejects=rejects)
+        receiver = KVReceiver(
+            engine.runner.kv_pool,
+            kv_model_name(config.model.path),
+            kv_server,
+            _keep_with_sequence,
+            transfer_metrics,
+            lease_s=config.transfer.lease_seconds,
+            shm_pool_name=shm_pool.name if shm_pool else None,
+            rejects=rejects,
+        )
         worker_id = dc.worker_id or default_worker_id("decode")
-        options = DecodeOptions(worker_id, kv_server.endpoint, new_incarnation(),
-                                heartbeat_s=config.gateway.worker_heartbeat_s or 5.0,
-                                drain_timeout_s=dc.drain_timeout_s)
-        gateway = GatewayLinks(ctx, dc.gateway_address, worker_id, resolve_interval_s=options.heartbeat_s,
-                               timeout_s=loss_timeout_s(config.gateway.worker_timeout_s, options.heartbeat_s),
-                               security=security)
-        server = DecodeServer(engine, gateway, receiver, PrefillLinks(ctx, worker_id, security),
-                              EngineMetrics(registry, config.model.name_for_clients()), options, rejects,
-                              tracer_for("decode", worker_id, config.observability.otlp_traces_endpoint))
+        options = DecodeOptions(
+            worker_id,
+            kv_server.endpoint,
+            new_incarnation(),
+            heartbeat_s=config.gateway.worker_heartbeat_s or 5.0,
+            drain_timeout_s=dc.drain_timeout_s,
+        )
+        gateway = GatewayLinks(
+            ctx,
+            dc.gateway_address,
+            worker_id,
+            resolve_interval_s=options.heartbeat_s,
+            timeout_s=loss_timeout_s(config.gateway.worker_timeout_s, options.heartbeat_s),
+            security=security,
+        )
+        server = DecodeServer(
+            engine,
+            gateway,
+            receiver,
+            PrefillLinks(ctx, worker_id, security),
+            EngineMetrics(registry, config.model.name_for_clients()),
+            options,
+            rejects,
+            tracer_for("decode", worker_id, config.observability.otlp_traces_endpoint),
+        )
         http = serve_http(dc.host, dc.http_port, registry, server.is_ready)
-        log.info("decode worker %s: kv %s, http %s:%d, gateway %s, %d KV blocks of %d tokens", worker_id,
-                 kv_server.endpoint, dc.host, http.port, dc.gateway_address, engine.block_manager.num_blocks,
-                 engine.block_manager.block_size)
+        log.info(
+            "decode worker %s: kv %s, http %s:%d, gateway %s, %d KV blocks of %d tokens",
+            worker_id,
+            kv_server.endpoint,
+            dc.host,
+            http.port,
+            dc.gateway_address,
+            engine.block_manager.num_blocks,
+            engine.block_manager.block_size,
+        )
         return cls(server, receiver, http, registry, ctx, shm_pool, security)
 
     def close(self) -> None:
@@ -101,9 +130,12 @@ def share_pool(pool, transport: str) -> SharedTensor | None:
     try:
         shared = create_shared(pool.layout.shape, pool.layout.dtype, prefix=f"kv-{os.getpid()}")
     except ShmCapacityError as e:
-        log.warning("KV pool not shared (%s); prefill workers on this host will use the zmq transport. "
-                    "Enlarge /dev/shm (docker run --shm-size, an emptyDir with medium: Memory) or shrink "
-                    "engine.kv_cache_memory_mb to use shm", e)
+        log.warning(
+            "KV pool not shared (%s); prefill workers on this host will use the zmq transport. "
+            "Enlarge /dev/shm (docker run --shm-size, an emptyDir with medium: Memory) or shrink "
+            "engine.kv_cache_memory_mb to use shm",
+            e,
+        )
         return None
     shared.tensor.copy_(pool.tensor)  # a fresh pool is zeros, but keep whatever was there
     pool.tensor = shared.tensor  # the runner reads pool.tensor on every step; nothing cached it yet

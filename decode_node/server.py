@@ -70,7 +70,14 @@ from kvtransfer.events import TransferEvent
 from kvtransfer.receiver import KVReceiver
 from protocol.rejects import RejectLog
 from protocol.serving import (
-    AbortRequest, Busy, Generate, Goodbye, Heartbeat, LoRAAdapterSet, PrefillFailed, PrefillJob,
+    AbortRequest,
+    Busy,
+    Generate,
+    Goodbye,
+    Heartbeat,
+    LoRAAdapterSet,
+    PrefillFailed,
+    PrefillJob,
 )
 from telemetry.tracing import NO_TRACING, RequestTrace, Tracer
 from worker import Drain, EngineMetrics, EngineSnapshot, GatewayLinks, HeartbeatTimer
@@ -92,9 +99,17 @@ class DecodeOptions:
 
 
 class DecodeServer:
-    def __init__(self, engine: LLMEngine, gateway: GatewayLinks, receiver: KVReceiver, prefill: PrefillLinks,
-                 metrics: EngineMetrics, options: DecodeOptions, rejects: RejectLog | None = None,
-                 tracer: Tracer = NO_TRACING):
+    def __init__(
+        self,
+        engine: LLMEngine,
+        gateway: GatewayLinks,
+        receiver: KVReceiver,
+        prefill: PrefillLinks,
+        metrics: EngineMetrics,
+        options: DecodeOptions,
+        rejects: RejectLog | None = None,
+        tracer: Tracer = NO_TRACING,
+    ):
         self.rejects = rejects or receiver.rejects
         self.engine = engine
         self.scheduler = engine.scheduler
@@ -211,9 +226,15 @@ class DecodeServer:
             self._send_error_all(gen.rid, gen.gateway_id, seq.params.n, "deadline passed before the request arrived")
             return
         if self.tracer.enabled:
-            req.trace = self.tracer.request("decode", gen.traceparent, **{
-                "gen_ai.request.id": gen.rid, "pdserve.worker_id": self.options.worker_id,
-                "gen_ai.usage.prompt_tokens": seq.num_prompt_tokens})
+            req.trace = self.tracer.request(
+                "decode",
+                gen.traceparent,
+                **{
+                    "gen_ai.request.id": gen.rid,
+                    "pdserve.worker_id": self.options.worker_id,
+                    "gen_ai.usage.prompt_tokens": seq.num_prompt_tokens,
+                },
+            )
         if seq.params.structured_output is not None:
             if req.trace:
                 req.trace.phase("compile_grammar")
@@ -264,42 +285,69 @@ class DecodeServer:
         _, hit_tokens = bm.prefix_hit(seq)
         needed = cdiv(seq.num_tokens - hit_tokens, bm.block_size) + 1
         if needed + queued > bm.num_allocatable_blocks:
-            self._busy(req.rid, req.gateway_id,
-                       f"KV pool full: needs {needed} blocks, {bm.num_allocatable_blocks - queued} available", req.trace)
+            self._busy(
+                req.rid,
+                req.gateway_id,
+                f"KV pool full: needs {needed} blocks, {bm.num_allocatable_blocks - queued} available",
+                req.trace,
+            )
             return
         self.scheduler.add(seq)
         self._track(req)
         if req.trace:
             req.trace.phase("prefill_local", cached_tokens=hit_tokens)
         self.metrics.prompt_tokens.inc(seq.num_prompt_tokens)
-        log.info("rid=%s local prefill: %d prompt tokens, %d cached, n=%d", req.rid, seq.num_prompt_tokens,
-                 hit_tokens, seq.params.n)
+        log.info(
+            "rid=%s local prefill: %d prompt tokens, %d cached, n=%d",
+            req.rid,
+            seq.num_prompt_tokens,
+            hit_tokens,
+            seq.params.n,
+        )
 
     def _start_remote_prefill(self, req: DecodeRequest, gen: Generate, num_tokens: int) -> None:
         seq, bm = req.seq, self.block_manager
         if not bm.can_reserve(seq, num_tokens, num_spare_blocks=1):
-            self._busy(req.rid, req.gateway_id, f"KV pool full: {bm.num_allocatable_blocks} blocks available", req.trace)
+            self._busy(
+                req.rid, req.gateway_id, f"KV pool full: {bm.num_allocatable_blocks} blocks available", req.trace
+            )
             return
         dst_block_ids = bm.reserve(seq, num_tokens)
         skip = seq.num_computed_tokens  # the prefix hit, whole blocks
         req.phase, req.prefill_address, req.generation = Phase.AWAITING_KV, gen.prefill_address, next(self._generations)
         self.receiver.reserve(req.rid, req.generation, dst_block_ids, sender_key=gen.prefill_key)
         job = PrefillJob(
-            rid=req.rid, token_ids=seq.token_ids[:num_tokens], skip_tokens=skip, dst_block_ids=dst_block_ids,
-            generation=req.generation, kv_address=self.options.kv_address, sample_first=seq.params.n == 1,
-            sampling=gen.sampling, deadline=gen.deadline, kv_incarnation=self.receiver.incarnation,
-            traceparent=req.trace.traceparent() if req.trace else "", gateway_id=gen.gateway_id,
+            rid=req.rid,
+            token_ids=seq.token_ids[:num_tokens],
+            skip_tokens=skip,
+            dst_block_ids=dst_block_ids,
+            generation=req.generation,
+            kv_address=self.options.kv_address,
+            sample_first=seq.params.n == 1,
+            sampling=gen.sampling,
+            deadline=gen.deadline,
+            kv_incarnation=self.receiver.incarnation,
+            traceparent=req.trace.traceparent() if req.trace else "",
+            gateway_id=gen.gateway_id,
         )
         self._track(req)
         self.metrics.prompt_tokens.inc(seq.num_prompt_tokens)
         if not self.prefill.send(gen.prefill_address, job):
             self._fail(req, f"prefill worker {gen.prefill_address} is not accepting jobs")
             return
-        log.info("rid=%s prefill job -> %s: tokens [%d, %d), %d blocks, generation %d", req.rid,
-                 gen.prefill_address, skip, num_tokens, len(dst_block_ids), req.generation)
+        log.info(
+            "rid=%s prefill job -> %s: tokens [%d, %d), %d blocks, generation %d",
+            req.rid,
+            gen.prefill_address,
+            skip,
+            num_tokens,
+            len(dst_block_ids),
+            req.generation,
+        )
         if req.trace:
-            req.trace.phase("wait_kv", prefill_address=gen.prefill_address, cached_tokens=skip,
-                            num_blocks=len(dst_block_ids))
+            req.trace.phase(
+                "wait_kv", prefill_address=gen.prefill_address, cached_tokens=skip, num_blocks=len(dst_block_ids)
+            )
 
     def _track(self, req: DecodeRequest) -> None:
         self.requests[req.rid] = req
@@ -317,8 +365,12 @@ class DecodeServer:
         self.receiver.adopt(req.rid)  # the range is ours again (the seq has held its blocks all along)
         req.prefill_address = ""
         if commit.lora_name != seq.params.lora_name:
-            self._fail(req, f"prefill worker computed the KV under LoRA adapter {commit.lora_name!r}; the request "
-                            f"runs under {seq.params.lora_name!r}", abort_receiver=False)
+            self._fail(
+                req,
+                f"prefill worker computed the KV under LoRA adapter {commit.lora_name!r}; the request "
+                f"runs under {seq.params.lora_name!r}",
+                abort_receiver=False,
+            )
             return
         if seq.params.n == 1 and commit.first_token is None:
             self._fail(req, "prefill worker committed without the first token", abort_receiver=False)
@@ -326,14 +378,21 @@ class DecodeServer:
         vocab_size = self.engine.model_config.vocab_size
         bad = [t for t in [commit.first_token, *commit.top_token_ids] if t is not None and not 0 <= t < vocab_size]
         if bad:
-            self.rejects.reject("invalid_value", "prefill worker",
-                                f"rid={req.rid} token {bad[0]} outside the vocabulary of {vocab_size}")
-            self._fail(req, f"prefill worker sent token {bad[0]}, outside the vocabulary of {vocab_size}",
-                       abort_receiver=False)
+            self.rejects.reject(
+                "invalid_value",
+                "prefill worker",
+                f"rid={req.rid} token {bad[0]} outside the vocabulary of {vocab_size}",
+            )
+            self._fail(
+                req, f"prefill worker sent token {bad[0]}, outside the vocabulary of {vocab_size}", abort_receiver=False
+            )
             return
         if seq.params.n == 1 and seq.guide is not None and not seq.guide.accept(commit.first_token):
-            self._fail(req, f"prefill worker's first token {commit.first_token} is outside the request's grammar",
-                       abort_receiver=False)
+            self._fail(
+                req,
+                f"prefill worker's first token {commit.first_token} is outside the request's grammar",
+                abort_receiver=False,
+            )
             return
         req.phase = Phase.SCHEDULED
         num_computed = self._kv_needed_from_prefill(seq)
@@ -343,7 +402,8 @@ class DecodeServer:
             if seq.params.logprobs is not None:
                 logprob = commit.first_logprob if commit.first_logprob is not None else math.nan
                 seq.output_logprobs.append(
-                    TokenLogprobs(commit.first_token, logprob, list(zip(commit.top_token_ids, commit.top_logprobs))))
+                    TokenLogprobs(commit.first_token, logprob, list(zip(commit.top_token_ids, commit.top_logprobs)))
+                )
             req.num_sent[0] = 1  # the prefill worker streamed token 0 to the gateway itself
             req.last_token_at = time.monotonic()
         self.block_manager.mark_computed(seq, num_computed)
@@ -409,8 +469,13 @@ class DecodeServer:
                 self.metrics.e2e_request_latency.observe(now - req.arrived)
                 log.info("rid=%s finished: %s", req.rid, event.finish_reason)
                 if req.trace:
-                    req.trace.end(None, **{"gen_ai.response.finish_reasons": event.finish_reason,
-                                           "gen_ai.usage.completion_tokens": sum(req.num_sent)})
+                    req.trace.end(
+                        None,
+                        **{
+                            "gen_ai.response.finish_reasons": event.finish_reason,
+                            "gen_ai.usage.completion_tokens": sum(req.num_sent),
+                        },
+                    )
 
     # ---- 6. abort, deadline, failure ----
     def _on_abort(self, abort: AbortRequest) -> None:
@@ -482,10 +547,16 @@ class DecodeServer:
         bm, s = self.block_manager, self.scheduler
         awaiting = sum(r.phase <= Phase.AWAITING_KV for r in self.requests.values())  # and COMPILING
         return EngineSnapshot(
-            num_running=s.num_running, num_waiting=s.num_waiting + awaiting, kv_blocks_total=bm.num_blocks,
-            kv_blocks_in_use=bm.num_in_use_blocks, kv_blocks_free=bm.num_allocatable_blocks,
-            prefix_query_tokens=bm.num_prefix_query_tokens, prefix_hit_tokens=bm.num_prefix_hit_tokens,
-            num_preemptions=s.num_preemptions, kv_live_slots=bm.num_live_slots, block_size=bm.block_size,
+            num_running=s.num_running,
+            num_waiting=s.num_waiting + awaiting,
+            kv_blocks_total=bm.num_blocks,
+            kv_blocks_in_use=bm.num_in_use_blocks,
+            kv_blocks_free=bm.num_allocatable_blocks,
+            prefix_query_tokens=bm.num_prefix_query_tokens,
+            prefix_hit_tokens=bm.num_prefix_hit_tokens,
+            num_preemptions=s.num_preemptions,
+            kv_live_slots=bm.num_live_slots,
+            block_size=bm.block_size,
         )
 
     def _update_metrics(self) -> None:
@@ -498,12 +569,20 @@ class DecodeServer:
         queued = sum(s.num_uncomputed_tokens for s in self.scheduler.waiting)
         queued += sum(s.num_uncomputed_tokens - 1 for s in self.scheduler.running if s.num_uncomputed_tokens > 1)
         return Heartbeat(
-            worker_id=self.options.worker_id, role="decode", address=self.options.kv_address,
-            incarnation=self.options.incarnation, proof=self.gateway.registration_proof(self.options.incarnation),
+            worker_id=self.options.worker_id,
+            role="decode",
+            address=self.options.kv_address,
+            incarnation=self.options.incarnation,
+            proof=self.gateway.registration_proof(self.options.incarnation),
             block_size=self.block_manager.block_size,
-            kv_blocks_total=snap.kv_blocks_total, kv_blocks_free=snap.kv_blocks_free,
-            kv_blocks_in_use=snap.kv_blocks_in_use, num_running=snap.num_running, num_waiting=snap.num_waiting,
-            queued_prefill_tokens=queued, draining=self._drain.requested, **self.lora_sync.heartbeat_fields(),
+            kv_blocks_total=snap.kv_blocks_total,
+            kv_blocks_free=snap.kv_blocks_free,
+            kv_blocks_in_use=snap.kv_blocks_in_use,
+            num_running=snap.num_running,
+            num_waiting=snap.num_waiting,
+            queued_prefill_tokens=queued,
+            draining=self._drain.requested,
+            **self.lora_sync.heartbeat_fields(),
         )
 
     def _drain_tick(self) -> None:

@@ -1,7 +1,7 @@
 """Engine sequences -> TokenEvents: what each completion has generated since its last event.
 
-    seq.output_token_ids: [ streamed (num_sent) ........ | new this step ]
-                          0 (offset 0 may be the prefill worker's first token)  -> TokenEvent(offset=num_sent)
+seq.output_token_ids: [ streamed (num_sent) ........ | new this step ]
+                      0 (offset 0 may be the prefill worker's first token)  -> TokenEvent(offset=num_sent)
 """
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ from worker.logprob_records import logprob_record
 FINISH_REASONS = {SequenceStatus.FINISHED_STOPPED: "stop", SequenceStatus.FINISHED_LENGTH: "length"}
 
 
-def new_tokens_event(rid: str, index: int, seq: Sequence, num_sent: int, wants_logprobs: bool,
-                     num_cached_tokens: int = -1) -> TokenEvent | None:
+def new_tokens_event(
+    rid: str, index: int, seq: Sequence, num_sent: int, wants_logprobs: bool, num_cached_tokens: int = -1
+) -> TokenEvent | None:
     """The event carrying ``seq``'s outputs from ``num_sent`` on (and its finish reason when it just
     finished); None when there is nothing new to say."""
     tokens = seq.output_token_ids[num_sent:]

@@ -120,7 +120,11 @@ class BlockManager:
         hashes = self._hashes.setdefault(seq.seq_id, [])
         bs, params = self.block_size, seq.params
         while len(hashes) < num_full:
-            parent = hashes[-1] if hashes else root_hash(params.cache_salt, lora_identity(params.lora_name, params.lora_path))
+            parent = (
+                hashes[-1]
+                if hashes
+                else root_hash(params.cache_salt, lora_identity(params.lora_name, params.lora_path))
+            )
             start = len(hashes) * bs
             hashes.append(hash_block(parent, seq.token_ids[start : start + bs]))
         return hashes
@@ -289,8 +293,10 @@ class BlockManager:
         expected = [0] * self.num_blocks
         for seq in self._live.values():
             require(len(set(seq.block_table)) == len(seq.block_table), f"seq {seq.seq_id} holds a block twice")
-            require(len(seq.block_table) >= cdiv(seq.num_computed_tokens, self.block_size),
-                    f"seq {seq.seq_id} table does not cover its computed tokens")
+            require(
+                len(seq.block_table) >= cdiv(seq.num_computed_tokens, self.block_size),
+                f"seq {seq.seq_id} table does not cover its computed tokens",
+            )
             for block in seq.block_table:
                 expected[block] += 1
         require(expected == self.ref_counts, "ref counts differ from the live block tables")

@@ -146,12 +146,16 @@ class WeightCopies:
     @classmethod
     def make(cls, weight: torch.Tensor, forms: MatmulForms) -> WeightCopies:
         """The copies ``forms`` reads, made from the dense ``weight`` (kept only where read)."""
-        return cls(weight if forms.holds_dense else None, pack_weight(weight) if forms.holds_packed else None,
-                   forms.native.pack_linear(weight) if forms.holds_c else None)
+        return cls(
+            weight if forms.holds_dense else None,
+            pack_weight(weight) if forms.holds_packed else None,
+            forms.native.pack_linear(weight) if forms.holds_c else None,
+        )
 
 
-def linear(x: torch.Tensor, copies: WeightCopies, bias: torch.Tensor | None = None,
-           forms: MatmulForms = PLAIN) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, copies: WeightCopies, bias: torch.Tensor | None = None, forms: MatmulForms = PLAIN
+) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` in the form ``forms`` picks for ``x``'s row count (plain on CUDA),
     reading the copy of the weight that form takes."""
     form = "plain" if x.is_cuda else forms.form_for(x.shape[0])
@@ -165,8 +169,12 @@ def linear(x: torch.Tensor, copies: WeightCopies, bias: torch.Tensor | None = No
     return out if bias is None else out.add_(bias)
 
 
-def time_forms(groups: dict[str, list[torch.Tensor]], slice_rows: dict[str, int | None] | None = None,
-               repeats: int = 3, native: NativeLibrary | None = None) -> dict[str, MatmulForms]:
+def time_forms(
+    groups: dict[str, list[torch.Tensor]],
+    slice_rows: dict[str, int | None] | None = None,
+    repeats: int = 3,
+    native: NativeLibrary | None = None,
+) -> dict[str, MatmulForms]:
     """Times the forms (CPU, at the current torch thread count) for each group of same-shape weights
     (every layer's copy of one projection; the LM head alone) at every row bucket, and picks.
 
@@ -185,28 +193,43 @@ def time_forms(groups: dict[str, list[torch.Tensor]], slice_rows: dict[str, int 
     timing noise could otherwise give them forms whose float rounding differs. And once per machine:
     the picks are kept on disk (``engine/forms_cache.py``) for the next process to start."""
     slice_rows = slice_rows or {}
-    key = (tuple((k, len(ws), tuple(ws[0].shape), ws[0].dtype, slice_rows.get(k)) for k, ws in groups.items()),
-           repeats, torch.get_num_threads(), torch.backends.mkldnn.enabled, None if native is None else native.threaded)
+    key = (
+        tuple((k, len(ws), tuple(ws[0].shape), ws[0].dtype, slice_rows.get(k)) for k, ws in groups.items()),
+        repeats,
+        torch.get_num_threads(),
+        torch.backends.mkldnn.enabled,
+        None if native is None else native.threaded,
+    )
     if key not in _picked:
         path = forms_cache.path_for(key, None if native is None else native.name)
         picks = forms_cache.load(path, list(groups), FORMS, len(ROW_BUCKETS))
         if picks is None:
-            log.info("timing CPU matmul forms for %d weight shapes at %d row counts (first start on this "
-                     "machine, model and thread count; the picks are kept in %s)", len(groups), len(ROW_BUCKETS), path)
+            log.info(
+                "timing CPU matmul forms for %d weight shapes at %d row counts (first start on this "
+                "machine, model and thread count; the picks are kept in %s)",
+                len(groups),
+                len(ROW_BUCKETS),
+                path,
+            )
             started = time.monotonic()
-            picks = {k: (forms.per_bucket, forms.prefill)
-                     for k, forms in _timed_picks(groups, slice_rows, repeats, native).items()}
+            picks = {
+                k: (forms.per_bucket, forms.prefill)
+                for k, forms in _timed_picks(groups, slice_rows, repeats, native).items()
+            }
             forms_cache.store(path, picks)
             log.info("timed CPU matmul forms in %.1f s", time.monotonic() - started)
         else:
             log.info("CPU matmul forms found in the cache %s: no timing", path)
         _picked[key] = picks
-    return {k: MatmulForms(per_bucket, slice_rows.get(k), native if "c" in per_bucket else None, prefill)
-            for k, (per_bucket, prefill) in _picked[key].items()}
+    return {
+        k: MatmulForms(per_bucket, slice_rows.get(k), native if "c" in per_bucket else None, prefill)
+        for k, (per_bucket, prefill) in _picked[key].items()
+    }
 
 
-def _timed_picks(groups: dict[str, list[torch.Tensor]], slice_rows: dict[str, int | None], repeats: int,
-                 native: NativeLibrary | None) -> dict[str, MatmulForms]:
+def _timed_picks(
+    groups: dict[str, list[torch.Tensor]], slice_rows: dict[str, int | None], repeats: int, native: NativeLibrary | None
+) -> dict[str, MatmulForms]:
     first = next(iter(groups.values()))[0]
     x = torch.randn(ROW_BUCKETS[-1], max(ws[0].shape[1] for ws in groups.values()), dtype=first.dtype)
     times = {key: [{} for _ in ROW_BUCKETS] for key in groups}  # per bucket: form -> seconds
@@ -215,8 +238,15 @@ def _timed_picks(groups: dict[str, list[torch.Tensor]], slice_rows: dict[str, in
         # One form's copies at a time: beside the dense weights, at most one more copy of the model.
         copies = {key: _copies_for(form, ws, native) for key, ws in groups.items()}
         copies = {key: cs for key, cs in copies.items() if cs}
-        forms = {key: MatmulForms((form,) * len(ROW_BUCKETS), slice_rows.get(key), native if form == "c" else None,
-                                  "packed" if form == "packed" else "plain") for key in copies}
+        forms = {
+            key: MatmulForms(
+                (form,) * len(ROW_BUCKETS),
+                slice_rows.get(key),
+                native if form == "c" else None,
+                "packed" if form == "packed" else "plain",
+            )
+            for key in copies
+        }
         for bucket, rows in enumerate(ROW_BUCKETS):
             _timed_pass(copies, forms, x[:rows])  # warm-up: allocation, kernel choice
             for _ in range(repeats):
@@ -239,8 +269,9 @@ class _Progress:
         now = time.monotonic()
         if form_done or now - self.last >= self.every_s:
             self.last = now
-            log.info("timing CPU matmul forms: %d/%d passes (%s), %.1f s", self.done, self.total, what,
-                     now - self.started)
+            log.info(
+                "timing CPU matmul forms: %d/%d passes (%s), %.1f s", self.done, self.total, what, now - self.started
+            )
 
 
 def _copies_for(form: str, weights: list[torch.Tensor], native: NativeLibrary | None) -> list[WeightCopies]:
@@ -254,8 +285,9 @@ def _copies_for(form: str, weights: list[torch.Tensor], native: NativeLibrary | 
     return [WeightCopies(w) for w in weights]
 
 
-def _timed_pass(copies: dict[str, list[WeightCopies]], forms: dict[str, MatmulForms],
-                x: torch.Tensor) -> dict[str, float]:
+def _timed_pass(
+    copies: dict[str, list[WeightCopies]], forms: dict[str, MatmulForms], x: torch.Tensor
+) -> dict[str, float]:
     """One pass over every layer's weights in model order, each group in its ``forms``: seconds spent per
     group."""
     spent = {key: 0.0 for key in copies}

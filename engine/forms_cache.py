@@ -51,7 +51,8 @@ def load(path: Path, groups: list[str], forms: tuple[str, ...], num_buckets: int
         picks = {g: (tuple(stored[g]["per_bucket"]), stored[g]["prefill"]) for g in groups}
         valid = set(stored) == set(groups) and all(
             len(per_bucket) == num_buckets and all(f in forms for f in per_bucket) and prefill in ("packed", "plain")
-            for per_bucket, prefill in picks.values())
+            for per_bucket, prefill in picks.values()
+        )
     except OSError:  # none yet
         return None
     except (ValueError, KeyError, TypeError):  # not JSON, or not this shape
@@ -64,8 +65,10 @@ def load(path: Path, groups: list[str], forms: tuple[str, ...], num_buckets: int
 
 def store(path: Path, picks: Picks) -> None:
     """Writes ``picks`` to ``path`` whole or not at all (a temporary file renamed over it)."""
-    body = json.dumps({g: {"per_bucket": list(per_bucket), "prefill": prefill}
-                       for g, (per_bucket, prefill) in picks.items()}, indent=1)
+    body = json.dumps(
+        {g: {"per_bucket": list(per_bucket), "prefill": prefill} for g, (per_bucket, prefill) in picks.items()},
+        indent=1,
+    )
     tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -59,10 +59,13 @@ class CompileTicket:
             if not self.is_expired():
                 raise RuntimeError("result() before done()")
             if not self._future.cancel():
-                log.warning("a grammar compile ran past its %.1f s limit; it ends on its thread, unread",
-                            self._timeout_s)
-            raise StructuredOutputError(f"the grammar did not compile within this server's limit of {self._timeout_s:g} s "
-                                 "(engine.grammar_compile_timeout_s)")
+                log.warning(
+                    "a grammar compile ran past its %.1f s limit; it ends on its thread, unread", self._timeout_s
+                )
+            raise StructuredOutputError(
+                f"the grammar did not compile within this server's limit of {self._timeout_s:g} s "
+                "(engine.grammar_compile_timeout_s)"
+            )
         return self._future.result()
 
     def cancel(self) -> bool:

@@ -85,7 +85,9 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache
         if self.native is not None and self.q_norm is None:
             # q and k rotated in place in qkv, k and v stored: q stays a strided view of qkv.
-            self.native.rope_store(qkv, self.num_heads, self.num_kv_heads, cos, sin, meta.slot_mapping, k_cache, v_cache)
+            self.native.rope_store(
+                qkv, self.num_heads, self.num_kv_heads, cos, sin, meta.slot_mapping, k_cache, v_cache
+            )
             q = qkv[:, : self.q_size].view(num_tokens, self.num_heads, self.head_dim)
             return self._attend(q, k_cache, v_cache, meta)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)

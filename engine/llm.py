@@ -34,14 +34,21 @@ log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def build_engine(model_path: str, model_cfg: ModelConfig, engine_cfg: EngineConfig, device: str | None = None,
-                 lora_cfg: LoRAConfig | None = None) -> LLMEngine:
+def build_engine(
+    model_path: str,
+    model_cfg: ModelConfig,
+    engine_cfg: EngineConfig,
+    device: str | None = None,
+    lora_cfg: LoRAConfig | None = None,
+) -> LLMEngine:
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if engine_cfg.num_threads:
         torch.set_num_threads(engine_cfg.num_threads)
     dtype = DTYPES.get(model_cfg.dtype)  # None ("auto"): the loader picks by device
     started = time.monotonic()
-    log.info("loading model %s (dtype %s, %s, %d threads)", model_path, model_cfg.dtype, device, torch.get_num_threads())
+    log.info(
+        "loading model %s (dtype %s, %s, %d threads)", model_path, model_cfg.dtype, device, torch.get_num_threads()
+    )
     model, config = load_model(model_path, dtype=dtype, device=device)
     _log_loaded(model, config, time.monotonic() - started)
     if device == "cpu":  # after set_num_threads: which form wins depends on the thread count
@@ -50,21 +57,40 @@ def build_engine(model_path: str, model_cfg: ModelConfig, engine_cfg: EngineConf
             forms = model.choose_cpu_matmul_forms(native)
         log.info("CPU matmul forms by weight: %s", ", ".join(f"{k} {f.describe()}" for k, f in forms.items()))
         layer_ops = cpu_native.load() if engine_cfg.cpu_layer_ops == "c" else None
-        if layer_ops is not None and next(model.parameters()).dtype == torch.float32 and not _one_thread_too_few(layer_ops):
+        if (
+            layer_ops is not None
+            and next(model.parameters()).dtype == torch.float32
+            and not _one_thread_too_few(layer_ops)
+        ):
             model.use_native_layer_ops(layer_ops)
         log.info("CPU norms, RoPE and SwiGLU: %s", "C" if model.native_layer_ops else "torch")
     max_model_len = model_cfg.max_model_len or config.max_position_embeddings
     if max_model_len > config.max_position_embeddings:
-        raise ConfigError(f"max_model_len {max_model_len} exceeds the model's {config.max_position_embeddings} positions")
+        raise ConfigError(
+            f"max_model_len {max_model_len} exceeds the model's {config.max_position_embeddings} positions"
+        )
     kv_dtype = next(model.parameters()).dtype
     probe = KVLayout(config.num_layers, 1, engine_cfg.block_size, config.num_kv_heads, config.head_dim, kv_dtype)
-    num_blocks = engine_cfg.num_kv_blocks or num_blocks_for_budget(engine_cfg.kv_cache_memory_mb << 20, probe.bytes_per_block)
-    layout = KVLayout(config.num_layers, num_blocks, engine_cfg.block_size, config.num_kv_heads, config.head_dim, kv_dtype)
+    num_blocks = engine_cfg.num_kv_blocks or num_blocks_for_budget(
+        engine_cfg.kv_cache_memory_mb << 20, probe.bytes_per_block
+    )
+    layout = KVLayout(
+        config.num_layers, num_blocks, engine_cfg.block_size, config.num_kv_heads, config.head_dim, kv_dtype
+    )
     pool = KVPool(layout, device=device)
-    log.info("KV pool: %d blocks of %d tokens (%d tokens), %.0f MiB %s; engine ready in %.1f s, %s", num_blocks,
-             engine_cfg.block_size, num_blocks * engine_cfg.block_size, num_blocks * layout.bytes_per_block / 2**20,
-             layout.dtype, time.monotonic() - started, _memory())
-    block_manager = BlockManager(num_blocks, engine_cfg.block_size, enable_prefix_caching=engine_cfg.enable_prefix_caching)
+    log.info(
+        "KV pool: %d blocks of %d tokens (%d tokens), %.0f MiB %s; engine ready in %.1f s, %s",
+        num_blocks,
+        engine_cfg.block_size,
+        num_blocks * engine_cfg.block_size,
+        num_blocks * layout.bytes_per_block / 2**20,
+        layout.dtype,
+        time.monotonic() - started,
+        _memory(),
+    )
+    block_manager = BlockManager(
+        num_blocks, engine_cfg.block_size, enable_prefix_caching=engine_cfg.enable_prefix_caching
+    )
     scheduler = Scheduler(
         SchedulerConfig(
             max_num_seqs=engine_cfg.max_num_seqs,
@@ -75,10 +101,12 @@ def build_engine(model_path: str, model_cfg: ModelConfig, engine_cfg: EngineConf
         block_manager,
     )
     lora = _lora_manager(model, config, lora_cfg or LoRAConfig(), kv_dtype, device)
-    runner = ModelRunner(model, pool, Sampler(engine_cfg.seed), native_decode=_native_decode(engine_cfg, config, pool),
-                         lora=lora)
-    limits = GrammarLimits(engine_cfg.grammar_compile_timeout_s, engine_cfg.grammar_cache_mb << 20,
-                           engine_cfg.grammar_compile_threads)
+    runner = ModelRunner(
+        model, pool, Sampler(engine_cfg.seed), native_decode=_native_decode(engine_cfg, config, pool), lora=lora
+    )
+    limits = GrammarLimits(
+        engine_cfg.grammar_compile_timeout_s, engine_cfg.grammar_cache_mb << 20, engine_cfg.grammar_compile_threads
+    )
     return LLMEngine(config, scheduler, runner, Grammars(model_path, config.vocab_size, config.eos_token_ids, limits))
 
 
@@ -88,8 +116,11 @@ def _lora_manager(model, config, lora_cfg: LoRAConfig, dtype: torch.dtype, devic
     if not lora_cfg.enable_lora:
         return None
     model.enable_lora()
-    limits = LoRALimits(lora_cfg.max_loras, lora_cfg.max_lora_rank,
-                        max(lora_cfg.max_cpu_loras or lora_cfg.max_loras, lora_cfg.max_loras))
+    limits = LoRALimits(
+        lora_cfg.max_loras,
+        lora_cfg.max_lora_rank,
+        max(lora_cfg.max_cpu_loras or lora_cfg.max_loras, lora_cfg.max_loras),
+    )
     manager = LoRAManager(config, limits, dtype, device)
     for name, path in lora_cfg.modules().items():
         try:
@@ -104,8 +135,16 @@ def _log_loaded(model, config, seconds: float) -> None:
     weights = list(model.parameters())
     num_params = sum(w.numel() for w in weights)
     size_mib = sum(w.numel() * w.element_size() for w in weights) / 2**20
-    log.info("loaded %s: %d layers, %s parameters, %s (%.0f MiB) in %.1f s; %s", config.family, config.num_layers,
-             f"{num_params:,}", weights[0].dtype, size_mib, seconds, _memory())
+    log.info(
+        "loaded %s: %d layers, %s parameters, %s (%.0f MiB) in %.1f s; %s",
+        config.family,
+        config.num_layers,
+        f"{num_params:,}",
+        weights[0].dtype,
+        size_mib,
+        seconds,
+        _memory(),
+    )
 
 
 def _memory() -> str:
@@ -125,12 +164,19 @@ def _native_decode(engine_cfg: EngineConfig, config, pool: KVPool) -> cpu_native
         return None
     library = cpu_native.load() if engine_cfg.cpu_decode_attention == "c" else None
     if library is not None and not supports_native_decode(library, config.num_heads, pool):
-        log.info("CPU decode attention: torch (the C kernel has no copy for %d heads over %d KV heads of %d, %s)",
-                 config.num_heads, config.num_kv_heads, config.head_dim, pool.layout.dtype)
+        log.info(
+            "CPU decode attention: torch (the C kernel has no copy for %d heads over %d KV heads of %d, %s)",
+            config.num_heads,
+            config.num_kv_heads,
+            config.head_dim,
+            pool.layout.dtype,
+        )
         return None
     if library is not None and _one_thread_too_few(library):
-        log.info("CPU decode attention: torch (the C kernel was built without OpenMP, and torch has %d threads)",
-                 torch.get_num_threads())
+        log.info(
+            "CPU decode attention: torch (the C kernel was built without OpenMP, and torch has %d threads)",
+            torch.get_num_threads(),
+        )
         return None
     if library is None:
         log.info("CPU decode attention: torch")
@@ -149,8 +195,14 @@ class LLM:
     """``LLM(path, block_size=8, ...)``: keyword overrides are fields of the config's engine section (or
     of its lora section: ``enable_lora``, ``lora_modules``, ``max_loras``, ...)."""
 
-    def __init__(self, model: str, config_path: str | None = None, config: PdserveConfig | None = None,
-                 device: str | None = None, **engine_overrides):
+    def __init__(
+        self,
+        model: str,
+        config_path: str | None = None,
+        config: PdserveConfig | None = None,
+        device: str | None = None,
+        **engine_overrides,
+    ):
         """``device``: "cpu" or "cuda"; None: CUDA when there is a GPU (build_engine)."""
         if config is None:
             sections = {k: "lora" if k in LoRAConfig.__dataclass_fields__ else "engine" for k in engine_overrides}
@@ -171,7 +223,9 @@ class LLM:
         messages = [{"role": "user", "content": user_text}]
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
-    def generate(self, prompts: Seq[str] | Seq[list[int]], params: SamplingParams | Seq[SamplingParams]) -> list[RequestOutput]:
+    def generate(
+        self, prompts: Seq[str] | Seq[list[int]], params: SamplingParams | Seq[SamplingParams]
+    ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in prompt order. Text prompts are
         tokenized with the checkpoint's tokenizer and outputs detokenized; token-id prompts are not."""
         if isinstance(params, SamplingParams):

@@ -60,8 +60,9 @@ class _Request:
 
 
 class LLMEngine:
-    def __init__(self, model_config: HFModelConfig, scheduler: Scheduler, runner: ModelRunner,
-                 grammars: Grammars | None = None):
+    def __init__(
+        self, model_config: HFModelConfig, scheduler: Scheduler, runner: ModelRunner, grammars: Grammars | None = None
+    ):
         """``grammars``: compiles structured outputs against the model's tokenizer; None refuses them."""
         self.model_config = model_config
         self.scheduler = scheduler
@@ -79,9 +80,13 @@ class LLMEngine:
         if error := vocab_error(prompt_token_ids, params, self.model_config.vocab_size) or self.lora_error(params):
             raise ValueError(error)
         request_id = next(self._ids)
-        seq = Sequence(request_id, list(prompt_token_ids), params,
-                       stop_token_ids=params.stop_ids(self.model_config.eos_token_ids),
-                       guide=self.new_guide(params))
+        seq = Sequence(
+            request_id,
+            list(prompt_token_ids),
+            params,
+            stop_token_ids=params.stop_ids(self.model_config.eos_token_ids),
+            guide=self.new_guide(params),
+        )
         self.scheduler.add(seq)
         self._requests[request_id] = _Request(list(prompt_token_ids), params)
         return request_id
@@ -143,7 +148,5 @@ class LLMEngine:
             output.prompt_logprobs = [None, *first.prompt_logprobs]
         for index, done in enumerate(request.finished):
             logprobs = done.output_logprobs if request.params.logprobs is not None else None
-            output.outputs.append(
-                CompletionOutput(index, done.output_token_ids, FINISH_REASONS[done.status], logprobs)
-            )
+            output.outputs.append(CompletionOutput(index, done.output_token_ids, FINISH_REASONS[done.status], logprobs))
         return output

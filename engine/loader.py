@@ -81,7 +81,7 @@ def _open_checkpoint(path: Path, stack: ExitStack) -> _Tensors:
     handles: dict[str, object] = {}
     for file in files:
         handle = stack.enter_context(safe_open(str(path / file), framework="pt"))
-        for name in handle.keys():
+        for name in handle.keys():  # noqa: SIM118 (a safe_open handle is not iterable)
             handles[name] = handle
     return _Tensors(handles)
 

@@ -76,12 +76,17 @@ def part_sizes(config: HFModelConfig) -> dict[str, list[tuple[int, int]]]:
     """Fused module -> (out, in) of each of its parts, in fused order (engine/layers.py)."""
     h, inter = config.hidden_size, config.intermediate_size
     q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    return {"qkv_proj": [(q, h), (kv, h), (kv, h)], "o_proj": [(h, q)],
-            "gate_up_proj": [(inter, h), (inter, h)], "down_proj": [(h, inter)]}
+    return {
+        "qkv_proj": [(q, h), (kv, h), (kv, h)],
+        "o_proj": [(h, q)],
+        "gate_up_proj": [(inter, h), (inter, h)],
+        "down_proj": [(h, inter)],
+    }
 
 
-def load_adapter(name: str, path: str | Path, config: HFModelConfig, max_rank: int,
-                 dtype: torch.dtype = torch.float32) -> LoRAAdapter:
+def load_adapter(
+    name: str, path: str | Path, config: HFModelConfig, max_rank: int, dtype: torch.dtype = torch.float32
+) -> LoRAAdapter:
     """Read and check the adapter at ``path``; raises LoRAError."""
     path = Path(path)
     settings = _read_config(name, path)
@@ -105,8 +110,10 @@ def load_adapter(name: str, path: str | Path, config: HFModelConfig, max_rank: i
             fused, part = PROJECTIONS[proj]
             out, inp = sizes[fused][part]
             if tuple(a.shape) != (rank, inp) or tuple(b.shape) != (out, rank):
-                raise LoRAError(f"LoRA adapter {name!r}: layer {layer} {proj} has lora_A {list(a.shape)} and lora_B "
-                                f"{list(b.shape)}; this base model expects [{rank}, {inp}] and [{out}, {rank}]")
+                raise LoRAError(
+                    f"LoRA adapter {name!r}: layer {layer} {proj} has lora_A {list(a.shape)} and lora_B "
+                    f"{list(b.shape)}; this base model expects [{rank}, {inp}] and [{out}, {rank}]"
+                )
             by_fused.setdefault(fused, []).append((part, a, b))
         for fused, parts in by_fused.items():
             modules[layer, fused] = _fuse(sizes[fused], parts, scale, dtype)
@@ -152,15 +159,19 @@ def _read_pairs(name: str, path: Path, num_layers: int) -> dict[tuple[int, str],
     halves: dict[tuple[int, str, str], torch.Tensor] = {}
     try:
         with safe_open(str(file), framework="pt") as handle:
-            for key in handle.keys():
+            for key in handle.keys():  # noqa: SIM118 (a safe_open handle is not iterable)
                 match = _KEY.match(key)
                 if match is None or match[3] not in PROJECTIONS:
-                    raise LoRAError(f"LoRA adapter {name!r}: tensor {key!r} is not a LoRA weight of a "
-                                    f"projection this base model has ({', '.join(PROJECTIONS)})")
+                    raise LoRAError(
+                        f"LoRA adapter {name!r}: tensor {key!r} is not a LoRA weight of a "
+                        f"projection this base model has ({', '.join(PROJECTIONS)})"
+                    )
                 layer = int(match[1])
                 if layer >= num_layers:
-                    raise LoRAError(f"LoRA adapter {name!r}: tensor {key!r} is for layer {layer}; "
-                                    f"the base model has {num_layers} layers")
+                    raise LoRAError(
+                        f"LoRA adapter {name!r}: tensor {key!r} is for layer {layer}; "
+                        f"the base model has {num_layers} layers"
+                    )
                 halves[layer, match[3], match[4]] = handle.get_tensor(key)
     except (OSError, ValueError, RuntimeError) as exc:
         if isinstance(exc, LoRAError):

@@ -156,4 +156,3 @@ class LoRAManager:
     @property
     def host_names(self) -> list[str]:
         return list(self._host)
-

@@ -52,8 +52,10 @@ class LoRASync:
 
     def heartbeat_fields(self) -> dict:
         """The Heartbeat fields that report this worker's adapters."""
-        fields = {"lora_versions": [f"{gid}:{listed.version}" for gid, listed in self.lists.items()],
-                  "lora_errors": list(self.errors)}
+        fields = {
+            "lora_versions": [f"{gid}:{listed.version}" for gid, listed in self.lists.items()],
+            "lora_errors": list(self.errors),
+        }
         if self.manager is not None:
             fields |= {"lora_names": sorted(self.manager.known), "hot_lora_names": self.manager.slot_names}
         return fields

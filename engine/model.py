@@ -61,8 +61,12 @@ class CausalLM(nn.Module):
         and fused module)."""
         self.lora_ref = LoRAStepRef()
         for index, layer in enumerate(self.layers):
-            for name, module in (("qkv_proj", layer.self_attn.qkv_proj), ("o_proj", layer.self_attn.o_proj),
-                                 ("gate_up_proj", layer.mlp.gate_up_proj), ("down_proj", layer.mlp.down_proj)):
+            for name, module in (
+                ("qkv_proj", layer.self_attn.qkv_proj),
+                ("o_proj", layer.self_attn.o_proj),
+                ("gate_up_proj", layer.mlp.gate_up_proj),
+                ("down_proj", layer.mlp.down_proj),
+            ):
                 module.lora_key, module.lora_ref = (index, name), self.lora_ref
 
     def use_native_layer_ops(self, native: NativeLibrary) -> None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from configs.model_source import SUPPORTED_ARCHITECTURES  # the one table: the gateway checks it too
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 

@@ -22,8 +22,9 @@ from engine.scheduled_batch import ScheduledBatch
 ROWS_PER_SLICE = 256
 
 
-def record_prompt_logprobs(compute_logits, hidden: torch.Tensor, batch: ScheduledBatch,
-                           query_start_loc: torch.Tensor) -> None:
+def record_prompt_logprobs(
+    compute_logits, hidden: torch.Tensor, batch: ScheduledBatch, query_start_loc: torch.Tensor
+) -> None:
     """For every sequence of ``batch`` that needs them, the logprobs of the prompt tokens its chunk
     predicts. ``hidden``: [tokens, hidden] of the step (before the final norm); ``compute_logits``:
     the model's norm + LM head."""
@@ -41,7 +42,10 @@ def record_prompt_logprobs(compute_logits, hidden: torch.Tensor, batch: Schedule
         targets = torch.tensor(seq.token_ids[first + 1 : last + 1], device=hidden.device)
         entries = []
         for s in range(0, rows.shape[0], ROWS_PER_SLICE):
-            entries += token_logprobs(compute_logits(rows[s : s + ROWS_PER_SLICE]), targets[s : s + ROWS_PER_SLICE],
-                                      seq.params.prompt_logprobs)
+            entries += token_logprobs(
+                compute_logits(rows[s : s + ROWS_PER_SLICE]),
+                targets[s : s + ROWS_PER_SLICE],
+                seq.params.prompt_logprobs,
+            )
         del seq.prompt_logprobs[first:]
         seq.prompt_logprobs.extend(entries)

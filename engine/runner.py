@@ -27,13 +27,22 @@ def supports_native_decode(library: NativeLibrary, num_heads: int, kv_pool: KVPo
     """Whether the C decode kernel runs this model's attention: float32 K/V on CPU, a query group and
     head size it has a compiled copy for."""
     layout = kv_pool.layout
-    return (kv_pool.tensor.device.type == "cpu" and layout.dtype == torch.float32
-            and library.supports(num_heads // layout.kv_heads, layout.head_dim))
+    return (
+        kv_pool.tensor.device.type == "cpu"
+        and layout.dtype == torch.float32
+        and library.supports(num_heads // layout.kv_heads, layout.head_dim)
+    )
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, kv_pool: KVPool, sampler: Sampler | None = None,
-                 native_decode: NativeLibrary | None = None, lora: LoRAManager | None = None):
+    def __init__(
+        self,
+        model: CausalLM,
+        kv_pool: KVPool,
+        sampler: Sampler | None = None,
+        native_decode: NativeLibrary | None = None,
+        lora: LoRAManager | None = None,
+    ):
         """``native_decode``: the C decode kernel (CPU only), for a model and pool it supports
         (``supports_native_decode``); None keeps decode attention on the torch path. ``lora``: the
         adapters requests may name (the model must have LoRA enabled); None: base only."""
@@ -100,7 +109,10 @@ class ModelRunner:
             block_tables=block_tables,
             context_lens=context_lens,
             query_start_loc=query_start_loc,
-            plan=None if device.type == "cuda" else kernels.plan_attention(
-                block_tables, context_lens, query_start_loc, self.kv_pool.tensor[0, 0], self.native_decode),
+            plan=None
+            if device.type == "cuda"
+            else kernels.plan_attention(
+                block_tables, context_lens, query_start_loc, self.kv_pool.tensor[0, 0], self.native_decode
+            ),
         )
         return torch.tensor(input_ids, dtype=torch.long, device=device), positions, meta

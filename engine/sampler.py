@@ -123,9 +123,15 @@ def first_max_index(x: torch.Tensor) -> torch.Tensor:
 def _edits_logits(seq: Sequence) -> bool:
     """Whether min_tokens, a penalty or the filters of a sampled (non-greedy) row may edit its logits."""
     p = seq.params
-    return (p.temperature >= _GREEDY_EPS or seq.num_output_tokens < p.min_tokens or p.repetition_penalty != 1.0
-            or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or bool(p.logit_bias)
-            or p.allowed_token_ids is not None)
+    return (
+        p.temperature >= _GREEDY_EPS
+        or seq.num_output_tokens < p.min_tokens
+        or p.repetition_penalty != 1.0
+        or p.presence_penalty != 0.0
+        or p.frequency_penalty != 0.0
+        or bool(p.logit_bias)
+        or p.allowed_token_ids is not None
+    )
 
 
 def continue_seeded_stream(seq: Sequence, vocab: int, device: torch.device) -> None:
@@ -199,8 +205,11 @@ def apply_penalties_(logits: torch.Tensor, seqs: list[Sequence]) -> None:
         penalty = logits.new_tensor([s.params.repetition_penalty for s in seqs])[rows]  # [N]
         seen = logits[rows, ids]  # [N]; a repeated token writes the same value each time
         logits[rows, ids] = torch.where(seen < 0, seen * penalty, seen / penalty)
-    occ = [i for i, s in enumerate(seqs)
-           if (s.params.presence_penalty != 0.0 or s.params.frequency_penalty != 0.0) and s.num_output_tokens]
+    occ = [
+        i
+        for i, s in enumerate(seqs)
+        if (s.params.presence_penalty != 0.0 or s.params.frequency_penalty != 0.0) and s.num_output_tokens
+    ]
     if occ:
         rows, ids = _occurrences(occ, [seqs[i].output_token_ids for i in occ], vocab, logits.device)  # [N]
         frequency = logits.new_tensor([s.params.frequency_penalty for s in seqs])  # [S]
@@ -211,8 +220,9 @@ def apply_penalties_(logits: torch.Tensor, seqs: list[Sequence]) -> None:
         flat.index_put_((present,), -presence[present // vocab], accumulate=True)
 
 
-def _occurrences(row_ids: list[int], token_lists: list[list[int]], vocab: int,
-                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _occurrences(
+    row_ids: list[int], token_lists: list[list[int]], vocab: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(rows [N], ids [N]) long: one entry per token of each list, tagged with its row; ids >= V dropped."""
     lengths = torch.tensor([len(t) for t in token_lists], device=device)
     rows = torch.repeat_interleave(torch.tensor(row_ids, dtype=torch.long, device=device), lengths)
@@ -307,5 +317,9 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, num_top: int) ->
     chosen = lp.gather(1, targets.unsqueeze(1))  # [R, 1]
     ranks = (lp > chosen).sum(dim=1) + 1  # [R]: 1 + tokens strictly more likely
     top_lp, top_ids = lp.topk(num_top, dim=1)  # [R, num_top], most likely first (num_top may be 0)
-    return [TokenLogprobs(t, c, list(zip(ids, lps)), r) for t, c, ids, lps, r in zip(
-        targets.tolist(), chosen.squeeze(1).tolist(), top_ids.tolist(), top_lp.tolist(), ranks.tolist())]
+    return [
+        TokenLogprobs(t, c, list(zip(ids, lps)), r)
+        for t, c, ids, lps, r in zip(
+            targets.tolist(), chosen.squeeze(1).tolist(), top_ids.tolist(), top_lp.tolist(), ranks.tolist()
+        )
+    ]

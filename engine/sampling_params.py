@@ -61,32 +61,63 @@ class SamplingParams:
                 raise SamplingError(f"{name} must be {rule}, got {repr(getattr(self, name))[:200]}")
 
         check(isinstance(self.n, int) and self.n >= 1, "n", "an integer >= 1")
-        check(0.0 <= self.temperature <= 2.0 ** 16, "temperature", ">= 0")
+        check(0.0 <= self.temperature <= 2.0**16, "temperature", ">= 0")
         check(0.0 < self.top_p <= 1.0, "top_p", "in (0, 1]")
         check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", "-1, 0 or a positive integer")
         check(0.0 <= self.min_p <= 1.0, "min_p", "in [0, 1]")
         check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "in [-2, 2]")
         check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "in [-2, 2]")
         # Bounded below too: a penalty under float32's range reads as 0 in the sampler and divides by it.
-        check(2.0 ** -16 <= self.repetition_penalty <= 2.0 ** 16, "repetition_penalty", "in [2^-16, 2^16]")
+        check(2.0**-16 <= self.repetition_penalty <= 2.0**16, "repetition_penalty", "in [2^-16, 2^16]")
         check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", "an integer >= 1")
-        check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
-              "min_tokens", f"an integer in [0, max_tokens={self.max_tokens}]")
-        check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
-              "stop_token_ids", "a list of non-negative integers")
+        check(
+            isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
+            "min_tokens",
+            f"an integer in [0, max_tokens={self.max_tokens}]",
+        )
+        check(
+            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids",
+            "a list of non-negative integers",
+        )
         check(self.seed is None or isinstance(self.seed, int), "seed", "an integer")
-        check(self.logit_bias is None or all(
-            isinstance(t, int) and not isinstance(t, bool) and t >= 0 and isinstance(b, (int, float))
-            and not isinstance(b, bool) and math.isfinite(b) and abs(b) <= MAX_LOGIT_BIAS
-            for t, b in self.logit_bias.items()),
-            "logit_bias", f"a map of non-negative token ids to biases in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
-        check(self.allowed_token_ids is None or (bool(self.allowed_token_ids) and all(
-            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.allowed_token_ids)),
-            "allowed_token_ids", "a non-empty list of non-negative token ids")
-        check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= self.max_logprobs),
-              "logprobs", f"an integer in [0, {self.max_logprobs}]")
-        check(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int)
-                                               and 0 <= self.prompt_logprobs <= self.max_logprobs),
-              "prompt_logprobs", f"an integer in [0, {self.max_logprobs}]")
-        check(self.structured_output is None or isinstance(self.structured_output, StructuredOutput),
-              "structured_output", "a StructuredOutput")
+        check(
+            self.logit_bias is None
+            or all(
+                isinstance(t, int)
+                and not isinstance(t, bool)
+                and t >= 0
+                and isinstance(b, (int, float))
+                and not isinstance(b, bool)
+                and math.isfinite(b)
+                and abs(b) <= MAX_LOGIT_BIAS
+                for t, b in self.logit_bias.items()
+            ),
+            "logit_bias",
+            f"a map of non-negative token ids to biases in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
+        )
+        check(
+            self.allowed_token_ids is None
+            or (
+                bool(self.allowed_token_ids)
+                and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.allowed_token_ids)
+            ),
+            "allowed_token_ids",
+            "a non-empty list of non-negative token ids",
+        )
+        check(
+            self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= self.max_logprobs),
+            "logprobs",
+            f"an integer in [0, {self.max_logprobs}]",
+        )
+        check(
+            self.prompt_logprobs is None
+            or (isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= self.max_logprobs),
+            "prompt_logprobs",
+            f"an integer in [0, {self.max_logprobs}]",
+        )
+        check(
+            self.structured_output is None or isinstance(self.structured_output, StructuredOutput),
+            "structured_output",
+            "a StructuredOutput",
+        )

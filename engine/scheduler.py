@@ -124,8 +124,7 @@ class Scheduler:
         capacity = bm.num_blocks * bm.block_size
         if cdiv(max_len - 1, bm.block_size) > bm.num_blocks:
             raise AdmissionError(
-                f"sequence needs KV for {max_len - 1} tokens (prompt + max_tokens); "
-                f"the KV pool holds {capacity} tokens"
+                f"sequence needs KV for {max_len - 1} tokens (prompt + max_tokens); the KV pool holds {capacity} tokens"
             )
 
     def abort(self, seq_id: int) -> list[Sequence]:
@@ -237,9 +236,13 @@ class Scheduler:
             if params.seed is not None:
                 params = dataclasses.replace(params, seed=params.seed + index)
             child = Sequence(
-                next(self._child_ids), list(parent.token_ids), params,
-                stop_token_ids=parent.stop_token_ids, num_prompt_tokens=parent.num_prompt_tokens,
-                status=SequenceStatus.RUNNING, guide=None if parent.guide is None else parent.guide.fork(),
+                next(self._child_ids),
+                list(parent.token_ids),
+                params,
+                stop_token_ids=parent.stop_token_ids,
+                num_prompt_tokens=parent.num_prompt_tokens,
+                status=SequenceStatus.RUNNING,
+                guide=None if parent.guide is None else parent.guide.fork(),
             )
             self.block_manager.fork(parent, child)
             self._origin[child.seq_id] = (parent.seq_id, index)

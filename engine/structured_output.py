@@ -61,7 +61,7 @@ class ReasoningGate:
         piece = self._token_bytes[token_id] if token_id < len(self._token_bytes) else b""
         seen = self._tail + piece
         self.passed = self._end in seen
-        self._tail = seen[1 - len(self._end):] if len(self._end) > 1 else b""
+        self._tail = seen[1 - len(self._end) :] if len(self._end) > 1 else b""
 
     def copy(self) -> ReasoningGate:
         twin = ReasoningGate(self._end, self._token_bytes)
@@ -109,8 +109,13 @@ class Guide:
 class Grammars:
     """Compiles requests' grammars against one model's vocabulary; the tokenizer is read on first use."""
 
-    def __init__(self, tokenizer_path: str | Path, vocab_size: int, stop_token_ids: list[int],
-                 limits: GrammarLimits = GrammarLimits()):
+    def __init__(
+        self,
+        tokenizer_path: str | Path,
+        vocab_size: int,
+        stop_token_ids: list[int],
+        limits: GrammarLimits = GrammarLimits(),
+    ):
         self._tokenizer_path = str(tokenizer_path)
         self._limits = limits
         self._loaded_at: float | None = None  # time.monotonic() when the tokenizer was read (compile deadlines start)
@@ -129,8 +134,9 @@ class Grammars:
         deadline (engine/grammar_compiles.py)."""
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=self._limits.num_threads, thread_name_prefix="grammar")
-        return CompileTicket(self._executor.submit(self.guide, spec), self._limits.compile_timeout_s,
-                             lambda: self._loaded_at)
+        return CompileTicket(
+            self._executor.submit(self.guide, spec), self._limits.compile_timeout_s, lambda: self._loaded_at
+        )
 
     @property
     def cache_size_bytes(self) -> int:
@@ -165,10 +171,13 @@ class Grammars:
         try:
             tokenizer = AutoTokenizer.from_pretrained(self._tokenizer_path)
         except (OSError, ValueError) as exc:
-            raise StructuredOutputError(f"structured outputs need the model's tokenizer, which did not load "
-                                        f"from {self._tokenizer_path}: {str(exc)[:200]}") from None
-        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self._vocab_size,
-                                                  stop_token_ids=self._stop_token_ids or None)
+            raise StructuredOutputError(
+                f"structured outputs need the model's tokenizer, which did not load "
+                f"from {self._tokenizer_path}: {str(exc)[:200]}"
+            ) from None
+        info = xgr.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=self._vocab_size, stop_token_ids=self._stop_token_ids or None
+        )
         # xgrammar's JSON strings admit raw control characters (U+0000-U+001F), which JSON forbids and
         # strict parsers reject; with no free whitespace, JSON output never needs one. A UTF-8 byte
         # below 0x20 is always such a character, so the token bytes tell.
@@ -239,5 +248,10 @@ def _errors_named(spec: StructuredOutput):
         raise StructuredOutputError(f"invalid {_WHAT[spec.kind]}: {reason[:300]}") from None
 
 
-_WHAT = {"json": "JSON schema", "json_object": "JSON object grammar", "regex": "regex",
-         "choice": "choice", "grammar": "EBNF grammar"}
+_WHAT = {
+    "json": "JSON schema",
+    "json_object": "JSON object grammar",
+    "regex": "regex",
+    "choice": "choice",
+    "grammar": "EBNF grammar",
+}

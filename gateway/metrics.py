@@ -45,73 +45,112 @@ class GatewayMetrics:
             return Counter(f"vllm:{name}", doc, ["model_name"], registry=r).labels(model_name)
 
         self.time_to_first_token = histogram(
-            "time_to_first_token_seconds", "Arrival to first generated token, per choice.", TTFT_BUCKETS)
+            "time_to_first_token_seconds", "Arrival to first generated token, per choice.", TTFT_BUCKETS
+        )
         self.inter_token_latency = histogram(
-            "inter_token_latency_seconds", "Time between consecutive token events of a choice.", TOKEN_LATENCY_BUCKETS)
+            "inter_token_latency_seconds", "Time between consecutive token events of a choice.", TOKEN_LATENCY_BUCKETS
+        )
         self.time_per_output_token = histogram(
-            "time_per_output_token_seconds", "Mean time per output token after the first, per choice "
-            "(vLLM's older name; inter_token_latency_seconds per token).", TOKEN_LATENCY_BUCKETS)
+            "time_per_output_token_seconds",
+            "Mean time per output token after the first, per choice "
+            "(vLLM's older name; inter_token_latency_seconds per token).",
+            TOKEN_LATENCY_BUCKETS,
+        )
         self.e2e_request_latency = histogram(
-            "e2e_request_latency_seconds", "Arrival to the last byte of the response.", REQUEST_LATENCY_BUCKETS)
+            "e2e_request_latency_seconds", "Arrival to the last byte of the response.", REQUEST_LATENCY_BUCKETS
+        )
         self.request_queue_time = histogram(
-            "request_queue_time_seconds", "Time a request waited for a worker, as reported by it.",
-            REQUEST_LATENCY_BUCKETS)
+            "request_queue_time_seconds",
+            "Time a request waited for a worker, as reported by it.",
+            REQUEST_LATENCY_BUCKETS,
+        )
         self.request_prefill_time = histogram(
-            "request_prefill_time_seconds", "Leaving the queue to the first token (the prompt's prefill and its "
-            "KV transfer), per choice.", REQUEST_LATENCY_BUCKETS)
+            "request_prefill_time_seconds",
+            "Leaving the queue to the first token (the prompt's prefill and its KV transfer), per choice.",
+            REQUEST_LATENCY_BUCKETS,
+        )
         self.request_decode_time = histogram(
-            "request_decode_time_seconds", "First to last token of a choice.", REQUEST_LATENCY_BUCKETS)
+            "request_decode_time_seconds", "First to last token of a choice.", REQUEST_LATENCY_BUCKETS
+        )
         self.request_inference_time = histogram(
-            "request_inference_time_seconds", "Leaving the queue to the last token, per choice.",
-            REQUEST_LATENCY_BUCKETS)
+            "request_inference_time_seconds",
+            "Leaving the queue to the last token, per choice.",
+            REQUEST_LATENCY_BUCKETS,
+        )
         self.request_prompt_tokens = histogram(
-            "request_prompt_tokens", "Prompt tokens per finished request.", token_count_buckets(max_model_len))
+            "request_prompt_tokens", "Prompt tokens per finished request.", token_count_buckets(max_model_len)
+        )
         self.request_generation_tokens = histogram(
-            "request_generation_tokens", "Generated tokens per finished request.", token_count_buckets(max_model_len))
+            "request_generation_tokens", "Generated tokens per finished request.", token_count_buckets(max_model_len)
+        )
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self.request_success = Counter(
-            "vllm:request_success", "Finished completions by finish reason (stop | length | abort).",
-            ["model_name", "finished_reason"], registry=r)
+            "vllm:request_success",
+            "Finished completions by finish reason (stop | length | abort).",
+            ["model_name", "finished_reason"],
+            registry=r,
+        )
         for reason in ("stop", "length", "abort"):  # listed from the first scrape, as vLLM's are
             self.request_success.labels(model_name, reason)
         self.requests = Counter(
-            "pdserve:requests", "Finished HTTP generation requests by outcome.", ["outcome"], registry=r)
+            "pdserve:requests", "Finished HTTP generation requests by outcome.", ["outcome"], registry=r
+        )
         self.cached_prompt_tokens = Counter(
-            "pdserve:cached_prompt_tokens", "Prompt tokens served from a prefix cache (not recomputed).",
-            registry=r)
+            "pdserve:cached_prompt_tokens", "Prompt tokens served from a prefix cache (not recomputed).", registry=r
+        )
         self.num_requests_running = Gauge(
-            "pdserve:num_requests_running", "Generation requests in flight in the gateway.", registry=r)
+            "pdserve:num_requests_running", "Generation requests in flight in the gateway.", registry=r
+        )
         # worker pools, as their heartbeats report them (labelled by role: prefill | decode)
         self.pool_workers = Gauge("pdserve:pool_workers", "Registered workers per pool.", ["role"], registry=r)
         self.pool_kv_cache_usage = Gauge(
-            "pdserve:pool_kv_cache_usage_perc", "KV blocks in use / total over a pool (0..1).", ["role"], registry=r)
+            "pdserve:pool_kv_cache_usage_perc", "KV blocks in use / total over a pool (0..1).", ["role"], registry=r
+        )
         self.pool_requests_running = Gauge(
-            "pdserve:pool_num_requests_running", "Requests running on a pool's workers.", ["role"], registry=r)
+            "pdserve:pool_num_requests_running", "Requests running on a pool's workers.", ["role"], registry=r
+        )
         self.pool_requests_waiting = Gauge(
-            "pdserve:pool_num_requests_waiting", "Requests waiting in a pool's workers.", ["role"], registry=r)
+            "pdserve:pool_num_requests_waiting", "Requests waiting in a pool's workers.", ["role"], registry=r
+        )
         self.admission_queue = Gauge(
-            "pdserve:admission_queue_length", "Requests waiting in the gateway for room in a pool.", ["role"],
-            registry=r)
+            "pdserve:admission_queue_length",
+            "Requests waiting in the gateway for room in a pool.",
+            ["role"],
+            registry=r,
+        )
         self.route_decisions = Counter(
-            "pdserve:route_decisions", "Routing decisions by policy and result "
-            "(local | disaggregated | busy | no_capacity | queue_full | retry).", ["policy", "result"],
-            registry=r)
+            "pdserve:route_decisions",
+            "Routing decisions by policy and result (local | disaggregated | busy | no_capacity | queue_full | retry).",
+            ["policy", "result"],
+            registry=r,
+        )
         self.worker_malformed_frames = Counter(
-            "pdserve:worker_malformed_frames", "Frames from workers rejected by the codec (ignored).", registry=r)
+            "pdserve:worker_malformed_frames", "Frames from workers rejected by the codec (ignored).", registry=r
+        )
         self.rejected_frames = Counter(
-            "pdserve:rejected_frames", "Frames from workers refused, by reason (protocol/rejects.py: malformed, "
-            "bad_proof, identity_taken, unregistered, not_assigned, handler_error).", ["reason"], registry=r)
+            "pdserve:rejected_frames",
+            "Frames from workers refused, by reason (protocol/rejects.py: malformed, "
+            "bad_proof, identity_taken, unregistered, not_assigned, handler_error).",
+            ["reason"],
+            registry=r,
+        )
         # the Responses API's store (gateway/dialects/responses/store.py); read from it at each scrape
-        self.stored_responses = Gauge("pdserve:stored_responses", "Responses held for previous_response_id.",
-                                      registry=r)
+        self.stored_responses = Gauge(
+            "pdserve:stored_responses", "Responses held for previous_response_id.", registry=r
+        )
         self.stored_responses_bytes = Gauge(
-            "pdserve:stored_responses_bytes", "Bytes the stored responses count for (their JSON).", registry=r)
+            "pdserve:stored_responses_bytes", "Bytes the stored responses count for (their JSON).", registry=r
+        )
         self.background_responses = Gauge(
-            "pdserve:background_responses", "Background responses (Responses API) still running.", registry=r)
+            "pdserve:background_responses", "Background responses (Responses API) still running.", registry=r
+        )
         self.workers_lost = Counter(
-            "pdserve:workers_lost", "Workers removed from the registry, by reason (expired | goodbye).", ["reason"],
-            registry=r)
+            "pdserve:workers_lost",
+            "Workers removed from the registry, by reason (expired | goodbye).",
+            ["reason"],
+            registry=r,
+        )
 
     def observe_choices(self, arrival: float, timings: list[ChoiceTiming], aborted: bool) -> None:
         """A request's per-completion histograms and finish reasons, once it is over."""

@@ -12,18 +12,37 @@ from kernels.triton_or_stub import tl, triton
 
 @triton.jit
 def load_kv_tile(
-    k_ptr, v_ptr, table_ptr,  # table_ptr: this request's row of the block table
-    t, t_ok, d, d_ok, kv_head,  # t: [BLOCK_N] token positions, d: [DIM_PAD] feature indices
-    stride_table, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-    PAGE_SIZE: tl.constexpr, UPCAST: tl.constexpr,
+    k_ptr,
+    v_ptr,
+    table_ptr,  # table_ptr: this request's row of the block table
+    t,
+    t_ok,
+    d,
+    d_ok,
+    kv_head,  # t: [BLOCK_N] token positions, d: [DIM_PAD] feature indices
+    stride_table,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    PAGE_SIZE: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     page = tl.load(table_ptr + (t // PAGE_SIZE) * stride_table, mask=t_ok, other=0).to(tl.int64)
     slot = t % PAGE_SIZE
     mask = t_ok[:, None] & d_ok[None, :]
-    k = tl.load(k_ptr + page[:, None] * stride_kb + slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :],
-                mask=mask, other=0.0)  # [BLOCK_N, DIM_PAD]
-    v = tl.load(v_ptr + page[:, None] * stride_vb + slot[:, None] * stride_vs + kv_head * stride_vh + d[None, :],
-                mask=mask, other=0.0)
+    k = tl.load(
+        k_ptr + page[:, None] * stride_kb + slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :],
+        mask=mask,
+        other=0.0,
+    )  # [BLOCK_N, DIM_PAD]
+    v = tl.load(
+        v_ptr + page[:, None] * stride_vb + slot[:, None] * stride_vs + kv_head * stride_vh + d[None, :],
+        mask=mask,
+        other=0.0,
+    )
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)

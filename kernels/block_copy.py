@@ -24,10 +24,16 @@ def scatter_blocks_reference(pool: torch.Tensor, block_ids: torch.Tensor, buffer
 
 @triton.jit
 def _copy_blocks_kernel(
-    src_ptr, dst_ptr, block_ids_ptr,
-    stride_src_plane, stride_src_block,  # plane = (layer, k/v) flattened; a block is contiguous
-    stride_dst_plane, stride_dst_block,
-    BLOCK_NUMEL: tl.constexpr, CHUNK: tl.constexpr, GATHER: tl.constexpr,
+    src_ptr,
+    dst_ptr,
+    block_ids_ptr,
+    stride_src_plane,
+    stride_src_block,  # plane = (layer, k/v) flattened; a block is contiguous
+    stride_dst_plane,
+    stride_dst_block,
+    BLOCK_NUMEL: tl.constexpr,
+    CHUNK: tl.constexpr,
+    GATHER: tl.constexpr,
 ):
     i = tl.program_id(0)  # index into block_ids (= block index in the buffer)
     plane = tl.program_id(1).to(tl.int64)
@@ -56,9 +62,16 @@ def _launch(src: torch.Tensor, dst: torch.Tensor, block_ids: torch.Tensor, gathe
     block_numel = src[0, 0, 0].numel()
     grid = (num_ids, src.shape[0] * 2, triton.cdiv(block_numel, _CHUNK))
     _copy_blocks_kernel[grid](
-        src, dst, block_ids.to(device=src.device),
-        src.stride(1), src.stride(2), dst.stride(1), dst.stride(2),
-        BLOCK_NUMEL=block_numel, CHUNK=_CHUNK, GATHER=gather,
+        src,
+        dst,
+        block_ids.to(device=src.device),
+        src.stride(1),
+        src.stride(2),
+        dst.stride(1),
+        dst.stride(2),
+        BLOCK_NUMEL=block_numel,
+        CHUNK=_CHUNK,
+        GATHER=gather,
     )
 
 

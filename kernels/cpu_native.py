@@ -106,8 +106,9 @@ def _target(compiler: str, variant: Variant) -> Path:
     code = [path.read_bytes() for path in SOURCES + HEADERS]
     # The CPU too: a home directory shared by machines of other CPUs (NFS, one volume for a node pool)
     # must not hand one of them a library built for instructions it lacks.
-    key = hashlib.sha256(b"\0".join([*code, recipe, torch.__version__.encode(), os.uname().machine.encode(),
-                                     cpu_identity().encode()]))
+    key = hashlib.sha256(
+        b"\0".join([*code, recipe, torch.__version__.encode(), os.uname().machine.encode(), cpu_identity().encode()])
+    )
     return cache_dir() / f"cpu_native-{key.hexdigest()[:16]}.so"
 
 
@@ -175,8 +176,25 @@ class NativeLibrary:
         self._supported.argtypes = [_SIZE, _SIZE]
         self._supported.restype = ctypes.c_int
         self._decode = self._lib.pdserve_paged_decode_f32
-        self._decode.argtypes = [_PTR, _SIZE, _PTR, _PTR, _PTR, _SIZE, _PTR, _PTR, _PTR,
-                                 _SIZE, _SIZE, _SIZE, _SIZE, _SIZE, _SIZE, ctypes.c_float, ctypes.c_int]
+        self._decode.argtypes = [
+            _PTR,
+            _SIZE,
+            _PTR,
+            _PTR,
+            _PTR,
+            _SIZE,
+            _PTR,
+            _PTR,
+            _PTR,
+            _SIZE,
+            _SIZE,
+            _SIZE,
+            _SIZE,
+            _SIZE,
+            _SIZE,
+            ctypes.c_float,
+            ctypes.c_int,
+        ]
         self._decode.restype = None
         self._linear_supported = self._lib.pdserve_linear_supported
         self._linear_supported.argtypes = [_SIZE, _SIZE]
@@ -193,7 +211,20 @@ class NativeLibrary:
         self._rms_norm.argtypes = [_PTR, _SIZE, _PTR, _PTR, _PTR, _SIZE, _SIZE, ctypes.c_float, ctypes.c_int]
         self._rms_norm.restype = None
         self._rope_store = self._lib.pdserve_rope_store_f32
-        self._rope_store.argtypes = [_PTR, _SIZE, _SIZE, _SIZE, _SIZE, _SIZE, _PTR, _PTR, _PTR, _PTR, _PTR, ctypes.c_int]
+        self._rope_store.argtypes = [
+            _PTR,
+            _SIZE,
+            _SIZE,
+            _SIZE,
+            _SIZE,
+            _SIZE,
+            _PTR,
+            _PTR,
+            _PTR,
+            _PTR,
+            _PTR,
+            ctypes.c_int,
+        ]
         self._rope_store.restype = None
         self._silu_mul = self._lib.pdserve_silu_mul_f32
         self._silu_mul.argtypes = [_PTR, _SIZE, _PTR, _SIZE, _SIZE, ctypes.c_int]
@@ -223,9 +254,25 @@ class NativeLibrary:
         ctx_pad = -(-max_context // 16) * 16
         out = torch.empty((batch, num_heads, head_dim), dtype=torch.float32)
         scratch = torch.empty(batch * num_heads * ctx_pad, dtype=torch.float32)  # softmax rows
-        self._decode(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
-                     block_tables.shape[1], context_lens.data_ptr(), out.data_ptr(), scratch.data_ptr(),
-                     batch, num_heads, kv_heads, head_dim, block_size, ctx_pad, scale, torch.get_num_threads())
+        self._decode(
+            q.data_ptr(),
+            q.stride(0),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            block_tables.data_ptr(),
+            block_tables.shape[1],
+            context_lens.data_ptr(),
+            out.data_ptr(),
+            scratch.data_ptr(),
+            batch,
+            num_heads,
+            kv_heads,
+            head_dim,
+            block_size,
+            ctx_pad,
+            scale,
+            torch.get_num_threads(),
+        )
         return out
 
     def supports_linear(self, in_features: int, out_features: int) -> bool:
@@ -254,27 +301,55 @@ class NativeLibrary:
         assert bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())
         x = x.contiguous()
         out = torch.empty((x.shape[0], blocks * block), dtype=torch.float32)
-        self._linear(x.data_ptr(), x.shape[0], in_features, packed.data_ptr(), blocks * block,
-                     None if bias is None else bias.data_ptr(), out.data_ptr(), torch.get_num_threads())
+        self._linear(
+            x.data_ptr(),
+            x.shape[0],
+            in_features,
+            packed.data_ptr(),
+            blocks * block,
+            None if bias is None else bias.data_ptr(),
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
         return out
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
-                 residual: torch.Tensor | None = None) -> torch.Tensor:
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """RMSNorm of the rows of x ([rows, dim] float32, rows may be strided) by ``weight`` ([dim]). With
         ``residual`` ([rows, dim], contiguous): ``residual += x`` first, in place, and the sum is what is
         normalised. Returns a new [rows, dim]."""
         rows, dim = x.shape
         assert x.dtype == weight.dtype == torch.float32 and x.stride(1) == 1 and weight.shape == (dim,)
         assert weight.is_contiguous()
-        assert residual is None or (residual.dtype == torch.float32 and residual.is_contiguous()
-                                    and residual.shape == x.shape)
+        assert residual is None or (
+            residual.dtype == torch.float32 and residual.is_contiguous() and residual.shape == x.shape
+        )
         out = torch.empty((rows, dim), dtype=torch.float32)
-        self._rms_norm(x.data_ptr(), x.stride(0), None if residual is None else residual.data_ptr(),
-                       weight.data_ptr(), out.data_ptr(), rows, dim, eps, torch.get_num_threads())
+        self._rms_norm(
+            x.data_ptr(),
+            x.stride(0),
+            None if residual is None else residual.data_ptr(),
+            weight.data_ptr(),
+            out.data_ptr(),
+            rows,
+            dim,
+            eps,
+            torch.get_num_threads(),
+        )
         return out
 
-    def rope_store(self, qkv: torch.Tensor, num_heads: int, kv_heads: int, cos: torch.Tensor, sin: torch.Tensor,
-                   slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    def rope_store(
+        self,
+        qkv: torch.Tensor,
+        num_heads: int,
+        kv_heads: int,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        slots: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> None:
         """Rotates the query and key heads of each ``qkv`` row ([tokens, >= (heads + 2 kv_heads) * head_dim]
         float32, rows may be strided) in place with its ``cos``/``sin`` ([tokens, head_dim / 2] each,
         contiguous; broadcast dims of size 1 allowed), then stores its K and V at cache slot
@@ -287,9 +362,20 @@ class NativeLibrary:
         assert slots.dtype == torch.int64 and slots.is_contiguous() and slots.shape == (tokens,)
         assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
         assert k_cache.shape[-2] == kv_heads and head_dim % 2 == 0
-        self._rope_store(qkv.data_ptr(), qkv.stride(0), tokens, num_heads, kv_heads, head_dim, cos.data_ptr(),
-                         sin.data_ptr(), slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                         torch.get_num_threads())
+        self._rope_store(
+            qkv.data_ptr(),
+            qkv.stride(0),
+            tokens,
+            num_heads,
+            kv_heads,
+            head_dim,
+            cos.data_ptr(),
+            sin.data_ptr(),
+            slots.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            torch.get_num_threads(),
+        )
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``silu(gate) * up`` of each row ``[gate | up]`` of ``gate_up`` ([rows, 2 * inter] float32, rows
@@ -310,8 +396,10 @@ def load() -> NativeLibrary | None:
     tried, so a failing OpenMP build costs its second or so once, not at every start."""
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
-        log.warning("no C compiler (CC=%s): CPU decode attention, linears and layer ops stay on the torch path",
-                    os.environ.get("CC", "cc"))
+        log.warning(
+            "no C compiler (CC=%s): CPU decode attention, linears and layer ops stay on the torch path",
+            os.environ.get("CC", "cc"),
+        )
         return None
     variants = sorted((THREADED, SERIAL), key=lambda v: not _target(compiler, v).exists())  # stable: cached first
     failures = []
@@ -324,6 +412,7 @@ def load() -> NativeLibrary | None:
         if failures:
             log.warning("C kernels built without OpenMP, so they run on one thread: %s", failures[0])
         return library
-    log.warning("C kernels unavailable, CPU decode attention, linears and layer ops stay on the torch path: %s",
-                failures[-1])
+    log.warning(
+        "C kernels unavailable, CPU decode attention, linears and layer ops stay on the torch path: %s", failures[-1]
+    )
     return None

@@ -39,8 +39,13 @@ class AttentionPlan:
     prefill: PrefillRows | None  # set in mixed steps only
 
 
-def plan_attention(block_tables: torch.Tensor, context_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                   cache: torch.Tensor, native: NativeLibrary | None = None) -> AttentionPlan:
+def plan_attention(
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    cache: torch.Tensor,
+    native: NativeLibrary | None = None,
+) -> AttentionPlan:
     """``cache``: any one layer's K cache (the buckets depend on its block size and bytes per token).
     ``native``: the C decode kernel, for a model it supports (else decode rows take the torch path)."""
     q_lens = query_start_loc[1:] - query_start_loc[:-1]  # [batch]
@@ -84,8 +89,19 @@ def paged_attention_reference(
     dec, pre = plan.decode_tokens, plan.prefill
     out.index_copy_(0, dec, _decode_rows(q.index_select(0, dec), k_cache, v_cache, plan.decode, scale))
     # Prefill rows: run densely repacked, put back in query order.
-    out.index_copy_(0, pre.tokens, paged_prefill_reference(
-        q.index_select(0, pre.tokens), k_cache, v_cache, pre.block_tables, pre.context_lens, pre.query_start_loc, scale))
+    out.index_copy_(
+        0,
+        pre.tokens,
+        paged_prefill_reference(
+            q.index_select(0, pre.tokens),
+            k_cache,
+            v_cache,
+            pre.block_tables,
+            pre.context_lens,
+            pre.query_start_loc,
+            scale,
+        ),
+    )
     return out
 
 

@@ -67,12 +67,14 @@ class NativeDecode:
     max_context: int
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
-        return self.library.paged_decode(q, k_cache, v_cache, self.block_tables, self.context_lens,
-                                         self.max_context, scale)
+        return self.library.paged_decode(
+            q, k_cache, v_cache, self.block_tables, self.context_lens, self.max_context, scale
+        )
 
 
-def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, cache: torch.Tensor,
-                native: NativeLibrary | None = None) -> list[DecodeBucket] | NativeDecode:
+def plan_decode(
+    block_tables: torch.Tensor, context_lens: torch.Tensor, cache: torch.Tensor, native: NativeLibrary | None = None
+) -> list[DecodeBucket] | NativeDecode:
     """How the CPU decodes a step's rows: the C kernel when ``native`` is given (the caller checked it
     supports the model), else the torch path's buckets. Either depends on the step only, so the runner
     plans once per step and every layer reuses the plan (planning in each layer was ~5% of a decode
@@ -161,16 +163,35 @@ def _decode_bucket(q, k_cache, v_cache, bucket: DecodeBucket, scale: float) -> t
 
 @triton.jit
 def _decode_kernel(
-    q_ptr, k_ptr, v_ptr, block_tables_ptr, context_lens_ptr, part_out_ptr, part_ml_ptr, out_ptr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    block_tables_ptr,
+    context_lens_ptr,
+    part_out_ptr,
+    part_ml_ptr,
+    out_ptr,
     scale_log2,  # softmax scale * log2(e): the kernel works in base 2
-    stride_qt, stride_qh,  # q: [batch, num_heads, head_dim]
-    stride_kb, stride_ks, stride_kh,  # caches: [num_blocks, block_size, kv_heads, head_dim]
-    stride_vb, stride_vs, stride_vh,
-    stride_bt_b, stride_bt_i,  # block_tables: [batch, max_blocks]
-    stride_ot, stride_oh,  # out: [batch, num_heads, head_dim]
+    stride_qt,
+    stride_qh,  # q: [batch, num_heads, head_dim]
+    stride_kb,
+    stride_ks,
+    stride_kh,  # caches: [num_blocks, block_size, kv_heads, head_dim]
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_bt_b,
+    stride_bt_i,  # block_tables: [batch, max_blocks]
+    stride_ot,
+    stride_oh,  # out: [batch, num_heads, head_dim]
     split_len,  # tokens per split, a multiple of BLOCK_N
-    NUM_SPLITS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -185,8 +206,9 @@ def _decode_kernel(
     head = kvh * GROUP + g
     g_ok = g < GROUP
     d_ok = d < HEAD_DIM
-    q = tl.load(q_ptr + b * stride_qt + head[:, None] * stride_qh + d[None, :],
-                mask=g_ok[:, None] & d_ok[None, :], other=0.0)  # [GROUP_PAD, DIM_PAD]
+    q = tl.load(
+        q_ptr + b * stride_qt + head[:, None] * stride_qh + d[None, :], mask=g_ok[:, None] & d_ok[None, :], other=0.0
+    )  # [GROUP_PAD, DIM_PAD]
     if UPCAST:
         q = q.to(tl.float32)
 
@@ -196,16 +218,35 @@ def _decode_kernel(
     for t0 in range(start, end, BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)  # token positions of this tile
         t_ok = t < end
-        k, v = load_kv_tile(k_ptr, v_ptr, block_tables_ptr + b * stride_bt_b, t, t_ok, d, d_ok, kvh,
-                            stride_bt_i, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                            PAGE_SIZE, UPCAST)  # each [BLOCK_N, DIM_PAD], loaded once for the whole group
+        k, v = load_kv_tile(
+            k_ptr,
+            v_ptr,
+            block_tables_ptr + b * stride_bt_b,
+            t,
+            t_ok,
+            d,
+            d_ok,
+            kvh,
+            stride_bt_i,
+            stride_kb,
+            stride_ks,
+            stride_kh,
+            stride_vb,
+            stride_vs,
+            stride_vh,
+            PAGE_SIZE,
+            UPCAST,
+        )  # each [BLOCK_N, DIM_PAD], loaded once for the whole group
         m_i, l_i, acc = online_softmax_step(q, k, v, t_ok[None, :], m_i, l_i, acc, scale_log2, UPCAST)
 
     row_mask = g_ok[:, None] & d_ok[None, :]
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        tl.store(out_ptr + b * stride_ot + head[:, None] * stride_oh + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=row_mask)
+        tl.store(
+            out_ptr + b * stride_ot + head[:, None] * stride_oh + d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_mask,
+        )
     else:
         # partials: out [batch, num_heads, NUM_SPLITS, DIM_PAD], (m, l) [batch, num_heads, NUM_SPLITS, 2]
         row = (b * (tl.num_programs(1) * GROUP) + head) * NUM_SPLITS + split  # [GROUP_PAD]
@@ -216,9 +257,16 @@ def _decode_kernel(
 
 @triton.jit
 def _reduce_kernel(
-    part_out_ptr, part_ml_ptr, out_ptr, stride_ot, stride_oh,
-    NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+    part_out_ptr,
+    part_ml_ptr,
+    out_ptr,
+    stride_ot,
+    stride_oh,
+    NUM_HEADS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    DIM_PAD: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -227,10 +275,10 @@ def _reduce_kernel(
     s_ok = s < NUM_SPLITS
     row = (b * NUM_HEADS + h) * NUM_SPLITS + s  # [SPLITS_PAD]
     m = tl.load(part_ml_ptr + row * 2, mask=s_ok, other=-1.0e30)
-    l = tl.load(part_ml_ptr + row * 2 + 1, mask=s_ok, other=0.0)
+    lse = tl.load(part_ml_ptr + row * 2 + 1, mask=s_ok, other=0.0)  # each split's softmax sum
     acc = tl.load(part_out_ptr + row[:, None] * DIM_PAD + d[None, :], mask=s_ok[:, None], other=0.0)
     weight = tl.exp2(m - tl.max(m, axis=0))  # empty splits have m = -1e30 and weigh 0
-    out = tl.sum(acc * weight[:, None], axis=0) / tl.sum(l * weight, axis=0)  # [DIM_PAD]
+    out = tl.sum(acc * weight[:, None], axis=0) / tl.sum(lse * weight, axis=0)  # [DIM_PAD]
     tl.store(out_ptr + b * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
@@ -243,8 +291,9 @@ def choose_num_splits(batch: int, kv_heads: int, max_ctx: int, device: torch.dev
     return max(1, min(wanted, max_ctx // _MIN_SPLIT_TOKENS, 64))
 
 
-def paged_decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale,
-                        num_splits=None, block_n=_BLOCK_N, out=None):
+def paged_decode_triton(
+    q, k_cache, v_cache, block_tables, context_lens, scale, num_splits=None, block_n=_BLOCK_N, out=None
+):
     """``num_splits``/``block_n`` override the tuning (tests); ``out`` lets a test pass a poisoned buffer."""
     batch, num_heads, head_dim = q.shape
     num_blocks, page_size, kv_heads, cache_dim = k_cache.shape
@@ -269,22 +318,48 @@ def paged_decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale,
         part_out = torch.empty((batch, num_heads, num_splits, dim_pad), dtype=torch.float32, device=q.device)
         part_ml = torch.empty((batch, num_heads, num_splits, 2), dtype=torch.float32, device=q.device)
     _decode_kernel[(batch, kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, part_out, part_ml, out,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        part_out,
+        part_ml,
+        out,
         scale * _LOG2E,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0), block_tables.stride(1),
-        out.stride(0), out.stride(1),
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        block_tables.stride(0),
+        block_tables.stride(1),
+        out.stride(0),
+        out.stride(1),
         split_len,
-        NUM_SPLITS=num_splits, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim, DIM_PAD=dim_pad, PAGE_SIZE=page_size, BLOCK_N=block_n,
+        NUM_SPLITS=num_splits,
+        GROUP=group,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim,
+        DIM_PAD=dim_pad,
+        PAGE_SIZE=page_size,
+        BLOCK_N=block_n,
         UPCAST=q.dtype == torch.float32 or not q.is_cuda,  # the CPU interpreter cannot dot bf16
     )
     if num_splits > 1:
         _reduce_kernel[(batch, num_heads)](
-            part_out, part_ml, out, out.stride(0), out.stride(1),
-            NUM_HEADS=num_heads, NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
-            HEAD_DIM=head_dim, DIM_PAD=dim_pad,
+            part_out,
+            part_ml,
+            out,
+            out.stride(0),
+            out.stride(1),
+            NUM_HEADS=num_heads,
+            NUM_SPLITS=num_splits,
+            SPLITS_PAD=triton.next_power_of_2(num_splits),
+            HEAD_DIM=head_dim,
+            DIM_PAD=dim_pad,
         )
     return out

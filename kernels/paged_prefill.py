@@ -50,15 +50,33 @@ def paged_prefill_reference(q, k_cache, v_cache, block_tables, context_lens, que
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, context_lens_ptr, query_start_ptr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    out_ptr,
+    block_tables_ptr,
+    context_lens_ptr,
+    query_start_ptr,
     scale_log2,  # softmax scale * log2(e): the kernel works in base 2
-    stride_qt, stride_qh,  # q, out: [num_tokens, num_heads, head_dim]
-    stride_ot, stride_oh,
-    stride_kb, stride_ks, stride_kh,  # caches: [num_blocks, block_size, kv_heads, head_dim]
-    stride_vb, stride_vs, stride_vh,
-    stride_bt_b, stride_bt_i,  # block_tables: [batch, max_blocks]
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-    HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    stride_qt,
+    stride_qh,  # q, out: [num_tokens, num_heads, head_dim]
+    stride_ot,
+    stride_oh,
+    stride_kb,
+    stride_ks,
+    stride_kh,  # caches: [num_blocks, block_size, kv_heads, head_dim]
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_bt_b,
+    stride_bt_i,  # block_tables: [batch, max_blocks]
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -91,19 +109,39 @@ def _prefill_kernel(
     for t0 in range(0, kv_end, BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)
         t_ok = t < kv_end
-        k, v = load_kv_tile(k_ptr, v_ptr, block_tables_ptr + b * stride_bt_b, t, t_ok, d, d_ok, kvh,
-                            stride_bt_i, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                            PAGE_SIZE, UPCAST)  # each [BLOCK_N, DIM_PAD], loaded once for the whole group
+        k, v = load_kv_tile(
+            k_ptr,
+            v_ptr,
+            block_tables_ptr + b * stride_bt_b,
+            t,
+            t_ok,
+            d,
+            d_ok,
+            kvh,
+            stride_bt_i,
+            stride_kb,
+            stride_ks,
+            stride_kh,
+            stride_vb,
+            stride_vs,
+            stride_vh,
+            PAGE_SIZE,
+            UPCAST,
+        )  # each [BLOCK_N, DIM_PAD], loaded once for the whole group
         visible = t_ok[None, :] & (t[None, :] <= q_pos[:, None])  # [ROWS, BLOCK_N]: causal within the chunk
         m_i, l_i, acc = online_softmax_step(q, k, v, visible, m_i, l_i, acc, scale_log2, UPCAST)
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=io_mask)
+    tl.store(
+        out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=io_mask,
+    )
 
 
-def paged_prefill_triton(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale,
-                         rows=_ROWS, block_n=_BLOCK_N, out=None):
+def paged_prefill_triton(
+    q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, rows=_ROWS, block_n=_BLOCK_N, out=None
+):
     """``rows``/``block_n`` override the tile sizes (tests); ``out`` lets a test pass a poisoned buffer."""
     num_tokens, num_heads, head_dim = q.shape
     num_blocks, page_size, kv_heads, cache_dim = k_cache.shape
@@ -123,14 +161,32 @@ def paged_prefill_triton(q, k_cache, v_cache, block_tables, context_lens, query_
     assert block_m * group_pad >= 16 and block_n >= 16, "tl.dot needs at least 16 rows and columns"
     max_q = int((query_start_loc[1:] - query_start_loc[:-1]).max())  # one sync: sizes the grid
     _prefill_kernel[(batch, triton.cdiv(max_q, block_m), kv_heads)](
-        q, k_cache, v_cache, out, block_tables, context_lens, query_start_loc,
+        q,
+        k_cache,
+        v_cache,
+        out,
+        block_tables,
+        context_lens,
+        query_start_loc,
         scale * _LOG2E,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0), block_tables.stride(1),
-        GROUP=group, GROUP_PAD=group_pad, BLOCK_M=block_m,
-        HEAD_DIM=head_dim, DIM_PAD=max(16, triton.next_power_of_2(head_dim)), PAGE_SIZE=page_size,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        block_tables.stride(0),
+        block_tables.stride(1),
+        GROUP=group,
+        GROUP_PAD=group_pad,
+        BLOCK_M=block_m,
+        HEAD_DIM=head_dim,
+        DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
+        PAGE_SIZE=page_size,
         BLOCK_N=block_n,
         UPCAST=q.dtype == torch.float32 or not q.is_cuda,  # the CPU interpreter cannot dot bf16
     )

@@ -25,12 +25,23 @@ def store_kv_reference(
 
 @triton.jit
 def _store_kv_kernel(
-    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
-    stride_kt, stride_kh,  # key: [num_tokens, kv_heads, head_dim], last dim contiguous
-    stride_vt, stride_vh,
-    stride_cb, stride_cs, stride_ch,  # caches: [num_blocks, block_size, kv_heads, head_dim]
-    BLOCK_SIZE: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    HEADS_PAD: tl.constexpr, DIM_PAD: tl.constexpr,
+    key_ptr,
+    value_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    stride_kt,
+    stride_kh,  # key: [num_tokens, kv_heads, head_dim], last dim contiguous
+    stride_vt,
+    stride_vh,
+    stride_cb,
+    stride_cs,
+    stride_ch,  # caches: [num_blocks, block_size, kv_heads, head_dim]
+    BLOCK_SIZE: tl.constexpr,
+    KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+    DIM_PAD: tl.constexpr,
 ):
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token).to(tl.int64)
@@ -55,9 +66,21 @@ def store_kv_triton(key, value, k_cache, v_cache, slot_mapping) -> None:
     if num_tokens == 0:
         return
     _store_kv_kernel[(num_tokens,)](
-        key, value, k_cache, v_cache, slot_mapping,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        BLOCK_SIZE=k_cache.shape[1], KV_HEADS=kv_heads, HEAD_DIM=head_dim,
-        HEADS_PAD=triton.next_power_of_2(kv_heads), DIM_PAD=triton.next_power_of_2(head_dim),
+        key,
+        value,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        BLOCK_SIZE=k_cache.shape[1],
+        KV_HEADS=kv_heads,
+        HEAD_DIM=head_dim,
+        HEADS_PAD=triton.next_power_of_2(kv_heads),
+        DIM_PAD=triton.next_power_of_2(head_dim),
     )

@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 import zmq
-
 from zmq.utils.monitor import recv_monitor_message
 
 from protocol.curve import PlaneSecurity
@@ -133,8 +132,16 @@ class InprocClient(ClientChannel):
 class ZmqServer(ServerChannel):
     """ROUTER bound to one interface; ``max_msg_size`` makes zmq drop any peer sending more."""
 
-    def __init__(self, ctx: zmq.Context, interface: str, port: int = 0, *, max_msg_size: int, hwm: int = 256,
-                 security: PlaneSecurity | None = None):
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        interface: str,
+        port: int = 0,
+        *,
+        max_msg_size: int,
+        hwm: int = 256,
+        security: PlaneSecurity | None = None,
+    ):
         self.sock = make_socket(ctx, zmq.ROUTER, hwm=hwm, max_msg_size=max_msg_size)
         self._security = security or PlaneSecurity(None)
         self._security.server(self.sock)
@@ -169,8 +176,15 @@ class ZmqServer(ServerChannel):
 class ZmqClient(ClientChannel):
     """DEALER; large frames go ``copy=False`` (the caller keeps the buffer alive until credited)."""
 
-    def __init__(self, ctx: zmq.Context, endpoint: str, *, max_msg_size: int = 1 << 20, hwm: int = 256,
-                 security: PlaneSecurity | None = None):
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        endpoint: str,
+        *,
+        max_msg_size: int = 1 << 20,
+        hwm: int = 256,
+        security: PlaneSecurity | None = None,
+    ):
         self.sock = make_socket(ctx, zmq.DEALER, hwm=hwm, max_msg_size=max_msg_size)
         (security or PlaneSecurity(None)).client(self.sock)
         self._monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)

@@ -17,9 +17,14 @@ def export_pool(tensor: torch.Tensor) -> CudaIpcHandle:
         tensor.untyped_storage()._share_cuda_()
     )
     return CudaIpcHandle(
-        device=int(device), handle=bytes(handle), storage_size_bytes=int(size), storage_offset_bytes=int(offset),
-        ref_counter_handle=bytes(ref_handle), ref_counter_offset=int(ref_offset),
-        event_handle=bytes(event_handle or b""), event_sync_required=bool(event_sync),
+        device=int(device),
+        handle=bytes(handle),
+        storage_size_bytes=int(size),
+        storage_offset_bytes=int(offset),
+        ref_counter_handle=bytes(ref_handle),
+        ref_counter_offset=int(ref_offset),
+        event_handle=bytes(event_handle or b""),
+        event_sync_required=bool(event_sync),
     )
 
 
@@ -27,8 +32,14 @@ def import_pool(handle: CudaIpcHandle, shape: tuple[int, ...], dtype: torch.dtyp
     """Map the peer's pool (contiguous ``shape``); the handle names the device it lives on."""
     torch.cuda._lazy_init()
     storage = torch.UntypedStorage._new_shared_cuda(
-        handle.device, handle.handle, handle.storage_size_bytes, handle.storage_offset_bytes,
-        handle.ref_counter_handle, handle.ref_counter_offset, handle.event_handle, handle.event_sync_required,
+        handle.device,
+        handle.handle,
+        handle.storage_size_bytes,
+        handle.storage_offset_bytes,
+        handle.ref_counter_handle,
+        handle.ref_counter_offset,
+        handle.event_handle,
+        handle.event_sync_required,
     )
     # storage_offset_bytes locates the storage inside the exporter's allocation; the rebuilt storage
     # already starts there, and the pool starts at its element 0 (export asserts it).

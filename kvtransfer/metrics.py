@@ -12,31 +12,48 @@ _BANDWIDTH_BUCKETS = tuple(float(1 << p) for p in range(24, 38, 1))  # 16 MiB/s 
 class TransferMetrics:
     def __init__(self, registry: CollectorRegistry):
         self.transfer_bytes = Histogram(
-            "pdserve:kv_transfer_bytes", "KV bytes moved per committed transfer", ["transport"],
-            buckets=_BYTE_BUCKETS, registry=registry)
+            "pdserve:kv_transfer_bytes",
+            "KV bytes moved per committed transfer",
+            ["transport"],
+            buckets=_BYTE_BUCKETS,
+            registry=registry,
+        )
         self.transfer_seconds = Histogram(
-            "pdserve:kv_transfer_seconds", "First write to commit, per transfer", ["transport"],
-            buckets=_SECOND_BUCKETS, registry=registry)
+            "pdserve:kv_transfer_seconds",
+            "First write to commit, per transfer",
+            ["transport"],
+            buckets=_SECOND_BUCKETS,
+            registry=registry,
+        )
         self.transfer_bandwidth = Histogram(
-            "pdserve:kv_transfer_bandwidth_bytes_per_second", "Bytes / seconds per transfer", ["transport"],
-            buckets=_BANDWIDTH_BUCKETS, registry=registry)
+            "pdserve:kv_transfer_bandwidth_bytes_per_second",
+            "Bytes / seconds per transfer",
+            ["transport"],
+            buckets=_BANDWIDTH_BUCKETS,
+            registry=registry,
+        )
         self.failed_transfers = Counter(
-            "pdserve:kv_transfer_failures", "Transfers that did not commit", ["side", "reason"], registry=registry)
-        self.expired_leases = Counter(
-            "pdserve:kv_lease_expired", "Reservations whose lease ran out", registry=registry)
+            "pdserve:kv_transfer_failures", "Transfers that did not commit", ["side", "reason"], registry=registry
+        )
+        self.expired_leases = Counter("pdserve:kv_lease_expired", "Reservations whose lease ran out", registry=registry)
         self.rejected_writes = Counter(
-            "pdserve:kv_rejected_writes", "Writes/commits refused: stale generation, unknown incarnation...",
-            ["reason"], registry=registry)
+            "pdserve:kv_rejected_writes",
+            "Writes/commits refused: stale generation, unknown incarnation...",
+            ["reason"],
+            registry=registry,
+        )
         self.malformed_frames = Counter(
-            "pdserve:kv_malformed_frames", "Frames rejected before decoding into a record", registry=registry)
+            "pdserve:kv_malformed_frames", "Frames rejected before decoding into a record", registry=registry
+        )
         self.blocks_held_for_peer = Gauge(
-            "pdserve:kv_blocks_held_for_peer", "Blocks reserved for incoming transfers", registry=registry)
-        self.handshakes = Counter(
-            "pdserve:kv_handshakes", "Handshakes by result", ["result"], registry=registry)
+            "pdserve:kv_blocks_held_for_peer", "Blocks reserved for incoming transfers", registry=registry
+        )
+        self.handshakes = Counter("pdserve:kv_handshakes", "Handshakes by result", ["result"], registry=registry)
         # Every frame this process refused from a peer, by reason (protocol/rejects.py); the node's server
         # loop and its transfer plane count here alike.
         self.rejected_frames = Counter(
-            "pdserve:rejected_frames", "Frames from peers refused, by reason", ["reason"], registry=registry)
+            "pdserve:rejected_frames", "Frames from peers refused, by reason", ["reason"], registry=registry
+        )
 
     def count_rejected(self, reason: str) -> None:
         self.rejected_frames.labels(reason).inc()

@@ -100,7 +100,11 @@ class OwnershipTable:
 
     # -- receiver-side calls ------------------------------------------------------------------
     def reserve(
-        self, rid: str, generation: int, block_ids: Iterable[int], sender_incarnation: str | None = None,
+        self,
+        rid: str,
+        generation: int,
+        block_ids: Iterable[int],
+        sender_incarnation: str | None = None,
         sender_key: str = "",
     ) -> Reservation:
         ids = tuple(block_ids)

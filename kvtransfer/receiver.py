@@ -37,10 +37,18 @@ from kvtransfer.pool import BlockPool
 from kvtransfer.shm_pool import SharedTensor, create_shared
 from kvtransfer.transports import FALLBACK, TRANSPORTS, Exports, Pair
 from protocol.codec import WireError, decode, encode
-from protocol.rejects import RejectLog
 from protocol.kv_messages import (
-    Abort, BlockWrite, Commit, CommitAck, Credit, CudaIpcHandle, Handshake, HandshakeReply, WriteRejected,
+    Abort,
+    BlockWrite,
+    Commit,
+    CommitAck,
+    Credit,
+    CudaIpcHandle,
+    Handshake,
+    HandshakeReply,
+    WriteRejected,
 )
+from protocol.rejects import RejectLog
 
 MAX_HEADER_BYTES = 64 * 1024
 log = logging.getLogger(__name__)
@@ -73,8 +81,9 @@ class KVReceiver:
         self._clock = clock
         self.table = OwnershipTable(self._release, clock=clock, lease_s=lease_s)
         # The fence is always shared memory: shm and cuda_ipc senders in other processes read it.
-        self._fence: SharedTensor = create_shared((pool.layout.num_blocks,), torch.int64,
-                                                    prefix=f"fence-{os.getpid()}")  # pid: a supervisor cleans up after us
+        self._fence: SharedTensor = create_shared(
+            (pool.layout.num_blocks,), torch.int64, prefix=f"fence-{os.getpid()}"
+        )  # pid: a supervisor cleans up after us
         self._peer_of: dict[bytes, str] = {}  # channel peer id -> sender incarnation
         self._key_of: dict[bytes, str] = {}  # channel peer id -> its public key at handshake
         self._transport_of: dict[str, str] = {}  # sender incarnation -> transport
@@ -84,8 +93,14 @@ class KVReceiver:
         self._has_loopback = channel.offer_loopback(pool.tensor, self._fence.tensor)
 
     # -- decode-node calls -------------------------------------------------------------------
-    def reserve(self, rid: str, generation: int, block_ids: list[int], sender_incarnation: str | None = None,
-                sender_key: str = ""):
+    def reserve(
+        self,
+        rid: str,
+        generation: int,
+        block_ids: list[int],
+        sender_incarnation: str | None = None,
+        sender_key: str = "",
+    ):
         """``sender_key``: only the peer authenticated with this key may write the range ("": any peer)."""
         self.table.reserve(rid, generation, block_ids, sender_incarnation, sender_key=sender_key)
         self._fence.tensor[torch.tensor(block_ids)] = fences.fence_token(rid, generation)
@@ -155,16 +170,26 @@ class KVReceiver:
             live = r is not None and r.state != RangeState.COMMITTED
             if live and r.sender_key and r.sender_key != self._key_of.get(peer):
                 self.rejects.reject("not_assigned", self._key_of.get(peer, ""), f"abort of {record.rid[:64]}")
-            elif live and r.sender_incarnation in (None, record.sender_incarnation):
-                if self.table.abort(record.rid, record.generation):
-                    self._fail(record.rid, record.generation, f"aborted by sender: {record.reason}", r.block_ids)
+            elif (
+                live
+                and r.sender_incarnation in (None, record.sender_incarnation)
+                and self.table.abort(record.rid, record.generation)
+            ):
+                self._fail(record.rid, record.generation, f"aborted by sender: {record.reason}", r.block_ids)
 
     def _on_handshake(self, peer: bytes, hs: Handshake, key: str = "") -> None:
         field = first_mismatch(self.compat, hs.compat)
         if field is not None:
             self.metrics.handshakes.labels("refused").inc()
-            reply = HandshakeReply(False, self.incarnation, "", 0, self.pool.layout.num_blocks,
-                                   error=describe_mismatch(self.compat, hs.compat, field), mismatched_field=field)
+            reply = HandshakeReply(
+                False,
+                self.incarnation,
+                "",
+                0,
+                self.pool.layout.num_blocks,
+                error=describe_mismatch(self.compat, hs.compat, field),
+                mismatched_field=field,
+            )
             self.channel.send(peer, [encode(reply)])
             return
         old = self._peer_of.get(peer)
@@ -177,8 +202,14 @@ class KVReceiver:
         transport = self._choose_transport(hs)
         self._transport_of[hs.sender_incarnation] = transport
         exports = Exports(self.shm_pool_name, self._fence.name, self._cuda_export)
-        reply = HandshakeReply(True, self.incarnation, transport, self.credits, self.pool.layout.num_blocks,
-                               **TRANSPORTS[transport].offer(exports))
+        reply = HandshakeReply(
+            True,
+            self.incarnation,
+            transport,
+            self.credits,
+            self.pool.layout.num_blocks,
+            **TRANSPORTS[transport].offer(exports),
+        )
         self.metrics.handshakes.labels("accepted").inc()
         self.channel.send(peer, [encode(reply)])
 
@@ -189,9 +220,13 @@ class KVReceiver:
 
     def _choose_transport(self, hs: Handshake) -> str:
         """The first of the sender's offers this pair can use (kvtransfer/transports/)."""
-        pair = Pair(same_host=hs.hostname == socket.gethostname(), has_loopback=self._has_loopback,
-                    pool_on_cuda=self.pool.tensor.is_cuda, pool_in_shm=self.shm_pool_name is not None,
-                    sender_on_cuda=hs.cuda_device is not None)
+        pair = Pair(
+            same_host=hs.hostname == socket.gethostname(),
+            has_loopback=self._has_loopback,
+            pool_on_cuda=self.pool.tensor.is_cuda,
+            pool_in_shm=self.shm_pool_name is not None,
+            sender_on_cuda=hs.cuda_device is not None,
+        )
         return next((t for t in hs.transports if t in TRANSPORTS and TRANSPORTS[t].possible(pair)), FALLBACK)
 
     def _on_write(self, peer: bytes, w: BlockWrite, frames: list) -> None:
@@ -202,8 +237,9 @@ class KVReceiver:
             self.metrics.malformed_frames.inc()
             self._reject(peer, w, Verdict.OUT_OF_RANGE)
             return
-        verdict = self.table.write(w.rid, w.generation, w.sender_incarnation, w.dst_block_ids,
-                                   key=self._key_of.get(peer, ""))
+        verdict = self.table.write(
+            w.rid, w.generation, w.sender_incarnation, w.dst_block_ids, key=self._key_of.get(peer, "")
+        )
         if verdict is Verdict.OK and w.inline:
             layout = self.pool.layout
             with warnings.catch_warnings():  # zmq frames are read-only; we copy out of them at once

@@ -133,8 +133,9 @@ class KVSender:
             hs = Handshake(self.compat, self.incarnation, socket.gethostname(), list(self.transports), device)
             self._handshake_sent = self.channel.send([encode(hs)])
         if self._clock() > self._handshake_give_up:
-            self._end_handshake(HandshakeError(
-                "no handshake reply" if self._handshake_sent else "receiver not reachable"))
+            self._end_handshake(
+                HandshakeError("no handshake reply" if self._handshake_sent else "receiver not reachable")
+            )
 
     def _on_handshake_reply(self, reply: HandshakeReply) -> None:
         if not self._handshake_sent:
@@ -205,16 +206,31 @@ class KVSender:
         for start in range(0, len(src_block_ids), piece):
             t.queued.append((src_block_ids[start : start + piece], dst_block_ids[start : start + piece]))
 
-    def commit(self, rid: str, generation: int, first_token: int | None = None, first_logprob: float | None = None,
-               top_token_ids: list[int] | None = None, top_logprobs: list[float] | None = None,
-               lora_name: str = "") -> bool:
+    def commit(
+        self,
+        rid: str,
+        generation: int,
+        first_token: int | None = None,
+        first_logprob: float | None = None,
+        top_token_ids: list[int] | None = None,
+        top_logprobs: list[float] | None = None,
+        lora_name: str = "",
+    ) -> bool:
         """Queue the commit behind the transfer's last piece. False when the transfer already ended
         (its failure event says why)."""
         t = self._transfers.get(rid)
         if t is None or t.generation != generation:
             return False
-        t.commit = Commit(rid, generation, self.incarnation, first_token, first_logprob,
-                          list(top_token_ids or []), list(top_logprobs or []), lora_name)
+        t.commit = Commit(
+            rid,
+            generation,
+            self.incarnation,
+            first_token,
+            first_logprob,
+            list(top_token_ids or []),
+            list(top_logprobs or []),
+            lora_name,
+        )
         return True
 
     def abort(self, rid: str, generation: int, reason: str = "") -> None:
@@ -244,8 +260,11 @@ class KVSender:
             return True
         if self.handshake_pending and not self._handshake_sent:
             return True
-        return any((t.queued and self._credits >= len(t.queued[0][0]))
-                   or (not t.queued and t.commit is not None and not t.commit_sent) for t in self._transfers.values())
+        return any(
+            (t.queued and self._credits >= len(t.queued[0][0]))
+            or (not t.queued and t.commit is not None and not t.commit_sent)
+            for t in self._transfers.values()
+        )
 
     def pinned_blocks(self) -> list[int]:
         pinned = []
@@ -332,8 +351,12 @@ class KVSender:
             self.needs_handshake |= msg.reason == Verdict.UNKNOWN_INCARNATION.value
             self._finish(t, False, f"rejected by receiver: {msg.reason}", released=msg.reason == Verdict.STALE.value)
         elif isinstance(msg, CommitAck):
-            self._finish(t, msg.ok, "" if msg.ok else f"commit refused: {msg.reason}",
-                         released=not msg.ok and msg.reason == Verdict.STALE.value)
+            self._finish(
+                t,
+                msg.ok,
+                "" if msg.ok else f"commit refused: {msg.reason}",
+                released=not msg.ok and msg.reason == Verdict.STALE.value,
+            )
 
     def _finish(self, t: _Transfer, ok: bool, reason: str, released: bool = False) -> None:
         t.status = TransferStatus.SUCCESS if ok else TransferStatus.FAILED

@@ -60,8 +60,10 @@ def create_shared(shape: tuple[int, ...], dtype: torch.dtype, prefix: str = "kv"
     num_bytes = numel * torch.empty((), dtype=dtype).element_size()
     free = shm_free_bytes()
     if num_bytes > free:
-        raise ShmCapacityError(f"{SHM_DIR} has {free} bytes free ({free / 2**20:.1f} MiB); the shared tensor needs "
-                               f"{num_bytes} ({num_bytes / 2**20:.1f} MiB)")
+        raise ShmCapacityError(
+            f"{SHM_DIR} has {free} bytes free ({free / 2**20:.1f} MiB); the shared tensor needs "
+            f"{num_bytes} ({num_bytes / 2**20:.1f} MiB)"
+        )
     _reserve(_path(name), num_bytes)
     flat = torch.from_file(_path(name), shared=True, size=numel, dtype=dtype)  # zero-filled new file
     return SharedTensor(name, flat.view(shape), is_owner=True)
@@ -75,8 +77,10 @@ def _reserve(path: str, num_bytes: int) -> None:
             os.posix_fallocate(fd, 0, num_bytes)
     except OSError as e:
         os.unlink(path)
-        raise ShmCapacityError(f"{SHM_DIR} could not reserve {num_bytes} bytes ({num_bytes / 2**20:.1f} MiB) for "
-                               f"a shared tensor: {e.strerror}") from None
+        raise ShmCapacityError(
+            f"{SHM_DIR} could not reserve {num_bytes} bytes ({num_bytes / 2**20:.1f} MiB) for "
+            f"a shared tensor: {e.strerror}"
+        ) from None
     finally:
         os.close(fd)
 

@@ -38,8 +38,14 @@ def main(argv: list[str] | None = None) -> int:
         return EX_CONFIG
     http = serve_http(config.prefill.host, config.prefill.http_port, server.metrics.registry, server.is_ready)
     install_drain(server.request_drain)
-    log.info("prefill worker %s: jobs at %s, http %s:%d, gateway %s", server.options.worker_id, server.address,
-             config.prefill.host, http.port, config.prefill.gateway_address)
+    log.info(
+        "prefill worker %s: jobs at %s, http %s:%d, gateway %s",
+        server.options.worker_id,
+        server.address,
+        config.prefill.host,
+        http.port,
+        config.prefill.gateway_address,
+    )
     announce_ready(http_port=http.port, address=server.address, worker_id=server.options.worker_id, pid=os.getpid())
     try:
         server.serve_forever()

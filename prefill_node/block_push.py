@@ -23,13 +23,21 @@ class BlockPush:
     next_block: int  # the job's new next_block
 
 
-def blocks_to_push(block_table: list[int], dst_block_ids: list[int], skip_tokens: int, next_block: int,
-                   end: int, num_tokens: int, block_size: int) -> BlockPush:
+def blocks_to_push(
+    block_table: list[int],
+    dst_block_ids: list[int],
+    skip_tokens: int,
+    next_block: int,
+    end: int,
+    num_tokens: int,
+    block_size: int,
+) -> BlockPush:
     """Blocks covered by ``end`` computed tokens not pushed yet (the tail too once ``end == num_tokens``)."""
     assert end <= num_tokens and len(block_table) >= cdiv(end, block_size), (end, num_tokens, len(block_table))
     first_dst = skip_tokens // block_size
     stop = cdiv(end, block_size) if end == num_tokens else end // block_size
     start = max(next_block, first_dst)
     indices = range(start, stop)
-    return BlockPush([block_table[i] for i in indices], [dst_block_ids[i - first_dst] for i in indices],
-                     max(stop, next_block))
+    return BlockPush(
+        [block_table[i] for i in indices], [dst_block_ids[i - first_dst] for i in indices], max(stop, next_block)
+    )

@@ -9,11 +9,11 @@ from configs.model_source import resolve_model
 from configs.schema import PdserveConfig
 from engine.llm import build_engine
 from kvtransfer.transports import TRANSPORTS
-from telemetry.tracing import tracer_for
 from prefill_node.metrics import PrefillMetrics
 from prefill_node.options import PrefillOptions
 from prefill_node.server import PrefillServer
 from protocol.curve import plane_security
+from telemetry.tracing import tracer_for
 from worker.gateway_links import loss_timeout_s
 from worker.identity import default_worker_id, kv_model_name
 
@@ -38,8 +38,9 @@ def resolve_model_path(config: PdserveConfig) -> str:
     return str(resolve_model(config.model.path, config.model.cache_dir))
 
 
-def build_prefill_server(config: PdserveConfig, ctx: zmq.Context,
-                         registry: CollectorRegistry | None = None) -> PrefillServer:
+def build_prefill_server(
+    config: PdserveConfig, ctx: zmq.Context, registry: CollectorRegistry | None = None
+) -> PrefillServer:
     """Raises ClusterKeyError (before loading the model) without a usable cluster key."""
     security = plane_security(config.transfer.cluster_key_file, config.transfer.insecure)
     engine = build_engine(resolve_model_path(config), config.model, config.engine, lora_cfg=config.lora)

@@ -37,8 +37,10 @@ def check_job(job: PrefillJob, limits: JobLimits, now: float) -> str:
         return f"skip_tokens {job.skip_tokens} is not a multiple of the block size {bs}"
     expected = cdiv(n - job.skip_tokens, bs)
     if len(job.dst_block_ids) != expected:
-        return (f"{len(job.dst_block_ids)} destination blocks for tokens [{job.skip_tokens}, {n}); "
-                f"expected {expected} of {bs} tokens")
+        return (
+            f"{len(job.dst_block_ids)} destination blocks for tokens [{job.skip_tokens}, {n}); "
+            f"expected {expected} of {bs} tokens"
+        )
     if len(set(job.dst_block_ids)) != expected or min(job.dst_block_ids) < 0:
         return "destination block ids must be distinct and non-negative"
     if cdiv(n, bs) > limits.num_blocks:

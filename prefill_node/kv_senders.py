@@ -38,10 +38,20 @@ MAX_OUTLIVED = 8  # receiver incarnations remembered per address as gone
 
 
 class KVSenders:
-    def __init__(self, ctx: zmq.Context, pool: KVPool, model_name: str, metrics: TransferMetrics, *,
-                 transports: tuple[str, ...], deadline_s: float, handshake_timeout_s: float = 5.0,
-                 max_frame_bytes: int = 64 << 20, clock: Callable[[], float] = time.monotonic,
-                 security: PlaneSecurity | None = None):
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        pool: KVPool,
+        model_name: str,
+        metrics: TransferMetrics,
+        *,
+        transports: tuple[str, ...],
+        deadline_s: float,
+        handshake_timeout_s: float = 5.0,
+        max_frame_bytes: int = 64 << 20,
+        clock: Callable[[], float] = time.monotonic,
+        security: PlaneSecurity | None = None,
+    ):
         self._security = security or PlaneSecurity(None)
         self._ctx = ctx
         self._pool = pool
@@ -67,7 +77,9 @@ class KVSenders:
         the HandshakeError when the receiver refused us, did not answer within the last
         ``handshake_timeout_s``, or ``incarnation`` is one that restarted since. Never blocks."""
         if incarnation in self._outlived.get(address, ()):
-            raise HandshakeError(f"the job's receiver incarnation {incarnation[:16]} is gone (its decode worker restarted)")
+            raise HandshakeError(
+                f"the job's receiver incarnation {incarnation[:16]} is gone (its decode worker restarted)"
+            )
         failed = self._failed.get(address)
         if failed is not None:
             if self._clock() < failed[1]:
@@ -81,8 +93,15 @@ class KVSenders:
                 channel = ZmqClient(self._ctx, address, max_msg_size=self._max_frame_bytes, security=self._security)
             except zmq.ZMQError as exc:
                 raise HandshakeError(f"cannot connect to {address[:80]!r}: {exc}") from None
-            sender = KVSender(self._pool, self._model_name, channel, deadline_s=self._deadline_s,
-                              transports=self._transports, metrics=self._metrics, clock=self._clock)
+            sender = KVSender(
+                self._pool,
+                self._model_name,
+                channel,
+                deadline_s=self._deadline_s,
+                transports=self._transports,
+                metrics=self._metrics,
+                clock=self._clock,
+            )
             self._senders[address] = sender
         if incarnation and not sender.needs_handshake and sender.peer_incarnation != incarnation:
             self._on_receiver_restart(address, sender, incarnation)
@@ -119,8 +138,11 @@ class KVSenders:
         return events
 
     def _on_receiver_restart(self, address: str, sender: KVSender, named: str) -> None:
-        log.info("the KV receiver at %s restarted (incarnation %s gone): handshaking again", address,
-                 sender.peer_incarnation[:16])
+        log.info(
+            "the KV receiver at %s restarted (incarnation %s gone): handshaking again",
+            address,
+            sender.peer_incarnation[:16],
+        )
         self._metrics.handshakes.labels("receiver_restarted").inc()
         self._outlive(address, sender.peer_incarnation)
         self._awaited[address] = named

@@ -17,30 +17,40 @@ class PrefillMetrics:
         self.transfer = TransferMetrics(registry)
         self.jobs = Counter("pdserve:prefill_jobs", "Prefill jobs received", registry=registry)
         self.jobs_rejected = Counter(
-            "pdserve:prefill_jobs_rejected", "Prefill jobs refused or failed (PrefillFailed sent)", ["reason"],
-            registry=registry)
+            "pdserve:prefill_jobs_rejected",
+            "Prefill jobs refused or failed (PrefillFailed sent)",
+            ["reason"],
+            registry=registry,
+        )
         self.jobs_aborted = Counter("pdserve:prefill_jobs_aborted", "Prefill jobs aborted by a peer", registry=registry)
         self.malformed_frames = Counter(
-            "pdserve:prefill_malformed_frames", "Frames on the job socket that were not a valid record",
-            registry=registry)
+            "pdserve:prefill_malformed_frames",
+            "Frames on the job socket that were not a valid record",
+            registry=registry,
+        )
         self.computed_tokens = Counter(
-            "pdserve:prefill_computed_tokens", "Prompt tokens run through the model", registry=registry)
+            "pdserve:prefill_computed_tokens", "Prompt tokens run through the model", registry=registry
+        )
         self.queued_tokens = Gauge(  # the prefill pool's autoscaling signal
-            "pdserve:prefill_queued_tokens", "Prompt tokens queued or still to compute on this worker",
-            registry=registry)
+            "pdserve:prefill_queued_tokens",
+            "Prompt tokens queued or still to compute on this worker",
+            registry=registry,
+        )
 
     def update(self, scheduler: Scheduler, num_queued: int, num_transferring: int, queued_tokens: int) -> None:
         self.queued_tokens.set(queued_tokens)
         bm: BlockManager = scheduler.block_manager
-        self.engine.update(EngineSnapshot(
-            num_running=scheduler.num_running + num_transferring,
-            num_waiting=scheduler.num_waiting + num_queued,
-            kv_blocks_total=bm.num_blocks,
-            kv_blocks_in_use=bm.num_in_use_blocks,
-            kv_blocks_free=bm.num_allocatable_blocks,
-            prefix_query_tokens=bm.num_prefix_query_tokens,
-            prefix_hit_tokens=bm.num_prefix_hit_tokens,
-            num_preemptions=scheduler.num_preemptions,
-            kv_live_slots=bm.num_live_slots,
-            block_size=bm.block_size,
-        ))
+        self.engine.update(
+            EngineSnapshot(
+                num_running=scheduler.num_running + num_transferring,
+                num_waiting=scheduler.num_waiting + num_queued,
+                kv_blocks_total=bm.num_blocks,
+                kv_blocks_in_use=bm.num_in_use_blocks,
+                kv_blocks_free=bm.num_allocatable_blocks,
+                prefix_query_tokens=bm.num_prefix_query_tokens,
+                prefix_hit_tokens=bm.num_prefix_hit_tokens,
+                num_preemptions=scheduler.num_preemptions,
+                kv_live_slots=bm.num_live_slots,
+                block_size=bm.block_size,
+            )
+        )

@@ -23,4 +23,7 @@ class PrefillOptions:
     idle_poll_ms: int = 20  # how long an idle loop waits on its sockets
 
     def __post_init__(self) -> None:
-        assert self.worker_id and self.heartbeat_s > 0 and self.gateway_timeout_s > 0 and self.transports, (self.worker_id, self.transports)
+        assert self.worker_id and self.heartbeat_s > 0 and self.gateway_timeout_s > 0 and self.transports, (
+            self.worker_id,
+            self.transports,
+        )

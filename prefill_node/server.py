@@ -65,9 +65,8 @@ from protocol.rejects import RejectLog
 from protocol.serving import AbortRequest, Goodbye, Heartbeat, LoRAAdapterSet, PrefillFailed, PrefillJob, TokenEvent
 from protocol.zmq_util import bind, make_socket
 from telemetry.tracing import NO_TRACING, Tracer
-from worker.gateway_links import GatewayLinks
 from worker.drain import Drain
-from worker.gateway_socket import WorkerSocket
+from worker.gateway_links import GatewayLinks
 from worker.heartbeat import HeartbeatTimer
 from worker.logprob_records import logprob_record, prompt_logprobs_frames
 
@@ -75,8 +74,16 @@ log = logging.getLogger(__name__)
 
 
 class PrefillServer:
-    def __init__(self, engine: LLMEngine, model_name: str, ctx: zmq.Context, options: PrefillOptions,
-                 metrics: PrefillMetrics, security: PlaneSecurity | None = None, tracer: Tracer = NO_TRACING):
+    def __init__(
+        self,
+        engine: LLMEngine,
+        model_name: str,
+        ctx: zmq.Context,
+        options: PrefillOptions,
+        metrics: PrefillMetrics,
+        security: PlaneSecurity | None = None,
+        tracer: Tracer = NO_TRACING,
+    ):
         security = security or PlaneSecurity(None)
         self.security = security
         self.rejects = RejectLog(log, metrics.transfer.count_rejected)
@@ -93,14 +100,27 @@ class PrefillServer:
         self._eos_token_ids = list(cfg.eos_token_ids)
         self.router = security.server(make_socket(ctx, zmq.ROUTER, hwm=1024, max_msg_size=options.max_frame_bytes))
         self.address = bind(self.router, options.host, options.port)  # our endpoint in heartbeats
-        self.gateway = GatewayLinks(ctx, options.gateway_address, options.worker_id, accepted=(AbortRequest, LoRAAdapterSet),
-                                    timeout_s=options.gateway_timeout_s, resolve_interval_s=options.heartbeat_s,
-                                    security=security)
+        self.gateway = GatewayLinks(
+            ctx,
+            options.gateway_address,
+            options.worker_id,
+            accepted=(AbortRequest, LoRAAdapterSet),
+            timeout_s=options.gateway_timeout_s,
+            resolve_interval_s=options.heartbeat_s,
+            security=security,
+        )
         self.lora_sync = LoRASync(engine.runner.lora)
-        self.senders = KVSenders(ctx, self.runner.kv_pool, model_name, metrics.transfer,
-                                 transports=options.transports, deadline_s=options.transfer_deadline_s,
-                                 handshake_timeout_s=options.handshake_timeout_s,
-                                 max_frame_bytes=options.max_frame_bytes, security=security)
+        self.senders = KVSenders(
+            ctx,
+            self.runner.kv_pool,
+            model_name,
+            metrics.transfer,
+            transports=options.transports,
+            deadline_s=options.transfer_deadline_s,
+            handshake_timeout_s=options.handshake_timeout_s,
+            max_frame_bytes=options.max_frame_bytes,
+            security=security,
+        )
         self.pins = BlockPins(bm)
         self.incarnation = uuid.uuid4().hex
         self.jobs: dict[str, JobState] = {}  # every live job, any phase
@@ -221,28 +241,45 @@ class PrefillServer:
         if reason and reason != "draining":
             self.rejects.reject("invalid_value", peer.hex(), f"job {job.rid[:64]}: {reason}")
         if reason:
-            self._reply_failed(peer, job.rid, job.generation, reason, label="bad_job" if reason != "draining" else "draining")
+            self._reply_failed(
+                peer, job.rid, job.generation, reason, label="bad_job" if reason != "draining" else "draining"
+            )
             return
         params = first_token_params(job.sampling)
         if reason := self.lora_error(params):  # not loaded here (yet): D retries or fails it
             self._reply_failed(peer, job.rid, job.generation, reason, label="bad_job")
             return
-        seq = Sequence(next(self._seq_ids), list(job.token_ids), params,
-                       stop_token_ids=params.stop_ids(self._eos_token_ids))
+        seq = Sequence(
+            next(self._seq_ids), list(job.token_ids), params, stop_token_ids=params.stop_ids(self._eos_token_ids)
+        )
         bs = self.block_manager.block_size
-        state = JobState(job, peer, seq, cdiv(len(job.token_ids), bs), time.monotonic(),
-                         next_block=job.skip_tokens // bs)
+        state = JobState(
+            job, peer, seq, cdiv(len(job.token_ids), bs), time.monotonic(), next_block=job.skip_tokens // bs
+        )
         if params.structured_output is not None:
             state.guide = self.new_guide_async(params)
         if self.tracer.enabled:
-            state.trace = self.tracer.request("prefill", job.traceparent, **{
-                "gen_ai.request.id": job.rid, "pdserve.worker_id": self.options.worker_id,
-                "pdserve.prompt_tokens": len(job.token_ids), "pdserve.skip_tokens": job.skip_tokens})
+            state.trace = self.tracer.request(
+                "prefill",
+                job.traceparent,
+                **{
+                    "gen_ai.request.id": job.rid,
+                    "pdserve.worker_id": self.options.worker_id,
+                    "pdserve.prompt_tokens": len(job.token_ids),
+                    "pdserve.skip_tokens": job.skip_tokens,
+                },
+            )
             state.trace.phase("queue")
         self.jobs[job.rid] = state
         self._queue.append(state)
-        log.info("rid=%s job: %d tokens, skip %d, %d dst blocks, generation %d", job.rid, len(job.token_ids),
-                 job.skip_tokens, len(job.dst_block_ids), job.generation)
+        log.info(
+            "rid=%s job: %d tokens, skip %d, %d dst blocks, generation %d",
+            job.rid,
+            len(job.token_ids),
+            job.skip_tokens,
+            len(job.dst_block_ids),
+            job.generation,
+        )
 
     # ---- admission ----
     def _admit(self) -> None:
@@ -261,10 +298,18 @@ class PrefillServer:
                 continue
             sender = self.senders.get(state.job.kv_address)
             if max(state.job.dst_block_ids) >= sender.peer_num_blocks:
-                self.rejects.reject("invalid_value", state.peer.hex(), f"job {state.rid[:64]}: destination "
-                                    f"block {max(state.job.dst_block_ids)} outside the receiver's pool")
-                self._fail(state, f"destination block {max(state.job.dst_block_ids)} is outside the receiver's "
-                                  f"pool of {sender.peer_num_blocks} blocks", label="bad_job")
+                self.rejects.reject(
+                    "invalid_value",
+                    state.peer.hex(),
+                    f"job {state.rid[:64]}: destination "
+                    f"block {max(state.job.dst_block_ids)} outside the receiver's pool",
+                )
+                self._fail(
+                    state,
+                    f"destination block {max(state.job.dst_block_ids)} is outside the receiver's "
+                    f"pool of {sender.peer_num_blocks} blocks",
+                    label="bad_job",
+                )
                 continue
             if used + state.num_blocks_needed > self.block_manager.num_blocks:
                 break  # first come, first served: no overtaking a job that waits for blocks
@@ -304,8 +349,13 @@ class PrefillServer:
             if state.trace:
                 if state.phase == JobPhase.QUEUED:
                     state.trace.phase("prefill", at_ns=started_ns)
-                state.trace.span("chunk", started_ns, start_token=seq.num_computed_tokens, num_tokens=n,
-                                 batch_tokens=batch.num_batched_tokens)
+                state.trace.span(
+                    "chunk",
+                    started_ns,
+                    start_token=seq.num_computed_tokens,
+                    num_tokens=n,
+                    batch_tokens=batch.num_batched_tokens,
+                )
             state.phase = JobPhase.PREFILLING
             end = seq.num_computed_tokens + n  # postprocess advances the counter; the KV is there now
             if not self._push(state, end) or end < len(state.job.token_ids):
@@ -321,8 +371,15 @@ class PrefillServer:
     def _push(self, state: JobState, end: int) -> bool:
         """Queue the blocks this step finished that D lacks; False when the job failed instead."""
         job, seq = state.job, state.seq
-        push = blocks_to_push(seq.block_table, job.dst_block_ids, job.skip_tokens, state.next_block, end,
-                              len(job.token_ids), self.block_manager.block_size)
+        push = blocks_to_push(
+            seq.block_table,
+            job.dst_block_ids,
+            job.skip_tokens,
+            state.next_block,
+            end,
+            len(job.token_ids),
+            self.block_manager.block_size,
+        )
         state.next_block = push.next_block
         if not push.src_block_ids:
             return True
@@ -359,8 +416,9 @@ class PrefillServer:
         if records is None:
             sender.commit(job.rid, job.generation, token, lora_name=lora_name)
         else:
-            sender.commit(job.rid, job.generation, token, lp.logprob, records[0].top_ids, records[0].top_logprobs,
-                          lora_name)
+            sender.commit(
+                job.rid, job.generation, token, lp.logprob, records[0].top_ids, records[0].top_logprobs, lora_name
+            )
         log.info("rid=%s computed; first token %d sent", job.rid, token)
 
     # ---- transfers ending ----
@@ -445,13 +503,19 @@ class PrefillServer:
         bm = self.block_manager
         num_transferring = sum(1 for s in self.jobs.values() if s.phase == JobPhase.TRANSFERRING)
         return Heartbeat(
-            worker_id=self.options.worker_id, role="prefill", address=self.address,
-            incarnation=self.incarnation, proof=self.gateway.registration_proof(self.incarnation),
-            block_size=bm.block_size, kv_blocks_total=bm.num_blocks,
-            kv_blocks_free=bm.num_allocatable_blocks, kv_blocks_in_use=bm.num_in_use_blocks,
+            worker_id=self.options.worker_id,
+            role="prefill",
+            address=self.address,
+            incarnation=self.incarnation,
+            proof=self.gateway.registration_proof(self.incarnation),
+            block_size=bm.block_size,
+            kv_blocks_total=bm.num_blocks,
+            kv_blocks_free=bm.num_allocatable_blocks,
+            kv_blocks_in_use=bm.num_in_use_blocks,
             num_running=self.scheduler.num_running + num_transferring,
             num_waiting=self.scheduler.num_waiting + len(self._queue),
-            queued_prefill_tokens=self.queued_prefill_tokens(), draining=self.draining,
+            queued_prefill_tokens=self.queued_prefill_tokens(),
+            draining=self.draining,
             **self.lora_sync.heartbeat_fields(),
         )
 

@@ -87,8 +87,10 @@ class ClusterKey:
         try:
             secret = bytes.fromhex(text)
         except ValueError:
-            raise ClusterKeyError(f"cluster key file {path}: expected {2 * SECRET_BYTES} hex characters "
-                                  "(write one with `pdserve keygen > FILE`)") from None
+            raise ClusterKeyError(
+                f"cluster key file {path}: expected {2 * SECRET_BYTES} hex characters "
+                "(write one with `pdserve keygen > FILE`)"
+            ) from None
         return cls.from_secret(secret)
 
     def registration_proof(self, client_public: bytes, worker_id: str, incarnation: str) -> str:
@@ -157,9 +159,11 @@ class PlaneSecurity:
         self._authenticators.clear()
 
 
-INSECURE_WARNING = ("WORKER PLANE NOT AUTHENTICATED OR ENCRYPTED (transfer.insecure): anyone who reaches "
-                    "this process's ports can register fake workers, read prompts and write KV; use only on a "
-                    "network nobody else can reach")
+INSECURE_WARNING = (
+    "WORKER PLANE NOT AUTHENTICATED OR ENCRYPTED (transfer.insecure): anyone who reaches "
+    "this process's ports can register fake workers, read prompts and write KV; use only on a "
+    "network nobody else can reach"
+)
 
 
 def plane_security(key_file: str, insecure: bool) -> PlaneSecurity:
@@ -169,6 +173,8 @@ def plane_security(key_file: str, insecure: bool) -> PlaneSecurity:
         log.warning(INSECURE_WARNING)
         return PlaneSecurity(None)
     if not key_file:
-        raise ClusterKeyError("no cluster key: set transfer.cluster_key_file (write one with `pdserve keygen > FILE`), "
-                              "or transfer.insecure: true on an isolated network")
+        raise ClusterKeyError(
+            "no cluster key: set transfer.cluster_key_file (write one with `pdserve keygen > FILE`), "
+            "or transfer.insecure: true on an isolated network"
+        )
     return PlaneSecurity(ClusterKey.from_file(key_file))

@@ -11,7 +11,7 @@ _TCP = re.compile(r"^tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9](?:[A-Za-z0-9.-]{0,252
 
 
 def endpoint_error(address: str) -> str:
-    """"" when ``address`` is a connectable tcp endpoint, else why not (quoting at most 80 characters)."""
+    """ "" when ``address`` is a connectable tcp endpoint, else why not (quoting at most 80 characters)."""
     if len(address) > MAX_ENDPOINT_CHARS:
         return f"endpoint of {len(address)} characters"
     match = _TCP.match(address)

@@ -41,5 +41,10 @@ class RejectLog:
         self._logged[key] = None
         while len(self._logged) > MAX_PEERS_REMEMBERED:
             self._logged.popitem(last=False)
-        self._log.warning("rejected a frame from %s (%s): %s; more like it from this peer are only counted",
-                          peer[:80] or "a peer", reason, detail[:300], exc_info=exc_info)
+        self._log.warning(
+            "rejected a frame from %s (%s): %s; more like it from this peer are only counted",
+            peer[:80] or "a peer",
+            reason,
+            detail[:300],
+            exc_info=exc_info,
+        )

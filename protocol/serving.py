@@ -296,9 +296,9 @@ class Goodbye:
 class PrefillJob:
     """decode -> prefill: compute KV for ``token_ids[skip_tokens:]`` and write it into ``dst_block_ids``.
 
-        token_ids:  [ cached on D (skip) | to transfer .......................... ]
-                    0                    skip_tokens (multiple of block size)    len(token_ids)
-        dst_block_ids[i] receives the block of tokens [skip + i*bs, skip + (i+1)*bs).
+    token_ids:  [ cached on D (skip) | to transfer .......................... ]
+                0                    skip_tokens (multiple of block size)    len(token_ids)
+    dst_block_ids[i] receives the block of tokens [skip + i*bs, skip + (i+1)*bs).
     """
 
     rid: str

@@ -13,7 +13,7 @@ import json
 import logging
 import re
 import sys
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 _RID = re.compile(r"\brid=([^\s,;)]+)")
 
@@ -28,9 +28,15 @@ class JsonFormatter(logging.Formatter):
         request_id = getattr(record, "request_id", None)
         if request_id is None and (match := _RID.search(message)):
             request_id = match.group(1)
-        line = {"time": datetime.fromtimestamp(record.created, timezone.utc).isoformat(timespec="milliseconds"),
-                "level": record.levelname, "role": self.role, "worker_id": self.worker_id,
-                "request_id": request_id, "logger": record.name, "message": message}
+        line = {
+            "time": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
+            "level": record.levelname,
+            "role": self.role,
+            "worker_id": self.worker_id,
+            "request_id": request_id,
+            "logger": record.name,
+            "message": message,
+        }
         if record.exc_info:
             line["exception"] = self.formatException(record.exc_info)
         return json.dumps(line, ensure_ascii=False, default=str)

@@ -69,16 +69,23 @@ def _any_value(value) -> bytes:
 
 
 def _attributes(number: int, attributes: dict) -> bytes:
-    return b"".join(_bytes_field(number, _bytes_field(1, k.encode()) + _bytes_field(2, _any_value(v)))
-                    for k, v in attributes.items())
+    return b"".join(
+        _bytes_field(number, _bytes_field(1, k.encode()) + _bytes_field(2, _any_value(v)))
+        for k, v in attributes.items()
+    )
 
 
 def encode_span(span: Span) -> bytes:
     out = [_bytes_field(1, span.trace_id), _bytes_field(2, span.span_id)]
     if span.parent_span_id:
         out.append(_bytes_field(4, span.parent_span_id))
-    out += [_bytes_field(5, span.name.encode()), _varint_field(6, span.kind),
-            _fixed64_field(7, span.start_ns), _fixed64_field(8, span.end_ns), _attributes(9, span.attributes)]
+    out += [
+        _bytes_field(5, span.name.encode()),
+        _varint_field(6, span.kind),
+        _fixed64_field(7, span.start_ns),
+        _fixed64_field(8, span.end_ns),
+        _attributes(9, span.attributes),
+    ]
     if span.error is not None:
         out.append(_bytes_field(15, _bytes_field(2, span.error.encode()) + _varint_field(3, STATUS_CODE_ERROR)))
     return b"".join(out)
@@ -95,8 +102,15 @@ def encode_request(resource: dict, spans: list[Span]) -> bytes:
 class OtlpHttpExporter:
     """Collects finished spans; a daemon thread posts them in batches to ``endpoint``."""
 
-    def __init__(self, endpoint: str, resource: dict, headers: dict[str, str] | None = None,
-                 delay_s: float = 1.0, max_queue: int = 4096, timeout_s: float = 10.0):
+    def __init__(
+        self,
+        endpoint: str,
+        resource: dict,
+        headers: dict[str, str] | None = None,
+        delay_s: float = 1.0,
+        max_queue: int = 4096,
+        timeout_s: float = 10.0,
+    ):
         self.endpoint = endpoint
         self._resource = resource
         self._headers = {"Content-Type": "application/x-protobuf", **(headers or {})}
@@ -126,8 +140,9 @@ class OtlpHttpExporter:
             spans, self._spans = list(self._spans), collections.deque()
         if not spans:
             return
-        request = urllib.request.Request(self.endpoint, data=encode_request(self._resource, spans),
-                                         headers=self._headers, method="POST")
+        request = urllib.request.Request(
+            self.endpoint, data=encode_request(self._resource, spans), headers=self._headers, method="POST"
+        )
         try:
             with urllib.request.urlopen(request, timeout=timeout_s or self._timeout_s) as response:
                 response.read()

@@ -84,15 +84,17 @@ class Tracer:
     def enabled(self) -> bool:
         return self.exporter is not None
 
-    def request(self, name: str, traceparent: str = "", *, kind: int = KIND_INTERNAL,
-                start_ns: int | None = None, **attributes) -> RequestTrace | None:
+    def request(
+        self, name: str, traceparent: str = "", *, kind: int = KIND_INTERNAL, start_ns: int | None = None, **attributes
+    ) -> RequestTrace | None:
         """A request's span, child of ``traceparent`` when that is valid, else a new trace's root."""
         if self.exporter is None:
             return None
         parent = parse_traceparent(traceparent)
         trace_id, parent_id = parent if parent is not None else (os.urandom(16), b"")
-        root = Span(name, trace_id, os.urandom(8), parent_id, start_ns or time.time_ns(), kind=kind,
-                    attributes=attributes)
+        root = Span(
+            name, trace_id, os.urandom(8), parent_id, start_ns or time.time_ns(), kind=kind, attributes=attributes
+        )
         return RequestTrace(self.exporter, root)
 
 
@@ -112,11 +114,13 @@ def tracer_for(role: str, worker_id: str, endpoint: str, env=os.environ) -> Trac
     try:
         delay_s = max(float(env.get("OTEL_BSP_SCHEDULE_DELAY", "1000")) / 1000, 0.01)
     except ValueError:
-        log.warning("OTEL_BSP_SCHEDULE_DELAY=%r is not a number of milliseconds; using 1000",
-                    env["OTEL_BSP_SCHEDULE_DELAY"])
+        log.warning(
+            "OTEL_BSP_SCHEDULE_DELAY=%r is not a number of milliseconds; using 1000", env["OTEL_BSP_SCHEDULE_DELAY"]
+        )
         delay_s = 1.0
-    exporter = OtlpHttpExporter(endpoint, resource, _headers(env.get("OTEL_EXPORTER_OTLP_TRACES_HEADERS", "")),
-                                delay_s=delay_s)
+    exporter = OtlpHttpExporter(
+        endpoint, resource, _headers(env.get("OTEL_EXPORTER_OTLP_TRACES_HEADERS", "")), delay_s=delay_s
+    )
     atexit.register(exporter.shutdown)
     log.info("tracing: OTLP/HTTP protobuf to %s", endpoint)
     return Tracer(exporter)

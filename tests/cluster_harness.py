@@ -31,21 +31,49 @@ def free_port() -> int:
 
 
 class ServeProcess:
-    def __init__(self, model_dir: Path, tmp: Path, num_prefill: int = 1, num_decode: int = 1, num_gateways: int = 1,
-                 extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None, **sections):
+    def __init__(
+        self,
+        model_dir: Path,
+        tmp: Path,
+        num_prefill: int = 1,
+        num_decode: int = 1,
+        num_gateways: int = 1,
+        extra_args: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
+        **sections,
+    ):
         """``extra_args``: more `pdserve serve` flags; ``env``: variables over this process's."""
         self.port = free_ports(num_gateways)
         config = dict(sections)
-        config["gateway"] = {**{"worker_port": free_ports(num_gateways), "worker_heartbeat_s": 0.2},
-                             **sections.get("gateway", {})}
+        config["gateway"] = {
+            **{"worker_port": free_ports(num_gateways), "worker_heartbeat_s": 0.2},
+            **sections.get("gateway", {}),
+        }
         self.config = config
         self.config_path = tmp / "cluster.yaml"
         self.config_path.write_text(yaml.safe_dump(config))
-        argv = [sys.executable, "-m", "cluster", "serve", "--model", str(model_dir), "--port", str(self.port),
-                "--prefill", str(num_prefill), "--decode", str(num_decode), "--gateways", str(num_gateways),
-                "--config", str(self.config_path), *extra_args]
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env={**os.environ, **(env or {})})
+        argv = [
+            sys.executable,
+            "-m",
+            "cluster",
+            "serve",
+            "--model",
+            str(model_dir),
+            "--port",
+            str(self.port),
+            "--prefill",
+            str(num_prefill),
+            "--decode",
+            str(num_decode),
+            "--gateways",
+            str(num_gateways),
+            "--config",
+            str(self.config_path),
+            *extra_args,
+        ]
+        self.proc = subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})}
+        )
         self.lines: queue.Queue[str] = queue.Queue()
         self.log: list[str] = []
         self.worker_http: dict[str, int] = {}  # worker_id -> metrics port (latest incarnation)
@@ -58,8 +86,12 @@ class ServeProcess:
             # /ready needs only one decode worker: wait for every member to register and announce itself.
             expected = {f"prefill-{i}" for i in range(num_prefill)} | {f"decode-{i}" for i in range(num_decode)}
             for url in self.urls:
-                self.wait_until(lambda: {w["id"] for w in self.workers(url)} == expected and expected <= set(self.worker_http),
-                                f"every worker registered at {url}", timeout_s=120, poll_s=0.1)
+                self.wait_until(
+                    lambda: {w["id"] for w in self.workers(url)} == expected and expected <= set(self.worker_http),
+                    f"every worker registered at {url}",
+                    timeout_s=120,
+                    poll_s=0.1,
+                )
         except BaseException:
             self.stop()  # never leave a half-started cluster behind for later tests to trip over
             raise
@@ -98,8 +130,10 @@ class ServeProcess:
         give_up = time.monotonic() + timeout_s
         while time.monotonic() < give_up:
             workers = self.workers()
-            if workers and all(w["load"]["kv_blocks_in_use"] == 0 and w["load"]["num_running"] == 0
-                               and w["load"]["num_waiting"] == 0 for w in workers):
+            if workers and all(
+                w["load"]["kv_blocks_in_use"] == 0 and w["load"]["num_running"] == 0 and w["load"]["num_waiting"] == 0
+                for w in workers
+            ):
                 self._assert_integrity_checked([w["id"] for w in workers], give_up)
                 return workers
             time.sleep(0.2)
@@ -114,7 +148,9 @@ class ServeProcess:
                 time.sleep(0.2)
                 checks = self.metric(worker_id, "pdserve:kv_integrity_checks_total")
             assert checks >= 1, f"{worker_id} never ran its idle integrity check"
-            assert self.metric(worker_id, "pdserve:kv_integrity_violations_total") == 0, f"{worker_id}: integrity violated"
+            assert self.metric(worker_id, "pdserve:kv_integrity_violations_total") == 0, (
+                f"{worker_id}: integrity violated"
+            )
 
     def metric(self, worker_id: str, name: str) -> float:
         body = urllib.request.urlopen(f"http://127.0.0.1:{self.worker_http[worker_id]}/metrics", timeout=5).read()
@@ -143,8 +179,10 @@ class ServeProcess:
             if value := predicate():
                 return value
             time.sleep(poll_s)
-        raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}; log tail:\n"
-                             + "".join([line for line in self.log if " HTTP/1.1" not in line][-40:]))
+        raise AssertionError(
+            f"timed out after {timeout_s:.0f} s waiting for {what}; log tail:\n"
+            + "".join([line for line in self.log if " HTTP/1.1" not in line][-40:])
+        )
 
     def signal(self, worker_id: str, sig: int) -> int:
         """Send ``sig`` to the worker's current process; returns its pid."""
@@ -155,8 +193,12 @@ class ServeProcess:
     def wait_restarted(self, worker_id: str, old_incarnation: str, timeout_s: float = 60.0) -> int:
         """The supervisor restarted the worker and the new process registered with the gateway (a new
         incarnation); returns the new pid."""
-        self.wait_until(lambda: (w := self.registered(worker_id)) and w["incarnation"] != old_incarnation,
-                        f"{worker_id} registered again", timeout_s, poll_s=0.2)
+        self.wait_until(
+            lambda: (w := self.registered(worker_id)) and w["incarnation"] != old_incarnation,
+            f"{worker_id} registered again",
+            timeout_s,
+            poll_s=0.2,
+        )
         return self.worker_pid[worker_id]
 
     def stop(self) -> int:
@@ -172,8 +214,11 @@ class RawStream:
         host, port = url.removeprefix("http://").split(":")
         payload = json.dumps({**body, "stream": True}).encode()
         self.sock = socket.create_connection((host, int(port)), timeout=60)
-        self.sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                          + f"content-length: {len(payload)}\r\n\r\n".encode() + payload)
+        self.sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            + f"content-length: {len(payload)}\r\n\r\n".encode()
+            + payload
+        )
         self.received = b""
 
     def read_until(self, text: bytes, count: int = 1, timeout_s: float = 60.0) -> bytes:

@@ -35,8 +35,13 @@ def library() -> cpu_native.NativeLibrary:
 
 # The engine's build, the one without OpenMP, and each vector width whatever this CPU's is (a width
 # wider than the hardware's is slow, not wrong): the code paths other machines take, run here.
-BUILDS = {"engine": None, "no-openmp": cpu_native.SERIAL, "4-lanes": cpu_native.Variant(lanes=4),
-          "8-lanes": cpu_native.Variant(lanes=8), "16-lanes": cpu_native.Variant(lanes=16)}
+BUILDS = {
+    "engine": None,
+    "no-openmp": cpu_native.SERIAL,
+    "4-lanes": cpu_native.Variant(lanes=4),
+    "8-lanes": cpu_native.Variant(lanes=8),
+    "16-lanes": cpu_native.Variant(lanes=16),
+}
 
 
 @pytest.fixture(scope="session", params=list(BUILDS))
@@ -72,9 +77,12 @@ def backend(live):
 @pytest.fixture
 def answering(backend, hf_tok):
     """Makes the backend generate ``text``."""
+
     def answer(text: str) -> None:
         backend.output_ids = hf_tok.encode(text, add_special_tokens=False)
+
     return answer
+
 
 @pytest.fixture
 def client(live, backend):
@@ -83,8 +91,9 @@ def client(live, backend):
 
     from tests.fake_backend import API_KEYS
 
-    return openai.OpenAI(base_url=live.base_url + "/v1", api_key=API_KEYS[0], max_retries=0,
-                         _strict_response_validation=True)
+    return openai.OpenAI(
+        base_url=live.base_url + "/v1", api_key=API_KEYS[0], max_retries=0, _strict_response_validation=True
+    )
 
 
 @pytest.fixture(scope="module")
@@ -103,8 +112,22 @@ def redis_url(tmp_path_factory):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([exe, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no",
-                             "--dir", str(tmp_path_factory.mktemp("redis"))], stdout=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            exe,
+            "--bind",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(tmp_path_factory.mktemp("redis")),
+        ],
+        stdout=subprocess.DEVNULL,
+    )
     url = f"redis://127.0.0.1:{port}/0"
     client = redis.Redis.from_url(url)
     give_up = time.monotonic() + 30

@@ -16,11 +16,19 @@ from tests.model_factory import tiny_model_dir
 
 def decode_config(gateway_address: str, **engine):
     overrides = {
-        "model.path": str(tiny_model_dir("llama")), "model.max_model_len": 256,
-        "engine.block_size": 4, "engine.num_kv_blocks": 32, "engine.max_num_batched_tokens": 64,
-        "engine.prefill_chunk_size": 16, "engine.num_threads": 1,
-        "decode.gateway_address": gateway_address, "decode.kv_port": 0, "decode.http_port": 0,
-        "decode.worker_id": "d0", "gateway.worker_heartbeat_s": 0.2, "transfer.lease_seconds": 10,
+        "model.path": str(tiny_model_dir("llama")),
+        "model.max_model_len": 256,
+        "engine.block_size": 4,
+        "engine.num_kv_blocks": 32,
+        "engine.max_num_batched_tokens": 64,
+        "engine.prefill_chunk_size": 16,
+        "engine.num_threads": 1,
+        "decode.gateway_address": gateway_address,
+        "decode.kv_port": 0,
+        "decode.http_port": 0,
+        "decode.worker_id": "d0",
+        "gateway.worker_heartbeat_s": 0.2,
+        "transfer.lease_seconds": 10,
         "transfer.insecure": True,  # the fakes here speak plain ZeroMQ; tests/test_hostile_peers.py runs CURVE
     }
     overrides.update({f"engine.{k}": v for k, v in engine.items()})

@@ -34,11 +34,15 @@ CHAT_TEMPLATE = (
     "<|assistant|>\n"
     "{% endif %}"
 )
-TRAINING_TEXT = ("The quick brown fox jumps over the lazy dog. Hello world, hello there! "
-                 "Stop here. A cat sat on the mat and it was happy. ") * 20
+TRAINING_TEXT = (
+    "The quick brown fox jumps over the lazy dog. Hello world, hello there! "
+    "Stop here. A cat sat on the mat and it was happy. "
+) * 20
 
 
-def make_test_tokenizer(directory: Path, chat_template: str = CHAT_TEMPLATE, more_special: tuple[str, ...] = ()) -> Path:
+def make_test_tokenizer(
+    directory: Path, chat_template: str = CHAT_TEMPLATE, more_special: tuple[str, ...] = ()
+) -> Path:
     """Byte-level BPE trained in memory, saved the way real checkpoints are (transformers' save_pretrained);
     ``more_special``: more special tokens (a model's markers, e.g. Mistral's [TOOL_CALLS])."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -47,8 +51,11 @@ def make_test_tokenizer(directory: Path, chat_template: str = CHAT_TEMPLATE, mor
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  special_tokens=["<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>", *more_special])
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=["<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>", *more_special],
+    )
     tok.train_from_iterator([TRAINING_TEXT], trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
     fast.chat_template = chat_template
@@ -104,9 +111,10 @@ class FakeBackend(Backend):
 
     def _logprobs(self, start: int, ids: list[int], k: int) -> list[TokenLogprob]:
         # the sampled token first among its top-k, then the ids after it, each a bit less likely
-        return [TokenLogprob(t, self.logprob_of(start + i),
-                             [(t + j, self.logprob_of(start + i) - j) for j in range(k)])
-                for i, t in enumerate(ids)]
+        return [
+            TokenLogprob(t, self.logprob_of(start + i), [(t + j, self.logprob_of(start + i) - j) for j in range(k)])
+            for i, t in enumerate(ids)
+        ]
 
     @staticmethod
     def prompt_logprob_of(position: int) -> tuple[float, int]:
@@ -119,8 +127,9 @@ class FakeBackend(Backend):
         """The top ``k`` at prompt position ``position``: the prompt token at its rank, other ids (single
         bytes, valid in any byte-level vocabulary) around it, each 0.25 less likely than the one before."""
         logprob, rank = FakeBackend.prompt_logprob_of(position)
-        return [(token_id if j == rank - 1 else (token_id + 1 + j) % 256, logprob + 0.25 * (rank - 1 - j))
-                for j in range(k)]
+        return [
+            (token_id if j == rank - 1 else (token_id + 1 + j) % 256, logprob + 0.25 * (rank - 1 - j)) for j in range(k)
+        ]
 
     def _prompt_logprobs(self, prompt: list[int], k: int) -> list[TokenLogprob]:
         out = []
@@ -142,8 +151,9 @@ class FakeBackend(Backend):
         out = self.output_ids[: s.max_tokens]
         finish = "length" if len(out) < len(self.output_ids) else "stop"
         cached = self._cached_tokens(request.prompt_token_ids, request.sampling.cache_salt)
-        prompt_logprobs = (None if s.prompt_logprobs is None
-                           else self._prompt_logprobs(request.prompt_token_ids, s.prompt_logprobs))
+        prompt_logprobs = (
+            None if s.prompt_logprobs is None else self._prompt_logprobs(request.prompt_token_ids, s.prompt_logprobs)
+        )
         for start in range(0, len(out), self.tokens_per_event):
             if self.error_after_tokens is not None and start >= self.error_after_tokens:
                 yield CompletionEvent(error="decode worker lost")
@@ -153,19 +163,24 @@ class FakeBackend(Backend):
             ids = out[start : start + self.tokens_per_event]
             last = start + len(ids) >= len(out)
             for index in range(s.n):
-                yield CompletionEvent(index, ids,
-                                 self._logprobs(start, ids, s.logprobs) if s.logprobs is not None else None,
-                                 finish_reason=finish if last else None,
-                                 num_cached_tokens=cached if start == 0 else None,
-                                 queue_time_s=0.001 if start == 0 else None,
-                                 prompt_logprobs=prompt_logprobs if start == 0 else None)
+                yield CompletionEvent(
+                    index,
+                    ids,
+                    self._logprobs(start, ids, s.logprobs) if s.logprobs is not None else None,
+                    finish_reason=finish if last else None,
+                    num_cached_tokens=cached if start == 0 else None,
+                    queue_time_s=0.001 if start == 0 else None,
+                    prompt_logprobs=prompt_logprobs if start == 0 else None,
+                )
 
 
 class LiveServer:
     """The app served by a real uvicorn on 127.0.0.1 (ephemeral port) in a background thread."""
 
     def __init__(self, app, lifespan: str = "off", **uvicorn_options) -> None:
-        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan=lifespan, **uvicorn_options)
+        config = uvicorn.Config(
+            app, host="127.0.0.1", port=0, log_level="warning", lifespan=lifespan, **uvicorn_options
+        )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
@@ -189,8 +204,15 @@ MODEL = "test-model"
 API_KEYS = ["key-one", "key-two"]
 
 
-def make_gateway(tokenizer_dir: Path, max_model_len: int = 64, max_body_bytes: int = 1 << 16, registry=None,
-                 request_timeout_s: float | None = None, limits_given: dict | None = None, **params_given):
+def make_gateway(
+    tokenizer_dir: Path,
+    max_model_len: int = 64,
+    max_body_bytes: int = 1 << 16,
+    registry=None,
+    request_timeout_s: float | None = None,
+    limits_given: dict | None = None,
+    **params_given,
+):
     """The app over a FakeBackend answering OUTPUT_TEXT; returns (app, backend). ``params_given``: other
     GatewayParams fields (chat_parsers, response_store, allowed_origins); ``limits_given``: other
     ServingLimits fields."""
@@ -200,10 +222,17 @@ def make_gateway(tokenizer_dir: Path, max_model_len: int = 64, max_body_bytes: i
 
     tokenizer = Tokenizer(tokenizer_dir)
     backend = FakeBackend(output_ids=tokenizer.encode(OUTPUT_TEXT, add_special_tokens=False))
-    limits = ServingLimits(model_name=MODEL, max_model_len=max_model_len, max_concurrent_requests=8,
-                           retry_after_s=3, request_timeout_s=request_timeout_s, **(limits_given or {}))
-    params = GatewayParams(tokenizer, backend, limits, api_keys=list(API_KEYS), max_body_bytes=max_body_bytes,
-                           registry=registry)
+    limits = ServingLimits(
+        model_name=MODEL,
+        max_model_len=max_model_len,
+        max_concurrent_requests=8,
+        retry_after_s=3,
+        request_timeout_s=request_timeout_s,
+        **(limits_given or {}),
+    )
+    params = GatewayParams(
+        tokenizer, backend, limits, api_keys=list(API_KEYS), max_body_bytes=max_body_bytes, registry=registry
+    )
     for name, value in params_given.items():
         setattr(params, name, value)
     return build_app(params), backend

@@ -30,8 +30,9 @@ def key_holder(key_file: str) -> PlaneSecurity:
     return PlaneSecurity(ClusterKey.from_file(key_file))
 
 
-def dealer(ctx: zmq.Context, endpoint: str, security: PlaneSecurity | None = None,
-           identity: bytes | None = None) -> zmq.Socket:
+def dealer(
+    ctx: zmq.Context, endpoint: str, security: PlaneSecurity | None = None, identity: bytes | None = None
+) -> zmq.Socket:
     sock = make_socket(ctx, zmq.DEALER)
     if security is not None:
         security.client(sock)
@@ -41,13 +42,15 @@ def dealer(ctx: zmq.Context, endpoint: str, security: PlaneSecurity | None = Non
     return sock
 
 
-def heartbeat(worker_id: str, role: str, address: str, incarnation: str, proof: str = "",
-              draining: bool = False) -> Heartbeat:
+def heartbeat(
+    worker_id: str, role: str, address: str, incarnation: str, proof: str = "", draining: bool = False
+) -> Heartbeat:
     return Heartbeat(worker_id, role, address, incarnation, 16, 64, 64, 0, 0, 0, 0, draining=draining, proof=proof)
 
 
-def register(sock: zmq.Socket, security: PlaneSecurity, worker_id: str, role: str, address: str,
-             draining: bool = False) -> str:
+def register(
+    sock: zmq.Socket, security: PlaneSecurity, worker_id: str, role: str, address: str, draining: bool = False
+) -> str:
     """Send a Heartbeat with a valid membership proof for ``security``'s key; returns the incarnation."""
     incarnation = uuid.uuid4().hex
     proof = security.registration_proof(worker_id, incarnation)
@@ -58,15 +61,17 @@ def register(sock: zmq.Socket, security: PlaneSecurity, worker_id: str, role: st
 def tiny_layout(block_size: int, num_blocks: int = 64) -> KVLayout:
     config = json.loads((tiny_model_dir("llama") / "config.json").read_text())
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    return KVLayout(config["num_hidden_layers"], num_blocks, block_size, config["num_key_value_heads"], head_dim,
-                    torch.float32)
+    return KVLayout(
+        config["num_hidden_layers"], num_blocks, block_size, config["num_key_value_heads"], head_dim, torch.float32
+    )
 
 
 def kv_sender(ctx: zmq.Context, kv_address: str, security: PlaneSecurity, block_size: int) -> KVSender:
     """The project's own KV sender, over zmq, with the attacker's key; handshaken."""
     pool = KVPool(tiny_layout(block_size), tensor=torch.full(tiny_layout(block_size).shape, 7.0))
-    sender = KVSender(pool, MODEL, ZmqClient(ctx, kv_address, max_msg_size=64 << 20, security=security),
-                      transports=("zmq",))
+    sender = KVSender(
+        pool, MODEL, ZmqClient(ctx, kv_address, max_msg_size=64 << 20, security=security), transports=("zmq",)
+    )
     sender.handshake(timeout_s=30)
     return sender
 

@@ -33,8 +33,15 @@ def tiny_adapter_dir(name: str, family: str = "llama", seed: int = 0) -> Path:
     from peft import LoraConfig, get_peft_model
 
     rank, alpha, rslora, targets = ADAPTERS[name]
-    config = LoraConfig(r=rank, lora_alpha=alpha, use_rslora=rslora, target_modules=list(targets),
-                        lora_dropout=0.0, bias="none", task_type="CAUSAL_LM")
+    config = LoraConfig(
+        r=rank,
+        lora_alpha=alpha,
+        use_rslora=rslora,
+        target_modules=list(targets),
+        lora_dropout=0.0,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
     model = get_peft_model(_base(family), config)
     g = torch.Generator().manual_seed(zlib.crc32(f"{name}-{seed}".encode()))  # not hash(): salted per process
     with torch.no_grad():
@@ -58,7 +65,13 @@ def peft_greedy(family: str, adapter: str, prompts: list[list[int]], max_new_tok
     for prompt in prompts:
         ids = torch.tensor([prompt])
         with torch.no_grad():
-            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                 do_sample=False, eos_token_id=None, pad_token_id=0)
-        outputs.append(out[0, len(prompt):].tolist())
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+        outputs.append(out[0, len(prompt) :].tolist())
     return outputs

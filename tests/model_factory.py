@@ -44,7 +44,16 @@ def added_tokens_model_dir() -> Path:
     tok["model"]["merges"] = [[a, b] for a, b in pairs if a in vocab and b in vocab and a + b in vocab]
     for token_id, content in ((ADDED_IN_GAP_ID, "<|extra_0|>"), (ADDED_PAST_EMBEDDING_ID, "<|extra_1|>")):
         vocab[content] = token_id  # in the vocabulary too, or the library renumbers it to the next free id
-        tok["added_tokens"].append({"id": token_id, "content": content, "single_word": False, "lstrip": False,
-                                    "rstrip": False, "normalized": False, "special": True})
+        tok["added_tokens"].append(
+            {
+                "id": token_id,
+                "content": content,
+                "single_word": False,
+                "lstrip": False,
+                "rstrip": False,
+                "normalized": False,
+                "special": True,
+            }
+        )
     path.write_text(json.dumps(tok), encoding="utf-8")
     return out

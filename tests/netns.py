@@ -49,7 +49,9 @@ class Network:
         self.links: list[str] = []
         self.veths: dict[str, str] = {}  # host name -> its veth's bridge end
         self.forward_rule: list[str] | None = None  # the iptables FORWARD rule we added, removed on close
-        self.isolated = os.geteuid() == 0 and shutil.which("ip") is not None and not os.environ.get("MULTIHOST_LOOPBACK")
+        self.isolated = (
+            os.geteuid() == 0 and shutil.which("ip") is not None and not os.environ.get("MULTIHOST_LOOPBACK")
+        )
         if self.isolated:
             try:
                 _run("ip", "link", "add", self.bridge, "type", "bridge")
@@ -62,7 +64,10 @@ class Network:
                 self.reason = f"cannot create a bridge: {getattr(exc, 'stderr', exc)}"
         else:
             self.reason = "not root, no `ip` command, or MULTIHOST_LOOPBACK set"
-        print(f"multihost: {'network namespaces on bridge ' + self.bridge if self.isolated else 'LOOPBACK fallback: ' + self.reason}")
+        print(
+            "multihost: "
+            + (f"network namespaces on bridge {self.bridge}" if self.isolated else f"LOOPBACK fallback: {self.reason}")
+        )
 
     def _accept_bridged_traffic(self) -> None:
         """Where bridged frames pass iptables (br_netfilter), a FORWARD policy of DROP (dockerd sets
@@ -90,7 +95,11 @@ class Network:
         self.veths[name] = veth
         _run("ip", "link", "set", veth, "master", self.bridge, "up")
         address = SUBNET.format(self.net, index)
-        for cmd in (["addr", "add", f"{address}/24", "dev", "eth0"], ["link", "set", "eth0", "up"], ["link", "set", "lo", "up"]):
+        for cmd in (
+            ["addr", "add", f"{address}/24", "dev", "eth0"],
+            ["link", "set", "eth0", "up"],
+            ["link", "set", "lo", "up"],
+        ):
             _run("ip", "netns", "exec", ns, "ip", *cmd)
         etc = Path("/etc/netns") / ns  # `ip netns exec` mounts this over /etc: the gateway's name resolves
         etc.mkdir(parents=True, exist_ok=True)
@@ -118,7 +127,9 @@ class HostProcess:
 
     def __init__(self, address: str, argv: list[str], env: dict[str, str] | None = None):
         self.address = address
-        self.proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.proc = subprocess.Popen(
+            argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
         self.log: list[str] = []
         self.http_port: int | None = None
         threading.Thread(target=self._read, daemon=True).start()

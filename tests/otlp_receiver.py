@@ -7,8 +7,10 @@ import threading
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (ExportTraceServiceRequest,
-                                                                      ExportTraceServiceResponse)
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,7 +69,17 @@ def _spans_of(request: ExportTraceServiceRequest) -> list[ReceivedSpan]:
         for scope_spans in resource_spans.scope_spans:
             for s in scope_spans.spans:
                 error = s.status.message if s.status.code == s.status.STATUS_CODE_ERROR else None
-                out.append(ReceivedSpan(resource["service.name"], s.name, s.trace_id.hex(), s.span_id.hex(),
-                                        s.parent_span_id.hex(), s.start_time_unix_nano, s.end_time_unix_nano,
-                                        {kv.key: _value(kv.value) for kv in s.attributes}, error))
+                out.append(
+                    ReceivedSpan(
+                        resource["service.name"],
+                        s.name,
+                        s.trace_id.hex(),
+                        s.span_id.hex(),
+                        s.parent_span_id.hex(),
+                        s.start_time_unix_nano,
+                        s.end_time_unix_nano,
+                        {kv.key: _value(kv.value) for kv in s.attributes},
+                        error,
+                    )
+                )
     return out

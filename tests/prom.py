@@ -8,8 +8,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 def samples(text: str, name: str, **labels: str) -> list[float]:
     """The values of every sample ``name`` whose labels include ``labels``."""
-    return [s.value for family in text_string_to_metric_families(text) for s in family.samples
-            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())]
+    return [
+        s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+    ]
 
 
 def total(text: str, name: str, **labels: str) -> float:

@@ -50,7 +50,7 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
@@ -221,8 +221,12 @@ def run_soak(minutes: float = 2.0, concurrency: int = 8, warmup_s: float = 20.0,
     mix = RequestMix(LLM(str(model), block_size=BLOCK))
     result = SoakResult(minutes, warmup_s, concurrency, topology="1 prefill + 1 decode")
     with tempfile.TemporaryDirectory(prefix="pdserve-soak-") as tmp:
-        serve = ServeProcess(model, Path(tmp), engine={"block_size": BLOCK, "num_kv_blocks": 256},
-                             gateway={"local_prefill_max_tokens": 0})
+        serve = ServeProcess(
+            model,
+            Path(tmp),
+            engine={"block_size": BLOCK, "num_kv_blocks": 256},
+            gateway={"local_prefill_max_tokens": 0},
+        )
         try:
             target = Target(serve.url, str(model))
             log(f"soak: warm-up {warmup_s:.0f} s, {concurrency} streams")
@@ -249,8 +253,9 @@ def run_soak(minutes: float = 2.0, concurrency: int = 8, warmup_s: float = 20.0,
     p99 = {"first_quarter": percentile(first, 99), "last_quarter": percentile(last, 99)}
     result.latency_p99_s = {**p99, "ratio": p99["last_quarter"] / p99["first_quarter"]}
     result.latency_p50_s = {"first_quarter": percentile(first, 50), "last_quarter": percentile(last, 50)}
-    result.rss_kb = {n: {"start": rss_start[n], "end": rss_end[n], "growth": rss_end[n] / rss_start[n] - 1}
-                     for n in pids}
+    result.rss_kb = {
+        n: {"start": rss_start[n], "end": rss_end[n], "growth": rss_end[n] / rss_start[n] - 1} for n in pids
+    }
     result.fds = {n: {"start": fds_start[n], "end": fds_end[n]} for n in pids}
     judge(result, pids, pids_end)
     return result
@@ -268,8 +273,13 @@ def report(result: SoakResult, command: str) -> dict:
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
     mem_kb = int(next(line.split()[1] for line in open("/proc/meminfo") if line.startswith("MemTotal:")))
     machine = f"{os.cpu_count()} cores of {cpu}, {mem_kb >> 20} GiB, {platform.platform()}, no GPU used"
-    return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine,
-            "command": command, **asdict(result), "verdict": result.verdict}
+    return {
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "machine": machine,
+        "command": command,
+        **asdict(result),
+        "verdict": result.verdict,
+    }
 
 
 def main(argv: list[str]) -> int:

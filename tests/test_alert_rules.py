@@ -35,8 +35,14 @@ def test_every_alert_has_a_unit_test_and_reads_exported_series():
     rules = [r for g in yaml.safe_load((PROMETHEUS / "alerts.yml").read_text())["groups"] for r in g["rules"]]
     tests = yaml.safe_load((PROMETHEUS / "alerts_test.yml").read_text())["tests"]
     fired = {a["alertname"] for t in tests for a in t["alert_rule_test"] if a["exp_alerts"]}
-    asked = {"PdserveKVIntegrityViolation", "PdserveKVTransferFailures", "PdserveWorkerLost", "PdserveNoDecodeWorkers",
-             "PdserveKVCacheNearFull", "PdserveTTFTSLO"}  # integrity, transfers, lost workers, KV full, TTFT SLO
+    asked = {
+        "PdserveKVIntegrityViolation",
+        "PdserveKVTransferFailures",
+        "PdserveWorkerLost",
+        "PdserveNoDecodeWorkers",
+        "PdserveKVCacheNearFull",
+        "PdserveTTFTSLO",
+    }  # integrity, transfers, lost workers, KV full, TTFT SLO
     assert asked <= fired <= {r["alert"] for r in rules}
     used = {m for r in rules for m in re.findall(r"(?:pdserve|vllm):[a-z0-9_]+", r["expr"])}
     assert used <= exported_metric_names(), used - exported_metric_names()

@@ -20,8 +20,9 @@ from benchmarks.serve_procs import CLOCK_TICKS, parse_stat, parse_vm_hwm_mb, sam
 
 
 def timeline(index: int, send: float, chunks: list[float], tokens: int, tag: str = "mixed") -> RequestTimeline:
-    return RequestTimeline(index, tag, prompt_len=10, expected_output_len=tokens, send_s=send,
-                           chunk_s=chunks, output_tokens=tokens)
+    return RequestTimeline(
+        index, tag, prompt_len=10, expected_output_len=tokens, send_s=send, chunk_s=chunks, output_tokens=tokens
+    )
 
 
 def test_single_request_metrics_follow_vllm_definitions():
@@ -70,9 +71,11 @@ def test_kv_utilization_is_a_ratio_of_sums():
 
 
 def test_parse_metric_sums_labelled_samples():
-    body = ("# HELP pdserve:kv_blocks_in_use x\npdserve:kv_blocks_in_use 12.0\n"
-            "pdserve:kv_blocks_in_use_total 99\npdserve:request_success_total{finished_reason=\"length\"} 3.0\n"
-            "pdserve:request_success_total{finished_reason=\"stop\"} 2.0\n")
+    body = (
+        "# HELP pdserve:kv_blocks_in_use x\npdserve:kv_blocks_in_use 12.0\n"
+        'pdserve:kv_blocks_in_use_total 99\npdserve:request_success_total{finished_reason="length"} 3.0\n'
+        'pdserve:request_success_total{finished_reason="stop"} 2.0\n'
+    )
     assert parse_metric(body, "pdserve:kv_blocks_in_use") == 12.0
     assert parse_metric(body, "pdserve:request_success_total") == 5.0
 
@@ -155,26 +158,42 @@ def test_interference_sample_supports_its_p99(quick):
 
 def test_select_narrows_the_plan_and_overrides_every_system():
     full = P.plan(quick=True)
-    picked = P.select(full, ["coloc", "disagg"], ["interference", "prefix"],
-                      ["gateway.local_prefill_max_tokens=0", "engine.prefill_chunk_size=256", "engine.max_num_seqs=8"])
-    assert [(s.name, s.workloads) for s in picked.systems] == [("disagg", ("prefix", "interference")),
-                                                              ("coloc", ("interference",))]  # quick coloc has no prefix
+    picked = P.select(
+        full,
+        ["coloc", "disagg"],
+        ["interference", "prefix"],
+        ["gateway.local_prefill_max_tokens=0", "engine.prefill_chunk_size=256", "engine.max_num_seqs=8"],
+    )
+    assert [(s.name, s.workloads) for s in picked.systems] == [
+        ("disagg", ("prefix", "interference")),
+        ("coloc", ("interference",)),
+    ]  # quick coloc has no prefix
     for spec in picked.systems:
         assert spec.sections["gateway"] == {"local_prefill_max_tokens": 0}
-        assert spec.sections["engine"] == {"enable_prefix_caching": True, "max_num_seqs": 8,
-                                           "kv_cache_memory_mb": 1024, "prefill_chunk_size": 256}
+        assert spec.sections["engine"] == {
+            "enable_prefix_caching": True,
+            "max_num_seqs": 8,
+            "kv_cache_memory_mb": 1024,
+            "prefill_chunk_size": 256,
+        }
         assert spec.sections["model"] == {"max_model_len": 4096}
     assert (picked.short_requests, picked.num_bursts) == (full.short_requests, full.num_bursts)
     assert P.select(full) == full
     assert full.systems[0].sections["engine"]["max_num_seqs"] == 64  # the plan itself is untouched
 
 
-@pytest.mark.parametrize("args, message", [
-    ((["disag"], None, []), "unknown system(s) ['disag']; choose from ['disagg', 'coloc', 'nocache']"),
-    ((None, ["mixed"], []), "unknown workload(s) ['mixed']"),
-    ((None, None, ["local_prefill_max_tokens=0"]), "override 'local_prefill_max_tokens=0' is not SECTION.KEY=VALUE"),
-    ((None, None, ["gateway.x"]), "override 'gateway.x' is not SECTION.KEY=VALUE"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ((["disag"], None, []), "unknown system(s) ['disag']; choose from ['disagg', 'coloc', 'nocache']"),
+        ((None, ["mixed"], []), "unknown workload(s) ['mixed']"),
+        (
+            (None, None, ["local_prefill_max_tokens=0"]),
+            "override 'local_prefill_max_tokens=0' is not SECTION.KEY=VALUE",
+        ),
+        ((None, None, ["gateway.x"]), "override 'gateway.x' is not SECTION.KEY=VALUE"),
+    ],
+)
 def test_select_names_what_is_wrong(args, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         P.select(P.plan(quick=False), *args)
@@ -196,12 +215,30 @@ def test_base_url_measures_a_running_server_with_the_same_workloads(tok_dir, tmp
     limits = ServingLimits(MODEL, 1 << 20, max_concurrent_requests=256)  # no 503: every request is answered
     with live_gateway(tok_dir, limits=limits) as live:
         text_tokens = len(live.backend.output_ids)
-        assert main(["--base-url", f"{live.base_url}/v1", "--api-key", API_KEYS[0], "--model", str(tok_dir),
-                     "--quick", "--workloads", "mixed_closed", "--json", str(tmp_path / "out.json")]) == 0
+        assert (
+            main(
+                [
+                    "--base-url",
+                    f"{live.base_url}/v1",
+                    "--api-key",
+                    API_KEYS[0],
+                    "--model",
+                    str(tok_dir),
+                    "--quick",
+                    "--workloads",
+                    "mixed_closed",
+                    "--json",
+                    str(tmp_path / "out.json"),
+                ]
+            )
+            == 0
+        )
         metrics = httpx.get(f"{live.base_url}/metrics").text
     runs = json.loads((tmp_path / "out.json").read_text())["runs"]
     assert [(r["system"], r["workload"], r["load"]) for r in runs] == [
-        ("endpoint", "mixed", "closed c=16"), ("endpoint", "mixed", "all at once")]
+        ("endpoint", "mixed", "closed c=16"),
+        ("endpoint", "mixed", "all at once"),
+    ]
     plan = P.plan(quick=True)
     sent = [W.paced_mixed(300, plan.closed_requests, 0), W.mixed(300, plan.closed_requests, 0)]
     assert [r["num_requests"] for r in runs] == [len(s) for s in sent]
@@ -213,8 +250,10 @@ def test_base_url_measures_a_running_server_with_the_same_workloads(tok_dir, tmp
 
 def test_insecure_twins_run_each_system_with_and_without_curve():
     picked = P.with_insecure_twins(P.select(P.plan(quick=True), ["disagg"], ["mixed_closed"]))
-    assert [(s.name, s.workloads) for s in picked.systems] == [("disagg", ("mixed_closed",)),
-                                                               ("disagg-insecure", ("mixed_closed",))]
+    assert [(s.name, s.workloads) for s in picked.systems] == [
+        ("disagg", ("mixed_closed",)),
+        ("disagg-insecure", ("mixed_closed",)),
+    ]
     assert "transfer" not in picked.systems[0].sections
     assert picked.systems[1].sections["transfer"] == {"insecure": True}
     assert picked.systems[1].sections["engine"] == picked.systems[0].sections["engine"]

@@ -12,8 +12,15 @@ from benchmarks.workload import WorkloadSpec, make_workload
 
 def tiny_llama() -> LlamaForCausalLM:
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    config = LlamaConfig(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
     return LlamaForCausalLM(config).eval()
 
 
@@ -24,7 +31,7 @@ def greedy_by_full_recompute(model, prompt: tuple[int, ...], n: int) -> list[int
         for _ in range(n):
             logits = model(torch.tensor([ids])).logits  # [1, len(ids), vocab]
             ids.append(int(logits[0, -1].argmax()))
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
 def test_workload_is_deterministic_and_in_range():
@@ -73,8 +80,9 @@ def test_linear_flops_match_torch_flop_counter():
 
 
 def test_causal_attention_flops_and_request_accounting():
-    shape = roofline.DecoderShape(num_layers=2, hidden_size=8, intermediate_size=8, num_heads=2,
-                                  num_kv_heads=1, head_dim=4, vocab_size=10)
+    shape = roofline.DecoderShape(
+        num_layers=2, hidden_size=8, intermediate_size=8, num_heads=2, num_kv_heads=1, head_dim=4, vocab_size=10
+    )
     # Positions 0..3 read 1+2+3+4 = 10 keys; QK^T and PV: 2 * 2 * heads * head_dim per key, per layer.
     assert roofline.causal_attention_flops(shape, 4) == 10 * 4 * 2 * 4 * 2
     # P=3 prompt, L=2 output: tokens 0..3 processed (the last sampled one never is), 2 sampled.
@@ -90,8 +98,9 @@ def test_decode_rows_count_the_requests_still_decoding_at_each_step():
 
 
 def test_matmul_floor_replaces_the_decode_projections_ideal_time_by_the_measured_one():
-    shape = roofline.DecoderShape(num_layers=2, hidden_size=8, intermediate_size=8, num_heads=2,
-                                  num_kv_heads=1, head_dim=4, vocab_size=10)
+    shape = roofline.DecoderShape(
+        num_layers=2, hidden_size=8, intermediate_size=8, num_heads=2, num_kv_heads=1, head_dim=4, vocab_size=10
+    )
     lengths = [(5, 3), (4, 2)]  # decode steps of 2 rows, then 1 row
     required = roofline.workload_flops(shape, lengths)
     floor = matmul_floor.matmul_floor(shape, lengths, required, flops_per_s=1e9, repeats=1)

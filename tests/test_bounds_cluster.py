@@ -19,9 +19,12 @@ BLOCK = 16
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    serve = ServeProcess(added_tokens_model_dir(), tmp_path_factory.mktemp("bounds"),
-                         engine={"block_size": BLOCK, "kv_cache_memory_mb": 16},
-                         gateway={"local_prefill_max_tokens": 0, "http_write_timeout_s": 1.0})
+    serve = ServeProcess(
+        added_tokens_model_dir(),
+        tmp_path_factory.mktemp("bounds"),
+        engine={"block_size": BLOCK, "kv_cache_memory_mb": 16},
+        gateway={"local_prefill_max_tokens": 0, "http_write_timeout_s": 1.0},
+    )
     yield serve
     assert serve.stop() == 0, "".join(serve.log[-30:])
 
@@ -38,8 +41,10 @@ def test_token_ids_with_an_added_special_token_are_served(cluster):
     assert (usage["prompt_tokens"], usage["completion_tokens"]) == (5, 4)
     r = post(cluster, "/v1/completions", prompt=[10, ADDED_PAST_EMBEDDING_ID], max_tokens=4)
     assert r.status_code == 400
-    assert r.json()["error"]["message"] == (f"token id {ADDED_PAST_EMBEDDING_ID} is out of range [0, 768): the "
-                                            "tokenizer's highest id is 800; the model's embedding has 768 rows")
+    assert r.json()["error"]["message"] == (
+        f"token id {ADDED_PAST_EMBEDDING_ID} is out of range [0, 768): the "
+        "tokenizer's highest id is 800; the model's embedding has 768 rows"
+    )
     cluster.wait_idle()
 
 
@@ -71,17 +76,33 @@ def gateway_metric(cluster, name: str) -> float:
 
 def test_a_client_that_never_reads_is_dropped_and_its_blocks_freed(cluster):
     aborted_before = gateway_metric(cluster, 'pdserve:requests_total{outcome="aborted"}')
-    body = json.dumps({"model": str(added_tokens_model_dir()), "prompt": [5] * 20, "max_tokens": 1500, "n": 8,
-                       "logprobs": 20, "ignore_eos": True, "stream": True}).encode()
+    body = json.dumps(
+        {
+            "model": str(added_tokens_model_dir()),
+            "prompt": [5] * 20,
+            "max_tokens": 1500,
+            "n": 8,
+            "logprobs": 20,
+            "ignore_eos": True,
+            "stream": True,
+        }
+    ).encode()
     host, port = cluster.url.removeprefix("http://").split(":")
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window: the gateway backs up
     sock.connect((host, int(port)))
     try:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                     + f"content-length: {len(body)}\r\n\r\n".encode() + body)
-        cluster.wait_until(lambda: gateway_metric(cluster, 'pdserve:requests_total{outcome="aborted"}') > aborted_before,
-                           "the stalled stream's request aborted", timeout_s=300, poll_s=0.5)
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            + f"content-length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        cluster.wait_until(
+            lambda: gateway_metric(cluster, 'pdserve:requests_total{outcome="aborted"}') > aborted_before,
+            "the stalled stream's request aborted",
+            timeout_s=300,
+            poll_s=0.5,
+        )
     finally:
         sock.close()
     assert any("client read nothing for 1 s" in line for line in cluster.log)  # dropped by the write timeout

@@ -28,7 +28,7 @@ def expected_hashes(tokens: list[int], block_size: int, salt: str) -> list[int]:
     parent = blake(b"pdserve-cache-salt\0" + salt.encode()) if salt else ROOT_HASH
     out = []
     for start in range(0, len(tokens) - block_size + 1, block_size):
-        parent = blake(struct.pack("<Q", parent) + struct.pack(f"<{block_size}q", *tokens[start:start + block_size]))
+        parent = blake(struct.pack("<Q", parent) + struct.pack(f"<{block_size}q", *tokens[start : start + block_size]))
         out.append(parent)
     return out
 
@@ -91,12 +91,21 @@ def cached_tokens(live, path: str, body: dict) -> int:
     return details["cached_tokens"]
 
 
-@pytest.mark.parametrize("path, body", [
-    ("/v1/completions", {"prompt": list(range(40, 60)), "max_tokens": 1}),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "The quick brown fox " * 4}], "max_tokens": 1}),
-    ("/v1/responses", {"input": "The lazy dog sat on the mat " * 3, "max_output_tokens": 1}),
-    ("/v1/messages", {"messages": [{"role": "user", "content": "Hello world, hello there! " * 3}], "max_tokens": 1}),
-])
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/v1/completions", {"prompt": list(range(40, 60)), "max_tokens": 1}),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "The quick brown fox " * 4}], "max_tokens": 1},
+        ),
+        ("/v1/responses", {"input": "The lazy dog sat on the mat " * 3, "max_output_tokens": 1}),
+        (
+            "/v1/messages",
+            {"messages": [{"role": "user", "content": "Hello world, hello there! " * 3}], "max_tokens": 1},
+        ),
+    ],
+)
 def test_each_api_carries_cache_salt_to_the_workers(live, backend, path, body):
     assert cached_tokens(live, path, {**body, "cache_salt": "tenant-a"}) == 0
     assert cached_tokens(live, path, {**body, "cache_salt": "tenant-b"}) == 0  # another tenant: no hit
@@ -105,14 +114,21 @@ def test_each_api_carries_cache_salt_to_the_workers(live, backend, path, body):
     assert [r.sampling.cache_salt for r in backend.received] == ["tenant-a", "tenant-b", "", "tenant-a"]
 
 
-@pytest.mark.parametrize("salt, message", [
-    ("", "cache_salt must be a non-empty string of at most 1024 characters, got 0"),
-    ("x" * 1025, "cache_salt must be a non-empty string of at most 1024 characters, got 1025"),
-    (7, "cache_salt must be a string, got 7"),
-])
+@pytest.mark.parametrize(
+    "salt, message",
+    [
+        ("", "cache_salt must be a non-empty string of at most 1024 characters, got 0"),
+        ("x" * 1025, "cache_salt must be a non-empty string of at most 1024 characters, got 1025"),
+        (7, "cache_salt must be a string, got 7"),
+    ],
+)
 def test_a_bad_cache_salt_is_a_400(live, backend, salt, message):
-    r = httpx.post(live.base_url + "/v1/completions", headers=HEADERS, timeout=30,
-                   json={"model": MODEL, "prompt": "hi", "max_tokens": 1, "cache_salt": salt})
+    r = httpx.post(
+        live.base_url + "/v1/completions",
+        headers=HEADERS,
+        timeout=30,
+        json={"model": MODEL, "prompt": "hi", "max_tokens": 1, "cache_salt": salt},
+    )
     assert r.status_code == 400
     assert r.json()["error"]["message"] == message and r.json()["error"]["param"] == "cache_salt"
     assert backend.received == []

@@ -65,8 +65,10 @@ def test_link_down_of_a_prefill_worker_in_namespaces(prompts):
 
 def test_report_rows_count_outcomes_and_failures():
     kill, stop, link = Scenario("sigkill", "decode", "queued"), Scenario("sigstop", "gateway", "decoding"), LINK_DOWN
-    results = [RunResult(kill, "decode-0", Counter(ok=9, error=2), [], 10.0, 0),
-               RunResult(kill, "decode-1", Counter(ok=5, hung=1), ["request hung: no answer"], 14.0, 3)]
+    results = [
+        RunResult(kill, "decode-0", Counter(ok=9, error=2), [], 10.0, 0),
+        RunResult(kill, "decode-1", Counter(ok=5, hung=1), ["request hung: no answer"], 14.0, 3),
+    ]
     rows = chaos_table([kill, stop, link], results, {link: "no network namespaces: not root"})
     assert rows[2:] == [
         "| sigkill decode @ queued (decode-0, decode-1) | 2 | 17 (14 exact, 2 clear error, 1 FAILED) | "

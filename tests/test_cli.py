@@ -45,12 +45,47 @@ def test_unknown_command_lists_the_commands() -> None:
 # --- vLLM's flag names (cluster/vllm_flags.py): each lands on its config field --------------------------
 
 VLLM_COMMAND_LINE = [
-    "--served-model-name", "X", "--max-model-len", "4k", "--dtype", "half", "--block-size", "32",
-    "--max-num-seqs", "8", "--max-num-batched-tokens", "1024", "--no-enable-prefix-caching", "--seed", "7",
-    "--chat-template", "{{ messages[0]['content'] }}", "--kv-cache-memory-bytes", "2GiB",
-    "--otlp-traces-endpoint", "http://127.0.0.1:4318/v1/traces", "--host", "127.0.0.2", "--port", "9000",
-    "--api-key", "k1", "k2", "--api-key", "k3", "--log-level", "debug", "--log-format", "json",
-    "--tensor-parallel-size", "1", "--long-prefill-token-threshold", "128", "--set", "gateway.worker_port=9001"]
+    "--served-model-name",
+    "X",
+    "--max-model-len",
+    "4k",
+    "--dtype",
+    "half",
+    "--block-size",
+    "32",
+    "--max-num-seqs",
+    "8",
+    "--max-num-batched-tokens",
+    "1024",
+    "--no-enable-prefix-caching",
+    "--seed",
+    "7",
+    "--chat-template",
+    "{{ messages[0]['content'] }}",
+    "--kv-cache-memory-bytes",
+    "2GiB",
+    "--otlp-traces-endpoint",
+    "http://127.0.0.1:4318/v1/traces",
+    "--host",
+    "127.0.0.2",
+    "--port",
+    "9000",
+    "--api-key",
+    "k1",
+    "k2",
+    "--api-key",
+    "k3",
+    "--log-level",
+    "debug",
+    "--log-format",
+    "json",
+    "--tensor-parallel-size",
+    "1",
+    "--long-prefill-token-threshold",
+    "128",
+    "--set",
+    "gateway.worker_port=9001",
+]
 
 
 def serve_config(argv: list[str], env: dict[str, str] | None = None):
@@ -69,7 +104,12 @@ def test_serve_takes_vllm_flags_onto_the_config() -> None:
     assert config.model.chat_template == "{{ messages[0]['content'] }}"
     e = config.engine
     assert (e.block_size, e.max_num_seqs, e.max_num_batched_tokens, e.enable_prefix_caching, e.seed) == (
-        32, 8, 1024, False, 7)
+        32,
+        8,
+        1024,
+        False,
+        7,
+    )
     assert (e.kv_cache_memory_mb, e.prefill_chunk_size) == (2048, 128)
     g = config.gateway
     assert (g.host, g.port, g.api_keys, g.worker_port) == ("127.0.0.2", 9000, ["k1", "k2", "k3"], 9001)
@@ -78,7 +118,11 @@ def test_serve_takes_vllm_flags_onto_the_config() -> None:
 
 
 def test_vllm_flags_rank_above_env_and_set_env_above_defaults() -> None:
-    env = {"PDSERVE_ENGINE_BLOCK_SIZE": "64", "PDSERVE_ENGINE_MAX_NUM_SEQS": "3", "PDSERVE_MODEL_SERVED_MODEL_NAME": "E"}
+    env = {
+        "PDSERVE_ENGINE_BLOCK_SIZE": "64",
+        "PDSERVE_ENGINE_MAX_NUM_SEQS": "3",
+        "PDSERVE_MODEL_SERVED_MODEL_NAME": "E",
+    }
     _, config = serve_config(["--block-size", "8", "--set", "engine.max_num_seqs=5"], env)
     assert (config.engine.block_size, config.engine.max_num_seqs, config.model.served_model_name) == (8, 5, "E")
     _, config = serve_config(["--set", "engine.block_size=4", "--block-size", "8"], {})
@@ -103,8 +147,12 @@ def test_role_commands_take_vllm_flags() -> None:
     args = p.parse_args(["--block-size", "32", "--host", "lo", "--port", "0", "--log-level", "warning"])
     argv, _ = role_command("decode", None, command_line_overrides(args, "decode"), {})
     assert argv[3::2] == ["--set"] * 4
-    assert set(argv[4::2]) == {"engine.block_size=32", "decode.host=127.0.0.1", "decode.http_port=0",
-                               "observability.log_level=warning"}
+    assert set(argv[4::2]) == {
+        "engine.block_size=32",
+        "decode.host=127.0.0.1",
+        "decode.http_port=0",
+        "observability.log_level=warning",
+    }
     args = argparse_for("gateway").parse_args(["--served-model-name", "X", "--port", "9000"])
     _, env = role_command("gateway", None, command_line_overrides(args, "gateway"), {"PDSERVE_GATEWAY_PORT": "1"})
     assert (env["PDSERVE_MODEL_SERVED_MODEL_NAME"], env["PDSERVE_GATEWAY_PORT"]) == ("X", "9000")
@@ -135,15 +183,21 @@ def test_refused_and_unknown_flags_exit_non_zero_with_what_to_do() -> None:
     # A value argparse can judge alone is a usage error (2); a setting pdserve refuses is a configuration
     # error (78, EX_CONFIG), which `pdserve serve` never restarts.
     usage, config = 2, 78
-    cases = [(("serve", "--tensor-parallel-size", "2"), config, "--tensor-parallel-size 2: pdserve runs each worker on one device"),
-             (("decode", "-tp", "4"), config, "--tensor-parallel-size 4"),
-             (("serve", "--gpu-memory-utilization", "0.9"), config, "use --kv-cache-memory-bytes"),
-             (("prefill", "--kv-cache-memory-bytes", "1000"), config, "needs at least 1 MiB"),
-             (("serve", "--dtype", "fp8"), usage, "argument --dtype: invalid choice: 'fp8'"),
-             (("serve", "--max-model-len", "lots"), usage, "expected a token count"),
-             (("gateway", "--frobnicate", "1"), usage, "unrecognized arguments: --frobnicate"),
-             (("serve", "--log-format", "xml"), usage, "argument --log-format: invalid choice: 'xml'"),
-             (("serve", "--served-model-name", "a", "b"), config, "pdserve serves one model under one name")]
+    cases = [
+        (
+            ("serve", "--tensor-parallel-size", "2"),
+            config,
+            "--tensor-parallel-size 2: pdserve runs each worker on one device",
+        ),
+        (("decode", "-tp", "4"), config, "--tensor-parallel-size 4"),
+        (("serve", "--gpu-memory-utilization", "0.9"), config, "use --kv-cache-memory-bytes"),
+        (("prefill", "--kv-cache-memory-bytes", "1000"), config, "needs at least 1 MiB"),
+        (("serve", "--dtype", "fp8"), usage, "argument --dtype: invalid choice: 'fp8'"),
+        (("serve", "--max-model-len", "lots"), usage, "expected a token count"),
+        (("gateway", "--frobnicate", "1"), usage, "unrecognized arguments: --frobnicate"),
+        (("serve", "--log-format", "xml"), usage, "argument --log-format: invalid choice: 'xml'"),
+        (("serve", "--served-model-name", "a", "b"), config, "pdserve serves one model under one name"),
+    ]
     for args, code, message in cases:
         run = pdserve(*args)
         assert run.returncode == code, (args, run.stdout, run.stderr)

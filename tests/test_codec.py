@@ -37,8 +37,17 @@ class Outer:
 
 
 def _outer(**overrides):
-    values = dict(count=3, flag=True, blob=b"\x00\xff", ids=[1, -2], names=["a"], inner=Inner("x", 0.5),
-                  inners=[Inner("y", 1.5)], maybe=None, maybe_inner=Inner("z", 2.0))
+    values = dict(
+        count=3,
+        flag=True,
+        blob=b"\x00\xff",
+        ids=[1, -2],
+        names=["a"],
+        inner=Inner("x", 0.5),
+        inners=[Inner("y", 1.5)],
+        maybe=None,
+        maybe_inner=Inner("z", 2.0),
+    )
     values.update(overrides)
     return values
 
@@ -71,8 +80,17 @@ def test_int_accepted_for_float_but_not_bool_for_int():
 
 
 def _fields(**overrides):
-    fields = dict(count=1, flag=False, blob=b"", ids=[], names=[], inner=["test.inner", {"name": "n", "weight": 0.0}],
-                  inners=[], maybe=None, maybe_inner=None)
+    fields = dict(
+        count=1,
+        flag=False,
+        blob=b"",
+        ids=[],
+        names=[],
+        inner=["test.inner", {"name": "n", "weight": 0.0}],
+        inners=[],
+        maybe=None,
+        maybe_inner=None,
+    )
     fields.update(overrides)
     return fields
 
@@ -105,9 +123,17 @@ def test_missing_and_extra_fields_rejected():
 
 @pytest.mark.parametrize(
     "data",
-    [b"", b"\xc1", b"\x93\x01\x02", msgpack.packb(["kv.commit"]), msgpack.packb({"a": 1}),
-     msgpack.packb(["nope", {}]), msgpack.packb([1, {}]), msgpack.packb(["kv.commit", {1: 2}]),
-     b"\x91" * 100_000],  # nesting far deeper than any record
+    [
+        b"",
+        b"\xc1",
+        b"\x93\x01\x02",
+        msgpack.packb(["kv.commit"]),
+        msgpack.packb({"a": 1}),
+        msgpack.packb(["nope", {}]),
+        msgpack.packb([1, {}]),
+        msgpack.packb(["kv.commit", {1: 2}]),
+        b"\x91" * 100_000,
+    ],  # nesting far deeper than any record
 )
 def test_garbage_is_a_wire_error(data):
     with pytest.raises(WireError):
@@ -128,8 +154,14 @@ def test_expected_type_enforced():
 
 
 def test_record_invariants_apply_on_decode():
-    fields = {"rid": "r", "generation": 1, "sender_incarnation": "i", "dst_block_ids": [3, 3], "inline": False,
-              "num_bytes": 0}
+    fields = {
+        "rid": "r",
+        "generation": 1,
+        "sender_incarnation": "i",
+        "dst_block_ids": [3, 3],
+        "inline": False,
+        "num_bytes": 0,
+    }
     with pytest.raises(WireError, match="duplicate destination block"):
         decode(_raw("kv.block_write", fields))
 
@@ -158,11 +190,12 @@ def test_sampling_logit_bias_round_trips_and_rejects_a_wrong_entry():
     hostile = encode(spec).replace(b"serve.token_bias", b"serve.token_bia_")
     with pytest.raises(WireError, match=r"serve.sampling.logit_bias\[0\]: expected a serve.token_bias record"):
         decode(hostile)
-    wrong = _raw("serve.sampling", {**msgpack.unpackb(encode(spec))[1],
-                                    "logit_bias": [["serve.token_bias", {"token_id": "5", "bias": 1.0}]]})
+    wrong = _raw(
+        "serve.sampling",
+        {**msgpack.unpackb(encode(spec))[1], "logit_bias": [["serve.token_bias", {"token_id": "5", "bias": 1.0}]]},
+    )
     with pytest.raises(WireError, match=r"serve.token_bias.token_id: expected int, got str"):
         decode(wrong)
-
 
 
 def test_prompt_logprobs_frame_round_trips_and_rejects_a_wrong_one():
@@ -171,10 +204,18 @@ def test_prompt_logprobs_frame_round_trips_and_rejects_a_wrong_one():
     frame = PromptLogprobs("r", 256, [TokenLogprobRecord(7, -1.5, [3, 7], [-0.5, -1.5])], [2])
     assert decode(encode(frame), expected=PromptLogprobs) == frame
     fields = msgpack.unpackb(encode(frame))[1]
-    for wrong, why in (({"ranks": [2, 1]}, "invalid record"), ({"start": -1}, "invalid record"),
-                       ({"logprobs": fields["logprobs"] * (PROMPT_LOGPROBS_PER_FRAME + 1),
-                         "ranks": [1] * (PROMPT_LOGPROBS_PER_FRAME + 1)}, "invalid record"),
-                       ({"ranks": ["2"]}, "expected int, got str")):
+    for wrong, why in (
+        ({"ranks": [2, 1]}, "invalid record"),
+        ({"start": -1}, "invalid record"),
+        (
+            {
+                "logprobs": fields["logprobs"] * (PROMPT_LOGPROBS_PER_FRAME + 1),
+                "ranks": [1] * (PROMPT_LOGPROBS_PER_FRAME + 1),
+            },
+            "invalid record",
+        ),
+        ({"ranks": ["2"]}, "expected int, got str"),
+    ):
         with pytest.raises(WireError, match=why):
             decode(_raw("serve.prompt_logprobs", {**fields, **wrong}))
 
@@ -185,14 +226,26 @@ def test_structured_output_round_trips_and_a_wrong_one_is_rejected():
     spec = SamplingSpec(max_tokens=4, structured_output=StructuredOutput("regex", r"\d+", after="</think>"))
     assert decode(encode(spec), expected=SamplingSpec) == spec
     fields = msgpack.unpackb(encode(spec))[1]
-    for bad, message in ((["serve.structured_output", {"kind": "python", "spec": "", "after": ""}],
-                          "unknown structured output kind 'python'"),
-                         (["serve.structured_output", {"kind": "regex", "spec": "a" * (MAX_STRUCTURED_OUTPUT_CHARS + 1),
-                                                       "after": ""}],
-                          f"{MAX_STRUCTURED_OUTPUT_CHARS + 1} characters of grammar"),
-                         (["serve.structured_output", {"kind": "regex", "spec": "a", "after": "a" * (MAX_REASONING_END_CHARS + 1)}],
-                          f"{MAX_REASONING_END_CHARS + 1} characters of reasoning end"),
-                         (["serve.structured_output", {"kind": "regex", "spec": 5, "after": ""}],
-                          "serve.structured_output.spec: expected str, got int")):
+    for bad, message in (
+        (
+            ["serve.structured_output", {"kind": "python", "spec": "", "after": ""}],
+            "unknown structured output kind 'python'",
+        ),
+        (
+            [
+                "serve.structured_output",
+                {"kind": "regex", "spec": "a" * (MAX_STRUCTURED_OUTPUT_CHARS + 1), "after": ""},
+            ],
+            f"{MAX_STRUCTURED_OUTPUT_CHARS + 1} characters of grammar",
+        ),
+        (
+            ["serve.structured_output", {"kind": "regex", "spec": "a", "after": "a" * (MAX_REASONING_END_CHARS + 1)}],
+            f"{MAX_REASONING_END_CHARS + 1} characters of reasoning end",
+        ),
+        (
+            ["serve.structured_output", {"kind": "regex", "spec": 5, "after": ""}],
+            "serve.structured_output.spec: expected str, got int",
+        ),
+    ):
         with pytest.raises(WireError, match=re.escape(message)):
             decode(_raw("serve.sampling", {**fields, "structured_output": bad}), max_bytes=1 << 20)

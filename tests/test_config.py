@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from configs import schema
 from configs.loader import load_config
 from configs.schema import ConfigError, PdserveConfig
-from configs import schema
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -98,11 +98,17 @@ def test_yaml_types_checked_and_int_accepted_as_float(tmp_path):
         load_config(write_yaml(tmp_path, "engine:\n  block_size: null\n"), env={})
 
 
-@pytest.mark.parametrize("env, pattern", [
-    ({"PDSERVE_ENGINE_BLOCK_SIZE": "sixteen"}, r"engine\.block_size: bad value 'sixteen'.*PDSERVE_ENGINE_BLOCK_SIZE"),
-    ({"PDSERVE_ENGINE_ENABLE_PREFIX_CACHING": "maybe"}, r"enable_prefix_caching: bad value 'maybe'.*boolean"),
-    ({"PDSERVE_TRANSFER_LEASE_SECONDS": "soon"}, r"transfer\.lease_seconds: bad value 'soon'"),
-])
+@pytest.mark.parametrize(
+    "env, pattern",
+    [
+        (
+            {"PDSERVE_ENGINE_BLOCK_SIZE": "sixteen"},
+            r"engine\.block_size: bad value 'sixteen'.*PDSERVE_ENGINE_BLOCK_SIZE",
+        ),
+        ({"PDSERVE_ENGINE_ENABLE_PREFIX_CACHING": "maybe"}, r"enable_prefix_caching: bad value 'maybe'.*boolean"),
+        ({"PDSERVE_TRANSFER_LEASE_SECONDS": "soon"}, r"transfer\.lease_seconds: bad value 'soon'"),
+    ],
+)
 def test_bad_env_values_name_key_and_value(env, pattern):
     with pytest.raises(ConfigError, match=pattern):
         load_config(env=env)
@@ -118,8 +124,10 @@ def test_choices_and_bounds_are_checked():
 
 
 def test_overrides_from_cli_strings_are_coerced():
-    config = load_config(env={}, overrides={"gateway.port": "9000", "engine.enable_prefix_caching": "false",
-                                            "model.path": "/models/tiny"})
+    config = load_config(
+        env={},
+        overrides={"gateway.port": "9000", "engine.enable_prefix_caching": "false", "model.path": "/models/tiny"},
+    )
     assert config.gateway.port == 9000
     assert config.engine.enable_prefix_caching is False
     assert config.model.path == "/models/tiny"
@@ -133,8 +141,10 @@ def test_shipped_local_yaml_loads():
 
 
 def test_import_does_not_pull_in_torch():
-    code = ("import sys, configs.schema, configs.loader, configs.environment, configs.model_source; "
-            "configs.schema.load_config('configs/local.yaml', env={}); "
-            "assert 'torch' not in sys.modules, 'torch imported'")
+    code = (
+        "import sys, configs.schema, configs.loader, configs.environment, configs.model_source; "
+        "configs.schema.load_config('configs/local.yaml', env={}); "
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=30)
     assert result.returncode == 0, result.stderr

@@ -26,18 +26,25 @@ def service_links(service: str, ip: str, ports: dict[str, int]) -> dict[str, str
     env = {f"{svc}_SERVICE_HOST": ip, f"{svc}_SERVICE_PORT": str(first), f"{svc}_PORT": f"tcp://{ip}:{first}"}
     for name, port in ports.items():
         link = f"{svc}_PORT_{port}_TCP"
-        env |= {f"{svc}_SERVICE_PORT_{name.upper().replace('-', '_')}": str(port), link: f"tcp://{ip}:{port}",
-                f"{link}_PROTO": "tcp", f"{link}_PORT": str(port), f"{link}_ADDR": ip}
+        env |= {
+            f"{svc}_SERVICE_PORT_{name.upper().replace('-', '_')}": str(port),
+            link: f"tcp://{ip}:{port}",
+            f"{link}_PROTO": "tcp",
+            f"{link}_PORT": str(port),
+            f"{link}_ADDR": ip,
+        }
     return env
 
 
 def namespace_env() -> dict[str, str]:
     """A namespace with the deployment's Services (and one named just ``pdserve``)."""
-    return (service_links("pdserve-gateway", "10.96.0.10", {"http": 8000, "workers": 8001})
-            | service_links("pdserve-gateway-workers", "10.96.0.11", {"workers": 8001})
-            | service_links("pdserve-prefill", "10.96.0.12", {"control": 8100, "http": 8101})
-            | service_links("pdserve-decode", "10.96.0.13", {"control": 8200, "kv": 8201, "http": 8202})
-            | service_links("pdserve", "10.96.0.14", {"http": 80}))
+    return (
+        service_links("pdserve-gateway", "10.96.0.10", {"http": 8000, "workers": 8001})
+        | service_links("pdserve-gateway-workers", "10.96.0.11", {"workers": 8001})
+        | service_links("pdserve-prefill", "10.96.0.12", {"control": 8100, "http": 8101})
+        | service_links("pdserve-decode", "10.96.0.13", {"control": 8200, "kv": 8201, "http": 8202})
+        | service_links("pdserve", "10.96.0.14", {"http": 80})
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -58,8 +65,11 @@ def test_kubernetes_service_links_leave_the_config_at_its_defaults(caplog):
         assert load_config(env=env) == PdserveConfig()
     warned = warnings_of(caplog)
     # The three that share a field's name are named, with the field; the rest are listed in one info line.
-    assert sorted(w.split("=")[0] for w in warned) == ["PDSERVE_DECODE_PORT", "PDSERVE_GATEWAY_PORT",
-                                                       "PDSERVE_PREFILL_PORT"]
+    assert sorted(w.split("=")[0] for w in warned) == [
+        "PDSERVE_DECODE_PORT",
+        "PDSERVE_GATEWAY_PORT",
+        "PDSERVE_PREFILL_PORT",
+    ]
     assert "looks like a Kubernetes service link, not a value for gateway.port; ignored" in " ".join(warned)
     infos = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
     assert len(infos) == 1 and "PDSERVE_GATEWAY_PORT_8000_TCP_ADDR" in infos[0]
@@ -67,8 +77,11 @@ def test_kubernetes_service_links_leave_the_config_at_its_defaults(caplog):
 
 
 def test_real_settings_win_beside_service_links():
-    env = namespace_env() | {"PDSERVE_GATEWAY_WORKER_PORT": "9001", "PDSERVE_DECODE_KV_PORT": "9201",
-                             "PDSERVE_PREFILL_GATEWAY_ADDRESS": "tcp://pdserve-gateway-workers:8001"}
+    env = namespace_env() | {
+        "PDSERVE_GATEWAY_WORKER_PORT": "9001",
+        "PDSERVE_DECODE_KV_PORT": "9201",
+        "PDSERVE_PREFILL_GATEWAY_ADDRESS": "tcp://pdserve-gateway-workers:8001",
+    }
     config = load_config(env=env)
     assert config.gateway.worker_port == 9001 and config.decode.kv_port == 9201
     assert config.gateway.port == 8000 and config.decode.port == 8200  # the links' ports were not taken
@@ -90,7 +103,8 @@ def test_unknown_variable_is_ignored_with_one_warning_and_a_suggestion(caplog):
     assert warnings_of(caplog) == [
         "PDSERVE_ENGINE_BLOCK_SISE is not a pdserve config variable (PDSERVE_<SECTION>_<FIELD>); ignored; "
         "did you mean PDSERVE_ENGINE_BLOCK_SIZE?",
-        "PDSERVE_FROBNICATE is not a pdserve config variable (PDSERVE_<SECTION>_<FIELD>); ignored"]
+        "PDSERVE_FROBNICATE is not a pdserve config variable (PDSERVE_<SECTION>_<FIELD>); ignored",
+    ]
 
 
 def test_api_key_variable_adds_an_accepted_key(tmp_path):
@@ -108,8 +122,7 @@ def test_api_key_variable_adds_an_accepted_key(tmp_path):
 def test_a_process_started_in_a_kubernetes_namespace_runs_and_warns_on_stderr():
     code = "from configs.schema import load_config; c = load_config(); print(c.gateway.port, c.gateway.api_keys)"
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), **namespace_env(), "PDSERVE_API_KEY": "sk-k8s"}
-    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                            timeout=60)
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["8000", "['sk-k8s']"]
     assert "PDSERVE_GATEWAY_PORT='tcp://10.96.0.10:8000' looks like a Kubernetes service link" in result.stderr

@@ -11,10 +11,12 @@ from gateway.dialects.responses.conversation_fit import fit_conversation
 def conversation(turns: int, system: bool = True) -> list[dict]:
     messages = [{"role": "system", "content": "rules"}] if system else []
     for t in range(turns):
-        messages += [{"role": "user", "content": f"question {t} " + "x" * t},
-                     {"role": "assistant", "content": None, "tool_calls": [{"id": f"call_{t}"}]},
-                     {"role": "tool", "tool_call_id": f"call_{t}", "content": "out " * t},
-                     {"role": "assistant", "content": f"answer {t}"}]
+        messages += [
+            {"role": "user", "content": f"question {t} " + "x" * t},
+            {"role": "assistant", "content": None, "tool_calls": [{"id": f"call_{t}"}]},
+            {"role": "tool", "tool_call_id": f"call_{t}", "content": "out " * t},
+            {"role": "assistant", "content": f"answer {t}"},
+        ]
     return messages
 
 
@@ -25,7 +27,7 @@ def length(messages: list[dict]) -> int:
 def one_at_a_time(messages: list[dict], limit: int) -> list[dict] | None:
     """Drop the earliest turn (up to the next user message) until it fits: the rule read literally."""
     head = [m for m in messages if m["role"] == "system"][:1] if messages[0]["role"] == "system" else []
-    rest = messages[len(head):]
+    rest = messages[len(head) :]
     while rest:
         if length(head + rest) <= limit:
             return head + rest
@@ -57,5 +59,8 @@ def test_a_fitting_conversation_is_kept_whole_and_a_tool_call_keeps_its_output()
     assert fit_conversation(messages, length, length(messages)) is messages
     kept = fit_conversation(messages, length, length(messages) - 1)
     assert kept[0]["role"] == "system" and kept[1] == {"role": "user", "content": "question 1 x"}
-    assert all(m["tool_call_id"] in {c["id"] for a in kept if a.get("tool_calls") for c in a["tool_calls"]}
-               for m in kept if m["role"] == "tool")
+    assert all(
+        m["tool_call_id"] in {c["id"] for a in kept if a.get("tool_calls") for c in a["tool_calls"]}
+        for m in kept
+        if m["role"] == "tool"
+    )

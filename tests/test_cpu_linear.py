@@ -12,8 +12,18 @@ import torch
 import torch.nn.functional as F
 
 from engine import cpu_linear
-from engine.cpu_linear import (LM_HEAD_SLICE_ROWS, PLAIN, ROW_BUCKETS, Linear, MatmulForms, _pick, exclusive_timing,
-                               linear_packed, linear_transposed, pack_weight)
+from engine.cpu_linear import (
+    LM_HEAD_SLICE_ROWS,
+    PLAIN,
+    ROW_BUCKETS,
+    Linear,
+    MatmulForms,
+    _pick,
+    exclusive_timing,
+    linear_packed,
+    linear_transposed,
+    pack_weight,
+)
 from engine.loader import load_model
 from kernels import cpu_native
 from tests.model_factory import tiny_model_dir
@@ -35,8 +45,9 @@ def test_linear_transposed_reads_a_strided_input():
     gate_up = torch.randn(9, 2 * 40, generator=gen)
     gate = gate_up[:, :40]  # row stride 80, as F.silu(gate, inplace=True) leaves it for down_proj
     weight = torch.randn(24, 40, generator=gen)
-    torch.testing.assert_close(linear_transposed(gate, weight), F.linear(gate.contiguous(), weight),
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        linear_transposed(gate, weight), F.linear(gate.contiguous(), weight), rtol=1e-5, atol=1e-5
+    )
 
 
 @pytest.mark.parametrize("rows", [1, 5, 64, 200])
@@ -48,8 +59,9 @@ def test_linear_packed_equals_f_linear_with_bias_and_a_strided_input(rows):
     gate_up = torch.randn(rows, 2 * 40, generator=gen)
     strided = gate_up[:, :40]  # row stride 80: the MLP's down_proj input
     for x in (strided.contiguous(), strided):
-        torch.testing.assert_close(linear_packed(x, packed, bias), F.linear(strided.contiguous(), weight, bias),
-                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            linear_packed(x, packed, bias), F.linear(strided.contiguous(), weight, bias), rtol=1e-5, atol=1e-5
+        )
 
 
 def test_pack_weight_declines_what_it_was_not_measured_on_or_when_onednn_is_off(monkeypatch):
@@ -101,10 +113,10 @@ def bucket_times(**per_form: list[float]) -> list[dict[str, float]]:
 def test_picking_forms_and_the_copies_to_hold():
     native = cpu_native.load()
     # buckets:        1   4   8   16  32  48  64  96  128
-    plain =          [5, 10, 20, 30, 40, 50, 60, 70, 80]
-    transposed =     [6, 9, 21, 31, 41, 51, 61, 71, 81]
-    packed_fast =    [7, 8, 10, 20, 30, 40, 50, 60, 70]  # wins 7 of 9 buckets against the dense forms
-    c_small =        [4, 5, 9, 40, 50, 60, 70, 80, 90]  # the fastest of all at 1, 4 and 8 rows
+    plain = [5, 10, 20, 30, 40, 50, 60, 70, 80]
+    transposed = [6, 9, 21, 31, 41, 51, 61, 71, 81]
+    packed_fast = [7, 8, 10, 20, 30, 40, 50, 60, 70]  # wins 7 of 9 buckets against the dense forms
+    c_small = [4, 5, 9, 40, 50, 60, 70, 80, 90]  # the fastest of all at 1, 4 and 8 rows
     # Without the C kernel: one copy, packed where it wins most buckets, else dense.
     only_packed = _pick(bucket_times(plain=plain, transposed=transposed, packed=packed_fast), None, None)
     assert only_packed.per_bucket == ("packed",) * 9 and not only_packed.holds_dense
@@ -126,7 +138,10 @@ def test_picking_forms_and_the_copies_to_hold():
     assert all_c.per_bucket == ("c",) * 9 and all_c.prefill == "packed" and all_c.form_for(1000) == "packed"
     # The C kernel never the fastest: as if it were not there.
     c_slow = [t + 100 for t in c_small]
-    assert _pick(bucket_times(plain=plain, transposed=transposed, packed=packed_fast, c=c_slow), None, native) == only_packed
+    assert (
+        _pick(bucket_times(plain=plain, transposed=transposed, packed=packed_fast, c=c_slow), None, native)
+        == only_packed
+    )
 
 
 @pytest.mark.parametrize("form", ["plain", "transposed", "packed", "c"])
@@ -208,11 +223,13 @@ def test_form_timing_is_exclusive_across_processes(tmp_path):
     """Workers started together time their forms one after another: each child holds the lock for
     0.3 s and records when; no two holds overlap, and a lock file that cannot be opened blocks nothing."""
     lock, log = tmp_path / "timing.lock", tmp_path / "holds"
-    child = ("import sys, time\n"
-             "from engine.cpu_linear import exclusive_timing\n"
-             "with exclusive_timing(sys.argv[1]):\n"
-             "    start = time.time(); time.sleep(0.3)\n"
-             "    open(sys.argv[2], 'a').write(f'{start} {time.time()}\\n')\n")
+    child = (
+        "import sys, time\n"
+        "from engine.cpu_linear import exclusive_timing\n"
+        "with exclusive_timing(sys.argv[1]):\n"
+        "    start = time.time(); time.sleep(0.3)\n"
+        "    open(sys.argv[2], 'a').write(f'{start} {time.time()}\\n')\n"
+    )
     procs = [subprocess.Popen([sys.executable, "-c", child, str(lock), str(log)]) for _ in range(3)]
     assert [p.wait(timeout=60) for p in procs] == [0, 0, 0]
     holds = sorted(tuple(map(float, line.split())) for line in log.read_text().splitlines())

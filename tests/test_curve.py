@@ -15,13 +15,14 @@ from protocol.curve import ClusterKey, ClusterKeyError, PlaneSecurity, hkdf_sha2
 def test_hkdf_matches_rfc5869_test_case_3():
     # RFC 5869 A.3: SHA-256, zero-length salt (= 32 zero bytes) and info
     okm = hkdf_sha256(bytes.fromhex("0b" * 22), b"", 42)
-    assert okm.hex() == ("8da4e775a563c18f715f802a063c5a31b8a11f5c5ee1879ec3454e5f3c738d2d"
-                         "9d201395faa4b61a96c8")
+    assert okm.hex() == ("8da4e775a563c18f715f802a063c5a31b8a11f5c5ee1879ec3454e5f3c738d2d9d201395faa4b61a96c8")
 
 
 def test_key_file_round_trip_and_errors(tmp_path):
     path = write_private_key(str(tmp_path))
-    assert oct(os.stat(path).st_mode & 0o777) == "0o600" and oct(os.stat(os.path.dirname(path)).st_mode & 0o777) == "0o700"
+    assert (
+        oct(os.stat(path).st_mode & 0o777) == "0o600" and oct(os.stat(os.path.dirname(path)).st_mode & 0o777) == "0o700"
+    )
     key = ClusterKey.from_file(path)
     assert key == ClusterKey.from_secret(bytes.fromhex(open(path).read().strip()))  # deterministic derivation
     assert len(new_secret_text().strip()) == 64

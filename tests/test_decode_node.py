@@ -57,7 +57,9 @@ def node():
 
 
 def assert_idle(node: Running) -> None:
-    hb = node.gateway.wait_heartbeat(lambda hb: hb.kv_blocks_in_use == 0 and hb.num_running == 0 and hb.num_waiting == 0)
+    hb = node.gateway.wait_heartbeat(
+        lambda hb: hb.kv_blocks_in_use == 0 and hb.num_running == 0 and hb.num_waiting == 0
+    )
     assert hb.kv_blocks_free == hb.kv_blocks_total == 32
     assert scrape(node.node.http.port, "pdserve:kv_blocks_in_use") == 0
     assert node.node.server.requests == {}
@@ -211,8 +213,13 @@ def test_prefill_failed_ends_request_with_error_and_frees(node):
     assert prefill.poll(30_000)
     identity, frame = prefill.recv_multipart()
     job = decode(frame, expected=PrefillJob)
-    assert (job.token_ids, job.sample_first, job.dst_block_ids) == (PROMPT[:-1], False, [0, 1, 2])  # n > 1: all but the last
+    assert (job.token_ids, job.sample_first, job.dst_block_ids) == (
+        PROMPT[:-1],
+        False,
+        [0, 1, 2],
+    )  # n > 1: all but the last
     from protocol.serving import PrefillFailed
+
     prefill.send_multipart([identity, encode(PrefillFailed("r", job.generation, "out of blocks"))])
     events = node.gateway.collect("r", n=2)
     assert [events[i][-1].error for i in range(2)] == ["prefill failed: out of blocks"] * 2
@@ -258,8 +265,10 @@ def test_other_requests_decode_while_a_grammar_compiles(node, held_compiles):
     node.gateway.send("d0", generate("guided", PROMPT[:7], max_tokens=20, temperature=0.0, structured_output=regex))
     plain = node.gateway.collect("plain")[0]  # all 40 tokens come while the compile is held
     node.gateway.wait_heartbeat(lambda hb: hb.num_waiting == 1 and hb.num_running == 0)  # "guided" compiles
-    assert tokens_of(plain) == node.reference(PROMPT, SamplingParams(max_tokens=40, ignore_eos=True,
-                                                                     temperature=0.0)).outputs[0].token_ids
+    assert (
+        tokens_of(plain)
+        == node.reference(PROMPT, SamplingParams(max_tokens=40, ignore_eos=True, temperature=0.0)).outputs[0].token_ids
+    )
     assert not any(getattr(r, "rid", "") == "guided" for r in node.gateway.others)
     held_compiles.set()
     guided = node.gateway.collect("guided")[0]
@@ -293,8 +302,9 @@ def test_a_grammar_compile_past_its_deadline_refuses_its_request(node, held_comp
     grammars._limits = GrammarLimits(compile_timeout_s=0.5)
     node.gateway.send("d0", generate("slow", PROMPT, structured_output=StructuredOutput("regex", "a+")))
     [slow] = node.gateway.collect("slow")[0]  # its compile is held: only the deadline ends the wait
-    assert slow.refused and slow.error == ("the grammar did not compile within this server's limit of 0.5 s "
-                                           "(engine.grammar_compile_timeout_s)")
+    assert slow.refused and slow.error == (
+        "the grammar did not compile within this server's limit of 0.5 s (engine.grammar_compile_timeout_s)"
+    )
     held_compiles.set()
     node.gateway.send("d0", generate("plain", PROMPT, max_tokens=4, ignore_eos=True, temperature=0.0))
     assert len(tokens_of(node.gateway.collect("plain")[0])) == 4  # the worker serves on
@@ -305,8 +315,9 @@ def test_lost_gateway_aborts_its_requests_and_frees_their_blocks(node):
     prefill_address = bind(prefill, "127.0.0.1", 0)  # a prefill worker that never answers: "a" waits for KV
     node.gateway.wait_heartbeat(lambda hb: True)
     node.gateway.send("d0", HeartbeatAck("gw-1"))  # as a real gateway acks: the worker knows it by its id
-    node.gateway.send("d0", replace(generate("a", list(range(1, 101)), prefill_address=prefill_address),
-                                    gateway_id="gw-1"))
+    node.gateway.send(
+        "d0", replace(generate("a", list(range(1, 101)), prefill_address=prefill_address), gateway_id="gw-1")
+    )
     assert prefill.poll(30_000) and decode(prefill.recv_multipart()[1], expected=PrefillJob).rid == "a"
     node.gateway.wait_heartbeat(lambda hb: hb.kv_blocks_in_use == 25)
     old = node.gateway

@@ -24,14 +24,30 @@ def test_process_serves_then_drains_on_sigterm():
     ctx = zmq.Context()
     gateway = FakeGateway(ctx)
     config = decode_config(gateway.address)
-    sets = [f"--set={k}={v}" for k, v in {
-        "model.path": config.model.path, "model.max_model_len": 256, "engine.block_size": 4,
-        "engine.num_kv_blocks": 32, "engine.num_threads": 1, "decode.gateway_address": gateway.address,
-        "decode.kv_port": 0, "decode.http_port": 0, "decode.worker_id": "dp", "gateway.worker_heartbeat_s": 0.2,
-        "decode.drain_timeout_s": 30, "transfer.insecure": "true",
-    }.items()]
-    proc = subprocess.Popen([sys.executable, "-m", "decode_node", *sets], cwd=ROOT, stdout=subprocess.PIPE,
-                            text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    sets = [
+        f"--set={k}={v}"
+        for k, v in {
+            "model.path": config.model.path,
+            "model.max_model_len": 256,
+            "engine.block_size": 4,
+            "engine.num_kv_blocks": 32,
+            "engine.num_threads": 1,
+            "decode.gateway_address": gateway.address,
+            "decode.kv_port": 0,
+            "decode.http_port": 0,
+            "decode.worker_id": "dp",
+            "gateway.worker_heartbeat_s": 0.2,
+            "decode.drain_timeout_s": 30,
+            "transfer.insecure": "true",
+        }.items()
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "decode_node", *sets],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     try:
         ready = proc.stdout.readline()
         assert ready.startswith("READY "), ready

@@ -43,7 +43,10 @@ def test_compose_matches_the_compose_spec(tmp_path):
     broken = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
     broken["services"]["decode"]["stop_grace_periods"] = "40s"  # a typo the spec must catch
     (tmp_path / "compose.yaml").write_text(yaml.safe_dump(broken))
-    assert run(BIN / "check-jsonschema", "--builtin-schema", "vendor.compose-spec", tmp_path / "compose.yaml").returncode == 1
+    assert (
+        run(BIN / "check-jsonschema", "--builtin-schema", "vendor.compose-spec", tmp_path / "compose.yaml").returncode
+        == 1
+    )
 
 
 def one(rendered: list[dict], kind: str, name: str) -> dict:
@@ -54,8 +57,15 @@ def one(rendered: list[dict], kind: str, name: str) -> dict:
 def test_kubernetes_overlays_validate_strictly(tmp_path):
     for overlay, rendered in OVERLAYS.items():
         core = [d for d in rendered if d["kind"] != "ScaledObject"]
-        assert {d["kind"] for d in core} == {"ConfigMap", "PersistentVolumeClaim", "Deployment", "Service",
-                                             "PodDisruptionBudget", "NetworkPolicy", "HorizontalPodAutoscaler"}, overlay
+        assert {d["kind"] for d in core} == {
+            "ConfigMap",
+            "PersistentVolumeClaim",
+            "Deployment",
+            "Service",
+            "PodDisruptionBudget",
+            "NetworkPolicy",
+            "HorizontalPodAutoscaler",
+        }, overlay
         (tmp_path / f"{overlay}.yaml").write_text(yaml.safe_dump_all(core))
         ok = run(BIN / "kubernetes-validate", "--strict", tmp_path / f"{overlay}.yaml")
         assert ok.returncode == 0, overlay + ok.stdout + ok.stderr
@@ -118,8 +128,14 @@ def test_workers_register_through_a_service_that_lists_starting_gateways():
     api = one(rendered, "Service", "pdserve-gateway")["spec"]
     assert [p["port"] for p in api["ports"]] == [PRESET.gateway.port]  # the API; workers never use it
     for role in ("prefill", "decode"):
-        env = {e["name"]: e for e in one(rendered, "Deployment", f"pdserve-{role}")["spec"]["template"]["spec"]["containers"][0]["env"]}
-        assert env[f"PDSERVE_{role.upper()}_GATEWAY_ADDRESS"]["value"] == f"tcp://pdserve-gateway-workers:{PRESET.gateway.worker_port}"
+        env = {
+            e["name"]: e
+            for e in one(rendered, "Deployment", f"pdserve-{role}")["spec"]["template"]["spec"]["containers"][0]["env"]
+        }
+        assert (
+            env[f"PDSERVE_{role.upper()}_GATEWAY_ADDRESS"]["value"]
+            == f"tcp://pdserve-gateway-workers:{PRESET.gateway.worker_port}"
+        )
 
 
 def test_pools_have_disruption_budgets_volumes_and_startup_probes():
@@ -133,7 +149,11 @@ def test_pools_have_disruption_budgets_volumes_and_startup_probes():
             assert container["image"] == {"cpu": "pdserve:local", "gpu": "pdserve:cuda"}[overlay]
             assert container["envFrom"] == [{"configMapRef": {"name": "pdserve-env"}}]
             mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
-            claims = {v["name"]: v["persistentVolumeClaim"]["claimName"] for v in pod["spec"]["volumes"] if "persistentVolumeClaim" in v}
+            claims = {
+                v["name"]: v["persistentVolumeClaim"]["claimName"]
+                for v in pod["spec"]["volumes"]
+                if "persistentVolumeClaim" in v
+            }
             assert claims[mounts["/models"]["name"]] == "pdserve-models" and mounts["/models"]["readOnly"]
             startup = container["startupProbe"]
             assert startup["httpGet"] == container["livenessProbe"]["httpGet"]
@@ -162,7 +182,9 @@ def test_every_role_reads_the_cluster_key_from_its_secret_and_none_runs_insecure
             [volume] = [v for v in pod["volumes"] if v["name"] == mount["name"]]
             # the file name is the Secret's key: `kubectl create secret generic --from-file=cluster.key`
             assert volume["secret"] == {"secretName": "pdserve-cluster-key", "defaultMode": 0o400}, (overlay, role)
-            assert key_file.name == "cluster.key" and pod["securityContext"]["fsGroup"] == 10001  # group-readable by uid 10001
+            assert (
+                key_file.name == "cluster.key" and pod["securityContext"]["fsGroup"] == 10001
+            )  # group-readable by uid 10001
         assert not [d for d in rendered if d["kind"] == "Secret"], overlay  # the operator creates Secrets
     manifests = [*DEPLOY.glob("k8s/**/*.yaml"), *DEPLOY.glob("**/compose*.yaml")]
     for path in manifests:
@@ -185,7 +207,9 @@ def test_network_policy_keeps_worker_ports_to_pdserve_pods():
 def test_compose_workers_scale_without_edits():
     compose = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
     services = compose["services"]
-    assert PRESET.prefill.gateway_address == PRESET.decode.gateway_address == f"tcp://gateway:{PRESET.gateway.worker_port}"
+    assert (
+        PRESET.prefill.gateway_address == PRESET.decode.gateway_address == f"tcp://gateway:{PRESET.gateway.worker_port}"
+    )
     assert "gateway" in services
     for role in ("prefill", "decode"):
         worker = services[role]
@@ -215,13 +239,17 @@ def test_compose_builds_once_and_shares_model_and_cache_volumes():
     assert services["gateway"]["ports"] == ["${PDSERVE_PUBLISH_HOST:-127.0.0.1}:${PDSERVE_PORT:-8000}:8000"]
     assert services["gateway"]["environment"]["PDSERVE_GATEWAY_API_KEYS"] == "${PDSERVE_API_KEY:-}"
     assert yaml.safe_load((DEPLOY / "compose.yaml").read_text())["secrets"] == {
-        "cluster_key": {"file": "${PDSERVE_CLUSTER_KEY_FILE:-./cluster.key}"}}
+        "cluster_key": {"file": "${PDSERVE_CLUSTER_KEY_FILE:-./cluster.key}"}
+    }
     for name in ("prometheus", "grafana"):  # images from a registry: only with --profile monitoring
         assert services[name]["profiles"] == ["monitoring"]
 
 
 def test_prometheus_scrapes_every_pool_on_the_ports_the_preset_binds():
-    jobs = {j["job_name"]: j["dns_sd_configs"][0] for j in yaml.safe_load((DEPLOY / "prometheus.yml").read_text())["scrape_configs"]}
+    jobs = {
+        j["job_name"]: j["dns_sd_configs"][0]
+        for j in yaml.safe_load((DEPLOY / "prometheus.yml").read_text())["scrape_configs"]
+    }
     assert jobs == {
         "gateway": {"names": ["gateway"], "type": "A", "port": PRESET.gateway.port, "refresh_interval": "10s"},
         "prefill": {"names": ["prefill"], "type": "A", "port": PRESET.prefill.http_port, "refresh_interval": "10s"},
@@ -230,8 +258,11 @@ def test_prometheus_scrapes_every_pool_on_the_ports_the_preset_binds():
 
 
 def test_kubernetes_probes_ports_and_grace_periods():
-    for role, http_port in (("prefill", PRESET.prefill.http_port), ("decode", PRESET.decode.http_port),
-                            ("gateway", PRESET.gateway.port)):
+    for role, http_port in (
+        ("prefill", PRESET.prefill.http_port),
+        ("decode", PRESET.decode.http_port),
+        ("gateway", PRESET.gateway.port),
+    ):
         pod = one(OVERLAYS["cpu"], "Deployment", f"pdserve-{role}")["spec"]["template"]["spec"]
         [container] = pod["containers"]
         ports = {p["name"]: p["containerPort"] for p in container["ports"]}
@@ -244,7 +275,9 @@ def test_kubernetes_probes_ports_and_grace_periods():
         drain = float(env.get(f"PDSERVE_{role.upper()}_DRAIN_TIMEOUT_S", {"value": "30"})["value"])
         assert pod["terminationGracePeriodSeconds"] > drain
         if role == "gateway":  # the API key comes from a Secret, never from the manifest
-            assert env["PDSERVE_GATEWAY_API_KEYS"]["valueFrom"] == {"secretKeyRef": {"name": "pdserve-api-keys", "key": "keys"}}
+            assert env["PDSERVE_GATEWAY_API_KEYS"]["valueFrom"] == {
+                "secretKeyRef": {"name": "pdserve-api-keys", "key": "keys"}
+            }
             # replicas share their Responses store in Redis, so a conversation goes on at any of them
             assert env["PDSERVE_GATEWAY_RESPONSES_STORE_URL"]["value"] == "redis://pdserve-redis:6379/0"
         else:  # every gateway replica: the headless worker-plane Service has one A record per gateway pod
@@ -302,7 +335,10 @@ def test_the_image_context_holds_every_package_and_no_tests():
     import tomllib
 
     packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
-    ignored = {line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
-               if line.strip() and not line.startswith("#")}
+    ignored = {
+        line.strip()
+        for line in (ROOT / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    }
     assert not {p.split(".")[0] for p in packages} & ignored
     assert {".git", ".venv", "tests", "docs", "deploy"} <= ignored  # nothing the image runs; big or churning

@@ -53,7 +53,10 @@ def commented_keys(text: str) -> dict[str, bool]:
 @pytest.mark.parametrize("name", ["multinode.yaml", "gpu.yaml"])
 def test_preset_names_and_comments_every_field(name):
     documented = commented_keys((CONFIGS / name).read_text())
-    schema = {f"{s.name}.{f.name}" for s in dataclasses.fields(PdserveConfig)
-              for f in dataclasses.fields(getattr(PdserveConfig(), s.name))}
+    schema = {
+        f"{s.name}.{f.name}"
+        for s in dataclasses.fields(PdserveConfig)
+        for f in dataclasses.fields(getattr(PdserveConfig(), s.name))
+    }
     assert set(documented) == schema
     assert [key for key, has_comment in documented.items() if not has_comment] == []

@@ -25,7 +25,8 @@ CHUNK = 24  # several prefill chunks per prompt, not aligned with blocks
 def cluster(tmp_path_factory):
     model = tiny_model_dir("llama")
     serve = ServeProcess(
-        model, tmp_path_factory.mktemp("cluster"),
+        model,
+        tmp_path_factory.mktemp("cluster"),
         engine={"block_size": BLOCK, "prefill_chunk_size": CHUNK, "kv_cache_memory_mb": 8},
         gateway={"local_prefill_max_tokens": 0},  # every uncached prompt goes through the prefill worker
     )
@@ -56,8 +57,13 @@ def expected_text(reference: LLM, prompt: list[int], max_tokens: int) -> str:
 
 
 def complete(client, prompt: list[int], max_tokens: int = 12, **extra):
-    return client.completions.create(model=str(tiny_model_dir("llama")), prompt=[prompt], max_tokens=max_tokens,
-                                     temperature=0.0, extra_body={"ignore_eos": True, **extra})
+    return client.completions.create(
+        model=str(tiny_model_dir("llama")),
+        prompt=[prompt],
+        max_tokens=max_tokens,
+        temperature=0.0,
+        extra_body={"ignore_eos": True, **extra},
+    )
 
 
 @pytest.mark.parametrize("length", [5, BLOCK, 4 * BLOCK, 3 * CHUNK + 7])
@@ -89,9 +95,18 @@ def test_full_and_partial_prefix_hits_on_the_decode_worker(cluster, client, refe
 def test_n_completions_equal_the_engine_and_share_one_transfer(cluster, client, reference):
     prompt = prompt_of(3 * BLOCK + 1, seed=7)
     bytes_before = cluster.metric("decode-0", "pdserve:kv_transfer_bytes_sum")
-    response = client.completions.create(model=str(tiny_model_dir("llama")), prompt=[prompt], max_tokens=8,
-                                         n=3, temperature=1.0, seed=1234, extra_body={"ignore_eos": True})
-    [expected] = reference.generate([prompt], SamplingParams(n=3, temperature=1.0, seed=1234, max_tokens=8, ignore_eos=True))
+    response = client.completions.create(
+        model=str(tiny_model_dir("llama")),
+        prompt=[prompt],
+        max_tokens=8,
+        n=3,
+        temperature=1.0,
+        seed=1234,
+        extra_body={"ignore_eos": True},
+    )
+    [expected] = reference.generate(
+        [prompt], SamplingParams(n=3, temperature=1.0, seed=1234, max_tokens=8, ignore_eos=True)
+    )
     texts = [c.text for c in sorted(response.choices, key=lambda c: c.index)]
     assert texts == [reference.tokenizer.decode(c.token_ids) for c in expected.outputs]
     # All but the last prompt token crossed once: 48 tokens = 3 blocks, not 3 x 3.
@@ -102,9 +117,14 @@ def test_n_completions_equal_the_engine_and_share_one_transfer(cluster, client, 
 
 def test_client_disconnect_mid_stream_frees_everything(cluster, client):
     failures_before = cluster.metric("decode-0", "pdserve:request_failure_total")
-    stream = client.completions.create(model=str(tiny_model_dir("llama")), prompt=[prompt_of(40, seed=5)],
-                                       max_tokens=2000, temperature=0.0, stream=True,
-                                       extra_body={"ignore_eos": True})
+    stream = client.completions.create(
+        model=str(tiny_model_dir("llama")),
+        prompt=[prompt_of(40, seed=5)],
+        max_tokens=2000,
+        temperature=0.0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     first = next(iter(stream))
     # The tiny model writes 2000 tokens in about a second: freeze the decode worker so the hang-up
     # surely lands mid-generation, then let it see the abort.
@@ -115,8 +135,10 @@ def test_client_disconnect_mid_stream_frees_everything(cluster, client):
         time.sleep(0.5)  # the gateway notices the disconnect and sends AbortRequest
     finally:
         cluster.signal("decode-0", signal.SIGCONT)
-    cluster.wait_until(lambda: cluster.metric("decode-0", "pdserve:request_failure_total") > failures_before,
-                       "the decode worker counts the aborted request")
+    cluster.wait_until(
+        lambda: cluster.metric("decode-0", "pdserve:request_failure_total") > failures_before,
+        "the decode worker counts the aborted request",
+    )
     workers = cluster.wait_idle()
     assert {w["id"] for w in workers} == {"prefill-0", "decode-0"}
 

@@ -37,7 +37,7 @@ def hf_greedy(family: str) -> tuple[list[list[int]], list[list[int]]]:
     for prompt in prompts:
         ids = torch.tensor([prompt])
         out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False)
-        outputs.append(out[0, len(prompt):].tolist())
+        outputs.append(out[0, len(prompt) :].tolist())
     return prompts, outputs
 
 
@@ -45,12 +45,19 @@ def hf_greedy(family: str) -> tuple[list[list[int]], list[list[int]]]:
 @pytest.mark.parametrize("block_size,chunk", [(8, 7), (16, 7), (8, 64), (16, 64), (8, 4096), (16, 4096)])
 def test_greedy_batch_equals_transformers(family: str, block_size: int, chunk: int) -> None:
     prompts, expected = hf_greedy(family)
-    llm = LLM(str(tiny_model_dir(family)), block_size=block_size, prefill_chunk_size=chunk,
-              max_num_batched_tokens=max(chunk, 256), kv_cache_memory_mb=8)
+    llm = LLM(
+        str(tiny_model_dir(family)),
+        block_size=block_size,
+        prefill_chunk_size=chunk,
+        max_num_batched_tokens=max(chunk, 256),
+        kv_cache_memory_mb=8,
+    )
     outputs = llm.generate(prompts, GREEDY)
     got = [o.outputs[0].token_ids for o in outputs]
     for i, (g, e) in enumerate(zip(got, expected)):
-        assert g == e, f"prompt {i} ({len(prompts[i])} tokens) diverges at token {next(j for j in range(len(e)) if g[j] != e[j])}"
+        assert g == e, (
+            f"prompt {i} ({len(prompts[i])} tokens) diverges at token {next(j for j in range(len(e)) if g[j] != e[j])}"
+        )
     assert all(o.outputs[0].finish_reason == "length" for o in outputs)
     assert_no_leak(llm.engine.block_manager)
 
@@ -66,12 +73,19 @@ def test_logit_bias_greedy_equals_transformers_sequence_bias() -> None:
     expected = []
     for prompt, bias in zip(prompts[:4], biases):
         ids = torch.tensor([prompt])
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False,
-                          sequence_bias=[[[t], b] for t, b in bias.items()])
-        expected.append(out[0, len(prompt):].tolist())
+        out = hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            sequence_bias=[[[t], b] for t, b in bias.items()],
+        )
+        expected.append(out[0, len(prompt) :].tolist())
     llm = LLM(str(path), block_size=8, prefill_chunk_size=64)
-    outputs = llm.generate(prompts[:4], [SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True,
-                                                        logit_bias=b) for b in biases])
+    outputs = llm.generate(
+        prompts[:4],
+        [SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logit_bias=b) for b in biases],
+    )
     assert [o.outputs[0].token_ids for o in outputs] == expected
     assert all(e != p and p[0] not in e for e, p in zip(expected, plain))  # the bias changed every output
     assert_no_leak(llm.engine.block_manager)
@@ -115,8 +129,9 @@ def test_prefix_cache_computes_only_the_uncached_suffix() -> None:
 @functools.cache
 def hf_prompt_logprobs(family: str, prompts: tuple[tuple[int, ...], ...]) -> list[torch.Tensor]:
     """transformers' log-softmax over the vocabulary at every prompt position but the last, per prompt."""
-    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir(family), dtype=torch.float32,
-                                              attn_implementation="eager").eval()
+    hf = AutoModelForCausalLM.from_pretrained(
+        tiny_model_dir(family), dtype=torch.float32, attn_implementation="eager"
+    ).eval()
     with torch.no_grad():
         return [hf(torch.tensor([p])).logits[0, :-1].float().log_softmax(-1) for p in prompts]
 
@@ -161,7 +176,9 @@ def test_prompt_logprobs_survive_preemption() -> None:
     for a, b, prompt in zip(got, roomy, prompts):
         assert len(a.prompt_logprobs) == len(prompt)
         assert [e.token_id for e in a.prompt_logprobs[1:]] == prompt[1:]
-        assert [e.logprob for e in a.prompt_logprobs[1:]] == pytest.approx([e.logprob for e in b.prompt_logprobs[1:]], abs=1e-5)
+        assert [e.logprob for e in a.prompt_logprobs[1:]] == pytest.approx(
+            [e.logprob for e in b.prompt_logprobs[1:]], abs=1e-5
+        )
     assert_no_leak(tight.engine.block_manager)
 
 
@@ -201,9 +218,21 @@ def test_prompt_longer_than_context_names_both_numbers() -> None:
     assert_no_leak(llm.engine.block_manager)
 
 
-@pytest.mark.parametrize("field,value", [("temperature", -0.5), ("top_p", 1.5), ("top_k", -3), ("min_p", 2.0),
-                                         ("presence_penalty", 3.0), ("repetition_penalty", 0.0), ("max_tokens", 0),
-                                         ("repetition_penalty", 1e-10), ("prompt_logprobs", 21), ("prompt_logprobs", -1)])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("temperature", -0.5),
+        ("top_p", 1.5),
+        ("top_k", -3),
+        ("min_p", 2.0),
+        ("presence_penalty", 3.0),
+        ("repetition_penalty", 0.0),
+        ("max_tokens", 0),
+        ("repetition_penalty", 1e-10),
+        ("prompt_logprobs", 21),
+        ("prompt_logprobs", -1),
+    ],
+)
 def test_out_of_range_sampling_value_names_the_parameter(field: str, value: float) -> None:
     with pytest.raises(SamplingError, match=rf"^{field} must be .*got {value}"):
         SamplingParams(**{field: value})

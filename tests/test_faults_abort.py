@@ -23,7 +23,8 @@ LONG = 2000  # 500 prefill steps
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     serve = ServeProcess(
-        tiny_model_dir("llama"), tmp_path_factory.mktemp("faults-abort"),
+        tiny_model_dir("llama"),
+        tmp_path_factory.mktemp("faults-abort"),
         engine={"block_size": BLOCK, "prefill_chunk_size": CHUNK, "kv_cache_memory_mb": 8, "max_num_seqs": 1},
         gateway={"local_prefill_max_tokens": 0},
         transfer={"transport": "zmq"},
@@ -39,8 +40,13 @@ def prompt_of(length: int, seed: int) -> list[int]:
 
 
 def body(prompt: list[int], max_tokens: int) -> dict:
-    return {"model": str(tiny_model_dir("llama")), "prompt": [prompt], "max_tokens": max_tokens,
-            "temperature": 0.0, "ignore_eos": True}
+    return {
+        "model": str(tiny_model_dir("llama")),
+        "prompt": [prompt],
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+    }
 
 
 def aborted(cluster, worker: str) -> float:
@@ -70,8 +76,9 @@ def test_abort_while_queued_and_while_prefilling(cluster):
     long = RawStream(cluster.url, body(prompt_of(LONG, seed=1), 4))  # holds P's only slot (max_num_seqs 1)
     cluster.wait_until(lambda: running(cluster, "prefill-0") == 1, "P prefilling")
     queued = RawStream(cluster.url, body(prompt_of(40, seed=2), 4))
-    cluster.wait_until(lambda: cluster.metric("prefill-0", "vllm:num_requests_waiting") == 1,
-                       "the second job queued on P")
+    cluster.wait_until(
+        lambda: cluster.metric("prefill-0", "vllm:num_requests_waiting") == 1, "the second job queued on P"
+    )
     cluster.signal("prefill-0", signal.SIGSTOP)  # freeze both phases
     try:
         long.hang_up()
@@ -99,8 +106,10 @@ def test_abort_while_transferring(cluster):
     cluster.wait_until(lambda: running(cluster, "prefill-0") == 1, "P prefilling")
     cluster.signal("decode-0", signal.SIGSTOP)  # nobody acknowledges the KV: P stays transferring
     try:
-        cluster.wait_until(lambda: cluster.metric("prefill-0", "pdserve:prefill_computed_tokens_total")
-                           - computed_before == length, "P computed the prompt")
+        cluster.wait_until(
+            lambda: cluster.metric("prefill-0", "pdserve:prefill_computed_tokens_total") - computed_before == length,
+            "P computed the prompt",
+        )
         stream.read_until(b'"text"')  # P streamed the first token through the gateway (TTFT)
         assert cluster.metric("prefill-0", "pdserve:kv_blocks_in_use") > 0  # pinned for the transfer
         stream.hang_up()

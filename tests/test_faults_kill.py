@@ -28,7 +28,8 @@ LEASE_S = 2.0
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     serve = ServeProcess(
-        tiny_model_dir("llama"), tmp_path_factory.mktemp("faults-kill"),
+        tiny_model_dir("llama"),
+        tmp_path_factory.mktemp("faults-kill"),
         engine={"block_size": BLOCK, "prefill_chunk_size": CHUNK, "kv_cache_memory_mb": 8},
         # The gateway drops a silent worker only after 8 s: the workers' own leases act first.
         gateway={"local_prefill_max_tokens": 0, "worker_timeout_s": 8.0},
@@ -64,9 +65,17 @@ def expected_text(reference: LLM, prompt: list[int], max_tokens: int) -> str:
 
 
 def complete(url: str, prompt: list[int], max_tokens: int) -> httpx.Response:
-    return httpx.post(f"{url}/v1/completions", timeout=90, json={
-        "model": str(tiny_model_dir("llama")), "prompt": [prompt], "max_tokens": max_tokens,
-        "temperature": 0.0, "ignore_eos": True})
+    return httpx.post(
+        f"{url}/v1/completions",
+        timeout=90,
+        json={
+            "model": str(tiny_model_dir("llama")),
+            "prompt": [prompt],
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+        },
+    )
 
 
 def exact_or_clear_error(response: httpx.Response, expected: str) -> str:
@@ -81,8 +90,9 @@ def exact_or_clear_error(response: httpx.Response, expected: str) -> str:
 
 def job_ended_early(serve: ServeProcess) -> float:
     """P's jobs aborted by a peer plus those failed by their transfer."""
-    return (serve.metric("prefill-0", "pdserve:prefill_jobs_aborted_total")
-            + serve.metric("prefill-0", 'pdserve:prefill_jobs_rejected_total{reason="transfer"}'))
+    return serve.metric("prefill-0", "pdserve:prefill_jobs_aborted_total") + serve.metric(
+        "prefill-0", 'pdserve:prefill_jobs_rejected_total{reason="transfer"}'
+    )
 
 
 def started_prefill(serve: ServeProcess, before: float) -> bool:
@@ -117,8 +127,11 @@ def test_sigkill_prefill_mid_transfer(cluster, reference):
         serve.signal("prefill-0", signal.SIGKILL)
         killed_at = time.monotonic()
         # D gets its blocks back once the lease runs out (no more writes renew it).
-        serve.wait_until(lambda: serve.metric("decode-0", "pdserve:kv_lease_expired_total") > expired_before,
-                         "D's lease to expire", timeout_s=LEASE_S + 10)
+        serve.wait_until(
+            lambda: serve.metric("decode-0", "pdserve:kv_lease_expired_total") > expired_before,
+            "D's lease to expire",
+            timeout_s=LEASE_S + 10,
+        )
         assert time.monotonic() - killed_at < LEASE_S + 10
         serve.wait_until(lambda: serve.metric("decode-0", "pdserve:kv_blocks_held_for_peer") == 0, "D freed", 5)
         exact_or_clear_error(future.result(timeout=90), expected)  # no hang
@@ -143,9 +156,14 @@ def test_sigkill_decode_mid_transfer(cluster, reference):
         decode_pids.add(old_pid)
         # P pushes into a dead receiver: no credits come back, so the transfer deadline fails it (or
         # the gateway, seeing D gone, aborts the job first); either way P unpins every block.
-        serve.wait_until(lambda: serve.metric("prefill-0", "vllm:num_requests_running") == 0
-                         and serve.metric("prefill-0", "pdserve:kv_blocks_in_use") == 0, "P holds nothing for D",
-                         timeout_s=LEASE_S + 15)
+        serve.wait_until(
+            lambda: (
+                serve.metric("prefill-0", "vllm:num_requests_running") == 0
+                and serve.metric("prefill-0", "pdserve:kv_blocks_in_use") == 0
+            ),
+            "P holds nothing for D",
+            timeout_s=LEASE_S + 15,
+        )
         exact_or_clear_error(future.result(timeout=90), expected)  # no hang
     # The job was cut, never committed (the counter lags the client's answer by a loop turn).
     serve.wait_until(lambda: job_ended_early(serve) == ended_before + 1, "P counts the cut job", timeout_s=30)

@@ -53,20 +53,25 @@ def test_retime_times_again_and_rewrites(timings, monkeypatch, tmp_path):
     native = cpu_native.load()
     choose(native)
     [path] = tmp_path.glob("forms-*.json")
-    path.write_text(json.dumps({k: {"per_bucket": ["plain"] * len(ROW_BUCKETS), "prefill": "plain"}
-                                for k in json.loads(path.read_text())}))
+    path.write_text(
+        json.dumps(
+            {k: {"per_bucket": ["plain"] * len(ROW_BUCKETS), "prefill": "plain"} for k in json.loads(path.read_text())}
+        )
+    )
     new_process(monkeypatch)
     assert all(f.per_bucket == ("plain",) * len(ROW_BUCKETS) for f in choose(native).values())  # taken as stored
     monkeypatch.setenv("PDSERVE_RETIME_CPU_FORMS", "1")
     new_process(monkeypatch)
     again = choose(native)
     assert len(timings) == 2
-    assert json.loads(path.read_text()) == {k: {"per_bucket": list(f.per_bucket), "prefill": f.prefill}
-                                            for k, f in again.items()}
+    assert json.loads(path.read_text()) == {
+        k: {"per_bucket": list(f.per_bucket), "prefill": f.prefill} for k, f in again.items()
+    }
 
 
-@pytest.mark.parametrize("damage", ["not json", "unknown form", "a list for a form", "missing group", "extra group",
-                                    "bucket count"])
+@pytest.mark.parametrize(
+    "damage", ["not json", "unknown form", "a list for a form", "missing group", "extra group", "bucket count"]
+)
 def test_a_file_that_does_not_fit_this_build_is_timed_again_and_rewritten(timings, monkeypatch, tmp_path, damage):
     native = cpu_native.load()
     first = choose(native)
@@ -74,7 +79,7 @@ def test_a_file_that_does_not_fit_this_build_is_timed_again_and_rewritten(timing
     stored = json.loads(path.read_text())
     group = next(iter(stored))
     if damage == "not json":
-        path.write_text("{\"q_proj\": ")
+        path.write_text('{"q_proj": ')
     else:
         if damage == "unknown form":
             stored[group]["per_bucket"][0] = "amx"

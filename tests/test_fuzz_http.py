@@ -29,9 +29,13 @@ MAX_SECONDS = 10.0  # what "no hang" means for one rejected request
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    serve = ServeProcess(tiny_model_dir("llama"), tmp_path_factory.mktemp("cluster"),
-                         model={"max_model_len": CONTEXT}, engine={"block_size": 16, "kv_cache_memory_mb": 16},
-                         gateway={"max_body_bytes": MAX_BODY})
+    serve = ServeProcess(
+        tiny_model_dir("llama"),
+        tmp_path_factory.mktemp("cluster"),
+        model={"max_model_len": CONTEXT},
+        engine={"block_size": 16, "kv_cache_memory_mb": 16},
+        gateway={"max_body_bytes": MAX_BODY},
+    )
     yield serve
     assert serve.stop() == 0, "".join(serve.log[-30:])
 
@@ -51,7 +55,7 @@ CASES = [
     ("huge prompt string", "/v1/completions", body(prompt="a" * (2 * MAX_BODY)), JSON, 413, None),
     ("huge chunked body", "/v1/completions", lambda: _chunks(4 * MAX_BODY), JSON, 413, None),
     ("deep JSON nesting", "/v1/completions", b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", JSON, 400, None),
-    ("deep unclosed nesting", "/v1/chat/completions", b'{"messages": ' + b"{\"a\":" * 50_000, JSON, 400, None),
+    ("deep unclosed nesting", "/v1/chat/completions", b'{"messages": ' + b'{"a":' * 50_000, JSON, 400, None),
     ("invalid UTF-8", "/v1/completions", b'{"model": "\xff\xfe", "prompt": "\xc3\x28"}', JSON, 400, None),
     ("lone surrogate", "/v1/completions", b'{"prompt": "\\ud800", "max_tokens": 2}', JSON, 400, None),
     ("empty body", "/v1/completions", b"", JSON, 400, None),
@@ -60,30 +64,66 @@ CASES = [
     ("enormous max_tokens", "/v1/completions", body(prompt="hi", max_tokens=10**30), JSON, 400, "max_tokens"),
     ("enormous n", "/v1/completions", body(prompt="hi", n=10**20), JSON, 400, "n"),
     ("enormous seed", "/v1/completions", body(prompt="hi", seed=2**70), JSON, 400, "seed"),
-    ("very negative seed", "/v1/chat/completions",
-     body(messages=[{"role": "user", "content": "x"}], seed=-(2**70)), JSON, 400, "seed"),
+    (
+        "very negative seed",
+        "/v1/chat/completions",
+        body(messages=[{"role": "user", "content": "x"}], seed=-(2**70)),
+        JSON,
+        400,
+        "seed",
+    ),
     ("enormous top_k", "/v1/completions", body(prompt="hi", top_k=10**20), JSON, 400, "top_k"),
     ("enormous temperature", "/v1/completions", body(prompt="hi", temperature=1e308), JSON, 400, "temperature"),
-    ("enormous repetition_penalty", "/v1/completions", body(prompt="hi", repetition_penalty=1e300), JSON, 400,
-     "repetition_penalty"),
+    (
+        "enormous repetition_penalty",
+        "/v1/completions",
+        body(prompt="hi", repetition_penalty=1e300),
+        JSON,
+        400,
+        "repetition_penalty",
+    ),
     ("NaN temperature", "/v1/completions", b'{"prompt": "hi", "temperature": NaN}', JSON, 400, "temperature"),
     ("-Infinity top_p", "/v1/completions", b'{"prompt": "hi", "top_p": -Infinity}', JSON, 400, "top_p"),
-    ("enormous stop token id", "/v1/completions", body(prompt="hi", stop_token_ids=[10**20]), JSON, 400,
-     "stop_token_ids"),
+    (
+        "enormous stop token id",
+        "/v1/completions",
+        body(prompt="hi", stop_token_ids=[10**20]),
+        JSON,
+        400,
+        "stop_token_ids",
+    ),
     ("negative token id", "/v1/completions", body(prompt=[-1, 5]), JSON, 400, "prompt"),
     ("enormous token id", "/v1/completions", body(prompt=[2**64]), JSON, 400, "prompt"),
     ("1e5-token id prompt", "/v1/completions", body(prompt=[7] * 100_000), JSON, 400, "prompt"),
     ("1e5-token text prompt", "/v1/completions", body(prompt="hello " * 100_000), JSON, 400, "prompt"),
-    ("1e5-token chat prompt", "/v1/chat/completions",
-     body(messages=[{"role": "user", "content": "hello " * 100_000}]), JSON, 400, "messages"),
+    (
+        "1e5-token chat prompt",
+        "/v1/chat/completions",
+        body(messages=[{"role": "user", "content": "hello " * 100_000}]),
+        JSON,
+        400,
+        "messages",
+    ),
     ("thousands of stop strings", "/v1/completions", body(prompt="hi", stop=["s"] * 5000), JSON, 400, "stop"),
     ("stop of wrong type", "/v1/completions", body(prompt="hi", stop=[1, 2]), JSON, 400, "stop"),
     ("boolean as integer", "/v1/completions", body(prompt="hi", max_tokens=True), JSON, 400, "max_tokens"),
     ("text/plain JSON", "/v1/completions", body(prompt="hi"), {"content-type": "text/plain"}, 415, None),
-    ("form post", "/v1/chat/completions", b"messages=x", {"content-type": "application/x-www-form-urlencoded"},
-     415, None),
-    ("multipart", "/v1/completions", b"--b\r\n\r\nx\r\n--b--", {"content-type": "multipart/form-data; boundary=b"},
-     415, None),
+    (
+        "form post",
+        "/v1/chat/completions",
+        b"messages=x",
+        {"content-type": "application/x-www-form-urlencoded"},
+        415,
+        None,
+    ),
+    (
+        "multipart",
+        "/v1/completions",
+        b"--b\r\n\r\nx\r\n--b--",
+        {"content-type": "multipart/form-data; boundary=b"},
+        415,
+        None,
+    ),
     ("detokenize strings", "/detokenize", json.dumps({"tokens": ["a", None]}).encode(), JSON, 400, "tokens"),
     ("detokenize enormous id", "/detokenize", json.dumps({"tokens": [2**64]}).encode(), JSON, 400, "tokens"),
     ("tokenize a number", "/tokenize", json.dumps({"prompt": 5}).encode(), JSON, 400, "prompt"),
@@ -117,8 +157,9 @@ def test_wrong_method_and_unknown_route_are_4xx_json(cluster):
 
 def test_gateway_keeps_serving_after_hostile_input(cluster):
     """Runs after the hostile cases (file order): a normal request completes and nothing is left held."""
-    response = httpx.post(cluster.url + "/v1/completions", content=body(prompt="Once upon", ignore_eos=True),
-                          headers=JSON, timeout=60)
+    response = httpx.post(
+        cluster.url + "/v1/completions", content=body(prompt="Once upon", ignore_eos=True), headers=JSON, timeout=60
+    )
     assert response.status_code == 200, response.text
     assert response.json()["usage"]["completion_tokens"] == 2
     assert httpx.get(cluster.url + "/health").status_code == 200
@@ -136,9 +177,15 @@ def test_schemathesis_no_server_error_no_hang(cluster):
         violable = len(op.body) > 0 or len(op.query) > 0
         modes = (GenerationMode.POSITIVE, GenerationMode.NEGATIVE) if violable else (GenerationMode.POSITIVE,)
         for mode in modes:
+
             @given(case=op.as_strategy(generation_mode=mode))
-            @settings(max_examples=12 if violable else 2, deadline=None, derandomize=True,
-                      database=None, suppress_health_check=list(HealthCheck))
+            @settings(
+                max_examples=12 if violable else 2,
+                deadline=None,
+                derandomize=True,
+                database=None,
+                suppress_health_check=list(HealthCheck),
+            )
             def check(case):
                 nonlocal num_calls
                 num_calls += 1
@@ -146,13 +193,17 @@ def test_schemathesis_no_server_error_no_hang(cluster):
                 response = case.call(timeout=30)
                 assert time.monotonic() - started < 30
                 assert response.status_code < 500 or (case.path == "/ready" and response.status_code == 503), (
-                    f"{case.method} {case.path} {case.body!r:.300} -> {response.status_code} {response.text[:300]}")
+                    f"{case.method} {case.path} {case.body!r:.300} -> {response.status_code} {response.text[:300]}"
+                )
                 if response.status_code >= 400 and case.path != "/ready":
                     if case.path.startswith("/v1/messages"):  # Anthropic's error JSON on its routes
-                        assert response.json()["type"] == "error" and set(response.json()["error"]) == {"type",
-                                                                                                       "message"}
+                        assert response.json()["type"] == "error" and set(response.json()["error"]) == {
+                            "type",
+                            "message",
+                        }
                     else:
                         assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+
             check()
     assert num_calls >= 100
     cluster.wait_idle()

@@ -24,10 +24,27 @@ import zmq
 from cluster.keygen import write_private_key
 from protocol.codec import decode, encode
 from protocol.curve import ClusterKey, PlaneSecurity
-from protocol.kv_messages import (KV_PROTOCOL_VERSION, Abort, BlockWrite, Commit, CommitAck, Credit, Handshake,
-                                  HandshakeReply, KVCompat, WriteRejected)
-from protocol.serving import (AbortRequest, Heartbeat, PrefillJob, PromptLogprobs, SamplingSpec, TokenEvent,
-                              TokenLogprobRecord)
+from protocol.kv_messages import (
+    KV_PROTOCOL_VERSION,
+    Abort,
+    BlockWrite,
+    Commit,
+    CommitAck,
+    Credit,
+    Handshake,
+    HandshakeReply,
+    KVCompat,
+    WriteRejected,
+)
+from protocol.serving import (
+    AbortRequest,
+    Heartbeat,
+    PrefillJob,
+    PromptLogprobs,
+    SamplingSpec,
+    TokenEvent,
+    TokenLogprobRecord,
+)
 from tests.cluster_harness import ServeProcess
 from tests.model_factory import tiny_model_dir
 
@@ -39,10 +56,13 @@ KEY_FILE = write_private_key()
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    serve = ServeProcess(tiny_model_dir("llama"), tmp_path_factory.mktemp("cluster"),
-                         engine={"block_size": BLOCK, "kv_cache_memory_mb": 8},
-                         transfer={"max_frame_bytes": MAX_FRAME, "transport": "zmq", "cluster_key_file": KEY_FILE},
-                         gateway={"local_prefill_max_tokens": 0})  # every prompt goes through prefill + KV
+    serve = ServeProcess(
+        tiny_model_dir("llama"),
+        tmp_path_factory.mktemp("cluster"),
+        engine={"block_size": BLOCK, "kv_cache_memory_mb": 8},
+        transfer={"max_frame_bytes": MAX_FRAME, "transport": "zmq", "cluster_key_file": KEY_FILE},
+        gateway={"local_prefill_max_tokens": 0},
+    )  # every prompt goes through prefill + KV
     yield serve
     assert serve.stop() == 0, "".join(serve.log[-30:])
 
@@ -52,8 +72,11 @@ def endpoints(cluster) -> dict[str, str]:
     worker_port = yaml.safe_load(cluster.config_path.read_text())["gateway"]["worker_port"]
     # heartbeat addresses: a prefill worker's job ROUTER, a decode worker's KV receiver
     address = {w["id"]: w["address"] for w in cluster.workers()}
-    return {"gateway": f"tcp://127.0.0.1:{worker_port}", "prefill": address["prefill-0"],
-            "decode_kv": address["decode-0"]}
+    return {
+        "gateway": f"tcp://127.0.0.1:{worker_port}",
+        "prefill": address["prefill-0"],
+        "decode_kv": address["decode-0"],
+    }
 
 
 @pytest.fixture(scope="module")
@@ -69,8 +92,9 @@ def ctx():
 
 
 def greedy_text(cluster) -> str:
-    body = json.dumps({"model": MODEL, "prompt": list(range(10, 60)), "max_tokens": 8, "temperature": 0,
-                       "ignore_eos": True}).encode()
+    body = json.dumps(
+        {"model": MODEL, "prompt": list(range(10, 60)), "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    ).encode()
     request = urllib.request.Request(f"{cluster.url}/v1/completions", body, {"content-type": "application/json"})
     response = json.loads(urllib.request.urlopen(request, timeout=60).read())
     assert response["usage"]["completion_tokens"] == 8
@@ -79,8 +103,11 @@ def greedy_text(cluster) -> str:
 
 def gateway_metric(cluster, name: str) -> float:
     body = urllib.request.urlopen(f"{cluster.url}/metrics", timeout=5).read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in body.splitlines()
-               if line.startswith(name + " ") or line.startswith(name + "{"))
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in body.splitlines()
+        if line.startswith(name + " ") or line.startswith(name + "{")
+    )
 
 
 def wait_for_count(read, expected: float, timeout_s: float = 30.0) -> float:
@@ -106,12 +133,30 @@ def garbage_messages(seed: int) -> list[list[bytes]]:
         *[[rng.randbytes(rng.randint(1, 300))] for _ in range(10)],  # random bytes
         [heartbeat[: len(heartbeat) // 2]],  # truncated
         [b""],  # empty frame
-        [msgpack.packb(12345)], [msgpack.packb({"a": 1})], [msgpack.packb(["no.such.tag", {}])],
+        [msgpack.packb(12345)],
+        [msgpack.packb({"a": 1})],
+        [msgpack.packb(["no.such.tag", {}])],
         [msgpack.packb(["serve.heartbeat", {"worker_id": 5}])],  # right tag, wrong fields
-        [msgpack.packb(["serve.heartbeat", {"worker_id": "x", "role": "decode", "address": "a", "incarnation": "i",
-                                            "block_size": "sixteen", "kv_blocks_total": 1, "kv_blocks_free": 1,
-                                            "kv_blocks_in_use": 0, "num_running": 0, "num_waiting": 0,
-                                            "queued_prefill_tokens": 0}])],  # wrong-typed field
+        [
+            msgpack.packb(
+                [
+                    "serve.heartbeat",
+                    {
+                        "worker_id": "x",
+                        "role": "decode",
+                        "address": "a",
+                        "incarnation": "i",
+                        "block_size": "sixteen",
+                        "kv_blocks_total": 1,
+                        "kv_blocks_free": 1,
+                        "kv_blocks_in_use": 0,
+                        "num_running": 0,
+                        "num_waiting": 0,
+                        "queued_prefill_tokens": 0,
+                    },
+                ]
+            )
+        ],  # wrong-typed field
         [msgpack.packb(nested(200))],  # deeply nested garbage
         [msgpack.packb(["serve.abort", {"rid": "r", "reason": "x"}]), b"extra frame", b"and another"],
     ]
@@ -135,9 +180,11 @@ def test_gateway_worker_router_rejects_and_counts(cluster, endpoints, baseline, 
     sock = dealer(ctx, endpoints["gateway"])
     messages = garbage_messages(seed=1)
     sampling = SamplingSpec(max_tokens=1)
-    messages += [[encode(PrefillJob("r", [1], 0, [0], 1, "tcp://x:1", True, sampling, time.time() + 9))],  # wrong way
-                 [encode(Heartbeat("decode-0", "decode", "tcp://127.0.0.1:1", "fake", 16, 9, 9, 0, 0, 0, 0))],  # spoofed id
-                 [msgpack.packb(["serve.prompt_logprobs", {"rid": "r", "start": 0, "logprobs": [], "ranks": [1]}])]]
+    messages += [
+        [encode(PrefillJob("r", [1], 0, [0], 1, "tcp://x:1", True, sampling, time.time() + 9))],  # wrong way
+        [encode(Heartbeat("decode-0", "decode", "tcp://127.0.0.1:1", "fake", 16, 9, 9, 0, 0, 0, 0))],  # spoofed id
+        [msgpack.packb(["serve.prompt_logprobs", {"rid": "r", "start": 0, "logprobs": [], "ranks": [1]}])],
+    ]
     send_all(sock, messages)
     assert wait_for_count(lambda: gateway_metric(cluster, name), before + len(messages)) == before + len(messages)
     # Late or forged token events for requests that do not exist are dropped without effect.
@@ -159,10 +206,13 @@ def test_prefill_job_router_rejects_and_counts(cluster, endpoints, baseline, ctx
     # Well-formed jobs that are wrong: out-of-vocabulary tokens, dst blocks not matching the prompt,
     # an expired deadline. Each is answered PrefillFailed and counted as rejected.
     sampling = SamplingSpec(max_tokens=1)
-    jobs = [PrefillJob("bad-vocab", [10**9], 0, [0], 1, endpoints["decode_kv"], True, sampling, time.time() + 30),
-            PrefillJob("bad-blocks", list(range(5, 40)), 0, [0], 1, endpoints["decode_kv"], True, sampling,
-                       time.time() + 30),
-            PrefillJob("expired", [5, 6, 7], 0, [0], 1, endpoints["decode_kv"], True, sampling, time.time() - 5)]
+    jobs = [
+        PrefillJob("bad-vocab", [10**9], 0, [0], 1, endpoints["decode_kv"], True, sampling, time.time() + 30),
+        PrefillJob(
+            "bad-blocks", list(range(5, 40)), 0, [0], 1, endpoints["decode_kv"], True, sampling, time.time() + 30
+        ),
+        PrefillJob("expired", [5, 6, 7], 0, [0], 1, endpoints["decode_kv"], True, sampling, time.time() - 5),
+    ]
     send_all(sock, [[encode(j)] for j in jobs])
     sock.send(encode(AbortRequest("never-seen")))  # idempotent: unknown rids are ignored
     answered = set()
@@ -183,8 +233,15 @@ def test_prefill_job_router_rejects_and_counts(cluster, endpoints, baseline, ctx
 def kv_compat() -> KVCompat:
     config = json.loads((tiny_model_dir("llama") / "config.json").read_text())
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    return KVCompat(KV_PROTOCOL_VERSION, MODEL, "float32", config["num_hidden_layers"],
-                    config["num_key_value_heads"], head_dim, BLOCK)
+    return KVCompat(
+        KV_PROTOCOL_VERSION,
+        MODEL,
+        "float32",
+        config["num_hidden_layers"],
+        config["num_key_value_heads"],
+        head_dim,
+        BLOCK,
+    )
 
 
 def replies(sock: zmq.Socket, count: int, timeout_s: float = 30.0) -> list:
@@ -204,7 +261,9 @@ def test_decode_kv_receiver_rejects_stale_and_malformed(cluster, endpoints, base
         [b"\x00" * (100 << 10)],  # over the 64 KiB header limit (but under MAXMSGSIZE)
     ]
     send_all(sock, messages)
-    assert wait_for_count(lambda: cluster.metric("decode-0", malformed), before + len(messages)) == before + len(messages)
+    assert wait_for_count(lambda: cluster.metric("decode-0", malformed), before + len(messages)) == before + len(
+        messages
+    )
 
     # A handshake from an incompatible pool is refused, naming the field.
     compat = kv_compat()
@@ -221,8 +280,9 @@ def test_decode_kv_receiver_rejects_stale_and_malformed(cluster, endpoints, base
     [reply] = replies(sock, 1)
     assert isinstance(reply, HandshakeReply) and reply.accepted, reply
     bytes_per_block = 2 * compat.num_layers * BLOCK * compat.kv_heads * compat.head_dim * 4
-    sock.send_multipart([encode(BlockWrite("ghost", 7, "fuzz-incarnation", [0], True, bytes_per_block)),
-                         b"\x7f" * bytes_per_block])
+    sock.send_multipart(
+        [encode(BlockWrite("ghost", 7, "fuzz-incarnation", [0], True, bytes_per_block)), b"\x7f" * bytes_per_block]
+    )
     got = replies(sock, 2)
     assert [type(r) for r in got] == [Credit, WriteRejected] and got[1].reason == "stale"
     sock.send(encode(Commit("ghost", 7, "fuzz-incarnation", first_token=3)))

@@ -66,15 +66,24 @@ def test_queued_at_once_then_completed_with_the_foreground_answer(client, live, 
     backend.token_delay_s = 0.05  # long enough in_progress for the polls to see it
     queued = client.responses.create(model=MODEL, input="Hi", background=True)
     assert (queued.status, queued.background, queued.store, queued.output, queued.usage) == (
-        "queued", True, True, [], None)
+        "queued",
+        True,
+        True,
+        [],
+        None,
+    )
     assert queued.id.startswith("resp_") and foreground.background is False
     assert wait_for_status(client, queued.id, "completed") in (
-        ["queued", "in_progress", "completed"], ["in_progress", "completed"])
+        ["queued", "in_progress", "completed"],
+        ["in_progress", "completed"],
+    )
     done = client.responses.retrieve(queued.id)
     assert done.output_text == foreground.output_text == OUTPUT_TEXT and done.error is None
     assert [(o.type, o.status) for o in done.output] == [("message", "completed")]
-    assert (done.usage.input_tokens, done.usage.output_tokens) == (foreground.usage.input_tokens,
-                                                                   foreground.usage.output_tokens)
+    assert (done.usage.input_tokens, done.usage.output_tokens) == (
+        foreground.usage.input_tokens,
+        foreground.usage.output_tokens,
+    )
     assert done.created_at == queued.created_at and done.background is True
     assert [r.prompt_token_ids for r in backend.received] == [backend.received[0].prompt_token_ids] * 2
     wait_until(lambda: nothing_runs(live), "the background response still counted as running")
@@ -161,8 +170,9 @@ def test_background_needs_the_store_and_is_not_streamed(client, backend, tok_dir
         client.responses.create(model=MODEL, input="Hi", background=True, stream=True)
     assert e.value.body["param"] == "stream" and backend.received == []
     with live_gateway(tok_dir, response_store=ResponseStore(0)) as server:
-        off = openai.OpenAI(base_url=server.base_url + "/v1", api_key=API_KEYS[0], max_retries=0,
-                            _strict_response_validation=True)
+        off = openai.OpenAI(
+            base_url=server.base_url + "/v1", api_key=API_KEYS[0], max_retries=0, _strict_response_validation=True
+        )
         with pytest.raises(openai.BadRequestError, match="responses_store_mb is 0") as e:
             off.responses.create(model=MODEL, input="Hi", background=True)
         assert e.value.body["param"] == "background" and server.backend.received == []
@@ -172,8 +182,9 @@ def test_gateway_shutdown_cancels_what_still_runs(tok_dir):
     app, backend = make_gateway(tok_dir, max_model_len=1024)
     backend.token_delay_s = 30.0
     with LiveServer(app, lifespan="on") as server:
-        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key=API_KEYS[0], max_retries=0,
-                               _strict_response_validation=True)
+        client = openai.OpenAI(
+            base_url=server.base_url + "/v1", api_key=API_KEYS[0], max_retries=0, _strict_response_validation=True
+        )
         r = client.responses.create(model=MODEL, input="Hi", background=True)
         wait_until(lambda: len(backend.received) == 1, "the backend never got the request")
     serving = app.state.serving

@@ -14,8 +14,9 @@ PROMPT_LOGPROBS_BUDGET = 60
 
 @pytest.fixture(scope="module")
 def live(tok_dir):
-    with live_gateway(tok_dir, max_model_len=128,
-                      limits_given={"max_prompt_logprobs_entries": PROMPT_LOGPROBS_BUDGET}) as server:
+    with live_gateway(
+        tok_dir, max_model_len=128, limits_given={"max_prompt_logprobs_entries": PROMPT_LOGPROBS_BUDGET}
+    ) as server:
         yield server
 
 
@@ -30,15 +31,21 @@ def test_prompt_logprobs_within_the_budget_are_served(live, backend):
     assert [len(c["prompt_logprobs"]) for c in r.json()["choices"]] == [10, 10]
 
 
-@pytest.mark.parametrize("asked, param", [({"prompt_logprobs": 3}, "prompt_logprobs"),
-                                          ({"echo": True, "logprobs": 3}, "logprobs")])
+@pytest.mark.parametrize(
+    "asked, param", [({"prompt_logprobs": 3}, "prompt_logprobs"), ({"echo": True, "logprobs": 3}, "logprobs")]
+)
 def test_prompt_logprobs_past_the_budget_are_a_400_naming_it(live, backend, asked, param):
     r = post(live, "/v1/completions", prompt=list(range(10, 20)), max_tokens=1, n=2, **asked)
     assert r.status_code == 400
-    assert r.json() == {"error": {
-        "message": f"{param}: 9 prompt tokens with logprobs x (3 + 1) x n=2 is 72 entries, more than this "
-                   "server's limit of 60 (gateway.max_prompt_logprobs_entries)",
-        "type": "invalid_request_error", "param": param, "code": "invalid_value"}}
+    assert r.json() == {
+        "error": {
+            "message": f"{param}: 9 prompt tokens with logprobs x (3 + 1) x n=2 is 72 entries, more than this "
+            "server's limit of 60 (gateway.max_prompt_logprobs_entries)",
+            "type": "invalid_request_error",
+            "param": param,
+            "code": "invalid_value",
+        }
+    }
     assert backend.received == []
 
 
@@ -46,4 +53,7 @@ def test_the_budget_counts_every_prompt_of_a_batch(live, backend):
     # two prompts of 6 tokens: 2 x 5 x (5 + 1) = 60 fits; a third would not
     assert post(live, "/v1/completions", prompt=[[5] * 6] * 2, max_tokens=1, prompt_logprobs=5).status_code == 200
     r = post(live, "/v1/completions", prompt=[[5] * 6] * 3, max_tokens=1, prompt_logprobs=5)
-    assert r.status_code == 400 and "15 prompt tokens with logprobs x (5 + 1) x n=1 is 90 entries" in r.json()["error"]["message"]
+    assert (
+        r.status_code == 400
+        and "15 prompt tokens with logprobs x (5 + 1) x n=1 is 90 entries" in r.json()["error"]["message"]
+    )

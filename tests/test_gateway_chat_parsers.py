@@ -16,9 +16,17 @@ from tests.fake_backend import CHAT_TEMPLATE, MODEL, live_gateway, make_test_tok
 THINKING_TEMPLATE = CHAT_TEMPLATE.replace(
     "<|assistant|>\n{% endif %}",
     "<|assistant|>\n{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n"
-    "{% else %}<think>\n{% endif %}{% endif %}")
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    "{% else %}<think>\n{% endif %}{% endif %}",
+)
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
 MESSAGES = [{"role": "user", "content": "Weather in Paris?"}]
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
@@ -60,19 +68,31 @@ def test_the_reasoning_opened_by_the_prompt_goes_to_its_own_field(client, backen
     assert message.model_extra["reasoning"] == message.model_extra["reasoning_content"] == "The user asks about Paris."
     assert message.content == "\n\nIt is sunny." and r.choices[0].finish_reason == "stop"
     total, finish = streamed(client, max_tokens=64)
-    assert total == {"reasoning": "The user asks about Paris.", "reasoning_content": "The user asks about Paris.",
-                     "content": "\n\nIt is sunny.", "calls": []} and finish == "stop"
+    assert (
+        total
+        == {
+            "reasoning": "The user asks about Paris.",
+            "reasoning_content": "The user asks about Paris.",
+            "content": "\n\nIt is sunny.",
+            "calls": [],
+        }
+        and finish == "stop"
+    )
 
 
 def test_enable_thinking_false_reaches_the_template_and_the_answer_is_all_content(client, backend, answering, hf_tok):
     answering("It is sunny.")
-    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=64,
-                                       extra_body={"chat_template_kwargs": {"enable_thinking": False}})
-    expected = hf_tok.apply_chat_template(MESSAGES, add_generation_prompt=True, enable_thinking=False,
-                                          tokenize=True, return_dict=False)
+    r = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=64, extra_body={"chat_template_kwargs": {"enable_thinking": False}}
+    )
+    expected = hf_tok.apply_chat_template(
+        MESSAGES, add_generation_prompt=True, enable_thinking=False, tokenize=True, return_dict=False
+    )
     assert backend.received[0].prompt_token_ids == list(expected)
     assert hf_tok.decode(expected).endswith("<think>\n\n</think>\n\n")
-    assert r.choices[0].message.content == "It is sunny." and "reasoning" not in (r.choices[0].message.model_extra or {})
+    assert r.choices[0].message.content == "It is sunny." and "reasoning" not in (
+        r.choices[0].message.model_extra or {}
+    )
 
 
 def test_reasoning_then_an_auto_tool_call_whole_and_streamed(client, backend, answering):
@@ -99,16 +119,18 @@ def test_auto_without_a_call_answers_the_text(client, backend, answering):
 
 def test_include_reasoning_false_leaves_only_the_answer(client, backend, answering):
     answering("hidden</think>Shown.")
-    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=64,
-                                       extra_body={"include_reasoning": False})
+    r = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=64, extra_body={"include_reasoning": False}
+    )
     assert r.choices[0].message.content == "Shown." and "reasoning" not in (r.choices[0].message.model_extra or {})
 
 
 def test_a_structured_output_applies_after_the_reasoning_the_prompt_opens(client, backend, answering):
     # The workers gate the grammar on the end tag (engine/structured_output.py ReasoningGate), as vLLM does.
     answering('Wants JSON.</think>{"a": 1}')
-    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=64,
-                                       response_format={"type": "json_object"})
+    r = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=64, response_format={"type": "json_object"}
+    )
     assert backend.received[-1].sampling.structured_output.after == "</think>"
     message = r.choices[0].message
     assert message.model_extra["reasoning"] == "Wants JSON." and message.content == '{"a": 1}'
@@ -118,19 +140,26 @@ def test_a_structured_output_applies_after_the_reasoning_the_prompt_opens(client
 
 def test_a_structured_output_holds_from_the_first_token_when_thinking_is_off(client, backend, answering):
     answering('{"a": "</think>"}')
-    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=64,
-                                       response_format={"type": "json_object"},
-                                       extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        max_tokens=64,
+        response_format={"type": "json_object"},
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+    )
     assert backend.received[-1].sampling.structured_output.after == ""
     assert r.choices[0].message.content == '{"a": "</think>"}'
 
 
-@pytest.mark.parametrize("extra, message", [
-    ({"chat_template_kwargs": ["enable_thinking"]}, "chat_template_kwargs must be an object"),
-    ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs must not set 'messages'"),
-    ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs must not set 'tools'"),
-    ({"include_reasoning": "yes"}, "include_reasoning"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ({"chat_template_kwargs": ["enable_thinking"]}, "chat_template_kwargs must be an object"),
+        ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs must not set 'messages'"),
+        ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs must not set 'tools'"),
+        ({"include_reasoning": "yes"}, "include_reasoning"),
+    ],
+)
 def test_malformed_fields_are_400_naming_them(client, backend, extra, message):
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, extra_body=extra)
@@ -141,9 +170,11 @@ def test_malformed_fields_are_400_naming_them(client, backend, extra, message):
 
 def test_vllm_flags_of_pdserve_serve_and_the_gateway_set_the_config():
     from cluster.roles import command_line_overrides
-    from cluster.serve import cluster_env, parse_args as serve_args
+    from cluster.serve import cluster_env
+    from cluster.serve import parse_args as serve_args
     from configs.schema import ConfigError, load_config
-    from gateway.__main__ import overrides_of, parse_args as gateway_args
+    from gateway.__main__ import overrides_of
+    from gateway.__main__ import parse_args as gateway_args
 
     flags = ["--reasoning-parser", "deepseek_r1", "--tool-call-parser", "llama3_json"]
     # what every member of the cluster gets
@@ -151,8 +182,9 @@ def test_vllm_flags_of_pdserve_serve_and_the_gateway_set_the_config():
     for config in (load_config(env=env), load_config(env={}, overrides=overrides_of(gateway_args(flags)))):
         assert (config.gateway.reasoning_parser, config.gateway.tool_call_parser) == ("deepseek_r1", "llama3_json")
     assert load_config(env={}).gateway.tool_call_parser == "none"
-    with pytest.raises(ConfigError,
-                       match="gateway.tool_call_parser: must be one of none, hermes, llama3_json, pythonic, mistral"):
+    with pytest.raises(
+        ConfigError, match="gateway.tool_call_parser: must be one of none, hermes, llama3_json, pythonic, mistral"
+    ):
         load_config(env={"PDSERVE_GATEWAY_TOOL_CALL_PARSER": "xlam"})
     with pytest.raises(SystemExit):
         serve_args(["--tool-call-parser", "xlam"])

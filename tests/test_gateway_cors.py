@@ -13,8 +13,11 @@ from gateway.__main__ import overrides_of, parse_args
 from tests.fake_backend import API_KEYS, MODEL, live_gateway, make_test_tokenizer
 
 UI = "https://ui.example"
-PREFLIGHT = {"Origin": UI, "Access-Control-Request-Method": "POST",
-             "Access-Control-Request-Headers": "authorization, content-type"}
+PREFLIGHT = {
+    "Origin": UI,
+    "Access-Control-Request-Method": "POST",
+    "Access-Control-Request-Headers": "authorization, content-type",
+}
 BODY = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
 AUTH = {"Authorization": f"Bearer {API_KEYS[0]}"}
 

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from gateway.workers.admission import AdmissionQueue
 from gateway.deadline import get_by
+from gateway.workers.admission import AdmissionQueue
 
 
 def run(coro):

@@ -30,15 +30,17 @@ def post(live, path: str, **body) -> httpx.Response:
 
 def stream(live, path: str, **body) -> list[dict]:
     """The SSE chunks of a streamed response, [DONE] checked and dropped."""
-    with httpx.stream("POST", live.base_url + path, json={"model": MODEL, "stream": True, **body},
-                      headers=HEADERS, timeout=10) as r:
+    with httpx.stream(
+        "POST", live.base_url + path, json={"model": MODEL, "stream": True, **body}, headers=HEADERS, timeout=10
+    ) as r:
         assert r.status_code == 200
-        data = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+        data = [line[len("data: ") :] for line in r.iter_lines() if line.startswith("data: ")]
     assert data[-1] == "[DONE]"
     return [json.loads(d) for d in data[:-1]]
 
 
 # --- expectations, from the fake backend's documented numbers -------------------------------------------
+
 
 def prompt_logprob(p: int) -> float:
     return -1.0 - 0.5 * p
@@ -50,12 +52,15 @@ def prompt_rank(p: int) -> int:
 
 def prompt_top(token_id: int, p: int, k: int) -> list[tuple[int, float]]:
     rank = prompt_rank(p)
-    return [(token_id if j == rank - 1 else (token_id + 1 + j) % 256, prompt_logprob(p) + 0.25 * (rank - 1 - j))
-            for j in range(k)]
+    return [
+        (token_id if j == rank - 1 else (token_id + 1 + j) % 256, prompt_logprob(p) + 0.25 * (rank - 1 - j))
+        for j in range(k)
+    ]
 
 
 def expected_logprobs(hf_tok, prompt_ids: list[int] | None, output_ids: list[int], k: int) -> dict:
     """OpenAI's completion logprobs of [echoed prompt] + output: None for the first prompt token."""
+
     def token(t: int) -> str:
         return hf_tok.decode([t])
 
@@ -85,6 +90,7 @@ def expected_prompt_logprobs(hf_tok, prompt_ids: list[int], k: int) -> list[dict
 
 # --- echo ------------------------------------------------------------------------------------------------
 
+
 def test_echo_without_logprobs_prepends_the_prompt_and_asks_no_prompt_logprobs(live, backend, hf_tok):
     prompt = "The quick brown fox"
     r = post(live, "/v1/completions", prompt=prompt, max_tokens=5, echo=True)
@@ -97,8 +103,9 @@ def test_echo_without_logprobs_prepends_the_prompt_and_asks_no_prompt_logprobs(l
 
 
 def test_echo_through_the_official_client(backend, live, hf_tok):
-    client = openai.OpenAI(base_url=live.base_url + "/v1", api_key=API_KEYS[1], max_retries=0,
-                           _strict_response_validation=True)
+    client = openai.OpenAI(
+        base_url=live.base_url + "/v1", api_key=API_KEYS[1], max_retries=0, _strict_response_validation=True
+    )
     r = client.completions.create(model=MODEL, prompt="Hello world", max_tokens=3, echo=True)
     assert r.choices[0].text == "Hello world" + hf_tok.decode(backend.output_ids[:3])
 
@@ -161,6 +168,7 @@ def test_streamed_echo_adds_up_to_the_non_streamed_answer(live, backend, hf_tok,
 
 # --- prompt_logprobs -------------------------------------------------------------------------------------
 
+
 def test_prompt_logprobs_on_completions_exact_structure(live, backend, hf_tok):
     prompt = "The quick brown fox"
     ids = hf_tok.encode(prompt)
@@ -171,13 +179,19 @@ def test_prompt_logprobs_on_completions_exact_structure(live, backend, hf_tok):
     # written out for the first three positions: rank 2 (inside the top 2), rank 3 (outside), rank 1
     assert choices[0]["prompt_logprobs"][:4] == [
         None,
-        {str(t1): {"logprob": -1.5, "rank": 2, "decoded_token": hf_tok.decode([t1])},
-         str((t1 + 1) % 256): {"logprob": -1.25, "rank": 1, "decoded_token": hf_tok.decode([(t1 + 1) % 256])}},
-        {str(t2): {"logprob": -2.0, "rank": 3, "decoded_token": hf_tok.decode([t2])},
-         str((t2 + 1) % 256): {"logprob": -1.5, "rank": 1, "decoded_token": hf_tok.decode([(t2 + 1) % 256])},
-         str((t2 + 2) % 256): {"logprob": -1.75, "rank": 2, "decoded_token": hf_tok.decode([(t2 + 2) % 256])}},
-        {str(t3): {"logprob": -2.5, "rank": 1, "decoded_token": hf_tok.decode([t3])},
-         str((t3 + 2) % 256): {"logprob": -2.75, "rank": 2, "decoded_token": hf_tok.decode([(t3 + 2) % 256])}},
+        {
+            str(t1): {"logprob": -1.5, "rank": 2, "decoded_token": hf_tok.decode([t1])},
+            str((t1 + 1) % 256): {"logprob": -1.25, "rank": 1, "decoded_token": hf_tok.decode([(t1 + 1) % 256])},
+        },
+        {
+            str(t2): {"logprob": -2.0, "rank": 3, "decoded_token": hf_tok.decode([t2])},
+            str((t2 + 1) % 256): {"logprob": -1.5, "rank": 1, "decoded_token": hf_tok.decode([(t2 + 1) % 256])},
+            str((t2 + 2) % 256): {"logprob": -1.75, "rank": 2, "decoded_token": hf_tok.decode([(t2 + 2) % 256])},
+        },
+        {
+            str(t3): {"logprob": -2.5, "rank": 1, "decoded_token": hf_tok.decode([t3])},
+            str((t3 + 2) % 256): {"logprob": -2.75, "rank": 2, "decoded_token": hf_tok.decode([(t3 + 2) % 256])},
+        },
     ]
     for c in choices:  # every choice carries its prompt's; the text is not echoed, no logprobs asked
         assert c["prompt_logprobs"] == expected_prompt_logprobs(hf_tok, ids, 2)
@@ -189,8 +203,11 @@ def test_prompt_logprobs_zero_holds_just_the_prompt_token(live, backend, hf_tok)
     ids = hf_tok.encode("Hello world")
     r = post(live, "/v1/completions", prompt=ids, max_tokens=1, prompt_logprobs=0)
     got = r.json()["choices"][0]["prompt_logprobs"]
-    assert got == [None] + [{str(t): {"logprob": prompt_logprob(p), "rank": prompt_rank(p),
-                                      "decoded_token": hf_tok.decode([t])}} for p, t in enumerate(ids) if p > 0]
+    assert got == [None] + [
+        {str(t): {"logprob": prompt_logprob(p), "rank": prompt_rank(p), "decoded_token": hf_tok.decode([t])}}
+        for p, t in enumerate(ids)
+        if p > 0
+    ]
 
 
 def test_prompt_logprobs_and_echo_logprobs_each_keep_their_own_top(live, backend, hf_tok):
@@ -230,6 +247,7 @@ def test_missing_prompt_logprobs_from_the_backend_fail_the_request(live, backend
 
 # --- refusals --------------------------------------------------------------------------------------------
 
+
 def _assert_400(r: httpx.Response, param: str, message: str) -> None:
     assert r.status_code == 400, r.text
     err = r.json()["error"]
@@ -237,10 +255,13 @@ def _assert_400(r: httpx.Response, param: str, message: str) -> None:
     assert message in err["message"], err["message"]
 
 
-@pytest.mark.parametrize("path, body", [
-    ("/v1/completions", {"prompt": "Hello"}),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
-])
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/v1/completions", {"prompt": "Hello"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
+    ],
+)
 def test_prompt_logprobs_with_stream_is_400(live, backend, path, body):
     r = post(live, path, **body, max_tokens=1, stream=True, prompt_logprobs=1)
     _assert_400(r, "prompt_logprobs", "prompt_logprobs is not available when stream is true")
@@ -248,10 +269,13 @@ def test_prompt_logprobs_with_stream_is_400(live, backend, path, body):
 
 
 @pytest.mark.parametrize("value", [21, -1, "2", True, 1.5])
-@pytest.mark.parametrize("path, body", [
-    ("/v1/completions", {"prompt": "Hello"}),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
-])
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/v1/completions", {"prompt": "Hello"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
+    ],
+)
 def test_prompt_logprobs_out_of_range_is_400(live, backend, path, body, value):
     r = post(live, path, **body, max_tokens=1, prompt_logprobs=value)
     _assert_400(r, "prompt_logprobs", f"prompt_logprobs must be an integer in [0, 20], got {value!r}")
@@ -267,8 +291,7 @@ def test_chat_echo_leads_with_the_assistant_message_it_continues(live, backend, 
     generated = hf_tok.decode(backend.output_ids[:5], skip_special_tokens=True)
     r = post(live, "/v1/chat/completions", messages=messages, max_tokens=5, echo=True, **extra)
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == echoed + generated
-    chunks = stream(live, "/v1/chat/completions", messages=messages, max_tokens=5, echo=True, logprobs=True,
-                    **extra)
+    chunks = stream(live, "/v1/chat/completions", messages=messages, max_tokens=5, echo=True, logprobs=True, **extra)
     deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
     assert deltas[0] == {"role": "assistant", "content": echoed}
     assert "".join(d.get("content") or "" for d in deltas) == echoed + generated
@@ -278,5 +301,8 @@ def test_chat_echo_leads_with_the_assistant_message_it_continues(live, backend, 
 
 
 def test_suffix_is_still_refused_with_echo(live, backend):
-    _assert_400(post(live, "/v1/completions", prompt="Hello", max_tokens=1, echo=True, suffix="!"), "suffix",
-                "suffix is not supported")
+    _assert_400(
+        post(live, "/v1/completions", prompt="Hello", max_tokens=1, echo=True, suffix="!"),
+        "suffix",
+        "suffix is not supported",
+    )

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-
 import httpx
 import openai
 import pytest
 
-from tests.fake_backend import (API_KEYS, MODEL, live_gateway, make_test_tokenizer,
-                                num_requests_running)
+from tests.fake_backend import API_KEYS, MODEL, live_gateway, make_test_tokenizer, num_requests_running
 
 MAX_MODEL_LEN = 32
 MAX_BODY = 4096
@@ -16,8 +14,12 @@ MAX_BODY = 4096
 
 @pytest.fixture(scope="module")
 def live(tmp_path_factory):
-    with live_gateway(make_test_tokenizer(tmp_path_factory.mktemp("tok")), max_model_len=MAX_MODEL_LEN,
-                      max_body_bytes=MAX_BODY, request_timeout_s=1.0) as server:
+    with live_gateway(
+        make_test_tokenizer(tmp_path_factory.mktemp("tok")),
+        max_model_len=MAX_MODEL_LEN,
+        max_body_bytes=MAX_BODY,
+        request_timeout_s=1.0,
+    ) as server:
         yield server
 
 
@@ -28,13 +30,30 @@ def _error(e: openai.APIStatusError) -> dict:
     return body["error"]
 
 
-@pytest.mark.parametrize("field, value", [
-    ("temperature", -0.5), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("min_p", 1.5), ("n", 0),
-    ("presence_penalty", 2.5), ("frequency_penalty", -3), ("repetition_penalty", 0.0), ("repetition_penalty", 1e-10),
-    ("max_tokens", 0),
-    ("logprobs", 21), ("seed", "x"), ("stop", ["a", "b", "c", "d", "e"]), ("stop_token_ids", [-1]),
-    ("min_tokens", -1), ("ignore_eos", "yes"), ("n", True), ("user", 5),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("temperature", -0.5),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("top_k", -2),
+        ("min_p", 1.5),
+        ("n", 0),
+        ("presence_penalty", 2.5),
+        ("frequency_penalty", -3),
+        ("repetition_penalty", 0.0),
+        ("repetition_penalty", 1e-10),
+        ("max_tokens", 0),
+        ("logprobs", 21),
+        ("seed", "x"),
+        ("stop", ["a", "b", "c", "d", "e"]),
+        ("stop_token_ids", [-1]),
+        ("min_tokens", -1),
+        ("ignore_eos", "yes"),
+        ("n", True),
+        ("user", 5),
+    ],
+)
 def test_out_of_range_field_is_400_naming_it(client, field, value):
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=MODEL, prompt="Hello", extra_body={field: value})
@@ -94,18 +113,21 @@ def test_prompt_longer_than_context_names_both_numbers(client):
 
 def test_token_id_out_of_vocab(client):
     with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(model=MODEL, prompt=[1, 10 ** 6], max_tokens=1)
+        client.completions.create(model=MODEL, prompt=[1, 10**6], max_tokens=1)
     assert "1000000" in _error(info.value)["message"]
 
 
-@pytest.mark.parametrize("value, message", [
-    ([1, 2], "logit_bias must be an object mapping token ids to numbers"),
-    ({"abc": 1}, "logit_bias keys must be token ids (non-negative integers), got 'abc'"),
-    ({"-1": 1}, "logit_bias keys must be token ids"),
-    ({"5": 100.5}, "logit_bias[5] must be a number in [-100, 100], got 100.5"),
-    ({"5": "up"}, "logit_bias[5] must be a number in [-100, 100], got 'up'"),
-    ({"5": 1, "1000000": 1}, "logit_bias token id 1000000 is out of range [0, "),
-])
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ([1, 2], "logit_bias must be an object mapping token ids to numbers"),
+        ({"abc": 1}, "logit_bias keys must be token ids (non-negative integers), got 'abc'"),
+        ({"-1": 1}, "logit_bias keys must be token ids"),
+        ({"5": 100.5}, "logit_bias[5] must be a number in [-100, 100], got 100.5"),
+        ({"5": "up"}, "logit_bias[5] must be a number in [-100, 100], got 'up'"),
+        ({"5": 1, "1000000": 1}, "logit_bias token id 1000000 is out of range [0, "),
+    ],
+)
 def test_bad_logit_bias_is_400_naming_it(client, backend, value, message):
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=MODEL, prompt="Hello", max_tokens=1, logit_bias=value)
@@ -114,18 +136,31 @@ def test_bad_logit_bias_is_400_naming_it(client, backend, value, message):
     assert backend.received == []
 
 
-@pytest.mark.parametrize("chat, extra, param, message", [
-    (False, {"suffix": "x"}, "suffix", "suffix is not supported"),
-    (False, {"best_of": 3}, "best_of", "best_of other than n is not supported"),
-    (True, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice",
-     "tool_choice 'auto' needs a parser of the model's free-form tool calls"),
-    (True, {"functions": [{"name": "f"}]}, "functions", "tool calling with the legacy functions (use tools) is not"),
-])
+@pytest.mark.parametrize(
+    "chat, extra, param, message",
+    [
+        (False, {"suffix": "x"}, "suffix", "suffix is not supported"),
+        (False, {"best_of": 3}, "best_of", "best_of other than n is not supported"),
+        (
+            True,
+            {"tools": [{"type": "function", "function": {"name": "f"}}]},
+            "tool_choice",
+            "tool_choice 'auto' needs a parser of the model's free-form tool calls",
+        ),
+        (
+            True,
+            {"functions": [{"name": "f"}]},
+            "functions",
+            "tool calling with the legacy functions (use tools) is not",
+        ),
+    ],
+)
 def test_a_field_this_server_cannot_honour_is_400_not_ignored(client, backend, chat, extra, param, message):
     with pytest.raises(openai.BadRequestError) as info:
         if chat:
-            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=1,
-                                           extra_body=extra)
+            client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=1, extra_body=extra
+            )
         else:
             client.completions.create(model=MODEL, prompt="Hello", max_tokens=1, extra_body=extra)
     err = _error(info.value)
@@ -136,14 +171,18 @@ def test_a_field_this_server_cannot_honour_is_400_not_ignored(client, backend, c
 def test_the_harmless_forms_of_those_fields_are_served(client, backend):
     client.completions.create(model=MODEL, prompt="Hello", max_tokens=1, echo=False, best_of=2, n=2, suffix="")
     client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=1, response_format={"type": "text"},
-        tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="none")
+        model=MODEL,
+        messages=[{"role": "user", "content": "x"}],
+        max_tokens=1,
+        response_format={"type": "text"},
+        tools=[{"type": "function", "function": {"name": "f"}}],
+        tool_choice="none",
+    )
     assert [r.sampling.n for r in backend.received] == [2, 1]
 
 
 def test_wrong_or_missing_key_is_401(live, backend):
-    bad = openai.OpenAI(base_url=live.base_url + "/v1", api_key="nope", max_retries=0,
-                        _strict_response_validation=True)
+    bad = openai.OpenAI(base_url=live.base_url + "/v1", api_key="nope", max_retries=0, _strict_response_validation=True)
     with pytest.raises(openai.AuthenticationError) as info:
         bad.completions.create(model=MODEL, prompt="Hello")
     assert _error(info.value)["type"] == "authentication_error"
@@ -185,18 +224,25 @@ def test_no_capacity_is_503_with_retry_after(client, backend, live):
 
 def test_worker_error_mid_stream_is_in_band(client, backend, live):
     backend.error_after_tokens = 3
-    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], stream=True,
-                                            max_tokens=10)
+    stream = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "x"}], stream=True, max_tokens=10
+    )
     with pytest.raises(openai.APIError) as info:
         for _ in stream:
             pass
     assert "decode worker lost" in str(info.value.message)
-    raw = httpx.post(live.base_url + "/v1/completions", headers={"Authorization": f"Bearer {API_KEYS[0]}"},
-                     json={"model": MODEL, "prompt": "x", "stream": True, "max_tokens": 10}).text
+    raw = httpx.post(
+        live.base_url + "/v1/completions",
+        headers={"Authorization": f"Bearer {API_KEYS[0]}"},
+        json={"model": MODEL, "prompt": "x", "stream": True, "max_tokens": 10},
+    ).text
     events = [e for e in raw.split("\n\n") if e]
     assert events[-1] == "data: [DONE]" and '"error"' in events[-2]
-    r = httpx.post(live.base_url + "/v1/completions", headers={"Authorization": f"Bearer {API_KEYS[0]}"},
-                   json={"model": MODEL, "prompt": "x", "max_tokens": 10})
+    r = httpx.post(
+        live.base_url + "/v1/completions",
+        headers={"Authorization": f"Bearer {API_KEYS[0]}"},
+        json={"model": MODEL, "prompt": "x", "max_tokens": 10},
+    )
     assert r.status_code == 500 and "decode worker lost" in r.json()["error"]["message"]
     assert num_requests_running(live.base_url) == 0
 

@@ -25,8 +25,13 @@ GENEROUS_S = 60.0
 
 @pytest.fixture(scope="module")
 def live(tok_dir):
-    with live_gateway(tok_dir, max_model_len=1 << 24, max_body_bytes=1 << 20, uvicorn_options=uvicorn_options(LIMITS),
-                      limits_given={"sse_keepalive_s": 0.3}) as server:
+    with live_gateway(
+        tok_dir,
+        max_model_len=1 << 24,
+        max_body_bytes=1 << 20,
+        uvicorn_options=uvicorn_options(LIMITS),
+        limits_given={"sse_keepalive_s": 0.3},
+    ) as server:
         yield server
 
 
@@ -65,8 +70,12 @@ def endless_headers():
 
 
 def ordinary_completion(live) -> httpx.Response:
-    return httpx.post(live.base_url + "/v1/completions", headers=HEADERS, timeout=30,
-                      json={"model": MODEL, "prompt": "Hello", "max_tokens": 3})
+    return httpx.post(
+        live.base_url + "/v1/completions",
+        headers=HEADERS,
+        timeout=30,
+        json={"model": MODEL, "prompt": "Hello", "max_tokens": 3},
+    )
 
 
 def test_slowloris_headers_are_dropped_while_others_are_served(live, backend):
@@ -91,8 +100,9 @@ def test_slowloris_headers_are_dropped_while_others_are_served(live, backend):
 
 def test_a_body_dribbled_past_its_deadline_is_dropped(live, backend):
     sock = connect(live)
-    head = (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-            b"content-length: 100000\r\n\r\n")
+    head = (
+        b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 100000\r\n\r\n"
+    )
     assert dribble_until_dropped(sock, [head, *(b" " for _ in range(100000))])
     sock.close()
     assert backend.received == []
@@ -105,10 +115,14 @@ def test_a_client_that_never_reads_its_stream_is_dropped_and_its_request_aborted
     backend.tokens_per_event = 4096
     try:
         sock = connect(live, rcvbuf=65536)
-        body = json.dumps({"model": MODEL, "prompt": "Hello", "max_tokens": len(backend.output_ids),
-                           "stream": True}).encode()
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                     + f"authorization: Bearer {API_KEYS[0]}\r\ncontent-length: {len(body)}\r\n\r\n".encode() + body)
+        body = json.dumps(
+            {"model": MODEL, "prompt": "Hello", "max_tokens": len(backend.output_ids), "stream": True}
+        ).encode()
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            + f"authorization: Bearer {API_KEYS[0]}\r\ncontent-length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
         wait_until(lambda: len(backend.received) == 1, "request reached the backend", GENEROUS_S)
         rid = backend.received[0].request_id
         wait_until(lambda: rid in backend.aborted, "the stalled stream's request aborted", GENEROUS_S)
@@ -132,28 +146,45 @@ def test_too_many_connections_get_a_503(tok_dir):
         with httpx.Client(timeout=30) as client:  # a fresh connection each time: no keep-alive reuse
             refused = client.get(server.base_url + "/health", headers={"connection": "close"})
             assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
-            assert refused.json() == {"error": {
-                "message": "service unavailable: this server has 4 connections open, its limit "
-                           "(gateway.max_connections); retry after 1 s",
-                "type": "service_unavailable", "param": None, "code": "no_capacity"}}
+            assert refused.json() == {
+                "error": {
+                    "message": "service unavailable: this server has 4 connections open, its limit "
+                    "(gateway.max_connections); retry after 1 s",
+                    "type": "service_unavailable",
+                    "param": None,
+                    "code": "no_capacity",
+                }
+            }
             for sock in idle:
                 sock.close()
-            wait_until(lambda: client.get(server.base_url + "/health", headers={"connection": "close"}).status_code
-                       == 200, "served again once the idle connections closed", GENEROUS_S)
+            wait_until(
+                lambda: client.get(server.base_url + "/health", headers={"connection": "close"}).status_code == 200,
+                "served again once the idle connections closed",
+                GENEROUS_S,
+            )
 
 
 def test_a_huge_grammar_is_a_400_naming_the_limit(live, backend):
     pattern = "a" * (MAX_STRUCTURED_OUTPUT_CHARS + 1)
-    r = httpx.post(live.base_url + "/v1/completions", headers=HEADERS, timeout=30,
-                   json={"model": MODEL, "prompt": "Hi", "max_tokens": 2, "structured_outputs": {"regex": pattern}})
+    r = httpx.post(
+        live.base_url + "/v1/completions",
+        headers=HEADERS,
+        timeout=30,
+        json={"model": MODEL, "prompt": "Hi", "max_tokens": 2, "structured_outputs": {"regex": pattern}},
+    )
     assert r.status_code == 400
     assert f"at most {MAX_STRUCTURED_OUTPUT_CHARS}" in r.json()["error"]["message"]
     assert backend.received == []
 
 
 def stream_lines(live, **body) -> tuple[int, list[str]]:
-    with httpx.stream("POST", live.base_url + "/v1/completions", headers=HEADERS, timeout=30,
-                      json={"model": MODEL, "prompt": "Hello", "stream": True, **body}) as r:
+    with httpx.stream(
+        "POST",
+        live.base_url + "/v1/completions",
+        headers=HEADERS,
+        timeout=30,
+        json={"model": MODEL, "prompt": "Hello", "stream": True, **body},
+    ) as r:
         return r.status_code, [line for line in r.iter_lines() if line]
 
 

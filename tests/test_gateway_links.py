@@ -100,7 +100,9 @@ def test_addresses_parsed_and_names_resolved():
             parse_gateway_addresses(bad)
     # localhost answers 127.0.0.1 (and maybe ::1): the IPv4 address is taken; literals stay as they are
     assert resolve_all(["tcp://localhost:8001", "tcp://127.0.0.1:8001", "ipc:///tmp/gw"]) == [
-        "tcp://127.0.0.1:8001", "ipc:///tmp/gw"]
+        "tcp://127.0.0.1:8001",
+        "ipc:///tmp/gw",
+    ]
     assert resolve_all(["tcp://no-such-host.invalid:8001"]) == []
 
 
@@ -114,8 +116,9 @@ def test_a_name_stands_for_every_gateway_it_resolves_to_as_they_come_and_go():
         return [address for endpoint in endpoints for address in answers[endpoint]]
 
     clock = Clock()
-    links = GatewayLinks(ctx, "tcp://gateways.test:8001", "w1", timeout_s=3.0, resolve_interval_s=0.05,
-                         clock=clock, lookup=lookup)
+    links = GatewayLinks(
+        ctx, "tcp://gateways.test:8001", "w1", timeout_s=3.0, resolve_interval_s=0.05, clock=clock, lookup=lookup
+    )
     try:
         assert links.addresses == [a]
         answers["tcp://gateways.test:8001"] = [a, b]  # a second replica scaled up

@@ -26,8 +26,13 @@ TEMPLATE = (
     "{{ eos_token }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% if enable_thinking %}<think>\n{% endif %}{% endif %}"
 )
-TOOLS = [{"name": "get_weather", "description": "Weather of a city",
-          "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}]
+TOOLS = [
+    {
+        "name": "get_weather",
+        "description": "Weather of a city",
+        "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}},
+    }
+]
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
 
@@ -44,23 +49,34 @@ def live(tok_dir):
 
 @pytest.fixture
 def claude(live, backend):
-    return anthropic.Anthropic(base_url=live.base_url, api_key=API_KEYS[0], max_retries=0,
-                               _strict_response_validation=True)
+    return anthropic.Anthropic(
+        base_url=live.base_url, api_key=API_KEYS[0], max_retries=0, _strict_response_validation=True
+    )
 
 
 def hf_ids(hf_tok, messages, **kwargs) -> list[int]:
-    return list(hf_tok.apply_chat_template(messages, tokenize=True, return_dict=False, add_generation_prompt=True,
-                                           **kwargs))
+    return list(
+        hf_tok.apply_chat_template(messages, tokenize=True, return_dict=False, add_generation_prompt=True, **kwargs)
+    )
 
 
 def ask(claude, **kwargs):
-    return claude.messages.create(model=MODEL, max_tokens=kwargs.pop("max_tokens", 256),
-                                  messages=kwargs.pop("messages", [{"role": "user", "content": "Weather?"}]), **kwargs)
+    return claude.messages.create(
+        model=MODEL,
+        max_tokens=kwargs.pop("max_tokens", 256),
+        messages=kwargs.pop("messages", [{"role": "user", "content": "Weather?"}]),
+        **kwargs,
+    )
 
 
 def events_of(live, **body) -> list[dict]:
-    body = {"model": MODEL, "max_tokens": 256, "messages": [{"role": "user", "content": "Weather?"}], **body,
-            "stream": True}
+    body = {
+        "model": MODEL,
+        "max_tokens": 256,
+        "messages": [{"role": "user", "content": "Weather?"}],
+        **body,
+        "stream": True,
+    }
     with httpx.stream("POST", live.base_url + "/v1/messages", json=body, headers={"x-api-key": API_KEYS[0]}) as r:
         assert r.status_code == 200
         lines = list(r.iter_lines())
@@ -71,52 +87,103 @@ def events_of(live, **body) -> list[dict]:
 
 
 def test_system_and_messages_become_the_chat_prompt(claude, backend, hf_tok):
-    ask(claude, system="Be brief.", messages=[
-        {"role": "user", "content": "Hi"},
-        {"role": "assistant", "content": [{"type": "thinking", "thinking": "greet", "signature": "s"},
-                                          {"type": "text", "text": "Hello!"}]},
-        {"role": "user", "content": [{"type": "text", "text": "Weather "}, {"type": "text", "text": "?"}]}])
-    assert backend.received[-1].prompt_token_ids == hf_ids(hf_tok, [
-        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
-        {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Weather ?"}])
+    ask(
+        claude,
+        system="Be brief.",
+        messages=[
+            {"role": "user", "content": "Hi"},
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "thinking", "thinking": "greet", "signature": "s"},
+                    {"type": "text", "text": "Hello!"},
+                ],
+            },
+            {"role": "user", "content": [{"type": "text", "text": "Weather "}, {"type": "text", "text": "?"}]},
+        ],
+    )
+    assert backend.received[-1].prompt_token_ids == hf_ids(
+        hf_tok,
+        [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello!"},
+            {"role": "user", "content": "Weather ?"},
+        ],
+    )
     assert backend.received[-1].sampling.max_tokens == 256
 
 
 def test_tool_use_and_tool_results_are_the_assistants_calls_and_tool_messages(claude, backend, hf_tok):
-    ask(claude, tools=TOOLS, messages=[
-        {"role": "user", "content": "Weather in Paris?"},
-        {"role": "assistant", "content": [
-            {"type": "text", "text": "Let me check."},
-            {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}]},
-        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny"},
-                                     {"type": "text", "text": "Thanks"}]}])
+    ask(
+        claude,
+        tools=TOOLS,
+        messages=[
+            {"role": "user", "content": "Weather in Paris?"},
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "text", "text": "Let me check."},
+                    {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}},
+                ],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny"},
+                    {"type": "text", "text": "Thanks"},
+                ],
+            },
+        ],
+    )
     call = {"id": "toolu_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
-    tools = [{"type": "function", "function": {"name": t["name"], "parameters": t["input_schema"],
-                                               "description": t["description"]}} for t in TOOLS]
-    assert backend.received[-1].prompt_token_ids == hf_ids(hf_tok, [
-        {"role": "user", "content": "Weather in Paris?"},
-        {"role": "assistant", "content": "Let me check.", "tool_calls": [call]},
-        {"role": "tool", "tool_call_id": "toolu_1", "content": "sunny"}, {"role": "user", "content": "Thanks"}],
-        tools=tools)
+    tools = [
+        {
+            "type": "function",
+            "function": {"name": t["name"], "parameters": t["input_schema"], "description": t["description"]},
+        }
+        for t in TOOLS
+    ]
+    assert backend.received[-1].prompt_token_ids == hf_ids(
+        hf_tok,
+        [
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": "Let me check.", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "toolu_1", "content": "sunny"},
+            {"role": "user", "content": "Thanks"},
+        ],
+        tools=tools,
+    )
 
 
 def test_the_answer_whole_and_streamed(claude, live, backend, answering, hf_tok):
     answering("It is sunny in Paris.")
     m = ask(claude, extra_body={"temperature": 0.5, "top_k": 5})  # sampling fields the SDK no longer names
-    assert (m.type, m.role, m.model, m.stop_reason, m.stop_sequence) == ("message", "assistant", MODEL, "end_turn", None)
+    assert (m.type, m.role, m.model, m.stop_reason, m.stop_sequence) == (
+        "message",
+        "assistant",
+        MODEL,
+        "end_turn",
+        None,
+    )
     assert m.id.startswith("msg_") and [(b.type, b.text) for b in m.content] == [("text", "It is sunny in Paris.")]
     sampling = backend.received[-1].sampling
     assert (sampling.temperature, sampling.top_k) == (0.5, 5)
     prompt = backend.received[-1].prompt_token_ids
     assert (m.usage.input_tokens + m.usage.cache_read_input_tokens, m.usage.output_tokens) == (
-        len(prompt), len(backend.output_ids))
+        len(prompt),
+        len(backend.output_ids),
+    )
     again = ask(claude)  # the fake backend caches whole blocks of 4
     assert again.usage.cache_read_input_tokens == len(prompt) // FakeBackend.block_size * FakeBackend.block_size
 
     events = events_of(live)
     kinds = [e["type"] for e in events]
     assert kinds[:2] == ["message_start", "content_block_start"] and kinds[-3:] == [
-        "content_block_stop", "message_delta", "message_stop"]
+        "content_block_stop",
+        "message_delta",
+        "message_stop",
+    ]
     assert set(kinds[2:-3]) == {"content_block_delta"}
     assert events[0]["message"]["content"] == [] and events[0]["message"]["usage"]["output_tokens"] == 0
     assert "".join(e["delta"]["text"] for e in events if e["type"] == "content_block_delta") == "It is sunny in Paris."
@@ -144,8 +211,12 @@ def test_a_named_tool_is_called_with_input_from_its_schema(claude, live, backend
     assert (use.type, use.name, use.input, m.stop_reason) == ("tool_use", "get_weather", {"city": "Paris"}, "tool_use")
     events = events_of(live, tools=TOOLS, tool_choice={"type": "tool", "name": "get_weather"})
     start = next(e for e in events if e["type"] == "content_block_start")
-    assert start["content_block"] == {"type": "tool_use", "id": start["content_block"]["id"], "name": "get_weather",
-                                      "input": {}}
+    assert start["content_block"] == {
+        "type": "tool_use",
+        "id": start["content_block"]["id"],
+        "name": "get_weather",
+        "input": {},
+    }
     pieces = [e["delta"]["partial_json"] for e in events if e["type"] == "content_block_delta"]
     assert "".join(pieces) == '{"city": "Paris"}' and len(pieces) > 1
     assert events[-2]["delta"]["stop_reason"] == "tool_use"
@@ -160,8 +231,9 @@ def test_any_and_auto_tool_choices_become_tool_use_blocks(claude, backend, answe
     m = ask(claude, tools=TOOLS)  # "auto", read by hermes
     assert [b.type for b in m.content] == ["text", "tool_use"] and m.stop_reason == "tool_use"
     assert m.content[0].text == "Let me look." and m.content[1].input == {"city": "Paris"}
-    with claude.messages.stream(model=MODEL, max_tokens=256, tools=TOOLS,
-                                messages=[{"role": "user", "content": "Weather?"}]) as s:
+    with claude.messages.stream(
+        model=MODEL, max_tokens=256, tools=TOOLS, messages=[{"role": "user", "content": "Weather?"}]
+    ) as s:
         final = s.get_final_message()  # the SDK's accumulator: the same blocks (a call's id is new each time)
     assert [b.model_dump(exclude={"id"}) for b in final.content] == [b.model_dump(exclude={"id"}) for b in m.content]
     assert final.stop_reason == "tool_use"
@@ -182,10 +254,12 @@ def test_thinking_switches_the_template_and_is_its_own_block(claude, live, backe
 
 
 def test_count_tokens_is_the_prompts_length(claude, hf_tok):
-    counted = claude.messages.count_tokens(model=MODEL, system="Be brief.",
-                                           messages=[{"role": "user", "content": "Weather?"}])
-    assert counted.input_tokens == len(hf_ids(hf_tok, [{"role": "system", "content": "Be brief."},
-                                                       {"role": "user", "content": "Weather?"}]))
+    counted = claude.messages.count_tokens(
+        model=MODEL, system="Be brief.", messages=[{"role": "user", "content": "Weather?"}]
+    )
+    assert counted.input_tokens == len(
+        hf_ids(hf_tok, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather?"}])
+    )
 
 
 def test_a_failure_mid_stream_is_an_error_event(live, backend):
@@ -195,20 +269,45 @@ def test_a_failure_mid_stream_is_an_error_event(live, backend):
     assert events[0]["type"] == "message_start"
 
 
-@pytest.mark.parametrize("body, status, kind", [
-    ({"messages": [{"role": "user", "content": "Hi"}]}, 400, "invalid_request_error"),  # no max_tokens
-    ({"max_tokens": 0, "messages": [{"role": "user", "content": "Hi"}]}, 400, "invalid_request_error"),
-    ({"max_tokens": None, "messages": [{"role": "user", "content": "Hi"}]}, 400, "invalid_request_error"),
-    ({"max_tokens": 8, "messages": []}, 400, "invalid_request_error"),
-    ({"max_tokens": 8, "messages": [{"role": "user", "content": [
-        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}]}]}, 400,
-     "invalid_request_error"),
-    ({"max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}],
-      "tools": [{"type": "web_search_20250305", "name": "web_search"}]}, 400, "invalid_request_error"),
-    ({"max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}], "tool_choice": {"type": "tool"}}, 400,
-     "invalid_request_error"),
-    ({"model": "other", "max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}]}, 404, "not_found_error"),
-])
+@pytest.mark.parametrize(
+    "body, status, kind",
+    [
+        ({"messages": [{"role": "user", "content": "Hi"}]}, 400, "invalid_request_error"),  # no max_tokens
+        ({"max_tokens": 0, "messages": [{"role": "user", "content": "Hi"}]}, 400, "invalid_request_error"),
+        ({"max_tokens": None, "messages": [{"role": "user", "content": "Hi"}]}, 400, "invalid_request_error"),
+        ({"max_tokens": 8, "messages": []}, 400, "invalid_request_error"),
+        (
+            {
+                "max_tokens": 8,
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}
+                        ],
+                    }
+                ],
+            },
+            400,
+            "invalid_request_error",
+        ),
+        (
+            {
+                "max_tokens": 8,
+                "messages": [{"role": "user", "content": "Hi"}],
+                "tools": [{"type": "web_search_20250305", "name": "web_search"}],
+            },
+            400,
+            "invalid_request_error",
+        ),
+        (
+            {"max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}], "tool_choice": {"type": "tool"}},
+            400,
+            "invalid_request_error",
+        ),
+        ({"model": "other", "max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}]}, 404, "not_found_error"),
+    ],
+)
 def test_bad_requests_get_anthropics_error_json(live, backend, body, status, kind):
     r = httpx.post(live.base_url + "/v1/messages", json={"model": MODEL, **body}, headers={"x-api-key": API_KEYS[0]})
     assert r.status_code == status, r.text
@@ -217,8 +316,10 @@ def test_bad_requests_get_anthropics_error_json(live, backend, body, status, kin
 
 
 def test_the_key_goes_in_x_api_key_or_a_bearer_header(live, backend):
-    url, body = live.base_url + "/v1/messages", {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user",
-                                                                                             "content": "Hi"}]}
+    url, body = (
+        live.base_url + "/v1/messages",
+        {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]},
+    )
     for headers in ({}, {"x-api-key": "wrong"}, {"Authorization": "Bearer wrong"}):
         r = httpx.post(url, json=body, headers=headers)
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
@@ -226,4 +327,5 @@ def test_the_key_goes_in_x_api_key_or_a_bearer_header(live, backend):
         assert httpx.post(url, json=body, headers=headers).status_code == 200
     with pytest.raises(anthropic.AuthenticationError):
         anthropic.Anthropic(base_url=live.base_url, api_key="nope", max_retries=0).messages.count_tokens(
-            model=MODEL, messages=[{"role": "user", "content": "Hi"}])
+            model=MODEL, messages=[{"role": "user", "content": "Hi"}]
+        )

@@ -5,9 +5,20 @@ from protocol.serving import Heartbeat
 
 
 def hb(worker_id, role=Role.DECODE, incarnation="a", in_use=0, draining=False):
-    return Heartbeat(worker_id, role.value, f"tcp://127.0.0.1:{7000 + len(worker_id)}", incarnation, block_size=4,
-                     kv_blocks_total=100, kv_blocks_free=100 - in_use, kv_blocks_in_use=in_use, num_running=0,
-                     num_waiting=0, queued_prefill_tokens=0, draining=draining)
+    return Heartbeat(
+        worker_id,
+        role.value,
+        f"tcp://127.0.0.1:{7000 + len(worker_id)}",
+        incarnation,
+        block_size=4,
+        kv_blocks_total=100,
+        kv_blocks_free=100 - in_use,
+        kv_blocks_in_use=in_use,
+        num_running=0,
+        num_waiting=0,
+        queued_prefill_tokens=0,
+        draining=draining,
+    )
 
 
 def test_join_update_and_roles():

@@ -31,7 +31,9 @@ GATEWAY_TIMEOUT_S = 3.0  # workers take a gateway silent this long for dead
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     serve = ServeProcess(
-        tiny_model_dir("llama"), tmp_path_factory.mktemp("replicas"), num_gateways=2,
+        tiny_model_dir("llama"),
+        tmp_path_factory.mktemp("replicas"),
+        num_gateways=2,
         model={"max_model_len": 2048},
         engine={"block_size": BLOCK, "num_kv_blocks": 160, "prefill_chunk_size": 32},
         gateway={"local_prefill_max_tokens": 0, "worker_timeout_s": GATEWAY_TIMEOUT_S},
@@ -56,9 +58,19 @@ def expected_ids(reference: LLM, prompt: list[int], max_tokens: int) -> list[int
 
 def complete(url: str, prompt: list[int], max_tokens: int) -> httpx.Response:
     """Greedy; the answer names its tokens by id (logprobs), so it compares with the engine's exactly."""
-    return httpx.post(f"{url}/v1/completions", timeout=120, json={
-        "model": MODEL, "prompt": [prompt], "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
-        "logprobs": 0, "return_tokens_as_token_ids": True})
+    return httpx.post(
+        f"{url}/v1/completions",
+        timeout=120,
+        json={
+            "model": MODEL,
+            "prompt": [prompt],
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "logprobs": 0,
+            "return_tokens_as_token_ids": True,
+        },
+    )
 
 
 def ids_of(answer: httpx.Response) -> list[int]:
@@ -99,12 +111,15 @@ def test_a_responses_conversation_goes_on_across_replicas(cluster, reference):
     hf_tok = AutoTokenizer.from_pretrained(MODEL)
     ask = {"model": MODEL, "max_output_tokens": 6, "temperature": 0.0, "ignore_eos": True}
     first = httpx.post(f"{a}/v1/responses", timeout=60, json={**ask, "input": "Tell me about foxes."}).json()
-    after = httpx.post(f"{b}/v1/responses", timeout=60,
-                       json={**ask, "input": "And wolves?", "previous_response_id": first["id"]}).json()
+    after = httpx.post(
+        f"{b}/v1/responses", timeout=60, json={**ask, "input": "And wolves?", "previous_response_id": first["id"]}
+    ).json()
     # B's prompt is the whole conversation, which only A answered: it came from the shared store
-    messages = [{"role": "user", "content": "Tell me about foxes."},
-                {"role": "assistant", "content": first["output"][0]["content"][0]["text"]},
-                {"role": "user", "content": "And wolves?"}]
+    messages = [
+        {"role": "user", "content": "Tell me about foxes."},
+        {"role": "assistant", "content": first["output"][0]["content"][0]["text"]},
+        {"role": "user", "content": "And wolves?"},
+    ]
     ids = list(hf_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
     assert after["usage"]["input_tokens"] == len(ids)
     whole = httpx.post(f"{a}/v1/responses", timeout=60, json={**ask, "input": messages, "store": False}).json()
@@ -120,11 +135,17 @@ def test_a_responses_conversation_goes_on_across_replicas(cluster, reference):
 
 def test_a_background_response_is_cancelled_from_the_other_replica(cluster):
     a, b = cluster.urls
-    queued = httpx.post(f"{a}/v1/responses", timeout=60, json={
-        "model": MODEL, "input": "Count.", "background": True, "max_output_tokens": 1500, "ignore_eos": True}).json()
+    queued = httpx.post(
+        f"{a}/v1/responses",
+        timeout=60,
+        json={"model": MODEL, "input": "Count.", "background": True, "max_output_tokens": 1500, "ignore_eos": True},
+    ).json()
     assert queued["status"] == "queued"
-    cluster.wait_until(lambda: httpx.get(f"{b}/v1/responses/{queued['id']}", timeout=10).json()["status"]
-                       == "in_progress", "the response running, as B reads it", timeout_s=60)
+    cluster.wait_until(
+        lambda: httpx.get(f"{b}/v1/responses/{queued['id']}", timeout=10).json()["status"] == "in_progress",
+        "the response running, as B reads it",
+        timeout_s=60,
+    )
     cancelled = httpx.post(f"{b}/v1/responses/{queued['id']}/cancel", timeout=60).json()
     assert cancelled["status"] == "cancelled"
     assert httpx.get(f"{a}/v1/responses/{queued['id']}", timeout=10).json()["status"] == "cancelled"
@@ -133,13 +154,21 @@ def test_a_background_response_is_cancelled_from_the_other_replica(cluster):
 
 def test_a_killed_gateway_leaves_the_other_serving_and_its_requests_freed(cluster, reference):
     a, b = cluster.urls
-    stream = RawStream(b, {"model": MODEL, "prompt": prompt_of(40, seed=50), "max_tokens": 1900,
-                           "temperature": 0.0, "ignore_eos": True})
+    stream = RawStream(
+        b,
+        {"model": MODEL, "prompt": prompt_of(40, seed=50), "max_tokens": 1900, "temperature": 0.0, "ignore_eos": True},
+    )
     stream.read_until(b"data: ", count=3)  # decoding on the workers, for B
-    background = httpx.post(f"{b}/v1/responses", timeout=60, json={
-        "model": MODEL, "input": "Count.", "background": True, "max_output_tokens": 1500, "ignore_eos": True}).json()
-    cluster.wait_until(lambda: httpx.get(f"{a}/v1/responses/{background['id']}", timeout=10).json()["status"]
-                       == "in_progress", "B's background response running", timeout_s=60)
+    background = httpx.post(
+        f"{b}/v1/responses",
+        timeout=60,
+        json={"model": MODEL, "input": "Count.", "background": True, "max_output_tokens": 1500, "ignore_eos": True},
+    ).json()
+    cluster.wait_until(
+        lambda: httpx.get(f"{a}/v1/responses/{background['id']}", timeout=10).json()["status"] == "in_progress",
+        "B's background response running",
+        timeout_s=60,
+    )
     os.kill(gateway_pid(cluster, cluster.port + 1), signal.SIGKILL)
     # A serves on, every worker still registered with it
     prompt = prompt_of(30, seed=51)
@@ -147,17 +176,27 @@ def test_a_killed_gateway_leaves_the_other_serving_and_its_requests_freed(cluste
     assert {w["id"] for w in cluster.workers(a)} == {"prefill-0", "decode-0"}
     # the workers take B for dead and free what its requests held (they would run for ~1900 and ~1500
     # tokens otherwise)
-    cluster.wait_until(lambda: any("lost: aborting its 2 requests" in line for line in cluster.log),
-                       "the decode worker to abort the dead gateway's requests", timeout_s=60)
+    cluster.wait_until(
+        lambda: any("lost: aborting its 2 requests" in line for line in cluster.log),
+        "the decode worker to abort the dead gateway's requests",
+        timeout_s=60,
+    )
     cluster.wait_idle(timeout_s=60)
     stream.hang_up()
     # the background response died with B: A reads it failed once B's liveness key has expired
-    failed = cluster.wait_until(lambda: (r := httpx.get(f"{a}/v1/responses/{background['id']}", timeout=10).json())
-                                ["status"] == "failed" and r, "the dead replica's response failed", timeout_s=60)
+    failed = cluster.wait_until(
+        lambda: (r := httpx.get(f"{a}/v1/responses/{background['id']}", timeout=10).json())["status"] == "failed" and r,
+        "the dead replica's response failed",
+        timeout_s=60,
+    )
     assert "stopped before it ended" in failed["error"]["message"]
     # B comes back (the supervisor restarts it): the workers register with it again and it serves
-    cluster.wait_until(lambda: _registered(cluster, b) == {"prefill-0", "decode-0"}, "B back with every worker",
-                       timeout_s=120, poll_s=0.3)
+    cluster.wait_until(
+        lambda: _registered(cluster, b) == {"prefill-0", "decode-0"},
+        "B back with every worker",
+        timeout_s=120,
+        poll_s=0.3,
+    )
     assert ids_of(complete(b, prompt, 8)) == expected_ids(reference, prompt, 8)
     cluster.wait_idle()
 
@@ -165,7 +204,9 @@ def test_a_killed_gateway_leaves_the_other_serving_and_its_requests_freed(cluste
 def busy_answers(serve: ServeProcess) -> float:
     """How many requests the decode worker answered Busy (its own metric)."""
     body = urllib.request.urlopen(f"http://127.0.0.1:{serve.worker_http['decode-0']}/metrics", timeout=5).read()
-    [line] = [line for line in body.decode().splitlines() if line.startswith('pdserve:request_failure_total{reason="busy"}')]
+    [line] = [
+        line for line in body.decode().splitlines() if line.startswith('pdserve:request_failure_total{reason="busy"}')
+    ]
     return float(line.rsplit(" ", 1)[1])
 
 
@@ -186,7 +227,10 @@ def small_pool(tmp_path):
     # Heartbeats a minute apart: both gateways keep the view of an empty worker that registration gave
     # them, so the second request is routed there and the worker alone turns it away.
     serve = ServeProcess(
-        tiny_model_dir("llama"), tmp_path, num_prefill=0, num_gateways=2,
+        tiny_model_dir("llama"),
+        tmp_path,
+        num_prefill=0,
+        num_gateways=2,
         engine={"block_size": BLOCK, "num_kv_blocks": POOL_BLOCKS, "prefill_chunk_size": 32},
         gateway={"worker_heartbeat_s": 60.0, "worker_timeout_s": 180.0, "max_queued_requests": 0},
     )
@@ -197,8 +241,18 @@ def small_pool(tmp_path):
 def test_two_gateways_never_oversubscribe_one_decode_worker(small_pool, reference):
     a, b = small_pool.urls
     held = prompt_of(100, seed=60)
-    stream = RawStream(a, {"model": MODEL, "prompt": held, "max_tokens": 60, "temperature": 0.0, "ignore_eos": True,
-                           "logprobs": 0, "return_tokens_as_token_ids": True})
+    stream = RawStream(
+        a,
+        {
+            "model": MODEL,
+            "prompt": held,
+            "max_tokens": 60,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "logprobs": 0,
+            "return_tokens_as_token_ids": True,
+        },
+    )
     stream.read_until(b"data: ", count=2)  # admitted: 7 of the 12 blocks are its own
     refused = complete(b, prompt_of(100, seed=61), 4)
     assert refused.status_code == 503 and "busy" in refused.json()["error"]["message"], refused.text
@@ -213,7 +267,11 @@ def test_two_gateways_never_oversubscribe_one_decode_worker(small_pool, referenc
         else:
             assert answer.status_code == 503 and answer.json()["error"]["message"], answer.text
     stream.read_until(b"data: [DONE]")
-    tokens = [token for line in stream.received.decode().split("\n") if line.startswith("data: {")
-              for token in json.loads(line[6:])["choices"][0]["logprobs"]["tokens"]]
+    tokens = [
+        token
+        for line in stream.received.decode().split("\n")
+        if line.startswith("data: {")
+        for token in json.loads(line[6:])["choices"][0]["logprobs"]["tokens"]
+    ]
     assert tokens == [f"token_id:{t}" for t in expected_ids(reference, held, 60)]
     small_pool.wait_idle()  # no block left held, and the worker's integrity check found nothing wrong

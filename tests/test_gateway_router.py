@@ -8,9 +8,20 @@ BS = 4
 
 
 def hb(wid, role=Role.DECODE, incarnation="a", in_use=0, queued=0, draining=False):
-    return Heartbeat(wid, role.value, "tcp://x" if role is Role.DECODE else "tcp://y", incarnation, block_size=BS,
-                     kv_blocks_total=100, kv_blocks_free=100 - in_use, kv_blocks_in_use=in_use, num_running=0,
-                     num_waiting=0, queued_prefill_tokens=queued, draining=draining)
+    return Heartbeat(
+        wid,
+        role.value,
+        "tcp://x" if role is Role.DECODE else "tcp://y",
+        incarnation,
+        block_size=BS,
+        kv_blocks_total=100,
+        kv_blocks_free=100 - in_use,
+        kv_blocks_in_use=in_use,
+        num_running=0,
+        num_waiting=0,
+        queued_prefill_tokens=queued,
+        draining=draining,
+    )
 
 
 def registry(decode_loads: dict, prefill_queued: dict | None = None, incarnation="a") -> WorkerRegistry:

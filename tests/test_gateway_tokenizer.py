@@ -11,12 +11,22 @@ from gateway.text.detokenizer import IncrementalDetokenizer
 from gateway.text.stop_strings import StopStringMatcher
 from gateway.text.tokenizer import ChatTemplateError, Tokenizer
 
-TEXTS = ["Hello world", "  leading spaces and\ttabs\n\nnew lines", "日本語のテキスト", "émoji 🙂 mix ß ü",
-         "The quick brown fox. Stop here!", ""]
+TEXTS = [
+    "Hello world",
+    "  leading spaces and\ttabs\n\nnew lines",
+    "日本語のテキスト",
+    "émoji 🙂 mix ß ü",
+    "The quick brown fox. Stop here!",
+    "",
+]
 CONVERSATIONS = [
     [{"role": "user", "content": "Hello there!"}],
-    [{"role": "system", "content": "  Be brief.  "}, {"role": "user", "content": "Hi"},
-     {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "日本語?"}],
+    [
+        {"role": "system", "content": "  Be brief.  "},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello"},
+        {"role": "user", "content": "日本語?"},
+    ],
 ]
 
 
@@ -38,7 +48,6 @@ def test_encode_decode_match_transformers(pair):
     assert ours.eos_token_id == hf.eos_token_id and ours.vocab_size == len(hf)
 
 
-
 @pytest.mark.parametrize("trimmed", [True, False], ids=["trimming template", "keeping template"])
 @pytest.mark.parametrize("final", ["It is ", "It is", "  It is\n", "{"])
 def test_continue_final_message_cuts_where_transformers_does(tmp_path, trimmed, final):
@@ -49,9 +58,11 @@ def test_continue_final_message_cuts_where_transformers_does(tmp_path, trimmed, 
     ours, hf = Tokenizer(directory), AutoTokenizer.from_pretrained(str(directory))
     messages = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": final}]
     text = ours.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True)
-    assert text == hf.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True,
-                                          tokenize=False)
+    assert text == hf.apply_chat_template(
+        messages, add_generation_prompt=False, continue_final_message=True, tokenize=False
+    )
     assert text.endswith(final.strip() if trimmed else final)
+
 
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 def test_chat_template_matches_transformers(pair, add_generation_prompt):
@@ -67,18 +78,30 @@ def test_template_in_tokenizer_config_with_added_token_dicts(tmp_path, tok_dir):
     """Older checkpoints: template inside tokenizer_config.json, special tokens as AddedToken dicts."""
     for name in ("tokenizer.json",):
         (tmp_path / name).write_bytes((tok_dir / name).read_bytes())
-    template = ("{% set ns = namespace(n=0) %}{% for m in messages %}{% set ns.n = ns.n + 1 %}"
-                "{{ m['role'] }}#{{ loop.index0 }}: {{ m['content'] | tojson }}\n{% endfor %}"
-                "{% if add_generation_prompt %}{{ eos_token }}[{{ ns.n }}]{% endif %}")
-    added = {"__type": "AddedToken", "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
-             "special": True}
-    config = {"bos_token": {**added, "content": "<s>"}, "eos_token": {**added, "content": "</s>"},
-              "chat_template": [{"name": "default", "template": template}, {"name": "rag", "template": "x"}]}
+    template = (
+        "{% set ns = namespace(n=0) %}{% for m in messages %}{% set ns.n = ns.n + 1 %}"
+        "{{ m['role'] }}#{{ loop.index0 }}: {{ m['content'] | tojson }}\n{% endfor %}"
+        "{% if add_generation_prompt %}{{ eos_token }}[{{ ns.n }}]{% endif %}"
+    )
+    added = {
+        "__type": "AddedToken",
+        "single_word": False,
+        "lstrip": False,
+        "rstrip": False,
+        "normalized": False,
+        "special": True,
+    }
+    config = {
+        "bos_token": {**added, "content": "<s>"},
+        "eos_token": {**added, "content": "</s>"},
+        "chat_template": [{"name": "default", "template": template}, {"name": "rag", "template": "x"}],
+    }
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
     ours, hf = Tokenizer(tmp_path), AutoTokenizer.from_pretrained(str(tmp_path))
     messages = CONVERSATIONS[1]
     assert ours.apply_chat_template(messages) == hf.apply_chat_template(
-        messages, add_generation_prompt=True, tokenize=False)
+        messages, add_generation_prompt=True, tokenize=False
+    )
 
 
 def test_raise_exception_and_missing_template(pair, tmp_path, tok_dir):

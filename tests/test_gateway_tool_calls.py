@@ -13,8 +13,10 @@ from protocol.serving import StructuredOutput
 from tests.fake_backend import MODEL, live_gateway
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "now", "parameters": WEATHER}},
-         {"type": "function", "function": {"name": "get_time"}}]
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "now", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "get_time"}},
+]
 MESSAGES = [{"role": "user", "content": "Weather in Paris?"}]
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
 ARGS = '{"city": "Paris"}'
@@ -25,7 +27,6 @@ CALLS = '[{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "ge
 def live(tok_dir):
     with live_gateway(tok_dir, max_model_len=256) as server:
         yield server
-
 
 
 def test_a_named_function_follows_its_parameters_and_answers_a_tool_call(client, backend, answering):
@@ -41,25 +42,44 @@ def test_a_named_function_follows_its_parameters_and_answers_a_tool_call(client,
 
 def test_required_follows_an_array_of_calls_and_answers_each(client, backend, answering):
     answering(CALLS)
-    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice="required",
-                                       max_tokens=128)
+    r = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice="required", max_tokens=128
+    )
     schema = json.loads(backend.received[0].sampling.structured_output.spec)
-    assert schema == {"type": "array", "minItems": 1, "items": {"anyOf": [
-        {"type": "object", "properties": {"name": {"const": "get_weather"}, "parameters": WEATHER},
-         "required": ["name", "parameters"], "additionalProperties": False},
-        {"type": "object", "properties": {"name": {"const": "get_time"}, "parameters": {"type": "object", "properties": {}}},
-         "required": ["name", "parameters"], "additionalProperties": False}]}}
+    assert schema == {
+        "type": "array",
+        "minItems": 1,
+        "items": {
+            "anyOf": [
+                {
+                    "type": "object",
+                    "properties": {"name": {"const": "get_weather"}, "parameters": WEATHER},
+                    "required": ["name", "parameters"],
+                    "additionalProperties": False,
+                },
+                {
+                    "type": "object",
+                    "properties": {"name": {"const": "get_time"}, "parameters": {"type": "object", "properties": {}}},
+                    "required": ["name", "parameters"],
+                    "additionalProperties": False,
+                },
+            ]
+        },
+    }
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     assert [(c.function.name, c.function.arguments) for c in choice.message.tool_calls] == [
-        ("get_weather", ARGS), ("get_time", "{}")]
+        ("get_weather", ARGS),
+        ("get_time", "{}"),
+    ]
     assert len({c.id for c in choice.message.tool_calls}) == 2
 
 
 def test_required_cut_by_max_tokens_answers_the_text(client, backend, answering):
     answering(CALLS)
-    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice="required",
-                                       max_tokens=5)
+    r = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice="required", max_tokens=5
+    )
     choice = r.choices[0]
     assert choice.finish_reason == "length" and choice.message.tool_calls is None
     assert CALLS.startswith(choice.message.content) and choice.message.content
@@ -68,10 +88,14 @@ def test_required_cut_by_max_tokens_answers_the_text(client, backend, answering)
 @pytest.mark.parametrize("tool_choice, text", [(NAMED, ARGS), ("required", CALLS)])
 def test_streamed_tool_calls_add_up_to_the_whole_answer(client, backend, answering, tool_choice, text):
     answering(text)
-    whole = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice=tool_choice,
-                                           max_tokens=128)
-    chunks = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS,
-                                                 tool_choice=tool_choice, max_tokens=128, stream=True))
+    whole = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice=tool_choice, max_tokens=128
+    )
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice=tool_choice, max_tokens=128, stream=True
+        )
+    )
     calls: dict[int, dict] = {}
     for chunk in chunks:
         for delta in chunk.choices[0].delta.tool_calls or []:
@@ -84,21 +108,44 @@ def test_streamed_tool_calls_add_up_to_the_whole_answer(client, backend, answeri
     assert all(not c.choices[0].delta.content for c in chunks if c.choices)
 
 
-@pytest.mark.parametrize("extra, param, message", [
-    ({"tools": TOOLS}, "tool_choice", "tool_choice 'auto' needs a parser of the model's free-form tool calls"),
-    ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice", "tool_choice 'auto' needs a parser"),
-    ({"tool_choice": "required"}, "tool_choice", "tool_choice other than 'none' needs tools"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
-     "tool_choice names function 'nope', which is not among the tools"),
-    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", "tool_choice must be 'none', 'auto', 'required' or"),
-    ({"tools": [{"type": "function", "function": {"name": ""}}], "tool_choice": "required"}, "tools",
-     "tools must be a non-empty list of"),
-    ({"tools": [{"type": "code_interpreter"}], "tool_choice": "required"}, "tools", "tools must be a non-empty list of"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}], "tool_choice": "required"},
-     "tools", "tools must be a non-empty list of"),
-    ({"tools": TOOLS, "tool_choice": "required", "guided_regex": "a"}, "tool_choice",
-     "tool_choice and a structured output both constrain the output; use one"),
-])
+@pytest.mark.parametrize(
+    "extra, param, message",
+    [
+        ({"tools": TOOLS}, "tool_choice", "tool_choice 'auto' needs a parser of the model's free-form tool calls"),
+        ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice", "tool_choice 'auto' needs a parser"),
+        ({"tool_choice": "required"}, "tool_choice", "tool_choice other than 'none' needs tools"),
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "tool_choice",
+            "tool_choice names function 'nope', which is not among the tools",
+        ),
+        (
+            {"tools": TOOLS, "tool_choice": "sometimes"},
+            "tool_choice",
+            "tool_choice must be 'none', 'auto', 'required' or",
+        ),
+        (
+            {"tools": [{"type": "function", "function": {"name": ""}}], "tool_choice": "required"},
+            "tools",
+            "tools must be a non-empty list of",
+        ),
+        (
+            {"tools": [{"type": "code_interpreter"}], "tool_choice": "required"},
+            "tools",
+            "tools must be a non-empty list of",
+        ),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}], "tool_choice": "required"},
+            "tools",
+            "tools must be a non-empty list of",
+        ),
+        (
+            {"tools": TOOLS, "tool_choice": "required", "guided_regex": "a"},
+            "tool_choice",
+            "tool_choice and a structured output both constrain the output; use one",
+        ),
+    ],
+)
 def test_malformed_tools_or_tool_choice_is_400_naming_the_field(client, backend, extra, param, message):
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, extra_body=extra)

@@ -8,8 +8,8 @@ request, AFTER the decode worker's own events, so the gateway must put them back
 from __future__ import annotations
 
 import threading
-import zlib
 import time
+import zlib
 
 import httpx
 import openai
@@ -18,14 +18,22 @@ import zmq
 
 from gateway.http.app import GatewayParams, build_app
 from gateway.metrics import GatewayMetrics
-from gateway.workers.registry import WorkerRegistry
-from gateway.workers.router import Policy, RouterParams
 from gateway.serving.pipeline import ServingLimits
 from gateway.text.tokenizer import Tokenizer
+from gateway.workers.registry import WorkerRegistry
+from gateway.workers.router import Policy, RouterParams
 from gateway.workers.zmq_backend import ZmqBackend, ZmqBackendParams
 from protocol.codec import decode, encode
-from protocol.serving import (AbortRequest, Busy, Generate, Goodbye, Heartbeat, PromptLogprobs, TokenEvent,
-                              TokenLogprobRecord)
+from protocol.serving import (
+    AbortRequest,
+    Busy,
+    Generate,
+    Goodbye,
+    Heartbeat,
+    PromptLogprobs,
+    TokenEvent,
+    TokenLogprobRecord,
+)
 from tests.fake_backend import MODEL, OUTPUT_TEXT, LiveServer, wait_until
 
 HEARTBEAT_S = 0.1
@@ -35,9 +43,17 @@ OTHER_TEXT = "A cat sat on the mat."
 class FakeWorker:
     """One worker process, reduced to its socket: heartbeats, and scripted answers to Generate."""
 
-    def __init__(self, address: str, worker_id: str, role: str = "decode", mode: str = "tokens",
-                 outputs: list[list[int]] | None = None, token_delay_s: float = 0.0, peer: FakeWorker | None = None,
-                 kv_blocks_in_use: int = 0) -> None:
+    def __init__(
+        self,
+        address: str,
+        worker_id: str,
+        role: str = "decode",
+        mode: str = "tokens",
+        outputs: list[list[int]] | None = None,
+        token_delay_s: float = 0.0,
+        peer: FakeWorker | None = None,
+        kv_blocks_in_use: int = 0,
+    ) -> None:
         self.worker_id, self.role, self.mode = worker_id, role, mode
         # its own endpoint (never dialed), one per worker id
         self.address = f"tcp://127.0.0.1:{7000 + zlib.crc32(worker_id.encode()) % 1000}"
@@ -64,9 +80,19 @@ class FakeWorker:
         self._thread.join(timeout=5)
 
     def _heartbeat(self) -> Heartbeat:
-        return Heartbeat(self.worker_id, self.role, self.address, self.incarnation, block_size=4, kv_blocks_total=1000,
-                         kv_blocks_free=1000 - self.kv_blocks_in_use, kv_blocks_in_use=self.kv_blocks_in_use,
-                         num_running=1, num_waiting=2, queued_prefill_tokens=0)
+        return Heartbeat(
+            self.worker_id,
+            self.role,
+            self.address,
+            self.incarnation,
+            block_size=4,
+            kv_blocks_total=1000,
+            kv_blocks_free=1000 - self.kv_blocks_in_use,
+            kv_blocks_in_use=self.kv_blocks_in_use,
+            num_running=1,
+            num_waiting=2,
+            queued_prefill_tokens=0,
+        )
 
     def _run(self) -> None:
         ctx = zmq.Context()
@@ -117,9 +143,17 @@ class FakeWorker:
             finish = "length" if len(ids) < len(self.outputs[j]) else "stop"
             start = 1 if disaggregated else 0
             for k in range(start, len(ids)):
-                self.schedule(self.token_delay_s * k, TokenEvent(
-                    g.rid, j, k, [ids[k]], finish_reason=finish if k == len(ids) - 1 else "",
-                    num_cached_tokens=0 if k == start else -1))
+                self.schedule(
+                    self.token_delay_s * k,
+                    TokenEvent(
+                        g.rid,
+                        j,
+                        k,
+                        [ids[k]],
+                        finish_reason=finish if k == len(ids) - 1 else "",
+                        num_cached_tokens=0 if k == start else -1,
+                    ),
+                )
             if disaggregated:  # P's first token lands after D's events: the gateway reorders
                 self.peer.schedule(0.05, TokenEvent(g.rid, j, 0, [ids[0]]))
 
@@ -142,9 +176,14 @@ def tokenizer(tok_dir):
 def gateway(tok_dir, tokenizer):
     registry = WorkerRegistry(heartbeat_interval_s=HEARTBEAT_S, max_missed=3)
     metrics = GatewayMetrics()
-    params = ZmqBackendParams("127.0.0.1", 0, RouterParams(block_size=4, policy=Policy.PREFIX,
-                                                           local_prefill_max_tokens=4),
-                              queue_timeout_s=0.3, retry_after_s=4, expiry_interval_s=0.05)
+    params = ZmqBackendParams(
+        "127.0.0.1",
+        0,
+        RouterParams(block_size=4, policy=Policy.PREFIX, local_prefill_max_tokens=4),
+        queue_timeout_s=0.3,
+        retry_after_s=4,
+        expiry_interval_s=0.05,
+    )
     backend = ZmqBackend(registry, metrics, params)
     limits = ServingLimits(MODEL, max_model_len=128, retry_after_s=2, request_timeout_s=10.0)
     app = build_app(GatewayParams(tokenizer, backend, limits, registry=registry, metrics=metrics))
@@ -155,8 +194,13 @@ def gateway(tok_dir, tokenizer):
         server.client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0)
 
         def add(worker_id, **kw) -> FakeWorker:
-            kw.setdefault("outputs", [tokenizer.encode(OUTPUT_TEXT, add_special_tokens=False),
-                                      tokenizer.encode(OTHER_TEXT, add_special_tokens=False)])
+            kw.setdefault(
+                "outputs",
+                [
+                    tokenizer.encode(OUTPUT_TEXT, add_special_tokens=False),
+                    tokenizer.encode(OTHER_TEXT, add_special_tokens=False),
+                ],
+            )
             w = FakeWorker(backend.address, worker_id, **kw)
             workers.append(w)
             wait_until(lambda: registry.get(worker_id) is not None, f"{worker_id} did not register")
@@ -169,8 +213,11 @@ def gateway(tok_dir, tokenizer):
 
 
 def metric(base_url: str, name: str) -> float:
-    return sum(float(line.split()[-1]) for line in httpx.get(base_url + "/metrics").text.splitlines()
-               if line.startswith(name + " "))
+    return sum(
+        float(line.split()[-1])
+        for line in httpx.get(base_url + "/metrics").text.splitlines()
+        if line.startswith(name + " ")
+    )
 
 
 def worker_ids(base_url: str) -> list[str]:
@@ -186,7 +233,9 @@ def test_heartbeat_registers_and_silence_expires(gateway):
     gateway.add("p1", role="prefill")
     listed = httpx.get(gateway.base_url + "/v1/workers").json()["data"]
     assert [(w["id"], w["role"], w["address"], w["load"]["num_waiting"]) for w in listed] == [
-        ("d1", "decode", d1.address, 2), ("p1", "prefill", gateway.workers[1].address, 2)]
+        ("d1", "decode", d1.address, 2),
+        ("p1", "prefill", gateway.workers[1].address, 2),
+    ]
     assert metric(gateway.base_url, 'pdserve:pool_workers{role="decode"}') == 1
     assert metric(gateway.base_url, 'pdserve:pool_num_requests_waiting{role="prefill"}') == 2
     assert httpx.get(gateway.base_url + "/ready").status_code == 200
@@ -282,15 +331,16 @@ def test_full_pool_waits_in_the_queue_then_503(gateway):
 def test_client_disconnect_aborts_decode_and_prefill(gateway):
     p1 = gateway.add("p1", role="prefill")
     d1 = gateway.add("d1", peer=p1, token_delay_s=0.1)
-    body = {"model": MODEL, "prompt": "The quick brown fox jumps over the lazy dog.", "max_tokens": 100,
-            "stream": True}
+    body = {"model": MODEL, "prompt": "The quick brown fox jumps over the lazy dog.", "max_tokens": 100, "stream": True}
     with httpx.stream("POST", gateway.base_url + "/v1/completions", json=body) as r:
         assert r.status_code == 200
         next(line for line in r.iter_lines() if line.startswith("data: "))
     (g,) = generates(d1)
     for w in (d1, p1):
-        wait_until(lambda: any(isinstance(x, AbortRequest) and x.rid == g.rid for x in w.received),
-                   f"{w.worker_id} got no AbortRequest")
+        wait_until(
+            lambda: any(isinstance(x, AbortRequest) and x.rid == g.rid for x in w.received),
+            f"{w.worker_id} got no AbortRequest",
+        )
     assert gateway.backend._router._sent_prefill_tokens == {}
 
 
@@ -333,8 +383,10 @@ def test_malformed_frames_are_counted_and_ignored(gateway):
     junk.send_multipart([b"a", b"b"])
     hb = Heartbeat("d1", "decode", "tcp://evil", "inc-9", 4, 10, 10, 0, 0, 0, 0)
     junk.send(encode(hb))  # claims another worker's id, which is bound to d1's live connection
-    wait_until(lambda: metric(gateway.base_url, 'pdserve:rejected_frames_total{reason="identity_taken"}') == 1,
-               "identity takeover not refused")
+    wait_until(
+        lambda: metric(gateway.base_url, 'pdserve:rejected_frames_total{reason="identity_taken"}') == 1,
+        "identity takeover not refused",
+    )
     assert metric(gateway.base_url, "pdserve:worker_malformed_frames_total") == 3
     assert metric(gateway.base_url, 'pdserve:rejected_frames_total{reason="malformed"}') == 3
     assert gateway.backend._registry.get("d1").incarnation == "inc-1"
@@ -383,27 +435,44 @@ def _free_port() -> int:
 
 
 def test_process_entry_serves_and_stops_on_sigterm(tok_dir, tmp_path):
+    import json
+    import shutil
     import signal
     import subprocess
     import sys
     from pathlib import Path
 
-    import json
-    import shutil
-
     model = shutil.copytree(tok_dir, tmp_path / "model")  # the tokenizer, and the config a checkpoint has
     (model / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
     http_port, worker_port = _free_port(), _free_port()
     config = tmp_path / "gw.yaml"
-    config.write_text(f"model:\n  max_model_len: 128\ngateway:\n  worker_port: {worker_port}\n"
-                      f"  worker_heartbeat_s: 0.1\n  worker_timeout_s: 0.3\n"
-                      "transfer:\n  insecure: true\n")  # its fake worker speaks plain ZeroMQ
-    proc = subprocess.Popen([sys.executable, "-m", "gateway", "--config", str(config), "--model", str(model),
-                             "--port", str(http_port), "--api-key", "k1", "--log-level", "warning"],
-                            cwd=Path(__file__).resolve().parents[1])
+    config.write_text(
+        f"model:\n  max_model_len: 128\ngateway:\n  worker_port: {worker_port}\n"
+        f"  worker_heartbeat_s: 0.1\n  worker_timeout_s: 0.3\n"
+        "transfer:\n  insecure: true\n"
+    )  # its fake worker speaks plain ZeroMQ
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "gateway",
+            "--config",
+            str(config),
+            "--model",
+            str(model),
+            "--port",
+            str(http_port),
+            "--api-key",
+            "k1",
+            "--log-level",
+            "warning",
+        ],
+        cwd=Path(__file__).resolve().parents[1],
+    )
     base = f"http://127.0.0.1:{http_port}"
     worker = None
     try:
+
         def up() -> bool:
             try:
                 return httpx.get(base + "/health").status_code == 200
@@ -412,8 +481,9 @@ def test_process_entry_serves_and_stops_on_sigterm(tok_dir, tmp_path):
 
         wait_until(up, "gateway process did not start", timeout_s=20)
         tok = Tokenizer(tok_dir)
-        worker = FakeWorker(f"tcp://127.0.0.1:{worker_port}", "d1",
-                            outputs=[tok.encode(OUTPUT_TEXT, add_special_tokens=False)])
+        worker = FakeWorker(
+            f"tcp://127.0.0.1:{worker_port}", "d1", outputs=[tok.encode(OUTPUT_TEXT, add_special_tokens=False)]
+        )
         wait_until(lambda: httpx.get(base + "/ready").status_code == 200, "worker did not register")
         client = openai.OpenAI(base_url=base + "/v1", api_key="k1", max_retries=0)
         r = client.completions.create(model=str(model), prompt="Hi", max_tokens=100)

@@ -18,10 +18,16 @@ from configs.schema import load_config
 def test_workers_take_turns_and_see_their_own_gpu_first():
     names = ["prefill-0", "prefill-1", "decode-0", "decode-1", "decode-2"]
     assert placement(["0", "1", "2"], names) == {
-        "prefill-0": "0,1,2", "prefill-1": "1,2,0", "decode-0": "2,0,1", "decode-1": "0,1,2", "decode-2": "1,2,0",
+        "prefill-0": "0,1,2",
+        "prefill-1": "1,2,0",
+        "decode-0": "2,0,1",
+        "decode-1": "0,1,2",
+        "decode-2": "1,2,0",
     }
-    assert placement(["GPU-aa", "GPU-bb"], ["prefill-0", "decode-0"]) == {"prefill-0": "GPU-aa,GPU-bb",
-                                                                         "decode-0": "GPU-bb,GPU-aa"}
+    assert placement(["GPU-aa", "GPU-bb"], ["prefill-0", "decode-0"]) == {
+        "prefill-0": "GPU-aa,GPU-bb",
+        "decode-0": "GPU-bb,GPU-aa",
+    }
     assert placement([], names) == {}
 
 
@@ -39,11 +45,20 @@ def test_device_lists_from_the_command_line_and_the_config():
 def test_each_child_process_receives_its_placement(tmp_path, monkeypatch):
     """The launcher's members, each started with a stand-in command that writes the environment it got."""
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "9")  # what pdserve serve itself sees: the gateway inherits it
-    spec = ClusterSpec(None, {"PDSERVE_MODEL_PATH": "m"}, num_prefill=1, num_decode=2, threads_per_worker=1,
-                       drain_timeout_s=1.0, devices=["0", "1"])
+    spec = ClusterSpec(
+        None,
+        {"PDSERVE_MODEL_PATH": "m"},
+        num_prefill=1,
+        num_decode=2,
+        threads_per_worker=1,
+        drain_timeout_s=1.0,
+        devices=["0", "1"],
+    )
     cluster = LocalCluster(spec)
-    report = ("import json, os, sys, time; json.dump(dict(os.environ), open(sys.argv[1] + '.tmp', 'w')); "
-              "os.replace(sys.argv[1] + '.tmp', sys.argv[1]); time.sleep(60)")  # whole files only
+    report = (
+        "import json, os, sys, time; json.dump(dict(os.environ), open(sys.argv[1] + '.tmp', 'w')); "
+        "os.replace(sys.argv[1] + '.tmp', sys.argv[1]); time.sleep(60)"
+    )  # whole files only
     for member in cluster.members:
         member.argv = [sys.executable, "-c", report, str(tmp_path / f"{member.name}.json")]
     cluster.start()

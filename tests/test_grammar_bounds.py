@@ -34,8 +34,11 @@ def test_a_compile_past_its_deadline_is_refused_naming_the_limit():
     with g._loading:  # the compile waits on this lock: it cannot end before the deadline
         ticket = g.guide_async(StructuredOutput("regex", "[a-z]+"))
         wait_done(ticket)
-        with pytest.raises(StructuredOutputError, match=r"^the grammar did not compile within this server's limit "
-                                                        r"of 0\.2 s \(engine\.grammar_compile_timeout_s\)$"):
+        with pytest.raises(
+            StructuredOutputError,
+            match=r"^the grammar did not compile within this server's limit "
+            r"of 0\.2 s \(engine\.grammar_compile_timeout_s\)$",
+        ):
             ticket.result()
     later = g.guide_async(StructuredOutput("regex", "[a-z]+"))  # the thread is free again: served
     wait_done(later)

@@ -38,7 +38,7 @@ from kvtransfer.events import TransferEvent
 from protocol.codec import decode, encode
 from protocol.curve import ClusterKey, PlaneSecurity
 from protocol.kv_messages import Abort, Commit, HandshakeReply
-from protocol.serving import Goodbye, PrefillFailed, PrefillJob, SamplingSpec, TokenEvent
+from protocol.serving import Goodbye, PrefillJob, SamplingSpec, TokenEvent
 from protocol.zmq_util import bind, make_socket
 from tests import hostile
 from tests.cluster_harness import ServeProcess
@@ -54,10 +54,13 @@ JOB_LINE = re.compile(r"rid=(\S+) prefill job -> \S+: tokens \[\d+, \d+\), (\d+)
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    serve = ServeProcess(tiny_model_dir("llama"), tmp_path_factory.mktemp("hostile"),
-                         engine={"block_size": BLOCK, "kv_cache_memory_mb": 8},
-                         gateway={"local_prefill_max_tokens": 0},  # every prompt goes through a prefill worker
-                         transfer={"cluster_key_file": KEY_FILE})
+    serve = ServeProcess(
+        tiny_model_dir("llama"),
+        tmp_path_factory.mktemp("hostile"),
+        engine={"block_size": BLOCK, "kv_cache_memory_mb": 8},
+        gateway={"local_prefill_max_tokens": 0},  # every prompt goes through a prefill worker
+        transfer={"cluster_key_file": KEY_FILE},
+    )
     yield serve
     for worker in ("prefill-0", "decode-0"):  # never leave a frozen worker behind a failed test
         serve.signal(worker, signal.SIGCONT)
@@ -77,8 +80,15 @@ def ledger():
     if path := os.environ.get("HOSTILE_PEERS_JSON"):
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
         with open(path, "w") as f:
-            json.dump({"date": f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M UTC}",
-                       "commit": head.stdout.strip(), "scenarios": rows}, f, indent=1)
+            json.dump(
+                {
+                    "date": f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M UTC}",
+                    "commit": head.stdout.strip(),
+                    "scenarios": rows,
+                },
+                f,
+                indent=1,
+            )
 
 
 @pytest.fixture
@@ -93,9 +103,17 @@ def prompt_of(length: int, seed: int) -> list[int]:
 
 
 def complete(cluster, prompt: list[int], max_tokens: int = 8) -> str:
-    reply = httpx.post(f"{cluster.url}/v1/completions", timeout=120, json={
-        "model": hostile.MODEL, "prompt": [prompt], "max_tokens": max_tokens, "temperature": 0.0,
-        "ignore_eos": True})
+    reply = httpx.post(
+        f"{cluster.url}/v1/completions",
+        timeout=120,
+        json={
+            "model": hostile.MODEL,
+            "prompt": [prompt],
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+        },
+    )
     assert reply.status_code == 200, reply.text
     return reply.json()["choices"][0]["text"]
 
@@ -118,8 +136,11 @@ def rejected(cluster, reason: str, worker: str | None = None) -> float:
 def endpoints(cluster) -> dict[str, str]:
     worker_port = yaml.safe_load(cluster.config_path.read_text())["gateway"]["worker_port"]
     address = {w["id"]: w["address"] for w in cluster.workers()}
-    return {"gateway": f"tcp://127.0.0.1:{worker_port}", "prefill": address["prefill-0"],
-            "decode_kv": address["decode-0"]}
+    return {
+        "gateway": f"tcp://127.0.0.1:{worker_port}",
+        "prefill": address["prefill-0"],
+        "decode_kv": address["decode-0"],
+    }
 
 
 def fd_count(pid: int) -> int:
@@ -156,11 +177,19 @@ class Victims:
         assert complete(cluster, prompt) == expected(self.reference, prompt)
         assert {w["id"] for w in cluster.wait_idle()} == {"prefill-0", "decode-0"}  # no impostor registered
         for worker, pid in self.pids.items():
-            cluster.wait_until(lambda: fd_count(pid) <= self.fds[worker] + FD_SLACK,
-                               f"{worker}'s file descriptors back to {self.fds[worker]}")
+            cluster.wait_until(
+                lambda: fd_count(pid) <= self.fds[worker] + FD_SLACK,
+                f"{worker}'s file descriptors back to {self.fds[worker]}",
+            )
         refused = rejections(cluster) - self.rejected_before
-        self.ledger.append({"scenario": self.scenario, "attacks": self.attacks, "refused": dict(refused),
-                            "after": "pids unchanged, exact answer, 0 blocks in use, fds back"})
+        self.ledger.append(
+            {
+                "scenario": self.scenario,
+                "attacks": self.attacks,
+                "refused": dict(refused),
+                "after": "pids unchanged, exact answer, 0 blocks in use, fds back",
+            }
+        )
 
 
 @pytest.fixture
@@ -222,8 +251,10 @@ def frozen_prefill_job(cluster, prompt: list[int]) -> tuple[threading.Thread, li
     client = threading.Thread(target=lambda: result.append(complete(cluster, prompt)), daemon=True)
     cluster.signal("prefill-0", signal.SIGSTOP)
     client.start()
-    match = cluster.wait_until(lambda: next((m for line in cluster.log[seen:] if (m := JOB_LINE.search(line))), None),
-                               "the decode worker's prefill job")
+    match = cluster.wait_until(
+        lambda: next((m for line in cluster.log[seen:] if (m := JOB_LINE.search(line))), None),
+        "the decode worker's prefill job",
+    )
     return client, result, match.group(1), int(match.group(3))
 
 
@@ -249,8 +280,10 @@ def test_a_key_holder_cannot_speak_for_a_request_it_was_not_given(cluster, victi
         assert not event.ok and event.reason == "rejected by receiver: not_assigned", event
         sender.channel.send([encode(Commit(rid, generation, sender.incarnation, first_token=5))])
         sender.channel.send([encode(Abort(rid, generation, sender.incarnation, "forged"))])
-        cluster.wait_until(lambda: rejected(cluster, "not_assigned", "decode-0") >= d_before + 3,
-                           "forged write, commit and abort refused")
+        cluster.wait_until(
+            lambda: rejected(cluster, "not_assigned", "decode-0") >= d_before + 3,
+            "forged write, commit and abort refused",
+        )
     finally:
         cluster.signal("prefill-0", signal.SIGCONT)
     client.join(timeout=120)
@@ -273,8 +306,17 @@ def test_a_key_holder_cannot_speak_for_a_request_it_was_not_given(cluster, victi
 
 def job(rid: str, kv_address: str, num_tokens: int = 2 * BLOCK + 3) -> PrefillJob:
     tokens = prompt_of(num_tokens, seed=len(rid))
-    return PrefillJob(rid, tokens, 0, list(range(-(-num_tokens // BLOCK))), 1, kv_address, True,
-                      SamplingSpec(max_tokens=1, temperature=0.0), time.time() + 60)
+    return PrefillJob(
+        rid,
+        tokens,
+        0,
+        list(range(-(-num_tokens // BLOCK))),
+        1,
+        kv_address,
+        True,
+        SamplingSpec(max_tokens=1, temperature=0.0),
+        time.time() + 60,
+    )
 
 
 def test_malformed_jobs_and_hostile_handshakes_do_not_kill_the_prefill_worker(cluster, victims, ctx):
@@ -284,14 +326,24 @@ def test_malformed_jobs_and_hostile_handshakes_do_not_kill_the_prefill_worker(cl
     receivers = {
         "transport": HandshakeReply(**accepted, transport="carrier-pigeon", credits=8),
         "credits": HandshakeReply(**accepted, transport="zmq", credits=0),
-        "shm-path": HandshakeReply(**accepted, transport="shm", credits=8, shm_pool_name="../../etc/passwd",
-                                   shm_fence_name="../../etc/shadow"),
-        "shm-missing": HandshakeReply(**accepted, transport="shm", credits=8, shm_pool_name="pdserve-kv-0-nope",
-                                      shm_fence_name="pdserve-fence-0-nope"),
+        "shm-path": HandshakeReply(
+            **accepted, transport="shm", credits=8, shm_pool_name="../../etc/passwd", shm_fence_name="../../etc/shadow"
+        ),
+        "shm-missing": HandshakeReply(
+            **accepted,
+            transport="shm",
+            credits=8,
+            shm_pool_name="pdserve-kv-0-nope",
+            shm_fence_name="pdserve-fence-0-nope",
+        ),
         "cuda": HandshakeReply(**accepted, transport="cuda_ipc", credits=8, shm_fence_name="pdserve-fence-0-nope"),
     }
     fakes = {name: hostile.FakeReceiver(ctx, evil, reply) for name, reply in receivers.items()}
-    jobs = [job("bad-address", "x"), job("bad-scheme", "ipc:///tmp/nope"), job("out-of-pool", endpoints(cluster)["decode_kv"])]
+    jobs = [
+        job("bad-address", "x"),
+        job("bad-scheme", "ipc:///tmp/nope"),
+        job("out-of-pool", endpoints(cluster)["decode_kv"]),
+    ]
     jobs[-1].dst_block_ids = [10**6 + i for i in range(len(jobs[-1].dst_block_ids))]
     jobs += [job(f"handshake-{name}", fake.address) for name, fake in fakes.items()]
     try:
@@ -332,8 +384,9 @@ class FakePrefill:
         while not self._stop.is_set():
             if time.monotonic() >= next_heartbeat:
                 proof = self.security.registration_proof("a-fake-prefill", self.incarnation)
-                self.gateway.send(encode(hostile.heartbeat("a-fake-prefill", "prefill", self.address,
-                                                           self.incarnation, proof)))
+                self.gateway.send(
+                    encode(hostile.heartbeat("a-fake-prefill", "prefill", self.address, self.incarnation, proof))
+                )
                 next_heartbeat = time.monotonic() + 0.2
             if self.jobs.poll(20):
                 self._poison(decode(self.jobs.recv_multipart()[1], expected=PrefillJob))
@@ -385,9 +438,21 @@ def test_a_fake_prefill_worker_cannot_kill_the_decode_worker_or_poison_its_cache
 @pytest.mark.parametrize("role", ["prefill_node", "decode_node"])
 def test_a_worker_without_a_key_refuses_to_start(role, tmp_path):
     section = role.removesuffix("_node")
-    out = subprocess.run([sys.executable, "-m", role, "--set", f"model.path={tiny_model_dir('llama')}",
-                          "--set", f"{section}.gateway_address=tcp://127.0.0.1:9"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "PYTHONPATH": ROOT, "PDSERVE_TRANSFER_CLUSTER_KEY_FILE": ""})
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            role,
+            "--set",
+            f"model.path={tiny_model_dir('llama')}",
+            "--set",
+            f"{section}.gateway_address=tcp://127.0.0.1:9",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": ROOT, "PDSERVE_TRANSFER_CLUSTER_KEY_FILE": ""},
+    )
     assert out.returncode == 78  # EX_CONFIG: a configuration error, never restarted
     assert "no cluster key: set transfer.cluster_key_file" in out.stderr, out.stderr

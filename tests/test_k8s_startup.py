@@ -177,7 +177,9 @@ def test_pods_start_as_the_manifests_say_register_with_every_gateway_and_serve(t
     api_key = secrets.token_hex(16)
     secrets_ = {  # what the operator creates (docs/deploy.md)
         "pdserve-api-keys": {"keys": api_key},  # kubectl create secret generic pdserve-api-keys --from-literal=keys=...
-        "pdserve-cluster-key": {"cluster.key": new_secret_text()},  # pdserve keygen > cluster.key; --from-file=cluster.key
+        "pdserve-cluster-key": {
+            "cluster.key": new_secret_text()
+        },  # pdserve keygen > cluster.key; --from-file=cluster.key
     }
     assert set(deployments) == set(FIRST_INDEX)
     assert deployments["pdserve-gateway"]["spec"]["replicas"] == 2
@@ -192,14 +194,18 @@ def test_pods_start_as_the_manifests_say_register_with_every_gateway_and_serve(t
             for i in range(d["spec"]["replicas"])
         }
         pod_ips = {pod: net.address(index) for pod, (_, index) in replicas.items()}
-        labels = {pod: deployments[name]["spec"]["template"]["metadata"]["labels"] for pod, (name, _) in replicas.items()}
+        labels = {
+            pod: deployments[name]["spec"]["template"]["metadata"]["labels"] for pod, (name, _) in replicas.items()
+        }
         ips = {s["metadata"]["name"]: next(CLUSTER_IPS) for s in services if s["spec"].get("clusterIP") != "None"}
         links, names = service_links(services, ips), cluster_dns(services, labels, pod_ips, ips)
         for pod, (name, index) in replicas.items():
             spec = deployments[name]["spec"]["template"]["spec"]
             [container] = spec["containers"]
             address, prefix = net.add_host(pod.removeprefix("pdserve-"), index, names)
-            args = [str(ROOT / a.removeprefix(APP_DIR)) if a.startswith(APP_DIR) else a for a in container.get("args", [])]
+            args = [
+                str(ROOT / a.removeprefix(APP_DIR)) if a.startswith(APP_DIR) else a for a in container.get("args", [])
+            ]
             mounts = mount_secrets(spec, container, secrets_, tmp_path)
             env = container_env(container, configmaps, secrets_, address, links, mounts)
             pods[pod] = HostProcess(address, prefix + (container.get("command") or ENTRYPOINT) + args, env)
@@ -232,7 +238,11 @@ def test_pods_start_as_the_manifests_say_register_with_every_gateway_and_serve(t
             [container] = deployments[name]["spec"]["template"]["spec"]["containers"]
             for kind in ("startupProbe", "livenessProbe", "readinessProbe"):
                 if kind in container:
-                    assert poll_until(lambda p=pods[pod], c=container, k=kind: probe(p, c, k) == 200, 60), (pod, kind, tails())
+                    assert poll_until(lambda p=pods[pod], c=container, k=kind: probe(p, c, k) == 200, 60), (
+                        pod,
+                        kind,
+                        tails(),
+                    )
 
         prompt = [5, 6, 7, 8, 9, 10, 11, 12]
         body = {"model": model, "prompt": [prompt], "max_tokens": 6, "temperature": 0.0, "ignore_eos": True}

@@ -32,12 +32,18 @@ class AttentionCase:
     scale: float
 
     def args(self):
-        return (self.q, self.k_cache, self.v_cache, self.block_tables, self.context_lens,
-                self.query_start_loc, self.scale)
+        return (
+            self.q,
+            self.k_cache,
+            self.v_cache,
+            self.block_tables,
+            self.context_lens,
+            self.query_start_loc,
+            self.scale,
+        )
 
 
-def make_case(context_lens, q_lens, *, heads, kv_heads, head_dim, block_size, dtype, seed, device="cpu",
-              sharpness=1.0):
+def make_case(context_lens, q_lens, *, heads, kv_heads, head_dim, block_size, dtype, seed, device="cpu", sharpness=1.0):
     """Fresh random inputs; request i's blocks are a random permutation of the pool's ids.
     ``sharpness`` multiplies the softmax scale: peaky attention over long contexts keeps outputs O(1)
     instead of averaging them towards 0, where an absolute tolerance would hide wrong keys."""
@@ -90,8 +96,12 @@ def poisoned_like(q: torch.Tensor) -> torch.Tensor:
 
 # Every GQA ratio (1, 4, 8) x head dim (64, 128) x block size (8, 16) in fp32; half precision on a few.
 SHAPES = [(group, head_dim, block_size) for group in (1, 4, 8) for head_dim in (64, 128) for block_size in (8, 16)]
-HALF = [(torch.bfloat16, 4, 128, 16), (torch.bfloat16, 8, 64, 8),
-        (torch.float16, 1, 64, 16), (torch.float16, 8, 128, 8)]
+HALF = [
+    (torch.bfloat16, 4, 128, 16),
+    (torch.bfloat16, 8, 64, 8),
+    (torch.float16, 1, 64, 16),
+    (torch.float16, 8, 128, 8),
+]
 CONFIGS = [(torch.float32, *shape) for shape in SHAPES] + HALF
 
 
@@ -106,10 +116,27 @@ def test_decode_kernel_matches_naive(config):
     kv_heads = 2 if group < 8 else 1
     num_splits = 1 + (group + head_dim // 64 + block_size // 8) % 4  # 1..4 splits across the configs
     context_lens = [1, 13, 70, 2 * block_size]  # a single token, ragged, long enough to split, exact blocks
-    case = make_case(context_lens, [1] * 4, heads=group * kv_heads, kv_heads=kv_heads, head_dim=head_dim,
-                     block_size=block_size, dtype=dtype, seed=group * head_dim + block_size)
-    out = paged_decode_triton(case.q, case.k_cache, case.v_cache, case.block_tables, case.context_lens,
-                              case.scale, num_splits=num_splits, block_n=16, out=poisoned_like(case.q))
+    case = make_case(
+        context_lens,
+        [1] * 4,
+        heads=group * kv_heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype,
+        seed=group * head_dim + block_size,
+    )
+    out = paged_decode_triton(
+        case.q,
+        case.k_cache,
+        case.v_cache,
+        case.block_tables,
+        case.context_lens,
+        case.scale,
+        num_splits=num_splits,
+        block_n=16,
+        out=poisoned_like(case.q),
+    )
     assert_matches_naive(out, case)
 
 
@@ -119,8 +146,16 @@ def test_prefill_kernel_matches_naive(config):
     kv_heads = 2 if group < 8 else 1
     # whole prompt (ctx == q_len), a chunk after a cached prefix, a decode row, a long ragged chunk
     context_lens, q_lens = [11, 29, 17, 45], [11, 9, 1, 21]
-    case = make_case(context_lens, q_lens, heads=group * kv_heads, kv_heads=kv_heads, head_dim=head_dim,
-                     block_size=block_size, dtype=dtype, seed=3 * group * head_dim + block_size)
+    case = make_case(
+        context_lens,
+        q_lens,
+        heads=group * kv_heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype,
+        seed=3 * group * head_dim + block_size,
+    )
     out = paged_prefill_triton(*case.args(), rows=16, block_n=16, out=poisoned_like(case.q))
     assert_matches_naive(out, case)
 
@@ -134,8 +169,9 @@ def test_triton_dispatch_picks_decode_or_prefill_kernel():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("q_lens", [[1, 1, 1, 1, 1], [7, 3, 12, 1, 5], [1, 6, 1, 1, 20]],
-                         ids=["decode", "prefill", "mixed"])
+@pytest.mark.parametrize(
+    "q_lens", [[1, 1, 1, 1, 1], [7, 3, 12, 1, 5], [1, 6, 1, 1, 20]], ids=["decode", "prefill", "mixed"]
+)
 def test_kernel_reference_cpu_path_matches_naive(dtype, q_lens):
     """The public function on CPU (the engine's path) splits decode and prefill rows; check both halves."""
     context_lens = [q + extra for q, extra in zip(q_lens, [0, 9, 30, 4, 17])]
@@ -147,8 +183,9 @@ def test_kernel_reference_halves_match_naive():
     """The decode and prefill references on their own (each is also a kernel's reference on GPU)."""
     common = dict(heads=12, kv_heads=3, head_dim=64, block_size=8, dtype=torch.float32, seed=5)
     decode = make_case([3, 8, 27], [1, 1, 1], **common)
-    out = paged_decode_reference(decode.q, decode.k_cache, decode.v_cache, decode.block_tables,
-                                 decode.context_lens, decode.scale)
+    out = paged_decode_reference(
+        decode.q, decode.k_cache, decode.v_cache, decode.block_tables, decode.context_lens, decode.scale
+    )
     assert_matches_naive(out, decode)
     prefill = make_case([3, 8, 27], [3, 2, 10], **common)
     assert_matches_naive(paged_prefill_reference(*prefill.args()), prefill)
@@ -159,8 +196,9 @@ def test_kernel_reference_decode_buckets_by_length_match_naive():
     """With several buckets the CPU path sorts requests by context length into them: the unsorted,
     permuted result must still land on each request's own row."""
     lengths = torch.randint(1, 90, (37,), generator=torch.Generator().manual_seed(3)).tolist()
-    case = make_case(lengths, [1] * len(lengths), heads=8, kv_heads=2, head_dim=64, block_size=8,
-                     dtype=torch.float32, seed=17)
+    case = make_case(
+        lengths, [1] * len(lengths), heads=8, kv_heads=2, head_dim=64, block_size=8, dtype=torch.float32, seed=17
+    )
     assert_matches_naive(kernels.paged_attention(*case.args()), case)
 
 
@@ -171,8 +209,16 @@ def test_decode_buckets_keep_their_padded_kv_within_the_byte_budget():
     assert bucket_sizes([10] * 20, 1024) == [16, 4]  # short contexts: the row cap
     assert bucket_sizes([7], 1 << 30) == [1]
     # The plan follows them: sorted rows, each bucket padded to its own longest context.
-    case = make_case([500, 100, 3000, 100, 500], [1] * 5, heads=8, kv_heads=2, head_dim=64, block_size=16,
-                     dtype=torch.float32, seed=5)  # 2 KV heads x 64 x 4 bytes x (K, V) = 1 KiB a token
+    case = make_case(
+        [500, 100, 3000, 100, 500],
+        [1] * 5,
+        heads=8,
+        kv_heads=2,
+        head_dim=64,
+        block_size=16,
+        dtype=torch.float32,
+        seed=5,
+    )  # 2 KV heads x 64 x 4 bytes x (K, V) = 1 KiB a token
     plan = kernels.plan_attention(case.block_tables, case.context_lens, case.query_start_loc, case.k_cache)
     assert [(sorted(b.rows.tolist()), b.max_ctx) for b in plan.decode] == [([0, 1, 3, 4], 500), ([2], 3000)]
     assert_matches_naive(kernels.paged_attention(*case.args(), plan=plan), case)
@@ -184,8 +230,10 @@ def test_plan_made_once_serves_every_layer_of_a_mixed_step():
     q_lens = [1] * 20 + [5, 1, 7]
     lengths = torch.randint(1, 70, (23,), generator=torch.Generator().manual_seed(8)).tolist()
     lengths = [max(n, q) for n, q in zip(lengths, q_lens)]
-    first, other = (make_case(lengths, q_lens, heads=8, kv_heads=2, head_dim=64, block_size=8, dtype=torch.float32,
-                              seed=seed) for seed in (1, 2))
+    first, other = (
+        make_case(lengths, q_lens, heads=8, kv_heads=2, head_dim=64, block_size=8, dtype=torch.float32, seed=seed)
+        for seed in (1, 2)
+    )
     layers = [first, dataclasses.replace(first, q=other.q, k_cache=other.k_cache, v_cache=other.v_cache)]
     plan = kernels.plan_attention(first.block_tables, first.context_lens, first.query_start_loc, first.k_cache)
     decode_lens = [n for n, q in zip(lengths, q_lens) if q == 1]

@@ -25,11 +25,14 @@ def is_nan(x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("impl", ["triton", "reference"])
-@pytest.mark.parametrize("dtype,kv_heads,head_dim,block_size", [
-    (torch.float32, 1, 64, 8),
-    (torch.bfloat16, 4, 128, 16),
-    (torch.float16, 3, 64, 16),
-])
+@pytest.mark.parametrize(
+    "dtype,kv_heads,head_dim,block_size",
+    [
+        (torch.float32, 1, 64, 8),
+        (torch.bfloat16, 4, 128, 16),
+        (torch.float16, 3, 64, 16),
+    ],
+)
 def test_store_kv_kernel_writes_exactly_the_mapped_slots(impl, dtype, kv_heads, head_dim, block_size):
     gen = torch.Generator().manual_seed(head_dim + kv_heads)
     num_blocks, num_tokens = 7, 19

@@ -39,9 +39,17 @@ def run_native(lib, case) -> torch.Tensor:
 @pytest.mark.parametrize("group", [1, 2, 3, 4, 7, 8])
 def test_c_decode_matches_naive(any_build, group, head_dim, block_size):
     kv_heads = 2 if group < 8 else 1
-    case = make_case(CONTEXT_LENS, [1] * len(CONTEXT_LENS), heads=group * kv_heads, kv_heads=kv_heads,
-                     head_dim=head_dim, block_size=block_size, dtype=torch.float32, seed=group * head_dim + block_size,
-                     sharpness=4.0)
+    case = make_case(
+        CONTEXT_LENS,
+        [1] * len(CONTEXT_LENS),
+        heads=group * kv_heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=torch.float32,
+        seed=group * head_dim + block_size,
+        sharpness=4.0,
+    )
     assert case.q.stride(0) != case.q.shape[1] * head_dim  # rows of a fused QKV tensor, as in the model
     assert_matches_naive(run_native(any_build, case), case)
 
@@ -49,8 +57,9 @@ def test_c_decode_matches_naive(any_build, group, head_dim, block_size):
 def test_c_decode_in_a_mixed_step_matches_naive(any_build):
     """Decode rows by the kernel, prefill rows by SDPA, each put back on its own token."""
     q_lens = [1, 6, 1, 1, 20, 1]
-    case = make_case([9, 30, 1, 64, 45, 17], q_lens, heads=8, kv_heads=2, head_dim=64, block_size=8,
-                     dtype=torch.float32, seed=4)
+    case = make_case(
+        [9, 30, 1, 64, 45, 17], q_lens, heads=8, kv_heads=2, head_dim=64, block_size=8, dtype=torch.float32, seed=4
+    )
     assert_matches_naive(run_native(any_build, case), case)
 
 
@@ -62,8 +71,9 @@ def test_a_block_id_outside_the_pool_is_refused_before_the_kernel_reads(library)
 
 
 def test_c_decode_gives_the_same_bits_on_one_thread_and_two(any_build):
-    case = make_case([700, 3, 129, 64, 250], [1] * 5, heads=8, kv_heads=2, head_dim=64, block_size=16,
-                     dtype=torch.float32, seed=9)
+    case = make_case(
+        [700, 3, 129, 64, 250], [1] * 5, heads=8, kv_heads=2, head_dim=64, block_size=16, dtype=torch.float32, seed=9
+    )
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -101,9 +111,14 @@ def test_the_engine_takes_a_build_without_openmp_up_to_its_thread_limit(monkeypa
     model = ModelConfig(path=path, dtype="float32")
     threads = torch.get_num_threads()
     try:
-        for num_threads, expected in ((2, serial), (cpu_native.SERIAL_MAX_THREADS, serial),
-                                      (cpu_native.SERIAL_MAX_THREADS + 1, None)):
-            engine = build_engine(path, model, EngineConfig(kv_cache_memory_mb=4, num_threads=num_threads), device="cpu")
+        for num_threads, expected in (
+            (2, serial),
+            (cpu_native.SERIAL_MAX_THREADS, serial),
+            (cpu_native.SERIAL_MAX_THREADS + 1, None),
+        ):
+            engine = build_engine(
+                path, model, EngineConfig(kv_cache_memory_mb=4, num_threads=num_threads), device="cpu"
+            )
             assert engine.runner.native_decode is expected, num_threads
             assert engine.runner.model.native_layer_ops is (expected is not None), num_threads  # the same rule
     finally:
@@ -133,8 +148,14 @@ def test_another_cpu_gets_its_own_build(library, tmp_path, monkeypatch):
 
 def test_a_build_removes_libraries_unused_for_a_month_and_dead_temporaries(tmp_path):
     now, day = time.time(), 24 * 3600
-    ages = {"cpu_native-old.so": 31 * day, "cpu_native-recent.so": 29 * day, "cpu_decode-old.so": 31 * day,
-            "tmpdead.so": 2 * 3600, "tmplive.so": 10, "notes.txt": 365 * day}
+    ages = {
+        "cpu_native-old.so": 31 * day,
+        "cpu_native-recent.so": 29 * day,
+        "cpu_decode-old.so": 31 * day,
+        "tmpdead.so": 2 * 3600,
+        "tmplive.so": 10,
+        "notes.txt": 365 * day,
+    }
     for name, age in ages.items():
         (tmp_path / name).write_bytes(b"")
         os.utime(tmp_path / name, (now - age, now - age))
@@ -167,8 +188,9 @@ def fake_compiler(tmp_path, body: str) -> str:
 
 def test_without_openmp_it_builds_without_and_later_starts_reuse_that(tmp_path, monkeypatch, caplog):
     # Apple's clang, or clang without libomp: -fopenmp fails, the same command without it works.
-    compiler = fake_compiler(tmp_path, 'case "$*" in *-fopenmp*) echo "unsupported option -fopenmp" >&2; exit 1;; esac\n'
-                                       'exec cc "$@"')
+    compiler = fake_compiler(
+        tmp_path, 'case "$*" in *-fopenmp*) echo "unsupported option -fopenmp" >&2; exit 1;; esac\nexec cc "$@"'
+    )
     monkeypatch.setenv("CC", compiler)
     monkeypatch.setenv("PDSERVE_NATIVE_CACHE_DIR", str(tmp_path / "cache"))
     cpu_native.load.cache_clear()

@@ -68,8 +68,9 @@ def test_rope_store_rotates_q_and_k_and_stores_k_and_v_at_their_slots(any_build,
     k0 = before[:, q_size : q_size + kv_size].reshape(tokens, kv_heads, head_dim).double()
     q, k = qkv[:, :q_size].reshape(tokens, heads, head_dim), qkv[:, q_size : q_size + kv_size]
     torch.testing.assert_close(q.double(), _rotate_reference(q0, cos, sin), atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(k.reshape(tokens, kv_heads, head_dim).double(), _rotate_reference(k0, cos, sin),
-                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        k.reshape(tokens, kv_heads, head_dim).double(), _rotate_reference(k0, cos, sin), atol=1e-5, rtol=1e-5
+    )
     assert torch.equal(qkv[:, q_size + kv_size :], before[:, q_size + kv_size :])  # v as it was
     assert torch.equal(wide[:, q_size + 2 * kv_size :], original[:, q_size + 2 * kv_size :])  # past the row: untouched
     flat_k, flat_v = k_cache.view(-1, kv_size), v_cache.view(-1, kv_size)
@@ -103,8 +104,12 @@ def test_a_slot_outside_the_pool_is_refused_before_any_write():
 @pytest.mark.parametrize("setting,expected", [("c", True), ("torch", False)])
 def test_the_engine_setting_picks_the_path(library, setting, expected):
     path = tiny_model_dir("llama")
-    engine = build_engine(path, ModelConfig(path=path, dtype="float32"),
-                          EngineConfig(kv_cache_memory_mb=4, cpu_layer_ops=setting), device="cpu")
+    engine = build_engine(
+        path,
+        ModelConfig(path=path, dtype="float32"),
+        EngineConfig(kv_cache_memory_mb=4, cpu_layer_ops=setting),
+        device="cpu",
+    )
     native = cpu_native.load()  # the loader's current library (other tests rebuild its cache)
     model = engine.runner.model
     assert model.native_layer_ops is expected

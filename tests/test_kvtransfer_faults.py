@@ -19,8 +19,8 @@ from engine.kv_pool import KVPool
 from kvtransfer.channel import ZmqClient
 from kvtransfer.events import TransferStatus
 from kvtransfer.metrics import TransferMetrics
-from kvtransfer.shm_pool import SharedTensor
 from kvtransfer.sender import KVSender
+from kvtransfer.shm_pool import SharedTensor
 from protocol.codec import encode
 from protocol.kv_messages import BlockWrite, Credit, Handshake, KVCompat
 from tests.test_kvtransfer_transports import LAYOUT, Node, pump
@@ -63,8 +63,14 @@ RECEIVER_SCRIPT = textwrap.dedent("""
 
 def _spawn(script: str, *args: str) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=ROOT)
-    return subprocess.Popen([sys.executable, "-c", script, *args], cwd=ROOT, env=env, text=True,
-                            stdout=subprocess.PIPE, stdin=subprocess.PIPE)
+    return subprocess.Popen(
+        [sys.executable, "-c", script, *args],
+        cwd=ROOT,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stdin=subprocess.PIPE,
+    )
 
 
 def _poll_until_line(node: Node, proc: subprocess.Popen) -> str:
@@ -113,8 +119,14 @@ def test_receiver_killed_sender_pins_nothing_after_deadline():
         assert endpoint.startswith("tcp://127.0.0.1:"), endpoint
         unpinned = []
         src = KVPool(LAYOUT, tensor=torch.randn(LAYOUT.shape))
-        tx = KVSender(src, "tiny", ZmqClient(ctx, endpoint), deadline_s=0.5, unpin=unpinned.extend,
-                      metrics=TransferMetrics(registry))
+        tx = KVSender(
+            src,
+            "tiny",
+            ZmqClient(ctx, endpoint),
+            deadline_s=0.5,
+            unpin=unpinned.extend,
+            metrics=TransferMetrics(registry),
+        )
         tx.handshake(timeout_s=30)
         tx.send("r", 1, list(range(8)), list(range(8, 16)))
         while tx.status("r") is not TransferStatus.TRANSFERRING:
@@ -129,8 +141,12 @@ def test_receiver_killed_sender_pins_nothing_after_deadline():
             assert time.monotonic() - killed_at < 0.5 + 1.0, "sender still waiting past its deadline"
         assert [(e.rid, e.ok, e.reason) for e in events] == [("r", False, "receiver silent past deadline")]
         assert tx.pinned_blocks() == [] and sorted(unpinned) == list(range(8))
-        assert registry.get_sample_value(
-            "pdserve:kv_transfer_failures_total", {"side": "sender", "reason": "receiver silent past deadline"}) == 1
+        assert (
+            registry.get_sample_value(
+                "pdserve:kv_transfer_failures_total", {"side": "sender", "reason": "receiver silent past deadline"}
+            )
+            == 1
+        )
     finally:
         if fence_name:  # the killed receiver could not clean up its shared memory
             SharedTensor(fence_name, torch.empty(0), is_owner=True).unlink()
@@ -145,8 +161,18 @@ def test_malformed_oversized_and_wrong_typed_frames_counted_while_serving():
         raw = node.ctx.socket(zmq.DEALER)
         raw.connect(node.server.endpoint)
         compat = KVCompat(1, "tiny", "float32", 2, 2, 8, 4)
-        wrong_type = msgpack.packb(["kv.handshake", {"compat": ["kv.compat", {}], "sender_incarnation": 5,
-                                                     "hostname": "h", "transports": [], "cuda_device": None}])
+        wrong_type = msgpack.packb(
+            [
+                "kv.handshake",
+                {
+                    "compat": ["kv.compat", {}],
+                    "sender_incarnation": 5,
+                    "hostname": "h",
+                    "transports": [],
+                    "cuda_device": None,
+                },
+            ]
+        )
         hostile = [
             [b"\x00garbage"],  # not msgpack
             [msgpack.packb(["kv.no_such_record", {}])],  # unknown tag
@@ -158,7 +184,7 @@ def test_malformed_oversized_and_wrong_typed_frames_counted_while_serving():
             [encode(Credit("r", 1, 5))],  # a receiver's message, sent to the receiver
         ]
         for frames in hostile:
-            raw.send_multipart([b"", *frames] if not frames else frames)
+            raw.send_multipart(frames if frames else [b"", *frames])
         # a write with no handshake behind it: decodes, but comes from an unknown incarnation
         raw.send_multipart([encode(BlockWrite("r", 1, "nobody", [1], True, 4)), b"abcd"])
         # beyond MAXMSGSIZE: zmq itself drops this peer before our code sees a byte

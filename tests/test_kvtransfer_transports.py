@@ -36,8 +36,16 @@ class Node:
         else:
             self.ctx = zmq.Context()
             self.server = ZmqServer(self.ctx, "127.0.0.1", max_msg_size=1 << 22)
-        self.rx = KVReceiver(pool, "tiny", self.server, self.free.update, TransferMetrics(self.registry),
-                             lease_s=lease_s, credits=credits, shm_pool_name=self.shared.name if self.shared else None)
+        self.rx = KVReceiver(
+            pool,
+            "tiny",
+            self.server,
+            self.free.update,
+            TransferMetrics(self.registry),
+            lease_s=lease_s,
+            credits=credits,
+            shm_pool_name=self.shared.name if self.shared else None,
+        )
 
     def reserve(self, rid: str, generation: int, block_ids: list[int]) -> None:
         assert set(block_ids) <= self.free
@@ -165,7 +173,10 @@ def test_retry_generation_fences_off_the_previous_attempt(node):
     tx.commit("r", 2)
     rx_events, tx_events = pump(node, tx, until=lambda rx, tx: rx and len(tx) == 2)
     assert [(e.rid, e.generation, e.ok) for e in rx_events] == [("r", 2, True)]
-    assert [(e.generation, e.ok, e.reason) for e in tx_events] == [(1, False, "superseded by generation 2"), (2, True, "")]
+    assert [(e.generation, e.ok, e.reason) for e in tx_events] == [
+        (1, False, "superseded by generation 2"),
+        (2, True, ""),
+    ]
     assert tx.pinned_blocks() == [] and sorted(unpinned) == [0, 5, 6]
     assert torch.equal(node.rx.pool.tensor[:, :, [2, 3]], tx.pool.tensor[:, :, [5, 6]])
 
@@ -234,7 +245,9 @@ def test_restarted_receiver_makes_the_sender_handshake_again():
                 break
             except zmq.ZMQError:
                 time.sleep(0.01)
-        node.rx = KVReceiver(KVPool(LAYOUT), "tiny", node.server, node.free.update, TransferMetrics(CollectorRegistry()))
+        node.rx = KVReceiver(
+            KVPool(LAYOUT), "tiny", node.server, node.free.update, TransferMetrics(CollectorRegistry())
+        )
         give_up = time.monotonic() + 10
         while tx.channel.num_connected == connected and time.monotonic() < give_up:
             tx.channel.take_lost()  # reads the channel's connection events
@@ -254,7 +267,11 @@ def test_sockets_are_bounded_and_never_bind_all_interfaces():
     ctx = zmq.Context()
     try:
         sock = make_socket(ctx, zmq.ROUTER, hwm=7, max_msg_size=1234)
-        assert (sock.getsockopt(zmq.SNDHWM), sock.getsockopt(zmq.RCVHWM), sock.getsockopt(zmq.MAXMSGSIZE)) == (7, 7, 1234)
+        assert (sock.getsockopt(zmq.SNDHWM), sock.getsockopt(zmq.RCVHWM), sock.getsockopt(zmq.MAXMSGSIZE)) == (
+            7,
+            7,
+            1234,
+        )
         with pytest.raises(ValueError, match="refusing to bind all interfaces"):
             bind(sock, "0.0.0.0")
         endpoint = bind(sock, "127.0.0.1")
@@ -267,9 +284,11 @@ def test_sockets_are_bounded_and_never_bind_all_interfaces():
 
 @pytest.mark.parametrize(
     "src, dst",
-    [([0, 1, 2, 3], [8, 9, 10, 11]),  # one run: slice copy
-     ([0, 1, 2, 7, 8, 9, 10, 11], [3, 4, 5, 12, 13, 14, 15, 6]),  # runs, plus a break inside the second
-     ([5, 0, 9, 2], [1, 7, 3, 12])],  # scattered: packed gather/scatter
+    [
+        ([0, 1, 2, 3], [8, 9, 10, 11]),  # one run: slice copy
+        ([0, 1, 2, 7, 8, 9, 10, 11], [3, 4, 5, 12, 13, 14, 15, 6]),  # runs, plus a break inside the second
+        ([5, 0, 9, 2], [1, 7, 3, 12]),
+    ],  # scattered: packed gather/scatter
 )
 def test_copy_blocks_matches_per_block_reference(src, dst):
     from kvtransfer.block_runs import copy_blocks

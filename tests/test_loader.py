@@ -10,8 +10,17 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from cluster.make_model import (BOS_ID, EOS_ID, IM_END_ID, PAD_ID, SPECIAL_TOKENS, build_config, build_tokenizer,
-                                main, make_model)
+from cluster.make_model import (
+    BOS_ID,
+    EOS_ID,
+    IM_END_ID,
+    PAD_ID,
+    SPECIAL_TOKENS,
+    build_config,
+    build_tokenizer,
+    main,
+    make_model,
+)
 from engine.loader import load_model
 from engine.model_config import HFModelConfig
 from tests.model_factory import tiny_model_dir

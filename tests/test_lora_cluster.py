@@ -31,7 +31,8 @@ NEW_TOKENS = 10
 def cluster(tmp_path_factory):
     modules = [f"{n}={tiny_adapter_dir(n, FAMILY)}" for n in ("alpha", "beta")]
     serve = ServeProcess(
-        tiny_model_dir(FAMILY), tmp_path_factory.mktemp("lora-cluster"),
+        tiny_model_dir(FAMILY),
+        tmp_path_factory.mktemp("lora-cluster"),
         engine={"block_size": BLOCK, "prefill_chunk_size": 24, "kv_cache_memory_mb": 8},
         gateway={"local_prefill_max_tokens": 0},  # every uncached prompt goes through the prefill worker
         # one device slot for two (then three) adapters: every mixed batch pages them in and out
@@ -55,8 +56,9 @@ def text_of(tokens: list[int]) -> str:
 
 
 def complete(client, model: str, prompt: list[int]):
-    return client.completions.create(model=model, prompt=[prompt], max_tokens=NEW_TOKENS, temperature=0.0,
-                                     extra_body={"ignore_eos": True})
+    return client.completions.create(
+        model=model, prompt=[prompt], max_tokens=NEW_TOKENS, temperature=0.0, extra_body={"ignore_eos": True}
+    )
 
 
 def unload(cluster, name: str) -> httpx.Response:
@@ -105,8 +107,11 @@ def test_unknown_model_is_a_404_naming_it(cluster) -> None:
 
 def test_load_and_unload_at_run_time(cluster, client) -> None:
     prompt = prompt_of(30, seed=7)
-    r = httpx.post(f"{cluster.url}/v1/load_lora_adapter", timeout=120,
-                   json={"lora_name": "gamma", "lora_path": str(tiny_adapter_dir("alpha", FAMILY))})
+    r = httpx.post(
+        f"{cluster.url}/v1/load_lora_adapter",
+        timeout=120,
+        json={"lora_name": "gamma", "lora_path": str(tiny_adapter_dir("alpha", FAMILY))},
+    )
     assert r.status_code == 200, r.text
     assert r.text == "Success: LoRA adapter 'gamma' added successfully."
     assert "gamma" in {m.id for m in client.models.list().data}
@@ -125,8 +130,11 @@ def test_load_and_unload_at_run_time(cluster, client) -> None:
     assert gone.status_code == 404 and gone.json()["error"]["message"] == "The lora adapter 'gamma' cannot be found."
 
     # gamma again, now from beta's directory: none of the old gamma's KV is reused, beta's tokens come out
-    r = httpx.post(f"{cluster.url}/v1/load_lora_adapter", timeout=120,
-                   json={"lora_name": "gamma", "lora_path": str(tiny_adapter_dir("beta", FAMILY))})
+    r = httpx.post(
+        f"{cluster.url}/v1/load_lora_adapter",
+        timeout=120,
+        json={"lora_name": "gamma", "lora_path": str(tiny_adapter_dir("beta", FAMILY))},
+    )
     assert r.status_code == 200, r.text
     reloaded = complete(client, "gamma", prompt)
     assert reloaded.usage.prompt_tokens_details.cached_tokens == 0
@@ -144,25 +152,40 @@ def test_load_and_unload_under_traffic_leave_other_requests_exact(cluster, clien
         for _ in range(2):  # the adapter list changes on every worker while those run
             body = {"lora_name": "epsilon", "lora_path": str(tiny_adapter_dir("beta", FAMILY))}
             assert httpx.post(f"{cluster.url}/v1/load_lora_adapter", json=body, timeout=120).status_code == 200
-            assert httpx.post(f"{cluster.url}/v1/unload_lora_adapter", json={"lora_name": "epsilon"},
-                              timeout=120).status_code == 200
+            assert (
+                httpx.post(
+                    f"{cluster.url}/v1/unload_lora_adapter", json={"lora_name": "epsilon"}, timeout=120
+                ).status_code
+                == 200
+            )
         for (name, i), answer in zip(jobs, list(answers)):
             assert answer.choices[0].text == text_of(expected[name][i]), (name, i)
 
 
 def test_a_worker_that_joins_later_gets_the_adapters_loaded_at_run_time(cluster, client) -> None:
-    r = httpx.post(f"{cluster.url}/v1/load_lora_adapter", timeout=120,
-                   json={"lora_name": "delta", "lora_path": str(tiny_adapter_dir("beta", FAMILY))})
+    r = httpx.post(
+        f"{cluster.url}/v1/load_lora_adapter",
+        timeout=120,
+        json={"lora_name": "delta", "lora_path": str(tiny_adapter_dir("beta", FAMILY))},
+    )
     assert r.status_code == 200, r.text
     for worker_id in ("decode-0", "prefill-0"):  # killed: the supervisor starts a new process from the config
         # its current process (a READY line names it; the pid read earlier may be a restarted one's)
-        cluster.wait_until(lambda worker_id=worker_id: os.path.exists(f"/proc/{cluster.worker_pid[worker_id]}"),
-                           f"{worker_id}'s process", timeout_s=60, poll_s=0.1)
+        cluster.wait_until(
+            lambda worker_id=worker_id: os.path.exists(f"/proc/{cluster.worker_pid[worker_id]}"),
+            f"{worker_id}'s process",
+            timeout_s=60,
+            poll_s=0.1,
+        )
         old = cluster.registered(worker_id)["incarnation"]
         cluster.signal(worker_id, signal.SIGKILL)
         cluster.wait_restarted(worker_id, old, timeout_s=120)
-        cluster.wait_until(lambda worker_id=worker_id: "delta" in cluster.registered(worker_id)["lora_names"],
-                           f"{worker_id} loaded delta after its restart", timeout_s=60, poll_s=0.1)
+        cluster.wait_until(
+            lambda worker_id=worker_id: "delta" in cluster.registered(worker_id)["lora_names"],
+            f"{worker_id} loaded delta after its restart",
+            timeout_s=60,
+            poll_s=0.1,
+        )
     prompt = prompt_of(21, seed=11)
     expected = text_of(peft_greedy(FAMILY, "beta", [prompt], NEW_TOKENS)[0])
     assert complete(client, "delta", prompt).choices[0].text == expected
@@ -197,9 +220,23 @@ def test_bad_adapter_at_start_up_stops_serve_with_the_adapter_named(tmp_path) ->
     bad = broken_copy("alpha", wrong_shape)
     config = tmp_path / "c.yaml"
     config.write_text(json.dumps({"gateway": {"worker_port": free_port()}, "engine": {"kv_cache_memory_mb": 8}}))
-    argv = [sys.executable, "-m", "cluster", "serve", "--model", str(tiny_model_dir(FAMILY)),
-            "--port", str(free_port()), "--config", str(config),
-            "--enable-lora", "--lora-modules", f"bad={bad}", "--max-lora-rank", "8"]
+    argv = [
+        sys.executable,
+        "-m",
+        "cluster",
+        "serve",
+        "--model",
+        str(tiny_model_dir(FAMILY)),
+        "--port",
+        str(free_port()),
+        "--config",
+        str(config),
+        "--enable-lora",
+        "--lora-modules",
+        f"bad={bad}",
+        "--max-lora-rank",
+        "8",
+    ]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
     assert done.returncode == 78, done.stdout + done.stderr  # EX_CONFIG: no restart can help
     assert "LoRA adapter 'bad': layer 0 v_proj has lora_A [4, 64] and lora_B [33, 4]" in done.stdout + done.stderr

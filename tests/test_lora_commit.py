@@ -26,8 +26,9 @@ def test_kv_committed_under_another_adapter_is_refused(node):  # noqa: F811
     assert job.sampling.lora_name == ""  # the base model's request
 
     p_engine = build_engine(node.config.model.path, node.config.model, node.config.engine)
-    sender = KVSender(p_engine.runner.kv_pool, kv_model_name(node.config.model.path),
-                      ZmqClient(node.ctx, job.kv_address))
+    sender = KVSender(
+        p_engine.runner.kv_pool, kv_model_name(node.config.model.path), ZmqClient(node.ctx, job.kv_address)
+    )
     sender.handshake(timeout_s=10)
     sender.send(job.rid, job.generation, [0, 1, 2, 3], job.dst_block_ids)
     sender.commit(job.rid, job.generation, first_token=7, lora_name="alpha")  # a prefill worker gone wrong

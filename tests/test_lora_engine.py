@@ -38,8 +38,15 @@ def greedy(lora_name: str = "") -> SamplingParams:
 
 def lora_llm(**overrides) -> LLM:
     modules = [f"{n}={tiny_adapter_dir(n, FAMILY)}" for n in ("alpha", "beta")]
-    settings = dict(block_size=8, prefill_chunk_size=16, kv_cache_memory_mb=8, enable_lora=True,
-                    lora_modules=modules, max_loras=2, max_lora_rank=8)
+    settings = dict(
+        block_size=8,
+        prefill_chunk_size=16,
+        kv_cache_memory_mb=8,
+        enable_lora=True,
+        lora_modules=modules,
+        max_loras=2,
+        max_lora_rank=8,
+    )
     return LLM(str(tiny_model_dir(FAMILY)), **(settings | overrides))
 
 
@@ -143,8 +150,11 @@ def test_rank_above_the_maximum_and_missing_files_are_refused() -> None:
     with pytest.raises(LoRAError, match="'gone': no adapter_config.json in /nonexistent"):
         load_adapter("gone", "/nonexistent", config, max_rank=16)
     other = dataclasses.replace(config, num_kv_heads=1)  # a base with another K/V width
-    with pytest.raises(LoRAError, match=r"'other': layer 0 v_proj has lora_A \[4, 64\] and lora_B \[32, 4\]; "
-                                        r"this base model expects \[4, 64\] and \[16, 4\]"):
+    with pytest.raises(
+        LoRAError,
+        match=r"'other': layer 0 v_proj has lora_A \[4, 64\] and lora_B \[32, 4\]; "
+        r"this base model expects \[4, 64\] and \[16, 4\]",
+    ):
         load_adapter("other", tiny_adapter_dir("alpha", FAMILY), other, max_rank=16)
 
 
@@ -155,14 +165,34 @@ def test_pdserve_generate_runs_a_prompt_under_an_adapter_as_peft_does() -> None:
     tokenizer = AutoTokenizer.from_pretrained(model)
     prompt = "hello world, the adapter speaks"
     expected = peft_greedy(FAMILY, "beta", [tokenizer.encode(prompt)], NEW_TOKENS)[0]
-    argv = [sys.executable, "-m", "cluster", "generate", "--model", str(model), "--prompt", prompt,
-            "--max-tokens", str(NEW_TOKENS), "--ignore-eos", "--enable-lora", "--lora-modules",
-            f"beta={tiny_adapter_dir('beta', FAMILY)}", "--max-lora-rank", "8", "--lora-name", "beta"]
+    argv = [
+        sys.executable,
+        "-m",
+        "cluster",
+        "generate",
+        "--model",
+        str(model),
+        "--prompt",
+        prompt,
+        "--max-tokens",
+        str(NEW_TOKENS),
+        "--ignore-eos",
+        "--enable-lora",
+        "--lora-modules",
+        f"beta={tiny_adapter_dir('beta', FAMILY)}",
+        "--max-lora-rank",
+        "8",
+        "--lora-name",
+        "beta",
+    ]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split("\n")[1:-1] == [tokenizer.decode(expected, skip_special_tokens=True)]  # not splitlines: \x1e
-    bad = subprocess.run(argv[:-4] + ["--max-lora-rank", "4", "--lora-name", "beta"], capture_output=True, text=True,
-                         timeout=300)
+    assert done.stdout.split("\n")[1:-1] == [
+        tokenizer.decode(expected, skip_special_tokens=True)
+    ]  # not splitlines: \x1e
+    bad = subprocess.run(
+        argv[:-4] + ["--max-lora-rank", "4", "--lora-name", "beta"], capture_output=True, text=True, timeout=300
+    )
     assert bad.returncode == 78 and "LoRA adapter 'beta' has rank 8, above max_lora_rank=4" in bad.stderr
 
 
@@ -179,6 +209,7 @@ def test_a_worker_serves_the_union_of_every_gateways_list() -> None:
     assert sorted(sync.heartbeat_fields()["lora_versions"]) == ["g1:1", "g2:1"]
     sync.apply(LoRAAdapterSet(2, ["alpha", "beta"], [manager.known["alpha"], manager.known["beta"]], "g1"))
     assert sorted(manager.known) == ["alpha", "beta"]  # gamma was g1's alone
-    sync.apply(LoRAAdapterSet(3, ["alpha", "beta", "bad"], [manager.known["alpha"], manager.known["beta"], "/nope"],
-                              "g1"))
+    sync.apply(
+        LoRAAdapterSet(3, ["alpha", "beta", "bad"], [manager.known["alpha"], manager.known["beta"], "/nope"], "g1")
+    )
     assert sync.heartbeat_fields()["lora_errors"] == ["bad: LoRA adapter 'bad': no adapter_config.json in /nope"]

@@ -19,7 +19,9 @@ FAMILY = "llama"
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     serve = ServeProcess(
-        tiny_model_dir(FAMILY), tmp_path_factory.mktemp("lora-replicas"), num_gateways=2,
+        tiny_model_dir(FAMILY),
+        tmp_path_factory.mktemp("lora-replicas"),
+        num_gateways=2,
         engine={"block_size": 16, "kv_cache_memory_mb": 8},
         lora={"enable_lora": True, "lora_modules": [f"alpha={tiny_adapter_dir('alpha', FAMILY)}"], "max_lora_rank": 8},
     )
@@ -28,8 +30,11 @@ def cluster(tmp_path_factory):
 
 
 def complete(url: str, model: str) -> httpx.Response:
-    return httpx.post(f"{url}/v1/completions", timeout=120,
-                      json={"model": model, "prompt": "hello there", "max_tokens": 4, "temperature": 0.0})
+    return httpx.post(
+        f"{url}/v1/completions",
+        timeout=120,
+        json={"model": model, "prompt": "hello there", "max_tokens": 4, "temperature": 0.0},
+    )
 
 
 def test_an_adapter_loaded_through_one_gateway_stays_loaded_and_the_other_404s_it(cluster):

@@ -42,8 +42,13 @@ def worker(wid, role=Role.DECODE, in_use=0, loras=(), hot=()):
 
 def test_router_sends_an_adapters_request_only_where_it_is_loaded_hot_first():
     reg = WorkerRegistry()
-    for w in (worker("d1"), worker("d2", in_use=30, loras=["a"]), worker("d3", in_use=50, loras=["a"], hot=["a"]),
-              worker("p1", Role.PREFILL), worker("p2", Role.PREFILL, loras=["a"])):
+    for w in (
+        worker("d1"),
+        worker("d2", in_use=30, loras=["a"]),
+        worker("d3", in_use=50, loras=["a"], hot=["a"]),
+        worker("p1", Role.PREFILL),
+        worker("p2", Role.PREFILL, loras=["a"]),
+    ):
         reg.observe(w, 0.0)
     router = Router(reg, RouterParams(BS, Policy.PREFIX, local_prefill_max_tokens=0))
     prompt = list(range(3 * BS))

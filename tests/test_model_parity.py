@@ -52,8 +52,15 @@ class PagedHarness:
     """Plays the block manager and the runner: hands out blocks in a shuffled order, builds the
     step's slot mapping and metadata by hand, runs the model, splits logits per request."""
 
-    def __init__(self, model, config, block_size: int, num_blocks: int = 96, seed: int = 0,
-                 native_decode: cpu_native.NativeLibrary | None = None):
+    def __init__(
+        self,
+        model,
+        config,
+        block_size: int,
+        num_blocks: int = 96,
+        seed: int = 0,
+        native_decode: cpu_native.NativeLibrary | None = None,
+    ):
         self.model = model
         self.native_decode = native_decode  # None: decode rows take the torch path
         self.pool = KVPool(
@@ -86,8 +93,9 @@ class PagedHarness:
         block_tables = torch.tensor(tables, dtype=torch.int32)
         context_lens = torch.tensor([self.num_computed[rid] for rid, _ in chunks], dtype=torch.int32)
         query_start_loc = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
-        plan = kernels.plan_attention(block_tables, context_lens, query_start_loc, self.pool.tensor[0, 0],
-                                      self.native_decode)
+        plan = kernels.plan_attention(
+            block_tables, context_lens, query_start_loc, self.pool.tensor[0, 0], self.native_decode
+        )
         slot_mapping = torch.tensor(slots, dtype=torch.long)
         meta = AttentionMetadata(slot_mapping, block_tables, context_lens, query_start_loc, plan)
         hidden = self.model(torch.tensor(input_ids), torch.tensor(positions), self.pool, meta)  # [T, hidden]

@@ -16,9 +16,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from cluster.keygen import write_private_key
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
-from cluster.keygen import write_private_key
 from tests.model_factory import tiny_model_dir
 from tests.netns import ROOT, Host, Network, poll_until
 
@@ -48,21 +48,40 @@ def test_pools_across_namespaces_scale_and_drain():
     net = Network()
     hosts: dict[str, Host] = {}
     gw_port, worker_port = (8000, 8001) if net.isolated else (free_port(), free_port())
-    common = {"model.path": model, "engine.block_size": 16, "engine.num_kv_blocks": 96, "engine.num_threads": 1,
-              "engine.prefill_chunk_size": 24, "gateway.worker_heartbeat_s": 0.2, "gateway.worker_port": worker_port,
-              "transfer.cluster_key_file": write_private_key()}  # CURVE across the namespaces, as deployed
+    common = {
+        "model.path": model,
+        "engine.block_size": 16,
+        "engine.num_kv_blocks": 96,
+        "engine.num_threads": 1,
+        "engine.prefill_chunk_size": 24,
+        "gateway.worker_heartbeat_s": 0.2,
+        "gateway.worker_port": worker_port,
+        "transfer.cluster_key_file": write_private_key(),
+    }  # CURVE across the namespaces, as deployed
     if not net.isolated:  # one host: every worker on loopback, each on free ports
-        common.update({"gateway.host": "127.0.0.1", "prefill.host": "127.0.0.1", "decode.host": "127.0.0.1",
-                       "prefill.port": 0, "prefill.http_port": 0, "decode.port": 0, "decode.kv_port": 0,
-                       "decode.http_port": 0, "prefill.gateway_address": f"tcp://127.0.0.1:{worker_port}",
-                       "decode.gateway_address": f"tcp://127.0.0.1:{worker_port}"})
+        common.update(
+            {
+                "gateway.host": "127.0.0.1",
+                "prefill.host": "127.0.0.1",
+                "decode.host": "127.0.0.1",
+                "prefill.port": 0,
+                "prefill.http_port": 0,
+                "decode.port": 0,
+                "decode.kv_port": 0,
+                "decode.http_port": 0,
+                "prefill.gateway_address": f"tcp://127.0.0.1:{worker_port}",
+                "decode.gateway_address": f"tcp://127.0.0.1:{worker_port}",
+            }
+        )
 
     def start(name: str, index: int, role: str) -> Host:
         # round robin: a worker that joins idle is chosen on the next turn (prefix/least-loaded routing
         # would let ties on idle workers go to the lowest id); every prompt goes through a prefill worker
-        extra = {"gateway.port": gw_port, "gateway.local_prefill_max_tokens": 0,
-                 "gateway.routing_policy": "round_robin"} if role == "gateway" else \
-            {f"{role}.worker_id": name, f"{role}.drain_timeout_s": 30}
+        extra = (
+            {"gateway.port": gw_port, "gateway.local_prefill_max_tokens": 0, "gateway.routing_policy": "round_robin"}
+            if role == "gateway"
+            else {f"{role}.worker_id": name, f"{role}.drain_timeout_s": 30}
+        )
         hosts[name] = Host(net, name, index, role, {**common, **extra}, PRESET)
         return hosts[name]
 
@@ -71,8 +90,9 @@ def test_pools_across_namespaces_scale_and_drain():
             return {w["id"]: w for w in json.loads(response.read())["data"]}
 
     def complete(prompt: list[int], max_tokens: int) -> tuple[int, str]:
-        body = json.dumps({"model": model, "prompt": [prompt], "max_tokens": max_tokens, "temperature": 0.0,
-                           "ignore_eos": True}).encode()
+        body = json.dumps(
+            {"model": model, "prompt": [prompt], "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
+        ).encode()
         request = urllib.request.Request(f"{url}/v1/completions", body, {"content-type": "application/json"})
         try:
             with urllib.request.urlopen(request, timeout=120) as response:
@@ -87,7 +107,12 @@ def test_pools_across_namespaces_scale_and_drain():
     try:
         gateway = start("gw", 10, "gateway")
         url = f"http://{gateway.address}:{gw_port}"
-        for name, index, role in (("p0", 11, "prefill"), ("p1", 12, "prefill"), ("d0", 21, "decode"), ("d1", 22, "decode")):
+        for name, index, role in (
+            ("p0", 11, "prefill"),
+            ("p1", 12, "prefill"),
+            ("d0", 21, "decode"),
+            ("d1", 22, "decode"),
+        ):
             start(name, index, role)
         wait_until(lambda: {"p0", "p1", "d0", "d1"} <= workers().keys(), "4 workers registered", 90, hosts)
         listed = workers()
@@ -134,5 +159,12 @@ def test_pools_across_namespaces_scale_and_drain():
                 host.proc.kill()
                 host.proc.wait()
         net.close()
-    assert not [ns for ns in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
-                if ns.startswith(net.prefix)] if net.isolated else True
+    assert (
+        not [
+            ns
+            for ns in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+            if ns.startswith(net.prefix)
+        ]
+        if net.isolated
+        else True
+    )

@@ -34,11 +34,17 @@ MODEL = str(tiny_model_dir("llama"))
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     serve = ServeProcess(
-        tiny_model_dir("llama"), tmp_path_factory.mktemp("cluster"),
+        tiny_model_dir("llama"),
+        tmp_path_factory.mktemp("cluster"),
         model={"max_model_len": CONTEXT},
         engine={"block_size": BLOCK, "num_kv_blocks": POOL_BLOCKS, "prefill_chunk_size": 32},
-        gateway={"api_keys": [KEY], "max_queued_requests": 0, "local_prefill_max_tokens": 0,
-                 "tool_call_parser": "hermes", "reasoning_parser": "qwen3"},
+        gateway={
+            "api_keys": [KEY],
+            "max_queued_requests": 0,
+            "local_prefill_max_tokens": 0,
+            "tool_call_parser": "hermes",
+            "reasoning_parser": "qwen3",
+        },
     )
     yield serve
     assert serve.stop() == 0, "".join(serve.log[-30:])
@@ -56,8 +62,9 @@ def hf_tok():
 
 @pytest.fixture(scope="module")
 def client(cluster):
-    return openai.OpenAI(base_url=f"{cluster.url}/v1", api_key=KEY, max_retries=0, timeout=120,
-                         _strict_response_validation=True)
+    return openai.OpenAI(
+        base_url=f"{cluster.url}/v1", api_key=KEY, max_retries=0, timeout=120, _strict_response_validation=True
+    )
 
 
 @pytest.fixture(scope="module")
@@ -91,13 +98,22 @@ def test_completion_greedy_equals_engine_stream_and_not(client, loose_client, re
     prompt = prompt_of(37, seed=1)
     [expected] = engine_output(reference, prompt, temperature=0.0, max_tokens=10, ignore_eos=True)
     text = reference.tokenizer.decode(expected.token_ids)
-    r = client.completions.create(model=MODEL, prompt=[prompt], max_tokens=10, temperature=0.0,
-                                  extra_body={"ignore_eos": True})
+    r = client.completions.create(
+        model=MODEL, prompt=[prompt], max_tokens=10, temperature=0.0, extra_body={"ignore_eos": True}
+    )
     assert r.choices[0].text == text and r.choices[0].finish_reason == "length"
     assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (37, 10, 47)
-    chunks = list(loose_client.completions.create(model=MODEL, prompt=[prompt], max_tokens=10, temperature=0.0,
-                                                  stream=True, stream_options={"include_usage": True},
-                                                  extra_body={"ignore_eos": True}))
+    chunks = list(
+        loose_client.completions.create(
+            model=MODEL,
+            prompt=[prompt],
+            max_tokens=10,
+            temperature=0.0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
@@ -111,14 +127,21 @@ def test_chat_greedy_equals_engine_on_the_chat_template(client, reference, hf_to
     ids = list(hf_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
     [expected] = engine_output(reference, ids, temperature=0.0, max_tokens=8, ignore_eos=True)
     text = reference.tokenizer.decode(expected.token_ids)
-    r = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=8, temperature=0.0,
-                                       extra_body={"ignore_eos": True})
+    r = client.chat.completions.create(
+        model=MODEL, messages=messages, max_completion_tokens=8, temperature=0.0, extra_body={"ignore_eos": True}
+    )
     assert r.choices[0].message.role == "assistant"
     assert r.choices[0].message.content == text
     assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == 8
-    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0.0,
-                                            stream=True, stream_options={"include_usage": True},
-                                            extra_body={"ignore_eos": True})
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=8,
+        temperature=0.0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
@@ -127,28 +150,51 @@ def test_chat_greedy_equals_engine_on_the_chat_template(client, reference, hf_to
 
 
 def test_responses_api_greedy_equals_engine_on_the_chat_template_and_goes_on_from_a_stored_answer(
-        client, reference, hf_tok, cluster):
+    client, reference, hf_tok, cluster
+):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me about foxes."}]
     ids = list(hf_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
     [expected] = engine_output(reference, ids, temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2)
     text = reference.tokenizer.decode(expected.token_ids)
-    r = client.responses.create(model=MODEL, instructions="Be brief.", input="Tell me about foxes.", max_output_tokens=8,
-                                temperature=0.0, top_logprobs=2, extra_body={"ignore_eos": True})
+    r = client.responses.create(
+        model=MODEL,
+        instructions="Be brief.",
+        input="Tell me about foxes.",
+        max_output_tokens=8,
+        temperature=0.0,
+        top_logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
     assert r.output_text == text and r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
     assert (r.usage.input_tokens, r.usage.output_tokens) == (len(ids), 8)
     got = r.output[0].content[0].logprobs
     assert [lp.logprob for lp in got] == pytest.approx([e.logprob for e in expected.logprobs], abs=1e-4)
-    events = list(client.responses.create(model=MODEL, instructions="Be brief.", input="Tell me about foxes.",
-                                          max_output_tokens=8, temperature=0.0, stream=True,
-                                          extra_body={"ignore_eos": True}))
+    events = list(
+        client.responses.create(
+            model=MODEL,
+            instructions="Be brief.",
+            input="Tell me about foxes.",
+            max_output_tokens=8,
+            temperature=0.0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+    )
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == text
     assert events[-1].type == "response.incomplete" and events[-1].response.usage.total_tokens == len(ids) + 8
     # going on from the stored response: the prompt is the whole conversation's template
     messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "And wolves?"}]
     ids = list(hf_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
     [expected] = engine_output(reference, ids, temperature=0.0, max_tokens=8, ignore_eos=True)
-    after = client.responses.create(model=MODEL, instructions="Be brief.", input="And wolves?", previous_response_id=r.id,
-                                    max_output_tokens=8, temperature=0.0, extra_body={"ignore_eos": True})
+    after = client.responses.create(
+        model=MODEL,
+        instructions="Be brief.",
+        input="And wolves?",
+        previous_response_id=r.id,
+        max_output_tokens=8,
+        temperature=0.0,
+        extra_body={"ignore_eos": True},
+    )
     assert after.output_text == reference.tokenizer.decode(expected.token_ids) and after.usage.input_tokens == len(ids)
     assert client.responses.retrieve(after.id).output_text == after.output_text
     wait_idle(cluster)
@@ -157,22 +203,34 @@ def test_responses_api_greedy_equals_engine_on_the_chat_template_and_goes_on_fro
 def test_anthropic_messages_greedy_equals_engine_on_the_chat_template(reference, hf_tok, cluster):
     import anthropic
 
-    claude = anthropic.Anthropic(base_url=cluster.url, api_key=KEY, max_retries=0, timeout=120,
-                                 _strict_response_validation=True)
+    claude = anthropic.Anthropic(
+        base_url=cluster.url, api_key=KEY, max_retries=0, timeout=120, _strict_response_validation=True
+    )
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me about owls."}]
     ids = list(hf_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
     [expected] = engine_output(reference, ids, temperature=0.0, max_tokens=8, ignore_eos=True)
     text = reference.tokenizer.decode(expected.token_ids)
     greedy = {"temperature": 0.0, "ignore_eos": True}
-    m = claude.messages.create(model=MODEL, system="Be brief.", max_tokens=8, extra_body=greedy,
-                               messages=[{"role": "user", "content": "Tell me about owls."}])
+    m = claude.messages.create(
+        model=MODEL,
+        system="Be brief.",
+        max_tokens=8,
+        extra_body=greedy,
+        messages=[{"role": "user", "content": "Tell me about owls."}],
+    )
     assert [(b.type, b.text) for b in m.content] == [("text", text)] and m.stop_reason == "max_tokens"
     assert (m.usage.input_tokens + m.usage.cache_read_input_tokens, m.usage.output_tokens) == (len(ids), 8)
-    with claude.messages.stream(model=MODEL, system="Be brief.", max_tokens=8, extra_body=greedy,
-                                messages=[{"role": "user", "content": "Tell me about owls."}]) as stream:
+    with claude.messages.stream(
+        model=MODEL,
+        system="Be brief.",
+        max_tokens=8,
+        extra_body=greedy,
+        messages=[{"role": "user", "content": "Tell me about owls."}],
+    ) as stream:
         assert "".join(stream.text_stream) == text
-    assert claude.messages.count_tokens(model=MODEL, system="Be brief.", messages=[
-        {"role": "user", "content": "Tell me about owls."}]).input_tokens == len(ids)
+    assert claude.messages.count_tokens(
+        model=MODEL, system="Be brief.", messages=[{"role": "user", "content": "Tell me about owls."}]
+    ).input_tokens == len(ids)
     wait_idle(cluster)
 
 
@@ -180,24 +238,40 @@ def test_a_seeded_completion_over_prefill_and_decode_equals_one_engine(client, r
     # the prefill worker samples token 0 from the seed's stream; the decode worker must go on from there
     prompt = prompt_of(33, seed=12)
     [expected] = engine_output(reference, prompt, max_tokens=8, ignore_eos=True, temperature=1.0, seed=1234)
-    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=1.0, seed=1234, logprobs=0,
-                                  extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+    r = client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=8,
+        temperature=1.0,
+        seed=1234,
+        logprobs=0,
+        extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
+    )
     assert r.choices[0].logprobs.tokens == [f"token_id:{t}" for t in expected.token_ids]
     wait_idle(cluster)
 
 
-@pytest.mark.parametrize("sampling", [
-    {"temperature": 0.7, "top_k": 20},
-    {"temperature": 1.3, "top_p": 0.9, "min_p": 0.02},
-    {"temperature": 1.0, "presence_penalty": 1.5, "frequency_penalty": 0.5, "repetition_penalty": 1.3},
-    {"temperature": 1.0, "logit_bias": {"7": 5.0, "11": -100.0}, "min_tokens": 4},
-])
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        {"temperature": 0.7, "top_k": 20},
+        {"temperature": 1.3, "top_p": 0.9, "min_p": 0.02},
+        {"temperature": 1.0, "presence_penalty": 1.5, "frequency_penalty": 0.5, "repetition_penalty": 1.3},
+        {"temperature": 1.0, "logit_bias": {"7": 5.0, "11": -100.0}, "min_tokens": 4},
+    ],
+)
 def test_seeded_sampling_settings_over_prefill_and_decode_equal_one_engine(client, reference, cluster, sampling):
     prompt = prompt_of(29, seed=13)
     engine_params = {k: ({int(t): b for t, b in v.items()} if k == "logit_bias" else v) for k, v in sampling.items()}
     [expected] = engine_output(reference, prompt, max_tokens=8, seed=99, **engine_params)
-    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, seed=99, logprobs=0,
-                                  extra_body={**sampling, "return_tokens_as_token_ids": True})
+    r = client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=8,
+        seed=99,
+        logprobs=0,
+        extra_body={**sampling, "return_tokens_as_token_ids": True},
+    )
     assert r.choices[0].logprobs.tokens == [f"token_id:{t}" for t in expected.token_ids]
     wait_idle(cluster)
 
@@ -206,12 +280,18 @@ def test_allowed_token_ids_greedy_and_seeded_equal_engine_over_prefill_and_decod
     prompt = prompt_of(40, seed=5)
     allowed = [7, 11, 300, 301, 700]
     for sampling in ({"temperature": 0.0}, {"temperature": 1.0, "seed": 21}):
-        [expected] = engine_output(reference, prompt, max_tokens=6, ignore_eos=True, allowed_token_ids=allowed,
-                                   **sampling)
+        [expected] = engine_output(
+            reference, prompt, max_tokens=6, ignore_eos=True, allowed_token_ids=allowed, **sampling
+        )
         assert set(expected.token_ids) <= set(allowed)
-        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, logprobs=0, **sampling,
-                                      extra_body={"ignore_eos": True, "allowed_token_ids": allowed,
-                                                  "return_tokens_as_token_ids": True})
+        r = client.completions.create(
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=6,
+            logprobs=0,
+            **sampling,
+            extra_body={"ignore_eos": True, "allowed_token_ids": allowed, "return_tokens_as_token_ids": True},
+        )
         # the first token sampled on the prefill worker, the rest on the decode worker: both apply the mask
         assert r.choices[0].logprobs.tokens == [f"token_id:{t}" for t in expected.token_ids]
     wait_idle(cluster)
@@ -222,13 +302,23 @@ def test_n2_with_seed_equals_engine_and_repeats(client, reference, cluster):
     expected = engine_output(reference, prompt, n=2, temperature=1.0, seed=77, max_tokens=6, ignore_eos=True)
     want = [reference.tokenizer.decode(c.token_ids) for c in expected]
     for _ in range(2):  # same seed -> same text, every time
-        r = client.completions.create(model=MODEL, prompt=[prompt], n=2, temperature=1.0, seed=77, max_tokens=6,
-                                      extra_body={"ignore_eos": True})
+        r = client.completions.create(
+            model=MODEL, prompt=[prompt], n=2, temperature=1.0, seed=77, max_tokens=6, extra_body={"ignore_eos": True}
+        )
         assert [c.text for c in sorted(r.choices, key=lambda c: c.index)] == want
     assert want[0] != want[1]  # the two choices really are different samples
-    chat = [client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=2,
-                                           seed=5, temperature=1.0, max_tokens=6, extra_body={"ignore_eos": True})
-            for _ in range(2)]
+    chat = [
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "hi"}],
+            n=2,
+            seed=5,
+            temperature=1.0,
+            max_tokens=6,
+            extra_body={"ignore_eos": True},
+        )
+        for _ in range(2)
+    ]
     assert [c.message.content for c in chat[0].choices] == [c.message.content for c in chat[1].choices]
     assert [c.index for c in chat[0].choices] == [0, 1]
     wait_idle(cluster)
@@ -238,14 +328,24 @@ def test_stop_string_truncates_and_never_leaks(client, loose_client, reference, 
     prompt = prompt_of(19, seed=3)
     [expected] = engine_output(reference, prompt, temperature=0.0, max_tokens=16, ignore_eos=True)
     full = reference.tokenizer.decode(expected.token_ids)
-    stop = full[len(full) // 2: len(full) // 2 + 3]
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
     assert stop.strip(), full
     want = full[: full.find(stop)]
-    r = client.completions.create(model=MODEL, prompt=[prompt], max_tokens=16, temperature=0.0, stop=[stop],
-                                  extra_body={"ignore_eos": True})
+    r = client.completions.create(
+        model=MODEL, prompt=[prompt], max_tokens=16, temperature=0.0, stop=[stop], extra_body={"ignore_eos": True}
+    )
     assert r.choices[0].text == want and r.choices[0].finish_reason == "stop"
-    chunks = list(loose_client.completions.create(model=MODEL, prompt=[prompt], max_tokens=16, temperature=0.0,
-                                                  stop=stop, stream=True, extra_body={"ignore_eos": True}))
+    chunks = list(
+        loose_client.completions.create(
+            model=MODEL,
+            prompt=[prompt],
+            max_tokens=16,
+            temperature=0.0,
+            stop=stop,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks) == want
     assert chunks[-1].choices[0].finish_reason == "stop"
     wait_idle(cluster)
@@ -254,16 +354,23 @@ def test_stop_string_truncates_and_never_leaks(client, loose_client, reference, 
 def test_logprobs_equal_the_engine(client, reference, cluster):
     prompt = prompt_of(25, seed=4)
     [expected] = engine_output(reference, prompt, temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=2)
-    r = client.completions.create(model=MODEL, prompt=[prompt], max_tokens=5, temperature=0.0, logprobs=2,
-                                  extra_body={"ignore_eos": True})
+    r = client.completions.create(
+        model=MODEL, prompt=[prompt], max_tokens=5, temperature=0.0, logprobs=2, extra_body={"ignore_eos": True}
+    )
     lp = r.choices[0].logprobs
     assert lp.tokens == [reference.tokenizer.decode([t]) for t in expected.token_ids]
     assert lp.token_logprobs == pytest.approx([t.logprob for t in expected.logprobs], abs=1e-3)
     for got, want in zip(lp.top_logprobs, expected.logprobs):
         assert len(got) == 2
         assert list(got.values()) == pytest.approx([p for _, p in want.top], abs=1e-3)
-    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hello"}],
-                                          max_tokens=4, temperature=0.0, logprobs=True, top_logprobs=3)
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hello"}],
+        max_tokens=4,
+        temperature=0.0,
+        logprobs=True,
+        top_logprobs=3,
+    )
     content = chat.choices[0].logprobs.content
     assert len(content) == chat.usage.completion_tokens
     assert all(len(c.top_logprobs) == 3 and c.top_logprobs[0].logprob >= c.logprob - 1e-6 for c in content)
@@ -279,11 +386,23 @@ def test_logit_bias_equals_the_engine_on_both_workers(client, reference, cluster
     [expected] = engine_output(reference, prompt, temperature=0.0, max_tokens=8, ignore_eos=True, logit_bias=bias)
     assert expected.token_ids[0] != plain.token_ids[0]
     assert plain.token_ids[0] not in expected.token_ids and plain.token_ids[4] not in expected.token_ids
-    r = client.completions.create(model=MODEL, prompt=[prompt], max_tokens=8, temperature=0.0,
-                                  logit_bias={str(t): b for t, b in bias.items()}, extra_body={"ignore_eos": True})
+    r = client.completions.create(
+        model=MODEL,
+        prompt=[prompt],
+        max_tokens=8,
+        temperature=0.0,
+        logit_bias={str(t): b for t, b in bias.items()},
+        extra_body={"ignore_eos": True},
+    )
     assert r.choices[0].text == reference.tokenizer.decode(expected.token_ids)
-    forced = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5,
-                                            temperature=1.0, logit_bias={"400": 100}, logprobs=True)
+    forced = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=5,
+        temperature=1.0,
+        logit_bias={"400": 100},
+        logprobs=True,
+    )
     assert forced.choices[0].message.content == reference.tokenizer.decode([400] * 5)
     assert forced.usage.completion_tokens == 5
     # Logprobs are the model's, before the bias (vLLM's default): far from the biased certainty of 0.
@@ -296,16 +415,26 @@ def test_structured_outputs_equal_the_engine_on_both_workers(client, loose_clien
     matcher and goes on: greedy output equals the single engine's, and it parses."""
     from protocol.serving import StructuredOutput
 
-    schema = {"type": "object", "properties": {"n": {"type": "integer", "maximum": 99999}, "ok": {"type": "boolean"}},
-              "required": ["n", "ok"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "maximum": 99999}, "ok": {"type": "boolean"}},
+        "required": ["n", "ok"],
+        "additionalProperties": False,
+    }
     messages = [{"role": "user", "content": "Give me JSON."}]
-    ids = list(reference.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                       return_dict=False))
-    [expected] = engine_output(reference, ids, temperature=0.0, max_tokens=40,
-                               structured_output=StructuredOutput("json", json.dumps(schema)))
+    ids = list(
+        reference.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    )
+    [expected] = engine_output(
+        reference, ids, temperature=0.0, max_tokens=40, structured_output=StructuredOutput("json", json.dumps(schema))
+    )
     r = client.chat.completions.create(
-        model=MODEL, messages=messages, max_tokens=40, temperature=0.0,
-        response_format={"type": "json_schema", "json_schema": {"name": "reply", "schema": schema, "strict": True}})
+        model=MODEL,
+        messages=messages,
+        max_tokens=40,
+        temperature=0.0,
+        response_format={"type": "json_schema", "json_schema": {"name": "reply", "schema": schema, "strict": True}},
+    )
     content = r.choices[0].message.content
     assert content == reference.tokenizer.decode(expected.token_ids, skip_special_tokens=True)
     assert r.choices[0].finish_reason == "stop"
@@ -314,14 +443,28 @@ def test_structured_outputs_equal_the_engine_on_both_workers(client, loose_clien
 
     choices = ["red", "green", "blue"]
     prompt = prompt_of(23, seed=9)
-    got = client.completions.create(model=MODEL, prompt=[prompt], max_tokens=10, temperature=1.0, seed=3, n=2,
-                                    extra_body={"guided_choice": choices})
+    got = client.completions.create(
+        model=MODEL, prompt=[prompt], max_tokens=10, temperature=1.0, seed=3, n=2, extra_body={"guided_choice": choices}
+    )
     assert [c.text in choices and c.finish_reason == "stop" for c in got.choices] == [True, True]
-    streamed = list(loose_client.completions.create(model=MODEL, prompt=[prompt], max_tokens=12, temperature=0.0,
-                                                    stream=True, extra_body={"guided_regex": r"[0-9]{3}-[a-z]{2}"}))
+    streamed = list(
+        loose_client.completions.create(
+            model=MODEL,
+            prompt=[prompt],
+            max_tokens=12,
+            temperature=0.0,
+            stream=True,
+            extra_body={"guided_regex": r"[0-9]{3}-[a-z]{2}"},
+        )
+    )
     text = "".join(c.choices[0].text for c in streamed if c.choices)
-    [regex_expected] = engine_output(reference, prompt, temperature=0.0, max_tokens=12,
-                                     structured_output=StructuredOutput("regex", r"[0-9]{3}-[a-z]{2}"))
+    [regex_expected] = engine_output(
+        reference,
+        prompt,
+        temperature=0.0,
+        max_tokens=12,
+        structured_output=StructuredOutput("regex", r"[0-9]{3}-[a-z]{2}"),
+    )
     assert text == reference.tokenizer.decode(regex_expected.token_ids, skip_special_tokens=True)
     assert len(text) == 6 and text[3] == "-"
     wait_idle(cluster)
@@ -331,31 +474,50 @@ def test_forced_tool_calls_equal_the_engine_under_the_same_schema(client, refere
     from gateway.text.tool_calls import ToolChoice
     from protocol.serving import StructuredOutput
 
-    weather = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
-               "required": ["city"], "additionalProperties": False}
-    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": weather}},
-             {"type": "function", "function": {"name": "get_time"}}]
+    weather = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 12}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    tools = [
+        {"type": "function", "function": {"name": "get_weather", "parameters": weather}},
+        {"type": "function", "function": {"name": "get_time"}},
+    ]
     messages = [{"role": "user", "content": "Weather in Paris?"}]
-    ids = list(reference.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
-                                                       tokenize=True, return_dict=False))
-    [expected] = engine_output(reference, ids, temperature=0.0, max_tokens=40,
-                               structured_output=StructuredOutput("json", json.dumps(weather)))
-    r = client.chat.completions.create(model=MODEL, messages=messages, tools=tools, max_tokens=40, temperature=0.0,
-                                       tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    ids = list(
+        reference.tokenizer.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+    )
+    [expected] = engine_output(
+        reference, ids, temperature=0.0, max_tokens=40, structured_output=StructuredOutput("json", json.dumps(weather))
+    )
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        tools=tools,
+        max_tokens=40,
+        temperature=0.0,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )
     [call] = r.choices[0].message.tool_calls
     assert call.function.name == "get_weather"
     assert call.function.arguments == reference.tokenizer.decode(expected.token_ids, skip_special_tokens=True)
     assert set(json.loads(call.function.arguments)) == {"city"}
     # "required": the engine under the array-of-calls schema (gateway/text/tool_calls.py) gives the calls.
-    [expected] = engine_output(reference, ids, temperature=0.0, max_tokens=120,
-                               structured_output=ToolChoice(tools, None).structured_output())
+    [expected] = engine_output(
+        reference, ids, temperature=0.0, max_tokens=120, structured_output=ToolChoice(tools, None).structured_output()
+    )
     assert expected.finish_reason == "stop"
     calls = json.loads(reference.tokenizer.decode(expected.token_ids, skip_special_tokens=True))
-    required = client.chat.completions.create(model=MODEL, messages=messages, tools=tools, max_tokens=120,
-                                              temperature=0.0, tool_choice="required")
+    required = client.chat.completions.create(
+        model=MODEL, messages=messages, tools=tools, max_tokens=120, temperature=0.0, tool_choice="required"
+    )
     assert required.choices[0].finish_reason == "tool_calls"
     assert [(c.function.name, json.loads(c.function.arguments)) for c in required.choices[0].message.tool_calls] == [
-        (c["name"], c["parameters"]) for c in calls]
+        (c["name"], c["parameters"]) for c in calls
+    ]
     wait_idle(cluster)
 
 
@@ -370,31 +532,46 @@ def test_auto_tool_calls_are_read_out_of_the_model_text(client, reference, clust
     pattern = r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "[a-z]{1,8}"\}\}\n</tool_call>'
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
     messages = [{"role": "user", "content": "Weather in Paris?"}]
-    ids = list(reference.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
-                                                       tokenize=True, return_dict=False))
-    [expected] = engine_output(reference, ids, temperature=0.0, max_tokens=150,
-                               structured_output=StructuredOutput("regex", pattern))
+    ids = list(
+        reference.tokenizer.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+    )
+    [expected] = engine_output(
+        reference, ids, temperature=0.0, max_tokens=150, structured_output=StructuredOutput("regex", pattern)
+    )
     text = reference.tokenizer.decode(expected.token_ids, skip_special_tokens=True)
     assert expected.finish_reason == "stop" and re.fullmatch(pattern, text)
     arguments = json.loads(text.removeprefix("<tool_call>\n").removesuffix("\n</tool_call>"))["arguments"]
-    r = client.chat.completions.create(model=MODEL, messages=messages, tools=tools, tool_choice="auto", max_tokens=150,
-                                       temperature=0.0, extra_body={"guided_regex": pattern})
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        tools=tools,
+        tool_choice="auto",
+        max_tokens=150,
+        temperature=0.0,
+        extra_body={"guided_regex": pattern},
+    )
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     [call] = choice.message.tool_calls
     assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", arguments)
-    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=150, temperature=0.0,
-                                           extra_body={"guided_regex": pattern})
+    plain = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=150, temperature=0.0, extra_body={"guided_regex": pattern}
+    )
     assert plain.choices[0].message.content == text and plain.choices[0].message.tool_calls is None
     wait_idle(cluster)
 
 
 def test_a_grammar_that_does_not_compile_is_400_with_the_reason(client, cluster):
-    for extra, reason in (({"guided_regex": "a(b"}, "invalid regex: Regex parsing error at position 4"),
-                          ({"guided_json": {"type": "nope"}}, 'invalid JSON schema: Unsupported type "nope"')):
+    for extra, reason in (
+        ({"guided_regex": "a(b"}, "invalid regex: Regex parsing error at position 4"),
+        ({"guided_json": {"type": "nope"}}, 'invalid JSON schema: Unsupported type "nope"'),
+    ):
         with pytest.raises(openai.BadRequestError) as info:
-            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=4,
-                                           extra_body=extra)
+            client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=4, extra_body=extra
+            )
         assert reason in info.value.response.json()["error"]["message"]
     wait_idle(cluster)
 
@@ -412,8 +589,9 @@ def test_echo_logprobs_score_the_prompt_as_transformers_does(client, loose_clien
     [generated] = engine_output(reference, prompt, temperature=0.0, max_tokens=1, logprobs=1)
     client.completions.create(model=MODEL, prompt=[prompt], max_tokens=1, temperature=0.0)  # warms both caches
     # Loose: the SDK types token_logprobs as floats, but the first prompt token has none (as in vLLM).
-    r = loose_client.completions.create(model=MODEL, prompt=[prompt], max_tokens=1, temperature=0.0, logprobs=1,
-                                        echo=True)
+    r = loose_client.completions.create(
+        model=MODEL, prompt=[prompt], max_tokens=1, temperature=0.0, logprobs=1, echo=True
+    )
     choice, tok = r.choices[0], reference.tokenizer
     assert choice.text == tok.decode(prompt) + tok.decode(generated.token_ids)
     lp = choice.logprobs
@@ -424,8 +602,9 @@ def test_echo_logprobs_score_the_prompt_as_transformers_does(client, loose_clien
     assert [list(top) for top in lp.top_logprobs[1:-1]] == [[tok.decode([int(rows[p].argmax())])] for p in range(44)]
     assert r.usage.prompt_tokens_details.cached_tokens == 0  # the prompt was computed: cached tokens have no logits
     # vLLM's prompt_logprobs, with n = 2 (prefilled on the decode worker): the token's rank and the top 2.
-    r = client.completions.create(model=MODEL, prompt=[prompt], max_tokens=2, temperature=0.0, n=2,
-                                  extra_body={"prompt_logprobs": 2})
+    r = client.completions.create(
+        model=MODEL, prompt=[prompt], max_tokens=2, temperature=0.0, n=2, extra_body={"prompt_logprobs": 2}
+    )
     for choice in r.choices:
         got = choice.model_extra["prompt_logprobs"]
         assert got[0] is None and len(got) == 45
@@ -451,8 +630,9 @@ def test_prompt_longer_than_context_is_400_with_both_numbers(client):
 
 
 def test_missing_or_wrong_key_is_401(cluster):
-    wrong = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="sk-wrong", max_retries=0,
-                          _strict_response_validation=True)
+    wrong = openai.OpenAI(
+        base_url=f"{cluster.url}/v1", api_key="sk-wrong", max_retries=0, _strict_response_validation=True
+    )
     with pytest.raises(openai.AuthenticationError):
         wrong.completions.create(model=MODEL, prompt="hi", max_tokens=2)
     with pytest.raises(openai.AuthenticationError):
@@ -481,7 +661,8 @@ def test_no_decode_room_is_503_with_retry_after(client, cluster):
     assert info.value.status_code == 503
     assert int(info.value.response.headers["retry-after"]) >= 1
     # and the cluster still serves
-    r = client.completions.create(model=MODEL, prompt=[prompt_of(8, seed=7)], max_tokens=2,
-                                  extra_body={"ignore_eos": True})
+    r = client.completions.create(
+        model=MODEL, prompt=[prompt_of(8, seed=7)], max_tokens=2, extra_body={"ignore_eos": True}
+    )
     assert r.usage.completion_tokens == 2
     wait_idle(cluster)

@@ -13,5 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_every_product_package_is_listed_in_pyproject():
     listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     tops = {name.split(".")[0] for name in listed}
-    found = {".".join(init.parent.relative_to(ROOT).parts) for top in tops for init in (ROOT / top).rglob("__init__.py")}
+    found = {
+        ".".join(init.parent.relative_to(ROOT).parts) for top in tops for init in (ROOT / top).rglob("__init__.py")
+    }
     assert found == listed

@@ -26,7 +26,17 @@ from prefill_node.metrics import PrefillMetrics
 from prefill_node.options import PrefillOptions
 from prefill_node.server import PrefillServer
 from protocol.codec import decode, encode
-from protocol.serving import AbortRequest, Goodbye, Heartbeat, HeartbeatAck, PrefillFailed, PrefillJob, SamplingSpec, TokenBias, TokenEvent
+from protocol.serving import (
+    AbortRequest,
+    Goodbye,
+    Heartbeat,
+    HeartbeatAck,
+    PrefillFailed,
+    PrefillJob,
+    SamplingSpec,
+    TokenBias,
+    TokenEvent,
+)
 from protocol.zmq_util import bind, make_socket
 from tests.invariants import assert_integrity, assert_no_leak
 from tests.model_factory import tiny_model_dir
@@ -42,14 +52,15 @@ def model_path() -> str:
 
 
 def engine_cfg(**overrides) -> EngineConfig:
-    fields = dict(block_size=BS, num_kv_blocks=48, max_num_seqs=8, max_num_batched_tokens=16,
-                  prefill_chunk_size=CHUNK)
+    fields = dict(block_size=BS, num_kv_blocks=48, max_num_seqs=8, max_num_batched_tokens=16, prefill_chunk_size=CHUNK)
     fields.update(overrides)
     return EngineConfig(**fields)
 
 
 def build(**overrides):
-    return build_engine(model_path(), ModelConfig(path=model_path(), dtype="float32"), engine_cfg(**overrides), device="cpu")
+    return build_engine(
+        model_path(), ModelConfig(path=model_path(), dtype="float32"), engine_cfg(**overrides), device="cpu"
+    )
 
 
 def prompt(n: int, seed: int) -> list[int]:
@@ -83,9 +94,15 @@ class FakeDecode:
         pool = KVPool(layout, tensor=self.shared.tensor if self.shared else None)
         self.free = set(range(layout.num_blocks))
         self.server = ZmqServer(ctx, "127.0.0.1", max_msg_size=64 << 20)
-        self.rx = KVReceiver(pool, kv_model_name(model_path()), self.server, self.free.update,
-                             TransferMetrics(self.registry), credits=credits,
-                             shm_pool_name=self.shared.name if self.shared else None)
+        self.rx = KVReceiver(
+            pool,
+            kv_model_name(model_path()),
+            self.server,
+            self.free.update,
+            TransferMetrics(self.registry),
+            credits=credits,
+            shm_pool_name=self.shared.name if self.shared else None,
+        )
         self.jobs = make_socket(ctx, zmq.DEALER)
         self.jobs.connect(prefill_address)
         self.lock = threading.Lock()
@@ -109,11 +126,28 @@ class FakeDecode:
             self.rx.reserve(rid, generation, ids)
         return ids
 
-    def job(self, rid: str, tokens: list[int], skip: int = 0, generation: int = 1, sample_first: bool = True,
-            deadline_s: float = 30.0, logprobs: int | None = None) -> PrefillJob:
+    def job(
+        self,
+        rid: str,
+        tokens: list[int],
+        skip: int = 0,
+        generation: int = 1,
+        sample_first: bool = True,
+        deadline_s: float = 30.0,
+        logprobs: int | None = None,
+    ) -> PrefillJob:
         dst = self.reserve(rid, generation, cdiv(len(tokens) - skip, BS))
-        return PrefillJob(rid, tokens, skip, dst, generation, self.server.endpoint, sample_first,
-                          SamplingSpec(max_tokens=4, temperature=0.0, logprobs=logprobs), time.time() + deadline_s)
+        return PrefillJob(
+            rid,
+            tokens,
+            skip,
+            dst,
+            generation,
+            self.server.endpoint,
+            sample_first,
+            SamplingSpec(max_tokens=4, temperature=0.0, logprobs=logprobs),
+            time.time() + deadline_s,
+        )
 
     def send(self, record) -> None:
         self.jobs.send(encode(record))
@@ -173,14 +207,27 @@ class FakeGateway:
 class Cluster:
     """A prefill server (driven by the test, or on its own thread), a fake gateway, a fake decode worker."""
 
-    def __init__(self, transport: str = "shm", credits: int = 64, deadline_s: float = 30.0,
-                 handshake_timeout_s: float = 5.0, gateway_timeout_s: float = 15.0, **engine_overrides):
+    def __init__(
+        self,
+        transport: str = "shm",
+        credits: int = 64,
+        deadline_s: float = 30.0,
+        handshake_timeout_s: float = 5.0,
+        gateway_timeout_s: float = 15.0,
+        **engine_overrides,
+    ):
         self.ctx = zmq.Context()
         self.gateway = FakeGateway(self.ctx)
         self.engine = build(**engine_overrides)
-        options = PrefillOptions(worker_id="prefill-test", gateway_address=self.gateway.address, heartbeat_s=0.2,
-                                 transfer_deadline_s=deadline_s, drain_timeout_s=5.0,
-                                 handshake_timeout_s=handshake_timeout_s, gateway_timeout_s=gateway_timeout_s)
+        options = PrefillOptions(
+            worker_id="prefill-test",
+            gateway_address=self.gateway.address,
+            heartbeat_s=0.2,
+            transfer_deadline_s=deadline_s,
+            drain_timeout_s=5.0,
+            handshake_timeout_s=handshake_timeout_s,
+            gateway_timeout_s=gateway_timeout_s,
+        )
         self.metrics = PrefillMetrics(CollectorRegistry())
         self.server = PrefillServer(self.engine, kv_model_name(model_path()), self.ctx, options, self.metrics)
         self.decode = FakeDecode(self.ctx, self.engine.runner.kv_pool.layout, self.server.address, transport, credits)
@@ -268,7 +315,9 @@ def test_kv_and_first_token_equal_single_engine(cluster):
     c.stop()
     assert c.sample("pdserve:prefill_computed_tokens_total") == 19
     nbytes = 5 * c.engine.runner.kv_pool.layout.bytes_per_block
-    assert c.decode.registry.get_sample_value("pdserve:kv_transfer_bytes_sum", {"transport": c.decode.transport}) == nbytes
+    assert (
+        c.decode.registry.get_sample_value("pdserve:kv_transfer_bytes_sum", {"transport": c.decode.transport}) == nbytes
+    )
     c.assert_idle_no_leak()
 
 
@@ -284,7 +333,9 @@ def test_skip_tokens_sends_only_missing_blocks_and_prefix_cache_skips_compute(cl
     assert done.ok and done.commit.first_token == ref_token
     expect_kv(c, job, ref_kv)
     untouched = sorted(c.decode.free)  # every block D did not reserve stays as it was: zeros
-    assert torch.equal(c.decode.rx.pool.tensor[:, :, untouched], torch.zeros_like(c.decode.rx.pool.tensor[:, :, untouched]))
+    assert torch.equal(
+        c.decode.rx.pool.tensor[:, :, untouched], torch.zeros_like(c.decode.rx.pool.tensor[:, :, untouched])
+    )
     c.decode.adopt("a")
     # The same prompt again: P's prefix cache holds 4 full blocks (16 tokens), it computes 3 tokens.
     again = c.decode.job("b", tokens, skip=0)
@@ -489,8 +540,17 @@ def test_unreachable_receiver_fails_its_jobs_without_stalling_the_others(cluster
 
     def dead_job(rid: str) -> PrefillJob:
         tokens = prompt(12, seed=6)
-        return PrefillJob(rid, tokens, 0, [0, 1, 2], 1, dead_address, True,
-                          SamplingSpec(max_tokens=4, temperature=0.0), time.time() + 30)
+        return PrefillJob(
+            rid,
+            tokens,
+            0,
+            [0, 1, 2],
+            1,
+            dead_address,
+            True,
+            SamplingSpec(max_tokens=4, temperature=0.0),
+            time.time() + 30,
+        )
 
     c.start()
     c.decode.send(dead_job("dead-1"))
@@ -554,8 +614,12 @@ def test_metrics_health_ready_and_drain(cluster):
         c.decode.adopt("x")
         base = f"http://127.0.0.1:{http.port}"
         body = urllib.request.urlopen(f"{base}/metrics").read().decode()
-        for series in ("pdserve:prefill_jobs_total 1.0", "pdserve:kv_blocks_total 48.0",
-                       'vllm:prefix_cache_queries_total{model_name=""} 11.0', "pdserve:kv_handshakes_total"):
+        for series in (
+            "pdserve:prefill_jobs_total 1.0",
+            "pdserve:kv_blocks_total 48.0",
+            'vllm:prefix_cache_queries_total{model_name=""} 11.0',
+            "pdserve:kv_handshakes_total",
+        ):
             assert series in body, series
         assert urllib.request.urlopen(f"{base}/health").status == 200
         assert urllib.request.urlopen(f"{base}/ready").status == 200
@@ -584,14 +648,27 @@ def test_a_grammar_compiles_off_the_loop_while_other_jobs_prefill(cluster):
     gate, compile_now = threading.Event(), grammars.guide
     grammars.guide = lambda spec: gate.wait(60) and compile_now(spec)
     tokens, other = prompt(19, seed=5), prompt(11, seed=6)
-    [expected] = LLM(model_path(), block_size=BS).generate(
-        [tokens], SamplingParams(temperature=0.0, max_tokens=1, structured_output=regex))[0].outputs[0].token_ids
+    [expected] = (
+        LLM(model_path(), block_size=BS)
+        .generate([tokens], SamplingParams(temperature=0.0, max_tokens=1, structured_output=regex))[0]
+        .outputs[0]
+        .token_ids
+    )
     c.start()
 
     def job(rid: str, ids: list[int], spec: StructuredOutput) -> PrefillJob:
         dst = c.decode.reserve(rid, 1, cdiv(len(ids), BS))
-        return PrefillJob(rid, ids, 0, dst, 1, c.decode.server.endpoint, True,
-                          SamplingSpec(max_tokens=4, temperature=0.0, structured_output=spec), time.time() + 30)
+        return PrefillJob(
+            rid,
+            ids,
+            0,
+            dst,
+            1,
+            c.decode.server.endpoint,
+            True,
+            SamplingSpec(max_tokens=4, temperature=0.0, structured_output=spec),
+            time.time() + 30,
+        )
 
     c.decode.send(job("guided", tokens, regex))
     c.decode.send(c.decode.job("plain", other))
@@ -609,7 +686,6 @@ def test_a_grammar_compiles_off_the_loop_while_other_jobs_prefill(cluster):
     c.stop()
     assert c.sample("pdserve:prefill_jobs_rejected_total", reason="bad_job") == 1
     c.assert_idle_no_leak()
-
 
 
 def test_a_job_from_a_receiver_incarnation_that_is_gone_fails_at_once_and_the_next_one_serves(cluster):

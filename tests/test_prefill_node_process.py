@@ -15,7 +15,7 @@ import yaml
 
 from kvtransfer.shm_pool import SHM_DIR
 from protocol.serving import Goodbye, Heartbeat, TokenEvent
-from tests.test_prefill_node import BS, CHUNK, Cluster, build, FakeDecode, FakeGateway, model_path, prompt, reference
+from tests.test_prefill_node import BS, CHUNK, Cluster, FakeDecode, FakeGateway, build, model_path, prompt, reference
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -33,8 +33,13 @@ def test_prefill_worker_process_serves_a_job_and_drains_on_sigterm(tmp_path):
         "prefill": {"port": 0, "http_port": 0, "gateway_address": gateway.address, "worker_id": "p-proc"},
     }
     (tmp_path / "p.yaml").write_text(yaml.safe_dump(config))
-    proc = subprocess.Popen([sys.executable, "-m", "prefill_node", "--config", str(tmp_path / "p.yaml")],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "prefill_node", "--config", str(tmp_path / "p.yaml")],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     decode = None
     try:
         ready = proc.stdout.readline().split()
@@ -55,8 +60,9 @@ def test_prefill_worker_process_serves_a_job_and_drains_on_sigterm(tmp_path):
         torch.testing.assert_close(got, ref_kv, rtol=0, atol=1e-5)  # another process: its own thread count
         decode.adopt("p1")
         # Idle again: P holds no block for anyone (its full blocks sit in the prefix cache, unreferenced).
-        hb = gateway.wait(Heartbeat, lambda h: h.kv_blocks_in_use == 0 and h.queued_prefill_tokens == 0
-                          and h.kv_blocks_free == 48)
+        hb = gateway.wait(
+            Heartbeat, lambda h: h.kv_blocks_in_use == 0 and h.queued_prefill_tokens == 0 and h.kv_blocks_free == 48
+        )
         proc.send_signal(signal.SIGTERM)
         assert gateway.wait(Goodbye, lambda g: g.worker_id == "p-proc")
         assert proc.wait(timeout=20) == 0
@@ -101,8 +107,13 @@ def test_receiver_killed_mid_transfer_leaves_nothing_pinned():
     dims = f"{layout.num_layers},{layout.num_blocks},{layout.block_size},{layout.kv_heads},{layout.head_dim}"
     from worker.identity import kv_model_name
 
-    rx = subprocess.Popen([sys.executable, "-c", RECEIVER, kv_model_name(model_path()), dims, ",".join(map(str, dst))],
-                          cwd=ROOT, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    rx = subprocess.Popen(
+        [sys.executable, "-c", RECEIVER, kv_model_name(model_path()), dims, ",".join(map(str, dst))],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     fence = None
     try:
         endpoint, fence = rx.stdout.readline().split()

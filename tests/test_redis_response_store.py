@@ -8,14 +8,19 @@ import threading
 
 import pytest
 
-from gateway.http.errors import APIError
 from gateway.dialects.responses.redis_store import RedisResponseStore
 from gateway.dialects.responses.store import ResponseStore
+from gateway.http.errors import APIError
 
 
 def response(rid: str, previous: str | None, text: str) -> dict:
-    return {"id": rid, "object": "response", "status": "completed", "previous_response_id": previous,
-            "output": [{"type": "message", "id": f"msg_{rid}", "content": [{"type": "output_text", "text": text}]}]}
+    return {
+        "id": rid,
+        "object": "response",
+        "status": "completed",
+        "previous_response_id": previous,
+        "output": [{"type": "message", "id": f"msg_{rid}", "content": [{"type": "output_text", "text": text}]}],
+    }
 
 
 def items(text: str) -> list[dict]:

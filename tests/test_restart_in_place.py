@@ -19,7 +19,6 @@ import torch
 import yaml
 
 from cluster.keygen import write_private_key
-
 from cluster.local_cluster import remove_shm_segments
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
@@ -39,11 +38,21 @@ class Roles:
         config = {
             "model": {"path": str(tiny_model_dir("llama"))},
             "engine": {"block_size": BLOCK, "kv_cache_memory_mb": 8, "num_threads": 1},
-            "gateway": {"port": self.port, "worker_port": worker_port, "worker_heartbeat_s": 0.2,
-                        "worker_timeout_s": 30.0, "local_prefill_max_tokens": 0},
+            "gateway": {
+                "port": self.port,
+                "worker_port": worker_port,
+                "worker_heartbeat_s": 0.2,
+                "worker_timeout_s": 30.0,
+                "local_prefill_max_tokens": 0,
+            },
             "prefill": {"port": 0, "http_port": 0, "worker_id": "prefill-0", "gateway_address": gateway_address},
-            "decode": {"port": 0, "http_port": 0, "kv_port": self.kv_port, "worker_id": "decode-0",
-                       "gateway_address": gateway_address},
+            "decode": {
+                "port": 0,
+                "http_port": 0,
+                "kv_port": self.kv_port,
+                "worker_id": "decode-0",
+                "gateway_address": gateway_address,
+            },
             "transfer": {"transport": transport, "cluster_key_file": write_private_key(str(tmp))},  # CURVE, as deployed
         }
         self.config_path = tmp / "roles.yaml"
@@ -56,8 +65,14 @@ class Roles:
         module = {"gateway": "gateway", "prefill": "prefill_node", "decode": "decode_node"}[role]
         env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
         log = open(self.logs / f"{role}.log", "a")
-        return subprocess.Popen([sys.executable, "-m", module, "--config", str(self.config_path)], cwd=ROOT,
-                                env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        return subprocess.Popen(
+            [sys.executable, "-m", module, "--config", str(self.config_path)],
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
 
     def workers(self) -> dict[str, dict]:
         try:
@@ -123,9 +138,17 @@ def test_a_decode_worker_restarted_in_place_serves_every_next_request(roles):
         expected.append(reference.tokenizer.decode(out.outputs[0].token_ids, skip_special_tokens=True))
 
     def complete(prompt: list[int]) -> httpx.Response:
-        return httpx.post(f"{roles.url}/v1/completions", timeout=120, json={
-            "model": str(tiny_model_dir("llama")), "prompt": [prompt], "max_tokens": 8, "temperature": 0.0,
-            "ignore_eos": True})
+        return httpx.post(
+            f"{roles.url}/v1/completions",
+            timeout=120,
+            json={
+                "model": str(tiny_model_dir("llama")),
+                "prompt": [prompt],
+                "max_tokens": 8,
+                "temperature": 0.0,
+                "ignore_eos": True,
+            },
+        )
 
     first = complete(prompts[0])  # the prefill worker's sender is handshaken with this decode process
     assert first.status_code == 200 and first.json()["choices"][0]["text"] == expected[0], first.text
@@ -135,8 +158,9 @@ def test_a_decode_worker_restarted_in_place_serves_every_next_request(roles):
     roles.procs["decode"].wait()
     remove_shm_segments(roles.procs["decode"].pid)
     roles.procs["decode"] = roles.start("decode")  # same id, same KV address, a new incarnation
-    roles.wait_until(lambda: roles.workers().get("decode-0", {}).get("incarnation", old) != old,
-                     "decode-0 registered again")
+    roles.wait_until(
+        lambda: roles.workers().get("decode-0", {}).get("incarnation", old) != old, "decode-0 registered again"
+    )
 
     for prompt, text in zip(prompts, expected):
         response = complete(prompt)
@@ -147,4 +171,4 @@ def test_a_decode_worker_restarted_in_place_serves_every_next_request(roles):
     # nothing failed on the way, so the gateway had nothing to retry.
     assert roles.metric('pdserve:kv_handshakes_total{result="accepted"}', "decode") == 1
     assert roles.metric('pdserve:route_decisions_total{policy="prefix",result="retry"}') == 0
-    assert roles.metric('pdserve:prefill_jobs_rejected_total', "prefill") == 0
+    assert roles.metric("pdserve:prefill_jobs_rejected_total", "prefill") == 0

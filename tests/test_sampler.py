@@ -2,8 +2,8 @@
 reproducibility across batch compositions, sampling frequencies against the filtered softmax."""
 
 import math
-import re
 import random
+import re
 from collections import Counter
 
 import pytest
@@ -28,11 +28,17 @@ CHI2_CRIT_0001 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7:
 
 def make_seq(prompt, outputs=(), stops=frozenset(), seq_id=0, **params):
     tokens = list(prompt) + list(outputs)
-    return Sequence(seq_id=seq_id, token_ids=tokens, num_prompt_tokens=len(prompt),
-                    params=SamplingParams(**params), stop_token_ids=frozenset(stops))
+    return Sequence(
+        seq_id=seq_id,
+        token_ids=tokens,
+        num_prompt_tokens=len(prompt),
+        params=SamplingParams(**params),
+        stop_token_ids=frozenset(stops),
+    )
 
 
 # ---- hand-written references: python loops over one row, no shared code with the sampler ----------
+
 
 def ref_probs(row: list[float]) -> list[float]:
     m = max(x for x in row if x != NEG_INF)
@@ -87,6 +93,7 @@ def distinct_logits(rows, vocab, seed, scale=2.0):
 
 # ---- filters ---------------------------------------------------------------------------------------
 
+
 def test_top_k_top_p_masks_match_reference():
     logits = distinct_logits(8, 12, seed=1)
     top_k = torch.tensor([0, 1, 3, 12, 50, 0, 4, 0])
@@ -102,7 +109,11 @@ def test_top_k_top_p_masks_match_reference():
 def test_a_top_p_below_float32s_range_keeps_the_most_likely_token(vocab):
     # 5e-324 is a valid top_p (a float64 > 0) but reads as 0.0 in float32: it used to keep nothing and
     # crash the decode worker on an index of -1 (found by the HTTP fuzzer).
-    logits = distinct_logits(2, vocab, seed=3) if vocab == 12 else torch.zeros(2, vocab).index_fill_(1, torch.tensor([7]), 1e-3)
+    logits = (
+        distinct_logits(2, vocab, seed=3)
+        if vocab == 12
+        else torch.zeros(2, vocab).index_fill_(1, torch.tensor([7]), 1e-3)
+    )
     got = logits.clone()
     apply_top_k_top_p_(got, torch.tensor([0, 0]), torch.tensor([5e-324, 5e-324]))
     for r in range(2):
@@ -155,8 +166,9 @@ def test_presence_and_frequency_penalties_match_openai_formula():
         make_seq([4, 4, 6], [6, 6, 11, 29], presence_penalty=0.5, frequency_penalty=0.25),
         make_seq([1], [2, 2, 2], presence_penalty=-1.0, frequency_penalty=0.0),
         make_seq([3, 3], [], presence_penalty=2.0, frequency_penalty=2.0),  # no outputs: unchanged
-        make_seq([5], [5, 7], presence_penalty=0.0, frequency_penalty=-0.5,
-                 repetition_penalty=1.5),  # repetition first, then frequency
+        make_seq(
+            [5], [5, 7], presence_penalty=0.0, frequency_penalty=-0.5, repetition_penalty=1.5
+        ),  # repetition first, then frequency
     ]
     logits = torch.randn(4, vocab) * 2
     got = logits.clone()
@@ -172,6 +184,7 @@ def test_presence_and_frequency_penalties_match_openai_formula():
 
 
 # ---- the sampler -------------------------------------------------------------------------------------
+
 
 def test_greedy_is_argmax_and_input_untouched():
     torch.manual_seed(2)
@@ -280,8 +293,12 @@ def test_seeded_tokens_do_not_depend_on_the_batch():
     tokens_alone = _run_steps(Sampler(), logits_with, steps, lambda s: ([alone], 0))
 
     together = make_seq([1, 2], **params)
-    others = [make_seq([3], seed=7, seq_id=1), make_seq([4], seq_id=2, top_k=4),
-              make_seq([5], seq_id=3, seed=99, min_p=0.1), make_seq([6], seq_id=4, temperature=0.0)]
+    others = [
+        make_seq([3], seed=7, seq_id=1),
+        make_seq([4], seq_id=2, top_k=4),
+        make_seq([5], seq_id=3, seed=99, min_p=0.1),
+        make_seq([6], seq_id=4, temperature=0.0),
+    ]
     rng = random.Random(0)
 
     def mixed(step):
@@ -303,12 +320,15 @@ def _chi_square(counts: Counter, probs: list[float], n: int) -> tuple[float, int
     return stat, len(support) - 1
 
 
-@pytest.mark.parametrize("params", [
-    dict(temperature=1.0),
-    dict(temperature=0.7, top_k=5),
-    dict(temperature=1.3, top_p=0.8),
-    dict(temperature=1.0, min_p=0.1, top_k=6, top_p=0.9),
-])
+@pytest.mark.parametrize(
+    "params",
+    [
+        dict(temperature=1.0),
+        dict(temperature=0.7, top_k=5),
+        dict(temperature=1.3, top_p=0.8),
+        dict(temperature=1.0, min_p=0.1, top_k=6, top_p=0.9),
+    ],
+)
 def test_sampling_frequencies_match_filtered_softmax(params):
     row = [1.2, 0.3, -0.5, 2.0, 0.9, -1.5, 0.0, 1.6]
     want = ref_distribution(row, **params)
@@ -331,6 +351,7 @@ def test_seeded_rows_sample_the_right_distribution():
 
 
 # ---- logit_bias ------------------------------------------------------------------------------------
+
 
 def test_logit_bias_greedy_is_argmax_of_biased_logits_per_row():
     torch.manual_seed(6)
@@ -377,12 +398,15 @@ def test_logit_bias_id_past_the_logits_is_skipped_not_fatal():
     assert out.token_ids == [2]
 
 
-@pytest.mark.parametrize("bias, message", [
-    ({3: 100.5}, "logit_bias must be a map of non-negative token ids to biases in [-100, 100]"),
-    ({-1: 1.0}, "logit_bias must be"),
-    ({3: float("nan")}, "logit_bias must be"),
-    ({True: 1.0}, "logit_bias must be"),
-])
+@pytest.mark.parametrize(
+    "bias, message",
+    [
+        ({3: 100.5}, "logit_bias must be a map of non-negative token ids to biases in [-100, 100]"),
+        ({-1: 1.0}, "logit_bias must be"),
+        ({3: float("nan")}, "logit_bias must be"),
+        ({True: 1.0}, "logit_bias must be"),
+    ],
+)
 def test_logit_bias_out_of_range_names_the_parameter(bias, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         SamplingParams(logit_bias=bias)
@@ -398,8 +422,9 @@ def test_allowed_token_ids_greedy_is_the_argmax_over_the_allowed_and_logprobs_st
     expected = [max(a or range(300), key=lambda t: logits[r, t].item()) for r, a in enumerate(allowed)]
     assert out.token_ids == expected and out.token_ids[1] == logits[1].argmax().item()
     raw = logits.log_softmax(dim=1)
-    assert [lp.logprob for lp in out.logprobs] == pytest.approx([raw[r, t].item() for r, t in enumerate(expected)],
-                                                                abs=1e-6)
+    assert [lp.logprob for lp in out.logprobs] == pytest.approx(
+        [raw[r, t].item() for r, t in enumerate(expected)], abs=1e-6
+    )
     assert torch.equal(logits, before)  # the mask edits a private copy
 
 

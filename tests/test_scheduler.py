@@ -36,7 +36,7 @@ def reference(prompt: list[int], params: SamplingParams, index: int, max_model_l
             kvs.append(mix(kvs[-1] if kvs else 0, tokens[pos], pos))
         tok = next_token(kvs, index)
         tokens.append(tok)
-        outputs = tokens[len(prompt):]
+        outputs = tokens[len(prompt) :]
         if tok in params.stop_token_ids and len(outputs) - 1 >= params.min_tokens:
             return outputs
         if len(outputs) >= params.max_tokens or len(tokens) >= max_model_len:
@@ -75,8 +75,9 @@ class FakeModel:
 
 
 def make_scheduler(num_blocks=64, block_size=4, **cfg) -> Scheduler:
-    config = SchedulerConfig(**{"max_num_seqs": 8, "max_num_batched_tokens": 32, "max_model_len": 64,
-                                "prefill_chunk_size": 8, **cfg})
+    config = SchedulerConfig(
+        **{"max_num_seqs": 8, "max_num_batched_tokens": 32, "max_model_len": 64, "prefill_chunk_size": 8, **cfg}
+    )
     return Scheduler(config, BlockManager(num_blocks, block_size))
 
 

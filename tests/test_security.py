@@ -23,8 +23,19 @@ from tests.cluster_harness import ServeProcess
 from tests.model_factory import tiny_model_dir
 
 ROOT = Path(__file__).resolve().parents[1]
-PRODUCT_PACKAGES = ["protocol", "engine", "kernels", "kvtransfer", "gateway", "prefill_node", "decode_node",
-                    "worker", "configs", "cluster", "benchmarks"]
+PRODUCT_PACKAGES = [
+    "protocol",
+    "engine",
+    "kernels",
+    "kvtransfer",
+    "gateway",
+    "prefill_node",
+    "decode_node",
+    "worker",
+    "configs",
+    "cluster",
+    "benchmarks",
+]
 KEYS = ["sk-security-one", "sk-security-two"]
 MODEL = str(tiny_model_dir("llama"))
 OPEN_ROUTES = ["/metrics", "/health", "/ready", "/version", "/openapi.json"]
@@ -43,8 +54,12 @@ BODIES = {
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    serve = ServeProcess(tiny_model_dir("llama"), tmp_path_factory.mktemp("cluster"),
-                         engine={"block_size": 16, "kv_cache_memory_mb": 8}, gateway={"api_keys": KEYS})
+    serve = ServeProcess(
+        tiny_model_dir("llama"),
+        tmp_path_factory.mktemp("cluster"),
+        engine={"block_size": 16, "kv_cache_memory_mb": 8},
+        gateway={"api_keys": KEYS},
+    )
     yield serve
     assert serve.stop() == 0, "".join(serve.log[-30:])
 
@@ -53,8 +68,15 @@ def protected_routes(cluster) -> list[tuple[str, str]]:
     """(method, path) of every route the gateway documents, except the open ones."""
     paths = httpx.get(cluster.url + "/openapi.json").json()["paths"]
     routes = [(method.upper(), path) for path, ops in paths.items() for method in ops if path not in OPEN_ROUTES]
-    assert {p for _, p in routes} >= {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models",
-                                      "/v1/workers", "/tokenize", "/detokenize"}
+    assert {p for _, p in routes} >= {
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/responses",
+        "/v1/models",
+        "/v1/workers",
+        "/tokenize",
+        "/detokenize",
+    }
     assert all(p.startswith("/v1/") or p in ("/tokenize", "/detokenize") for _, p in routes), routes
     return routes
 
@@ -67,9 +89,15 @@ def call(cluster, method: str, path: str, headers: dict, response_id: str = "res
 def test_every_protected_route_needs_a_key(cluster):
     for method, path in protected_routes(cluster):
         anthropic = path.startswith("/v1/messages")  # Anthropic's clients send the key in x-api-key
-        for headers in ({}, {"Authorization": "Bearer sk-wrong"}, {"Authorization": KEYS[0]},  # no scheme
-                        {"Authorization": f"Bearer {KEYS[0]}x"}, {"Authorization": f"Bearer {KEYS[0][:-1]}"},
-                        {"x-api-key": "sk-wrong" if anthropic else KEYS[0]}, {"Authorization": "Basic " + KEYS[0]}):
+        for headers in (
+            {},
+            {"Authorization": "Bearer sk-wrong"},
+            {"Authorization": KEYS[0]},  # no scheme
+            {"Authorization": f"Bearer {KEYS[0]}x"},
+            {"Authorization": f"Bearer {KEYS[0][:-1]}"},
+            {"x-api-key": "sk-wrong" if anthropic else KEYS[0]},
+            {"Authorization": "Basic " + KEYS[0]},
+        ):
             response = call(cluster, method, path, headers)
             assert response.status_code == 401, (method, path, headers, response.text)
             assert response.json()["error"]["type"] == "authentication_error"  # Anthropic's JSON has it there too
@@ -95,6 +123,7 @@ def test_health_metrics_and_docs_stay_open(cluster):
 
 # ---- listening sockets ----------------------------------------------------------------------------
 
+
 def descendants(pid: int) -> list[int]:
     out = subprocess.run(["ps", "-e", "-o", "pid=,ppid="], capture_output=True, text=True, check=True).stdout
     children: dict[int, list[int]] = {}
@@ -117,14 +146,14 @@ def socket_inodes(pid: int) -> set[str]:
         except OSError:  # closed meanwhile
             continue
         if target.startswith("socket:["):
-            inodes.add(target[len("socket:["):-1])
+            inodes.add(target[len("socket:[") : -1])
     return inodes
 
 
 def listening_sockets() -> dict[str, str]:
     """inode -> "address:port" of every TCP socket in LISTEN state (0A) in this network namespace."""
     result = {}
-    for table, is_v6 in (("/proc/net/tcp", False), ("/proc/net/tcp6", True)):
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         if not Path(table).exists():
             continue
         for line in Path(table).read_text().splitlines()[1:]:
@@ -135,13 +164,14 @@ def listening_sockets() -> dict[str, str]:
             hex_addr, hex_port = local.split(":")
             raw = bytes.fromhex(hex_addr)
             # /proc prints the address as 32-bit words in host (little-endian) order
-            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+            raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
             result[inode] = f"{ipaddress.ip_address(raw)}:{int(hex_port, 16)}"
     return result
 
 
 def test_parse_of_proc_net_tcp_matches_a_known_socket():
     import socket
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
@@ -194,12 +224,24 @@ def unsafe_calls(source: str, filename: str = "<source>") -> list[str]:
 
 
 def test_scanner_finds_each_unsafe_deserializer():
-    snippet = "\n".join([
-        "import pickle", "import marshal as m", "from dill import loads", "import cloudpickle",
-        "sock.recv_pyobj()", "sock.send_pyobj(x)", "torch.load(f)", "torch.load(f, weights_only=False)",
-        "numpy.load(f, allow_pickle=True)", "yaml.load(text)", "yaml.unsafe_load(text)",
-        "torch.load(f, weights_only=True)", "yaml.safe_load(text)", "msgpack.unpackb(b)",  # these three are fine
-    ])
+    snippet = "\n".join(
+        [
+            "import pickle",
+            "import marshal as m",
+            "from dill import loads",
+            "import cloudpickle",
+            "sock.recv_pyobj()",
+            "sock.send_pyobj(x)",
+            "torch.load(f)",
+            "torch.load(f, weights_only=False)",
+            "numpy.load(f, allow_pickle=True)",
+            "yaml.load(text)",
+            "yaml.unsafe_load(text)",
+            "torch.load(f, weights_only=True)",
+            "yaml.safe_load(text)",
+            "msgpack.unpackb(b)",  # these three are fine
+        ]
+    )
     assert [f.split(" ", 1)[0] for f in unsafe_calls(snippet)] == [f"<source>:{i}" for i in range(1, 12)]
 
 

@@ -14,10 +14,9 @@ import time
 from pathlib import Path
 
 import pytest
-
-from cluster.keygen import write_private_key
 import yaml
 
+from cluster.keygen import write_private_key
 from configs.schema import EX_CONFIG
 from tests.cluster_harness import ServeProcess, free_port
 from tests.model_factory import tiny_model_dir
@@ -52,12 +51,18 @@ def bert_dir(tmp_path: Path) -> Path:
 
 BAD_MODELS = {  # how it is given -> the one line every role prints for it
     "missing path": (lambda tmp: "/nonexistent/dir", "model path '/nonexistent/dir' does not exist"),
-    "hub id offline": (lambda tmp: "Org/Name", "model 'Org/Name' is not a local directory and the Hugging Face hub "
-                                               "cannot provide it (HF_HUB_OFFLINE is set): "),
+    "hub id offline": (
+        lambda tmp: "Org/Name",
+        "model 'Org/Name' is not a local directory and the Hugging Face hub "
+        "cannot provide it (HF_HUB_OFFLINE is set): ",
+    ),
     "no config.json": (lambda tmp: str(no_config_dir(tmp)), "has no config.json (not a Hugging Face checkpoint)"),
-    "unsupported architecture": (lambda tmp: str(bert_dir(tmp)), "unsupported architecture ['BertModel'] "
-                                 "(model_type 'bert'); pdserve runs LlamaForCausalLM, MistralForCausalLM, "
-                                 "Qwen2ForCausalLM, Qwen3ForCausalLM"),
+    "unsupported architecture": (
+        lambda tmp: str(bert_dir(tmp)),
+        "unsupported architecture ['BertModel'] "
+        "(model_type 'bert'); pdserve runs LlamaForCausalLM, MistralForCausalLM, "
+        "Qwen2ForCausalLM, Qwen3ForCausalLM",
+    ),
 }
 
 
@@ -73,28 +78,39 @@ def test_serve_fails_fast_with_one_line(tmp_path, case):
     assert model in line
 
 
-@pytest.mark.parametrize("role, argv", [
-    ("gateway", lambda model: ["-m", "gateway", "--model", model, "--port", "0", "--worker-port", "0"]),
-    ("prefill", lambda model: ["-m", "prefill_node", "--set", f"model.path={model}"]),
-    ("decode", lambda model: ["-m", "decode_node", "--set", f"model.path={model}"]),
-])
+@pytest.mark.parametrize(
+    "role, argv",
+    [
+        ("gateway", lambda model: ["-m", "gateway", "--model", model, "--port", "0", "--worker-port", "0"]),
+        ("prefill", lambda model: ["-m", "prefill_node", "--set", f"model.path={model}"]),
+        ("decode", lambda model: ["-m", "decode_node", "--set", f"model.path={model}"]),
+    ],
+)
 @pytest.mark.parametrize("case", ["hub id offline", "unsupported architecture"])
 def test_every_role_resolves_the_model_the_same_way(tmp_path, role, argv, case):
     given, expected = BAD_MODELS[case]
     key = write_private_key(str(tmp_path))  # a role alone needs the cluster key before anything else
-    result = subprocess.run([sys.executable, *argv(given(tmp_path))], cwd=ROOT,
-                            env=offline_env(PDSERVE_TRANSFER_CLUSTER_KEY_FILE=key),
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, *argv(given(tmp_path))],
+        cwd=ROOT,
+        env=offline_env(PDSERVE_TRANSFER_CLUSTER_KEY_FILE=key),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == EX_CONFIG, result.stderr
     [line] = [line for line in result.stderr.splitlines() if "Kubernetes" not in line]
     assert line.startswith(f"pdserve {role}: ") and expected in line, result.stderr
 
 
 def test_gateway_resolves_a_hub_id_without_torch(tmp_path):
-    code = ("import sys; from gateway.__main__ import main; rc = main(['--model', 'Org/Name']); "
-            "assert 'torch' not in sys.modules and 'transformers' not in sys.modules; sys.exit(rc)")
-    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=offline_env(), capture_output=True,
-                            text=True, timeout=60)
+    code = (
+        "import sys; from gateway.__main__ import main; rc = main(['--model', 'Org/Name']); "
+        "assert 'torch' not in sys.modules and 'transformers' not in sys.modules; sys.exit(rc)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=offline_env(), capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == EX_CONFIG, result.stderr
 
 
@@ -102,15 +118,27 @@ def test_a_member_that_fails_its_configuration_is_not_restarted(tmp_path):
     # Valid for the supervisor and the gateway; the workers refuse it once they read the model.
     config = tmp_path / "c.yaml"
     config.write_text(yaml.safe_dump({"model": {"max_model_len": 100000}}))
-    result, seconds = serve("--model", str(tiny_model_dir("llama")), "--prefill", "1", "--decode", "1",
-                            "--config", str(config), timeout_s=180)
+    result, seconds = serve(
+        "--model",
+        str(tiny_model_dir("llama")),
+        "--prefill",
+        "1",
+        "--decode",
+        "1",
+        "--config",
+        str(config),
+        timeout_s=180,
+    )
     assert result.returncode == EX_CONFIG, result.stderr
     assert "exceeds the model's 2048 positions" in result.stderr
     # The member's own line, then the supervisor's, which repeats it: the last line says it all.
     last = result.stderr.splitlines()[-1]
-    assert re.fullmatch(r"pdserve serve: (prefill|decode)-0 exited with code 78, a configuration error \(pdserve "
-                        r"(prefill|decode): max_model_len 100000 exceeds the model's 2048 positions\); not restarting "
-                        r"it; every member stopped", last), result.stderr
+    assert re.fullmatch(
+        r"pdserve serve: (prefill|decode)-0 exited with code 78, a configuration error \(pdserve "
+        r"(prefill|decode): max_model_len 100000 exceeds the model's 2048 positions\); not restarting "
+        r"it; every member stopped",
+        last,
+    ), result.stderr
     assert "restarting" not in result.stdout
 
 
@@ -125,8 +153,9 @@ def cmdline(pid: int) -> str:
 
 
 def test_sigterm_stops_serve_while_a_member_crash_loops(tmp_path):
-    cluster = ServeProcess(tiny_model_dir("llama"), tmp_path, num_prefill=0, num_decode=1,
-                           decode={"drain_timeout_s": 5.0})
+    cluster = ServeProcess(
+        tiny_model_dir("llama"), tmp_path, num_prefill=0, num_decode=1, decode={"drain_timeout_s": 5.0}
+    )
     members = children_of(cluster.proc.pid)
     [gateway] = [pid for pid in members if "-m gateway" in cmdline(pid)]
     os.kill(gateway, signal.SIGKILL)
@@ -135,8 +164,12 @@ def test_sigterm_stops_serve_while_a_member_crash_loops(tmp_path):
         squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         cluster.wait_until(lambda: _bound(squatter, cluster.port), "the gateway's port taken", timeout_s=10)
         squatter.listen()
-        cluster.wait_until(lambda: sum("gateway exited" in line for line in cluster.log) >= 3,
-                           "the gateway crash-looping", timeout_s=120, poll_s=0.2)
+        cluster.wait_until(
+            lambda: sum("gateway exited" in line for line in cluster.log) >= 3,
+            "the gateway crash-looping",
+            timeout_s=120,
+            poll_s=0.2,
+        )
         members = children_of(cluster.proc.pid)
         started = time.monotonic()
         cluster.proc.send_signal(signal.SIGTERM)
@@ -157,10 +190,25 @@ def _bound(sock: socket.socket, port: int) -> bool:
 def test_sigterm_while_starting_stops_serve_at_once(tmp_path):
     # Workers that never come up (stopped here before they register) kept `pdserve serve` waiting for
     # --ready-timeout; SIGTERM now ends it at once, stopped members included.
-    argv = [sys.executable, "-m", "cluster", "serve", "--model", str(tiny_model_dir("llama")), "--port",
-            str(free_port()), "--prefill", "1", "--decode", "1", "--ready-timeout", "600"]
-    proc = subprocess.Popen(argv, cwd=ROOT, env=offline_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                            text=True)
+    argv = [
+        sys.executable,
+        "-m",
+        "cluster",
+        "serve",
+        "--model",
+        str(tiny_model_dir("llama")),
+        "--port",
+        str(free_port()),
+        "--prefill",
+        "1",
+        "--decode",
+        "1",
+        "--ready-timeout",
+        "600",
+    ]
+    proc = subprocess.Popen(
+        argv, cwd=ROOT, env=offline_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    )
     try:
         assert proc.stdout.readline().startswith("pdserve: gateway http://")  # just before the members start
         give_up = time.monotonic() + 30

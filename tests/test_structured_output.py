@@ -23,10 +23,16 @@ from tests.model_factory import tiny_model_dir
 FAMILY = "llama"
 PROMPTS = [[5, 9, 33, 70], [11, 12], list(range(20, 61))]
 CHOICES = ["yes", "no thanks", "maybe later", "never"]
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
-                                           "age": {"type": "integer", "minimum": 0, "maximum": 999},
-                                           "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}},
-          "required": ["name", "age", "tags"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "age": {"type": "integer", "minimum": 0, "maximum": 999},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3},
+    },
+    "required": ["name", "age", "tags"],
+    "additionalProperties": False,
+}
 
 
 @functools.cache
@@ -62,8 +68,11 @@ def allowed_by_choices(done_text: str, eos_ids: set[int]) -> set[int]:
     plus EOS once ``done_text`` is one of them."""
     _, tok = hf()
     special = set(tok.all_special_ids)
-    allowed = {t for t in range(len(tok)) if t not in special
-               and (piece := tok.decode([t])) and any(c.startswith(done_text + piece) for c in CHOICES)}
+    allowed = {
+        t
+        for t in range(len(tok))
+        if t not in special and (piece := tok.decode([t])) and any(c.startswith(done_text + piece) for c in CHOICES)
+    }
     return allowed | (eos_ids if done_text in CHOICES else set())
 
 
@@ -79,7 +88,7 @@ def test_greedy_choice_equals_transformers_masked_by_brute_force() -> None:
         for step, token in enumerate(completion.token_ids):
             with torch.no_grad():
                 logits = model(torch.tensor([ids])).logits[0, -1]  # [V]
-            allowed = sorted(allowed_by_choices(text_of(ids[len(prompt):]), eos))
+            allowed = sorted(allowed_by_choices(text_of(ids[len(prompt) :]), eos))
             masked = torch.full_like(logits, float("-inf"))
             masked[allowed] = logits[allowed]
             assert token == int(masked.argmax()), f"step {step}: allowed {len(allowed)} tokens"
@@ -102,8 +111,9 @@ def test_regex_outputs_match_python_re(pattern: str) -> None:
 def test_json_schema_outputs_validate() -> None:
     finished = 0
     for temperature in (0.0, 1.0):
-        for out in generate(StructuredOutput("json", json.dumps(SCHEMA)), temperature=temperature, seed=5,
-                            max_tokens=200):
+        for out in generate(
+            StructuredOutput("json", json.dumps(SCHEMA)), temperature=temperature, seed=5, max_tokens=200
+        ):
             completion = out.outputs[0]
             text = text_of(completion.token_ids)
             if completion.finish_reason == "length":  # a random model may write a long name: a valid prefix
@@ -171,22 +181,34 @@ def test_grammar_survives_preemption_and_forks_per_completion() -> None:
     still follows the grammar (its matcher kept its state, and forked ones are independent)."""
     tiny = LLM(str(tiny_model_dir(FAMILY)), num_kv_blocks=14, block_size=8, max_num_seqs=8)
     pattern = r"(ab|cd){3,6}!"
-    outputs = generate(StructuredOutput("regex", pattern), prompts=[list(range(5, 40))] * 3, engine=tiny,
-                       temperature=1.0, seed=7, n=3, max_tokens=40)
+    outputs = generate(
+        StructuredOutput("regex", pattern),
+        prompts=[list(range(5, 40))] * 3,
+        engine=tiny,
+        temperature=1.0,
+        seed=7,
+        n=3,
+        max_tokens=40,
+    )
     assert tiny.engine.scheduler.num_preemptions > 0
     texts = [text_of(c.token_ids) for out in outputs for c in out.outputs]
     assert all(re.fullmatch(pattern, t) for t in texts), texts
     assert len(set(texts)) > 1  # the completions sampled apart
 
 
-@pytest.mark.parametrize("spec, message", [
-    (StructuredOutput("json", '{"type": "nope"}'), 'invalid JSON schema: Unsupported type "nope"'),
-    (StructuredOutput("json", "{"), "invalid JSON schema: Failed to parse JSON"),
-    (StructuredOutput("regex", "a(b"), "invalid regex: Regex parsing error at position 4"),
-    (StructuredOutput("grammar", "root ::= foo"), 'invalid EBNF grammar: EBNF parser error at line 1, column 10: '
-                                                  'Rule "foo" is not defined'),
-    (StructuredOutput("choice", "[]"), "choice must be a non-empty list of non-empty strings"),
-])
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        (StructuredOutput("json", '{"type": "nope"}'), 'invalid JSON schema: Unsupported type "nope"'),
+        (StructuredOutput("json", "{"), "invalid JSON schema: Failed to parse JSON"),
+        (StructuredOutput("regex", "a(b"), "invalid regex: Regex parsing error at position 4"),
+        (
+            StructuredOutput("grammar", "root ::= foo"),
+            'invalid EBNF grammar: EBNF parser error at line 1, column 10: Rule "foo" is not defined',
+        ),
+        (StructuredOutput("choice", "[]"), "choice must be a non-empty list of non-empty strings"),
+    ],
+)
 def test_a_bad_grammar_is_refused_by_name_and_nothing_is_queued(spec, message) -> None:
     engine = llm()
     with pytest.raises(StructuredOutputError, match=re.escape(message)):

@@ -16,7 +16,8 @@ def test_added_tokens_above_the_token_count_are_valid_up_to_the_embedding():
     assert tok.decode([ADDED_IN_GAP_ID], skip_special_tokens=False) == "<|extra_0|>"
     assert not tok.is_valid_id(ADDED_PAST_EMBEDDING_ID) and not tok.is_valid_id(768) and not tok.is_valid_id(-1)
     assert tok.id_range_error(ADDED_PAST_EMBEDDING_ID) == (
-        "token id 800 is out of range [0, 768): the tokenizer's highest id is 800; the model's embedding has 768 rows")
+        "token id 800 is out of range [0, 768): the tokenizer's highest id is 800; the model's embedding has 768 rows"
+    )
 
 
 def test_a_bare_tokenizer_is_bounded_by_its_highest_id(tok_dir):

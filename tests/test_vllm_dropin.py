@@ -21,13 +21,25 @@ from tests.otlp_receiver import OtlpReceiver
 MODEL = "X"
 CLIENT_TRACE_ID, CLIENT_SPAN_ID = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
 
-GATEWAY_FAMILIES = ("vllm:time_to_first_token_seconds_count", "vllm:inter_token_latency_seconds_count",
-                    "vllm:time_per_output_token_seconds_count", "vllm:e2e_request_latency_seconds_count",
-                    "vllm:request_prefill_time_seconds_count", "vllm:request_decode_time_seconds_count",
-                    "vllm:request_queue_time_seconds_count", "vllm:prompt_tokens_total",
-                    "vllm:generation_tokens_total", "vllm:request_success_total")
-WORKER_FAMILIES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-                   "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total")
+GATEWAY_FAMILIES = (
+    "vllm:time_to_first_token_seconds_count",
+    "vllm:inter_token_latency_seconds_count",
+    "vllm:time_per_output_token_seconds_count",
+    "vllm:e2e_request_latency_seconds_count",
+    "vllm:request_prefill_time_seconds_count",
+    "vllm:request_decode_time_seconds_count",
+    "vllm:request_queue_time_seconds_count",
+    "vllm:prompt_tokens_total",
+    "vllm:generation_tokens_total",
+    "vllm:request_success_total",
+)
+WORKER_FAMILIES = (
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:kv_cache_usage_perc",
+    "vllm:prefix_cache_queries_total",
+    "vllm:prefix_cache_hits_total",
+)
 
 
 @pytest.fixture(scope="module")
@@ -40,13 +52,30 @@ def receiver():
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, receiver):
     serve = ServeProcess(
-        tiny_model_dir("llama"), tmp_path_factory.mktemp("dropin"),
-        extra_args=("--served-model-name", MODEL, "--max-model-len", "256", "--otlp-traces-endpoint", receiver.url,
-                    "--log-format", "json", "--block-size", "16", "--kv-cache-memory-bytes", "8MiB"),
+        tiny_model_dir("llama"),
+        tmp_path_factory.mktemp("dropin"),
+        extra_args=(
+            "--served-model-name",
+            MODEL,
+            "--max-model-len",
+            "256",
+            "--otlp-traces-endpoint",
+            receiver.url,
+            "--log-format",
+            "json",
+            "--block-size",
+            "16",
+            "--kv-cache-memory-bytes",
+            "8MiB",
+        ),
         # env still counts beside the flags: every prompt goes through the prefill worker, and the flag
         # wins over the variable for the same field
-        env={"PDSERVE_GATEWAY_LOCAL_PREFILL_MAX_TOKENS": "0", "PDSERVE_MODEL_SERVED_MODEL_NAME": "from-env",
-             "OTEL_BSP_SCHEDULE_DELAY": "200"})
+        env={
+            "PDSERVE_GATEWAY_LOCAL_PREFILL_MAX_TOKENS": "0",
+            "PDSERVE_MODEL_SERVED_MODEL_NAME": "from-env",
+            "OTEL_BSP_SCHEDULE_DELAY": "200",
+        },
+    )
     yield serve
     assert serve.stop() == 0, "".join(serve.log[-30:])
 
@@ -69,8 +98,11 @@ def test_vllm_operator_gets_names_limits_metrics_traces_and_logs(cluster, receiv
     assert "prompt has 300 tokens; this model's context is 256" in too_long.json()["error"]["message"]
 
     body = {"model": MODEL, "max_tokens": 6, "temperature": 0.0, "ignore_eos": True}
-    traced = client.post("/v1/completions", json={**body, "prompt": prompt_of(40, 2)},
-                         headers={"traceparent": f"00-{CLIENT_TRACE_ID}-{CLIENT_SPAN_ID}-01"})
+    traced = client.post(
+        "/v1/completions",
+        json={**body, "prompt": prompt_of(40, 2)},
+        headers={"traceparent": f"00-{CLIENT_TRACE_ID}-{CLIENT_SPAN_ID}-01"},
+    )
     assert traced.status_code == 200, traced.text
     with client.stream("POST", "/v1/completions", json={**body, "prompt": prompt_of(37, 3), "stream": True}) as s:
         assert s.status_code == 200 and "[DONE]" in s.read().decode()
@@ -99,16 +131,18 @@ def test_vllm_operator_gets_names_limits_metrics_traces_and_logs(cluster, receiv
     assert all("this model's context is 256" in s.error for s in refused if s.error)
     served = {t: spans for t, spans in traces.items() if spans is not refused}
     assert CLIENT_TRACE_ID in served  # the client's traceparent is honoured
-    for trace_id, spans in served.items():
+    for spans in served.values():
         roots = {s.service: s for s in spans if s.name in ("POST /v1/completions", "decode", "prefill")}
         assert set(roots) == {"pdserve-gateway", "pdserve-decode", "pdserve-prefill"}, spans
         gateway_root, decode_root, prefill_root = (roots[f"pdserve-{r}"] for r in ("gateway", "decode", "prefill"))
         assert decode_root.parent_span_id == gateway_root.span_id
         assert prefill_root.parent_span_id == decode_root.span_id
         names = {(s.service, s.name) for s in spans}
-        for service, name in [("gateway", n) for n in ("parse", "tokenize", "route", "generate", "stream")] + \
-                             [("decode", n) for n in ("reserve", "wait_kv", "decode")] + \
-                             [("prefill", n) for n in ("queue", "prefill", "chunk", "kv_push", "transfer")]:
+        for service, name in (
+            [("gateway", n) for n in ("parse", "tokenize", "route", "generate", "stream")]
+            + [("decode", n) for n in ("reserve", "wait_kv", "decode")]
+            + [("prefill", n) for n in ("queue", "prefill", "chunk", "kv_push", "transfer")]
+        ):
             assert (f"pdserve-{service}", name) in names, (service, name)
         ids = {s.span_id for s in spans}
         assert all(s.start_ns <= s.end_ns and not s.error for s in spans)
@@ -137,9 +171,14 @@ def wait_for_traces(receiver: OtlpReceiver, count: int, timeout_s: float = 60.0)
         traces: dict[str, list] = {}
         for span in list(receiver.spans):
             traces.setdefault(span.trace_id, []).append(span)
-        complete = {t: s for t, s in traces.items()
-                    if {x.name for x in s} >= {"POST /v1/completions", "decode", "prefill", "transfer", "stream"}}
+        complete = {
+            t: s
+            for t, s in traces.items()
+            if {x.name for x in s} >= {"POST /v1/completions", "decode", "prefill", "transfer", "stream"}
+        }
         if len(complete) >= count or time.monotonic() > give_up:
-            assert len(complete) == count == len(traces) - 1, {t: sorted({x.name for x in s}) for t, s in traces.items()}
+            assert len(complete) == count == len(traces) - 1, {
+                t: sorted({x.name for x in s}) for t, s in traces.items()
+            }
             return traces
         time.sleep(0.2)

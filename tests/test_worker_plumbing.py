@@ -84,7 +84,11 @@ def test_drain_requested_then_started_once_then_over_when_idle_or_at_the_deadlin
     now = [100.0]
     drain = Drain(timeout_s=30.0, clock=lambda: now[0])
     assert (drain.requested, drain.started, drain.start_if_requested(), drain.is_over(in_flight=False)) == (
-        False, False, False, False)  # nothing asked: never over, even when idle
+        False,
+        False,
+        False,
+        False,
+    )  # nothing asked: never over, even when idle
     drain.request()
     assert (drain.requested, drain.started, drain.is_over(in_flight=False)) == (True, False, False)
     assert drain.start_if_requested() is True

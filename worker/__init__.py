@@ -11,13 +11,25 @@
 """
 
 from worker.drain import Drain, install_drain
-from worker.heartbeat import HeartbeatTimer
-from worker.identity import default_worker_id, kv_model_name
-from worker.http_server import HttpHandle, serve_http
-from worker.logs import setup_logging
-from worker.metrics import EngineMetrics, EngineSnapshot
 from worker.gateway_links import GatewayLinks
 from worker.gateway_socket import WorkerSocket
+from worker.heartbeat import HeartbeatTimer
+from worker.http_server import HttpHandle, serve_http
+from worker.identity import default_worker_id, kv_model_name
+from worker.logs import setup_logging
+from worker.metrics import EngineMetrics, EngineSnapshot
 
 __all__ = [
-    "Drain", "EngineMetrics", "EngineSnapshot", "GatewayLinks", "default_worker_id", "kv_model_name", "HeartbeatTimer", "HttpHandle", "WorkerSocket", "install_drain", "serve_http", "setup_logging"]
+    "Drain",
+    "EngineMetrics",
+    "EngineSnapshot",
+    "GatewayLinks",
+    "default_worker_id",
+    "kv_model_name",
+    "HeartbeatTimer",
+    "HttpHandle",
+    "WorkerSocket",
+    "install_drain",
+    "serve_http",
+    "setup_logging",
+]

@@ -31,7 +31,9 @@ def load_worker_config(prog: str, description: str, argv: list[str] | None) -> t
         overrides["observability.log_level"] = args.log_level.lower()
     # Until the worker sets up its own format (worker/logs.py, once its id is known): what loading the
     # config logs (environment variables it ignores, configs/environment.py) is shown at the asked level.
-    logging.basicConfig(level=(args.log_level or "info").upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=(args.log_level or "info").upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     try:
         config = load_config(args.config, overrides=overrides)
         return config, config.observability.log_level

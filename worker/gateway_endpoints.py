@@ -74,8 +74,9 @@ class Resolver:
     """Looks the names up again every ``interval_s`` on a daemon thread, so a slow DNS server never
     stalls a worker's loop; ``latest()`` is the newest answer (None until one is new)."""
 
-    def __init__(self, endpoints: list[str], interval_s: float,
-                 lookup: Callable[[list[str]], list[str]] = resolve_all) -> None:
+    def __init__(
+        self, endpoints: list[str], interval_s: float, lookup: Callable[[list[str]], list[str]] = resolve_all
+    ) -> None:
         self._endpoints, self._interval_s, self._lookup = endpoints, interval_s, lookup
         self._latest: list[str] | None = None
         self._stop = threading.Event()

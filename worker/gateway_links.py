@@ -40,10 +40,19 @@ def loss_timeout_s(worker_timeout_s: float, heartbeat_s: float) -> float:
 
 
 class GatewayLinks:
-    def __init__(self, ctx: zmq.Context, gateway_address: str, worker_id: str, *, timeout_s: float,
-                 resolve_interval_s: float, accepted: tuple[type, ...] = GATEWAY_RECORDS,
-                 clock: Callable[[], float] = time.monotonic,
-                 lookup: Callable[[list[str]], list[str]] = resolve_all, security: PlaneSecurity | None = None) -> None:
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        gateway_address: str,
+        worker_id: str,
+        *,
+        timeout_s: float,
+        resolve_interval_s: float,
+        accepted: tuple[type, ...] = GATEWAY_RECORDS,
+        clock: Callable[[], float] = time.monotonic,
+        lookup: Callable[[list[str]], list[str]] = resolve_all,
+        security: PlaneSecurity | None = None,
+    ) -> None:
         assert timeout_s > 0 and resolve_interval_s > 0
         self._ctx, self._worker_id, self._accepted, self._clock = ctx, worker_id, accepted, clock
         self.security = security or PlaneSecurity(None)  # one client keypair for every link: one proof
@@ -60,8 +69,14 @@ class GatewayLinks:
         for address in addresses:
             if address not in self._links:
                 log.info("connecting to gateway %s", address)
-                self._links[address] = WorkerSocket(self._ctx, address, self._worker_id, accepted=self._accepted,
-                                                    clock=self._clock, security=self.security)
+                self._links[address] = WorkerSocket(
+                    self._ctx,
+                    address,
+                    self._worker_id,
+                    accepted=self._accepted,
+                    clock=self._clock,
+                    security=self.security,
+                )
         for address in [a for a, link in self._links.items() if a not in addresses and not link.gateway_id]:
             log.info("gateway %s no longer resolves: link closed", address)
             self._links.pop(address).close()
@@ -114,8 +129,12 @@ class GatewayLinks:
             link.replaced_ids.clear()
             disconnected = link.take_lost()  # closed, or its ZMTP heartbeats stopped
             if link.gateway_id and (disconnected or now - link.last_ack_at > self.timeout_s):
-                log.warning("gateway %s at %s %s: its requests are aborted", link.gateway_id, address,
-                            "disconnected" if disconnected else f"silent for {now - link.last_ack_at:.1f} s")
+                log.warning(
+                    "gateway %s at %s %s: its requests are aborted",
+                    link.gateway_id,
+                    address,
+                    "disconnected" if disconnected else f"silent for {now - link.last_ack_at:.1f} s",
+                )
                 lost.append(link.gateway_id)
                 link.reset()
                 if address not in self._wanted:

@@ -37,9 +37,17 @@ GATEWAY_RECORDS = (Generate, AbortRequest, LoRAAdapterSet)  # what a gateway sen
 
 
 class WorkerSocket:
-    def __init__(self, ctx: zmq.Context, gateway_address: str, worker_id: str, *,
-                 accepted: tuple[type, ...] = GATEWAY_RECORDS, hwm: int = 1024,
-                 clock: Callable[[], float] = time.monotonic, security: PlaneSecurity | None = None):
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        gateway_address: str,
+        worker_id: str,
+        *,
+        accepted: tuple[type, ...] = GATEWAY_RECORDS,
+        hwm: int = 1024,
+        clock: Callable[[], float] = time.monotonic,
+        security: PlaneSecurity | None = None,
+    ):
         self.address = gateway_address
         self.worker_id = worker_id
         self.gateway_address = gateway_address  # names the gateway in per-gateway state

@@ -95,8 +95,15 @@ class HttpHandle:
         self.thread.join(timeout=5)
 
 
-def serve_http(host: str, port: int, registry: CollectorRegistry, is_ready: Callable[[], bool], *,
-               max_connections: int = MAX_CONNECTIONS, connection_deadline_s: float = CONNECTION_DEADLINE_S) -> HttpHandle:
+def serve_http(
+    host: str,
+    port: int,
+    registry: CollectorRegistry,
+    is_ready: Callable[[], bool],
+    *,
+    max_connections: int = MAX_CONNECTIONS,
+    connection_deadline_s: float = CONNECTION_DEADLINE_S,
+) -> HttpHandle:
     if host in ("", "0.0.0.0", "::", "*"):
         raise ValueError(f"refusing to bind all interfaces ({host!r}); name one, e.g. 127.0.0.1")
 

@@ -40,8 +40,9 @@ class EngineSnapshot:
 
 
 class EngineMetrics:
-    def __init__(self, registry: CollectorRegistry, model_name: str = "",
-                 prompt_series: str = "pdserve:prompt_tokens_total"):
+    def __init__(
+        self, registry: CollectorRegistry, model_name: str = "", prompt_series: str = "pdserve:prompt_tokens_total"
+    ):
         """``prompt_series``: the counter of prompt work on this node, for the periodic stats line."""
         ProcessCollector(registry=registry)  # every worker registry gets one EngineMetrics
 
@@ -65,7 +66,8 @@ class EngineMetrics:
         self.kv_blocks_total = gauge("kv_blocks_total", "KV blocks in the pool")
         self.kv_live_slots = gauge("kv_live_slots", "Token slots of in-use KV blocks that hold a live token")
         self.kv_slot_utilization = gauge(
-            "kv_slot_utilization", "Live tokens / slots of in-use KV blocks, 0..1 (0 when none is in use)")
+            "kv_slot_utilization", "Live tokens / slots of in-use KV blocks, 0..1 (0 when none is in use)"
+        )
         self.prefix_cache_queries = vllm_counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
         self.prefix_cache_hits = vllm_counter("prefix_cache_hits", "Prompt tokens found in the prefix cache")
         self.num_preemptions = vllm_counter("num_preemptions", "Sequences preempted (recomputed later)")
@@ -74,16 +76,26 @@ class EngineMetrics:
         self.request_success = counter("request_success", "Finished requests", ("finished_reason",))
         self.request_failure = counter("request_failure", "Requests failed or refused", ("reason",))
         self.time_to_first_token = Histogram(
-            "pdserve:time_to_first_token_seconds", "Arrival to first token on this node",
-            buckets=_LATENCY_BUCKETS, registry=registry)
+            "pdserve:time_to_first_token_seconds",
+            "Arrival to first token on this node",
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
         self.inter_token_latency = Histogram(
-            "pdserve:inter_token_latency_seconds", "Between a completion's consecutive tokens",
-            buckets=_LATENCY_BUCKETS, registry=registry)
+            "pdserve:inter_token_latency_seconds",
+            "Between a completion's consecutive tokens",
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
         self.e2e_request_latency = Histogram(
-            "pdserve:e2e_request_latency_seconds", "Arrival to finish on this node",
-            buckets=_LATENCY_BUCKETS, registry=registry)
+            "pdserve:e2e_request_latency_seconds",
+            "Arrival to finish on this node",
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
         self.kv_integrity_checks = counter(
-            "kv_integrity_checks", "Idle checks of the block invariant (free + cached + in_use == total, one owner)")
+            "kv_integrity_checks", "Idle checks of the block invariant (free + cached + in_use == total, one owner)"
+        )
         self.kv_integrity_violations = counter("kv_integrity_violations", "Idle checks that found the invariant broken")
         self._last_integrity_check = float("-inf")
         self._checked_fingerprint: tuple | None = None
@@ -113,8 +125,12 @@ class EngineMetrics:
         if not is_idle or now - self._last_integrity_check < INTEGRITY_CHECK_INTERVAL_S:
             return
         # The walk is O(pool): skip it while nothing moved since the last one.
-        fingerprint = (block_manager.num_free_blocks, block_manager.num_cached_blocks,
-                       block_manager.num_prefix_query_tokens, block_manager.num_evicted_blocks)
+        fingerprint = (
+            block_manager.num_free_blocks,
+            block_manager.num_cached_blocks,
+            block_manager.num_prefix_query_tokens,
+            block_manager.num_evicted_blocks,
+        )
         if fingerprint == self._checked_fingerprint:
             return
         self._checked_fingerprint = fingerprint

@@ -22,8 +22,14 @@ STATS_INTERVAL_S = 10.0
 
 
 class StatsLog:
-    def __init__(self, registry: CollectorRegistry, model_name: str, prompt_series: str,
-                 interval_s: float = STATS_INTERVAL_S, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        model_name: str,
+        prompt_series: str,
+        interval_s: float = STATS_INTERVAL_S,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self._registry = registry
         self._labels = {"model_name": model_name}
         self._prompt_series = prompt_series  # what counts as prompt work on this node
@@ -36,9 +42,12 @@ class StatsLog:
         return self._registry.get_sample_value(name, labels or {}) or 0.0
 
     def _totals(self) -> tuple[float, float, float, float]:
-        return (self._value(self._prompt_series), self._value("pdserve:generation_tokens_total"),
-                self._value("vllm:prefix_cache_queries_total", self._labels),
-                self._value("vllm:prefix_cache_hits_total", self._labels))
+        return (
+            self._value(self._prompt_series),
+            self._value("pdserve:generation_tokens_total"),
+            self._value("vllm:prefix_cache_queries_total", self._labels),
+            self._value("vllm:prefix_cache_hits_total", self._labels),
+        )
 
     def tick(self) -> str | None:
         """The line, logged, when one is due and there was activity; else None."""
@@ -53,8 +62,10 @@ class StatsLog:
         if not (prompt or generated or running or waiting):
             return None
         usage = self._value("vllm:kv_cache_usage_perc", self._labels)
-        line = (f"Avg prompt throughput: {prompt / elapsed:.1f} tokens/s, Avg generation throughput: "
-                f"{generated / elapsed:.1f} tokens/s, Running: {running:.0f} reqs, Waiting: {waiting:.0f} reqs, "
-                f"KV cache usage: {usage * 100:.1f}%, Prefix cache hit rate: {hits / queries * 100 if queries else 0:.1f}%")
+        line = (
+            f"Avg prompt throughput: {prompt / elapsed:.1f} tokens/s, Avg generation throughput: "
+            f"{generated / elapsed:.1f} tokens/s, Running: {running:.0f} reqs, Waiting: {waiting:.0f} reqs, "
+            f"KV cache usage: {usage * 100:.1f}%, Prefix cache hit rate: {hits / queries * 100 if queries else 0:.1f}%"
+        )
         log.info("%s", line)
         return line

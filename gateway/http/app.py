@@ -66,7 +66,8 @@ class GatewayParams:
     allowed_origins: list[str] = field(default_factory=list)
     # the Responses API's store (its budget: gateway.responses_store_mb)
     response_store: ResponseStore = field(
-        default_factory=lambda: ResponseStore(GatewayConfig().responses_store_mb << 20))
+        default_factory=lambda: ResponseStore(GatewayConfig().responses_store_mb << 20)
+    )
     tracer: Tracer = NO_TRACING  # request traces (observability.otlp_traces_endpoint); off by default
     lora_adapters: LoRAAdapters | None = None  # None: no LoRA (requests may name the base model only)
 
@@ -81,10 +82,10 @@ async def read_json(request: Request, max_bytes: int):
     cross-site without a CORS preflight; refusing those keeps such pages from driving the API)."""
     media_type = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
     if media_type != "application/json" and not media_type.endswith("+json"):
-        raise APIError(415, f"content-type must be application/json, got {media_type[:100]!r}",
-                       code="unsupported_media_type")
-    too_large = APIError(413, f"request body is larger than the limit of {max_bytes} bytes",
-                         code="request_too_large")
+        raise APIError(
+            415, f"content-type must be application/json, got {media_type[:100]!r}", code="unsupported_media_type"
+        )
+    too_large = APIError(413, f"request body is larger than the limit of {max_bytes} bytes", code="request_too_large")
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
         raise too_large
@@ -100,8 +101,9 @@ async def read_json(request: Request, max_bytes: int):
         json.dumps(parsed, ensure_ascii=False).encode("utf-8")
         return parsed
     except UnicodeEncodeError:
-        raise bad_request("request body has a string with a lone surrogate (\\ud800-\\udfff); "
-                          "strings must be valid Unicode") from None
+        raise bad_request(
+            "request body has a string with a lone surrogate (\\ud800-\\udfff); strings must be valid Unicode"
+        ) from None
     except (ValueError, UnicodeDecodeError) as e:
         raise bad_request(f"request body is not valid JSON: {str(e)[:200]}") from None
     except RecursionError:  # json recurses once per nesting level: [[[[...]]]] must not be a 500
@@ -110,8 +112,16 @@ async def read_json(request: Request, max_bytes: int):
 
 def build_app(params: GatewayParams) -> Starlette:
     metrics = params.metrics or GatewayMetrics(params.limits.model_name, params.limits.max_model_len)
-    serving = Serving(params.tokenizer, params.backend, params.limits, metrics, params.chat_parsers,
-                      params.response_store, params.tracer, params.lora_adapters)
+    serving = Serving(
+        params.tokenizer,
+        params.backend,
+        params.limits,
+        metrics,
+        params.chat_parsers,
+        params.response_store,
+        params.tracer,
+        params.lora_adapters,
+    )
     keys = ApiKeys(params.api_keys)
     metrics.stored_responses.set_function(lambda: len(serving.store))
     metrics.stored_responses_bytes.set_function(lambda: serving.store.num_bytes)
@@ -121,15 +131,20 @@ def build_app(params: GatewayParams) -> Starlette:
 
     def authorize(request: Request) -> None:
         if not keys.check_header(request.headers.get("authorization")):
-            raise APIError(401, "invalid or missing API key (expected 'Authorization: Bearer <key>')",
-                           code="invalid_api_key")
+            raise APIError(
+                401, "invalid or missing API key (expected 'Authorization: Bearer <key>')", code="invalid_api_key"
+            )
 
     def authorize_anthropic(request: Request) -> None:
         """Anthropic's clients send the key bare in ``x-api-key``; a Bearer header works too."""
-        if not (keys.check_key(request.headers.get("x-api-key")) or
-                keys.check_header(request.headers.get("authorization"))):
-            raise APIError(401, "invalid or missing API key (expected 'x-api-key: <key>' or 'Authorization: "
-                                "Bearer <key>')", code="invalid_api_key")
+        if not (
+            keys.check_key(request.headers.get("x-api-key")) or keys.check_header(request.headers.get("authorization"))
+        ):
+            raise APIError(
+                401,
+                "invalid or missing API key (expected 'x-api-key: <key>' or 'Authorization: Bearer <key>')",
+                code="invalid_api_key",
+            )
 
     def generate(dialect: Dialect):
         async def endpoint(request: Request):
@@ -144,10 +159,21 @@ def build_app(params: GatewayParams) -> Starlette:
 
     async def models(request: Request):
         authorize(request)
-        return JSONResponse({"object": "list", "data": [
-            {"id": limits.model_name, "object": "model", "created": started, "owned_by": "pdserve",
-             "max_model_len": limits.max_model_len},
-            *serving.adapters.model_cards(started, limits.max_model_len)]})
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": limits.model_name,
+                        "object": "model",
+                        "created": started,
+                        "owned_by": "pdserve",
+                        "max_model_len": limits.max_model_len,
+                    },
+                    *serving.adapters.model_cards(started, limits.max_model_len),
+                ],
+            }
+        )
 
     lora_changes = asyncio.Lock()
 
@@ -178,8 +204,12 @@ def build_app(params: GatewayParams) -> Starlette:
         adapters, name = serving.adapters, body.get("lora_name")
         async with lora_changes:
             if not isinstance(name, str) or name not in adapters.paths:
-                raise APIError(404, f"The lora adapter '{str(name)[:200]}' cannot be found.", param="lora_name",
-                               code="model_not_found")
+                raise APIError(
+                    404,
+                    f"The lora adapter '{str(name)[:200]}' cannot be found.",
+                    param="lora_name",
+                    code="model_not_found",
+                )
             adapters.remove(name)
             await params.backend.set_lora_adapters(adapters.paths, adapters.version, name)
         log.info("LoRA adapter %s unloaded", name)
@@ -253,8 +283,10 @@ def build_app(params: GatewayParams) -> Starlette:
 
     async def on_http_error(request: Request, e: HTTPException):
         code = "not_found" if e.status_code == 404 else None
-        return JSONResponse({"error": {"message": str(e.detail)[:200], "type": "invalid_request_error",
-                                       "param": None, "code": code}}, status_code=e.status_code)
+        return JSONResponse(
+            {"error": {"message": str(e.detail)[:200], "type": "invalid_request_error", "param": None, "code": code}},
+            status_code=e.status_code,
+        )
 
     async def on_unexpected(request: Request, e: Exception):
         log.exception("unhandled error on %s", request.url.path)  # the trace goes to the log, never the client
@@ -276,6 +308,7 @@ def build_app(params: GatewayParams) -> Starlette:
         Route("/version", version, methods=["GET"]),
         Route("/openapi.json", openapi, methods=["GET"]),
     ]
+
     @contextlib.asynccontextmanager
     async def lifespan(app):
         await params.backend.start()  # in the serving loop: the backend's sockets and tasks live there
@@ -283,7 +316,8 @@ def build_app(params: GatewayParams) -> Starlette:
         if serving.store.is_shared:  # cancels of background responses asked of another replica
             loop = asyncio.get_running_loop()
             stop_listening = serving.store.listen_for_cancels(
-                lambda rid: loop.call_soon_threadsafe(serving.background.cancel_soon, rid))
+                lambda rid: loop.call_soon_threadsafe(serving.background.cancel_soon, rid)
+            )
         try:
             yield
         finally:
@@ -296,11 +330,22 @@ def build_app(params: GatewayParams) -> Starlette:
     if params.allowed_origins:
         # A preflight (OPTIONS) is answered here, before the key check: browsers send it without one.
         # Credentials stay off: the API key travels in a header the page sets, never in a cookie.
-        middleware.append(Middleware(CORSMiddleware, allow_origins=params.allowed_origins,
-                                     allow_methods=["GET", "POST", "DELETE"], allow_headers=["*"], max_age=600))
+        middleware.append(
+            Middleware(
+                CORSMiddleware,
+                allow_origins=params.allowed_origins,
+                allow_methods=["GET", "POST", "DELETE"],
+                allow_headers=["*"],
+                max_age=600,
+            )
+        )
     middleware.append(Middleware(RequestIdEcho, error_response=error_response))
-    app = Starlette(routes=routes, lifespan=lifespan, middleware=middleware, exception_handlers={
-        APIError: on_api_error, HTTPException: on_http_error, Exception: on_unexpected})
+    app = Starlette(
+        routes=routes,
+        lifespan=lifespan,
+        middleware=middleware,
+        exception_handlers={APIError: on_api_error, HTTPException: on_http_error, Exception: on_unexpected},
+    )
     app.state.metrics = metrics
     app.state.serving = serving
     return app

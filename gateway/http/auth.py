@@ -29,7 +29,7 @@ class ApiKeys:
             return True
         if not authorization or not authorization.startswith("Bearer "):
             return False
-        return self.check_key(authorization[len("Bearer "):].strip())
+        return self.check_key(authorization[len("Bearer ") :].strip())
 
     def check_key(self, key: str | None) -> bool:
         """True for a known key given bare (Anthropic's clients send it so, in ``x-api-key``)."""

@@ -21,8 +21,15 @@ _TYPES = {
 class APIError(Exception):
     """An error the client should see with ``status``; ``param`` names the offending request field."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 retry_after_s: int | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after_s: int | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message[:MAX_MESSAGE_CHARS]
@@ -31,8 +38,14 @@ class APIError(Exception):
         self.retry_after_s = retry_after_s  # set only for 503: becomes the Retry-After header
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": _TYPES.get(self.status, "invalid_request_error"),
-                          "param": self.param, "code": self.code}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": _TYPES.get(self.status, "invalid_request_error"),
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
     def headers(self) -> dict[str, str]:
         return {} if self.retry_after_s is None else {"Retry-After": str(self.retry_after_s)}
@@ -43,5 +56,9 @@ def bad_request(message: str, param: str | None = None) -> APIError:
 
 
 def no_capacity(retry_after_s: int, why: str = "no worker can take this request now") -> APIError:
-    return APIError(503, f"service unavailable: {why}; retry after {retry_after_s} s",
-                    code="no_capacity", retry_after_s=retry_after_s)
+    return APIError(
+        503,
+        f"service unavailable: {why}; retry after {retry_after_s} s",
+        code="no_capacity",
+        retry_after_s=retry_after_s,
+    )

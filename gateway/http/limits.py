@@ -82,7 +82,9 @@ class TimedH11Protocol(H11Protocol):
         self._cancel_read()
         self._reading = what
         timeout = self._limits.header_timeout_s if what == "headers" else self._limits.body_timeout_s
-        self._read_timer = self.loop.call_later(timeout, self._drop, f"request {what} not received within {timeout:g} s")
+        self._read_timer = self.loop.call_later(
+            timeout, self._drop, f"request {what} not received within {timeout:g} s"
+        )
 
     def _cancel_read(self) -> None:
         if self._read_timer is not None:
@@ -123,8 +125,12 @@ def _refusal(limit: int):
     """An ASGI app answering 503 in OpenAI's error shape, and closing the connection."""
     error = no_capacity(1, f"this server has {limit} connections open, its limit (gateway.max_connections)")
     body = json.dumps(error.body()).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-               (b"retry-after", b"1"), (b"connection", b"close")]
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        (b"retry-after", b"1"),
+        (b"connection", b"close"),
+    ]
 
     async def refuse(scope, receive, send) -> None:
         await send({"type": "http.response.start", "status": 503, "headers": headers})

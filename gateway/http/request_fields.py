@@ -47,8 +47,9 @@ class Fields:
             raise bad_request(f"{name} must be a 64-bit integer, got {_show(v)}", name)
         return v
 
-    def float(self, name: str, default: float, lo: float | None = None, hi: float | None = None,
-              lo_open: bool = False) -> float:
+    def float(
+        self, name: str, default: float, lo: float | None = None, hi: float | None = None, lo_open: bool = False
+    ) -> float:
         v = self.raw(name, default)
         bad = not _is_number(v) or (lo is not None and (v <= lo if lo_open else v < lo)) or (hi is not None and v > hi)
         if bad:
@@ -93,8 +94,9 @@ class Fields:
             if not (key.isascii() and key.isdigit() and int(key) <= _INT64_MAX):
                 raise bad_request(f"{name} keys must be token ids (non-negative integers), got {_show(key)}", name)
             if not _is_number(bias) or abs(bias) > max_bias:
-                raise bad_request(f"{name}[{key[:20]}] must be a number in [-{max_bias:g}, {max_bias:g}], "
-                                  f"got {_show(bias)}", name)
+                raise bad_request(
+                    f"{name}[{key[:20]}] must be a number in [-{max_bias:g}, {max_bias:g}], got {_show(bias)}", name
+                )
             out[int(key)] = float(bias)
         return out
 

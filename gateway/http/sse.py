@@ -43,17 +43,29 @@ async def wait_for_disconnect(receive: Callable[[], Awaitable[dict]]) -> None:
 class EventStreamResponse:
     """An ASGI app streaming ``events`` (already framed as SSE bytes) with status 200."""
 
-    def __init__(self, events: AsyncGenerator[bytes, None], on_close: Callable[[], Awaitable[None]],
-                 keepalive_s: float | None = None) -> None:
+    def __init__(
+        self,
+        events: AsyncGenerator[bytes, None],
+        on_close: Callable[[], Awaitable[None]],
+        keepalive_s: float | None = None,
+    ) -> None:
         self._events = events
         self._on_close = on_close  # idempotent cleanup; also runs if ``events`` never started
         self._keepalive_s = keepalive_s or math.inf  # None or 0: never
 
     async def __call__(self, scope, receive, send) -> None:
         try:
-            await send({"type": "http.response.start", "status": 200, "headers": [
-                (b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
-                (b"x-accel-buffering", b"no")]})
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [
+                        (b"content-type", b"text/event-stream; charset=utf-8"),
+                        (b"cache-control", b"no-cache"),
+                        (b"x-accel-buffering", b"no"),
+                    ],
+                }
+            )
             async with anyio.create_task_group() as tg:
                 lock, last_write = anyio.Lock(), [time.monotonic()]
 

@@ -29,13 +29,34 @@ class ChoiceDelta:
 class ChoiceState:
     """Text, token count and finish reason of one choice (one backend request)."""
 
-    __slots__ = ("index", "request_id", "prompt_ids", "num_output_tokens", "num_cached_tokens", "text",
-                 "finish_reason", "prompt_logprobs", "_detok", "_stop", "_stop_token_ids", "_last_token_id",
-                 "_held_logprobs", "_all_logprobs")
+    __slots__ = (
+        "index",
+        "request_id",
+        "prompt_ids",
+        "num_output_tokens",
+        "num_cached_tokens",
+        "text",
+        "finish_reason",
+        "prompt_logprobs",
+        "_detok",
+        "_stop",
+        "_stop_token_ids",
+        "_last_token_id",
+        "_held_logprobs",
+        "_all_logprobs",
+    )
 
-    def __init__(self, index: int, request_id: str, tokenizer: Tokenizer, prompt_ids: list[int],
-                 stop: list[str], skip_special_tokens: bool = True, stop_token_ids: list[int] = (),
-                 include_stop_str: bool = False) -> None:
+    def __init__(
+        self,
+        index: int,
+        request_id: str,
+        tokenizer: Tokenizer,
+        prompt_ids: list[int],
+        stop: list[str],
+        skip_special_tokens: bool = True,
+        stop_token_ids: list[int] = (),
+        include_stop_str: bool = False,
+    ) -> None:
         self.index = index
         self.request_id = request_id
         self.prompt_ids = prompt_ids

@@ -37,12 +37,33 @@ class GenerationFailed(APIError):
 
 
 class Generation:
-    __slots__ = ("_backend", "_requests", "states", "_metrics", "_gens", "_firsts", "_pumps", "_queue",
-                 "_last_event_time", "_first_token_time", "_queue_time", "_is_closed", "num_choices_per_prompt",
-                 "worker_ids", "request_id")
+    __slots__ = (
+        "_backend",
+        "_requests",
+        "states",
+        "_metrics",
+        "_gens",
+        "_firsts",
+        "_pumps",
+        "_queue",
+        "_last_event_time",
+        "_first_token_time",
+        "_queue_time",
+        "_is_closed",
+        "num_choices_per_prompt",
+        "worker_ids",
+        "request_id",
+    )
 
-    def __init__(self, backend: Backend, requests: list[GenerationRequest], states: list[ChoiceState],
-                 metrics: GatewayMetrics, num_choices_per_prompt: int = 1, request_id: str = "") -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        requests: list[GenerationRequest],
+        states: list[ChoiceState],
+        metrics: GatewayMetrics,
+        num_choices_per_prompt: int = 1,
+        request_id: str = "",
+    ) -> None:
         assert len(states) == len(requests) * num_choices_per_prompt
         self._backend = backend
         self._requests = requests
@@ -88,8 +109,9 @@ class Generation:
     async def deltas(self) -> AsyncIterator[tuple[int, ChoiceDelta]]:
         """(choice index, delta) until every choice is finished; raises GenerationFailed on a worker error."""
         n = self.num_choices_per_prompt
-        self._pumps = [asyncio.create_task(self._pump(r, g, f))
-                       for r, (g, f) in enumerate(zip(self._gens, self._firsts))]
+        self._pumps = [
+            asyncio.create_task(self._pump(r, g, f)) for r, (g, f) in enumerate(zip(self._gens, self._firsts))
+        ]
         while not all(s.is_finished for s in self.states):
             r, event = await self._next_event()
             if event.error is not None:
@@ -170,8 +192,16 @@ class Generation:
     def timings(self) -> list[ChoiceTiming]:
         """Each choice's timestamps and outcome so far (the request metrics and log line read them)."""
         n = self.num_choices_per_prompt
-        return [ChoiceTiming(self._queue_time[i // n], self._first_token_time[i], self._last_event_time[i],
-                             s.num_output_tokens, s.finish_reason) for i, s in enumerate(self.states)]
+        return [
+            ChoiceTiming(
+                self._queue_time[i // n],
+                self._first_token_time[i],
+                self._last_event_time[i],
+                s.num_output_tokens,
+                s.finish_reason,
+            )
+            for i, s in enumerate(self.states)
+        ]
 
     async def abort(self) -> None:
         """Abort every backend request (the client left before the first token): the workers let go

@@ -29,19 +29,25 @@ class LoRAAdapters:
         if model in self.paths:
             return model
         served = ", ".join(f"`{n}`" for n in [self.base_name, *self.paths])
-        raise APIError(404, f"The model `{model[:200]}` does not exist; this server serves {served}",
-                       param="model", code="model_not_found")
+        raise APIError(
+            404,
+            f"The model `{model[:200]}` does not exist; this server serves {served}",
+            param="model",
+            code="model_not_found",
+        )
 
     def check_new(self, name: object, path: object) -> None:
         """A 400 for a load request this server cannot take (before any worker is asked)."""
         if not self.enabled:
             raise bad_request("LoRA adapters are not enabled on this server (start it with --enable-lora)")
         if not isinstance(name, str) or not name or len(name) > MAX_LORA_NAME_CHARS:
-            raise bad_request(f"lora_name must be a non-empty string of at most {MAX_LORA_NAME_CHARS} characters",
-                              "lora_name")
+            raise bad_request(
+                f"lora_name must be a non-empty string of at most {MAX_LORA_NAME_CHARS} characters", "lora_name"
+            )
         if not isinstance(path, str) or not path:
-            raise bad_request("lora_path must be a non-empty string (a directory on the workers' filesystem)",
-                              "lora_path")
+            raise bad_request(
+                "lora_path must be a non-empty string (a directory on the workers' filesystem)", "lora_path"
+            )
         if name == self.base_name or name in self.paths:
             raise bad_request(f"The lora adapter '{name}' has already been loaded.", "lora_name")
 
@@ -55,5 +61,15 @@ class LoRAAdapters:
 
     def model_cards(self, created: int, max_model_len: int) -> list[dict]:
         """``/v1/models`` entries of the adapters: each names the base as its ``parent`` (vLLM's)."""
-        return [{"id": name, "object": "model", "created": created, "owned_by": "pdserve", "root": path,
-                 "parent": self.base_name, "max_model_len": max_model_len} for name, path in self.paths.items()]
+        return [
+            {
+                "id": name,
+                "object": "model",
+                "created": created,
+                "owned_by": "pdserve",
+                "root": path,
+                "parent": self.base_name,
+                "max_model_len": max_model_len,
+            }
+            for name, path in self.paths.items()
+        ]

@@ -69,14 +69,23 @@ class ServingLimits:
 class Serving:
     """The pipeline behind every generation route; ``serve`` answers one request in its dialect."""
 
-    def __init__(self, tokenizer: Tokenizer, backend: Backend, limits: ServingLimits,
-                 metrics: GatewayMetrics, parsers: ChatParsers = ChatParsers(),
-                 store: ResponseStore | None = None, tracer: Tracer = NO_TRACING,
-                 adapters: LoRAAdapters | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        backend: Backend,
+        limits: ServingLimits,
+        metrics: GatewayMetrics,
+        parsers: ChatParsers = ChatParsers(),
+        store: ResponseStore | None = None,
+        tracer: Tracer = NO_TRACING,
+        adapters: LoRAAdapters | None = None,
+    ) -> None:
         self._tok = tokenizer
         # the LoRA adapters a request may name as its model (also /v1/models and the load routes')
         self.adapters = adapters if adapters is not None else LoRAAdapters(limits.model_name, enabled=False)
-        self.store = store if store is not None else ResponseStore(0)  # the Responses API's; also read by the routes that show it
+        self.store = (
+            store if store is not None else ResponseStore(0)
+        )  # the Responses API's; also read by the routes that show it
         self.background = BackgroundResponses()  # its background responses still running
         self._parsers = parsers
         self._backend = backend
@@ -108,8 +117,12 @@ class Serving:
         """The request's span (a child of the client's traceparent header, if any), its parse phase open."""
         if not self._tracer.enabled:
             return None
-        trace = self._tracer.request(f"{request.method} {request.url.path}", request.headers.get("traceparent", ""),
-                                     kind=KIND_SERVER, **{"gen_ai.request.model": self._limits.model_name})
+        trace = self._tracer.request(
+            f"{request.method} {request.url.path}",
+            request.headers.get("traceparent", ""),
+            kind=KIND_SERVER,
+            **{"gen_ai.request.model": self._limits.model_name},
+        )
         trace.phase("parse")
         return trace
 
@@ -132,14 +145,22 @@ class Serving:
         limit = self._limits.max_prompt_logprobs_entries
         if num_entries > limit:
             param = "prompt_logprobs" if p.prompt_logprobs is not None else "logprobs"
-            raise bad_request(f"{param}: {num_tokens} prompt tokens with logprobs x ({k} + 1) x n={p.n} is "
-                              f"{num_entries} entries, more than this server's limit of {limit} "
-                              "(gateway.max_prompt_logprobs_entries)", param)
+            raise bad_request(
+                f"{param}: {num_tokens} prompt tokens with logprobs x ({k} + 1) x n={p.n} is "
+                f"{num_entries} entries, more than this server's limit of {limit} "
+                "(gateway.max_prompt_logprobs_entries)",
+                param,
+            )
 
     def render(self, prompt: ChatPrompt) -> str:
         try:
-            return self._tok.apply_chat_template(prompt.messages, prompt.add_generation_prompt, prompt.tools,
-                                                 prompt.continue_final_message, **prompt.template_kwargs)
+            return self._tok.apply_chat_template(
+                prompt.messages,
+                prompt.add_generation_prompt,
+                prompt.tools,
+                prompt.continue_final_message,
+                **prompt.template_kwargs,
+            )
         except ChatTemplateError as e:
             raise bad_request(str(e), "messages") from None
 
@@ -175,8 +196,10 @@ class Serving:
             prompts = [self.tokenize_prompt(x) for x in p.prompts]
         prompts = [truncate_prompt(ids, p.truncate_prompt_tokens, self._limits.max_model_len) for ids in prompts]
         self._check_prompt_logprobs_budget(p, prompts)
-        for name, ids in (("logit_bias", [b.token_id for b in p.sampling["logit_bias"]]),
-                          ("allowed_token_ids", p.sampling["allowed_token_ids"] or [])):
+        for name, ids in (
+            ("logit_bias", [b.token_id for b in p.sampling["logit_bias"]]),
+            ("allowed_token_ids", p.sampling["allowed_token_ids"] or []),
+        ):
             bad = [t for t in ids if not self._tok.is_valid_id(t)]
             if bad:
                 raise bad_request(f"{name} {self._tok.id_range_error(bad[0])}", name)
@@ -189,12 +212,16 @@ class Serving:
         if trace is not None:
             trace.set(**{"gen_ai.request.id": rid})
             trace.phase("generate")  # routing (a "route" span per prompt), queueing, prefill: up to the first token
-        opts = ResponseOptions(p.logprobs, p.prompt_logprobs, p.n, self._echo_texts(p, prompts) if p.echo else None,
-                               shape)
+        opts = ResponseOptions(
+            p.logprobs, p.prompt_logprobs, p.n, self._echo_texts(p, prompts) if p.echo else None, shape
+        )
         generation = Generation(self._backend, requests, states, self._metrics, p.n, request_id=rid)
         served_as = lora_name or self._limits.model_name  # the adapter's name answers as the model, as vLLM's
-        out = asked.output(OutputContext(rid, int(time.time()), served_as, len(states), shape,
-                                         self._formats[p.tokens_as_ids], opts, self._tok))
+        out = asked.output(
+            OutputContext(
+                rid, int(time.time()), served_as, len(states), shape, self._formats[p.tokens_as_ids], opts, self._tok
+            )
+        )
         self.num_in_flight += 1
         self._metrics.num_requests_running.inc()
         if asked.background:
@@ -212,15 +239,18 @@ class Serving:
         if trace is not None:
             trace.phase("stream")
         if p.stream:
-            return EventStreamResponse(self._stream(generation, out, rid, arrival, None if started else starting),
-                                       on_close=lambda: self._close(generation, arrival, "aborted", starting),
-                                       keepalive_s=self._limits.sse_keepalive_s)
+            return EventStreamResponse(
+                self._stream(generation, out, rid, arrival, None if started else starting),
+                on_close=lambda: self._close(generation, arrival, "aborted", starting),
+                keepalive_s=self._limits.sse_keepalive_s,
+            )
         if not await self._collect(request, generation, arrival):
             return JSONResponse({}, status_code=499)  # the client left; nobody reads this
         return JSONResponse(out.whole(generation.states))
 
-    def _answer_in_background(self, generation: Generation, builder: StoredOutput, keep: Callable[[dict], object],
-                              rid: str, arrival: float) -> JSONResponse:
+    def _answer_in_background(
+        self, generation: Generation, builder: StoredOutput, keep: Callable[[dict], object], rid: str, arrival: float
+    ) -> JSONResponse:
         """The response, ``queued``, now; its generation goes on in the background
         (gateway/dialects/responses/background.py)."""
         queued = {**builder.body(), "status": "queued"}
@@ -228,8 +258,9 @@ class Serving:
         self.background.start(rid, self._generate_in_background(generation, builder, keep, arrival))
         return JSONResponse(queued)
 
-    async def _generate_in_background(self, generation: Generation, builder: StoredOutput,
-                                      keep: Callable[[dict], object], arrival: float) -> None:
+    async def _generate_in_background(
+        self, generation: Generation, builder: StoredOutput, keep: Callable[[dict], object], arrival: float
+    ) -> None:
         """Runs the generation to its end, storing the response in_progress once the workers have it, then
         as it ended (``builder`` stores what it finishes); cancelled, it is stored cancelled."""
         outcome = "aborted"
@@ -287,25 +318,46 @@ class Serving:
             last = p.chat_prompt.messages[-1]
             wanted = last.get("role") == "assistant" and isinstance(last.get("content"), str)
             return [last["content"]] if wanted else None
-        return [sent if isinstance(sent, str) else self._tok.decode(ids, skip_special_tokens=False)
-                for sent, ids in zip(p.prompts, prompts)]
+        return [
+            sent if isinstance(sent, str) else self._tok.decode(ids, skip_special_tokens=False)
+            for sent, ids in zip(p.prompts, prompts)
+        ]
 
-    def _fan_out(self, rid: str, p: ParsedRequest, prompts: list[list[int]], chat: bool, arrival: float,
-                 trace: RequestTrace | None = None):
+    def _fan_out(
+        self,
+        rid: str,
+        p: ParsedRequest,
+        prompts: list[list[int]],
+        chat: bool,
+        arrival: float,
+        trace: RequestTrace | None = None,
+    ):
         deadline = arrival + self._limits.request_timeout_s if self._limits.request_timeout_s else None
         requests, states = [], []
         for prompt_index, ids in enumerate(prompts):
             max_tokens = resolve_max_tokens(p.max_tokens, len(ids), self._limits.max_model_len, chat)
             request_id = f"{rid}-{prompt_index}"
-            requests.append(GenerationRequest(request_id, ids, p.sampling_options(max_tokens), arrival, deadline,
-                                              trace))
+            requests.append(
+                GenerationRequest(request_id, ids, p.sampling_options(max_tokens), arrival, deadline, trace)
+            )
             for j in range(p.n):  # choice prompt_index * n + j is completion j of that request
-                states.append(ChoiceState(prompt_index * p.n + j, request_id, self._tok, ids, p.stop,
-                                          p.skip_special_tokens, p.sampling["stop_token_ids"], p.include_stop_str))
+                states.append(
+                    ChoiceState(
+                        prompt_index * p.n + j,
+                        request_id,
+                        self._tok,
+                        ids,
+                        p.stop,
+                        p.skip_special_tokens,
+                        p.sampling["stop_token_ids"],
+                        p.include_stop_str,
+                    )
+                )
         return requests, states
 
-    async def _start(self, request: Request, generation: Generation, starting: asyncio.Future,
-                     patience_s: float | None) -> bool | None:
+    async def _start(
+        self, request: Request, generation: Generation, starting: asyncio.Future, patience_s: float | None
+    ) -> bool | None:
         """Waits for ``starting`` (``generation.start()``: up to every request's first event) while watching
         the client: True once started; None where the client left first (a long queue or prefill), its
         requests aborted so the workers let go then, not at the first token; False where it is still
@@ -313,6 +365,7 @@ class Serving:
         left = False
         failure: list[Exception] = []  # kept out of the task group, which would wrap it in an ExceptionGroup
         async with anyio.create_task_group() as tg:
+
             async def watch() -> None:
                 nonlocal left
                 await wait_for_disconnect(request.receive)
@@ -340,6 +393,7 @@ class Serving:
         failure: list[APIError] = []  # kept out of the task group, which would wrap it in an ExceptionGroup
         try:
             async with anyio.create_task_group() as tg:
+
                 async def drain() -> None:
                     try:
                         async for _ in generation.deltas():
@@ -361,8 +415,14 @@ class Serving:
             await self._close(generation, arrival, outcome)
         return True
 
-    async def _stream(self, generation: Generation, out: OutputBuilder, rid: str,
-                      arrival: float, starting: asyncio.Future | None = None) -> AsyncGenerator[bytes, None]:
+    async def _stream(
+        self,
+        generation: Generation,
+        out: OutputBuilder,
+        rid: str,
+        arrival: float,
+        starting: asyncio.Future | None = None,
+    ) -> AsyncGenerator[bytes, None]:
         """SSE frames from ``out``: its opening, its frames of each delta, then its closing, or its
         failure (headers are gone by then: the only way left to tell the client is in-band).
         ``starting``: the generation's start, where the stream began before it ended."""
@@ -393,8 +453,9 @@ class Serving:
         finally:
             await self._close(generation, arrival, outcome, starting)
 
-    async def _close(self, generation: Generation, arrival: float, outcome: str,
-                     starting: asyncio.Future | None = None) -> None:
+    async def _close(
+        self, generation: Generation, arrival: float, outcome: str, starting: asyncio.Future | None = None
+    ) -> None:
         """Release the backend requests and count the outcome, once, whoever gets here first. ``starting``:
         the generation's start, ended first where it still runs (a stream its client left while queued)."""
         if starting is not None and not starting.done():
@@ -419,8 +480,16 @@ class Serving:
             m.request_generation_tokens.observe(counts["completion_tokens"])
         timings = generation.timings()
         m.observe_choices(arrival, timings, aborted=outcome == "aborted")
-        report = RequestReport.of(generation.request_id, self._limits.model_name, outcome, counts, timings,
-                                  generation.worker_ids, arrival, time.monotonic())
+        report = RequestReport.of(
+            generation.request_id,
+            self._limits.model_name,
+            outcome,
+            counts,
+            timings,
+            generation.worker_ids,
+            arrival,
+            time.monotonic(),
+        )
         log.info("%s", report.log_line())
         if generation.trace is not None:
             generation.trace.end(report.error, **report.span_attributes())

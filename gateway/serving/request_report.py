@@ -28,19 +28,39 @@ class RequestReport:
     workers: str
 
     @classmethod
-    def of(cls, request_id: str, model: str, outcome: str, usage: dict, timings: list[ChoiceTiming],
-           workers: list[str], arrival: float, now: float) -> RequestReport:
+    def of(
+        cls,
+        request_id: str,
+        model: str,
+        outcome: str,
+        usage: dict,
+        timings: list[ChoiceTiming],
+        workers: list[str],
+        arrival: float,
+        now: float,
+    ) -> RequestReport:
         firsts = [t.first_token_at for t in timings if t.first_token_at is not None]
-        return cls(request_id, model, outcome, usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"],
-                   usage["completion_tokens"], min(firsts) - arrival if firsts else None, now - arrival,
-                   ",".join(t.finish_reason or "-" for t in timings), ",".join(workers) or "-")
+        return cls(
+            request_id,
+            model,
+            outcome,
+            usage["prompt_tokens"],
+            usage["prompt_tokens_details"]["cached_tokens"],
+            usage["completion_tokens"],
+            min(firsts) - arrival if firsts else None,
+            now - arrival,
+            ",".join(t.finish_reason or "-" for t in timings),
+            ",".join(workers) or "-",
+        )
 
     def log_line(self) -> str:
         ttft = f"{self.ttft_s:.3f}s" if self.ttft_s is not None else "-"
-        return (f"rid={self.request_id} finished: model={self.model} outcome={self.outcome} "
-                f"prompt_tokens={self.prompt_tokens} cached_tokens={self.cached_tokens} "
-                f"output_tokens={self.output_tokens} ttft={ttft} e2e={self.e2e_s:.3f}s finish={self.finish_reasons} "
-                f"workers={self.workers}")
+        return (
+            f"rid={self.request_id} finished: model={self.model} outcome={self.outcome} "
+            f"prompt_tokens={self.prompt_tokens} cached_tokens={self.cached_tokens} "
+            f"output_tokens={self.output_tokens} ttft={ttft} e2e={self.e2e_s:.3f}s finish={self.finish_reasons} "
+            f"workers={self.workers}"
+        )
 
     @property
     def error(self) -> str | None:
@@ -48,6 +68,11 @@ class RequestReport:
         return None if self.outcome in ("success", "aborted") else self.outcome
 
     def span_attributes(self) -> dict:
-        return {"gen_ai.usage.prompt_tokens": self.prompt_tokens, "gen_ai.usage.completion_tokens": self.output_tokens,
-                "gen_ai.response.finish_reasons": self.finish_reasons, "pdserve.outcome": self.outcome,
-                "pdserve.cached_tokens": self.cached_tokens, "pdserve.workers": self.workers}
+        return {
+            "gen_ai.usage.prompt_tokens": self.prompt_tokens,
+            "gen_ai.usage.completion_tokens": self.output_tokens,
+            "gen_ai.response.finish_reasons": self.finish_reasons,
+            "pdserve.outcome": self.outcome,
+            "pdserve.cached_tokens": self.cached_tokens,
+            "pdserve.workers": self.workers,
+        }

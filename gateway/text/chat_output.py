@@ -41,8 +41,9 @@ class ChatOutput:
 
     def __init__(self, shape: ChatShape) -> None:
         self._include_reasoning = shape.include_reasoning
-        self._reasoning = (REASONING_PARSERS[shape.reasoning](shape.opened_by_prompt)
-                           if shape.reasoning is not None else None)
+        self._reasoning = (
+            REASONING_PARSERS[shape.reasoning](shape.opened_by_prompt) if shape.reasoning is not None else None
+        )
         self._tools = ToolCallReader(shape.tool_choice) if shape.tool_choice is not None else None
 
     def feed(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:

@@ -44,11 +44,11 @@ class IncrementalDetokenizer:
         if len(full_text) <= len(prefix_text) or full_text.endswith(_REPLACEMENT):
             return ""  # nothing new, or a character still waits for its remaining bytes
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
-        return full_text[len(prefix_text):]
+        return full_text[len(prefix_text) :]
 
     def flush(self) -> str:
         """At the end of generation: the held-back tail, U+FFFD included if bytes never completed."""
         prefix_text = self._decode(self._prefix_offset, self._read_offset)
         full_text = self._decode(self._prefix_offset)
         self._prefix_offset = self._read_offset = len(self._ids)
-        return full_text[len(prefix_text):]
+        return full_text[len(prefix_text) :]

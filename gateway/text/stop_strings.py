@@ -32,9 +32,9 @@ class StopStringMatcher:
             at, self.matched = min(hits, key=lambda hit: hit[0])
             self.stopped = True
             self._pending = ""
-            return text[:at + (len(self.matched) if self._include else 0)], True
+            return text[: at + (len(self.matched) if self._include else 0)], True
         held = held_suffix_len(text, self._stops)
-        self._pending = text[len(text) - held:]
+        self._pending = text[len(text) - held :]
         return text[: len(text) - held], False
 
     def flush(self) -> str:
@@ -61,6 +61,6 @@ def cut_at(text: str, tag: str, final: bool) -> tuple[str, str, bool]:
     next delta (nothing is held back once ``final``)."""
     at = text.find(tag)
     if at >= 0:
-        return text[:at], text[at + len(tag):], True
+        return text[:at], text[at + len(tag) :], True
     held = 0 if final else held_suffix_len(text, [tag])
-    return text[: len(text) - held], text[len(text) - held:], False
+    return text[: len(text) - held], text[len(text) - held :], False

@@ -69,8 +69,18 @@ def load_chat_template(given: str) -> str:
 
 def _clean_up_spaces(text: str) -> str:
     # transformers' clean_up_tokenization: undo the spaces old tokenizers put before punctuation
-    for before, after in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
-                          (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):
+    for before, after in (
+        (" .", "."),
+        (" ?", "?"),
+        (" !", "!"),
+        (" ,", ","),
+        (" ' ", "'"),
+        (" n't", "n't"),
+        (" 'm", "'m"),
+        (" 's", "'s"),
+        (" 've", "'ve"),
+        (" 're", "'re"),
+    ):
         text = text.replace(before, after)
     return text
 
@@ -110,8 +120,11 @@ class Tokenizer:
         self.special_tokens = {k: t for k in _SPECIAL_KEYS if (t := _token_text(config.get(k))) is not None}
         self._clean_up_spaces = bool(config.get("clean_up_tokenization_spaces", False))
         jinja_path = path / "chat_template.jinja"
-        source = jinja_path.read_text(encoding="utf-8") if jinja_path.exists() else _pick_template(
-            config.get("chat_template"))
+        source = (
+            jinja_path.read_text(encoding="utf-8")
+            if jinja_path.exists()
+            else _pick_template(config.get("chat_template"))
+        )
         source = load_chat_template(chat_template) if chat_template else source
         self._template = _compile_template(source) if source else None
         eos = self.special_tokens.get("eos_token")
@@ -148,12 +161,19 @@ class Tokenizer:
     def id_range_error(self, token_id: int) -> str:
         """Why ``token_id`` is refused, naming both bounds."""
         embedding = f"; the model's embedding has {self.num_embeddings} rows" if self.num_embeddings else ""
-        return (f"token id {token_id} is out of range [0, {self.id_limit}): the tokenizer's highest id is "
-                f"{self.max_token_id}{embedding}")
+        return (
+            f"token id {token_id} is out of range [0, {self.id_limit}): the tokenizer's highest id is "
+            f"{self.max_token_id}{embedding}"
+        )
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None, continue_final_message: bool = False,
-                            **template_kwargs) -> str:
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        continue_final_message: bool = False,
+        **template_kwargs,
+    ) -> str:
         """The prompt text for ``messages`` (and ``tools``, for templates that show them to the model;
         ``template_kwargs``: more variables, such as Qwen3's ``enable_thinking``); special tokens in
         the result are encoded as such. ``continue_final_message``: the text ends where the final
@@ -165,8 +185,13 @@ class Tokenizer:
         if continue_final_message:
             messages[-1] = {**messages[-1], "content": (messages[-1].get("content") or "") + _CONTINUE_TAG}
         try:
-            text = self._template.render(**{**self.special_tokens, **template_kwargs}, messages=messages,
-                                         add_generation_prompt=add_generation_prompt, tools=tools, documents=None)
+            text = self._template.render(
+                **{**self.special_tokens, **template_kwargs},
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                tools=tools,
+                documents=None,
+            )
         except jinja2.exceptions.TemplateError as e:
             raise ChatTemplateError(f"chat template error: {e}") from None
         return _cut_at_tag(text) if continue_final_message else text

@@ -40,9 +40,15 @@ class ToolChoice:
             return None
         if self.name is not None:
             return StructuredOutput("json", json.dumps(_parameters(self._tool(self.name)), ensure_ascii=False))
-        calls = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
-                                                   "parameters": _parameters(t)},
-                  "required": ["name", "parameters"], "additionalProperties": False} for t in self.tools]
+        calls = [
+            {
+                "type": "object",
+                "properties": {"name": {"const": t["function"]["name"]}, "parameters": _parameters(t)},
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            }
+            for t in self.tools
+        ]
         schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
         if not self.parallel:
             schema["maxItems"] = 1
@@ -64,16 +70,21 @@ def parse_tool_choice(f: Fields, tools: list[dict] | None, auto_parser: str | No
         raise bad_request("tool_choice other than 'none' needs tools", "tool_choice")
     if choice == "auto":
         if auto_parser is None:
-            raise bad_request("tool_choice 'auto' needs a parser of the model's free-form tool calls: start the "
-                              "server with --tool-call-parser (gateway.tool_call_parser), or use 'required' or "
-                              "name a function", "tool_choice")
+            raise bad_request(
+                "tool_choice 'auto' needs a parser of the model's free-form tool calls: start the "
+                "server with --tool-call-parser (gateway.tool_call_parser), or use 'required' or "
+                "name a function",
+                "tool_choice",
+            )
         return ToolChoice(tools, None, auto_parser, parallel)
     if choice == "required":
         return ToolChoice(tools, None, parallel=parallel)
     name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
     if not (isinstance(choice, dict) and choice.get("type") == "function" and isinstance(name, str)):
-        raise bad_request("tool_choice must be 'none', 'auto', 'required' or {\"type\": \"function\", "
-                          "\"function\": {\"name\": ...}}", "tool_choice")
+        raise bad_request(
+            'tool_choice must be \'none\', \'auto\', \'required\' or {"type": "function", "function": {"name": ...}}',
+            "tool_choice",
+        )
     if name not in {t["function"]["name"] for t in tools}:
         raise bad_request(f"tool_choice names function {name[:60]!r}, which is not among the tools", "tool_choice")
     return ToolChoice(tools, name)
@@ -81,8 +92,11 @@ def parse_tool_choice(f: Fields, tools: list[dict] | None, auto_parser: str | No
 
 def parse_tools(tools) -> list[dict] | None:
     if tools is not None and not (isinstance(tools, list) and tools and all(_is_tool(t) for t in tools)):
-        raise bad_request("tools must be a non-empty list of {\"type\": \"function\", \"function\": {\"name\": "
-                          "string, \"parameters\": JSON schema object}}", "tools")
+        raise bad_request(
+            'tools must be a non-empty list of {"type": "function", "function": {"name": '
+            'string, "parameters": JSON schema object}}',
+            "tools",
+        )
     return tools
 
 
@@ -112,8 +126,18 @@ class ToolCallReader:
             if not (text or final):
                 return "", [], None
             self._named_id, self._num_calls = _call_id(), 1
-            return "", [{"index": 0, "id": self._named_id, "type": "function",
-                         "function": {"name": self._choice.name, "arguments": text}}], finish_reason
+            return (
+                "",
+                [
+                    {
+                        "index": 0,
+                        "id": self._named_id,
+                        "type": "function",
+                        "function": {"name": self._choice.name, "arguments": text},
+                    }
+                ],
+                finish_reason,
+            )
         self._text += text
         if not final:
             return "", [], None
@@ -128,14 +152,26 @@ class ToolCallReader:
         if not self._choice.parallel:  # vLLM's parallel_tool_calls=false: the first call only
             calls = calls[: max(0, 1 - self._num_calls)]
         first, self._num_calls = self._num_calls, self._num_calls + len(calls)
-        return [{"index": first + i, "id": _call_id(), "type": "function",
-                 "function": {"name": name, "arguments": arguments}} for i, (name, arguments) in enumerate(calls)]
+        return [
+            {
+                "index": first + i,
+                "id": _call_id(),
+                "type": "function",
+                "function": {"name": name, "arguments": arguments},
+            }
+            for i, (name, arguments) in enumerate(calls)
+        ]
 
 
 def _is_tool(t) -> bool:
     fn = t.get("function") if isinstance(t, dict) else None
-    return (t.get("type") == "function" and isinstance(fn, dict) and isinstance(fn.get("name"), str)
-            and bool(fn["name"]) and isinstance(fn.get("parameters", {}), dict))
+    return (
+        t.get("type") == "function"
+        and isinstance(fn, dict)
+        and isinstance(fn.get("name"), str)
+        and bool(fn["name"])
+        and isinstance(fn.get("parameters", {}), dict)
+    )
 
 
 def _parameters(tool: dict) -> dict:

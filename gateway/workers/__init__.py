@@ -1,1 +1,3 @@
-"""The worker side: the backend interface, the ZeroMQ backend, registry, router, admission. Imports nothing from http/ or dialects/."""
+"""The worker side: the backend interface, the ZeroMQ backend, registry, router, admission.
+
+Imports nothing from http/ or dialects/."""

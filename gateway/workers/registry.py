@@ -61,13 +61,24 @@ class WorkerInfo:
 
     def as_json(self) -> dict:
         hb = self.heartbeat
-        return {"id": hb.worker_id, "role": hb.role, "address": hb.address, "incarnation": hb.incarnation,
-                "draining": hb.draining, "block_size": hb.block_size,
-                "lora_names": list(hb.lora_names), "hot_lora_names": list(hb.hot_lora_names),
-                "load": {"num_running": hb.num_running, "num_waiting": hb.num_waiting,
-                         "queued_prefill_tokens": hb.queued_prefill_tokens,
-                         "kv_blocks_in_use": hb.kv_blocks_in_use, "kv_blocks_free": hb.kv_blocks_free,
-                         "kv_blocks_total": hb.kv_blocks_total}}
+        return {
+            "id": hb.worker_id,
+            "role": hb.role,
+            "address": hb.address,
+            "incarnation": hb.incarnation,
+            "draining": hb.draining,
+            "block_size": hb.block_size,
+            "lora_names": list(hb.lora_names),
+            "hot_lora_names": list(hb.hot_lora_names),
+            "load": {
+                "num_running": hb.num_running,
+                "num_waiting": hb.num_waiting,
+                "queued_prefill_tokens": hb.queued_prefill_tokens,
+                "kv_blocks_in_use": hb.kv_blocks_in_use,
+                "kv_blocks_free": hb.kv_blocks_free,
+                "kv_blocks_total": hb.kv_blocks_total,
+            },
+        }
 
 
 class WorkerRegistry:
@@ -98,8 +109,7 @@ class WorkerRegistry:
 
     def workers(self, role: Role | None = None) -> list[WorkerInfo]:
         """Workers ordered by id, so policies that scan them are deterministic."""
-        return sorted((w for w in self._workers.values() if role is None or w.role == role),
-                      key=lambda w: w.worker_id)
+        return sorted((w for w in self._workers.values() if role is None or w.role == role), key=lambda w: w.worker_id)
 
     def accepting(self, role: Role) -> list[WorkerInfo]:
         """Workers of ``role`` that take new requests (not draining)."""

@@ -96,9 +96,16 @@ class Router:
         self._next_rr = 0
         self._sent_prefill_tokens: dict[str, int] = {}  # P -> uncached tokens sent, no first token yet
 
-    def route(self, prompt_ids: list[int], exclude: frozenset[str] = frozenset(), whole_prompt: bool = False,
-              prefill_on_decode: bool = False, cache_salt: str = "", lora_name: str = "",
-              lora_path: str = "") -> RouteDecision | None:
+    def route(
+        self,
+        prompt_ids: list[int],
+        exclude: frozenset[str] = frozenset(),
+        whole_prompt: bool = False,
+        prefill_on_decode: bool = False,
+        cache_salt: str = "",
+        lora_name: str = "",
+        lora_path: str = "",
+    ) -> RouteDecision | None:
         """Where to run ``prompt_ids``; None when no decode worker has KV room for it (answer 503).
 
         ``exclude`` holds workers not to use (said Busy for this request, failed, or circuit-broken);
@@ -111,15 +118,19 @@ class Router:
         hashes = block_hashes(prompt_ids, bs, cache_salt, lora_identity(lora_name, lora_path))
         hit_hashes = [] if whole_prompt else hashes
         num_blocks_needed = -(-(len(prompt_ids) + 1) // bs)  # the prompt plus the first generated token
-        decoders = [w for w in self._registry.accepting(Role.DECODE)
-                    if w.worker_id not in exclude and w.kv_blocks_free >= num_blocks_needed and _serves(w, lora_name)]
+        decoders = [
+            w
+            for w in self._registry.accepting(Role.DECODE)
+            if w.worker_id not in exclude and w.kv_blocks_free >= num_blocks_needed and _serves(w, lora_name)
+        ]
         if not decoders:
             return None
         d = self._pick_decode(decoders, hit_hashes, lora_name)
         d_cached = self._hits(d, hit_hashes) * bs
         uncached = len(prompt_ids) - d_cached
-        prefillers = [w for w in self._registry.accepting(Role.PREFILL)
-                      if w.worker_id not in exclude and _serves(w, lora_name)]
+        prefillers = [
+            w for w in self._registry.accepting(Role.PREFILL) if w.worker_id not in exclude and _serves(w, lora_name)
+        ]
         local_max = self._params.local_prefill_max_tokens
         # Within one block a suffix adds less to D's step than the round trip through a P would cost.
         tiny = uncached <= min(bs, local_max)
@@ -144,8 +155,12 @@ class Router:
 
     def _prefill_cost(self, prefiller: WorkerInfo, prompt_ids: list[int], hashes: list[int], lora_name: str) -> tuple:
         hit_tokens = self._hits(prefiller, hashes) * self._params.block_size
-        return (self.backlog(prefiller) + len(prompt_ids) - hit_tokens, -hit_tokens, _cold(prefiller, lora_name),
-                prefiller.worker_id)
+        return (
+            self.backlog(prefiller) + len(prompt_ids) - hit_tokens,
+            -hit_tokens,
+            _cold(prefiller, lora_name),
+            prefiller.worker_id,
+        )
 
     def _tracked_for(self, worker: WorkerInfo) -> _TrackedBlocks:
         tracked = self._tracked.get(worker.worker_id)

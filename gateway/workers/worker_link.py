@@ -45,8 +45,15 @@ class _Binding:
 
 
 class WorkerLink:
-    def __init__(self, host: str, port: int, max_frame_bytes: int, on_record: Callable[[str, object], None],
-                 rejects: RejectLog, security: PlaneSecurity | None = None) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        max_frame_bytes: int,
+        on_record: Callable[[str, object], None],
+        rejects: RejectLog,
+        security: PlaneSecurity | None = None,
+    ) -> None:
         self._host = host
         self._port = port
         self._max_frame_bytes = max_frame_bytes
@@ -122,8 +129,9 @@ class WorkerLink:
             return None
         previous = self._worker_of_peer.get(peer)
         if previous is not None and previous != hb.worker_id:
-            self._rejects.reject("identity_taken", peer, f"registered as {previous[:64]!r}, now claims "
-                                 f"{hb.worker_id[:64]!r}")
+            self._rejects.reject(
+                "identity_taken", peer, f"registered as {previous[:64]!r}, now claims {hb.worker_id[:64]!r}"
+            )
             return None
         if bound is not None and bound.peer != peer:
             self.unbind(hb.worker_id)  # its old connection is gone: a restarted worker takes its id over

@@ -37,7 +37,15 @@ from protocol.curve import PlaneSecurity
 from protocol.endpoints import endpoint_error
 from protocol.rejects import RejectLog
 from protocol.serving import (
-    AbortRequest, Busy, Generate, Goodbye, Heartbeat, HeartbeatAck, LoRAAdapterSet, PromptLogprobs, TokenEvent,
+    AbortRequest,
+    Busy,
+    Generate,
+    Goodbye,
+    Heartbeat,
+    HeartbeatAck,
+    LoRAAdapterSet,
+    PromptLogprobs,
+    TokenEvent,
     TokenLogprobRecord,
 )
 
@@ -81,8 +89,17 @@ class WorkerGone:
 class _Flight:
     """One request in flight: which workers serve it, and the records that came back for it."""
 
-    __slots__ = ("rid", "num_prompt_tokens", "num_top_prompt_logprobs", "events", "prompt_logprobs",
-                 "decode_worker", "prefill_worker", "is_done", "is_aborted")
+    __slots__ = (
+        "rid",
+        "num_prompt_tokens",
+        "num_top_prompt_logprobs",
+        "events",
+        "prompt_logprobs",
+        "decode_worker",
+        "prefill_worker",
+        "is_done",
+        "is_aborted",
+    )
 
     def __init__(self, rid: str, num_prompt_tokens: int, num_top_prompt_logprobs: int = 0) -> None:
         self.rid = rid
@@ -110,8 +127,9 @@ class ZmqBackend(Backend):
         self._breaker = CircuitBreaker(params.breaker_threshold, params.breaker_cooldown_s)
         self._queue = AdmissionQueue(params.max_queued_requests)
         self._rejects = RejectLog(log, self._count_rejected)
-        self._link = WorkerLink(params.host, params.worker_port, params.max_frame_bytes, self._on_record,
-                                self._rejects, params.security)
+        self._link = WorkerLink(
+            params.host, params.worker_port, params.max_frame_bytes, self._on_record, self._rejects, params.security
+        )
         self._flights: dict[str, _Flight] = {}
         self.gateway_id = uuid.uuid4().hex  # workers tell gateway processes apart by it
         self._lora_set = LoRAAdapterSet(0, [], [])  # version 0: the list in the workers' own config
@@ -219,14 +237,25 @@ class ZmqBackend(Backend):
             flight.decode_worker, flight.prefill_worker = decision.decode_worker, decision.prefill_worker
             incarnations = {w: self._incarnation(w) for w in flight.workers()}  # of this attempt's workers
             if request.trace:
-                request.trace.span("route", routing_started_ns, decode_worker=decision.decode_worker,
-                                   prefill_worker=decision.prefill_worker or "", cached_tokens=decision.prefill_cached_tokens)
+                request.trace.span(
+                    "route",
+                    routing_started_ns,
+                    decode_worker=decision.decode_worker,
+                    prefill_worker=decision.prefill_worker or "",
+                    cached_tokens=decision.prefill_cached_tokens,
+                )
             flight.events, flight.prompt_logprobs = asyncio.Queue(), []  # nothing left from an earlier attempt
             prefill = self._registry.get(decision.prefill_worker) if decision.prefill_worker else None
-            generate = Generate(flight.rid, request.prompt_token_ids, request.sampling,
-                                prefill.address if prefill is not None else "", self._wall_deadline(request),
-                                request.trace.traceparent() if request.trace else "", self.gateway_id,
-                                prefill_key=self._link.peer_of(prefill.worker_id) if prefill is not None else "")
+            generate = Generate(
+                flight.rid,
+                request.prompt_token_ids,
+                request.sampling,
+                prefill.address if prefill is not None else "",
+                self._wall_deadline(request),
+                request.trace.traceparent() if request.trace else "",
+                self.gateway_id,
+                prefill_key=self._link.peer_of(prefill.worker_id) if prefill is not None else "",
+            )
             # Until the first answer the prompt counts on its P's backlog (the router's local-prefill rule).
             backlog = len(request.prompt_token_ids) - decision.prefill_cached_tokens if prefill is not None else 0
             if backlog:
@@ -266,8 +295,7 @@ class ZmqBackend(Backend):
             tried[failed] = incarnations.get(failed, "")
             failure = answer
             self._metrics.route_decisions.labels(policy, "retry").inc()
-            log.warning("request %s: %s before the first token; retrying elsewhere", flight.rid,
-                        _describe(answer))
+            log.warning("request %s: %s before the first token; retrying elsewhere", flight.rid, _describe(answer))
 
     def _incarnation(self, worker_id: str) -> str:
         """The registered incarnation of ``worker_id``; "" when it is not registered."""
@@ -285,9 +313,15 @@ class ZmqBackend(Backend):
         while True:
             excluded = tried | self._breaker.open_workers(time.monotonic())
             spec = request.sampling
-            decision = self._router.route(request.prompt_token_ids, frozenset(excluded), spec.computes_whole_prompt,
-                                          prefill_on_decode=spec.prefills_on_decode, cache_salt=spec.cache_salt,
-                                          lora_name=spec.lora_name, lora_path=spec.lora_path)
+            decision = self._router.route(
+                request.prompt_token_ids,
+                frozenset(excluded),
+                spec.computes_whole_prompt,
+                prefill_on_decode=spec.prefills_on_decode,
+                cache_salt=spec.cache_salt,
+                lora_name=spec.lora_name,
+                lora_path=spec.lora_path,
+            )
             if decision is not None:
                 result = "local" if decision.prefill_worker is None else "disaggregated"
                 self._metrics.route_decisions.labels(policy, result).inc()
@@ -299,8 +333,9 @@ class ZmqBackend(Backend):
                 raise NoCapacity(self._params.retry_after_s, why)
             if self._queue.is_full:
                 self._metrics.route_decisions.labels(policy, "queue_full").inc()
-                raise NoCapacity(self._params.retry_after_s,
-                                 f"the decode pool's queue is full ({self._queue.max_waiting} waiting)")
+                raise NoCapacity(
+                    self._params.retry_after_s, f"the decode pool's queue is full ({self._queue.max_waiting} waiting)"
+                )
             remaining = give_up - time.monotonic()
             if request.deadline is not None:
                 remaining = min(remaining, request.deadline - time.monotonic())
@@ -346,15 +381,19 @@ class ZmqBackend(Backend):
             flight = self._flights.get(record.rid)
             if flight is None or flight.is_done:
                 return  # finished or aborted already; late records are expected
-            if worker_id == flight.decode_worker or (isinstance(record, (TokenEvent, PromptLogprobs))
-                                                     and worker_id == flight.prefill_worker):
+            if worker_id == flight.decode_worker or (
+                isinstance(record, (TokenEvent, PromptLogprobs)) and worker_id == flight.prefill_worker
+            ):
                 if isinstance(record, PromptLogprobs):
                     self._add_prompt_logprobs(worker_id, flight, record)
                 else:
                     flight.events.put_nowait(record)
             else:
-                self._rejects.reject("not_assigned", worker_id, f"{type(record).__name__} for {flight.rid[:64]}, "
-                                     "a request it does not serve")
+                self._rejects.reject(
+                    "not_assigned",
+                    worker_id,
+                    f"{type(record).__name__} for {flight.rid[:64]}, a request it does not serve",
+                )
 
     def _add_prompt_logprobs(self, worker_id: str, flight: _Flight, frame: PromptLogprobs) -> None:
         have = flight.prompt_logprobs
@@ -364,9 +403,11 @@ class ZmqBackend(Backend):
             # A gap, a repeat or more than the prompt has: counted, and the request fails at its first
             # token (Generation checks the prompt logprobs against the prompt); nothing piles up here.
             flight.prompt_logprobs = None
-            self._on_malformed(f"prompt logprobs for {flight.rid[:64]} from {worker_id[:64]!r}: entries "
-                               f"{frame.start}..{frame.start + len(frame.logprobs)} for a prompt of "
-                               f"{flight.num_prompt_tokens} tokens, {len(have)} received")
+            self._on_malformed(
+                f"prompt logprobs for {flight.rid[:64]} from {worker_id[:64]!r}: entries "
+                f"{frame.start}..{frame.start + len(frame.logprobs)} for a prompt of "
+                f"{flight.num_prompt_tokens} tokens, {len(have)} received"
+            )
             return
         k = flight.num_top_prompt_logprobs
         have += [_to_logprob(r, rank, k) for r, rank in zip(frame.logprobs, frame.ranks)]
@@ -398,21 +439,29 @@ class ZmqBackend(Backend):
         give_up = time.monotonic() + self._params.lora_load_timeout_s
         while time.monotonic() < give_up:
             current = [w for w in (self._registry.get(x.worker_id) for x in workers) if w is not None]
-            errors = [e for w in current if self._lora_version(w.heartbeat) == version
-                      for e in w.heartbeat.lora_errors if e.startswith(f"{name}: ")]
+            errors = [
+                e
+                for w in current
+                if self._lora_version(w.heartbeat) == version
+                for e in w.heartbeat.lora_errors
+                if e.startswith(f"{name}: ")
+            ]
             if errors:
-                return f"worker: {errors[0][len(name) + 2:]}"
+                return f"worker: {errors[0][len(name) + 2 :]}"
             if all(self._lora_version(w.heartbeat) == version for w in current):
                 return ""
             await asyncio.sleep(0.05)
-        late = [w.worker_id for w in workers
-                if (x := self._registry.get(w.worker_id)) and self._lora_version(x.heartbeat) != version]
+        late = [
+            w.worker_id
+            for w in workers
+            if (x := self._registry.get(w.worker_id)) and self._lora_version(x.heartbeat) != version
+        ]
         return f"workers {', '.join(late)} did not apply the adapter list within {self._params.lora_load_timeout_s:g} s"
 
     def _lora_version(self, hb: Heartbeat) -> int:
         """The version of this gateway's adapter list the worker applied last (0: none sent yet)."""
         mine = f"{self.gateway_id}:"
-        return next((int(v[len(mine):]) for v in hb.lora_versions if v.startswith(mine)), 0)
+        return next((int(v[len(mine) :]) for v in hb.lora_versions if v.startswith(mine)), 0)
 
     def _send_lora_set(self, worker_id: str, incarnation: str) -> None:
         key = (worker_id, incarnation)
@@ -456,7 +505,8 @@ class ZmqBackend(Backend):
             total = sum(w.heartbeat.kv_blocks_total for w in workers)
             m.pool_workers.labels(role.value).set(len(workers))
             m.pool_kv_cache_usage.labels(role.value).set(
-                sum(w.heartbeat.kv_blocks_in_use for w in workers) / total if total else 0.0)
+                sum(w.heartbeat.kv_blocks_in_use for w in workers) / total if total else 0.0
+            )
             m.pool_requests_running.labels(role.value).set(sum(w.heartbeat.num_running for w in workers))
             m.pool_requests_waiting.labels(role.value).set(sum(w.heartbeat.num_waiting for w in workers))
 
@@ -467,10 +517,14 @@ def _to_logprob(r: TokenLogprobRecord, rank: int | None = None, max_top: int | N
 
 def _to_backend_event(e: TokenEvent, queue_time_s: float | None) -> CompletionEvent:
     logprobs = None if e.logprobs is None else [_to_logprob(r) for r in e.logprobs]
-    return CompletionEvent(index=e.index, token_ids=list(e.token_ids), logprobs=logprobs,
-                      finish_reason=e.finish_reason or None,
-                      num_cached_tokens=e.num_cached_tokens if e.num_cached_tokens >= 0 else None,
-                      queue_time_s=queue_time_s)
+    return CompletionEvent(
+        index=e.index,
+        token_ids=list(e.token_ids),
+        logprobs=logprobs,
+        finish_reason=e.finish_reason or None,
+        num_cached_tokens=e.num_cached_tokens if e.num_cached_tokens >= 0 else None,
+        queue_time_s=queue_time_s,
+    )
 
 
 def _describe(answer) -> str:

@@ -10,12 +10,15 @@ from .loopback import Loopback
 from .shm import Shm
 from .zmq import Zmq
 
-TRANSPORTS: dict[str, Transport] = {t.name: t for t in (
-    Loopback(),
-    CudaIpc(),
-    Shm(),
-    Zmq(),
-)}
+TRANSPORTS: dict[str, Transport] = {
+    t.name: t
+    for t in (
+        Loopback(),
+        CudaIpc(),
+        Shm(),
+        Zmq(),
+    )
+}
 FALLBACK = "zmq"  # every pair can use it
 
 __all__ = ["DirectTarget", "Exports", "Pair", "Transport", "TRANSPORTS", "FALLBACK"]

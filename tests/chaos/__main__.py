@@ -28,8 +28,9 @@ def select(patterns: list[str]) -> list[Scenario]:
     return [s for s in matrix() if any(fnmatch.fnmatch(f"{s.fault}:{s.target}:{s.phase}", p) for p in patterns)]
 
 
-def run_all(scenarios: list[Scenario], runs: int, prompts: list[Prompt] | None = None,
-            log=print) -> tuple[list[RunResult], dict[Scenario, str]]:
+def run_all(
+    scenarios: list[Scenario], runs: int, prompts: list[Prompt] | None = None, log=print
+) -> tuple[list[RunResult], dict[Scenario, str]]:
     """Every run of every scenario, each fault family on its own cluster; scenarios that cannot run
     here map to the reason."""
     model = str(tiny_model_dir("llama"))
@@ -54,8 +55,9 @@ def run_all(scenarios: list[Scenario], runs: int, prompts: list[Prompt] | None =
     return results, not_run
 
 
-def _run_scenarios(cluster, scenarios: list[Scenario], runs: int, prompts: list[Prompt],
-                   results: list[RunResult], log) -> bool:
+def _run_scenarios(
+    cluster, scenarios: list[Scenario], runs: int, prompts: list[Prompt], results: list[RunResult], log
+) -> bool:
     """Each scenario ``runs`` times on ``cluster``, appended to ``results``; whether any run failed."""
     failed = False
     for scenario in scenarios:
@@ -64,8 +66,10 @@ def _run_scenarios(cluster, scenarios: list[Scenario], runs: int, prompts: list[
             result = run_once(cluster, scenario, prompts[offset:] + prompts[:offset], run)
             results.append(result)
             recover = f"{result.recover_s:.1f} s" if result.recover_s is not None else "—"
-            log(f"chaos: {scenario.name:<32} {result.member:<10} {dict(result.outcomes)} recover {recover} "
-                f"leaked {result.leaked_blocks} " + ("pass" if not result.failures else f"FAIL {result.failures}"))
+            log(
+                f"chaos: {scenario.name:<32} {result.member:<10} {dict(result.outcomes)} recover {recover} "
+                f"leaked {result.leaked_blocks} " + ("pass" if not result.failures else f"FAIL {result.failures}")
+            )
             if result.failures:
                 failed = True
                 log(cluster.logs())

@@ -33,8 +33,13 @@ WORKER_TIMEOUT_S = 2.0  # the gateway drops a worker silent this long
 SETTINGS = {  # section -> field -> value, the same in both clusters
     # small chunks and batches: a prompt takes many steps, so each phase lasts long enough to strike in
     "engine": {"block_size": BLOCK, "prefill_chunk_size": 8, "kv_cache_memory_mb": 8, "max_num_seqs": 2},
-    "gateway": {"local_prefill_max_tokens": 0, "worker_heartbeat_s": 0.2, "worker_timeout_s": WORKER_TIMEOUT_S,
-                "request_timeout_s": 30.0, "routing_policy": "round_robin"},
+    "gateway": {
+        "local_prefill_max_tokens": 0,
+        "worker_heartbeat_s": 0.2,
+        "worker_timeout_s": WORKER_TIMEOUT_S,
+        "request_timeout_s": 30.0,
+        "routing_policy": "round_robin",
+    },
     "transfer": {"lease_seconds": LEASE_S},
 }
 
@@ -114,8 +119,15 @@ class NetnsCluster:
         self.hosts: dict[str, Host] = {}
         self.log: list[str] = []
         common = {f"{section}.{key}": value for section, fields in SETTINGS.items() for key, value in fields.items()}
-        common.update({"model.path": model, "engine.num_threads": 1, "gateway.port": 8000, "gateway.worker_port": 8001,
-                       "transfer.cluster_key_file": write_private_key()})  # CURVE between the hosts, as deployed
+        common.update(
+            {
+                "model.path": model,
+                "engine.num_threads": 1,
+                "gateway.port": 8000,
+                "gateway.worker_port": 8001,
+                "transfer.cluster_key_file": write_private_key(),
+            }
+        )  # CURVE between the hosts, as deployed
         try:
             for index, member in zip((10, 11, 12, 21, 22), MEMBERS):
                 role = member.split("-")[0]

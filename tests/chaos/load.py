@@ -11,9 +11,9 @@ import httpx
 import torch
 
 from engine.llm import LLM
+from engine.sampling_params import SamplingParams
 from gateway.text.detokenizer import IncrementalDetokenizer
 from gateway.text.tokenizer import Tokenizer
-from engine.sampling_params import SamplingParams
 
 MAX_TOKENS = 24
 REQUEST_DEADLINE_S = 45.0  # a request not answered by then hangs (the gateway's own deadline is 30 s)
@@ -31,8 +31,10 @@ def make_prompts(model: str, block_size: int, count: int, seed: int = 0) -> list
     batched greedy run of engine.llm.LLM (the same model without the cluster), as text the way the
     gateway renders ids (incremental, special tokens skipped, partial UTF-8 held back)."""
     gen = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(5, 768, (int(torch.randint(120, 360, (1,), generator=gen)),), generator=gen).tolist()
-               for _ in range(count)]
+    prompts = [
+        torch.randint(5, 768, (int(torch.randint(120, 360, (1,), generator=gen)),), generator=gen).tolist()
+        for _ in range(count)
+    ]
     llm = LLM(model, block_size=block_size)
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))
     tokenizer = Tokenizer(model)
@@ -55,9 +57,17 @@ class Outcome:
 def send(url: str, model: str, prompt: Prompt) -> Outcome:
     started = time.monotonic()
     try:
-        response = httpx.post(f"{url}/v1/completions", timeout=REQUEST_DEADLINE_S, json={
-            "model": model, "prompt": [prompt.token_ids], "max_tokens": MAX_TOKENS,
-            "temperature": 0.0, "ignore_eos": True})
+        response = httpx.post(
+            f"{url}/v1/completions",
+            timeout=REQUEST_DEADLINE_S,
+            json={
+                "model": model,
+                "prompt": [prompt.token_ids],
+                "max_tokens": MAX_TOKENS,
+                "temperature": 0.0,
+                "ignore_eos": True,
+            },
+        )
     except httpx.TimeoutException as exc:
         return Outcome("hung", started, time.monotonic(), f"no answer within {REQUEST_DEADLINE_S:.0f} s: {exc!r}")
     except httpx.TransportError as exc:  # refused, reset, unreachable: the client knows at once
@@ -65,14 +75,20 @@ def send(url: str, model: str, prompt: Prompt) -> Outcome:
     ended = time.monotonic()
     if response.status_code == 200:
         text = response.json()["choices"][0]["text"]
-        return Outcome("ok" if text == prompt.expected else "corrupt", started, ended,
-                       "" if text == prompt.expected else f"got {text[:60]!r}, expected {prompt.expected[:60]!r}")
+        return Outcome(
+            "ok" if text == prompt.expected else "corrupt",
+            started,
+            ended,
+            "" if text == prompt.expected else f"got {text[:60]!r}, expected {prompt.expected[:60]!r}",
+        )
     try:
         message = response.json()["error"]["message"]
     except (ValueError, KeyError, TypeError):
         message = ""
     clear = response.status_code in CLEAR_ERROR_STATUS and message
-    return Outcome("error" if clear else "bad", started, ended, f"{response.status_code}: {message or response.text[:120]}")
+    return Outcome(
+        "error" if clear else "bad", started, ended, f"{response.status_code}: {message or response.text[:120]}"
+    )
 
 
 @dataclass
@@ -110,8 +126,9 @@ class Load:
     def first_ok_since(self, since: float) -> Outcome | None:
         """The earliest-answered exact request among those sent at or after ``since``."""
         with self._lock:
-            return min((o for o in self.outcomes if o.kind == "ok" and o.started >= since),
-                       key=lambda o: o.ended, default=None)
+            return min(
+                (o for o in self.outcomes if o.kind == "ok" and o.started >= since), key=lambda o: o.ended, default=None
+            )
 
     def stop(self) -> list[Outcome]:
         """Stop sending; every request in flight ends by its deadline (the client's timeout)."""

@@ -39,9 +39,12 @@ def _on_prefill(cluster, p: str, phase: str, decoders: list[str]) -> bool:
     if phase == "prefilling":
         return _m(cluster, p, "prefill_queued_tokens") > 0 and _m(cluster, p, "num_requests_running") > 0
     if phase == "transferring":
-        return (_m(cluster, p, "num_requests_running") > 0 and _m(cluster, p, "prefill_queued_tokens") == 0
-                and _m(cluster, p, "kv_blocks_in_use") > 0
-                and any(_m(cluster, d, "kv_blocks_held_for_peer") > 0 for d in decoders))
+        return (
+            _m(cluster, p, "num_requests_running") > 0
+            and _m(cluster, p, "prefill_queued_tokens") == 0
+            and _m(cluster, p, "kv_blocks_in_use") > 0
+            and any(_m(cluster, d, "kv_blocks_held_for_peer") > 0 for d in decoders)
+        )
     return any(_m(cluster, d, "num_requests_running") > 0 for d in decoders)
 
 
@@ -68,8 +71,9 @@ def in_phase(cluster, member: str, phase: str, prefillers: list[str], decoders: 
         return False  # a member between incarnations: not yet
 
 
-def wait_for_phase(cluster, member: str, phase: str, prefillers: list[str], decoders: list[str],
-                   timeout_s: float = 30.0) -> bool:
+def wait_for_phase(
+    cluster, member: str, phase: str, prefillers: list[str], decoders: list[str], timeout_s: float = 30.0
+) -> bool:
     give_up = time.monotonic() + timeout_s
     while time.monotonic() < give_up:
         if in_phase(cluster, member, phase, prefillers, decoders):

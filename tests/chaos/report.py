@@ -10,7 +10,7 @@ import platform
 import statistics
 import subprocess
 from collections import Counter
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from tests.chaos.clusters import LEASE_S, SETTINGS, WORKER_TIMEOUT_S
@@ -19,26 +19,42 @@ from tests.chaos.phases import __doc__ as PHASES_DOC
 from tests.chaos.scenario import OUTAGE_S, SETTLE_S, RunResult, Scenario
 
 SUITES = [
-    ("HTTP fuzzing: schemathesis against /openapi.json plus hostile bodies (huge, deep, invalid UTF-8, "
-     "enormous numbers, 10^5-token prompts, thousands of stop strings): no 5xx, no hang, bounded memory",
-     "./scripts/test -q tests/test_fuzz_http.py"),
-    ("Socket fuzzing: random, truncated, oversized and wrong-typed msgpack frames and stale generations at "
-     "every port a node listens on: rejected and counted, the node keeps serving",
-     "./scripts/test -q tests/test_fuzz_sockets.py"),
-    ("Hostile peers: forged registrations, identity takeover, forged token events and KV writes, malformed "
-     "jobs and handshakes, replayed frames, against a CURVE cluster (table above)",
-     "./scripts/test -q tests/test_hostile_peers.py"),
-    ("Security: API keys on every /v1 route and /tokenize, /detokenize; /metrics and health open; sockets "
-     "bound to the configured interface only; nothing on a socket unpickled",
-     "./scripts/test -q tests/test_security.py"),
+    (
+        "HTTP fuzzing: schemathesis against /openapi.json plus hostile bodies (huge, deep, invalid UTF-8, "
+        "enormous numbers, 10^5-token prompts, thousands of stop strings): no 5xx, no hang, bounded memory",
+        "./scripts/test -q tests/test_fuzz_http.py",
+    ),
+    (
+        "Socket fuzzing: random, truncated, oversized and wrong-typed msgpack frames and stale generations at "
+        "every port a node listens on: rejected and counted, the node keeps serving",
+        "./scripts/test -q tests/test_fuzz_sockets.py",
+    ),
+    (
+        "Hostile peers: forged registrations, identity takeover, forged token events and KV writes, malformed "
+        "jobs and handshakes, replayed frames, against a CURVE cluster (table above)",
+        "./scripts/test -q tests/test_hostile_peers.py",
+    ),
+    (
+        "Security: API keys on every /v1 route and /tokenize, /detokenize; /metrics and health open; sockets "
+        "bound to the configured interface only; nothing on a socket unpickled",
+        "./scripts/test -q tests/test_security.py",
+    ),
 ]
 
 
 def machine() -> str:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor() or "unknown CPU")
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ),
+        platform.processor() or "unknown CPU",
+    )
     memory_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return f"{len(os.sched_getaffinity(0))} cores of {cpu}, {memory_gb:.0f} GB, {platform.system()} {platform.release()}"
+    return (
+        f"{len(os.sched_getaffinity(0))} cores of {cpu}, {memory_gb:.0f} GB, {platform.system()} {platform.release()}"
+    )
 
 
 def commit() -> str:
@@ -48,8 +64,11 @@ def commit() -> str:
 
 def _requests(results: list[RunResult]) -> str:
     kinds = sum((r.outcomes for r in results), Counter())
-    parts = [f"{kinds[k]} {label}" for k, label in (("ok", "exact"), ("error", "clear error"),
-                                                    ("disconnected", "refused/reset")) if kinds[k]]
+    parts = [
+        f"{kinds[k]} {label}"
+        for k, label in (("ok", "exact"), ("error", "clear error"), ("disconnected", "refused/reset"))
+        if kinds[k]
+    ]
     bad = sum(kinds.values()) - kinds["ok"] - kinds["error"] - kinds["disconnected"]
     return f"{sum(kinds.values())} ({', '.join(parts + ([f'{bad} FAILED'] if bad else []))})"
 
@@ -69,33 +88,49 @@ def _outcome(results: list[RunResult]) -> str:
 
 
 def chaos_table(scenarios: list[Scenario], results: list[RunResult], not_run: dict[Scenario, str]) -> list[str]:
-    rows = ["| scenario | runs | requests | outcome | time to recover (s) | blocks leaked |", "|---|---|---|---|---|---|"]
+    rows = [
+        "| scenario | runs | requests | outcome | time to recover (s) | blocks leaked |",
+        "|---|---|---|---|---|---|",
+    ]
     for scenario in scenarios:
         mine = [r for r in results if r.scenario == scenario]
         if scenario in not_run:
             rows.append(f"| {scenario.name} | 0 | — | not run ({not_run[scenario]}) | — | — |")
         elif mine:
             members = ", ".join(sorted({r.member for r in mine}))
-            rows.append(f"| {scenario.name} ({members}) | {len(mine)} | {_requests(mine)} | {_outcome(mine)} | "
-                        f"{_recovery(mine)} | {sum(r.leaked_blocks for r in mine)} |")
+            rows.append(
+                f"| {scenario.name} ({members}) | {len(mine)} | {_requests(mine)} | {_outcome(mine)} | "
+                f"{_recovery(mine)} | {sum(r.leaked_blocks for r in mine)} |"
+            )
     return rows
 
 
 def soak_section(path: Path) -> list[str]:
     if not path.exists():
-        return ["## Soak", "", f"No `{path}` yet: `python -m tests.soak --json {path}` writes it "
-                "(`./scripts/test -q tests/test_soak.py` runs the 2-minute CI soak).", ""]
+        return [
+            "## Soak",
+            "",
+            f"No `{path}` yet: `python -m tests.soak --json {path}` writes it "
+            "(`./scripts/test -q tests/test_soak.py` runs the 2-minute CI soak).",
+            "",
+        ]
     data = json.loads(path.read_text())
     p99, rss = data.get("latency_p99_s", {}), data.get("rss_kb", {})
     growth = ", ".join(f"{name} {v['growth'] * 100:+.1f}%" for name, v in rss.items() if "growth" in v)
     fds = ", ".join(f"{name} {v['start']}→{v['end']}" for name, v in data.get("fds", {}).items())
-    lines = ["## Soak", "", f"From `{path}` (written by `{data.get('command', 'python -m tests.soak')}` on "
-            f"{data.get('date', '?')}, {data.get('machine', '?')}; {data.get('topology', '')}).", "",
-            "| minutes | concurrency | requests | errors | p99 first → last quarter (s) | RSS growth | fds start→end | verdict |",
-            "|---|---|---|---|---|---|---|---|",
-            f"| {data.get('minutes')} | {data.get('concurrency')} | {data.get('requests')} | {data.get('errors')} | "
-            f"{p99.get('first_quarter', 0):.3f} → {p99.get('last_quarter', 0):.3f} (×{p99.get('ratio', 0):.2f}) | "
-            f"{growth} | {fds} | {data.get('verdict')} |", ""]
+    lines = [
+        "## Soak",
+        "",
+        f"From `{path}` (written by `{data.get('command', 'python -m tests.soak')}` on "
+        f"{data.get('date', '?')}, {data.get('machine', '?')}; {data.get('topology', '')}).",
+        "",
+        "| minutes | concurrency | requests | errors | p99 first → last quarter (s) | RSS growth | fds start→end | verdict |",
+        "|---|---|---|---|---|---|---|---|",
+        f"| {data.get('minutes')} | {data.get('concurrency')} | {data.get('requests')} | {data.get('errors')} | "
+        f"{p99.get('first_quarter', 0):.3f} → {p99.get('last_quarter', 0):.3f} (×{p99.get('ratio', 0):.2f}) | "
+        f"{growth} | {fds} | {data.get('verdict')} |",
+        "",
+    ]
     if data.get("failures"):
         lines += [f"Failures: {'; '.join(data['failures'])}", ""]
     return lines
@@ -105,33 +140,53 @@ def hostile_section(path: Path) -> list[str]:
     """The hostile-peer suite's counts (tests/test_hostile_peers.py writes them when HOSTILE_PEERS_JSON
     names a file)."""
     if not path.exists():
-        return ["## Hostile peers", "", f"No `{path}` yet: `HOSTILE_PEERS_JSON={path} ./scripts/test -q "
-                "tests/test_hostile_peers.py` writes it.", ""]
+        return [
+            "## Hostile peers",
+            "",
+            f"No `{path}` yet: `HOSTILE_PEERS_JSON={path} ./scripts/test -q tests/test_hostile_peers.py` writes it.",
+            "",
+        ]
     data = json.loads(path.read_text())
-    lines = ["## Hostile peers", "", f"From `{path}` (written by the hostile-peer suite on {data.get('date', '?')}, "
-             f"commit {data.get('commit', '?')}; a `pdserve serve` cluster, 1 prefill + 1 decode, CurveZMQ on). "
-             "*Attacks*: hostile messages or connection attempts sent; *refused*: the victims' "
-             "`pdserve:rejected_frames_total` increase by reason (attempts without the key never reach "
-             "pdserve code: ZeroMQ drops them in the CURVE handshake; so does a second connection under a "
-             "connection id already taken); *after*: the victims' pids unchanged, a fresh prompt "
-             "answered exactly as `engine.llm.LLM`, no KV block in use, file descriptors back to their count.", "",
-             "| attack | attacks | refused | after |", "|---|---|---|---|"]
+    lines = [
+        "## Hostile peers",
+        "",
+        f"From `{path}` (written by the hostile-peer suite on {data.get('date', '?')}, "
+        f"commit {data.get('commit', '?')}; a `pdserve serve` cluster, 1 prefill + 1 decode, CurveZMQ on). "
+        "*Attacks*: hostile messages or connection attempts sent; *refused*: the victims' "
+        "`pdserve:rejected_frames_total` increase by reason (attempts without the key never reach "
+        "pdserve code: ZeroMQ drops them in the CURVE handshake; so does a second connection under a "
+        "connection id already taken); *after*: the victims' pids unchanged, a fresh prompt "
+        "answered exactly as `engine.llm.LLM`, no KV block in use, file descriptors back to their count.",
+        "",
+        "| attack | attacks | refused | after |",
+        "|---|---|---|---|",
+    ]
     for row in data.get("scenarios", []):
         refused = ", ".join(f"{reason} {n}" for reason, n in sorted(row["refused"].items())) or "— (handshake)"
         lines.append(f"| {row['scenario']} | {row['attacks']} | {refused} | {row['after']} |")
     return lines + [""]
 
 
-def write_report(path: Path, command: str, scenarios: list[Scenario], results: list[RunResult],
-                 not_run: dict[Scenario, str], wall_s: float) -> None:
+def write_report(
+    path: Path,
+    command: str,
+    scenarios: list[Scenario],
+    results: list[RunResult],
+    not_run: dict[Scenario, str],
+    wall_s: float,
+) -> None:
     engine = SETTINGS["engine"]
     lines = [
-        "# Reliability", "",
-        "Regenerated by the chaos tool; do not edit by hand.", "",
+        "# Reliability",
+        "",
+        "Regenerated by the chaos tool; do not edit by hand.",
+        "",
         f"- command: `{command}` ({wall_s / 60:.1f} min)",
-        f"- date: {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}, commit {commit()}",
-        f"- machine: {machine()}", "",
-        "## Chaos", "",
+        f"- date: {datetime.now(UTC).strftime('%Y-%m-%d %H:%M UTC')}, commit {commit()}",
+        f"- machine: {machine()}",
+        "",
+        "## Chaos",
+        "",
         "Each scenario: a steady load of 8 concurrent greedy completions (distinct prompts of 120-360 tokens, "
         f"{MAX_TOKENS} tokens each, their exact text known from `engine.llm.LLM`) against a 2 prefill + 2 decode "
         "cluster; when the target is in the phase, the fault hits it. SIGKILL and SIGSTOP/SIGCONT run on "
@@ -140,7 +195,8 @@ def write_report(path: Path, command: str, scenarios: list[Scenario], results: l
         f"its veth down for {OUTAGE_S:.0f} s. SIGSTOP also lasts {OUTAGE_S:.0f} s: longer than the lease "
         f"({LEASE_S:.0f} s) and the gateway's worker timeout ({WORKER_TIMEOUT_S:.0f} s). Engine: block size "
         f"{engine['block_size']}, prefill chunk {engine['prefill_chunk_size']}, max_num_seqs {engine['max_num_seqs']}; "
-        "every prompt is prefilled on a prefill worker; the gateway picks decode workers round-robin.", "",
+        "every prompt is prefilled on a prefill worker; the gateway picks decode workers round-robin.",
+        "",
         "Checked after every run (the outcome is **FAIL** with the first reason otherwise): every request "
         f"ended within {REQUEST_DEADLINE_S:.0f} s with the exact reference text or a clear error (HTTP "
         f"{'/'.join(map(str, CLEAR_ERROR_STATUS))} with an OpenAI error body; a refused or reset connection "
@@ -148,17 +204,26 @@ def write_report(path: Path, command: str, scenarios: list[Scenario], results: l
         f"{WORKER_TIMEOUT_S + 5:.0f} s; every worker registered again and its replacement (or the healed member) "
         f"served work; once idle (within {SETTLE_S:.0f} s) every worker's own /metrics shows kv_blocks_in_use, "
         "running, waiting and held-for-peer all 0, and it has run its idle block-integrity check "
-        "(free + cached + in_use == total, one owner) with no violation.", "",
+        "(free + cached + in_use == total, one owner) with no violation.",
+        "",
         "*Time to recover*: from the fault to the first exact answer to a request sent after every worker "
         "was registered again (a killed one with a new incarnation); for SIGSTOP and link-down it includes "
         f"the {OUTAGE_S:.0f} s outage. Median (max) over runs. *Blocks leaked*: KV blocks still in use "
-        f"{SETTLE_S:.0f} s after the load stopped. Runs alternate between the pool's two workers.", "",
-        *chaos_table(scenarios, results, not_run), "",
-        "### How the phase is hit", "", PHASES_DOC.strip(), "",
+        f"{SETTLE_S:.0f} s after the load stopped. Runs alternate between the pool's two workers.",
+        "",
+        *chaos_table(scenarios, results, not_run),
+        "",
+        "### How the phase is hit",
+        "",
+        PHASES_DOC.strip(),
+        "",
         *soak_section(path.parent / "soak.json"),
         *hostile_section(path.parent / "hostile.json"),
-        "## Fuzzing and security", "",
-        *[f"- {what}: `{cmd}`" for what, cmd in SUITES], "",
-        "The CI subset of the chaos scenarios: `./scripts/test -q tests/test_chaos.py`.", "",
+        "## Fuzzing and security",
+        "",
+        *[f"- {what}: `{cmd}`" for what, cmd in SUITES],
+        "",
+        "The CI subset of the chaos scenarios: `./scripts/test -q tests/test_chaos.py`.",
+        "",
     ]
     path.write_text("\n".join(lines))

@@ -80,7 +80,9 @@ def run_once(cluster, scenario: Scenario, prompts: list[Prompt], run: int) -> Ru
         if not wait_for_phase(cluster, member, scenario.phase, PREFILL, DECODE):
             result.failures.append(f"phase {scenario.phase} never observed on {member}")
         else:
-            served_before = 0.0 if scenario.fault == "sigkill" or pool == "gateway" else cluster.metric(member, SERVED[pool])
+            served_before = (
+                0.0 if scenario.fault == "sigkill" or pool == "gateway" else cluster.metric(member, SERVED[pool])
+            )
             faulted_at = time.monotonic()
             _inject(cluster, scenario, member, before, result)
             result.recover_s = _recover(cluster, scenario, member, before, load, faulted_at, result)
@@ -111,8 +113,9 @@ def _inject(cluster, scenario: Scenario, member: str, before: dict[str, str], re
         cluster.heal(scenario.fault, member)
 
 
-def _recover(cluster, scenario: Scenario, member: str, before: dict[str, str], load: Load, faulted_at: float,
-             result: RunResult) -> float | None:
+def _recover(
+    cluster, scenario: Scenario, member: str, before: dict[str, str], load: Load, faulted_at: float, result: RunResult
+) -> float | None:
     def whole() -> bool:
         now = _all_registered(cluster)
         return bool(now) and (scenario.fault != "sigkill" or member == "gateway" or now[member] != before[member])
@@ -127,13 +130,18 @@ def _recover(cluster, scenario: Scenario, member: str, before: dict[str, str], l
     return first.ended - faulted_at
 
 
-IDLE_GAUGES = ("pdserve:kv_blocks_in_use", "vllm:num_requests_running", "vllm:num_requests_waiting",
-               "pdserve:kv_blocks_held_for_peer")
+IDLE_GAUGES = (
+    "pdserve:kv_blocks_in_use",
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "pdserve:kv_blocks_held_for_peer",
+)
 
 
 def settle(cluster, timeout_s: float) -> tuple[bool, int]:
     """(idle, leaked): idle once every worker's own /metrics shows nothing in use, running, waiting or held
     for a peer; leaked = the KV blocks still in use when ``timeout_s`` ran out (0 when idle)."""
+
     def idle() -> bool:
         return all(cluster.metric(w, name) == 0 for w in WORKERS for name in IDLE_GAUGES)
 

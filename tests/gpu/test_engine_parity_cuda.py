@@ -48,9 +48,17 @@ def prompts_for(vocab: int) -> list[list[int]]:
 
 def pdserve_greedy(path, dtype: str, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
     """All prompts in one batch; prompts past 64 tokens prefill in chunks beside decode rows."""
-    config = load_config(None, env={}, overrides={
-        "model.dtype": dtype, "engine.block_size": 16, "engine.kv_cache_memory_mb": 512,
-        "engine.prefill_chunk_size": 64, "engine.max_num_batched_tokens": 256})
+    config = load_config(
+        None,
+        env={},
+        overrides={
+            "model.dtype": dtype,
+            "engine.block_size": 16,
+            "engine.kv_cache_memory_mb": 512,
+            "engine.prefill_chunk_size": 64,
+            "engine.max_num_batched_tokens": 256,
+        },
+    )
     llm = LLM(str(path), config=config, device="cuda")
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
     outputs = [o.outputs[0] for o in llm.generate(prompts, params)]
@@ -69,7 +77,7 @@ def transformers_model(path, dtype: torch.dtype):
 def transformers_greedy(hf, prompt: list[int]) -> list[int]:
     ids = torch.tensor([prompt], device="cuda")
     out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False)
-    return out[0, len(prompt):].tolist()
+    return out[0, len(prompt) :].tolist()
 
 
 @torch.inference_mode()
@@ -122,7 +130,16 @@ def test_bf16_greedy_matches_transformers_within_tolerance(model_root, family):
             lead = (reference[at, expected[at]] - reference[at, tokens[at]]).item()
             divergences.append({"prompt": i, "position": at, "lead": lead})
             assert lead <= BF16_LOGPROB_TOL, f"prompt {i}: transformers' token leads ours by {lead:.3f} at {at}"
-    record({"test": "parity_bf16", "family": family, "size": "small", "prompts": len(prompts),
-            "max_logprob_error": max_error, "tolerance": BF16_LOGPROB_TOL, "divergences": divergences,
-            "identical_prompts": len(prompts) - len(divergences)})
+    record(
+        {
+            "test": "parity_bf16",
+            "family": family,
+            "size": "small",
+            "prompts": len(prompts),
+            "max_logprob_error": max_error,
+            "tolerance": BF16_LOGPROB_TOL,
+            "divergences": divergences,
+            "identical_prompts": len(prompts) - len(divergences),
+        }
+    )
     assert max_error <= BF16_LOGPROB_TOL, f"max |log-prob error| {max_error:.3f} > {BF16_LOGPROB_TOL}"

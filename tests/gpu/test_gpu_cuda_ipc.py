@@ -46,8 +46,9 @@ def test_cuda_ipc_bit_exact_between_processes():
     registry = CollectorRegistry()
     rx = KVReceiver(KVPool(layout, device="cuda"), "tiny", server, lambda ids: None, TransferMetrics(registry))
     rx.reserve("r", 1, [30, 2, 17])
-    proc = subprocess.Popen([sys.executable, "-c", SENDER, server.endpoint], cwd=ROOT,
-                            env=dict(os.environ, PYTHONPATH=ROOT))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SENDER, server.endpoint], cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT)
+    )
     try:
         events, give_up = [], time.monotonic() + 120
         while not events:

@@ -43,10 +43,28 @@ def assert_close_to_exact(out: torch.Tensor, case: AttentionCase) -> None:
 def test_gpu_decode_kernel_full_size(dtype, heads, kv_heads, head_dim, block_size, num_splits):
     gen = torch.Generator().manual_seed(block_size + head_dim)
     context_lens = torch.randint(1, 2100, (64,), generator=gen).tolist()
-    case = make_case(context_lens, [1] * 64, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-                     block_size=block_size, dtype=dtype, seed=heads + kv_heads, device="cuda", sharpness=4.0)
-    out = paged_decode_triton(case.q, case.k_cache, case.v_cache, case.block_tables, case.context_lens,
-                              case.scale, num_splits=num_splits, out=poisoned_like(case.q))
+    case = make_case(
+        context_lens,
+        [1] * 64,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype,
+        seed=heads + kv_heads,
+        device="cuda",
+        sharpness=4.0,
+    )
+    out = paged_decode_triton(
+        case.q,
+        case.k_cache,
+        case.v_cache,
+        case.block_tables,
+        case.context_lens,
+        case.scale,
+        num_splits=num_splits,
+        out=poisoned_like(case.q),
+    )
     assert_close_to_exact(out, case)
 
 
@@ -56,15 +74,35 @@ def test_gpu_decode_kernel_full_size(dtype, heads, kv_heads, head_dim, block_siz
 def test_gpu_prefill_kernel_full_size(dtype, heads, kv_heads, head_dim, block_size):
     q_lens = [512, 1, 77, 300, 1, 129, 1000, 3]
     context_lens = [q + prefix for q, prefix in zip(q_lens, [0, 900, 1500, 33, 2047, 0, 1, 640])]
-    case = make_case(context_lens, q_lens, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-                     block_size=block_size, dtype=dtype, seed=block_size, device="cuda", sharpness=4.0)
+    case = make_case(
+        context_lens,
+        q_lens,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype,
+        seed=block_size,
+        device="cuda",
+        sharpness=4.0,
+    )
     assert_close_to_exact(paged_prefill_triton(*case.args(), out=poisoned_like(case.q)), case)
     assert_close_to_exact(kernels.paged_attention(*case.args()), case)  # mixed batch: the prefill kernel
 
 
 def test_gpu_dispatch_decode_batch():
-    case = make_case(list(range(3, 2000, 61)), [1] * 33, heads=32, kv_heads=8, head_dim=128, block_size=16,
-                     dtype=torch.bfloat16, seed=1, device="cuda", sharpness=4.0)
+    case = make_case(
+        list(range(3, 2000, 61)),
+        [1] * 33,
+        heads=32,
+        kv_heads=8,
+        head_dim=128,
+        block_size=16,
+        dtype=torch.bfloat16,
+        seed=1,
+        device="cuda",
+        sharpness=4.0,
+    )
     assert_close_to_exact(kernels.paged_attention(*case.args()), case)
 
 
@@ -118,8 +156,10 @@ def test_gpu_engine_logits_match_transformers(family):
     reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
     reference = reference.to("cuda").eval()
     block_size, num_blocks = 16, 128
-    pool = KVPool(KVLayout(config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim,
-                           torch.float32), device="cuda")
+    pool = KVPool(
+        KVLayout(config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim, torch.float32),
+        device="cuda",
+    )
     free = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(0)).tolist()
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, config.vocab_size, (n,), generator=gen).tolist() for n in (150, 40, 7)]
@@ -141,11 +181,13 @@ def test_gpu_engine_logits_match_transformers(family):
         width = max(len(tables[rid]) for rid, _ in chunks)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, device="cuda"),
-            block_tables=torch.tensor([tables[r] + [0] * (width - len(tables[r])) for r, _ in chunks],
-                                      dtype=torch.int32, device="cuda"),
+            block_tables=torch.tensor(
+                [tables[r] + [0] * (width - len(tables[r])) for r, _ in chunks], dtype=torch.int32, device="cuda"
+            ),
             context_lens=torch.tensor([computed[r] for r, _ in chunks], dtype=torch.int32, device="cuda"),
-            query_start_loc=torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32,
-                                         device="cuda"),
+            query_start_loc=torch.tensor(
+                [0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda"
+            ),
         )
         hidden = model(torch.tensor(ids, device="cuda"), torch.tensor(positions, device="cuda"), pool, meta)
         for (rid, _), logits in zip(chunks, model.compute_logits(hidden).split(q_lens)):

@@ -16,5 +16,6 @@ def _parse(body, ctx: ParseContext) -> Asked:
     return Asked(parse_messages(body, ctx.tool_call_parser), output)
 
 
-MESSAGES = Dialect("messages", "/v1/messages", "msg_", chat=True, parse=_parse, error_body=anthropic_error,
-                   key_in_x_api_key=True)
+MESSAGES = Dialect(
+    "messages", "/v1/messages", "msg_", chat=True, parse=_parse, error_body=anthropic_error, key_in_x_api_key=True
+)

@@ -27,8 +27,15 @@ from gateway.text.chat_output import ChatOutput, ChatShape
 
 def anthropic_error(e: APIError) -> dict:
     """The error body Anthropic's clients read: {"type": "error", "error": {"type", "message"}}."""
-    kinds = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-             404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
+    kinds = {
+        400: "invalid_request_error",
+        401: "authentication_error",
+        403: "permission_error",
+        404: "not_found_error",
+        413: "request_too_large",
+        429: "rate_limit_error",
+        503: "overloaded_error",
+    }
     return {"type": "error", "error": {"type": kinds.get(e.status, "api_error"), "message": e.message}}
 
 
@@ -46,8 +53,13 @@ class MessageBuilder:
         self._finish_reason: str | None = None
 
     def body(self, state: ChoiceState, stop_reason: str | None = None, stop_sequence: str | None = None) -> dict:
-        return {**self._head, "content": [dict(b) for b in self._blocks], "stop_reason": stop_reason,
-                "stop_sequence": stop_sequence, "usage": _usage(state)}
+        return {
+            **self._head,
+            "content": [dict(b) for b in self._blocks],
+            "stop_reason": stop_reason,
+            "stop_sequence": stop_sequence,
+            "usage": _usage(state),
+        }
 
     def whole(self, states: list[ChoiceState]) -> dict:
         """The finished message of a non-streamed request."""
@@ -67,11 +79,18 @@ class MessageBuilder:
 
     def closing(self, states: list[ChoiceState]) -> list[bytes]:
         stop_reason, stop_sequence = self._stop(states[0])
-        return _framed(self._close() + [
-            # usage counts here are totals: the cached count is known only now, not at message_start
-            {"type": "message_delta", "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-             "usage": _usage(states[0])},
-            {"type": "message_stop"}])
+        return _framed(
+            self._close()
+            + [
+                # usage counts here are totals: the cached count is known only now, not at message_start
+                {
+                    "type": "message_delta",
+                    "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+                    "usage": _usage(states[0]),
+                },
+                {"type": "message_stop"},
+            ]
+        )
 
     def failure(self, e: APIError) -> list[bytes]:
         return _framed([anthropic_error(e)])
@@ -100,8 +119,11 @@ class MessageBuilder:
         events = []
         if self._open is None or self._open["type"] != kind:
             events += self._close()
-            events += self._add({"type": "text", "text": ""} if kind == "text" else
-                                {"type": "thinking", "thinking": "", "signature": ""})
+            events += self._add(
+                {"type": "text", "text": ""}
+                if kind == "text"
+                else {"type": "thinking", "thinking": "", "signature": ""}
+            )
         self._open[kind] += text
         delta = {"type": "text_delta", "text": text} if kind == "text" else {"type": "thinking_delta", "thinking": text}
         return events + [{"type": "content_block_delta", "index": len(self._blocks) - 1, "delta": delta}]
@@ -110,16 +132,20 @@ class MessageBuilder:
         events = []
         if "id" in entry:  # a new call: its name, and maybe all of its arguments
             events += self._close()
-            events += self._add({"type": "tool_use", "id": entry["id"], "name": entry["function"]["name"],
-                                 "input": {}})
+            events += self._add({"type": "tool_use", "id": entry["id"], "name": entry["function"]["name"], "input": {}})
             self._calls[entry["index"]] = self._open
             self._arguments[len(self._blocks) - 1] = ""
         index = self._blocks.index(self._calls[entry["index"]])
         piece = entry["function"].get("arguments") or ""
         if piece:
             self._arguments[index] += piece
-            events.append({"type": "content_block_delta", "index": index,
-                           "delta": {"type": "input_json_delta", "partial_json": piece}})
+            events.append(
+                {
+                    "type": "content_block_delta",
+                    "index": index,
+                    "delta": {"type": "input_json_delta", "partial_json": piece},
+                }
+            )
         return events
 
     def _add(self, block: dict) -> list[dict]:
@@ -149,8 +175,12 @@ def _arguments(text: str) -> dict:
 
 def _usage(state: ChoiceState) -> dict:
     cached = state.num_cached_tokens
-    return {"input_tokens": state.num_prompt_tokens - cached, "output_tokens": state.num_output_tokens,
-            "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
+    return {
+        "input_tokens": state.num_prompt_tokens - cached,
+        "output_tokens": state.num_output_tokens,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": cached,
+    }
 
 
 def _framed(events: list[dict]) -> list[bytes]:

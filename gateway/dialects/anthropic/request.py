@@ -64,8 +64,7 @@ def parse_messages(body, tool_call_parser: str | None = None) -> ParsedRequest:
     form = output.raw("format") if output is not None else None
     if form is not None:
         if not (isinstance(form, dict) and form.get("type") == "json_schema" and isinstance(form.get("schema"), dict)):
-            raise bad_request("output_config.format must be {\"type\": \"json_schema\", \"schema\": {...}}",
-                              "output_config")
+            raise bad_request('output_config.format must be {"type": "json_schema", "schema": {...}}', "output_config")
         chat["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": form["schema"]}}
     metadata = f.object("metadata")
     if metadata is not None and metadata.raw("user_id") is not None:
@@ -104,14 +103,27 @@ def _messages(given) -> list[dict]:
             if kind == "text" and isinstance(block.get("text"), str):
                 texts.append(block["text"])
             elif kind == "tool_use" and message["role"] == "assistant":
-                calls.append({"id": _string(block, "id", at), "type": "function", "function": {
-                    "name": _string(block, "name", at), "arguments": json.dumps(_input(block, at))}})
+                calls.append(
+                    {
+                        "id": _string(block, "id", at),
+                        "type": "function",
+                        "function": {"name": _string(block, "name", at), "arguments": json.dumps(_input(block, at))},
+                    }
+                )
             elif kind == "tool_result" and message["role"] == "user":
-                results.append({"role": "tool", "tool_call_id": _string(block, "tool_use_id", at),
-                                "content": _text(block.get("content", ""), f"{at}.content", "messages")})
+                results.append(
+                    {
+                        "role": "tool",
+                        "tool_call_id": _string(block, "tool_use_id", at),
+                        "content": _text(block.get("content", ""), f"{at}.content", "messages"),
+                    }
+                )
             elif kind not in ("thinking", "redacted_thinking") or message["role"] != "assistant":
-                raise bad_request(f"{at}: content blocks of type {str(kind)[:40]!r} are not supported here (text; "
-                                  "tool_use and thinking from the assistant; tool_result from the user)", "messages")
+                raise bad_request(
+                    f"{at}: content blocks of type {str(kind)[:40]!r} are not supported here (text; "
+                    "tool_use and thinking from the assistant; tool_result from the user)",
+                    "messages",
+                )
         messages += results
         if calls:
             messages.append({"role": "assistant", "content": "".join(texts) or None, "tool_calls": calls})
@@ -124,8 +136,9 @@ def _text(content, where: str, param: str) -> str:
     """A string, or text blocks joined."""
     if isinstance(content, str):
         return content
-    if isinstance(content, list) and all(isinstance(b, dict) and b.get("type") == "text" and isinstance(b.get("text"), str)
-                                         for b in content):
+    if isinstance(content, list) and all(
+        isinstance(b, dict) and b.get("type") == "text" and isinstance(b.get("text"), str) for b in content
+    ):
         return "".join(b["text"] for b in content)
     raise bad_request(f"{where} must be a string or a list of text blocks; other content is not supported", param)
 
@@ -153,8 +166,10 @@ def _tools(tools) -> list[dict] | None:
     for i, t in enumerate(tools):
         if not isinstance(t, dict) or t.get("type", "custom") != "custom":
             kind = t.get("type") if isinstance(t, dict) else None
-            raise bad_request(f"tools[{i}]: only client tools (name, input_schema) are supported, got type "
-                              f"{str(kind)[:40]!r}", "tools")
+            raise bad_request(
+                f"tools[{i}]: only client tools (name, input_schema) are supported, got type {str(kind)[:40]!r}",
+                "tools",
+            )
         if not isinstance(t.get("name"), str) or not t["name"]:
             raise bad_request(f"tools[{i}].name must be a non-empty string", "tools")
         if not isinstance(t.get("input_schema"), dict):
@@ -172,5 +187,6 @@ def _tool_choice(choice: Fields):
         return _CHOICES[kind]
     if kind == "tool" and isinstance(choice.raw("name"), str):
         return {"type": "function", "function": {"name": choice.raw("name")}}
-    raise bad_request("tool_choice must be {\"type\": \"auto\" | \"any\" | \"none\"} or {\"type\": \"tool\", "
-                      "\"name\": ...}", "tool_choice")
+    raise bad_request(
+        'tool_choice must be {"type": "auto" | "any" | "none"} or {"type": "tool", "name": ...}', "tool_choice"
+    )

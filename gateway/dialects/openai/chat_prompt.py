@@ -33,13 +33,18 @@ def parse_chat_prompt(f: Fields, tools: list[dict] | None) -> ChatPrompt:
     add_generation_prompt = f.bool("add_generation_prompt", True)
     continue_final = f.bool("continue_final_message", False)
     if continue_final and add_generation_prompt:
-        raise bad_request("continue_final_message and add_generation_prompt cannot both be true: the first "
-                          "continues the last message, the second opens a new one", "continue_final_message")
+        raise bad_request(
+            "continue_final_message and add_generation_prompt cannot both be true: the first "
+            "continues the last message, the second opens a new one",
+            "continue_final_message",
+        )
     if continue_final and not isinstance(messages[-1].get("content"), str):
-        raise bad_request("continue_final_message needs a final message with text content to continue",
-                          "continue_final_message")
-    return ChatPrompt(messages, tools, add_generation_prompt, continue_final,
-                      _template_kwargs(f.raw("chat_template_kwargs")))
+        raise bad_request(
+            "continue_final_message needs a final message with text content to continue", "continue_final_message"
+        )
+    return ChatPrompt(
+        messages, tools, add_generation_prompt, continue_final, _template_kwargs(f.raw("chat_template_kwargs"))
+    )
 
 
 def parse_messages(messages) -> list[dict]:
@@ -51,8 +56,9 @@ def parse_messages(messages) -> list[dict]:
             raise bad_request(f"messages[{i}] must be an object with a string role", "messages")
         content = m.get("content")
         if isinstance(content, list):  # content parts: only text parts are supported
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
+            if not all(
+                isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+            ):
                 raise bad_request(f"messages[{i}].content: only text content parts are supported", "messages")
             m = {**m, "content": "".join(p["text"] for p in content)}
         elif content is not None and not isinstance(content, str):
@@ -70,6 +76,7 @@ def _template_kwargs(kwargs) -> dict:
         raise bad_request("chat_template_kwargs must be an object", "chat_template_kwargs")
     taken = [k for k in RESERVED_TEMPLATE_VARIABLES if k in kwargs]
     if taken:
-        raise bad_request(f"chat_template_kwargs must not set {taken[0]!r}; the request's own fields do",
-                          "chat_template_kwargs")
+        raise bad_request(
+            f"chat_template_kwargs must not set {taken[0]!r}; the request's own fields do", "chat_template_kwargs"
+        )
     return kwargs

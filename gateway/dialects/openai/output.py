@@ -33,8 +33,12 @@ def usage(states: list[ChoiceState], n: int) -> dict:
     firsts = states[::n]
     prompt = sum(s.num_prompt_tokens for s in firsts)
     completion = sum(s.num_output_tokens for s in states)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(s.num_cached_tokens for s in firsts)}}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(s.num_cached_tokens for s in firsts)},
+    }
 
 
 MIN_LOGPROB = -9999.0  # vLLM's floor: a token the grammar or a bias rules out has -inf, which JSON cannot carry
@@ -66,21 +70,23 @@ class LogprobFormatter:
             text = self._token(token_id)
             return {"token": text, "logprob": _logprob(logprob), "bytes": list(text.encode("utf-8"))}
 
-        content = [{**one(e.token_id, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]}
-                   for e in entries]
+        content = [{**one(e.token_id, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]} for e in entries]
         return {"content": content, "refusal": None}
 
     def completion(self, entries: list[TokenLogprob], text_offset: int) -> dict:
         return self._completion([(e.token_id, e) for e in entries], text_offset)
 
-    def echoed_completion(self, state: ChoiceState, echo: str, k: int, entries: list[TokenLogprob],
-                          text_offset: int) -> dict:
+    def echoed_completion(
+        self, state: ChoiceState, echo: str, k: int, entries: list[TokenLogprob], text_offset: int
+    ) -> dict:
         """``completion`` of an echoed prompt, then of ``entries``: the prompt's first token has no logprob
         (None, as in vLLM), the others their own top ``k``. ``entries`` start where the prompt's text ends,
         so their offsets stay right whatever the prompt's tokens decode to one by one."""
-        head = self._completion([(state.prompt_ids[0], None)] + [
-            (e.token_id, TokenLogprob(e.token_id, e.logprob, e.top[:k])) for e in state.prompt_logprobs],
-            text_offset)
+        head = self._completion(
+            [(state.prompt_ids[0], None)]
+            + [(e.token_id, TokenLogprob(e.token_id, e.logprob, e.top[:k])) for e in state.prompt_logprobs],
+            text_offset,
+        )
         tail = self.completion(entries, text_offset + len(echo))
         return {key: head[key] + tail[key] for key in head}
 
@@ -91,13 +97,19 @@ class LogprobFormatter:
             offsets.append(text_offset)
             tokens.append(self._token(token_id))
             text_offset += len(tokens[-1])
-        return {"tokens": tokens, "token_logprobs": [None if e is None else _logprob(e.logprob) for _, e in steps],
-                "top_logprobs": [None if e is None else {self._token(t): _logprob(lp) for t, lp in e.top} for _, e in steps],
-                "text_offset": offsets}
+        return {
+            "tokens": tokens,
+            "token_logprobs": [None if e is None else _logprob(e.logprob) for _, e in steps],
+            "top_logprobs": [
+                None if e is None else {self._token(t): _logprob(lp) for t, lp in e.top} for _, e in steps
+            ],
+            "text_offset": offsets,
+        }
 
     def prompt_logprobs(self, entries: list[TokenLogprob], k: int) -> list[dict | None]:
         """vLLM's prompt_logprobs: None for the first prompt token, then for each one a map from token id to
         logprob, rank and text holding the prompt token and the top ``k`` (the prompt token once)."""
+
         def one(token_id: int, logprob: float, rank: int | None) -> dict:
             return {"logprob": _logprob(logprob), "rank": rank, "decoded_token": self._text(token_id)}
 
@@ -110,8 +122,14 @@ class LogprobFormatter:
         return out
 
 
-def _completion_logprobs(fmt: LogprobFormatter, opts: ResponseOptions, state: ChoiceState, echo: str | None,
-                         entries: list[TokenLogprob], text_offset: int) -> dict | None:
+def _completion_logprobs(
+    fmt: LogprobFormatter,
+    opts: ResponseOptions,
+    state: ChoiceState,
+    echo: str | None,
+    entries: list[TokenLogprob],
+    text_offset: int,
+) -> dict | None:
     """Logprobs of one choice's text or of one chunk of it; ``echo``: the prompt text leads this part."""
     if opts.logprobs is None:
         return None
@@ -120,32 +138,58 @@ def _completion_logprobs(fmt: LogprobFormatter, opts: ResponseOptions, state: Ch
     return fmt.echoed_completion(state, echo, opts.logprobs, entries, text_offset)
 
 
-def completion_body(rid: str, created: int, model: str, states: list[ChoiceState], fmt: LogprobFormatter,
-                    opts: ResponseOptions) -> dict:
+def completion_body(
+    rid: str, created: int, model: str, states: list[ChoiceState], fmt: LogprobFormatter, opts: ResponseOptions
+) -> dict:
     choices = []
     for s in states:
         echo = opts.echo_of(s.index)
-        choice = {"index": s.index, "text": (echo or "") + s.text, "finish_reason": s.finish_reason,
-                  "stop_reason": s.stop_reason, "logprobs": _completion_logprobs(fmt, opts, s, echo, s.logprobs, 0)}
+        choice = {
+            "index": s.index,
+            "text": (echo or "") + s.text,
+            "finish_reason": s.finish_reason,
+            "stop_reason": s.stop_reason,
+            "logprobs": _completion_logprobs(fmt, opts, s, echo, s.logprobs, 0),
+        }
         if opts.prompt_logprobs is not None:
             choice["prompt_logprobs"] = fmt.prompt_logprobs(s.prompt_logprobs, opts.prompt_logprobs)
         choices.append(choice)
-    return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": choices, "usage": usage(states, opts.num_choices_per_prompt)}
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": usage(states, opts.num_choices_per_prompt),
+    }
 
 
-def chat_body(rid: str, created: int, model: str, states: list[ChoiceState], fmt: LogprobFormatter,
-              opts: ResponseOptions) -> dict:
+def chat_body(
+    rid: str, created: int, model: str, states: list[ChoiceState], fmt: LogprobFormatter, opts: ResponseOptions
+) -> dict:
     want_logprobs = opts.logprobs is not None
     choices = []
     for s in states:
         message, finish_reason = chat_message(opts.chat_shape, s.text, s.finish_reason)
         if (echo := opts.echo_of(s.index)) is not None:
             message["content"] = echo + (message["content"] or "")
-        choices.append({"index": s.index, "message": message, "finish_reason": finish_reason,
-                        "stop_reason": s.stop_reason, "logprobs": fmt.chat(s.logprobs) if want_logprobs else None})
-    body = {"id": rid, "object": "chat.completion", "created": created, "model": model,
-            "choices": choices, "usage": usage(states, opts.num_choices_per_prompt)}
+        choices.append(
+            {
+                "index": s.index,
+                "message": message,
+                "finish_reason": finish_reason,
+                "stop_reason": s.stop_reason,
+                "logprobs": fmt.chat(s.logprobs) if want_logprobs else None,
+            }
+        )
+    body = {
+        "id": rid,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": usage(states, opts.num_choices_per_prompt),
+    }
     if opts.prompt_logprobs is not None:  # one prompt, so one list for the response, as vLLM places it
         body["prompt_logprobs"] = fmt.prompt_logprobs(states[0].prompt_logprobs, opts.prompt_logprobs)
     return body
@@ -156,12 +200,32 @@ class ChunkBuilder:
     tracks each choice's text offset for completion logprobs, and
     whether its echoed prompt went out yet (with its first chunk)."""
 
-    __slots__ = ("_rid", "_created", "_model", "_chat", "_fmt", "_opts", "_offsets", "_has_echoed", "_outputs",
-                 "_include_usage", "_continuous_usage")
+    __slots__ = (
+        "_rid",
+        "_created",
+        "_model",
+        "_chat",
+        "_fmt",
+        "_opts",
+        "_offsets",
+        "_has_echoed",
+        "_outputs",
+        "_include_usage",
+        "_continuous_usage",
+    )
 
-    def __init__(self, rid: str, created: int, model: str, chat: bool, fmt: LogprobFormatter,
-                 opts: ResponseOptions, num_choices: int, include_usage: bool = False,
-                 continuous_usage: bool = False) -> None:
+    def __init__(
+        self,
+        rid: str,
+        created: int,
+        model: str,
+        chat: bool,
+        fmt: LogprobFormatter,
+        opts: ResponseOptions,
+        num_choices: int,
+        include_usage: bool = False,
+        continuous_usage: bool = False,
+    ) -> None:
         self._rid, self._created, self._model, self._chat = rid, created, model, chat
         self._fmt, self._opts, self._include_usage = fmt, opts, include_usage
         self._continuous_usage = include_usage and continuous_usage  # vLLM's: only along with include_usage
@@ -196,16 +260,29 @@ class ChunkBuilder:
         return [error_event(e), DONE]
 
     def _wrap(self, choices: list[dict], usage_: dict | None = None) -> dict:
-        chunk = {"id": self._rid, "object": "chat.completion.chunk" if self._chat else "text_completion",
-                 "created": self._created, "model": self._model, "choices": choices}
+        chunk = {
+            "id": self._rid,
+            "object": "chat.completion.chunk" if self._chat else "text_completion",
+            "created": self._created,
+            "model": self._model,
+            "choices": choices,
+        }
         if usage_ is not None:
             chunk["usage"] = usage_
         return chunk
 
     def role(self, index: int) -> dict:
         """Chat only: the first chunk of each choice names the role."""
-        return self._wrap([{"index": index, "delta": {"role": "assistant", "content": self._opts.echo_of(index) or ""},
-                            "logprobs": None, "finish_reason": None}])
+        return self._wrap(
+            [
+                {
+                    "index": index,
+                    "delta": {"role": "assistant", "content": self._opts.echo_of(index) or ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+            ]
+        )
 
     def delta(self, state: ChoiceState, d: ChoiceDelta) -> dict | None:
         """The chunk of ``d``; None where a chat parser holds all of its text back and nothing else is new."""

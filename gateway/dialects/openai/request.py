@@ -19,7 +19,7 @@ from .structured_fields import parse_structured_output
 
 MAX_N = 16  # completions per prompt
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
-MAX_SCALE = 2.0 ** 16  # temperature and repetition_penalty: the engine (SamplingParams) refuses more (and
+MAX_SCALE = 2.0**16  # temperature and repetition_penalty: the engine (SamplingParams) refuses more (and
 # a repetition_penalty under 1 / MAX_SCALE)
 MAX_PROMPTS = 64  # prompts in one completion request
 
@@ -61,16 +61,23 @@ class ParsedRequest:
 
     def sampling_options(self, max_tokens: int) -> SamplingSpec:
         if self.sampling.get("min_tokens", 0) > max_tokens:
-            raise bad_request(f"min_tokens ({self.sampling['min_tokens']}) must be <= max_tokens ({max_tokens})",
-                              "min_tokens")
-        return SamplingSpec(max_tokens=max_tokens, n=self.n, logprobs=self.logprobs,
-                            prompt_logprobs=self.num_prompt_logprobs, structured_output=self.structured_output,
-                            **self.sampling)
+            raise bad_request(
+                f"min_tokens ({self.sampling['min_tokens']}) must be <= max_tokens ({max_tokens})", "min_tokens"
+            )
+        return SamplingSpec(
+            max_tokens=max_tokens,
+            n=self.n,
+            logprobs=self.logprobs,
+            prompt_logprobs=self.num_prompt_logprobs,
+            structured_output=self.structured_output,
+            **self.sampling,
+        )
 
 
 def _refuse_unsupported(f: Fields, chat: bool) -> None:
     """A 400 for a field whose meaning this server does not implement. Unknown fields are ignored, as
     OpenAI and vLLM do; these are known ones, and an answer without them is not what was asked for."""
+
     def refuse(name: str, what: str | None = None) -> None:
         raise bad_request(f"{what or name} is not supported by this server", name)
 
@@ -94,8 +101,10 @@ def _cache_salt(f: Fields) -> str:
     if salt is None:
         return ""
     if not salt or len(salt) > MAX_CACHE_SALT_CHARS:
-        raise bad_request(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters, "
-                          f"got {len(salt)}", "cache_salt")
+        raise bad_request(
+            f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters, got {len(salt)}",
+            "cache_salt",
+        )
     return salt
 
 
@@ -131,14 +140,21 @@ def _common(f: Fields, chat: bool) -> dict:
         sampling["top_k"] = 0
     structured_output = parse_structured_output(f)
     return dict(
-        model=f.str("model", None), max_tokens=max_tokens, n=f.int("n", 1, lo=1, hi=MAX_N),
-        stop=f.stop_strings(), stream=stream,
+        model=f.str("model", None),
+        max_tokens=max_tokens,
+        n=f.int("n", 1, lo=1, hi=MAX_N),
+        stop=f.stop_strings(),
+        stream=stream,
         include_usage=options.bool("include_usage", False) if options else False,
         continuous_usage=options.bool("continuous_usage_stats", False) if options else False,
-        sampling=sampling, user=f.str("user", None), prompt_logprobs=prompt_logprobs,
-        structured_output=structured_output, skip_special_tokens=f.bool("skip_special_tokens", True),
+        sampling=sampling,
+        user=f.str("user", None),
+        prompt_logprobs=prompt_logprobs,
+        structured_output=structured_output,
+        skip_special_tokens=f.bool("skip_special_tokens", True),
         tokens_as_ids=f.bool("return_tokens_as_token_ids", False),
-        truncate_prompt_tokens=_truncation(f), include_stop_str=f.bool("include_stop_str_in_output", False),
+        truncate_prompt_tokens=_truncation(f),
+        include_stop_str=f.bool("include_stop_str_in_output", False),
     )
 
 
@@ -155,8 +171,9 @@ def _allowed_token_ids(f: Fields) -> list[int] | None:
 def _truncation(f: Fields) -> int | None:
     k = f.int("truncate_prompt_tokens", None, lo=-1)
     if k == 0:
-        raise bad_request("truncate_prompt_tokens must be -1 (the model's context) or >= 1, got 0",
-                          "truncate_prompt_tokens")
+        raise bad_request(
+            "truncate_prompt_tokens must be -1 (the model's context) or >= 1, got 0", "truncate_prompt_tokens"
+        )
     return k
 
 
@@ -165,17 +182,20 @@ def truncate_prompt(ids: list[int], k: int | None, max_model_len: int) -> list[i
     if k is None:
         return ids
     if k > max_model_len:
-        raise bad_request(f"truncate_prompt_tokens ({k}) is larger than this model's context ({max_model_len} "
-                          "tokens)", "truncate_prompt_tokens")
-    return ids[-(max_model_len if k == -1 else k):]
+        raise bad_request(
+            f"truncate_prompt_tokens ({k}) is larger than this model's context ({max_model_len} tokens)",
+            "truncate_prompt_tokens",
+        )
+    return ids[-(max_model_len if k == -1 else k) :]
 
 
 def parse_completion(body) -> ParsedRequest:
     f = Fields(body)
     common = _common(f, chat=False)
     logprobs = f.int("logprobs", None, lo=0, hi=MAX_LOGPROBS)
-    return ParsedRequest(prompts=_prompts(f.raw("prompt")), chat_prompt=None, logprobs=logprobs,
-                         echo=f.bool("echo", False), **common)
+    return ParsedRequest(
+        prompts=_prompts(f.raw("prompt")), chat_prompt=None, logprobs=logprobs, echo=f.bool("echo", False), **common
+    )
 
 
 def parse_chat(body, tool_call_parser: str | None = None) -> ParsedRequest:
@@ -196,25 +216,37 @@ def parse_chat(body, tool_call_parser: str | None = None) -> ParsedRequest:
         common["structured_output"] = forced
     if tool_choice is not None and tool_choice.auto_parser in READS_SPECIAL_TOKENS:
         common["skip_special_tokens"] = False
-    return ParsedRequest(prompts=[], chat_prompt=parse_chat_prompt(f, tools), logprobs=logprobs, tool_choice=tool_choice,
-                         include_reasoning=f.bool("include_reasoning", True), echo=f.bool("echo", False), **common)
+    return ParsedRequest(
+        prompts=[],
+        chat_prompt=parse_chat_prompt(f, tools),
+        logprobs=logprobs,
+        tool_choice=tool_choice,
+        include_reasoning=f.bool("include_reasoning", True),
+        echo=f.bool("echo", False),
+        **common,
+    )
 
 
 def _prompts(prompt) -> list[str | list[int]]:
     """A string, a list of strings, a list of token ids, or a list of token-id lists."""
-    def is_ids(p) -> bool:
-        return isinstance(p, list) and len(p) > 0 and all(
-            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in p)
 
-    if isinstance(prompt, str):
-        prompts = [prompt]
-    elif is_ids(prompt):
+    def is_ids(p) -> bool:
+        return (
+            isinstance(p, list)
+            and len(p) > 0
+            and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in p)
+        )
+
+    if isinstance(prompt, str) or is_ids(prompt):
         prompts = [prompt]
     elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or is_ids(p) for p in prompt):
         prompts = list(prompt)
     else:
-        raise bad_request("prompt must be a string, a list of strings, a list of token ids "
-                          "or a list of token-id lists, and not empty", "prompt")
+        raise bad_request(
+            "prompt must be a string, a list of strings, a list of token ids "
+            "or a list of token-id lists, and not empty",
+            "prompt",
+        )
     if len(prompts) > MAX_PROMPTS:
         raise bad_request(f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}", "prompt")
     if any(p == "" for p in prompts):
@@ -225,12 +257,18 @@ def _prompts(prompt) -> list[str | list[int]]:
 def resolve_max_tokens(requested: int | None, num_prompt_tokens: int, max_model_len: int, chat: bool) -> int:
     """``max_tokens`` checked against the context; errors give both numbers, as clients need them."""
     if num_prompt_tokens >= max_model_len:
-        raise bad_request(f"prompt has {num_prompt_tokens} tokens; this model's context is {max_model_len} "
-                          "tokens, which leaves no room to generate", "prompt" if not chat else "messages")
+        raise bad_request(
+            f"prompt has {num_prompt_tokens} tokens; this model's context is {max_model_len} "
+            "tokens, which leaves no room to generate",
+            "prompt" if not chat else "messages",
+        )
     room = max_model_len - num_prompt_tokens
     if requested is None:
         return room if chat else min(16, room)
     if requested > room:
-        raise bad_request(f"this model's context is {max_model_len} tokens; you requested {num_prompt_tokens + requested} "
-                          f"({num_prompt_tokens} in the prompt, {requested} to generate)", "max_tokens")
+        raise bad_request(
+            f"this model's context is {max_model_len} tokens; you requested {num_prompt_tokens + requested} "
+            f"({num_prompt_tokens} in the prompt, {requested} to generate)",
+            "max_tokens",
+        )
     return requested

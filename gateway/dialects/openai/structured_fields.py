@@ -27,8 +27,11 @@ _STRUCTURED_KEYS = {"json": "json", "regex": "regex", "choice": "choice", "gramm
 
 def parse_structured_output(f: Fields) -> StructuredOutput | None:
     """The grammar the request's output must follow; None for free text."""
-    found = [(spec, name) for spec, name in (_from_response_format(f), _from_structured_outputs(f), _from_guided(f))
-             if spec is not None]
+    found = [
+        (spec, name)
+        for spec, name in (_from_response_format(f), _from_structured_outputs(f), _from_guided(f))
+        if spec is not None
+    ]
     if len(found) > 1:
         raise bad_request(f"{found[0][1]} and {found[1][1]} both ask for a structured output; use one", found[1][1])
     return found[0][0] if found else None
@@ -43,7 +46,9 @@ def _from_response_format(f: Fields) -> tuple[StructuredOutput | None, str]:
     if kind == "json_object":
         return StructuredOutput("json_object"), name
     if kind != "json_schema":
-        raise bad_request(f"response_format type must be 'text', 'json_object' or 'json_schema', got {str(kind)[:40]!r}", name)
+        raise bad_request(
+            f"response_format type must be 'text', 'json_object' or 'json_schema', got {str(kind)[:40]!r}", name
+        )
     js = rf.object("json_schema")
     if js is None or js.raw("schema") is None:
         raise bad_request("response_format of type 'json_schema' needs json_schema.schema", name)
@@ -57,8 +62,11 @@ def _from_structured_outputs(f: Fields) -> tuple[StructuredOutput | None, str]:
         return None, name
     asked = [key for key in (*_STRUCTURED_KEYS, "json_object") if so.has(key)]
     if len(asked) != 1:
-        raise bad_request(f"structured_outputs must set exactly one of json, json_object, regex, choice, grammar; "
-                          f"got {asked or 'none'}", name)
+        raise bad_request(
+            f"structured_outputs must set exactly one of json, json_object, regex, choice, grammar; "
+            f"got {asked or 'none'}",
+            name,
+        )
     key = asked[0]
     if key == "json_object":
         if so.raw(key) is not True:
@@ -103,6 +111,7 @@ def _json(schema: Any, param: str) -> StructuredOutput:
 
 def _sized(kind: str, text: str, param: str) -> StructuredOutput:
     if len(text) > MAX_STRUCTURED_OUTPUT_CHARS:
-        raise bad_request(f"the {kind} grammar has {len(text)} characters; at most {MAX_STRUCTURED_OUTPUT_CHARS} "
-                          "are accepted", param)
+        raise bad_request(
+            f"the {kind} grammar has {len(text)} characters; at most {MAX_STRUCTURED_OUTPUT_CHARS} are accepted", param
+        )
     return StructuredOutput(kind, text)

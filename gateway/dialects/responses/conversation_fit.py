@@ -21,7 +21,7 @@ def fit_conversation(messages: list[dict], prompt_len: Callable[[list[dict]], in
     while head < len(messages) and messages[head]["role"] == "system":
         head += 1
     starts = [i for i in range(head + 1, len(messages)) if messages[i]["role"] == "user"]
-    kept = lambda k: messages[:head] + messages[starts[k]:]  # noqa: E731 - the conversation from turn k on
+    kept = lambda k: messages[:head] + messages[starts[k] :]  # noqa: E731 - the conversation from turn k on
     lo, hi = 0, len(starts) - 1  # the answer, if any, is in [lo, hi]
     if not starts or prompt_len(kept(hi)) > limit:
         return None

@@ -21,5 +21,6 @@ def _parse(body, ctx: ParseContext) -> Asked:
 
 
 # Its ids are the server's (resp_...), never the client's X-Request-Id: the store is keyed by them.
-RESPONSES = Dialect("responses", "/v1/responses", "resp_", chat=True, parse=_parse, error_body=APIError.body,
-                    keeps_request_id=False)
+RESPONSES = Dialect(
+    "responses", "/v1/responses", "resp_", chat=True, parse=_parse, error_body=APIError.body, keeps_request_id=False
+)

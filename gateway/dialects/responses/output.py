@@ -40,8 +40,16 @@ class ResponseBuilder:
     """One response (n is always 1). Streamed: ``opening``, ``frames`` per delta, then ``closing`` or
     ``failure``, each the SSE frames of its events; whole: ``whole``."""
 
-    def __init__(self, rid: str, model: str, echo: dict, shape: ChatShape, fmt: LogprobFormatter,
-                 tokenizer: Tokenizer, on_done: Callable[[dict], object] | None = None) -> None:
+    def __init__(
+        self,
+        rid: str,
+        model: str,
+        echo: dict,
+        shape: ChatShape,
+        fmt: LogprobFormatter,
+        tokenizer: Tokenizer,
+        on_done: Callable[[dict], object] | None = None,
+    ) -> None:
         self._on_done = on_done
         self._head = {"id": rid, "object": "response", "created_at": int(time.time()), "model": model, **echo}
         self._chat = ChatOutput(shape)
@@ -60,8 +68,14 @@ class ResponseBuilder:
     # ---- the Response object ----
     def body(self) -> dict:
         incomplete = {"reason": "max_output_tokens"} if self._status == "incomplete" else None
-        return {**self._head, "status": self._status, "error": self._error, "incomplete_details": incomplete,
-                "output": [dict(item) for item in self._items], "usage": self._usage}
+        return {
+            **self._head,
+            "status": self._status,
+            "error": self._error,
+            "incomplete_details": incomplete,
+            "output": [dict(item) for item in self._items],
+            "usage": self._usage,
+        }
 
     def whole(self, states: list[ChoiceState]) -> dict:
         """The finished response of a non-streamed request."""
@@ -85,8 +99,10 @@ class ResponseBuilder:
 
     # ---- events ----
     def _start(self) -> list[dict]:
-        return [self._event("response.created", response=self.body()),
-                self._event("response.in_progress", response=self.body())]
+        return [
+            self._event("response.created", response=self.body()),
+            self._event("response.in_progress", response=self.body()),
+        ]
 
     def _feed(self, d: ChoiceDelta) -> list[dict]:
         delta, finish_reason = self._chat.feed(d.text, d.finish_reason)
@@ -109,12 +125,15 @@ class ResponseBuilder:
         reasoning = "".join(c["text"] for item in self._items if item["type"] == "reasoning" for c in item["content"])
         prompt, cached = counts["prompt_tokens"], counts["prompt_tokens_details"]["cached_tokens"]
         self._usage = {
-            "input_tokens": prompt, "output_tokens": counts["completion_tokens"], "total_tokens": counts["total_tokens"],
+            "input_tokens": prompt,
+            "output_tokens": counts["completion_tokens"],
+            "total_tokens": counts["total_tokens"],
             # Every prompt token not found in the prefix cache was computed and written to it.
             "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": prompt - cached},
             # The reasoning's text re-encoded: its tokens as generated, up to how the boundary merges.
-            "output_tokens_details": {"reasoning_tokens": len(self._tok.encode(reasoning, add_special_tokens=False))
-                                      if reasoning else 0},
+            "output_tokens_details": {
+                "reasoning_tokens": len(self._tok.encode(reasoning, add_special_tokens=False)) if reasoning else 0
+            },
         }
         return events + [self._event(f"response.{self._status}", response=self._done())]
 
@@ -122,8 +141,10 @@ class ResponseBuilder:
         # response.error.code is one of OpenAI's fixed codes; the error event carries the specific one
         code = "invalid_prompt" if e.status < 500 else "server_error"
         self._status, self._error = "failed", {"code": code, "message": e.message}
-        return [self._event("error", code=e.code, message=e.message, param=e.param),
-                self._event("response.failed", response=self._done())]
+        return [
+            self._event("error", code=e.code, message=e.message, param=e.param),
+            self._event("response.failed", response=self._done()),
+        ]
 
     def _done(self) -> dict:
         body = self.body()
@@ -156,8 +177,14 @@ class ResponseBuilder:
         piece = entry["function"].get("arguments") or ""
         if piece:
             item["arguments"] += piece
-            events.append(self._event("response.function_call_arguments.delta", item_id=item["id"],
-                                      output_index=self._items.index(item), delta=piece))
+            events.append(
+                self._event(
+                    "response.function_call_arguments.delta",
+                    item_id=item["id"],
+                    output_index=self._items.index(item),
+                    delta=piece,
+                )
+            )
         return events
 
     def _add(self, kind: str, **fields) -> list[dict]:
@@ -177,8 +204,15 @@ class ResponseBuilder:
         events = [self._event("response.output_item.added", output_index=index, item=_copy(item))]
         if part is not None:
             item["content"].append(part)
-            events.append(self._event("response.content_part.added", item_id=item["id"], output_index=index,
-                                      content_index=0, part=dict(part)))
+            events.append(
+                self._event(
+                    "response.content_part.added",
+                    item_id=item["id"],
+                    output_index=index,
+                    content_index=0,
+                    part=dict(part),
+                )
+            )
         return events
 
     def _close(self, status: str) -> list[dict]:
@@ -189,14 +223,19 @@ class ResponseBuilder:
         index = len(self._items) - 1
         where = {"item_id": item["id"], "output_index": index}
         if item["type"] == "function_call":
-            events = [self._event("response.function_call_arguments.done", **where, name=item["name"],
-                                  arguments=item["arguments"])]
+            events = [
+                self._event(
+                    "response.function_call_arguments.done", **where, name=item["name"], arguments=item["arguments"]
+                )
+            ]
         else:
             part = item["content"][0]
             done = "response.output_text.done" if item["type"] == "message" else "response.reasoning_text.done"
             extra = {"logprobs": part["logprobs"]} if item["type"] == "message" else {}
-            events = [self._event(done, **where, content_index=0, text=part["text"], **extra),
-                      self._event("response.content_part.done", **where, content_index=0, part=dict(part))]
+            events = [
+                self._event(done, **where, content_index=0, text=part["text"], **extra),
+                self._event("response.content_part.done", **where, content_index=0, part=dict(part)),
+            ]
         return events + [self._event("response.output_item.done", output_index=index, item=_copy(item))]
 
     def _event(self, kind: str, **fields) -> dict:

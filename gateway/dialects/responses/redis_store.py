@@ -35,6 +35,7 @@ from collections.abc import Callable
 import redis
 
 from gateway.http.errors import APIError
+
 from .store import StoredResponse, conversation
 
 log = logging.getLogger("pdserve.gateway")
@@ -49,8 +50,9 @@ MAX_CHAIN = 10_000  # turns of one conversation walked back at most
 
 
 def _unavailable(e: redis.RedisError) -> APIError:
-    return APIError(503, f"the response store (Redis) did not answer: {str(e)[:200]}", code="store_unavailable",
-                    retry_after_s=1)
+    return APIError(
+        503, f"the response store (Redis) did not answer: {str(e)[:200]}", code="store_unavailable", retry_after_s=1
+    )
 
 
 class RedisResponseStore:
@@ -104,9 +106,14 @@ class RedisResponseStore:
             return None
         body, input_items, runner = json.loads(data)
         if runner is not None and runner != self.replica_id and not self._is_alive(runner):
-            body = {**body, "status": "failed", "error": {
-                "code": "server_error", "message": "the gateway replica running this background response stopped "
-                                                   "before it ended"}}
+            body = {
+                **body,
+                "status": "failed",
+                "error": {
+                    "code": "server_error",
+                    "message": "the gateway replica running this background response stopped before it ended",
+                },
+            }
             self.put(body, input_items)
         return StoredResponse(body, input_items, len(data))
 

@@ -40,13 +40,38 @@ from .output import new_id
 from .store import ResponseStore
 
 # vLLM's sampling fields beyond OpenAI's, taken by /v1/responses as by chat.
-PASSED_THROUGH = ("model", "temperature", "top_p", "parallel_tool_calls", "stream", "user", "seed", "top_k", "min_p",
-                  "repetition_penalty", "presence_penalty", "frequency_penalty", "min_tokens", "stop",
-                  "stop_token_ids", "ignore_eos", "logit_bias", "skip_special_tokens", "include_reasoning",
-                  "chat_template_kwargs", "include_stop_str_in_output", "allowed_token_ids", "cache_salt")
+PASSED_THROUGH = (
+    "model",
+    "temperature",
+    "top_p",
+    "parallel_tool_calls",
+    "stream",
+    "user",
+    "seed",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "min_tokens",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "logit_bias",
+    "skip_special_tokens",
+    "include_reasoning",
+    "chat_template_kwargs",
+    "include_stop_str_in_output",
+    "allowed_token_ids",
+    "cache_salt",
+)
 # A chat field an error names -> the Responses field the client sent.
-_PARAM_NAMES = {"messages": "input", "response_format": "text.format", "max_completion_tokens": "max_output_tokens",
-                "logprobs": "top_logprobs"}
+_PARAM_NAMES = {
+    "messages": "input",
+    "response_format": "text.format",
+    "max_completion_tokens": "max_output_tokens",
+    "logprobs": "top_logprobs",
+}
 LOGPROBS_INCLUDE = "message.output_text.logprobs"  # the one ``include`` value that changes what is generated
 MAX_METADATA_PAIRS = 16  # OpenAI's limits
 MAX_METADATA_VALUE_CHARS = 512
@@ -69,18 +94,22 @@ class ResponsesRequest:
 def parse_responses(body, tool_call_parser: str | None = None, store: ResponseStore | None = None) -> ResponsesRequest:
     f = Fields(body)
     if f.has("conversation"):
-        raise bad_request("conversation is not supported: this server has no Conversations API (send the "
-                          "conversation in input, or go on from a stored response with previous_response_id)",
-                          "conversation")
+        raise bad_request(
+            "conversation is not supported: this server has no Conversations API (send the "
+            "conversation in input, or go on from a stored response with previous_response_id)",
+            "conversation",
+        )
     keep = f.bool("store", True) and store is not None and store.enabled
     background = f.bool("background", False)
     if background and not keep:
-        why = ("store is false" if store is not None and store.enabled
-               else "this server stores no responses (gateway.responses_store_mb is 0)")
+        why = (
+            "store is false"
+            if store is not None and store.enabled
+            else "this server stores no responses (gateway.responses_store_mb is 0)"
+        )
         raise bad_request(f"background responses are read back from the store, but {why}", "background")
     if background and f.bool("stream", False):
-        raise bad_request("background responses are not streamed here: poll GET /v1/responses/{id} instead",
-                          "stream")
+        raise bad_request("background responses are not streamed here: poll GET /v1/responses/{id} instead", "stream")
     previous_id = f.str("previous_response_id", None)
     earlier = _earlier_items(previous_id, store) if previous_id is not None else []
     truncation = f.raw("truncation", "disabled")
@@ -116,32 +145,51 @@ def parse_responses(body, tool_call_parser: str | None = None, store: ResponseSt
         e.param = _PARAM_NAMES.get(e.param, e.param)
         raise
     echo = {
-        "instructions": f.str("instructions", None), "max_output_tokens": max_output_tokens,
-        "metadata": _metadata(f.raw("metadata")), "parallel_tool_calls": f.bool("parallel_tool_calls", True),
-        "temperature": f.raw("temperature", 1.0), "top_p": f.raw("top_p", 1.0), "top_logprobs": top_logprobs,
-        "tool_choice": f.raw("tool_choice", "auto"), "tools": tools or [], "text": {"format": text_format},
-        "user": parsed.user, "reasoning": f.raw("reasoning"), "previous_response_id": previous_id,
-        "store": keep, "truncation": truncation, "background": background,
+        "instructions": f.str("instructions", None),
+        "max_output_tokens": max_output_tokens,
+        "metadata": _metadata(f.raw("metadata")),
+        "parallel_tool_calls": f.bool("parallel_tool_calls", True),
+        "temperature": f.raw("temperature", 1.0),
+        "top_p": f.raw("top_p", 1.0),
+        "top_logprobs": top_logprobs,
+        "tool_choice": f.raw("tool_choice", "auto"),
+        "tools": tools or [],
+        "text": {"format": text_format},
+        "user": parsed.user,
+        "reasoning": f.raw("reasoning"),
+        "previous_response_id": previous_id,
+        "store": keep,
+        "truncation": truncation,
+        "background": background,
     }
     return ResponsesRequest(parsed, echo, items, keep, truncation == "auto", background)
 
 
 def _earlier_items(previous_id: str, store: ResponseStore | None) -> list[dict]:
     if store is None or not store.enabled:
-        raise bad_request("previous_response_id needs the response store, which is off on this server "
-                          "(gateway.responses_store_mb is 0): send the whole conversation in input",
-                          "previous_response_id")
+        raise bad_request(
+            "previous_response_id needs the response store, which is off on this server "
+            "(gateway.responses_store_mb is 0): send the whole conversation in input",
+            "previous_response_id",
+        )
     previous = store.get(previous_id)
     if previous is not None and previous.body["status"] in ("queued", "in_progress"):  # a background one
-        raise bad_request(f"Previous response {previous_id[:100]!r} is still {previous.body['status']}: go on "
-                          "from it once it has ended (GET /v1/responses/{id} shows its status)",
-                          "previous_response_id")
+        raise bad_request(
+            f"Previous response {previous_id[:100]!r} is still {previous.body['status']}: go on "
+            "from it once it has ended (GET /v1/responses/{id} shows its status)",
+            "previous_response_id",
+        )
     earlier = store.conversation(previous_id)
     if isinstance(earlier, str):
         gone = "" if earlier == previous_id else f" (an earlier response of its chain, {earlier[:100]!r}, is not)"
-        raise APIError(404, f"Previous response with id {previous_id[:100]!r} not found{gone}: responses are kept "
-                            "in the memory of the gateway that answered them, the least recently used "
-                            "dropped first", param="previous_response_id", code="previous_response_not_found")
+        raise APIError(
+            404,
+            f"Previous response with id {previous_id[:100]!r} not found{gone}: responses are kept "
+            "in the memory of the gateway that answered them, the least recently used "
+            "dropped first",
+            param="previous_response_id",
+            code="previous_response_not_found",
+        )
     return earlier
 
 
@@ -154,20 +202,28 @@ def _as_items(given) -> list[dict]:
     items = []
     for item in given:
         kind = item.get("type", "message")
-        done = {"id": item["id"] if isinstance(item.get("id"), str) else new_id(_ITEM_PREFIXES[kind]),
-                "type": kind, "status": "completed"}
+        done = {
+            "id": item["id"] if isinstance(item.get("id"), str) else new_id(_ITEM_PREFIXES[kind]),
+            "type": kind,
+            "status": "completed",
+        }
         if kind == "message":
             done["role"] = item["role"]
             texts = [item["content"]] if isinstance(item["content"], str) else [p["text"] for p in item["content"]]
-            done["content"] = ([{"type": "output_text", "text": t, "annotations": []} for t in texts]
-                               if item["role"] == "assistant" else [{"type": "input_text", "text": t} for t in texts])
+            done["content"] = (
+                [{"type": "output_text", "text": t, "annotations": []} for t in texts]
+                if item["role"] == "assistant"
+                else [{"type": "input_text", "text": t} for t in texts]
+            )
         elif kind == "function_call":
             done.update(call_id=item["call_id"], name=item["name"], arguments=item["arguments"])
         elif kind == "function_call_output":
             done.update(call_id=item["call_id"], output=_text(item["output"], "output"))
         else:  # reasoning: its text parts, where given as such
-            done.update(summary=_parts(item.get("summary"), "summary_text"), content=_parts(item.get("content"),
-                                                                                            "reasoning_text"))
+            done.update(
+                summary=_parts(item.get("summary"), "summary_text"),
+                content=_parts(item.get("content"), "reasoning_text"),
+            )
         items.append(done)
     return items
 
@@ -208,19 +264,30 @@ def _messages(given) -> list[dict]:
                 raise bad_request(f"{where}.role must be one of {sorted(_ROLES)}", "input")
             messages.append({"role": role, "content": _text(item.get("content"), f"{where}.content")})
         elif kind == "function_call":
-            call = {"id": _string(item, "call_id", where), "type": "function",
-                    "function": {"name": _string(item, "name", where), "arguments": _string(item, "arguments", where)}}
+            call = {
+                "id": _string(item, "call_id", where),
+                "type": "function",
+                "function": {"name": _string(item, "name", where), "arguments": _string(item, "arguments", where)},
+            }
             previous = messages[-1] if messages else {}
             if previous.get("role") == "assistant" and previous.get("tool_calls") and not previous.get("content"):
                 previous["tool_calls"].append(call)  # calls made together are one assistant turn
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
-            messages.append({"role": "tool", "tool_call_id": _string(item, "call_id", where),
-                             "content": _text(item.get("output"), f"{where}.output")})
+            messages.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": _string(item, "call_id", where),
+                    "content": _text(item.get("output"), f"{where}.output"),
+                }
+            )
         elif kind != "reasoning":
-            raise bad_request(f"{where}: input items of type {str(kind)[:40]!r} are not supported (message, "
-                              "function_call, function_call_output and reasoning are)", "input")
+            raise bad_request(
+                f"{where}: input items of type {str(kind)[:40]!r} are not supported (message, "
+                "function_call, function_call_output and reasoning are)",
+                "input",
+            )
     if not messages:
         raise bad_request("input holds no message", "input")
     return messages
@@ -230,11 +297,17 @@ def _text(content, where: str) -> str:
     """A string, or text parts (input_text, output_text) joined."""
     if isinstance(content, str):
         return content
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") in ("input_text", "output_text", "text")
-                                         and isinstance(p.get("text"), str) for p in content):
+    if isinstance(content, list) and all(
+        isinstance(p, dict)
+        and p.get("type") in ("input_text", "output_text", "text")
+        and isinstance(p.get("text"), str)
+        for p in content
+    ):
         return "".join(p["text"] for p in content)
-    raise bad_request(f"{where} must be a string or a list of text parts (input_text, output_text); other content "
-                      "is not supported", "input")
+    raise bad_request(
+        f"{where} must be a string or a list of text parts (input_text, output_text); other content is not supported",
+        "input",
+    )
 
 
 def _string(item: dict, key: str, where: str) -> str:
@@ -258,8 +331,15 @@ def _tools(tools) -> list[dict] | None:
             raise bad_request(f"tools[{i}].name must be a non-empty string", "tools")
         if not isinstance(t.get("parameters") or {}, dict):
             raise bad_request(f"tools[{i}].parameters must be a JSON schema object", "tools")
-        out.append({"type": "function", "name": t["name"], "description": t.get("description"),
-                    "parameters": t.get("parameters"), "strict": t.get("strict")})
+        out.append(
+            {
+                "type": "function",
+                "name": t["name"],
+                "description": t.get("description"),
+                "parameters": t.get("parameters"),
+                "strict": t.get("strict"),
+            }
+        )
     return out
 
 
@@ -268,8 +348,9 @@ def _tool_choice(choice):
         return choice  # "none", "auto", "required"; anything else the chat parser refuses
     if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
         return {"type": "function", "function": {"name": choice["name"]}}
-    raise bad_request("tool_choice must be 'none', 'auto', 'required' or {\"type\": \"function\", \"name\": ...}",
-                      "tool_choice")
+    raise bad_request(
+        "tool_choice must be 'none', 'auto', 'required' or {\"type\": \"function\", \"name\": ...}", "tool_choice"
+    )
 
 
 def _text_format(text: Fields | None) -> dict:
@@ -287,9 +368,17 @@ def _text_format(text: Fields | None) -> dict:
 def _metadata(metadata) -> dict | None:
     if metadata is None:
         return None
-    if not (isinstance(metadata, dict) and len(metadata) <= MAX_METADATA_PAIRS and all(
+    if not (
+        isinstance(metadata, dict)
+        and len(metadata) <= MAX_METADATA_PAIRS
+        and all(
             isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= MAX_METADATA_VALUE_CHARS
-            for k, v in metadata.items())):
-        raise bad_request(f"metadata must be an object of at most {MAX_METADATA_PAIRS} string values (keys up to 64 "
-                          f"characters, values up to {MAX_METADATA_VALUE_CHARS})", "metadata")
+            for k, v in metadata.items()
+        )
+    ):
+        raise bad_request(
+            f"metadata must be an object of at most {MAX_METADATA_PAIRS} string values (keys up to 64 "
+            f"characters, values up to {MAX_METADATA_VALUE_CHARS})",
+            "metadata",
+        )
     return metadata

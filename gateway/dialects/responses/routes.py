@@ -33,17 +33,22 @@ CANCEL_WAIT_S = 10.0  # a cancel waits this long for another replica to stop the
 RUNNING = ("queued", "in_progress")
 
 
-def response_routes(store: ResponseStore, background: BackgroundResponses,
-                    authorize: Callable[[Request], None]) -> list[Route]:
+def response_routes(
+    store: ResponseStore, background: BackgroundResponses, authorize: Callable[[Request], None]
+) -> list[Route]:
     def stored(request: Request) -> StoredResponse:
         authorize(request)
         rid = request.path_params["response_id"]
         entry = store.get(rid)
         if entry is None:
-            why = ("it was not stored, was deleted, or was dropped for room (least recently used first)"
-                   if store.enabled else "this server stores no responses (gateway.responses_store_mb is 0)")
-            raise APIError(404, f"No response found with id {rid[:100]!r}: {why}", param="response_id",
-                           code="not_found")
+            why = (
+                "it was not stored, was deleted, or was dropped for room (least recently used first)"
+                if store.enabled
+                else "this server stores no responses (gateway.responses_store_mb is 0)"
+            )
+            raise APIError(
+                404, f"No response found with id {rid[:100]!r}: {why}", param="response_id", code="not_found"
+            )
         return entry
 
     async def stop_background(entry: StoredResponse) -> StoredResponse:
@@ -76,8 +81,11 @@ def response_routes(store: ResponseStore, background: BackgroundResponses,
         entry = stored(request)
         rid = entry.body["id"]
         if not entry.body.get("background"):
-            raise bad_request(f"Only background responses can be cancelled; {rid!r} was answered while "
-                              f"its request waited (status {entry.body['status']!r})", "response_id")
+            raise bad_request(
+                f"Only background responses can be cancelled; {rid!r} was answered while "
+                f"its request waited (status {entry.body['status']!r})",
+                "response_id",
+            )
         entry = await stop_background(entry)
         return JSONResponse(entry.body)  # cancelling one that ended returns it as it ended (idempotent)
 

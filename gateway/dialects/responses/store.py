@@ -104,6 +104,11 @@ def input_items_page(items: list[dict], after: str | None, limit: int, order: st
         if after not in ids:
             return None
         start = ids.index(after) + 1
-    page = items[start:start + limit]
-    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-            "last_id": page[-1]["id"] if page else None, "has_more": start + limit < len(items)}
+    page = items[start : start + limit]
+    return {
+        "object": "list",
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": start + limit < len(items),
+    }

@@ -41,7 +41,7 @@ class ThinkTagParser(ReasoningParser):
         if self._state == "start":
             lead = pending.lstrip()
             if lead.startswith(START):
-                self._state, pending = "reasoning", lead[len(START):]
+                self._state, pending = "reasoning", lead[len(START) :]
             elif START.startswith(lead) and not final:
                 self._pending = pending  # maybe the start of the tag: wait for more
                 return "", ""

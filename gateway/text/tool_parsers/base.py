@@ -51,7 +51,7 @@ class SpaceAroundCalls(ToolCallParser):
     def _outside(self, text: str) -> str:
         self._gap += text
         ready = self._gap.rstrip()
-        self._gap = self._gap[len(ready):]
+        self._gap = self._gap[len(ready) :]
         return ready
 
 

@@ -34,6 +34,8 @@ class DeepSeekV3Reader(HermesReader):
         return calls
 
 
-_DEEPSEEK_CALL = re.compile("<\uff5ctool\u2581call\u2581begin\uff5c>(.*?)<\uff5ctool\u2581sep\uff5c>(.*?)"
-                            "<\uff5ctool\u2581call\u2581end\uff5c>", re.DOTALL)
+_DEEPSEEK_CALL = re.compile(
+    "<\uff5ctool\u2581call\u2581begin\uff5c>(.*?)<\uff5ctool\u2581sep\uff5c>(.*?)<\uff5ctool\u2581call\u2581end\uff5c>",
+    re.DOTALL,
+)
 _DEEPSEEK_FENCED = re.compile(r"([^`]+?)\s*```(?:json)?\s*(.*?)\s*```\s*", re.DOTALL)

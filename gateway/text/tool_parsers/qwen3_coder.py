@@ -50,8 +50,11 @@ _QWEN_PARAMETER = re.compile(r"<parameter=([^<>]*)>(.*?)(</parameter>|(?=<parame
 def _typed(value: str, schema) -> object:
     """A parameter's raw text as the value its schema's type asks for, as vLLM converts it: the text
     itself where that does not read (and for parameters the schema does not name, or gives no type)."""
-    kind = schema.get("type", "object" if "anyOf" in schema or "oneOf" in schema else "string") \
-        if isinstance(schema, dict) else "string"
+    kind = (
+        schema.get("type", "object" if "anyOf" in schema or "oneOf" in schema else "string")
+        if isinstance(schema, dict)
+        else "string"
+    )
     if value.lower() == "null":
         return None
     if kind == "string":
