@@ -100,35 +100,15 @@ def client(live, backend):
 def redis_url(tmp_path_factory):
     """A real redis-server (Debian's package; scripts/test installs it) on a free loopback port, nothing
     written to disk; its URL, and it is stopped after the module."""
-    import shutil
-    import socket
     import subprocess
     import time
 
     import redis
 
-    exe = shutil.which("redis-server")
-    assert exe is not None, "redis-server is not installed (apt-get install redis-server; scripts/test does)"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen(
-        [
-            exe,
-            "--bind",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            str(tmp_path_factory.mktemp("redis")),
-        ],
-        stdout=subprocess.DEVNULL,
-    )
-    url = f"redis://127.0.0.1:{port}/0"
+    from cluster.serve import redis_server
+
+    argv, url = redis_server(max_mb=64)  # the one `pdserve serve --gateways N` starts, on a free loopback port
+    proc = subprocess.Popen([*argv, "--dir", str(tmp_path_factory.mktemp("redis"))], stdout=subprocess.DEVNULL)
     client = redis.Redis.from_url(url)
     give_up = time.monotonic() + 30
     while True:
