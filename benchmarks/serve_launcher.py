@@ -61,6 +61,30 @@ def _pinned(cpus: set[int]):
     return hook
 
 
+def serve_argv(
+    model_dir: Path, port: int, num_prefill: int, num_decode: int, num_gateways: int, config_path: Path
+) -> list[str]:
+    """The `pdserve serve` command line of a local cluster on ``port`` (and the ports after it)."""
+    return [
+        sys.executable,
+        "-m",
+        "cluster",
+        "serve",
+        "--model",
+        str(model_dir),
+        "--port",
+        str(port),
+        "--prefill",
+        str(num_prefill),
+        "--decode",
+        str(num_decode),
+        "--gateways",
+        str(num_gateways),
+        "--config",
+        str(config_path),
+    ]
+
+
 class ServedSystem:
     """``pdserve serve --prefill N --decode M --gateways G`` with ``sections`` written as its YAML config."""
 
@@ -89,24 +113,7 @@ class ServedSystem:
         workdir.mkdir(parents=True, exist_ok=True)
         config_path = workdir / f"{name}.yaml"
         config_path.write_text(yaml.safe_dump(config))
-        argv = [
-            sys.executable,
-            "-m",
-            "cluster",
-            "serve",
-            "--model",
-            str(model_dir),
-            "--port",
-            str(self.port),
-            "--prefill",
-            str(num_prefill),
-            "--decode",
-            str(num_decode),
-            "--gateways",
-            str(num_gateways),
-            "--config",
-            str(config_path),
-        ]
+        argv = serve_argv(model_dir, self.port, num_prefill, num_decode, num_gateways, config_path)
         self.log_path = workdir / f"{name}.log"
         self._log = self.log_path.open("w")
         self.proc = subprocess.Popen(

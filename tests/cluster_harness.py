@@ -10,7 +10,6 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -18,7 +17,7 @@ from pathlib import Path
 
 import yaml
 
-from benchmarks.serve_launcher import free_ports
+from benchmarks.serve_launcher import free_ports, serve_argv
 
 READY_LINE = re.compile(r"READY http_port=(\d+) .*worker_id=(\S+)")
 READY_PID = re.compile(r"READY .* pid=(\d+)")
@@ -52,25 +51,7 @@ class ServeProcess:
         self.config = config
         self.config_path = tmp / "cluster.yaml"
         self.config_path.write_text(yaml.safe_dump(config))
-        argv = [
-            sys.executable,
-            "-m",
-            "cluster",
-            "serve",
-            "--model",
-            str(model_dir),
-            "--port",
-            str(self.port),
-            "--prefill",
-            str(num_prefill),
-            "--decode",
-            str(num_decode),
-            "--gateways",
-            str(num_gateways),
-            "--config",
-            str(self.config_path),
-            *extra_args,
-        ]
+        argv = [*serve_argv(model_dir, self.port, num_prefill, num_decode, num_gateways, self.config_path), *extra_args]
         self.proc = subprocess.Popen(
             argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})}
         )
