@@ -27,6 +27,7 @@ import torch
 
 from engine.lora_adapter import LoRAAdapter, LoRAError, LoRAModule, load_adapter
 from engine.model_config import HFModelConfig
+from engine.stacked_lora import StackedLoRA, StackedStep, use_lora_kernel
 
 
 @dataclass(slots=True, frozen=True)
@@ -45,9 +46,13 @@ class LoRAStep:
     """One step's adapters: (token rows or None for all, adapter) per group; empty = base only."""
 
     groups: list[tuple[torch.Tensor | None, LoRAAdapter]] = field(default_factory=list)
+    stacked: StackedStep | None = None  # CUDA with Triton: the same groups as the kernel's inputs
 
     def add_delta(self, key: tuple[int, str], x: torch.Tensor, y: torch.Tensor) -> None:
         """``y[rows] += (x[rows] @ A^T) @ B^T`` for each group's adapter that targets module ``key``."""
+        if self.stacked is not None:  # the one dispatch point: every group in one Triton launch pair
+            self.stacked.add_delta(key, x, y)  # (engine/stacked_lora.py, kernels/lora_batched.py)
+            return
         for rows, adapter in self.groups:
             module: LoRAModule | None = adapter.modules.get(key)
             if module is None:
@@ -78,6 +83,7 @@ class LoRAManager:
         self._host: OrderedDict[str, LoRAAdapter] = OrderedDict()  # least recently used first
         self._slots: OrderedDict[str, LoRAAdapter] = OrderedDict()  # device copies, least recently used first
         self.num_host_loads = 0  # directory reads (first load and re-reads after eviction)
+        self._stacked = StackedLoRA(config, self.device) if use_lora_kernel(self.device) else None
 
     @property
     def max_cpu_loras(self) -> int:
@@ -117,7 +123,8 @@ class LoRAManager:
             adapter = self._on_device(name, set(rows_by_name))
             every_row = len(rows) == len(names_per_token)
             groups.append((None if every_row else torch.tensor(rows, device=self.device), adapter))
-        return LoRAStep(groups)
+        stacked = self._stacked.step(groups, len(names_per_token)) if self._stacked and groups else None
+        return LoRAStep(groups, stacked)
 
     def _on_device(self, name: str, in_step: set[str]) -> LoRAAdapter:
         if name in self._slots:

@@ -143,7 +143,8 @@ def _lora_shrink_kernel(
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < hidden
         x = tl.load(x_ptr + tokens[:, None] * stride_xt + k[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
-        a = tl.load(a_base + r[:, None] * stride_ar + k[None, :] * stride_ah, mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+        a_tile = a_base + r[:, None] * stride_ar + k[None, :] * stride_ah
+        a = tl.load(a_tile, mask=r_ok[:, None] & k_ok[None, :], other=0.0)
         if UPCAST:  # fp32 inputs get full fp32 products (no TF32); the interpreter cannot dot bf16
             acc += tl.dot(x.to(tl.float32), tl.trans(a.to(tl.float32)), input_precision="ieee")
         else:

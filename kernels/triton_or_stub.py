@@ -11,6 +11,8 @@ from __future__ import annotations
 try:
     import triton
     import triton.language as tl
+
+    TRITON_INSTALLED = True
 except ImportError:  # the CPU image: every CUDA launch below names what is missing
     import types
 
@@ -30,5 +32,6 @@ except ImportError:  # the CPU image: every CUDA launch below names what is miss
         next_power_of_2=lambda n: 1 if n <= 1 else 1 << (n - 1).bit_length(),
     )
     tl = types.SimpleNamespace()  # only read inside @triton.jit bodies and (lazy) annotations
+    TRITON_INSTALLED = False  # callers that have a torch path choose it (engine/stacked_lora.py)
 
-__all__ = ["tl", "triton"]
+__all__ = ["TRITON_INSTALLED", "tl", "triton"]
