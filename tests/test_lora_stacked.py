@@ -4,6 +4,8 @@ and the kernel's torch reference, on every module of a tiny model with a mixed b
 three adapters of ranks 4, 8 (rsLoRA) and 16 that target different parts of the fused q/k/v and
 gate/up projections (alpha q and v but not k, so its parts' columns are not its slices' order).
 
+Then the whole engine on that path against PEFT's greedy tokens.
+
 float32 throughout: the point is the layout (which rows and columns each slot's slices read), and in
 float32 the three differ only by summation order (1e-5; the kernel's own dtypes: test_kernel_lora.py).
 """
@@ -16,15 +18,18 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from engine.llm import LLM
 from engine.lora_adapter import PROJECTIONS, part_sizes
 from engine.lora_manager import LoRALimits, LoRAManager
 from engine.model_config import HFModelConfig
+from engine.sampling_params import SamplingParams
 from engine.stacked_lora import StackedLoRA, use_lora_kernel
-from kernels.lora_batched import lora_delta_reference
-from tests.lora_factory import tiny_adapter_dir
+from kernels.lora_batched import lora_delta_reference, lora_delta_triton
+from tests.lora_factory import peft_greedy, tiny_adapter_dir
 from tests.model_factory import _root, tiny_model_dir
 
 FAMILY = "llama"
+NEW_TOKENS = 10
 GAMMA = (16, 8, ("q_proj", "k_proj", "v_proj", "up_proj"))  # rank, alpha, targets
 
 
@@ -95,3 +100,34 @@ def test_an_adapter_sets_stacks_are_kept_across_steps(manager):
     other = stacked.step(manager.step(["gamma"]).groups, 1)
     assert again.stacks is first.stacks and other.stacks is not first.stacks
     assert again.batch.slots.tolist() == [first.batch.slots[2], first.batch.slots[2], first.batch.slots[0], -1]
+
+
+def test_engine_through_the_kernel_path_gives_pefts_greedy_tokens(monkeypatch):
+    """The whole engine with the CUDA path's dispatch taken on CPU (the kernel under the interpreter):
+    base and two adapters interleaved so every step mixes them, token for token PEFT's greedy output."""
+    import engine.lora_manager
+
+    launches = []
+    monkeypatch.setattr(engine.lora_manager, "use_lora_kernel", lambda device: True)
+    monkeypatch.setattr("engine.stacked_lora.lora_delta_triton", lambda *a: launches.append(lora_delta_triton(*a)))
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(5, 700, (n,), generator=gen).tolist() for n in (5, 37, 16)]
+    names = ["", "alpha", "beta"]
+    expected = {n: peft_greedy(FAMILY, n, prompts, NEW_TOKENS) for n in names}
+    assert expected["alpha"] != expected[""] and expected["beta"] != expected[""]  # the adapters matter
+    llm = LLM(
+        str(tiny_model_dir(FAMILY)),
+        block_size=8,
+        prefill_chunk_size=16,
+        kv_cache_memory_mb=8,
+        enable_lora=True,
+        lora_modules=[f"{n}={tiny_adapter_dir(n, FAMILY)}" for n in names[1:]],
+        max_loras=2,
+        max_lora_rank=8,
+    )
+    jobs = [(n, i) for i in range(len(prompts)) for n in names]
+    params = [SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, lora_name=n) for n, _ in jobs]
+    outputs = llm.generate([prompts[i] for _, i in jobs], params)
+    for (name, i), out in zip(jobs, outputs):
+        assert out.outputs[0].token_ids == expected[name][i], f"adapter {name!r} prompt {i}"
+    assert launches  # the kernel ran
