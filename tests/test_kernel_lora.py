@@ -26,31 +26,39 @@ RANKS = [[4, 0, 4], [8, 8, 8], [16, 16, 0]]  # slot -> rank per slice; 0: the sl
 SCALINGS = [2.0, 0.5, 1.25]
 
 
-def make_weights(dtype: torch.dtype, seed: int = 0) -> LoRAWeights:
+def make_weights(
+    dtype: torch.dtype,
+    seed: int = 0,
+    hidden: int = HIDDEN,
+    slices: tuple[int, ...] = SLICES,
+    ranks: list[list[int]] = RANKS,
+    scalings: list[float] = SCALINGS,
+    device: str = "cpu",
+) -> LoRAWeights:
     """Each slot's slices take consecutive shrink columns (as the engine's fused A/B do); all else is NaN."""
     gen = torch.Generator().manual_seed(seed)
     offsets = [0]
-    for width in SLICES:
+    for width in slices:
         offsets.append(offsets[-1] + width)
-    num_slots, rows = len(RANKS), max(sum(r) for r in RANKS)
-    a = torch.full((num_slots, rows, HIDDEN), float("nan"))
+    num_slots, rows = len(ranks), max(sum(r) for r in ranks)
+    a = torch.full((num_slots, rows, hidden), float("nan"))
     b = torch.full((num_slots, offsets[-1], rows), float("nan"))
-    cols = [[0] * len(SLICES) for _ in RANKS]
-    for s, ranks in enumerate(RANKS):
+    cols = [[0] * len(slices) for _ in ranks]
+    for s, slot_ranks in enumerate(ranks):
         col = 0
-        for p, r in enumerate(ranks):
+        for p, r in enumerate(slot_ranks):
             cols[s][p] = col
-            a[s, col : col + r] = torch.randn(r, HIDDEN, generator=gen) / HIDDEN**0.5
-            b[s, offsets[p] : offsets[p + 1], col : col + r] = torch.randn(SLICES[p], r, generator=gen) / r**0.5
+            a[s, col : col + r] = torch.randn(r, hidden, generator=gen) / hidden**0.5
+            b[s, offsets[p] : offsets[p + 1], col : col + r] = torch.randn(slices[p], r, generator=gen) / r**0.5
             col += r
     return LoRAWeights(
-        a.to(dtype),
-        b.to(dtype),
-        torch.tensor(cols, dtype=torch.int32),
-        torch.tensor(RANKS, dtype=torch.int32),
-        torch.tensor(SCALINGS),
+        a.to(device, dtype),
+        b.to(device, dtype),
+        torch.tensor(cols, dtype=torch.int32, device=device),
+        torch.tensor(ranks, dtype=torch.int32, device=device),
+        torch.tensor(scalings, device=device),
         tuple(offsets),
-        max_rank=max(max(r) for r in RANKS),
+        max_rank=max(max(r) for r in ranks),
     )
 
 
@@ -65,17 +73,18 @@ def per_token_float64(x, y, weights: LoRAWeights, slots) -> tuple[torch.Tensor, 
     """Independent of both implementations: one token at a time, float64, straight from the definition.
     Returns (y + delta, the magnitude each output's rounding errors are relative to)."""
     out, magnitude = y.double().clone(), y.double().abs()
+    cols, ranks, scalings = weights.cols.tolist(), weights.ranks.tolist(), weights.scalings.tolist()
     for t, s in enumerate(slots.tolist()):
         if s < 0:
             continue
-        for p in range(len(SLICES)):
-            c, r = weights.cols[s, p].item(), weights.ranks[s, p].item()
+        for p in range(len(weights.slice_offsets) - 1):
+            c, r = cols[s][p], ranks[s][p]
             lo, hi = weights.slice_offsets[p], weights.slice_offsets[p + 1]
             if r:
                 shrink = weights.a[s, c : c + r].double() @ x[t].double()  # [r]
                 b = weights.b[s, lo:hi, c : c + r].double()
-                out[t, lo:hi] += SCALINGS[s] * (b @ shrink)
-                magnitude[t, lo:hi] += abs(SCALINGS[s]) * (b.abs() @ shrink.abs())
+                out[t, lo:hi] += scalings[s] * (b @ shrink)
+                magnitude[t, lo:hi] += abs(scalings[s]) * (b.abs() @ shrink.abs())
     return out, magnitude
 
 
