@@ -7,6 +7,10 @@
   kernel against the torch reference (SDPA per request) on the same inputs.
 - Block copy (gather a request's blocks into a send buffer, scatter them into a pool): bytes moved
   per second against torch's ``index_select`` / indexed assignment and the copy bandwidth.
+- Batched LoRA (kernels/lora_batched.py through engine/stacked_lora.py): one Llama-3-8B layer's four
+  LoRA-capable projections with 4 rank-16 adapters on every projection, a decode batch and a prefill
+  step mixed with base tokens; the kernel path against the engine's torch path (per adapter: gather,
+  two matmuls, scatter-add), both as the engine calls them, once the step's grouping is made.
 """
 
 from __future__ import annotations
@@ -156,6 +160,95 @@ def bench_block_copy(copy_gbps: float) -> dict:
     return {"bytes": moved // 2, "ms": rows, "of_copy": {k: moved / ms / 1e6 / copy_gbps for k, ms in rows.items()}}
 
 
+LORA_RANK, LORA_ADAPTERS = 16, 4
+LORA_STEPS = {"decode 64": (64, 16), "decode 256": (256, 48), "prefill 2048": (2048, 512)}  # tokens, base tokens
+LLAMA_8B = {
+    "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
+    "num_hidden_layers": 1, "num_attention_heads": 32, "num_key_value_heads": 8,
+}  # fmt: skip
+
+
+def random_adapter(name: str, config, seed: int):
+    """Rank LORA_RANK on every projection of layer 0, laid out as engine/lora_adapter.py fuses them."""
+    from engine.lora_adapter import PROJECTIONS, LoRAAdapter, LoRAModule, part_sizes
+    from engine.stacked_lora import part_columns
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    adapter = LoRAAdapter(name, "", LORA_RANK, 1.0, frozenset(PROJECTIONS), {})
+    for fused, parts in part_sizes(config).items():
+        rank_sum, out = LORA_RANK * len(parts), sum(o for o, _ in parts)
+        a = torch.randn(rank_sum, parts[0][1], device="cuda", generator=gen, dtype=DTYPE) / parts[0][1] ** 0.5
+        b = torch.zeros(out, rank_sum, device="cuda", dtype=DTYPE)
+        row = 0
+        for part, (o, _) in enumerate(parts):
+            col = part_columns(adapter, fused)[part]
+            block = torch.randn(o, LORA_RANK, device="cuda", generator=gen) / LORA_RANK**0.5
+            b[row : row + o, col : col + LORA_RANK] = block.to(DTYPE)
+            row += o
+        adapter.modules[0, fused] = LoRAModule(a, b)
+    return adapter
+
+
+def mixed_lora_groups(adapters, num_tokens: int, num_base: int) -> list:
+    """LoRAStep groups: the adapters round-robin over the non-base tokens, all shuffled with the base."""
+    gen = torch.Generator().manual_seed(num_tokens)
+    slots = torch.tensor([i % len(adapters) for i in range(num_tokens - num_base)] + [-1] * num_base)
+    slots = slots[torch.randperm(num_tokens, generator=gen)]
+    return [((slots == i).nonzero().squeeze(1).cuda(), adapter) for i, adapter in enumerate(adapters)]
+
+
+def bench_lora() -> dict:
+    from engine.lora_adapter import part_sizes
+    from engine.lora_manager import LoRAStep
+    from engine.model_config import HFModelConfig
+    from engine.stacked_lora import StackedLoRA
+
+    config = HFModelConfig.from_hf_dict(LLAMA_8B)
+    sizes = part_sizes(config)  # fused module -> (out, in) of its parts
+    adapters = [random_adapter(f"a{i}", config, i) for i in range(LORA_ADAPTERS)]
+    stacked = StackedLoRA(config, torch.device("cuda"))
+    print(f"\nbatched LoRA: {LORA_ADAPTERS} rank-{LORA_RANK} adapters on every projection, a Llama-3-8B layer")
+    print(f"{'step':<16}{'torch ms':>10}{'triton ms':>10}{'vs torch':>10}{'max |diff|':>12}{'stack ms':>12}")
+    figures = {}
+    for label, (num_tokens, num_base) in LORA_STEPS.items():
+        groups = mixed_lora_groups(adapters, num_tokens, num_base)
+        steps = {"torch": LoRAStep(groups), "triton": LoRAStep(groups, stacked.step(groups, num_tokens))}
+        x = {f: torch.randn(num_tokens, parts[0][1], device="cuda", dtype=DTYPE) for f, parts in sizes.items()}
+        y = {
+            f: torch.randn(num_tokens, sum(o for o, _ in parts), device="cuda", dtype=DTYPE)
+            for f, parts in sizes.items()
+        }
+        deltas = {}
+        for name, step in steps.items():  # the four projections' outputs, once
+            deltas[name] = [y[f].clone() for f in sizes]
+            for fused, out in zip(sizes, deltas[name]):
+                step.add_delta((0, fused), x[fused], out)
+        diff = max((t.float() - k.float()).abs().max().item() for t, k in zip(deltas["torch"], deltas["triton"]))
+        ms = {
+            name: time_ms(lambda s=step: [s.add_delta((0, f), x[f], y[f]) for f in sizes])
+            for name, step in steps.items()
+        }
+        # once per new adapter set (kept across steps): copying the set's weights into the kernel's stacks
+        stack_ms = time_ms(
+            lambda: [
+                StackedLoRA(config, torch.device("cuda")).step(groups, num_tokens).stacks.weights((0, f)) for f in sizes
+            ],
+            iters=10,
+        )
+        print(
+            f"{label:<16}{ms['torch']:>10.3f}{ms['triton']:>10.3f}{ms['torch'] / ms['triton']:>9.2f}x{diff:>12.2e}"
+            f"{stack_ms:>12.3f}"
+        )
+        figures[label] = {
+            "tokens": num_tokens,
+            "base_tokens": num_base,
+            "ms": ms,
+            "max_abs_diff": diff,
+            "stack_ms": stack_ms,
+        }
+    return figures
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=BATCH)
@@ -173,6 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         "decode": bench_decode(args.batch, args.context, copy_gbps),
         "prefill": bench_prefill(),
         "block_copy": bench_block_copy(copy_gbps),
+        "lora": bench_lora(),
     }
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
