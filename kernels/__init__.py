@@ -4,8 +4,8 @@ The pool of one node is ``[layers, 2, num_blocks, block_size, kv_heads, head_dim
 functions take one layer's K and V caches, ``pool[layer, 0]`` and ``pool[layer, 1]``.
 
 One file per kernel, each holding the @triton.jit kernel, its launcher and its torch reference:
-store_kv.py, paged_decode.py, paged_prefill.py (with paged_attention.py choosing between them) and
-block_copy.py.
+store_kv.py, paged_decode.py, paged_prefill.py (with paged_attention.py choosing between them),
+block_copy.py, and lora_batched.py (the batched LoRA product; engine/stacked_lora.py dispatches to it).
 
 Tests run the Triton kernels on CPU tensors under ``TRITON_INTERPRET=1``. Triton reads that variable
 when ``@triton.jit`` decorates a kernel, i.e. when these modules are imported, so it must be in the
