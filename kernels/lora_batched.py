@@ -71,11 +71,13 @@ class LoRABatch:
 
 
 def plan_lora_batch(slots: torch.Tensor, num_slots: int) -> LoRABatch:
+    """Sort and binary search only: no host sync on CUDA (``torch.bincount`` would read the maximum back)."""
     slots = slots.to(torch.int32)
-    order = torch.argsort(slots, stable=True).to(torch.int32)
-    counts = torch.bincount(slots.long() + 1, minlength=num_slots + 1)[: num_slots + 1]  # [base, slot 0, ...]
-    starts = torch.cumsum(counts, 0) - counts
-    return LoRABatch(slots, order, starts[1:].to(torch.int32), counts[1:].to(torch.int32))
+    sorted_slots, order = torch.sort(slots, stable=True)
+    each = torch.arange(num_slots, dtype=torch.int32, device=slots.device)
+    starts = torch.searchsorted(sorted_slots, each).to(torch.int32)
+    ends = torch.searchsorted(sorted_slots, each, right=True).to(torch.int32)
+    return LoRABatch(slots, order.to(torch.int32), starts, ends - starts)
 
 
 def lora_delta_reference(x: torch.Tensor, y: torch.Tensor, weights: LoRAWeights, slots: torch.Tensor) -> None:
