@@ -15,7 +15,8 @@ module of the step reuses that order; a program takes BLOCK_M tokens of one slot
 multiplies them with ``tl.dot``, so a prefill chunk of hundreds of tokens reads its adapter's weights
 once per tile instead of once per token, and a decode batch of mixed adapters is the same code with
 short segments. The grid covers ``cdiv(T, BLOCK_M)`` tiles for every slot (the most any slot can
-have); the tiles past a slot's segment return at once.
+have); the tiles past a slot's segment return at once. Ranks are tiled too (64 columns a shrink
+program, 64 a step of the expand's loop), so a high max rank costs programs, not registers.
 
 The torch reference computes the same rounding points (float32 accumulation, the shrink rounded to
 the weights' dtype before the expand, one rounding of y), one slot and slice at a time.
@@ -32,6 +33,7 @@ from kernels.triton_or_stub import tl, triton
 _BLOCK_M = 16  # tokens per tile (tl.dot needs >= 16)
 _BLOCK_K = 64  # hidden columns per shrink step
 _BLOCK_N = 64  # output columns per expand tile
+_MAX_BLOCK_R = 64  # rank columns per tile: a higher rank takes more shrink programs / expand steps, not registers
 
 
 @dataclass(slots=True)
@@ -121,26 +123,27 @@ def _lora_shrink_kernel(
     stride_as,
     stride_ar,
     stride_ah,  # a: [S, R, H]
-    stride_st,  # shrink: [T, R_PAD] float32, R_PAD contiguous
+    stride_st,  # shrink: [T, r_tiles * BLOCK_R] float32, contiguous
     NUM_SLICES: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    R_PAD: tl.constexpr,
+    BLOCK_R: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
     m_tile = tl.program_id(0)
     slot = tl.program_id(1)
-    if m_tile * BLOCK_M >= tl.load(seg_len_ptr + slot):
-        return
+    r_tile = tl.program_id(2)
     end = 0  # shrink rows this slot's slices read: up to the end of its last column range
     for p in tl.static_range(NUM_SLICES):
         rank = tl.load(ranks_ptr + slot * NUM_SLICES + p)
         end = tl.maximum(end, tl.where(rank > 0, tl.load(cols_ptr + slot * NUM_SLICES + p) + rank, 0))
+    if (m_tile * BLOCK_M >= tl.load(seg_len_ptr + slot)) | (r_tile * BLOCK_R >= end):
+        return
     tokens, valid = _tile_tokens(sorted_ptr, seg_start_ptr, seg_len_ptr, slot, m_tile, BLOCK_M)
-    r = tl.arange(0, R_PAD)
+    r = r_tile * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = r < end
     a_base = a_ptr + slot.to(tl.int64) * stride_as
-    acc = tl.zeros((BLOCK_M, R_PAD), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < hidden
@@ -166,7 +169,7 @@ def _lora_expand_kernel(
     ranks_ptr,
     offsets_ptr,
     scalings_ptr,
-    stride_st,  # shrink: [T, R_PAD] float32
+    stride_st,  # shrink: [T, >= R] float32
     stride_bs,
     stride_bo,
     stride_br,  # b: [S, O, R]
@@ -174,7 +177,7 @@ def _lora_expand_kernel(
     NUM_SLICES: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    RANK_PAD: tl.constexpr,
+    BLOCK_R: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
     m_tile = tl.program_id(0)
@@ -187,20 +190,24 @@ def _lora_expand_kernel(
     if (m_tile * BLOCK_M >= tl.load(seg_len_ptr + slot)) | (rank == 0) | (n_tile * BLOCK_N >= width):
         return
     tokens, valid = _tile_tokens(sorted_ptr, seg_start_ptr, seg_len_ptr, slot, m_tile, BLOCK_M)
-    j = tl.arange(0, RANK_PAD)
-    j_ok = j < rank
-    col = tl.load(cols_ptr + slot * NUM_SLICES + part) + j  # [RANK_PAD] shrink (and B) columns
-    s = tl.load(shrink_ptr + tokens[:, None] * stride_st + col[None, :], mask=valid[:, None] & j_ok[None, :], other=0.0)
+    first_col = tl.load(cols_ptr + slot * NUM_SLICES + part)
     n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < width
     out = out_start + n  # [BLOCK_N] columns of y
-    b_tile = b_ptr + slot.to(tl.int64) * stride_bs + out[None, :] * stride_bo + col[:, None] * stride_br
-    b = tl.load(b_tile, mask=j_ok[:, None] & n_ok[None, :], other=0.0)  # [RANK_PAD, BLOCK_N]
-    s = s.to(b.dtype)  # rounded to the weights' dtype, as a torch matmul in that dtype would
-    if UPCAST:
-        delta = tl.dot(s.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    else:
-        delta = tl.dot(s, b)
+    b_base = b_ptr + slot.to(tl.int64) * stride_bs + out[None, :] * stride_bo
+    delta = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for j0 in range(0, rank, BLOCK_R):
+        j = j0 + tl.arange(0, BLOCK_R)
+        j_ok = j < rank
+        col = first_col + j  # [BLOCK_R] shrink (and B) columns
+        s_tile = shrink_ptr + tokens[:, None] * stride_st + col[None, :]
+        s = tl.load(s_tile, mask=valid[:, None] & j_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_R]
+        b = tl.load(b_base + col[:, None] * stride_br, mask=j_ok[:, None] & n_ok[None, :], other=0.0)
+        s = s.to(b.dtype)  # rounded to the weights' dtype, as a torch matmul in that dtype would
+        if UPCAST:
+            delta += tl.dot(s.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        else:
+            delta += tl.dot(s, b)
     delta = delta * tl.load(scalings_ptr + slot)
     y_tile = y_ptr + tokens[:, None] * stride_yt + out[None, :]
     mask = valid[:, None] & n_ok[None, :]
@@ -210,7 +217,8 @@ def _lora_expand_kernel(
 
 
 def lora_delta_triton(x: torch.Tensor, y: torch.Tensor, weights: LoRAWeights, batch: LoRABatch) -> None:
-    """``y += delta`` in place (``x``: [T, H]; ``y``: [T, O]; both with contiguous rows)."""
+    """``y += delta`` in place (``x``: [T, H]; ``y``: [T, O] with contiguous rows)."""
+    x = x if x.stride(1) == 1 else x.contiguous()
     num_tokens, hidden = x.shape
     a, b = weights.a, weights.b
     assert y.shape == (num_tokens, weights.slice_offsets[-1]) and a.shape[2] == hidden, (x.shape, y.shape, a.shape)
@@ -220,13 +228,14 @@ def lora_delta_triton(x: torch.Tensor, y: torch.Tensor, weights: LoRAWeights, ba
         return
     num_slices = len(weights.slice_offsets) - 1
     upcast = x.dtype == torch.float32 or not x.is_cuda  # the CPU interpreter cannot dot bf16
-    r_pad = max(16, triton.next_power_of_2(a.shape[1]))
-    shrink = torch.empty((num_tokens, r_pad), dtype=torch.float32, device=x.device)
+    shrink_block_r = min(_MAX_BLOCK_R, max(16, triton.next_power_of_2(a.shape[1])))
+    r_tiles = triton.cdiv(a.shape[1], shrink_block_r)
+    shrink = torch.empty((num_tokens, r_tiles * shrink_block_r), dtype=torch.float32, device=x.device)
     m_tiles = triton.cdiv(num_tokens, _BLOCK_M)
-    _lora_shrink_kernel[(m_tiles, weights.num_slots)](
+    _lora_shrink_kernel[(m_tiles, weights.num_slots, r_tiles)](
         x, a, shrink, batch.sorted_tokens, batch.seg_start, batch.seg_len, weights.cols, weights.ranks,
         hidden, x.stride(0), a.stride(0), a.stride(1), a.stride(2), shrink.stride(0),
-        NUM_SLICES=num_slices, BLOCK_M=_BLOCK_M, BLOCK_K=_BLOCK_K, R_PAD=r_pad, UPCAST=upcast,
+        NUM_SLICES=num_slices, BLOCK_M=_BLOCK_M, BLOCK_K=_BLOCK_K, BLOCK_R=shrink_block_r, UPCAST=upcast,
     )  # fmt: skip
     widest = max(hi - lo for lo, hi in zip(weights.slice_offsets, weights.slice_offsets[1:]))
     grid = (m_tiles, triton.cdiv(widest, _BLOCK_N), weights.num_slots * num_slices)
@@ -235,5 +244,5 @@ def lora_delta_triton(x: torch.Tensor, y: torch.Tensor, weights: LoRAWeights, ba
         weights.offsets_tensor, weights.scalings,
         shrink.stride(0), b.stride(0), b.stride(1), b.stride(2), y.stride(0),
         NUM_SLICES=num_slices, BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N,
-        RANK_PAD=max(16, triton.next_power_of_2(weights.max_rank)), UPCAST=upcast,
+        BLOCK_R=min(_MAX_BLOCK_R, max(16, triton.next_power_of_2(weights.max_rank))), UPCAST=upcast,
     )  # fmt: skip

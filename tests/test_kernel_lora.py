@@ -97,8 +97,19 @@ def assert_close_relative(actual: torch.Tensor, expected: torch.Tensor, magnitud
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("num_tokens", [1, 45])  # one decode token; a mixed step with a prefill run
 def test_kernel_equals_reference_and_leaves_base_rows_alone(dtype, num_tokens):
-    weights = make_weights(dtype)
-    slots = mixed_slots(max(num_tokens, 21), seed=num_tokens)[:num_tokens]
+    check_kernel_against_reference(make_weights(dtype), mixed_slots(max(num_tokens, 21), seed=num_tokens)[:num_tokens])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_at_ranks_above_one_tile(dtype):
+    """Ranks 72 and 80 in one slot (152 shrink rows: three 64-row shrink tiles, two expand steps)
+    beside slots of ranks 4 and 8."""
+    weights = make_weights(dtype, 4, ranks=[[80, 0, 72], [4, 4, 4], [8, 8, 8]], scalings=[0.25, 3.0, 1.0])
+    check_kernel_against_reference(weights, mixed_slots(40, seed=9))
+
+
+def check_kernel_against_reference(weights: LoRAWeights, slots: torch.Tensor) -> None:
+    dtype, num_tokens = weights.a.dtype, len(slots)
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(num_tokens, HIDDEN, generator=gen).to(dtype)
     y0 = torch.randn(num_tokens, weights.slice_offsets[-1], generator=gen).to(dtype)
