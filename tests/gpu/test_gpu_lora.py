@@ -25,7 +25,7 @@ from tests.test_kernel_lora import assert_close_relative, make_weights, per_toke
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 # (hidden, slices, ranks per slot and slice): Llama-3-8B's fused q/k/v and its down projection
 SHAPES = {
-    "qkv": (4096, (4096, 1024, 1024), [[8, 8, 8], [16, 0, 16], [32, 32, 32], [64, 64, 0]]),
+    "qkv": (4096, (4096, 1024, 1024), [[8, 8, 8], [16, 0, 16], [32, 32, 32], [128, 128, 0]]),
     "down": (14336, (4096,), [[16], [64], [8]]),
 }
 
@@ -64,7 +64,9 @@ def peft_greedy_cuda(adapter: str, prompts: list[list[int]], new_tokens: int) ->
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir("llama"), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        tiny_model_dir("llama"), dtype=torch.float32, attn_implementation="eager"
+    )
     if adapter:
         model = PeftModel.from_pretrained(model, tiny_adapter_dir(adapter, "llama"))
     model = model.to("cuda").eval()
