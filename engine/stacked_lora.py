@@ -33,7 +33,9 @@ def use_lora_kernel(device: torch.device) -> bool:
 
 def part_columns(adapter: LoRAAdapter, fused: str) -> dict[int, int]:
     """Part index -> its first column in the adapter's fused A rows / B columns of ``fused``:
-    ``_fuse`` stacks the targeted parts in the order of their sorted projection names, ``rank`` each."""
+    ``_fuse`` stacks the targeted parts in the order of their sorted projection names, ``rank`` each
+    (tests/test_lora_stacked.py compares with the torch path on adapters that skip a part: a change
+    of that order fails there)."""
     parts = [PROJECTIONS[proj][1] for proj in sorted(adapter.targets) if PROJECTIONS[proj][0] == fused]
     return {part: i * adapter.rank for i, part in enumerate(parts)}
 
