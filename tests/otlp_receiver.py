@@ -1,12 +1,15 @@
-"""A real OTLP/HTTP trace receiver on a loopback port, for tests: it decodes each POST with the
+"""Real OTLP trace receivers on a loopback port, for tests: OTLP/HTTP (``OtlpReceiver``) and OTLP/gRPC
+(``OtlpGrpcReceiver``, a grpc.server serving TraceService/Export). Both decode each export with the
 OpenTelemetry project's own protobuf classes (opentelemetry-proto), independently of our encoder."""
 
 from __future__ import annotations
 
 import threading
+from concurrent import futures
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import grpc
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
@@ -30,7 +33,8 @@ class OtlpReceiver:
     def __init__(self) -> None:
         self.spans: list[ReceivedSpan] = []
         self.content_types: set[str] = set()
-        lock, spans, content_types = threading.Lock(), self.spans, self.content_types
+        self.headers: list[dict[str, str]] = []  # each POST's
+        lock, spans, content_types, headers = threading.Lock(), self.spans, self.content_types, self.headers
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:  # noqa: N802 (http.server's name)
@@ -38,6 +42,7 @@ class OtlpReceiver:
                 request = ExportTraceServiceRequest.FromString(body)
                 with lock:
                     content_types.add(self.headers["Content-Type"])
+                    headers.append(dict(self.headers))
                     spans.extend(_spans_of(request))
                 answer = ExportTraceServiceResponse().SerializeToString()
                 self.send_response(200 if self.path == "/v1/traces" else 404)
@@ -56,6 +61,40 @@ class OtlpReceiver:
     def close(self) -> None:
         self._server.shutdown()
         self._server.server_close()
+
+
+class OtlpGrpcReceiver:
+    """TraceService/Export on a grpc.server with a generic handler (no generated stubs on either side):
+    ``headers`` holds each call's metadata, ``url`` is what an OTLP/gRPC exporter is pointed at."""
+
+    def __init__(self) -> None:
+        self.spans: list[ReceivedSpan] = []
+        self.headers: list[dict[str, str]] = []
+        lock = threading.Lock()
+
+        def export(request: ExportTraceServiceRequest, context: grpc.ServicerContext) -> ExportTraceServiceResponse:
+            with lock:
+                self.headers.append(dict(context.invocation_metadata()))
+                self.spans.extend(_spans_of(request))
+            return ExportTraceServiceResponse()
+
+        handler = grpc.method_handlers_generic_handler(
+            "opentelemetry.proto.collector.trace.v1.TraceService",
+            {
+                "Export": grpc.unary_unary_rpc_method_handler(
+                    export,
+                    request_deserializer=ExportTraceServiceRequest.FromString,
+                    response_serializer=ExportTraceServiceResponse.SerializeToString,
+                )
+            },
+        )
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), handlers=(handler,))
+        port = self._server.add_insecure_port("127.0.0.1:0")
+        self._server.start()
+        self.url = f"http://127.0.0.1:{port}"
+
+    def close(self) -> None:
+        self._server.stop(grace=None)
 
 
 def _value(any_value):

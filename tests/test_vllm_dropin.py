@@ -16,7 +16,7 @@ import torch
 from tests import prom
 from tests.cluster_harness import ServeProcess
 from tests.model_factory import tiny_model_dir
-from tests.otlp_receiver import OtlpReceiver
+from tests.otlp_receiver import OtlpGrpcReceiver, OtlpReceiver
 
 MODEL = "X"
 CLIENT_TRACE_ID, CLIENT_SPAN_ID = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
@@ -131,6 +131,75 @@ def test_vllm_operator_gets_names_limits_metrics_traces_and_logs(cluster, receiv
     assert all("this model's context is 256" in s.error for s in refused if s.error)
     served = {t: spans for t, spans in traces.items() if spans is not refused}
     assert CLIENT_TRACE_ID in served  # the client's traceparent is honoured
+    assert_one_tree_per_request(served, completion_tokens=6)
+    client_root = next(s for s in served[CLIENT_TRACE_ID] if s.service == "pdserve-gateway" and not s.name.islower())
+    assert client_root.parent_span_id == CLIENT_SPAN_ID
+    assert receiver.content_types == {"application/x-protobuf"}
+
+    # JSON logs: one object per line; the gateway's line per finished request names its workers
+    records = [json.loads(line) for line in cluster.log if line.startswith("{")]
+    finished = [r for r in records if r["role"] == "gateway" and "finished: model=X" in r["message"]]
+    assert {r["request_id"] for r in finished} >= {traced.json()["id"]}
+    assert all("workers=decode-0,prefill-0" in r["message"] and "prompt_tokens=" in r["message"] for r in finished)
+    assert {r["worker_id"] for r in records if r["role"] == "decode"} == {"decode-0"}
+
+
+def test_traces_over_otlp_grpc_span_the_three_processes(tmp_path):
+    """OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=grpc: the same traces reach a collector's gRPC port, with the
+    headers variable as metadata, from every process of the cluster."""
+    receiver = OtlpGrpcReceiver()
+    serve = ServeProcess(
+        tiny_model_dir("llama"),
+        tmp_path,
+        extra_args=("--served-model-name", MODEL, "--max-model-len", "256", "--otlp-traces-endpoint", receiver.url),
+        env={
+            "PDSERVE_GATEWAY_LOCAL_PREFILL_MAX_TOKENS": "0",
+            "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "grpc",
+            "OTEL_EXPORTER_OTLP_HEADERS": "authorization=Bearer%20collector-key",
+            "OTEL_BSP_SCHEDULE_DELAY": "200",
+        },
+    )
+    try:
+        client = httpx.Client(base_url=serve.url, timeout=120)
+        body = {"model": MODEL, "max_tokens": 5, "temperature": 0.0, "ignore_eos": True}
+        assert client.post("/v1/completions", json={**body, "prompt": prompt_of(300, 4)}).status_code == 400
+        for seed in (5, 6):
+            served = client.post("/v1/completions", json={**body, "prompt": prompt_of(30 + seed, seed)})
+            assert served.status_code == 200, served.text
+        traces = wait_for_traces(receiver, 2)
+    finally:
+        assert serve.stop() == 0, "".join(serve.log[-30:])
+        receiver.close()
+    [refused] = [t for t, spans in traces.items() if {s.service for s in spans} == {"pdserve-gateway"}]
+    assert_one_tree_per_request({t: s for t, s in traces.items() if t != refused}, completion_tokens=5)
+    assert {h["authorization"] for h in receiver.headers} == {"Bearer collector-key"}
+    assert any("tracing: OTLP grpc to 127.0.0.1:" in line for line in serve.log)
+
+
+def wait_for_traces(receiver: OtlpReceiver | OtlpGrpcReceiver, count: int, timeout_s: float = 60.0) -> dict[str, list]:
+    """Trace id -> spans of every trace, once ``count`` of them hold the three processes' request spans
+    and one more is the refused request's."""
+    give_up = time.monotonic() + timeout_s
+    while True:
+        traces: dict[str, list] = {}
+        for span in list(receiver.spans):
+            traces.setdefault(span.trace_id, []).append(span)
+        complete = {
+            t: s
+            for t, s in traces.items()
+            if {x.name for x in s} >= {"POST /v1/completions", "decode", "prefill", "transfer", "stream"}
+        }
+        if len(complete) >= count or time.monotonic() > give_up:
+            assert len(complete) == count == len(traces) - 1, {
+                t: sorted({x.name for x in s}) for t, s in traces.items()
+            }
+            return traces
+        time.sleep(0.2)
+
+
+def assert_one_tree_per_request(served: dict[str, list], completion_tokens: int) -> None:
+    """Each trace: the three processes' request spans linked gateway -> decode -> prefill, every phase
+    of each, one tree with nothing dangling."""
     for spans in served.values():
         roots = {s.service: s for s in spans if s.name in ("POST /v1/completions", "decode", "prefill")}
         assert set(roots) == {"pdserve-gateway", "pdserve-decode", "pdserve-prefill"}, spans
@@ -150,35 +219,4 @@ def test_vllm_operator_gets_names_limits_metrics_traces_and_logs(cluster, receiv
         by_id = {s.span_id: s for s in spans}
         assert {by_id[s.parent_span_id].name for s in spans if s.name in ("chunk", "kv_push")} == {"prefill"}
         assert by_id[next(s for s in spans if s.name == "route").parent_span_id].name == "generate"
-        assert gateway_root.attributes["gen_ai.usage.completion_tokens"] == 6
-    client_root = next(s for s in served[CLIENT_TRACE_ID] if s.service == "pdserve-gateway" and not s.name.islower())
-    assert client_root.parent_span_id == CLIENT_SPAN_ID
-    assert receiver.content_types == {"application/x-protobuf"}
-
-    # JSON logs: one object per line; the gateway's line per finished request names its workers
-    records = [json.loads(line) for line in cluster.log if line.startswith("{")]
-    finished = [r for r in records if r["role"] == "gateway" and "finished: model=X" in r["message"]]
-    assert {r["request_id"] for r in finished} >= {traced.json()["id"]}
-    assert all("workers=decode-0,prefill-0" in r["message"] and "prompt_tokens=" in r["message"] for r in finished)
-    assert {r["worker_id"] for r in records if r["role"] == "decode"} == {"decode-0"}
-
-
-def wait_for_traces(receiver: OtlpReceiver, count: int, timeout_s: float = 60.0) -> dict[str, list]:
-    """Trace id -> spans of every trace, once ``count`` of them hold the three processes' request spans
-    and one more is the refused request's."""
-    give_up = time.monotonic() + timeout_s
-    while True:
-        traces: dict[str, list] = {}
-        for span in list(receiver.spans):
-            traces.setdefault(span.trace_id, []).append(span)
-        complete = {
-            t: s
-            for t, s in traces.items()
-            if {x.name for x in s} >= {"POST /v1/completions", "decode", "prefill", "transfer", "stream"}
-        }
-        if len(complete) >= count or time.monotonic() > give_up:
-            assert len(complete) == count == len(traces) - 1, {
-                t: sorted({x.name for x in s}) for t, s in traces.items()
-            }
-            return traces
-        time.sleep(0.2)
+        assert gateway_root.attributes["gen_ai.usage.completion_tokens"] == completion_tokens
