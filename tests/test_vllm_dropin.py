@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -19,6 +20,7 @@ from tests.model_factory import tiny_model_dir
 from tests.otlp_receiver import OtlpGrpcReceiver, OtlpReceiver
 
 MODEL = "X"
+POOLS = ("prefill", "decode")
 CLIENT_TRACE_ID, CLIENT_SPAN_ID = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
 
 GATEWAY_FAMILIES = (
@@ -142,6 +144,65 @@ def test_vllm_operator_gets_names_limits_metrics_traces_and_logs(cluster, receiv
     assert {r["request_id"] for r in finished} >= {traced.json()["id"]}
     assert all("workers=decode-0,prefill-0" in r["message"] and "prompt_tokens=" in r["message"] for r in finished)
     assert {r["worker_id"] for r in records if r["role"] == "decode"} == {"decode-0"}
+
+
+POOL_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
+
+
+def test_the_gateway_shows_each_pools_engine_gauges_under_vllm_names(cluster):
+    """One endpoint, as a vLLM user scrapes one server: running, waiting and KV usage per pool at the
+    gateway, from the heartbeats, while requests decode; the workers' own series stay unlabelled by pool."""
+
+    def gauges() -> dict[tuple[str, str], float]:
+        text = scrape(cluster.url)
+        return {(f, pool): prom.total(text, f, model_name=MODEL, pool=pool) for f in POOL_GAUGES for pool in POOLS}
+
+    at_rest = scrape(cluster.url)
+    for family in POOL_GAUGES:  # exactly one series per pool, from the first scrape
+        assert sorted(labels["pool"] for labels, _ in prom.series(at_rest, family)) == sorted(POOLS), family
+        assert all(labels["model_name"] == MODEL for labels, _ in prom.series(at_rest, family)), family
+    # three long streams at a time until a scrape lands while they decode (each try is a window of
+    # several heartbeats; a busy machine only widens it)
+    body = {"model": MODEL, "max_tokens": 256 - 40, "temperature": 0.0, "ignore_eos": True, "stream": True}
+    seen: list[dict] = []
+    give_up = time.monotonic() + 120
+    with ThreadPoolExecutor(3) as pool:
+        while not any(v[("vllm:num_requests_running", "decode")] for v in seen):
+            assert time.monotonic() < give_up, "no scrape saw a request decoding"
+            streams = [pool.submit(stream_all, cluster.url, {**body, "prompt": prompt_of(40, i)}) for i in range(3)]
+            while not all(s.done() for s in streams) and not any(
+                v[("vllm:num_requests_running", "decode")] for v in seen
+            ):
+                seen.append(gauges())
+            assert all(s.result() == 256 - 40 for s in streams)
+    decoding = next(v for v in seen if v[("vllm:num_requests_running", "decode")])
+    assert 1 <= decoding[("vllm:num_requests_running", "decode")] <= 3, decoding
+    assert 0 < decoding[("vllm:kv_cache_usage_perc", "decode")] <= 1, decoding
+    assert all(0 <= v[("vllm:kv_cache_usage_perc", pool)] <= 1 for v in seen for pool in POOLS)
+    # at rest again, the figures are the workers' own (nothing running, no block held)
+    cluster.wait_until(
+        lambda: all(v == 0 for k, v in gauges().items() if k[0] != "vllm:kv_cache_usage_perc"), "the pools idle"
+    )
+    for pool in POOLS:
+        own = f"http://127.0.0.1:{cluster.worker_http[f'{pool}-0']}"
+        assert not any("pool" in labels for f in POOL_GAUGES for labels, _ in prom.series(scrape(own), f)), pool
+        cluster.wait_until(
+            lambda: (
+                gauges()[("vllm:kv_cache_usage_perc", pool)]
+                == prom.total(scrape(own), "vllm:kv_cache_usage_perc", model_name=MODEL)
+            ),
+            f"the gateway's {pool} KV usage is the worker's",
+        )
+
+
+def stream_all(url: str, body: dict) -> int:
+    """Completion tokens of one streamed completion, read to the end."""
+    with httpx.stream(
+        "POST", f"{url}/v1/completions", json={**body, "stream_options": {"include_usage": True}}, timeout=120
+    ) as response:
+        assert response.status_code == 200
+        events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+    return events[-1]["usage"]["completion_tokens"]
 
 
 def test_traces_over_otlp_grpc_span_the_three_processes(tmp_path):
