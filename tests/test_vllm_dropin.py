@@ -1,7 +1,8 @@
 """pdserve as a vLLM operator meets it (issue 31's "done when"): `pdserve serve` with vLLM's flags, then
-/v1/models, the context limit, every vLLM metric family with model_name at the cluster's /metrics
-endpoints, one trace per request with spans from all three processes at a real OTLP/HTTP receiver,
-and JSON log lines, with PDSERVE_* environment variables still honoured beside the flags."""
+/v1/models, the context limit, token-id prompts with an added special token, every vLLM metric family
+with model_name at the cluster's /metrics endpoints (the pools' engine gauges at the gateway too), one
+trace per request with spans from all three processes at a real OTLP/HTTP receiver and at a real
+OTLP/gRPC one, and JSON log lines, with PDSERVE_* environment variables still honoured beside the flags."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import torch
 
 from tests import prom
 from tests.cluster_harness import ServeProcess
-from tests.model_factory import tiny_model_dir
+from tests.model_factory import ADDED_IN_GAP_ID, added_tokens_model_dir, tiny_model_dir
 from tests.otlp_receiver import OtlpGrpcReceiver, OtlpReceiver
 
 MODEL = "X"
@@ -54,7 +55,7 @@ def receiver():
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, receiver):
     serve = ServeProcess(
-        tiny_model_dir("llama"),
+        added_tokens_model_dir(),  # a tokenizer laid out as Qwen's: added special tokens above the base vocabulary
         tmp_path_factory.mktemp("dropin"),
         extra_args=(
             "--served-model-name",
@@ -83,7 +84,8 @@ def cluster(tmp_path_factory, receiver):
 
 
 def prompt_of(length: int, seed: int) -> list[int]:
-    return torch.randint(5, 768, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+    """Ids of the base vocabulary (added_tokens_model_dir's 0..699; tiny llama's too)."""
+    return torch.randint(5, 700, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def scrape(url: str) -> str:
@@ -108,15 +110,19 @@ def test_vllm_operator_gets_names_limits_metrics_traces_and_logs(cluster, receiv
     assert traced.status_code == 200, traced.text
     with client.stream("POST", "/v1/completions", json={**body, "prompt": prompt_of(37, 3), "stream": True}) as s:
         assert s.status_code == 200 and "[DONE]" in s.read().decode()
+    # token ids with an added special token above the tokenizer's base vocabulary, as Qwen's chat tokens
+    special = client.post("/v1/completions", json={**body, "prompt": [10, 11, ADDED_IN_GAP_ID, 12, 13]})
+    assert special.status_code == 200, special.text
+    assert special.json()["usage"]["prompt_tokens"] == 5
 
     # every vLLM family, labelled with the served name: request series at the gateway, engine series at
     # each worker; process metrics everywhere
     gateway = scrape(cluster.url)
     for family in GATEWAY_FAMILIES:
         assert prom.samples(gateway, family, model_name=MODEL), family
-    assert prom.total(gateway, "vllm:request_success_total", model_name=MODEL, finished_reason="length") == 2
-    assert prom.total(gateway, "vllm:prompt_tokens_total", model_name=MODEL) == 40 + 37
-    assert prom.total(gateway, "vllm:generation_tokens_total", model_name=MODEL) == 12
+    assert prom.total(gateway, "vllm:request_success_total", model_name=MODEL, finished_reason="length") == 3
+    assert prom.total(gateway, "vllm:prompt_tokens_total", model_name=MODEL) == 40 + 37 + 5
+    assert prom.total(gateway, "vllm:generation_tokens_total", model_name=MODEL) == 18
     assert prom.samples(gateway, "process_resident_memory_bytes")
     for worker_id in ("prefill-0", "decode-0"):
         text = scrape(f"http://127.0.0.1:{cluster.worker_http[worker_id]}")
@@ -127,7 +133,7 @@ def test_vllm_operator_gets_names_limits_metrics_traces_and_logs(cluster, receiv
 
     # one trace per request, spans from the three processes, linked parent to child; the refused one
     # never left the gateway, and its span says why
-    traces = wait_for_traces(receiver, 2)
+    traces = wait_for_traces(receiver, 3)
     [refused] = [spans for spans in traces.values() if {s.service for s in spans} == {"pdserve-gateway"}]
     assert [s.name for s in refused if s.error] == ["tokenize", "POST /v1/completions"]
     assert all("this model's context is 256" in s.error for s in refused if s.error)
