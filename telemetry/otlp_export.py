@@ -65,7 +65,9 @@ class HttpSender:
 class OtlpExporter:
     """Collects finished spans; a daemon thread hands them to ``sender`` in batches."""
 
-    def __init__(self, sender: Sender, resource: dict, delay_s: float = 1.0, max_queue: int = 4096, timeout_s=10.0):
+    def __init__(
+        self, sender: Sender, resource: dict, delay_s: float = 1.0, max_queue: int = 4096, timeout_s: float = 10.0
+    ):
         self.sender = sender
         self._resource = resource
         self._delay_s, self._max_queue, self._timeout_s = delay_s, max_queue, timeout_s
@@ -118,19 +120,36 @@ class OtlpExporter:
         self.sender.close()
 
 
-def exporter_for(settings: OtlpSettings, resource: dict) -> OtlpExporter:
-    """The exporter ``settings`` ask for. gRPC needs grpcio (the ``otlp-grpc`` extra): without it this
-    is a ConfigError, so the process stops at start instead of dropping every trace."""
+def check_usable(settings: OtlpSettings) -> None:
+    """Raise ConfigError unless an exporter can be made for ``settings``, making nothing: gRPC needs
+    grpcio (the ``otlp-grpc`` extra), a CA file must be readable. A worker checks this before it loads
+    its model, so it stops at start with one line instead of dropping every trace."""
     if settings.protocol == "grpc":
         try:
-            from telemetry.otlp_grpc import GrpcSender
+            import telemetry.otlp_grpc  # noqa: F401
         except ImportError as exc:
             raise ConfigError(
                 f"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=grpc needs the grpcio package ({exc}): "
                 "pip install 'pdserve[otlp-grpc]', or export over http/protobuf (the collector's port 4318)"
             ) from None
+    if settings.certificate_file:
+        try:
+            with open(settings.certificate_file, "rb"):
+                pass
+        except OSError as exc:
+            raise ConfigError(f"OTLP traces certificate {settings.certificate_file!r}: {exc}") from None
+
+
+def exporter_for(settings: OtlpSettings, resource: dict) -> OtlpExporter:
+    """The exporter ``settings`` ask for; ConfigError where ``check_usable`` says it cannot be made."""
+    check_usable(settings)
     try:
-        sender: Sender = GrpcSender(settings) if settings.protocol == "grpc" else HttpSender(settings)
-    except OSError as exc:  # the CA file: missing, unreadable, not PEM (ssl.SSLError)
+        if settings.protocol == "grpc":
+            from telemetry.otlp_grpc import GrpcSender
+
+            sender: Sender = GrpcSender(settings)
+        else:
+            sender = HttpSender(settings)
+    except OSError as exc:  # a CA file that is not PEM (ssl.SSLError)
         raise ConfigError(f"OTLP traces certificate {settings.certificate_file!r}: {exc}") from None
     return OtlpExporter(sender, resource, settings.delay_s, timeout_s=settings.timeout_s)

@@ -16,7 +16,7 @@ import logging
 import os
 import time
 
-from telemetry.otlp_export import OtlpExporter, exporter_for
+from telemetry.otlp_export import OtlpExporter, check_usable, exporter_for
 from telemetry.otlp_settings import otlp_settings
 from telemetry.span import KIND_INTERNAL, KIND_SERVER, Span, parse_traceparent
 
@@ -115,4 +115,12 @@ def tracer_for(role: str, worker_id: str, endpoint: str, env=os.environ) -> Trac
     return Tracer(exporter)
 
 
-__all__ = ["KIND_SERVER", "NO_TRACING", "RequestTrace", "Tracer", "tracer_for"]
+def check_tracing(endpoint: str, env=os.environ) -> None:
+    """Raise ConfigError where ``tracer_for`` would (an unknown protocol, grpc without grpcio, ...),
+    making nothing: for a process to stop before its slow start-up rather than after it."""
+    settings = otlp_settings(endpoint, env)
+    if settings is not None:
+        check_usable(settings)
+
+
+__all__ = ["KIND_SERVER", "NO_TRACING", "RequestTrace", "Tracer", "check_tracing", "tracer_for"]

@@ -157,7 +157,8 @@ def test_grpc_without_grpcio_is_a_config_error(monkeypatch):
     assert "needs the grpcio package" in str(refused.value) and "pip install 'pdserve[otlp-grpc]'" in str(refused.value)
 
 
-def test_a_role_without_grpcio_stops_at_start_with_one_line(tmp_path):
+@pytest.mark.parametrize("role, prefix", [("gateway", "pdserve gateway: "), ("decode", "config error: ")])
+def test_a_role_without_grpcio_stops_at_start_with_one_line(tmp_path, role, prefix):
     # a grpc package that fails to import, first on the path: a host where grpcio is not installed
     (tmp_path / "grpc").mkdir()
     (tmp_path / "grpc" / "__init__.py").write_text("raise ImportError(\"No module named 'grpc'\")\n")
@@ -167,13 +168,14 @@ def test_a_role_without_grpcio_stops_at_start_with_one_line(tmp_path):
         "HF_HUB_OFFLINE": "1",
         "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "grpc",
     }
-    argv = ["-m", "cluster", "gateway", "--set", f"model.path={tiny_model_dir('llama')}", "--port", "0"]
+    argv = ["-m", "cluster", role, "--set", f"model.path={tiny_model_dir('llama')}", "--port", "0"]
     argv += ["--otlp-traces-endpoint", "http://127.0.0.1:4317", "--set", "transfer.insecure=true"]
     argv += ["--set", "gateway.worker_port=0"]
     result = subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == EX_CONFIG, result.stderr
-    last = result.stderr.splitlines()[-1]
-    assert last == (
-        "pdserve gateway: OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=grpc needs the grpcio package (No module named "
+    assert result.stderr.splitlines()[-1] == prefix + (
+        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=grpc needs the grpcio package (No module named "
         "'grpc'): pip install 'pdserve[otlp-grpc]', or export over http/protobuf (the collector's port 4318)"
     ), result.stderr
+    if role == "decode":  # a worker checks before its model loads: nothing else happened
+        assert len(result.stderr.splitlines()) == 1, result.stderr
