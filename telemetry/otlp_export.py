@@ -77,6 +77,7 @@ class OtlpExporter:
         self.num_dropped = 0  # spans refused by a full queue
         self.num_failed_sends = 0  # batches the collector did not take
         self._last_complaint = float("-inf")
+        self._num_dropped_told = 0  # num_dropped when a warning last said it
         self._thread = threading.Thread(target=self._run, name="otlp-export", daemon=True)
         self._thread.start()
 
@@ -102,14 +103,19 @@ class OtlpExporter:
         except ExportFailed as exc:
             self.num_failed_sends += 1
             self._complain("OTLP export of %d spans to %s failed: %s", len(spans), self.sender.target, exc)
-        if num_dropped:
-            self._complain("OTLP export: %d spans dropped so far (queue of %d full)", num_dropped, self._max_queue)
+        if num_dropped > self._num_dropped_told and self._complain(
+            "OTLP export: %d spans dropped so far (queue of %d full)", num_dropped, self._max_queue
+        ):
+            self._num_dropped_told = num_dropped
 
-    def _complain(self, *args) -> None:
+    def _complain(self, *args) -> bool:
+        """Log a warning unless one was logged in the last minute; True when it was logged."""
         now = time.monotonic()
-        if now - self._last_complaint > COMPLAINT_INTERVAL_S:
-            self._last_complaint = now
-            log.warning(*args)
+        if now - self._last_complaint <= COMPLAINT_INTERVAL_S:
+            return False
+        self._last_complaint = now
+        log.warning(*args)
+        return True
 
     def shutdown(self) -> None:
         """Stop the thread and send what is left (at exit: the last requests' spans), waiting at most a
