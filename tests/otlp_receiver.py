@@ -4,12 +4,14 @@ OpenTelemetry project's own protobuf classes (opentelemetry-proto), independentl
 
 from __future__ import annotations
 
+import ssl
 import threading
 from concurrent import futures
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import grpc
+import trustme
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
@@ -30,7 +32,8 @@ class ReceivedSpan:
 
 
 class OtlpReceiver:
-    def __init__(self) -> None:
+    def __init__(self, server_cert: trustme.LeafCert | None = None) -> None:
+        """``server_cert``: serve HTTPS with it (at https://localhost:<port>)."""
         self.spans: list[ReceivedSpan] = []
         self.content_types: set[str] = set()
         self.headers: list[dict[str, str]] = []  # each POST's
@@ -55,7 +58,12 @@ class OtlpReceiver:
                 pass
 
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self._server.server_address[1]}/v1/traces"
+        port = self._server.server_address[1]
+        if server_cert is not None:
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            server_cert.configure_cert(context)
+            self._server.socket = context.wrap_socket(self._server.socket, server_side=True)
+        self.url = f"https://localhost:{port}/v1/traces" if server_cert else f"http://127.0.0.1:{port}/v1/traces"
         threading.Thread(target=self._server.serve_forever, daemon=True).start()
 
     def close(self) -> None:
@@ -67,7 +75,8 @@ class OtlpGrpcReceiver:
     """TraceService/Export on a grpc.server with a generic handler (no generated stubs on either side):
     ``headers`` holds each call's metadata, ``url`` is what an OTLP/gRPC exporter is pointed at."""
 
-    def __init__(self) -> None:
+    def __init__(self, server_cert: trustme.LeafCert | None = None) -> None:
+        """``server_cert``: a TLS port with it (at https://localhost:<port>)."""
         self.spans: list[ReceivedSpan] = []
         self.headers: list[dict[str, str]] = []
         lock = threading.Lock()
@@ -89,9 +98,14 @@ class OtlpGrpcReceiver:
             },
         )
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), handlers=(handler,))
-        port = self._server.add_insecure_port("127.0.0.1:0")
+        if server_cert is None:
+            port = self._server.add_insecure_port("127.0.0.1:0")
+            self.url = f"http://127.0.0.1:{port}"
+        else:
+            key, chain = server_cert.private_key_pem.bytes(), b"".join(p.bytes() for p in server_cert.cert_chain_pems)
+            port = self._server.add_secure_port("127.0.0.1:0", grpc.ssl_server_credentials([(key, chain)]))
+            self.url = f"https://localhost:{port}"
         self._server.start()
-        self.url = f"http://127.0.0.1:{port}"
 
     def close(self) -> None:
         self._server.stop(grace=None)

@@ -11,9 +11,10 @@ import time
 from pathlib import Path
 
 import pytest
+import trustme
 
 from configs.schema import EX_CONFIG, ConfigError
-from telemetry.otlp_export import HttpSender, OtlpExporter
+from telemetry.otlp_export import HttpSender, OtlpExporter, exporter_for
 from telemetry.otlp_grpc import GrpcSender, grpc_target
 from telemetry.otlp_settings import otlp_settings
 from telemetry.span import Span
@@ -61,6 +62,29 @@ def test_each_protocol_delivers_the_trace_and_the_headers(protocol, variable):
     assert root.attributes == {"rid": "r9"} and root.error is None
     headers = [{k.lower(): v for k, v in h.items()} for h in receiver.headers]
     assert headers and all(h["authorization"] == "Bearer s3cret" and h["x-tenant"] == "a=b" for h in headers)
+
+
+@pytest.mark.parametrize("protocol", list(RECEIVERS))
+def test_https_endpoints_are_tls_checked_against_the_certificate_variable(protocol, tmp_path):
+    ca = trustme.CA()
+    ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
+    receiver = RECEIVERS[protocol](server_cert=ca.issue_cert("localhost"))
+    env = {"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": protocol, "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT": "5000"}
+    try:
+        # the system's roots do not know this CA: the handshake fails and the batch is lost
+        untrusted = exporter_for(otlp_settings(receiver.url, env), {"service.name": "t"})
+        untrusted.add(Span("s", bytes(16), bytes(7) + b"\1", b"", 1, 2))
+        untrusted.flush()
+        assert (untrusted.num_failed_sends, receiver.spans) == (1, [])
+        untrusted.shutdown()
+        trusting = {**env, "OTEL_EXPORTER_OTLP_CERTIFICATE": str(tmp_path / "ca.pem")}
+        exporter = exporter_for(otlp_settings(receiver.url, trusting), {"service.name": "t"})
+        exporter.add(Span("s", bytes(15) + b"\1", bytes(7) + b"\1", b"", 1, 2))
+        exporter.flush()
+        exporter.shutdown()
+    finally:
+        receiver.close()
+    assert exporter.num_failed_sends == 0 and [s.name for s in receiver.spans] == ["s"]
 
 
 @pytest.mark.parametrize("protocol", list(RECEIVERS))
