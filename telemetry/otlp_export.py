@@ -10,6 +10,7 @@ protocols share all of that; only ``Sender.send`` differs (``HttpSender`` here, 
 from __future__ import annotations
 
 import collections
+import gzip
 import logging
 import ssl
 import threading
@@ -48,10 +49,14 @@ class HttpSender:
     def __init__(self, settings: OtlpSettings):
         self.target = settings.endpoint
         self._headers = {"Content-Type": "application/x-protobuf", **dict(settings.headers)}
+        self._gzip = settings.compression == "gzip"
+        if self._gzip:
+            self._headers["Content-Encoding"] = "gzip"
         self._ssl = ssl.create_default_context(cafile=settings.certificate_file or None) if settings.tls else None
 
     def send(self, body: bytes, timeout_s: float) -> None:
-        request = urllib.request.Request(self.target, data=body, headers=self._headers, method="POST")
+        data = gzip.compress(body) if self._gzip else body
+        request = urllib.request.Request(self.target, data=data, headers=self._headers, method="POST")
         try:
             with urllib.request.urlopen(request, timeout=timeout_s, context=self._ssl) as response:
                 response.read()

@@ -36,10 +36,11 @@ class GrpcSender:
             self._channel = grpc.insecure_channel(self.target)
         self._export = self._channel.unary_unary(EXPORT_METHOD, request_serializer=None, response_deserializer=None)
         self._metadata = tuple((key.lower(), value) for key, value in settings.headers)
+        self._compression = grpc.Compression.Gzip if settings.compression == "gzip" else grpc.Compression.NoCompression
 
     def send(self, body: bytes, timeout_s: float) -> None:
         try:
-            self._export(body, timeout=timeout_s, metadata=self._metadata)
+            self._export(body, timeout=timeout_s, metadata=self._metadata, compression=self._compression)
         except grpc.RpcError as exc:  # UNAVAILABLE, DEADLINE_EXCEEDED, UNAUTHENTICATED ...
             raise ExportFailed(f"{exc.code().name}: {exc.details()}") from exc
 

@@ -9,6 +9,7 @@ Each setting is ``OTEL_EXPORTER_OTLP_TRACES_<X>``, else ``OTEL_EXPORTER_OTLP_<X>
     HEADERS      key=value,key2=value2, values percent-encoded (an Authorization for a hosted collector);
                  HTTP headers, or gRPC metadata (keys lower-cased, as gRPC requires)
     TIMEOUT      ms one export may take (default 10000)
+    COMPRESSION  none (default) | gzip: of each export's body (HTTP Content-Encoding, or gRPC's own)
     CERTIFICATE  PEM file of the CA that signs the collector's certificate (https); default: system roots
     INSECURE     gRPC to an endpoint without a scheme: true = plaintext (default false = TLS); an http://
                  or https:// endpoint says which itself
@@ -29,6 +30,7 @@ from configs.schema import ConfigError
 log = logging.getLogger(__name__)
 
 PROTOCOLS = ("http/protobuf", "grpc")
+COMPRESSIONS = ("none", "gzip")
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,9 +42,11 @@ class OtlpSettings:
     delay_s: float  # between batches (OTEL_BSP_SCHEDULE_DELAY)
     certificate_file: str  # "" = the system's CA roots
     tls: bool  # grpc: a TLS channel (https://, or no scheme and not INSECURE); http: the URL's scheme
+    compression: str = "none"  # one of COMPRESSIONS
 
     def __post_init__(self) -> None:
-        assert self.protocol in PROTOCOLS and self.timeout_s > 0 and self.delay_s > 0
+        assert self.protocol in PROTOCOLS and self.compression in COMPRESSIONS
+        assert self.timeout_s > 0 and self.delay_s > 0
 
 
 def otlp_settings(endpoint: str, env=os.environ) -> OtlpSettings | None:
@@ -67,6 +71,11 @@ def otlp_settings(endpoint: str, env=os.environ) -> OtlpSettings | None:
             "e.g. http://collector:4318/v1/traces (http/protobuf) or http://collector:4317 (grpc)"
         )
     insecure = setting("INSECURE", "false").strip().lower() == "true"
+    compression = setting("COMPRESSION", "none").strip().lower()
+    if compression not in COMPRESSIONS:
+        raise ConfigError(
+            f"OTEL_EXPORTER_OTLP_TRACES_COMPRESSION={compression!r} is not supported; use one of {COMPRESSIONS}"
+        )
     return OtlpSettings(
         endpoint,
         protocol,
@@ -75,6 +84,7 @@ def otlp_settings(endpoint: str, env=os.environ) -> OtlpSettings | None:
         _seconds("OTEL_BSP_SCHEDULE_DELAY", env.get("OTEL_BSP_SCHEDULE_DELAY", "1000"), 1.0),
         setting("CERTIFICATE"),
         scheme == "https" or (scheme == "" and not insecure),
+        compression,
     )
 
 

@@ -4,6 +4,7 @@ OpenTelemetry project's own protobuf classes (opentelemetry-proto), independentl
 
 from __future__ import annotations
 
+import gzip
 import ssl
 import threading
 from concurrent import futures
@@ -42,6 +43,8 @@ class OtlpReceiver:
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:  # noqa: N802 (http.server's name)
                 body = self.rfile.read(int(self.headers["Content-Length"]))
+                if self.headers.get("Content-Encoding") == "gzip":
+                    body = gzip.decompress(body)
                 request = ExportTraceServiceRequest.FromString(body)
                 with lock:
                     content_types.add(self.headers["Content-Type"])
