@@ -114,7 +114,8 @@ GROUPS: dict[str, tuple[Flag, ...]] = {
         Flag(
             ("--otlp-traces-endpoint",),
             "observability.otlp_traces_endpoint",
-            "OTLP/HTTP traces endpoint, e.g. http://collector:4318/v1/traces (off when unset)",
+            "OTLP traces endpoint, e.g. http://collector:4318/v1/traces, or http://collector:4317 with "
+            "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=grpc (off when unset)",
         ),
         Flag(("--log-level",), "observability.log_level", "debug, info, warning, error or critical"),
         Flag(("--log-format",), "observability.log_format", "text, or json: one object per line"),

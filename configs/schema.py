@@ -178,8 +178,9 @@ class ClusterConfig:
 class ObservabilityConfig:
     log_level: str = _field("info", choices=("debug", "info", "warning", "error", "critical"))
     log_format: str = _field("text", choices=("text", "json"))  # json: one object per line (worker/logs.py)
-    # OTLP/HTTP protobuf endpoint of a trace collector, e.g. http://127.0.0.1:4318/v1/traces; "" = no
-    # tracing (no span is made). OTEL_EXPORTER_OTLP_TRACES_ENDPOINT is read when this is unset.
+    # OTLP endpoint of a trace collector: http://127.0.0.1:4318/v1/traces (HTTP/protobuf), or
+    # http://127.0.0.1:4317 with OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=grpc; "" = no tracing (no span is
+    # made). OTEL_EXPORTER_OTLP_TRACES_ENDPOINT is read when this is unset (docs/observability.md).
     otlp_traces_endpoint: str = ""
 
 

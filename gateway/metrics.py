@@ -2,17 +2,24 @@
 
 Request-level series are vLLM's (``vllm:`` names, buckets and the ``model_name`` label), exported where a
 request ends, which in P/D is here: one count per request whichever workers served it. The engine-level
-ones (running, waiting, KV usage, prefix cache) are the workers' (worker/metrics.py). ``pdserve:`` names
-what only P/D has: pools, routing, admission, the stores. ``process_*``: this process's CPU, memory, fds.
+ones (running, waiting, KV usage, prefix cache) are the workers' (worker/metrics.py); the gateway also
+shows the first three per pool, summed from the workers' heartbeats at each scrape and labelled ``pool``
+(``PoolEngineGauges``), so a vLLM dashboard or autoscaler pointed at this one endpoint reads them. The
+``pool`` label is how a query tells them from the workers' own series when Prometheus scrapes both.
+``pdserve:`` names what only P/D has: pools, routing, admission, the stores. ``process_*``: this
+process's CPU, memory, fds.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from protocol.serving import ROLES, Heartbeat
 from telemetry.buckets import REQUEST_LATENCY_BUCKETS, TOKEN_LATENCY_BUCKETS, TTFT_BUCKETS, token_count_buckets
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -152,6 +159,11 @@ class GatewayMetrics:
             registry=r,
         )
 
+    def report_pools(self, heartbeats: Callable[[], Iterable[Heartbeat]]) -> None:
+        """Export vLLM's engine gauges per pool from ``heartbeats`` (the registry's latest, read at
+        each scrape: no copy to keep current, no scrape of the workers)."""
+        self.registry.register(PoolEngineGauges(self.model_name, heartbeats))
+
     def observe_choices(self, arrival: float, timings: list[ChoiceTiming], aborted: bool) -> None:
         """A request's per-completion histograms and finish reasons, once it is over."""
         for t in timings:
@@ -169,3 +181,36 @@ class GatewayMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class PoolEngineGauges:
+    """``vllm:num_requests_running``, ``vllm:num_requests_waiting`` and ``vllm:kv_cache_usage_perc`` with
+    ``model_name`` and ``pool`` (prefill | decode), as one vLLM server of that pool would report them:
+    requests summed over the pool's workers, KV usage as blocks in use over the pool's blocks (the
+    workers' own definition, worker/metrics.py). Both pools are listed from the first scrape, at 0
+    while a pool has no worker."""
+
+    FAMILIES = (
+        ("num_requests_running", "Requests in the running batches of a pool's workers (their heartbeats)."),
+        ("num_requests_waiting", "Requests queued on a pool's workers, incl. waiting for KV (their heartbeats)."),
+        ("kv_cache_usage_perc", "KV blocks in use / total over a pool's workers, 0..1 (their heartbeats)."),
+    )
+
+    def __init__(self, model_name: str, heartbeats: Callable[[], Iterable[Heartbeat]]):
+        self._model_name = model_name
+        self._heartbeats = heartbeats
+
+    def describe(self) -> list[GaugeMetricFamily]:  # the names, for the registry's duplicate check
+        return [GaugeMetricFamily(f"vllm:{name}", doc, labels=["model_name", "pool"]) for name, doc in self.FAMILIES]
+
+    def collect(self) -> list[GaugeMetricFamily]:
+        running, waiting, usage = self.describe()
+        heartbeats = list(self._heartbeats())
+        for pool in ROLES:
+            members = [hb for hb in heartbeats if hb.role == pool]
+            total = sum(hb.kv_blocks_total for hb in members)
+            labels = [self._model_name, pool]
+            running.add_metric(labels, sum(hb.num_running for hb in members))
+            waiting.add_metric(labels, sum(hb.num_waiting for hb in members))
+            usage.add_metric(labels, sum(hb.kv_blocks_in_use for hb in members) / total if total else 0.0)
+        return [running, waiting, usage]

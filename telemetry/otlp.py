@@ -1,6 +1,7 @@
-"""OTLP/HTTP protobuf export of finished spans, hand-written: the message schema we fill is small
+"""The OTLP protobuf encoding of finished spans, hand-written: the message schema we fill is small
 (opentelemetry/proto/collector/trace/v1 ExportTraceServiceRequest and what it nests), and this keeps
-the OpenTelemetry SDK and protobuf runtime out of the gateway and the workers.
+the OpenTelemetry SDK and protobuf runtime out of the gateway and the workers. OTLP/HTTP posts these
+bytes and OTLP/gRPC sends them as TraceService/Export's request (``otlp_export``, ``otlp_grpc``).
 
     ExportTraceServiceRequest { 1: repeated ResourceSpans }
     ResourceSpans             { 1: Resource { 1: repeated KeyValue }   2: repeated ScopeSpans }
@@ -9,28 +10,16 @@ the OpenTelemetry SDK and protobuf runtime out of the gateway and the workers.
             7: start_time_unix_nano (fixed64)  8: end_time_unix_nano (fixed64)  9: repeated KeyValue
             15: Status { 2: message  3: code (enum: 2 = ERROR) } }
     KeyValue { 1: key  2: AnyValue { 1: string | 2: bool | 3: int64 | 4: double } }
-
-A background thread posts what spans have finished every ``delay_s`` (OTEL_BSP_SCHEDULE_DELAY, ms);
-a full queue drops spans rather than slowing requests (counted and logged).
 """
 
 from __future__ import annotations
 
-import collections
-import logging
 import struct
-import threading
-import time
-import urllib.error
-import urllib.request
 
 from telemetry.span import Span
 
-log = logging.getLogger(__name__)
-
 SCOPE_NAME = "pdserve"
 STATUS_CODE_ERROR = 2
-EXIT_WAIT_S = 2.0
 _U64 = (1 << 64) - 1
 
 
@@ -97,65 +86,3 @@ def encode_request(resource: dict, spans: list[Span]) -> bytes:
     scope_spans = _bytes_field(1, scope) + b"".join(_bytes_field(2, encode_span(s)) for s in spans)
     resource_spans = _bytes_field(1, _attributes(1, resource)) + _bytes_field(2, scope_spans)
     return _bytes_field(1, resource_spans)
-
-
-class OtlpHttpExporter:
-    """Collects finished spans; a daemon thread posts them in batches to ``endpoint``."""
-
-    def __init__(
-        self,
-        endpoint: str,
-        resource: dict,
-        headers: dict[str, str] | None = None,
-        delay_s: float = 1.0,
-        max_queue: int = 4096,
-        timeout_s: float = 10.0,
-    ):
-        self.endpoint = endpoint
-        self._resource = resource
-        self._headers = {"Content-Type": "application/x-protobuf", **(headers or {})}
-        self._delay_s, self._max_queue, self._timeout_s = delay_s, max_queue, timeout_s
-        self._spans: collections.deque[Span] = collections.deque()
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self.num_dropped = 0
-        self.num_failed_posts = 0
-        self._last_complaint = float("-inf")
-        self._thread = threading.Thread(target=self._run, name="otlp-export", daemon=True)
-        self._thread.start()
-
-    def add(self, span: Span) -> None:
-        with self._lock:
-            if len(self._spans) >= self._max_queue:
-                self.num_dropped += 1
-                return
-            self._spans.append(span)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self._delay_s):
-            self.flush()
-
-    def flush(self, timeout_s: float | None = None) -> None:
-        with self._lock:
-            spans, self._spans = list(self._spans), collections.deque()
-        if not spans:
-            return
-        request = urllib.request.Request(
-            self.endpoint, data=encode_request(self._resource, spans), headers=self._headers, method="POST"
-        )
-        try:
-            with urllib.request.urlopen(request, timeout=timeout_s or self._timeout_s) as response:
-                response.read()
-        except (urllib.error.URLError, OSError) as exc:
-            self.num_failed_posts += 1
-            now = time.monotonic()
-            if now - self._last_complaint > 60:  # a collector down for hours: one line a minute
-                self._last_complaint = now
-                log.warning("OTLP export of %d spans to %s failed: %s", len(spans), self.endpoint, exc)
-
-    def shutdown(self) -> None:
-        """Stop the thread and post what is left (at exit: the last requests' spans), waiting at most a
-        few seconds on a collector that does not answer, so a drain is not held up by tracing."""
-        self._stop.set()
-        self._thread.join(timeout=EXIT_WAIT_S)
-        self.flush(EXIT_WAIT_S)

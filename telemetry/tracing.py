@@ -1,7 +1,7 @@
 """Request traces: one span per request per process, its phases as child spans.
 
-Off unless an OTLP endpoint is configured (observability.otlp_traces_endpoint, or
-OTEL_EXPORTER_OTLP_TRACES_ENDPOINT): then ``Tracer.request`` returns None and the call sites, which
+Off unless an OTLP endpoint is configured (observability.otlp_traces_endpoint, or the OTEL_EXPORTER_OTLP_*
+variables: ``otlp_settings``): when off ``Tracer.request`` returns None and the call sites, which
 hold ``trace: RequestTrace | None``, do nothing else, so tracing costs one None check per phase.
 
     gateway   POST /v1/...  [parse | tokenize | generate (route) | stream]
@@ -16,7 +16,8 @@ import logging
 import os
 import time
 
-from telemetry.otlp import OtlpHttpExporter
+from telemetry.otlp_export import OtlpExporter, check_usable, exporter_for
+from telemetry.otlp_settings import otlp_settings
 from telemetry.span import KIND_INTERNAL, KIND_SERVER, Span, parse_traceparent
 
 log = logging.getLogger(__name__)
@@ -27,7 +28,7 @@ class RequestTrace:
 
     __slots__ = ("_exporter", "root", "_phase", "_ended")
 
-    def __init__(self, exporter: OtlpHttpExporter, root: Span):
+    def __init__(self, exporter: OtlpExporter, root: Span):
         self._exporter = exporter
         self.root = root
         self._phase: Span | None = None
@@ -77,7 +78,7 @@ class RequestTrace:
 class Tracer:
     """Starts request traces for one process; ``Tracer(None)`` (NO_TRACING) starts none."""
 
-    def __init__(self, exporter: OtlpHttpExporter | None):
+    def __init__(self, exporter: OtlpExporter | None):
         self.exporter = exporter
 
     @property
@@ -102,34 +103,24 @@ NO_TRACING = Tracer(None)
 
 
 def tracer_for(role: str, worker_id: str, endpoint: str, env=os.environ) -> Tracer:
-    """The process's tracer: exporting to ``endpoint`` (or OTEL_EXPORTER_OTLP_TRACES_ENDPOINT), else off."""
-    endpoint = endpoint or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "")
-    if not endpoint:
-        return NO_TRACING
-    protocol = env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", env.get("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf"))
-    if protocol != "http/protobuf":
-        log.error("OTLP protocol %r is not supported (only http/protobuf): tracing is off", protocol)
+    """The process's tracer: exporting to ``endpoint`` (or where the OTEL variables say), else off.
+    Raises ConfigError for settings it cannot export with (the process stops with one line)."""
+    settings = otlp_settings(endpoint, env)
+    if settings is None:
         return NO_TRACING
     resource = {"service.name": f"pdserve-{role}", "service.instance.id": worker_id, "pdserve.role": role}
-    try:
-        delay_s = max(float(env.get("OTEL_BSP_SCHEDULE_DELAY", "1000")) / 1000, 0.01)
-    except ValueError:
-        log.warning(
-            "OTEL_BSP_SCHEDULE_DELAY=%r is not a number of milliseconds; using 1000", env["OTEL_BSP_SCHEDULE_DELAY"]
-        )
-        delay_s = 1.0
-    exporter = OtlpHttpExporter(
-        endpoint, resource, _headers(env.get("OTEL_EXPORTER_OTLP_TRACES_HEADERS", "")), delay_s=delay_s
-    )
+    exporter = exporter_for(settings, resource)
     atexit.register(exporter.shutdown)
-    log.info("tracing: OTLP/HTTP protobuf to %s", endpoint)
+    log.info("tracing: OTLP %s to %s", settings.protocol, exporter.sender.target)
     return Tracer(exporter)
 
 
-def _headers(text: str) -> dict[str, str]:
-    """OTEL's ``key=value,key2=value2`` (e.g. an Authorization header for a hosted collector)."""
-    pairs = (part.split("=", 1) for part in text.split(",") if "=" in part)
-    return {k.strip(): v.strip() for k, v in pairs}
+def check_tracing(endpoint: str, env=os.environ) -> None:
+    """Raise ConfigError where ``tracer_for`` would (an unknown protocol, grpc without grpcio, ...),
+    making nothing: for a process to stop before its slow start-up rather than after it."""
+    settings = otlp_settings(endpoint, env)
+    if settings is not None:
+        check_usable(settings)
 
 
-__all__ = ["KIND_SERVER", "NO_TRACING", "RequestTrace", "Tracer", "tracer_for"]
+__all__ = ["KIND_SERVER", "NO_TRACING", "RequestTrace", "Tracer", "check_tracing", "tracer_for"]

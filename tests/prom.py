@@ -18,3 +18,10 @@ def samples(text: str, name: str, **labels: str) -> list[float]:
 
 def total(text: str, name: str, **labels: str) -> float:
     return sum(samples(text, name, **labels))
+
+
+def series(text: str, name: str) -> list[tuple[dict[str, str], float]]:
+    """(labels, value) of every sample ``name``."""
+    return [
+        (s.labels, s.value) for family in text_string_to_metric_families(text) for s in family.samples if s.name == name
+    ]

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MAY_IMPORT = {
     "protocol": set(),  # torch-free vocabulary of every process: messages, codec, ZeroMQ helpers
     "configs": set(),  # the typed config schema
-    "telemetry": set(),  # logs and traces every process shares (torch-free)
+    "telemetry": {"configs"},  # logs and traces every process shares (torch-free); ConfigError
     "kernels": set(),  # kernels and their torch references
     "kvtransfer": {"kernels", "protocol"},  # declares the pool it moves (kvtransfer/pool.py), never the engine
     "engine": {"kernels", "protocol", "configs", "telemetry"},  # knows nothing of KV transfer

@@ -119,10 +119,6 @@ def test_traceparent_parsing_follows_w3c():
 def test_traces_reach_a_receiver_and_nothing_is_made_when_off():
     assert NO_TRACING.request("decode", "") is None and not NO_TRACING.enabled
     assert tracer_for("decode", "d", "", env={}) is NO_TRACING
-    assert (
-        tracer_for("decode", "d", "http://x/v1/traces", env={"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "grpc"})
-        is NO_TRACING
-    )  # refused (logged), not silently sent to a gRPC port as HTTP
     receiver = OtlpReceiver()
     try:
         tracer = tracer_for("decode", "decode-7", receiver.url, env={"OTEL_BSP_SCHEDULE_DELAY": "50"})

@@ -7,6 +7,7 @@ import logging
 import sys
 
 from configs.schema import ConfigError, PdserveConfig, load_config
+from telemetry.tracing import check_tracing
 
 
 def parse_overrides(items: list[str]) -> dict[str, str]:
@@ -36,6 +37,7 @@ def load_worker_config(prog: str, description: str, argv: list[str] | None) -> t
     )
     try:
         config = load_config(args.config, overrides=overrides)
+        check_tracing(config.observability.otlp_traces_endpoint)  # before the model loads, not after
         return config, config.observability.log_level
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)

@@ -126,6 +126,8 @@ def build_app(params: GatewayParams) -> Starlette:
     metrics.stored_responses.set_function(lambda: len(serving.store))
     metrics.stored_responses_bytes.set_function(lambda: serving.store.num_bytes)
     metrics.background_responses.set_function(lambda: len(serving.background))
+    if params.registry is not None:  # vllm:* engine gauges per pool, from the workers' heartbeats
+        metrics.report_pools(lambda: [w.heartbeat for w in params.registry.workers()])
     limits = params.limits
     started = int(time.time())
 
