@@ -11,7 +11,13 @@ choose), the same torch thread count. Model loading is not timed; each system ge
 Reported per system: output tokens/s, output tokens per process CPU-second, wall time. Then, on CPU, the
 compute roofline of the pdserve run (see benchmarks/roofline.py) next to the highest fraction this
 machine allows for these steps (the matmul floor, benchmarks/matmul_floor.py), the targets, and a token-for-token
-cross-check of pdserve's greedy output against transformers. The last line is
+cross-check of pdserve's greedy output against transformers. On CPU the line before the last is
+
+    roofline_vs_fastest_matmul=<fraction> (<FLOP or memory>-bound)
+
+the roofline priced at the fastest matmul this machine runs at the benchmark's shapes (torch's kernels
+and pdserve's own, every thread count: benchmarks/fastest_matmul.py) and at its memory bandwidth,
+whichever bound is larger (benchmarks/roofline.py). The last line is
 
     vs_hf_static=<pdserve tok/s / static tok/s> roofline=<fraction, or n/a off CPU>
 """
@@ -25,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import hf_baseline, matmul_floor, roofline
+from benchmarks import fastest_matmul, hf_baseline, matmul_floor, roofline
 from benchmarks.device_choice import BenchDevice, add_device_args, choose_device
 from benchmarks.workload import BenchRequest, SystemResult, WorkloadSpec, make_workload, total_output_tokens
 
@@ -205,7 +211,7 @@ def print_summary(
     """Roofline (CPU only: it and the matmul floor time fp32 ``torch.mm`` on this CPU), speed-ups
     against the targets, the greedy cross-check, and the one-line result."""
     vs_static = pd.tokens_per_s / static.tokens_per_s
-    fraction = print_roofline(shape, requests, pd) if with_roofline else None
+    fraction, vs_fastest = print_roofline(shape, requests, pd) if with_roofline else (None, None)
     print(
         f"pdserve vs hf one-at-a-time: {pd.tokens_per_s / one.tokens_per_s:.2f}x"
         + (" (one-at-a-time extrapolated)" if one.note else "")
@@ -222,10 +228,16 @@ def print_summary(
     for ref in (one, static):
         compared, bad, first = count_mismatches(ref, pd)
         print(f"greedy cross-check vs {ref.name}: {bad} mismatched of {compared} requests{first}")
+    if vs_fastest is not None:
+        print(f"roofline_vs_fastest_matmul={vs_fastest.fraction(pd.wall_s):.2f} ({vs_fastest.bound}-bound)")
     print(f"vs_hf_static={vs_static:.2f} roofline={'n/a' if fraction is None else f'{fraction:.2f}'}")
 
 
-def print_roofline(shape: roofline.DecoderShape, requests: list[BenchRequest], pd: SystemResult) -> float:
+def print_roofline(
+    shape: roofline.DecoderShape, requests: list[BenchRequest], pd: SystemResult
+) -> tuple[float, roofline.Roofline]:
+    """The roofline at ``torch.mm``'s rate (the headline's definition), the matmul floor, and the
+    roofline at the fastest matmul and the memory bandwidth (returned for its own line)."""
     lengths = [(r.prompt_len, r.output_len) for r in requests]
     required = roofline.workload_flops(shape, lengths)
     matmul_flops = roofline.measure_matmul_flops(shape)
@@ -242,7 +254,39 @@ def print_roofline(shape: roofline.DecoderShape, requests: list[BenchRequest], p
         f"the peak), so no engine running these steps here exceeds roofline {floor.roofline_at_floor:.2f}; "
         f"pdserve's wall is {pd.wall_s / floor.floor_s:.2f}x the floor"
     )
-    return fraction
+    return fraction, print_fastest_roofline(shape, lengths, required, pd.wall_s)
+
+
+def print_fastest_roofline(
+    shape: roofline.DecoderShape, lengths: list[tuple[int, int]], required_flops: float, wall_s: float
+) -> roofline.Roofline:
+    """Times every kernel at every shape and thread count, prints the fastest per shape, and prices the
+    workload at the peak FLOP/s and the memory bandwidth."""
+    timings = fastest_matmul.time_kernels(
+        fastest_matmul.benchmark_shapes(shape), fastest_matmul.thread_counts(os.cpu_count() or 1)
+    )
+    best = fastest_matmul.fastest(timings)
+    top = fastest_matmul.peak(best)
+    bandwidth = fastest_matmul.memory_bandwidth(roofline.weight_bytes(shape))
+    print("fastest matmul per shape (kernel@threads GFLOP/s; kernels: plain, transposed, packed, c = pdserve's C):")
+    by_rows: dict[int, list[fastest_matmul.KernelTiming]] = {}
+    for s, t in best.items():
+        by_rows.setdefault(s.rows, []).append(t)
+    for rows, row_timings in by_rows.items():
+        print(f"  {rows:>5} rows: " + " | ".join(f"{t.shape.name} {t.describe()}" for t in row_timings))
+    line = roofline.Roofline(
+        required_flops, top.flops_per_s, roofline.workload_bytes(shape, lengths), bandwidth.bytes_per_s
+    )
+    print(
+        f"roofline at the fastest matmul: peak {top.flops_per_s / 1e9:.1f} GFLOP/s ({top.kernel} on "
+        f"{top.threads} threads, {top.shape.name} at {top.shape.rows} rows) -> {line.flop_s:.2f} s; "
+        f"{line.num_bytes / 1e9:.1f} GB required ({roofline.min_forward_passes(lengths)} passes over "
+        f"{roofline.weight_bytes(shape) / 1e6:.0f} MB of weights, decode KV reads "
+        f"{roofline.decode_kv_bytes(shape, lengths) / 1e9:.1f} GB) at {bandwidth.bytes_per_s / 1e9:.1f} GB/s "
+        f"({bandwidth.how}) -> {line.bytes_s:.2f} s; ideal {line.ideal_s:.2f} s ({line.bound}-bound), "
+        f"pdserve wall {wall_s:.2f} s"
+    )
+    return line
 
 
 if __name__ == "__main__":

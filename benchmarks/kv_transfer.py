@@ -1,4 +1,4 @@
-"""KV transfer bandwidth per transport vs raw pyzmq PUSH/PULL and vs memcpy (torch ``copy_``).
+"""KV transfer bandwidth per transport vs raw pyzmq PUSH/PULL, memcpy (torch ``copy_``) and two ceilings.
 
     python -m benchmarks.kv_transfer [--quick] [--compare-insecure]
 
@@ -12,9 +12,17 @@ repeats. Last line::
 the ``small`` model for that prompt), also reported for 512 tokens. The transfer is counted whole, as if
 it did not overlap prefill (the real node overlaps it per chunk), so this is an upper bound.
 
+The ceilings (benchmarks/transfer_ceilings.py): ``block_memcpy``, the same blocks copied between two
+pools of the same layout (what shm could at best do), and ``raw_tuned``, the same bytes over pdserve's own
+zmq sockets and piece size with no protocol (what zmq could at best do). After the line above::
+
+    shm_vs_block_memcpy=<shm / block memcpy bandwidth> zmq_vs_raw_zmq_tuned=<zmq / raw tuned bandwidth>
+
 ``--compare-insecure`` adds the socket transports with CurveZMQ on (the product's default, the
 ``zmq+curve`` and ``shm+curve`` columns; the plain columns are ``transfer.insecure``) and a last line
-``curve_zmq_vs_plain=<bandwidth ratio> curve_shm_vs_plain=<ratio>`` (docs/security.md).
+``curve_zmq_vs_plain=<bandwidth ratio> curve_shm_vs_plain=<ratio>`` (docs/security.md), the tuned raw
+baseline with CURVE too (``raw_tuned+curve``), and a last line
+``shm_curve_vs_block_memcpy=<ratio> zmq_curve_vs_raw_zmq_tuned_curve=<ratio>``.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import torch
 import zmq
 from prometheus_client import CollectorRegistry
 
+from benchmarks import transfer_ceilings
 from engine.kv_pool import KVLayout, KVPool
 from kvtransfer.channel import InprocServer, ZmqClient, ZmqServer
 from kvtransfer.metrics import TransferMetrics
@@ -201,9 +210,11 @@ def main() -> None:
         timings.update({f"{t}+curve": time_transport(t, sizes, repeats, curve=True) for t in ("shm", "zmq")})
     timings["raw_zmq"] = time_raw_zmq(sizes, repeats, frame_bytes)
     timings["memcpy"] = time_memcpy(sizes, repeats)
+    framings = time_ceilings(timings, sizes, repeats, args.compare_insecure)
     print(f"{'MiB/request':>12} " + " ".join(f"{name:>10}" for name in timings) + "   (GiB/s)")
     for size in sizes:
         print(f"{size:>12} " + " ".join(f"{size / 1024 / timings[name][size]:>10.2f}" for name in timings))
+    print("raw_tuned framing per size (the faster): " + ", ".join(f"{k}: {v}" for k, v in framings.items()))
 
     largest = sizes[-1]
     zmq_vs_raw = timings["raw_zmq"][largest] / timings["zmq"][largest]
@@ -225,6 +236,36 @@ def main() -> None:
                 f"curve_{t}_vs_plain={timings[t][largest] / timings[f'{t}+curve'][largest]:.3f}" for t in ("zmq", "shm")
             )
         )
+    print(ceiling_ratios(timings, largest, ""))
+    if args.compare_insecure:
+        print(ceiling_ratios(timings, largest, "+curve"))
+
+
+def time_ceilings(timings: dict, sizes_mib: list[int], repeats: int, curve_too: bool) -> dict[str, str]:
+    """Adds ``block_memcpy`` and ``raw_tuned`` (and ``raw_tuned+curve``) to ``timings``; returns the framing
+    that was faster per baseline and size."""
+    bytes_per_block = small_layout(1).bytes_per_block
+    blocks = {size: size * MIB // bytes_per_block for size in sizes_mib}
+    layout = small_layout(max(blocks.values()))
+    src, dst = torch.randn(layout.shape), torch.empty(layout.shape)
+    copied = transfer_ceilings.time_block_memcpy(src, dst, list(blocks.values()), repeats)
+    timings["block_memcpy"] = {size: copied[n] for size, n in blocks.items()}
+    framings = {}
+    for suffix in ("", "+curve") if curve_too else ("",):
+        # The server's message cap as time_transport's; pieces of half the window, as KVSender cuts them.
+        pair = transfer_ceilings.RawZmqPair(WINDOW_BLOCKS * bytes_per_block + MIB, curve=bool(suffix))
+        raw = transfer_ceilings.time_raw_zmq_tuned(src, dst, list(blocks.values()), WINDOW_BLOCKS // 2, repeats, pair)
+        timings[f"raw_tuned{suffix}"] = {size: raw[n][0] for size, n in blocks.items()}
+        framings.update({f"raw_tuned{suffix} {size} MiB": raw[n][1] for size, n in blocks.items()})
+    return framings
+
+
+def ceiling_ratios(timings: dict, size: int, suffix: str) -> str:
+    """pdserve's bandwidth over each ceiling's at ``size`` MiB: shm over block memcpy, zmq over raw tuned."""
+    tag = suffix.replace("+", "_")
+    shm = timings["block_memcpy"][size] / timings[f"shm{suffix}"][size]
+    zmq_ = timings[f"raw_tuned{suffix}"][size] / timings[f"zmq{suffix}"][size]
+    return f"shm{tag}_vs_block_memcpy={shm:.3f} zmq{tag}_vs_raw_zmq_tuned{tag}={zmq_:.3f}"
 
 
 if __name__ == "__main__":

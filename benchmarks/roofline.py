@@ -12,6 +12,18 @@ FLOPs count what a KV-cached engine cannot avoid, not what it happens to do:
 
 A request with P prompt tokens and L output tokens processes P + L - 1 tokens (its last sampled
 token is never fed back) at positions 0 .. P + L - 2, and samples L times.
+
+A second roofline, ``roofline_vs_fastest_matmul``, also prices the bytes a KV-cached engine cannot
+avoid moving, and takes the larger of the two times (FLOP/s and bandwidth measured by
+benchmarks/fastest_matmul.py):
+
+    ideal = max(required FLOPs / fastest matmul FLOP/s, required bytes / memory bandwidth)
+    required bytes  every weight of the projections and the LM head, once per forward pass, and at
+                    least max(L) passes (the longest request's prefill, then its L - 1 decode steps
+                    one after another); plus each decode token's read of its context's K and V
+
+Both times are lower bounds under a relaxed schedule (every FLOP may run in any pass), so the larger
+is one too.
 """
 
 from __future__ import annotations
@@ -87,6 +99,61 @@ def request_flops(shape: DecoderShape, prompt_len: int, output_len: int) -> floa
 def workload_flops(shape: DecoderShape, lengths: list[tuple[int, int]]) -> float:
     """Required FLOPs of a workload given as (prompt_len, output_len) pairs."""
     return sum(request_flops(shape, p, o) for p, o in lengths)
+
+
+def weight_bytes(shape: DecoderShape, dtype_bytes: int = 4) -> int:
+    """The projections of every layer and the LM head: what one forward pass reads at least once."""
+    return dtype_bytes * (shape.linear_params_per_layer * shape.num_layers + shape.hidden_size * shape.vocab_size)
+
+
+def min_forward_passes(lengths: list[tuple[int, int]]) -> int:
+    """A request with L outputs needs L passes one after another (prefill samples the first token)."""
+    return max((out for _, out in lengths), default=0)
+
+
+def decode_kv_bytes(shape: DecoderShape, lengths: list[tuple[int, int]], dtype_bytes: int = 4) -> int:
+    """K and V a decode step reads: the token at position p reads p + 1 positions of every layer. A
+    request decodes positions P .. P + L - 2 (its L - 1 decode steps)."""
+    per_position = 2 * shape.num_kv_heads * shape.head_dim * shape.num_layers * dtype_bytes
+    positions = 0
+    for prompt, out in lengths:
+        first, last = prompt + 1, prompt + out - 1  # p + 1 over p = P .. P + L - 2
+        positions += (first + last) * (last - first + 1) // 2 if last >= first else 0
+    return per_position * positions
+
+
+def workload_bytes(shape: DecoderShape, lengths: list[tuple[int, int]], dtype_bytes: int = 4) -> int:
+    """Required bytes moved: weights once per pass over the fewest passes, and the decode steps' KV reads."""
+    return min_forward_passes(lengths) * weight_bytes(shape, dtype_bytes) + decode_kv_bytes(shape, lengths, dtype_bytes)
+
+
+@dataclass(slots=True, frozen=True)
+class Roofline:
+    """``max(flop time, bytes time)`` of a workload at a machine's peak rates."""
+
+    flops: float
+    flops_per_s: float
+    num_bytes: float
+    bytes_per_s: float
+
+    @property
+    def flop_s(self) -> float:
+        return self.flops / self.flops_per_s
+
+    @property
+    def bytes_s(self) -> float:
+        return self.num_bytes / self.bytes_per_s
+
+    @property
+    def ideal_s(self) -> float:
+        return max(self.flop_s, self.bytes_s)
+
+    @property
+    def bound(self) -> str:
+        return "FLOP" if self.flop_s >= self.bytes_s else "memory"
+
+    def fraction(self, wall_s: float) -> float:
+        return self.ideal_s / wall_s
 
 
 def measure_matmul_flops(shape: DecoderShape, num_rows: int = 512, repeats: int = 5) -> float:
