@@ -151,6 +151,19 @@ class GatewayMetrics:
             ["reason"],
             registry=r,
         )
+        # the circuit breaker (gateway/workers/breaker.py), per registered worker; series go when it leaves
+        self.worker_failures = Counter(
+            "pdserve:worker_failures",
+            "Failed attempts blamed on a worker (it left, or an error event named it the culprit).",
+            ["worker_id"],
+            registry=r,
+        )
+        self.worker_breaker_open = Gauge(
+            "pdserve:worker_breaker_open",
+            "1 while a worker's circuit breaker is open (it gets no new requests), else 0.",
+            ["worker_id"],
+            registry=r,
+        )
 
     def observe_choices(self, arrival: float, timings: list[ChoiceTiming], aborted: bool) -> None:
         """A request's per-completion histograms and finish reasons, once it is over."""
