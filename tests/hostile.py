@@ -18,7 +18,7 @@ from kvtransfer.sender import KVSender
 from protocol.codec import decode, encode
 from protocol.curve import ClusterKey, PlaneSecurity
 from protocol.kv_messages import HandshakeReply
-from protocol.serving import Heartbeat
+from protocol.serving import Goodbye, Heartbeat, PrefillJob
 from protocol.zmq_util import bind, make_socket
 from tests.model_factory import tiny_model_dir
 
@@ -121,3 +121,41 @@ def replies(sock: zmq.Socket, count: int = 1, timeout_s: float = 30.0) -> list:
 
 def hostname() -> str:
     return socket.gethostname()
+
+
+class SilentPrefill:
+    """A key holder registered as a prefill worker (its id sorts before ``prefill-0``: the router's
+    tie-break picks it) that never delivers: it takes jobs on a socket of its own and sits on them
+    (``address`` None), or advertises ``address``, where nothing answers (a closed port, a blackhole)."""
+
+    def __init__(self, ctx: zmq.Context, gateway: str, security: PlaneSecurity, worker_id: str, address: str | None):
+        self.worker_id, self.security = worker_id, security
+        self.jobs = None if address else security.server(make_socket(ctx, zmq.ROUTER))
+        self.address = address or bind(self.jobs, "127.0.0.1", 0)
+        self.gateway = dealer(ctx, gateway, security)
+        self.incarnation = uuid.uuid4().hex
+        self.num_jobs = 0  # PrefillJobs received (and never done)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        next_heartbeat = 0.0
+        while not self._stop.is_set():
+            if time.monotonic() >= next_heartbeat:
+                proof = self.security.registration_proof(self.worker_id, self.incarnation)
+                self.gateway.send(encode(heartbeat(self.worker_id, "prefill", self.address, self.incarnation, proof)))
+                next_heartbeat = time.monotonic() + 0.2
+            if self.jobs is None:
+                time.sleep(0.02)
+            elif self.jobs.poll(20):  # a PrefillJob, or the AbortRequest its decode worker sends after it
+                self.num_jobs += isinstance(decode(self.jobs.recv_multipart()[-1]), PrefillJob)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        self.gateway.send(encode(Goodbye(self.worker_id)))
+        self.gateway.close(linger=100)
+        if self.jobs is not None:
+            self.jobs.close(linger=0)
+        self.security.close()  # its ZAP handler, before the context ends
