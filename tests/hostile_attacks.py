@@ -192,14 +192,15 @@ def slowloris(url: str, give_up_s: float = 60.0) -> bool:
 
 
 def never_reading_client(url: str, model: str, aborted, give_up_s: float = 300.0) -> bool:
-    """A stream of 8 long completions whose client never reads (a 4 KB receive window); True once
-    ``aborted()`` says the gateway gave up on it (its write timeout) and aborted the request."""
+    """A stream of 8 long completions with 20 logprobs a token (megabytes of SSE) whose client never reads
+    (a 4 KB receive window); True once ``aborted()`` says the gateway gave up on it (its write timeout)
+    and aborted the request."""
     body = json.dumps(
         {
             "model": model,
             "prompt": [5] * 20,
             "max_tokens": 1500,
-            "n": 8,
+            "n": 8,  # at most max_num_seqs (the hostile chaos cluster runs 8)
             "logprobs": 20,
             "ignore_eos": True,
             "stream": True,

@@ -4,20 +4,29 @@ delivers the KV of the jobs it gets: it sits on them, or it advertises an addres
 (a closed port, a blackholed network). Each failed attempt ends within the decode worker's lease
 (LEASE_S), its blocks come back, the gateway blames that prefill worker (never the decode worker, which
 only waited for it) and retries on the real one: every client gets the single engine's exact text.
-After ``breaker_threshold`` (3) failures in a row its breaker opens and it gets no more jobs."""
+After ``breaker_threshold`` (3) failures in a row its breaker opens and it gets no more jobs.
+
+The other way round: a decode worker (in this process, joined to the cluster with the key) whose KV
+address blackholes. The prefill worker's handshake with it gives up, its PrefillFailed says the decode
+worker's receiver did not answer, and the gateway blames that decode worker, never the prefill worker,
+and retries on decode-0."""
 
 from __future__ import annotations
 
 import os
+import threading
 
 import httpx
 import pytest
 import zmq
 
 from cluster.keygen import write_private_key
+from configs.schema import load_config
+from decode_node.node import DecodeNode
 from engine.llm import LLM
 from tests import hostile
 from tests.cluster_harness import ServeProcess
+from tests.invariants import assert_no_leak
 from tests.model_factory import tiny_model_dir
 from tests.test_hostile_peers import BLOCK, complete, endpoints, expected, gateway_metric, prompt_of
 
@@ -32,7 +41,8 @@ def cluster(tmp_path_factory):
         tiny_model_dir("llama"),
         tmp_path_factory.mktemp("blame"),
         engine={"block_size": BLOCK, "kv_cache_memory_mb": 8},
-        gateway={"local_prefill_max_tokens": 0},  # every prompt goes through a prefill worker
+        # every prompt goes through a prefill worker; decode workers in turn (a second one joins below)
+        gateway={"local_prefill_max_tokens": 0, "routing_policy": "round_robin"},
         transfer={"cluster_key_file": KEY_FILE, "lease_seconds": LEASE_S},
     )
     yield serve
@@ -104,3 +114,52 @@ def test_a_prefill_worker_that_never_delivers_is_blamed_and_the_decode_worker_se
     assert cluster.worker_pid == pids and {w["id"] for w in cluster.wait_idle()} == {"prefill-0", "decode-0"}
     assert httpx.get(f"{cluster.url}/health", timeout=5).status_code == 200
     assert os.path.exists(KEY_FILE)
+
+
+def joined_decode_worker(cluster, ctx, worker_id: str) -> DecodeNode:
+    """A decode worker of this process, registered with the cluster's gateway under the cluster key.
+    Its lease stays the default 30 s: longer than a prefill worker's 5 s handshake timeout."""
+    config = load_config(
+        None,
+        env={},
+        overrides={
+            "model.path": str(tiny_model_dir("llama")),
+            "engine.block_size": BLOCK,
+            "engine.kv_cache_memory_mb": 8,
+            "engine.num_threads": 1,
+            "decode.gateway_address": endpoints(cluster)["gateway"],
+            "decode.kv_port": 0,
+            "decode.http_port": 0,
+            "decode.worker_id": worker_id,
+            "gateway.worker_heartbeat_s": 0.2,
+            "transfer.cluster_key_file": KEY_FILE,
+        },
+    )
+    return DecodeNode.start(config, ctx)
+
+
+def test_a_decode_worker_whose_kv_address_blackholes_is_blamed_not_the_prefill_worker(cluster, reference, ctx):
+    name = "a-blackholed-decode"
+    node = joined_decode_worker(cluster, ctx, name)
+    node.server.options.kv_address = "tcp://127.0.0.1:9"  # what it tells the gateway, and prefill workers
+    loop = threading.Thread(target=node.server.run, daemon=True)
+    loop.start()
+    try:
+        cluster.wait_until(lambda: cluster.registered(name), f"{name} registered")
+        for seed in range(100, 110):  # every other request is routed to it until its breaker opens
+            prompt = prompt_of(3 * BLOCK + 5, seed=seed)
+            assert complete(cluster, prompt) == expected(reference, prompt)  # retried on decode-0
+            if breaker(cluster, name)[1] == 1:
+                break
+        assert breaker(cluster, name) == (THRESHOLD, 1.0)
+        assert breaker(cluster, "prefill-0")[0] == 0 and breaker(cluster, "decode-0")[0] == 0
+        assert cluster.metric("prefill-0", 'pdserve:kv_handshakes_total{result="failed"}') >= 1
+        cluster.wait_until(lambda: not node.server.requests, f"{name} holds no request")
+    finally:
+        node.server.request_drain()  # says goodbye to the gateway
+        loop.join(timeout=60)
+        bm = node.server.block_manager
+        node.close()
+    assert_no_leak(bm)
+    cluster.wait_until(lambda: not cluster.registered(name), f"{name} left")
+    assert {w["id"] for w in cluster.wait_idle()} == {"prefill-0", "decode-0"}

@@ -110,7 +110,7 @@ def complete(cluster, prompt: list[int], max_tokens: int = 8) -> str:
 
 def expected(reference: LLM, prompt: list[int], max_tokens: int = 8) -> str:
     [out] = reference.generate([prompt], SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
-    return reference.tokenizer.decode(out.outputs[0].token_ids)
+    return reference.tokenizer.decode(out.outputs[0].token_ids, skip_special_tokens=True)  # as the gateway shows it
 
 
 def gateway_metric(cluster, name: str) -> float:

@@ -97,6 +97,8 @@ class _Flight:
 
     __slots__ = (
         "rid",
+        "wire_rid",
+        "num_attempts",
         "num_prompt_tokens",
         "num_top_prompt_logprobs",
         "events",
@@ -109,6 +111,11 @@ class _Flight:
 
     def __init__(self, rid: str, num_prompt_tokens: int, num_top_prompt_logprobs: int = 0) -> None:
         self.rid = rid
+        # What the workers of the current attempt know it by: the request id, then "<rid>~<attempt>" on a
+        # retry, so that an abort or a late frame of an earlier attempt cannot touch a later one (a retry
+        # on the same prefill worker would otherwise be aborted by the gateway's abort of the first try).
+        self.wire_rid = rid
+        self.num_attempts = 0
         self.num_prompt_tokens = num_prompt_tokens
         # the k asked for: alternatives past it are dropped on arrival, so a worker cannot grow what is kept
         self.num_top_prompt_logprobs = num_top_prompt_logprobs
@@ -136,7 +143,8 @@ class ZmqBackend(Backend):
         self._link = WorkerLink(
             params.host, params.worker_port, params.max_frame_bytes, self._on_record, self._rejects, params.security
         )
-        self._flights: dict[str, _Flight] = {}
+        self._flights: dict[str, _Flight] = {}  # by request id
+        self._by_wire_rid: dict[str, _Flight] = {}  # by the current attempt's rid
         self.gateway_id = uuid.uuid4().hex  # workers tell gateway processes apart by it
         self._lora_set = LoRAAdapterSet(0, [], [])  # version 0: the list in the workers' own config
         self._lora_sent: dict[tuple[str, str], int] = {}  # (worker, incarnation) -> version last sent to it
@@ -222,6 +230,7 @@ class ZmqBackend(Backend):
             if not flight.is_done:
                 await self._abort_workers(flight, "request ended in the gateway")
             del self._flights[flight.rid]
+            self._by_wire_rid.pop(flight.wire_rid, None)
             self._queue.notify()  # its KV is about to be freed: queued requests may fit now
 
     # --- placement: route, send, wait for the first answer ------------------------------------------
@@ -240,6 +249,10 @@ class ZmqBackend(Backend):
                 if failure is not None:
                     return failure
                 raise
+            self._by_wire_rid.pop(flight.wire_rid, None)  # frames of an earlier attempt are late from now on
+            flight.wire_rid = flight.rid if flight.num_attempts == 0 else f"{flight.rid}~{flight.num_attempts}"
+            flight.num_attempts += 1
+            self._by_wire_rid[flight.wire_rid] = flight
             flight.decode_worker, flight.prefill_worker = decision.decode_worker, decision.prefill_worker
             incarnations = {w: self._incarnation(w) for w in flight.workers()}  # of this attempt's workers
             if request.trace:
@@ -253,7 +266,7 @@ class ZmqBackend(Backend):
             flight.events, flight.prompt_logprobs = asyncio.Queue(), []  # nothing left from an earlier attempt
             prefill = self._registry.get(decision.prefill_worker) if decision.prefill_worker else None
             generate = Generate(
-                flight.rid,
+                flight.wire_rid,
                 request.prompt_token_ids,
                 request.sampling,
                 prefill.address if prefill is not None else "",
@@ -392,7 +405,7 @@ class ZmqBackend(Backend):
     async def _abort_workers(self, flight: _Flight, reason: str) -> None:
         flight.is_done = True
         for worker_id in flight.workers():
-            await self._link.send(worker_id, AbortRequest(flight.rid, reason))
+            await self._link.send(worker_id, AbortRequest(flight.wire_rid, reason))
 
     def _wall_deadline(self, request: GenerationRequest) -> float:
         """The request's monotonic deadline on the wall clock, which other hosts share."""
@@ -412,7 +425,7 @@ class ZmqBackend(Backend):
                 self._metrics.workers_lost.labels("goodbye").inc()
                 self._worker_left(worker_id, "said goodbye")
         else:  # TokenEvent, PromptLogprobs or Busy: only the workers serving the request may speak for it
-            flight = self._flights.get(record.rid)
+            flight = self._by_wire_rid.get(record.rid)
             if flight is None or flight.is_done:
                 return  # finished or aborted already; late records are expected
             if worker_id == flight.decode_worker or (

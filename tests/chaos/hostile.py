@@ -35,7 +35,12 @@ JOB_LINE = re.compile(
     r"decode\[(\S+)\].*rid=(\S+) prefill job -> \S+: tokens \[\d+, \d+\), \d+ blocks, generation (\d+)"
 )
 REJECTED = re.compile(r'^pdserve:rejected_frames_total\{reason="(\w+)"\} (\S+)$', re.M)
+# A write for a range that is gone is answered WriteRejected(stale), counted only by the KV receiver.
+STALE = re.compile(r'^pdserve:kv_rejected_writes_total\{reason="stale"\} (\S+)$', re.M)
 # The gateway's HTTP limits, short so the slowloris and the client that never reads are dropped soon.
+# Room for the client that never reads: 8 completions of one request at once (its stream must outgrow
+# every buffer between the gateway and the client, megabytes).
+ENGINE = {"max_num_seqs": 8}
 HTTP_LIMITS = {"http_header_timeout_s": 1.0, "http_body_timeout_s": 1.0, "http_write_timeout_s": 1.0}
 
 
@@ -51,12 +56,18 @@ class HostileResult:
 
 
 class HostileCluster(ServeCluster):
-    """The chaos tool's ``pdserve serve`` 2 + 2, with a cluster key file (an operator's) and short HTTP
-    limits."""
+    """The chaos tool's ``pdserve serve`` 2 + 2, with a cluster key file (an operator's), short HTTP
+    limits and ENGINE."""
 
     def __init__(self, model: str, tmp):
         self.key_file = write_private_key()
-        super().__init__(model, tmp, gateway=HTTP_LIMITS, transfer={"cluster_key_file": self.key_file})
+        super().__init__(
+            model,
+            tmp,
+            engine=ENGINE,
+            gateway=HTTP_LIMITS,
+            transfer={"cluster_key_file": self.key_file},
+        )
 
     def target(self, ctx: zmq.Context) -> attacks.Target:
         address = {w["id"]: w["address"] for w in self.workers()}
@@ -72,13 +83,15 @@ class HostileCluster(ServeCluster):
         )
 
     def rejections(self) -> Counter:
-        """``pdserve:rejected_frames_total`` by reason, summed over the gateway and every worker."""
+        """``pdserve:rejected_frames_total`` by reason, summed over the gateway and every worker, and the
+        KV receivers' stale writes (``stale``)."""
         bodies = [httpx.get(f"{self.url}/metrics", timeout=5).text]
         bodies += [httpx.get(f"http://127.0.0.1:{self.serve.worker_http[w]}/metrics", timeout=5).text for w in WORKERS]
         total: Counter = collections.Counter()
         for body in bodies:
             for reason, value in REJECTED.findall(body):
                 total[reason] += int(float(value))
+            total["stale"] += sum(int(float(value)) for value in STALE.findall(body))
         return total
 
     def fds(self) -> dict[str, int]:

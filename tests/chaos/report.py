@@ -16,7 +16,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from tests.chaos.clusters import LEASE_S, SETTINGS, WORKER_TIMEOUT_S
-from tests.chaos.hostile import FD_SLACK, HTTP_LIMITS, HostileResult
+from tests.chaos.hostile import ENGINE, FD_SLACK, HTTP_LIMITS, HostileResult
 from tests.chaos.load import CLEAR_ERROR_STATUS, MAX_TOKENS, REQUEST_DEADLINE_S
 from tests.chaos.phases import __doc__ as PHASES_DOC
 from tests.chaos.scenario import OUTAGE_S, SETTLE_S, RunResult, Scenario
@@ -130,11 +130,14 @@ def hostile_chaos_section(results: list[HostileResult]) -> list[str]:
         "## Hostile peers under load",
         "",
         "Each attack of the hostile-peer suite (`tests/hostile_attacks.py`, the same code "
-        "`tests/test_hostile_peers.py` runs) against the same 2 + 2 `pdserve serve` cluster as above, with a "
+        "`tests/test_hostile_peers.py` runs) against the same 2 + 2 `pdserve serve` cluster as above "
+        f"(but max_num_seqs {ENGINE['max_num_seqs']}, for the 8 completions of the client that never reads), with a "
         "cluster key file (CurveZMQ on; attacks *with the key* are a compromised member's) and HTTP header, "
         f"body and write timeouts of {HTTP_LIMITS['http_write_timeout_s']:g} s, while the steady load runs. "
         "*Sent*: hostile messages, connections or requests; *refused by the victims*: the increase of "
-        "`pdserve:rejected_frames_total` over the gateway and the four workers, by reason (attempts "
+        "`pdserve:rejected_frames_total` over the gateway and the four workers, by reason, and of the KV "
+        'receivers\' `pdserve:kv_rejected_writes_total{reason="stale"}` (*stale*: writes for a range that is '
+        "gone, answered `WriteRejected`; attempts "
         "without the key never reach pdserve code: ZeroMQ drops them in the CURVE handshake; HTTP attacks "
         "are dropped by the server's limits, not counted there); *ordinary requests*: the load's requests "
         "during the attack that came back with the single engine's exact text; *blocks leaked*: KV blocks in "
