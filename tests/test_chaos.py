@@ -16,8 +16,9 @@ import pytest
 
 from tests.chaos.__main__ import run_all
 from tests.chaos.clusters import BLOCK, ServeCluster
+from tests.chaos.hostile import HostileResult
 from tests.chaos.load import make_prompts
-from tests.chaos.report import chaos_table
+from tests.chaos.report import chaos_table, hostile_table, write_report
 from tests.chaos.scenario import RunResult, Scenario, run_once
 from tests.model_factory import tiny_model_dir
 
@@ -75,3 +76,29 @@ def test_report_rows_count_outcomes_and_failures():
         "**FAIL** (1): decode-1: request hung: no answer | 12.0 (max 14.0) | 3 |",
         "| linkdown prefill @ prefilling | 0 | — | not run (no network namespaces: not root) | — | — |",
     ]
+
+
+def test_hostile_rows_count_refusals_requests_and_leaks():
+    results = [
+        HostileResult("identity takeover", 2, Counter(identity_taken=1), Counter(ok=22), 0, 0, []),
+        HostileResult(
+            "client that never reads", 1, Counter(), Counter(ok=30, error=1), 3, 5, ["file descriptors grew by 5"]
+        ),
+    ]
+    assert hostile_table(results)[2:] == [
+        "| identity takeover | 2 | identity_taken 1 | 22 / 22 | 0 | +0 | pass |",
+        "| client that never reads | 1 | — | 30 / 31 (1 clear error) | 3 | +5 | **FAIL** (1): file descriptors grew by 5 |",
+    ]
+
+
+def test_a_section_left_out_of_a_run_is_kept_with_the_run_that_wrote_it(tmp_path):
+    report = tmp_path / "reliability.md"
+    report.write_text(
+        "# Reliability\n\n- command: `python -m tests.chaos` (1.0 min)\n- date: 2026-01-01 00:00 UTC, commit abc\n\n"
+        "## Chaos\n\n| a table |\n\n## Soak\n\nsoak\n\n## A note by hand\n\nkept\n"
+    )
+    write_report(report, "python -m tests.chaos --scenarios none", [], [], {}, 60.0, hostile=[])
+    text = report.read_text()
+    assert "## Chaos\n\n*Kept from the run of `python -m tests.chaos` (1.0 min) on 2026-01-01 00:00 UTC" in text
+    assert "| a table |" in text and "## Hostile peers under load" in text
+    assert text.rstrip().endswith("## A note by hand\n\nkept")
