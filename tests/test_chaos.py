@@ -1,7 +1,8 @@
 """The CI subset of the chaos tool (``python -m tests.chaos`` runs all of it): a decode worker killed
 while KV streams into it, the gateway killed while requests decode, and a prefill worker cut off the
-network mid-prefill, each under a steady load against a 2 prefill + 2 decode cluster. The same scenario
-code as the tool asserts the same invariants: no request hangs or comes back different from the single
+network mid-prefill, each under a steady load against a 2 prefill + 2 decode cluster, and a key
+holder forging frames for requests in flight (a hostile scenario, tests/chaos/hostile.py). The same
+scenario code as the tool asserts the same invariants: no request hangs or comes back different from the single
 engine's greedy output, errors are clear, the cluster recovers and picks the replacement up, no KV
 block leaks and every worker's integrity check passes."""
 
@@ -16,7 +17,7 @@ import pytest
 
 from tests.chaos.__main__ import run_all
 from tests.chaos.clusters import BLOCK, ServeCluster
-from tests.chaos.hostile import HostileResult
+from tests.chaos.hostile import HostileCluster, HostileResult, run_attack, warm_up
 from tests.chaos.load import make_prompts
 from tests.chaos.report import chaos_table, hostile_table, write_report
 from tests.chaos.scenario import RunResult, Scenario, run_once
@@ -62,6 +63,21 @@ def test_link_down_of_a_prefill_worker_in_namespaces(prompts):
     [result] = results
     assert result.member == "prefill-0"
     assert_survived(result)
+
+
+def test_a_key_holder_forging_frames_under_load_is_refused_and_every_request_is_exact(prompts, tmp_path):
+    """The CI subset of the hostile scenarios: forged token events, KV writes, commits and aborts for
+    requests in flight, by a key holder that was not given them."""
+    cluster = HostileCluster(str(tiny_model_dir("llama")), tmp_path)
+    try:
+        warm_up(cluster, prompts)
+        result = run_attack(cluster, "forged token events and KV writes", prompts)
+    finally:
+        cluster.close()
+    assert result.failures == [], result.failures
+    # at least one forged frame met its request still in flight (one that lands after it ended is stale)
+    assert result.sent == 15 and result.refused["not_assigned"] >= 1
+    assert result.outcomes["ok"] == sum(result.outcomes.values()) > 0 and result.leaked_blocks == 0
 
 
 def test_report_rows_count_outcomes_and_failures():
