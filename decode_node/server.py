@@ -84,6 +84,7 @@ from worker import Drain, EngineMetrics, EngineSnapshot, GatewayLinks, Heartbeat
 from worker.logprob_records import prompt_logprobs_frames
 
 log = logging.getLogger(__name__)
+PREFILL = "prefill"  # culprit: the prefill worker the request relied on (protocol/serving.py CULPRITS)
 
 IDLE_POLL_MS = 10  # nothing to do: wait this long for a message (a KV message wakes the wait too)
 BUSY_POLL_MS = 1  # a grammar compiles (a future, not a socket), or KV comes in-process: look this often
@@ -164,7 +165,10 @@ class DecodeServer:
         self._on_compiled()
         self._expire_deadlines()
         if self.scheduler.has_unfinished():
-            self._step()
+            try:
+                self._step()
+            except Exception:
+                self._on_step_error()
         self._update_metrics()
         if self._heartbeat.due():
             self.gateway.broadcast(self._heartbeat_record())
@@ -193,9 +197,21 @@ class DecodeServer:
             req = self.requests.get(record.rid)
             if req is not None:
                 try:
-                    self._fail(req, "internal error on the decode worker")
+                    self._fail(req, "internal error on the decode worker", culprit="decode")
                 except Exception:
                     log.exception("rid=%s could not be released after an internal error", record.rid)
+
+    def _on_step_error(self) -> None:
+        """An engine step raised (a bug, a device error): whatever it ran may be half-updated, so every
+        request in the engine fails, blaming this worker, and frees its blocks; the loop goes on, and
+        requests still awaiting KV or compiling are untouched."""
+        log.exception("engine step failed: failing the %d requests in the engine", self.scheduler.num_running)
+        self.metrics.step_errors.inc()
+        for req in [r for r in self.requests.values() if r.phase == Phase.SCHEDULED]:
+            try:
+                self._fail(req, "internal error on the decode worker: an engine step failed", culprit="decode")
+            except Exception:
+                log.exception("rid=%s could not be released after a failed step", req.rid)
 
     def _on_gateway_record(self, record) -> None:
         if isinstance(record, Generate):
@@ -209,7 +225,9 @@ class DecodeServer:
     # ---- 1-3. arrival ----
     def _on_generate(self, gen: Generate) -> None:
         if gen.rid in self.requests:
-            self._send_error_all(gen.rid, gen.gateway_id, gen.sampling.n, "request id already in use on this worker")
+            self._send_error_all(
+                gen.rid, gen.gateway_id, gen.sampling.n, "request id already in use on this worker", culprit="none"
+            )
             return
         if self._drain.requested:
             self._busy(gen.rid, gen.gateway_id, "worker is draining")
@@ -223,7 +241,9 @@ class DecodeServer:
             return
         req = DecodeRequest(gen.rid, seq, gen.deadline, time.monotonic(), Phase.SCHEDULED, gateway_id=gen.gateway_id)
         if gen.deadline <= time.time():
-            self._send_error_all(gen.rid, gen.gateway_id, seq.params.n, "deadline passed before the request arrived")
+            self._send_error_all(
+                gen.rid, gen.gateway_id, seq.params.n, "deadline passed before the request arrived", culprit="none"
+            )
             return
         if self.tracer.enabled:
             req.trace = self.tracer.request(
@@ -333,7 +353,7 @@ class DecodeServer:
         self._track(req)
         self.metrics.prompt_tokens.inc(seq.num_prompt_tokens)
         if not self.prefill.send(gen.prefill_address, job):
-            self._fail(req, f"prefill worker {gen.prefill_address} is not accepting jobs")
+            self._fail(req, f"prefill worker {gen.prefill_address} is not accepting jobs", culprit="prefill")
             return
         log.info(
             "rid=%s prefill job -> %s: tokens [%d, %d), %d blocks, generation %d",
@@ -359,7 +379,8 @@ class DecodeServer:
         if req is None or req.phase != Phase.AWAITING_KV or req.generation != event.generation:
             return  # aborted or retried meanwhile: the receiver already freed that range
         if not event.ok:
-            self._fail(req, f"KV transfer from prefill worker failed: {event.reason}", abort_receiver=False)
+            # Its lease ran out (the KV never came), it aborted, restarted or committed half: the sender's doing.
+            self._fail(req, f"KV transfer from prefill worker failed: {event.reason}", PREFILL, abort_receiver=False)
             return
         commit, seq = event.commit, req.seq
         self.receiver.adopt(req.rid)  # the range is ours again (the seq has held its blocks all along)
@@ -369,11 +390,12 @@ class DecodeServer:
                 req,
                 f"prefill worker computed the KV under LoRA adapter {commit.lora_name!r}; the request "
                 f"runs under {seq.params.lora_name!r}",
+                PREFILL,
                 abort_receiver=False,
             )
             return
         if seq.params.n == 1 and commit.first_token is None:
-            self._fail(req, "prefill worker committed without the first token", abort_receiver=False)
+            self._fail(req, "prefill worker committed without the first token", PREFILL, abort_receiver=False)
             return
         vocab_size = self.engine.model_config.vocab_size
         bad = [t for t in [commit.first_token, *commit.top_token_ids] if t is not None and not 0 <= t < vocab_size]
@@ -384,13 +406,17 @@ class DecodeServer:
                 f"rid={req.rid} token {bad[0]} outside the vocabulary of {vocab_size}",
             )
             self._fail(
-                req, f"prefill worker sent token {bad[0]}, outside the vocabulary of {vocab_size}", abort_receiver=False
+                req,
+                f"prefill worker sent token {bad[0]}, outside the vocabulary of {vocab_size}",
+                PREFILL,
+                abort_receiver=False,
             )
             return
         if seq.params.n == 1 and seq.guide is not None and not seq.guide.accept(commit.first_token):
             self._fail(
                 req,
                 f"prefill worker's first token {commit.first_token} is outside the request's grammar",
+                PREFILL,
                 abort_receiver=False,
             )
             return
@@ -419,7 +445,7 @@ class DecodeServer:
         if req is None or req.phase != Phase.AWAITING_KV or req.generation != failed.generation:
             return
         req.prefill_address = ""  # it gave the job up: nothing to abort there
-        self._fail(req, f"prefill failed: {failed.reason}")
+        self._fail(req, f"prefill failed: {failed.reason}", failed.culprit)
 
     # ---- 5. one engine step ----
     def _step(self) -> None:
@@ -498,17 +524,20 @@ class DecodeServer:
     def _expire_deadlines(self) -> None:
         now = time.time()
         for req in [r for r in self.requests.values() if r.deadline <= now]:
-            self._fail(req, "deadline exceeded")
+            self._fail(req, "deadline exceeded", culprit="none")
 
-    def _fail(self, req: DecodeRequest, error: str, *, abort_receiver: bool = True) -> None:
-        log.warning("rid=%s failed: %s", req.rid, error)
+    def _fail(self, req: DecodeRequest, error: str, culprit: str, *, abort_receiver: bool = True) -> None:
+        """End ``req`` with an error event blaming ``culprit`` (protocol/serving.py CULPRITS) and free it."""
+        log.warning("rid=%s failed (%s's fault): %s", req.rid, culprit, error)
         if req.trace:
             req.trace.end(error)
         self._release(req, abort_receiver=abort_receiver)
         self.metrics.request_failure.labels("error").inc()
         for index, done in enumerate(req.done):
             if not done:
-                self.gateway.send(req.gateway_id, error_event(req.rid, index, req.num_sent[index], error))
+                self.gateway.send(
+                    req.gateway_id, error_event(req.rid, index, req.num_sent[index], error, culprit=culprit)
+                )
 
     def _release(self, req: DecodeRequest, *, abort_receiver: bool = True) -> None:
         """Free everything the request holds, whatever its phase."""
@@ -537,10 +566,12 @@ class DecodeServer:
         log.info("rid=%s busy: %s", rid, reason)
         self.gateway.send(gateway_id, Busy(rid, reason))
 
-    def _send_error_all(self, rid: str, gateway_id: str, n: int, error: str, refused: bool = False) -> None:
+    def _send_error_all(
+        self, rid: str, gateway_id: str, n: int, error: str, refused: bool = False, culprit: str = "none"
+    ) -> None:
         log.warning("rid=%s refused: %s", rid, error)
         for index in range(n):
-            self.gateway.send(gateway_id, error_event(rid, index, 0, error, refused))
+            self.gateway.send(gateway_id, error_event(rid, index, 0, error, refused, culprit))
 
     # ---- load, metrics, drain ----
     def snapshot(self) -> EngineSnapshot:
@@ -592,7 +623,7 @@ class DecodeServer:
         if not self._drain.is_over(in_flight=bool(self.requests)):
             return
         for req in list(self.requests.values()):
-            self._fail(req, "decode worker shut down before the request finished")
+            self._fail(req, "decode worker shut down before the request finished", culprit="none")
         self.gateway.broadcast(self._heartbeat_record())  # the final load: nothing held any more
         self.gateway.broadcast(Goodbye(self.options.worker_id))
         log.info("drained; goodbye")

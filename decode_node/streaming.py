@@ -28,5 +28,10 @@ def new_tokens_event(
     return TokenEvent(rid, index, num_sent, tokens, logprobs, finish_reason, num_cached_tokens)
 
 
-def error_event(rid: str, index: int, offset: int, error: str, refused: bool = False) -> TokenEvent:
-    return TokenEvent(rid, index, offset, [], error=error[:1000], refused=refused)
+def error_event(
+    rid: str, index: int, offset: int, error: str, refused: bool = False, culprit: str = "decode"
+) -> TokenEvent:
+    """``culprit``: whose fault (protocol/serving.py CULPRITS); a refusal is the client's, nobody's here."""
+    return TokenEvent(
+        rid, index, offset, [], error=error[:1000], refused=refused, culprit="none" if refused else culprit
+    )

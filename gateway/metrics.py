@@ -158,6 +158,19 @@ class GatewayMetrics:
             ["reason"],
             registry=r,
         )
+        # the circuit breaker (gateway/workers/breaker.py), per registered worker; series go when it leaves
+        self.worker_failures = Counter(
+            "pdserve:worker_failures",
+            "Failed attempts blamed on a worker (it left, or an error event named it the culprit).",
+            ["worker_id"],
+            registry=r,
+        )
+        self.worker_breaker_open = Gauge(
+            "pdserve:worker_breaker_open",
+            "1 while a worker's circuit breaker is open (it gets no new requests), else 0.",
+            ["worker_id"],
+            registry=r,
+        )
 
     def report_pools(self, heartbeats: Callable[[], Iterable[Heartbeat]]) -> None:
         """Export vLLM's engine gauges per pool from ``heartbeats`` (the registry's latest, read at

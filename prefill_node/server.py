@@ -72,6 +72,17 @@ from worker.logprob_records import logprob_record, prompt_logprobs_frames
 
 log = logging.getLogger(__name__)
 
+# Whose fault a failed job is, by its jobs_rejected label, unless the call names another: a job the
+# decode worker got wrong, or its KV receiver that did not answer, refused us or restarted, is the decode
+# worker's; the deadline and a drain are nobody's.
+CULPRIT_OF_LABEL = {
+    "bad_job": "decode",
+    "handshake": "decode",
+    "transfer": "decode",
+    "deadline": "none",
+    "draining": "none",
+}
+
 
 class PrefillServer:
     def __init__(
@@ -241,13 +252,13 @@ class PrefillServer:
         if reason and reason != "draining":
             self.rejects.reject("invalid_value", peer.hex(), f"job {job.rid[:64]}: {reason}")
         if reason:
-            self._reply_failed(
-                peer, job.rid, job.generation, reason, label="bad_job" if reason != "draining" else "draining"
-            )
+            label = "draining" if reason == "draining" else "bad_job"
+            late = job.deadline <= time.time()  # nobody's fault: not the job's, which was fine while it lasted
+            self._reply_failed(peer, job.rid, job.generation, reason, label, culprit="none" if late else "")
             return
         params = first_token_params(job.sampling)
         if reason := self.lora_error(params):  # not loaded here (yet): D retries or fails it
-            self._reply_failed(peer, job.rid, job.generation, reason, label="bad_job")
+            self._reply_failed(peer, job.rid, job.generation, reason, label="bad_job", culprit="prefill")
             return
         seq = Sequence(
             next(self._seq_ids), list(job.token_ids), params, stop_token_ids=params.stop_ids(self._eos_token_ids)
@@ -316,8 +327,8 @@ class PrefillServer:
             self._queue.remove(state)
             try:
                 self.scheduler.add(state.seq)
-            except AdmissionError as exc:
-                self._fail(state, str(exc), label="bad_job")
+            except AdmissionError as exc:  # past a limit of this node's: the job was fine
+                self._fail(state, str(exc), label="bad_job", culprit="prefill")
                 continue
             state.in_scheduler = True
             self._by_seq[state.seq.seq_id] = state
@@ -332,8 +343,8 @@ class PrefillServer:
             return False
         try:
             state.seq.guide = state.guide.result()
-        except StructuredOutputError as exc:
-            self._fail(state, str(exc), label="bad_job")
+        except StructuredOutputError as exc:  # it compiled on the decode worker first
+            self._fail(state, str(exc), label="bad_job", culprit="prefill")
             return False
         state.guide = None
         return True
@@ -445,10 +456,10 @@ class PrefillServer:
         log.info("rid=%s aborted (%s) while %s", rid, reason, state.phase.name.lower())
         self._drop(state, abort_reason=reason)
 
-    def _fail(self, state: JobState, reason: str, label: str) -> None:
+    def _fail(self, state: JobState, reason: str, label: str, culprit: str = "") -> None:
         log.warning("rid=%s failed: %s", state.rid, reason)
         self._drop(state, abort_reason=reason)
-        self._reply_failed(state.peer, state.rid, state.job.generation, reason, label)
+        self._reply_failed(state.peer, state.rid, state.job.generation, reason, label, culprit)
 
     def _drop(self, state: JobState, abort_reason: str = "") -> None:
         """Forget a job and free everything it holds here (idempotent per state)."""
@@ -470,10 +481,12 @@ class PrefillServer:
             state.is_sending = False
         self.pins.unpin(job.rid)
 
-    def _reply_failed(self, peer: bytes, rid: str, generation: int, reason: str, label: str) -> None:
+    def _reply_failed(self, peer: bytes, rid: str, generation: int, reason: str, label: str, culprit: str = "") -> None:
+        """``culprit`` (protocol/serving.py PrefillFailed): "" takes the label's (CULPRIT_OF_LABEL)."""
         self.metrics.jobs_rejected.labels(label).inc()
+        failed = PrefillFailed(rid, generation, reason[:500], culprit or CULPRIT_OF_LABEL[label])
         try:
-            self.router.send_multipart([peer, encode(PrefillFailed(rid, generation, reason[:500]))], zmq.NOBLOCK)
+            self.router.send_multipart([peer, encode(failed)], zmq.NOBLOCK)
         except zmq.ZMQError:  # the decode worker is gone: nobody to tell
             log.info("rid=%s could not report the failure: decode worker unreachable", rid)
 

@@ -33,6 +33,10 @@ from protocol.codec import wire_record
 
 ROLES = ("prefill", "decode")
 FINISH_REASONS = ("", "stop", "length")  # "" while the completion is still running
+# Whose fault a failure is: the gateway's circuit breaker counts it against that worker. "decode" and
+# "prefill" name the request's decode worker and the prefill worker it relied on; "none" is nobody's
+# (a deadline, a drain, a request the client made wrong). "" on a TokenEvent that is no error.
+CULPRITS = ("", "decode", "prefill", "none")
 
 
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a token's bias: [-100, 100] (gateway and engine both check it)
@@ -187,9 +191,13 @@ class TokenEvent:
     # With error: the worker refused the request as one it can never serve (the client's fault: a bad
     # grammar, a prompt past the context), before doing any work for it.
     refused: bool = False
+    # With error, from the decode worker: whose fault it was (CULPRITS; "" = the sender's own). The gateway
+    # takes "prefill" only when the request had a prefill worker, and a prefill worker's error as its own.
+    culprit: str = ""
 
     def __post_init__(self) -> None:
         assert self.finish_reason in FINISH_REASONS, self.finish_reason
+        assert self.culprit in CULPRITS, f"unknown culprit {self.culprit[:20]!r}"
         assert self.logprobs is None or len(self.logprobs) == len(self.token_ids)
 
 
@@ -328,3 +336,10 @@ class PrefillFailed:
     rid: str
     generation: int
     reason: str
+    # Whose fault, as the prefill worker sees it: "prefill" (its own: an adapter it cannot load, its
+    # limits), "decode" (a job it could not take, a KV receiver that did not answer or refused it), "none"
+    # (the deadline, a drain). The decode worker passes it on to the gateway in its error event.
+    culprit: str = "prefill"
+
+    def __post_init__(self) -> None:
+        assert self.culprit in CULPRITS[1:], f"unknown culprit {self.culprit[:20]!r}"

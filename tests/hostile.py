@@ -1,5 +1,6 @@
-"""Attackers for tests/test_hostile_peers.py: processes' sockets speaking the project's own protocol, with
-or without the cluster key (protocol/curve.py), as someone on the worker network would."""
+"""Attackers' tools for the hostile-peer suite (tests/hostile_attacks.py, tests/test_hostile_peers.py, the
+chaos tool's hostile scenarios): sockets speaking the project's own protocol, with or without the cluster
+key (protocol/curve.py), as someone on the worker network would, and fake workers a key holder runs."""
 
 from __future__ import annotations
 
@@ -14,11 +15,12 @@ import zmq
 
 from engine.kv_pool import KVLayout, KVPool
 from kvtransfer.channel import ZmqClient
+from kvtransfer.events import TransferEvent
 from kvtransfer.sender import KVSender
 from protocol.codec import decode, encode
 from protocol.curve import ClusterKey, PlaneSecurity
 from protocol.kv_messages import HandshakeReply
-from protocol.serving import Heartbeat
+from protocol.serving import Goodbye, Heartbeat, PrefillJob, SamplingSpec
 from protocol.zmq_util import bind, make_socket
 from tests.model_factory import tiny_model_dir
 
@@ -56,6 +58,26 @@ def register(
     proof = security.registration_proof(worker_id, incarnation)
     sock.send(encode(heartbeat(worker_id, role, address, incarnation, proof, draining)))
     return incarnation
+
+
+def prompt_of(length: int, seed: int) -> list[int]:
+    return torch.randint(5, 768, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def job(rid: str, kv_address: str, block_size: int, num_tokens: int | None = None) -> PrefillJob:
+    """A well-formed PrefillJob for ``rid`` (tests spoil one field at a time)."""
+    num_tokens = num_tokens or 2 * block_size + 3
+    return PrefillJob(
+        rid,
+        prompt_of(num_tokens, seed=len(rid)),
+        0,
+        list(range(-(-num_tokens // block_size))),
+        1,
+        kv_address,
+        True,
+        SamplingSpec(max_tokens=1, temperature=0.0),
+        time.time() + 60,
+    )
 
 
 def tiny_layout(block_size: int, num_blocks: int = 64) -> KVLayout:
@@ -121,3 +143,84 @@ def replies(sock: zmq.Socket, count: int = 1, timeout_s: float = 30.0) -> list:
 
 def hostname() -> str:
     return socket.gethostname()
+
+
+class SilentPrefill:
+    """A key holder registered as a prefill worker (its id sorts before ``prefill-0``: the router's
+    tie-break picks it) that never delivers: it takes jobs on a socket of its own and sits on them
+    (``address`` None), or advertises ``address``, where nothing answers (a closed port, a blackhole)."""
+
+    def __init__(self, ctx: zmq.Context, gateway: str, security: PlaneSecurity, worker_id: str, address: str | None):
+        self.worker_id, self.security = worker_id, security
+        self.jobs = None if address else security.server(make_socket(ctx, zmq.ROUTER))
+        self.address = address or bind(self.jobs, "127.0.0.1", 0)
+        self.gateway = dealer(ctx, gateway, security)
+        self.incarnation = uuid.uuid4().hex
+        self.num_jobs = 0  # PrefillJobs received (and never done)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        next_heartbeat = 0.0
+        while not self._stop.is_set():
+            if time.monotonic() >= next_heartbeat:
+                proof = self.security.registration_proof(self.worker_id, self.incarnation)
+                self.gateway.send(encode(heartbeat(self.worker_id, "prefill", self.address, self.incarnation, proof)))
+                next_heartbeat = time.monotonic() + 0.2
+            if self.jobs is None:
+                time.sleep(0.02)
+            elif self.jobs.poll(20):  # a PrefillJob, or the AbortRequest its decode worker sends after it
+                self.num_jobs += isinstance(decode(self.jobs.recv_multipart()[-1]), PrefillJob)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        self.gateway.send(encode(Goodbye(self.worker_id)))
+        self.gateway.close(linger=100)
+        if self.jobs is not None:
+            self.jobs.close(linger=0)
+        self.security.close()  # its ZAP handler, before the context ends
+
+
+class FakePrefill:
+    """A key holder registered as a prefill worker (its id sorts first: the router's tie-break picks it).
+    It writes the job's KV and commits a first token outside the vocabulary."""
+
+    def __init__(self, ctx: zmq.Context, gateway: str, security: PlaneSecurity, block_size: int):
+        self.ctx, self.security, self.block_size = ctx, security, block_size
+        self.jobs = security.server(make_socket(ctx, zmq.ROUTER))
+        self.address = bind(self.jobs, "127.0.0.1", 0)
+        self.gateway = dealer(ctx, gateway, security, b"a-fake-prefill")
+        self.incarnation = uuid.uuid4().hex
+        self.events: list[TransferEvent] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        next_heartbeat = 0.0
+        while not self._stop.is_set():
+            if time.monotonic() >= next_heartbeat:
+                proof = self.security.registration_proof("a-fake-prefill", self.incarnation)
+                self.gateway.send(encode(heartbeat("a-fake-prefill", "prefill", self.address, self.incarnation, proof)))
+                next_heartbeat = time.monotonic() + 0.2
+            if self.jobs.poll(20):
+                record = decode(self.jobs.recv_multipart()[1])
+                if isinstance(record, PrefillJob):  # (not the AbortRequest its decode worker sends after it)
+                    self._poison(record)
+
+    def _poison(self, j: PrefillJob) -> None:
+        sender = kv_sender(self.ctx, j.kv_address, self.security, self.block_size)
+        sender.send(j.rid, j.generation, list(range(len(j.dst_block_ids))), j.dst_block_ids)
+        sender.commit(j.rid, j.generation, first_token=10**9)
+        self.events += drive(sender, lambda events: bool(events))
+        sender.channel.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        self.gateway.send(encode(Goodbye("a-fake-prefill")))
+        self.gateway.close(linger=100)
+        self.jobs.close(linger=0)
+        self.security.close()  # its ZAP handler, before the context ends

@@ -1,7 +1,8 @@
 """The CI subset of the chaos tool (``python -m tests.chaos`` runs all of it): a decode worker killed
 while KV streams into it, the gateway killed while requests decode, and a prefill worker cut off the
-network mid-prefill, each under a steady load against a 2 prefill + 2 decode cluster. The same scenario
-code as the tool asserts the same invariants: no request hangs or comes back different from the single
+network mid-prefill, each under a steady load against a 2 prefill + 2 decode cluster, and a key
+holder forging frames for requests in flight (a hostile scenario, tests/chaos/hostile.py). The same
+scenario code as the tool asserts the same invariants: no request hangs or comes back different from the single
 engine's greedy output, errors are clear, the cluster recovers and picks the replacement up, no KV
 block leaks and every worker's integrity check passes."""
 
@@ -16,8 +17,9 @@ import pytest
 
 from tests.chaos.__main__ import run_all
 from tests.chaos.clusters import BLOCK, ServeCluster
+from tests.chaos.hostile import HostileCluster, HostileResult, run_attack, warm_up
 from tests.chaos.load import make_prompts
-from tests.chaos.report import chaos_table
+from tests.chaos.report import chaos_table, hostile_table, write_report
 from tests.chaos.scenario import RunResult, Scenario, run_once
 from tests.model_factory import tiny_model_dir
 
@@ -63,6 +65,21 @@ def test_link_down_of_a_prefill_worker_in_namespaces(prompts):
     assert_survived(result)
 
 
+def test_a_key_holder_forging_frames_under_load_is_refused_and_every_request_is_exact(prompts, tmp_path):
+    """The CI subset of the hostile scenarios: forged token events, KV writes, commits and aborts for
+    requests in flight, by a key holder that was not given them."""
+    cluster = HostileCluster(str(tiny_model_dir("llama")), tmp_path)
+    try:
+        warm_up(cluster, prompts)
+        result = run_attack(cluster, "forged token events and KV writes", prompts)
+    finally:
+        cluster.close()
+    assert result.failures == [], result.failures
+    # at least one forged frame met its request still in flight (one that lands after it ended is stale)
+    assert result.sent == 15 and result.refused["not_assigned"] >= 1
+    assert result.outcomes["ok"] == sum(result.outcomes.values()) > 0 and result.leaked_blocks == 0
+
+
 def test_report_rows_count_outcomes_and_failures():
     kill, stop, link = Scenario("sigkill", "decode", "queued"), Scenario("sigstop", "gateway", "decoding"), LINK_DOWN
     results = [
@@ -75,3 +92,29 @@ def test_report_rows_count_outcomes_and_failures():
         "**FAIL** (1): decode-1: request hung: no answer | 12.0 (max 14.0) | 3 |",
         "| linkdown prefill @ prefilling | 0 | — | not run (no network namespaces: not root) | — | — |",
     ]
+
+
+def test_hostile_rows_count_refusals_requests_and_leaks():
+    results = [
+        HostileResult("identity takeover", 2, Counter(identity_taken=1), Counter(ok=22), 0, 0, []),
+        HostileResult(
+            "client that never reads", 1, Counter(), Counter(ok=30, error=1), 3, 5, ["file descriptors grew by 5"]
+        ),
+    ]
+    assert hostile_table(results)[2:] == [
+        "| identity takeover | 2 | identity_taken 1 | 22 / 22 | 0 | +0 | pass |",
+        "| client that never reads | 1 | — | 30 / 31 (1 clear error) | 3 | +5 | **FAIL** (1): file descriptors grew by 5 |",
+    ]
+
+
+def test_a_section_left_out_of_a_run_is_kept_with_the_run_that_wrote_it(tmp_path):
+    report = tmp_path / "reliability.md"
+    report.write_text(
+        "# Reliability\n\n- command: `python -m tests.chaos` (1.0 min)\n- date: 2026-01-01 00:00 UTC, commit abc\n\n"
+        "## Chaos\n\n| a table |\n\n## Soak\n\nsoak\n\n## A note by hand\n\nkept\n"
+    )
+    write_report(report, "python -m tests.chaos --scenarios none", [], [], {}, 60.0, hostile=[])
+    text = report.read_text()
+    assert "## Chaos\n\n*Kept from the run of `python -m tests.chaos` (1.0 min) on 2026-01-01 00:00 UTC" in text
+    assert "| a table |" in text and "## Hostile peers under load" in text
+    assert text.rstrip().endswith("## A note by hand\n\nkept")

@@ -16,7 +16,7 @@ from engine.sampling_params import SamplingParams
 from kvtransfer.channel import ZmqClient
 from kvtransfer.sender import KVSender
 from protocol.codec import decode, encode
-from protocol.serving import AbortRequest, Busy, HeartbeatAck, PrefillJob, TokenBias
+from protocol.serving import AbortRequest, Busy, HeartbeatAck, PrefillFailed, PrefillJob, TokenBias
 from protocol.zmq_util import bind, make_socket
 from tests.decode_harness import FakeGateway, decode_config, generate, scrape, tokens_of
 from tests.invariants import assert_no_leak
@@ -150,10 +150,35 @@ def test_busy_when_pool_cannot_hold_request(node):
     assert_idle(node)
 
 
+def test_an_engine_step_that_raises_fails_its_requests_blaming_this_worker_and_the_loop_goes_on(node):
+    runner = node.node.server.engine.runner
+    execute, calls = runner.execute, []
+
+    def execute_once_broken(batch):  # the step after the first raises, as a device error would
+        calls.append(batch)
+        if len(calls) == 2:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return execute(batch)
+
+    runner.execute = execute_once_broken
+    params = dict(max_tokens=10, temperature=0.0, ignore_eos=True)
+    node.gateway.send("d0", generate("broken", PROMPT, **params))
+    events = node.gateway.collect("broken")[0]
+    assert events[-1].error == "internal error on the decode worker: an engine step failed"
+    assert events[-1].culprit == "decode"
+    assert scrape(node.node.http.port, "pdserve:engine_step_errors_total") == 1
+    assert_idle(node)
+    node.gateway.send("d0", generate("after", PROMPT, **params))  # same process, exact output
+    expected = node.reference(PROMPT, SamplingParams(**params)).outputs[0]
+    assert tokens_of(node.gateway.collect("after")[0]) == expected.token_ids
+    assert_idle(node)
+
+
 def test_bad_request_gets_error_event(node):
     node.gateway.send("d0", generate("bad", [5, 100000]))
     [event] = node.gateway.collect("bad")[0]
     assert event.error == "prompt token id 100000 is outside this model's vocabulary of 768 tokens"
+    assert event.refused and event.culprit == "none"  # the client's request: nobody's breaker counts it
     node.gateway.send("d0", generate("bias", [5, 6], logit_bias=[TokenBias(768, 1.0)]))
     [event] = node.gateway.collect("bias")[0]
     assert event.error == "logit_bias token id 768 is outside this model's vocabulary of 768 tokens"
@@ -218,11 +243,19 @@ def test_prefill_failed_ends_request_with_error_and_frees(node):
         False,
         [0, 1, 2],
     )  # n > 1: all but the last
-    from protocol.serving import PrefillFailed
-
     prefill.send_multipart([identity, encode(PrefillFailed("r", job.generation, "out of blocks"))])
     events = node.gateway.collect("r", n=2)
     assert [events[i][-1].error for i in range(2)] == ["prefill failed: out of blocks"] * 2
+    assert [events[i][-1].culprit for i in range(2)] == ["prefill"] * 2  # its own failure, as it said
+    # A prefill worker that could not reach this worker's KV receiver says so: the gateway hears it.
+    node.gateway.send("d0", generate("r2", PROMPT, prefill_address=prefill_address))
+    assert prefill.poll(30_000)
+    identity, frame = prefill.recv_multipart()
+    job = decode(frame, expected=PrefillJob)
+    failed = PrefillFailed("r2", job.generation, "handshake with the receiver failed", culprit="decode")
+    prefill.send_multipart([identity, encode(failed)])
+    [event] = node.gateway.collect("r2")[0]
+    assert (event.error, event.culprit) == ("prefill failed: handshake with the receiver failed", "decode")
     prefill.close(linger=0)
     assert_idle(node)
 

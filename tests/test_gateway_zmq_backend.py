@@ -53,6 +53,7 @@ class FakeWorker:
         token_delay_s: float = 0.0,
         peer: FakeWorker | None = None,
         kv_blocks_in_use: int = 0,
+        culprit: str = "",
     ) -> None:
         self.worker_id, self.role, self.mode = worker_id, role, mode
         # its own endpoint (never dialed), one per worker id
@@ -61,6 +62,7 @@ class FakeWorker:
         self.token_delay_s = token_delay_s
         self.peer = peer  # the prefill worker a disaggregated Generate names
         self.kv_blocks_in_use = kv_blocks_in_use
+        self.culprit = culprit  # mode "fail": whom its error events blame; a prefill worker fails its first token
         self.received: list = []
         self.incarnation = "inc-1"
         self.is_heartbeating = True
@@ -126,6 +128,10 @@ class FakeWorker:
             self.schedule(0, Busy(record.rid, "no free KV blocks"))
         elif isinstance(record, Generate) and self.mode == "die":
             self.is_heartbeating = False  # gone silent, as a crashed process is
+        elif isinstance(record, Generate) and self.mode == "fail" and (g := record).prefill_address:
+            self.schedule(0, TokenEvent(g.rid, 0, 0, [], error="the KV never came", culprit=self.culprit))
+        elif isinstance(record, Generate) and self.mode == "refuse":
+            self.schedule(0, TokenEvent(record.rid, 0, 0, [], error="grammar does not compile", refused=True))
         elif isinstance(record, Generate) and self.mode == "restart":
             # Killed and started again in place: the request is lost, the new process serves the next.
             self.incarnation, self.mode = "inc-2", "tokens"
@@ -154,7 +160,9 @@ class FakeWorker:
                         num_cached_tokens=0 if k == start else -1,
                     ),
                 )
-            if disaggregated:  # P's first token lands after D's events: the gateway reorders
+            if disaggregated and self.peer.mode == "fail":  # before D's first event
+                self.peer.schedule(0, TokenEvent(g.rid, j, 0, [], error="out of memory", culprit=self.peer.culprit))
+            elif disaggregated:  # P's first token lands after D's events: the gateway reorders
                 self.peer.schedule(0.05, TokenEvent(g.rid, j, 0, [ids[0]]))
 
 
@@ -496,3 +504,77 @@ def test_process_entry_serves_and_stops_on_sigterm(tok_dir, tmp_path):
             worker.close()
         if proc.poll() is None:
             proc.kill()
+
+
+def breaker_state(base_url: str, worker_id: str) -> tuple[float, float]:
+    """(failures blamed on the worker, 1 if its breaker is open) from the gateway's /metrics."""
+    label = f'{{worker_id="{worker_id}"}}'
+    return (
+        metric(base_url, f"pdserve:worker_failures_total{label}"),
+        metric(base_url, f"pdserve:worker_breaker_open{label}"),
+    )
+
+
+PROMPT = "The quick brown fox jumps over the lazy dog."  # > 4 uncached tokens: prefill on P
+# (each request below starts differently: no prefix the router remembers makes it local)
+
+
+def test_a_decode_worker_blaming_its_prefill_worker_opens_that_breaker_only(gateway):
+    # d1 fails every request whose KV a prefill worker should bring (its error event names the prefill
+    # worker); the retry leaves p1 out and prefills on d1, which serves it. Three in a row open p1's breaker.
+    p1 = gateway.add("p1", role="prefill")
+    d1 = gateway.add("d1", peer=p1, mode="fail", culprit="prefill")
+    for attempt in range(1, 4):
+        r = gateway.client.completions.create(model=MODEL, prompt=f"{attempt} {PROMPT}", max_tokens=100)
+        assert r.choices[0].text == OUTPUT_TEXT
+        assert breaker_state(gateway.base_url, "p1") == (attempt, 1.0 if attempt == 3 else 0.0)
+        assert breaker_state(gateway.base_url, "d1") == (0.0, 0.0)
+    assert [g.prefill_address for g in generates(d1)] == [p1.address, ""] * 3
+    # Open: p1 gets nothing, d1 prefills the next request itself at once.
+    r = gateway.client.completions.create(model=MODEL, prompt=f"4 {PROMPT}", max_tokens=100)
+    assert r.choices[0].text == OUTPUT_TEXT and generates(d1)[-1].prefill_address == ""
+    assert metric(gateway.base_url, 'pdserve:route_decisions_total{policy="prefix",result="retry"}') == 3
+
+
+def test_a_decode_worker_failing_by_itself_is_blamed_and_others_serve(gateway):
+    p1 = gateway.add("p1", role="prefill")
+    d1 = gateway.add("d1", peer=p1, mode="fail", culprit="decode", kv_blocks_in_use=0)
+    d2 = gateway.add("d2", peer=p1, kv_blocks_in_use=10)  # more loaded: d1 is tried first while it may be
+    for attempt in range(1, 4):
+        r = gateway.client.completions.create(model=MODEL, prompt=f"{attempt} {PROMPT}", max_tokens=100)
+        assert r.choices[0].text == OUTPUT_TEXT
+        assert breaker_state(gateway.base_url, "d1") == (attempt, 1.0 if attempt == 3 else 0.0)
+    assert breaker_state(gateway.base_url, "p1") == (0.0, 0.0) and breaker_state(gateway.base_url, "d2")[0] == 0
+    gateway.client.completions.create(model=MODEL, prompt=f"4 {PROMPT}", max_tokens=100)
+    assert len(generates(d1)) == 3 and len(generates(d2)) == 4  # open: d1 got nothing more
+
+
+def test_nobodys_fault_counts_against_no_one_and_the_retry_avoids_both(gateway):
+    p1 = gateway.add("p1", role="prefill")
+    d1 = gateway.add("d1", peer=p1, mode="fail", culprit="none")
+    d2 = gateway.add("d2", peer=p1, kv_blocks_in_use=10)
+    r = gateway.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=100)
+    assert r.choices[0].text == OUTPUT_TEXT
+    assert [g.prefill_address for g in generates(d1)] == [p1.address]
+    assert [g.prefill_address for g in generates(d2)] == [""]  # neither d1 nor p1 again
+    for worker_id in ("p1", "d1", "d2"):
+        assert breaker_state(gateway.base_url, worker_id) == (0.0, 0.0)
+
+
+def test_a_prefill_worker_cannot_blame_the_decode_worker(gateway):
+    p1 = gateway.add("p1", role="prefill", mode="fail", culprit="decode")
+    d1 = gateway.add("d1", peer=p1, token_delay_s=0.5)  # its tokens come after p1's error
+    before = metric(gateway.base_url, 'pdserve:rejected_frames_total{reason="invalid_value"}')
+    r = gateway.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3)
+    assert r.choices[0].text == OUTPUT_TEXT[: len(r.choices[0].text)] and r.choices[0].text
+    assert [g.prefill_address for g in generates(d1)] == [p1.address, ""]
+    assert breaker_state(gateway.base_url, "p1")[0] == 1 and breaker_state(gateway.base_url, "d1")[0] == 0
+    assert metric(gateway.base_url, 'pdserve:rejected_frames_total{reason="invalid_value"}') == before + 1
+
+
+def test_a_refused_request_is_answered_at_once_and_blames_nobody(gateway):
+    d1 = gateway.add("d1")
+    d1.mode = "refuse"
+    with pytest.raises(openai.BadRequestError):
+        gateway.client.completions.create(model=MODEL, prompt="Hi", max_tokens=100)
+    assert len(generates(d1)) == 1 and breaker_state(gateway.base_url, "d1") == (0.0, 0.0)

@@ -13,7 +13,6 @@ does, and hold no KV block nor more file descriptors than before (docs/security.
 from __future__ import annotations
 
 import collections
-import contextlib
 import datetime
 import json
 import os
@@ -22,25 +21,17 @@ import signal
 import subprocess
 import sys
 import threading
-import time
-import uuid
 
 import httpx
 import pytest
-import torch
 import yaml
 import zmq
 
 from cluster.keygen import write_private_key
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
-from kvtransfer.events import TransferEvent
-from protocol.codec import decode, encode
-from protocol.curve import ClusterKey, PlaneSecurity
-from protocol.kv_messages import Abort, Commit, HandshakeReply
-from protocol.serving import Goodbye, PrefillJob, SamplingSpec, TokenEvent
-from protocol.zmq_util import bind, make_socket
 from tests import hostile
+from tests import hostile_attacks as attacks
 from tests.cluster_harness import ServeProcess
 from tests.model_factory import tiny_model_dir
 
@@ -98,8 +89,7 @@ def ctx():
     context.destroy(linger=0)
 
 
-def prompt_of(length: int, seed: int) -> list[int]:
-    return torch.randint(5, 768, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+prompt_of = hostile.prompt_of
 
 
 def complete(cluster, prompt: list[int], max_tokens: int = 8) -> str:
@@ -120,7 +110,7 @@ def complete(cluster, prompt: list[int], max_tokens: int = 8) -> str:
 
 def expected(reference: LLM, prompt: list[int], max_tokens: int = 8) -> str:
     [out] = reference.generate([prompt], SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
-    return reference.tokenizer.decode(out.outputs[0].token_ids)
+    return reference.tokenizer.decode(out.outputs[0].token_ids, skip_special_tokens=True)  # as the gateway shows it
 
 
 def gateway_metric(cluster, name: str) -> float:
@@ -197,47 +187,24 @@ def victims(cluster, reference, ledger, request) -> Victims:
     return Victims(cluster, reference, ledger, request.node.name.removeprefix("test_").replace("_", " "))
 
 
+def target(cluster, ctx) -> attacks.Target:
+    e = endpoints(cluster)
+    return attacks.Target(ctx, KEY_FILE, e["gateway"], e["prefill"], e["decode_kv"], cluster.url, hostile.MODEL)
+
+
 def test_without_the_key_nobody_connects_registers_or_replays_a_registration(cluster, victims, ctx):
-    gateway = endpoints(cluster)["gateway"]
     before = rejected(cluster, "bad_proof")
-    plain = hostile.dealer(ctx, gateway)  # no CURVE at all
-    stranger = hostile.dealer(ctx, gateway, PlaneSecurity(ClusterKey.from_secret(os.urandom(32))))  # another key
-    # The server's public key leaked (it is no secret to members): the handshake completes, but a
-    # registration needs the proof only the key's holders can make.
-    real = ClusterKey.from_file(KEY_FILE)
-    leaked = PlaneSecurity(ClusterKey(real.server_public, real.server_secret, os.urandom(32)))  # proof key unknown
-    outsider = hostile.dealer(ctx, gateway, leaked)
-    # A member's registration, seen in the clear by someone who could read it, replayed from another key.
-    member = hostile.key_holder(KEY_FILE)
-    incarnation = uuid.uuid4().hex
-    proof = member.registration_proof("replayed", incarnation)
-    thief = hostile.dealer(ctx, gateway, hostile.key_holder(KEY_FILE))
-    for _ in range(5):  # a DEALER whose handshake never completes has no peer to queue for: it refuses
-        for sock, worker_id in ((plain, "rogue-plain"), (stranger, "rogue-stranger")):
-            with contextlib.suppress(zmq.Again):
-                sock.send(encode(hostile.heartbeat(worker_id, "decode", "tcp://127.0.0.1:9", "i")), zmq.NOBLOCK)
-        time.sleep(0.1)
-    hostile.register(outsider, leaked, "rogue-leaked", "decode", "tcp://127.0.0.1:9")
-    thief.send(encode(hostile.heartbeat("replayed", "decode", "tcp://127.0.0.1:9", incarnation, proof)))
-    victims.attacks += 5 * 2 + 2
+    victims.attacks += attacks.forged_registrations(target(cluster, ctx))
     cluster.wait_until(lambda: rejected(cluster, "bad_proof") >= before + 2, "both forged proofs refused")
     assert {w["id"] for w in cluster.workers()} == {"prefill-0", "decode-0"}
-    for sock in (plain, stranger, outsider, thief):
-        sock.close(linger=0)
     victims.assert_unharmed(seed=1)
 
 
 def test_a_key_holder_cannot_take_over_a_registered_worker_id(cluster, victims, ctx):
     before = rejected(cluster, "identity_taken")
     incarnation = cluster.registered("decode-0")["incarnation"]
-    evil = hostile.key_holder(KEY_FILE)
-    for identity in (None, b"decode-0"):  # its own connection id, or the victim's (refused by ZeroMQ)
-        sock = hostile.dealer(ctx, endpoints(cluster)["gateway"], evil, identity)
-        hostile.register(sock, evil, "decode-0", "decode", "tcp://127.0.0.1:9")
-        victims.attacks += 1
-        if identity is None:
-            cluster.wait_until(lambda: rejected(cluster, "identity_taken") >= before + 1, "takeover refused")
-        sock.close(linger=0)
+    victims.attacks += attacks.identity_takeover(target(cluster, ctx), "decode-0")
+    cluster.wait_until(lambda: rejected(cluster, "identity_taken") >= before + 1, "takeover refused")
     assert cluster.registered("decode-0")["incarnation"] == incarnation
     assert cluster.registered("decode-0")["address"] == endpoints(cluster)["decode_kv"]
     victims.assert_unharmed(seed=2)
@@ -261,25 +228,21 @@ def frozen_prefill_job(cluster, prompt: list[int]) -> tuple[threading.Thread, li
 def test_a_key_holder_cannot_speak_for_a_request_it_was_not_given(cluster, victims, reference, ctx):
     """Forged token events to the gateway; forged KV writes, commit and abort to the decode worker; and,
     once the request is done, the same frames replayed."""
-    evil = hostile.key_holder(KEY_FILE)
-    to_gateway = hostile.dealer(ctx, endpoints(cluster)["gateway"], evil)
+    t = target(cluster, ctx)
     # A member, registered (so its frames are its own) but draining: nothing is routed to it.
-    hostile.register(to_gateway, evil, "evil", "prefill", "tcp://127.0.0.1:9", draining=True)
+    to_gateway = attacks.register_bystander(t)
     cluster.wait_until(lambda: cluster.registered("evil"), "the key holder registered")
 
     prompt = prompt_of(3 * BLOCK + 7, seed=3)
     gw_before, d_before = rejected(cluster, "not_assigned"), rejected(cluster, "not_assigned", "decode-0")
     try:
         client, result, rid, generation = frozen_prefill_job(cluster, prompt)
-        to_gateway.send(encode(TokenEvent(rid, 0, 0, [5, 6, 7], finish_reason="stop")))
+        victims.attacks += attacks.forged_tokens(to_gateway, rid)
         cluster.wait_until(lambda: rejected(cluster, "not_assigned") >= gw_before + 1, "forged tokens refused")
-        sender = hostile.kv_sender(ctx, endpoints(cluster)["decode_kv"], evil, BLOCK)
-        sender.send(rid, generation, [0], [0])
-        sender.commit(rid, generation, first_token=5)
-        [event] = hostile.drive(sender, lambda events: bool(events))
+        sent, events = attacks.forged_kv(t, rid, generation, t.decode_kv, BLOCK)
+        victims.attacks += sent
+        [event] = events
         assert not event.ok and event.reason == "rejected by receiver: not_assigned", event
-        sender.channel.send([encode(Commit(rid, generation, sender.incarnation, first_token=5))])
-        sender.channel.send([encode(Abort(rid, generation, sender.incarnation, "forged"))])
         cluster.wait_until(
             lambda: rejected(cluster, "not_assigned", "decode-0") >= d_before + 3,
             "forged write, commit and abort refused",
@@ -288,128 +251,29 @@ def test_a_key_holder_cannot_speak_for_a_request_it_was_not_given(cluster, victi
         cluster.signal("prefill-0", signal.SIGCONT)
     client.join(timeout=120)
     assert result == [expected(reference, prompt)]
-    # Replayed after the request finished (on a new connection: the answers to the frames sent by hand
-    # above may still be on their way to the old one): the range is gone, the frames are stale.
-    sender.channel.close()
-    sender = hostile.kv_sender(ctx, endpoints(cluster)["decode_kv"], evil, BLOCK)
-    sender.send(rid, generation, [0], [0])
-    [event] = hostile.drive(sender, lambda events: bool(events))
+    # Replayed after the request finished (on a new connection): the range is gone, the frames are stale.
+    sent, [event] = attacks.replayed_kv(t, rid, generation, t.decode_kv, BLOCK)
     assert not event.ok and event.reason == "rejected by receiver: stale", event
-    to_gateway.send(encode(TokenEvent(rid, 0, 0, [5, 6, 7], finish_reason="stop")))
-    victims.attacks += 7  # token events 2, KV writes 2, commits 2, abort 1
-    to_gateway.send(encode(Goodbye("evil")))
+    victims.attacks += sent + attacks.forged_tokens(to_gateway, rid)
+    attacks.leave(to_gateway)
     cluster.wait_until(lambda: not cluster.registered("evil"), "the key holder left the pool")
-    sender.channel.close()
-    to_gateway.close(linger=0)
     victims.assert_unharmed(seed=4)
 
 
-def job(rid: str, kv_address: str, num_tokens: int = 2 * BLOCK + 3) -> PrefillJob:
-    tokens = prompt_of(num_tokens, seed=len(rid))
-    return PrefillJob(
-        rid,
-        tokens,
-        0,
-        list(range(-(-num_tokens // BLOCK))),
-        1,
-        kv_address,
-        True,
-        SamplingSpec(max_tokens=1, temperature=0.0),
-        time.time() + 60,
-    )
-
-
 def test_malformed_jobs_and_hostile_handshakes_do_not_kill_the_prefill_worker(cluster, victims, ctx):
-    evil = hostile.key_holder(KEY_FILE)
-    to_prefill = hostile.dealer(ctx, endpoints(cluster)["prefill"], evil)
-    accepted = dict(accepted=True, receiver_incarnation="x", num_blocks=64)
-    receivers = {
-        "transport": HandshakeReply(**accepted, transport="carrier-pigeon", credits=8),
-        "credits": HandshakeReply(**accepted, transport="zmq", credits=0),
-        "shm-path": HandshakeReply(
-            **accepted, transport="shm", credits=8, shm_pool_name="../../etc/passwd", shm_fence_name="../../etc/shadow"
-        ),
-        "shm-missing": HandshakeReply(
-            **accepted,
-            transport="shm",
-            credits=8,
-            shm_pool_name="pdserve-kv-0-nope",
-            shm_fence_name="pdserve-fence-0-nope",
-        ),
-        "cuda": HandshakeReply(**accepted, transport="cuda_ipc", credits=8, shm_fence_name="pdserve-fence-0-nope"),
-    }
-    fakes = {name: hostile.FakeReceiver(ctx, evil, reply) for name, reply in receivers.items()}
-    jobs = [
-        job("bad-address", "x"),
-        job("bad-scheme", "ipc:///tmp/nope"),
-        job("out-of-pool", endpoints(cluster)["decode_kv"]),
-    ]
-    jobs[-1].dst_block_ids = [10**6 + i for i in range(len(jobs[-1].dst_block_ids))]
-    jobs += [job(f"handshake-{name}", fake.address) for name, fake in fakes.items()]
-    try:
-        for j in jobs:
-            to_prefill.send(encode(j))
-        victims.attacks += len(jobs)
-        failed = {r.rid: r.reason for r in hostile.replies(to_prefill, len(jobs), timeout_s=60)}
-    finally:
-        for fake in fakes.values():
-            fake.close()
-        evil.close()  # its ZAP handler, before the context ends
-    assert set(failed) == {j.rid for j in jobs}, failed
+    sent, failed = attacks.malformed_jobs_and_handshakes(target(cluster, ctx), BLOCK)
+    victims.attacks += sent
+    assert len(failed) == sent == 3 + len(attacks.HANDSHAKES), failed
     assert "kv_address" in failed["bad-address"] and "kv_address" in failed["bad-scheme"]
     assert "outside the receiver's pool" in failed["out-of-pool"]
-    for name in receivers:
+    for name in attacks.HANDSHAKES:
         assert "invalid handshake reply" in failed[f"handshake-{name}"], failed[f"handshake-{name}"]
-    to_prefill.close(linger=0)
     victims.assert_unharmed(seed=5)
-
-
-class FakePrefill:
-    """A key holder registered as a prefill worker (its id sorts first: the router's tie-break picks it).
-    It writes the job's KV and commits a first token outside the vocabulary."""
-
-    def __init__(self, ctx: zmq.Context, gateway: str, security: PlaneSecurity):
-        self.ctx, self.security = ctx, security
-        self.jobs = security.server(make_socket(ctx, zmq.ROUTER))
-        self.address = bind(self.jobs, "127.0.0.1", 0)
-        self.gateway = hostile.dealer(ctx, gateway, security, b"a-fake-prefill")
-        self.incarnation = uuid.uuid4().hex
-        self.events: list[TransferEvent] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        next_heartbeat = 0.0
-        while not self._stop.is_set():
-            if time.monotonic() >= next_heartbeat:
-                proof = self.security.registration_proof("a-fake-prefill", self.incarnation)
-                self.gateway.send(
-                    encode(hostile.heartbeat("a-fake-prefill", "prefill", self.address, self.incarnation, proof))
-                )
-                next_heartbeat = time.monotonic() + 0.2
-            if self.jobs.poll(20):
-                self._poison(decode(self.jobs.recv_multipart()[1], expected=PrefillJob))
-
-    def _poison(self, j: PrefillJob) -> None:
-        sender = hostile.kv_sender(self.ctx, j.kv_address, self.security, BLOCK)
-        sender.send(j.rid, j.generation, list(range(len(j.dst_block_ids))), j.dst_block_ids)
-        sender.commit(j.rid, j.generation, first_token=10**9)
-        self.events += hostile.drive(sender, lambda events: bool(events))
-        sender.channel.close()
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
-        self.gateway.send(encode(Goodbye("a-fake-prefill")))
-        self.gateway.close(linger=100)
-        self.jobs.close(linger=0)
-        self.security.close()  # its ZAP handler, before the context ends
 
 
 def test_a_fake_prefill_worker_cannot_kill_the_decode_worker_or_poison_its_cache(cluster, victims, reference, ctx):
     before = rejected(cluster, "invalid_value", "decode-0")
-    fake = FakePrefill(ctx, endpoints(cluster)["gateway"], hostile.key_holder(KEY_FILE))
+    fake = hostile.FakePrefill(ctx, endpoints(cluster)["gateway"], hostile.key_holder(KEY_FILE), BLOCK)
     try:
         cluster.wait_until(lambda: cluster.registered("a-fake-prefill"), "the fake prefill worker registered")
         prompt = prompt_of(3 * BLOCK + 9, seed=6)

@@ -558,7 +558,9 @@ def test_unreachable_receiver_fails_its_jobs_without_stalling_the_others(cluster
     c.decode.send(c.decode.job("live", prompt(12, seed=7)))
     assert c.decode.wait_event("live").ok  # computed and committed while the other handshake waits
     assert c.server.phase_of("dead-1") is JobPhase.QUEUED
-    failures = {f.rid: f.reason for f in (c.decode.recv_failed(), c.decode.recv_failed())}
+    failed = [c.decode.recv_failed(), c.decode.recv_failed()]
+    assert [f.culprit for f in failed] == ["decode"] * 2  # its KV receiver did not answer: D's fault
+    failures = {f.rid: f.reason for f in failed}
     assert failures.keys() == {"dead-1", "dead-2"}
     assert all(r.startswith(f"handshake with {dead_address} failed: ") for r in failures.values())
     c.decode.send(dead_job("dead-3"))  # right after a failed handshake: fails at once, no new wait
@@ -578,7 +580,9 @@ def test_malformed_frames_and_bad_jobs_are_rejected_and_counted(cluster):
     tokens = prompt(10, seed=6)
     bad_vocab = c.decode.job("v", tokens[:-1] + [768])
     c.decode.send(bad_vocab)
-    assert c.decode.recv_failed().reason == "prompt token id 768 is outside this model's vocabulary of 768 tokens"
+    failed = c.decode.recv_failed()
+    assert failed.reason == "prompt token id 768 is outside this model's vocabulary of 768 tokens"
+    assert failed.culprit == "decode"  # it sent a job no prefill worker can run
     bad_bias = c.decode.job("b", tokens)
     bad_bias.sampling.logit_bias = [TokenBias(768, 1.0)]
     c.decode.send(bad_bias)
@@ -590,7 +594,8 @@ def test_malformed_frames_and_bad_jobs_are_rejected_and_counted(cluster):
     assert failed.rid == "d" and "2 destination blocks for tokens [0, 10); expected 3" in failed.reason
     late = c.decode.job("late", tokens, deadline_s=-1.0)
     c.decode.send(late)
-    assert c.decode.recv_failed().reason.startswith("deadline passed")
+    failed = c.decode.recv_failed()
+    assert failed.reason.startswith("deadline passed") and failed.culprit == "none"
     good = c.decode.job("g", tokens)
     c.decode.send(good)
     assert c.decode.wait_event("g").ok  # still serving
@@ -682,6 +687,7 @@ def test_a_grammar_compiles_off_the_loop_while_other_jobs_prefill(cluster):
     c.decode.send(job("bad", other, StructuredOutput("regex", "a(b")))
     failed = c.decode.recv_failed()
     assert failed.rid == "bad" and failed.reason.startswith("invalid regex: Regex parsing error at position 4")
+    assert failed.culprit == "prefill"  # the decode worker compiled it first: only this node failed it
     c.decode.rx.abort("bad")  # as the decode worker does on PrefillFailed
     c.stop()
     assert c.sample("pdserve:prefill_jobs_rejected_total", reason="bad_job") == 1

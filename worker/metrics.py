@@ -75,6 +75,9 @@ class EngineMetrics:
         self.generation_tokens = counter("generation_tokens", "Tokens generated")
         self.request_success = counter("request_success", "Finished requests", ("finished_reason",))
         self.request_failure = counter("request_failure", "Requests failed or refused", ("reason",))
+        self.step_errors = counter(
+            "engine_step_errors", "Engine steps that raised: their requests failed, the loop went on"
+        )
         self.time_to_first_token = Histogram(
             "pdserve:time_to_first_token_seconds",
             "Arrival to first token on this node",

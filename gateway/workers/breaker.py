@@ -30,6 +30,10 @@ class CircuitBreaker:
         opened = self._opened_at.get(worker_id)
         return opened is not None and now - opened < self._cooldown_s
 
+    def tripped(self) -> list[str]:
+        """Workers whose breaker opened and has not closed by a success since (open, or cooling down)."""
+        return list(self._opened_at)
+
     def open_workers(self, now: float) -> set[str]:
         return {w for w in self._opened_at if self.is_open(w, now)}
 

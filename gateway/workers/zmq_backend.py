@@ -9,7 +9,12 @@ Life cycle of one request (one prompt, ``n`` completions) in the gateway:
    said goodbye, unreachable) or an error before any token -> abort what it held, back to 1 without the
    worker to blame (at most ``max_retries`` times, within the deadline; counted as route result
    "retry"). Workers are left out by incarnation: one that restarted since is a new worker, and may
-   take the retry (a decode worker restarted in place, the only one of its pool).
+   take the retry (a decode worker restarted in place, the only one of its pool). A refusal (the
+   client's request can never be served) is answered at once, blaming nobody.
+   Who is blamed (its circuit breaker counts the failure): the worker that left; else the error event's
+   ``culprit`` (protocol/serving.py): the decode worker itself, the prefill worker it relied on (the KV
+   never came, came wrong, or the job could not be sent), or nobody (a deadline, a drain; the retry then
+   avoids both workers of the attempt). A prefill worker's own error event blames it, whatever it says.
 4. stream: TokenEvents (from P: offset 0; from D: the rest) are put back in order per completion
    (gateway/workers/completion_order.py) and handed to the HTTP layer; a worker lost now is an in-band error.
    Asked-for prompt logprobs arrive as PromptLogprobs frames before the first TokenEvent, from the
@@ -26,6 +31,7 @@ to reserve: a heartbeat's free blocks are a hint, and a worker that another gate
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -91,6 +97,8 @@ class _Flight:
 
     __slots__ = (
         "rid",
+        "wire_rid",
+        "num_attempts",
         "num_prompt_tokens",
         "num_top_prompt_logprobs",
         "events",
@@ -103,6 +111,11 @@ class _Flight:
 
     def __init__(self, rid: str, num_prompt_tokens: int, num_top_prompt_logprobs: int = 0) -> None:
         self.rid = rid
+        # What the workers of the current attempt know it by: the request id, then "<rid>~<attempt>" on a
+        # retry, so that an abort or a late frame of an earlier attempt cannot touch a later one (a retry
+        # on the same prefill worker would otherwise be aborted by the gateway's abort of the first try).
+        self.wire_rid = rid
+        self.num_attempts = 0
         self.num_prompt_tokens = num_prompt_tokens
         # the k asked for: alternatives past it are dropped on arrival, so a worker cannot grow what is kept
         self.num_top_prompt_logprobs = num_top_prompt_logprobs
@@ -130,7 +143,8 @@ class ZmqBackend(Backend):
         self._link = WorkerLink(
             params.host, params.worker_port, params.max_frame_bytes, self._on_record, self._rejects, params.security
         )
-        self._flights: dict[str, _Flight] = {}
+        self._flights: dict[str, _Flight] = {}  # by request id
+        self._by_wire_rid: dict[str, _Flight] = {}  # by the current attempt's rid
         self.gateway_id = uuid.uuid4().hex  # workers tell gateway processes apart by it
         self._lora_set = LoRAAdapterSet(0, [], [])  # version 0: the list in the workers' own config
         self._lora_sent: dict[tuple[str, str], int] = {}  # (worker, incarnation) -> version last sent to it
@@ -216,6 +230,7 @@ class ZmqBackend(Backend):
             if not flight.is_done:
                 await self._abort_workers(flight, "request ended in the gateway")
             del self._flights[flight.rid]
+            self._by_wire_rid.pop(flight.wire_rid, None)
             self._queue.notify()  # its KV is about to be freed: queued requests may fit now
 
     # --- placement: route, send, wait for the first answer ------------------------------------------
@@ -234,6 +249,10 @@ class ZmqBackend(Backend):
                 if failure is not None:
                     return failure
                 raise
+            self._by_wire_rid.pop(flight.wire_rid, None)  # frames of an earlier attempt are late from now on
+            flight.wire_rid = flight.rid if flight.num_attempts == 0 else f"{flight.rid}~{flight.num_attempts}"
+            flight.num_attempts += 1
+            self._by_wire_rid[flight.wire_rid] = flight
             flight.decode_worker, flight.prefill_worker = decision.decode_worker, decision.prefill_worker
             incarnations = {w: self._incarnation(w) for w in flight.workers()}  # of this attempt's workers
             if request.trace:
@@ -247,7 +266,7 @@ class ZmqBackend(Backend):
             flight.events, flight.prompt_logprobs = asyncio.Queue(), []  # nothing left from an earlier attempt
             prefill = self._registry.get(decision.prefill_worker) if decision.prefill_worker else None
             generate = Generate(
-                flight.rid,
+                flight.wire_rid,
                 request.prompt_token_ids,
                 request.sampling,
                 prefill.address if prefill is not None else "",
@@ -271,6 +290,7 @@ class ZmqBackend(Backend):
             if isinstance(answer, TokenEvent) and not answer.error:
                 for worker_id in flight.workers():
                     self._breaker.record_success(worker_id)
+                    self._metrics.worker_breaker_open.labels(worker_id).set(0)
                 return answer
             if isinstance(answer, Busy):
                 self._metrics.route_decisions.labels(policy, "busy").inc()
@@ -279,12 +299,11 @@ class ZmqBackend(Backend):
                 continue
             if answer is None or (isinstance(answer, WorkerGone) and answer.reason == "deadline"):
                 return answer  # aborted or out of time: nothing to retry
-            if isinstance(answer, WorkerGone):
-                failed = answer.worker_id
-            else:  # the decode worker is alive and answered an error: blame the prefill worker it relied on
-                failed = decision.prefill_worker or decision.decode_worker
-            if self._incarnation(failed) == incarnations.get(failed, ""):  # not one that restarted or left since
-                self._breaker.record_failure(failed, time.monotonic())
+            if isinstance(answer, TokenEvent) and answer.refused:
+                return answer  # the client's request, not a worker, is at fault: no retry helps
+            failed = self._blamed(answer, decision)
+            if failed is not None and self._incarnation(failed) == incarnations.get(failed, ""):
+                self._record_failure(failed)  # (not one that restarted or left since: a new worker)
             await self._abort_workers(flight, f"attempt failed: {_describe(answer)}")
             if flight.is_aborted:
                 return None
@@ -292,10 +311,38 @@ class ZmqBackend(Backend):
             if retries_left == 0 or (request.deadline is not None and time.monotonic() >= request.deadline):
                 return answer
             retries_left -= 1
-            tried[failed] = incarnations.get(failed, "")
+            for worker_id in [failed] if failed is not None else incarnations:  # nobody's fault: avoid both
+                tried[worker_id] = incarnations.get(worker_id, "")
             failure = answer
             self._metrics.route_decisions.labels(policy, "retry").inc()
             log.warning("request %s: %s before the first token; retrying elsewhere", flight.rid, _describe(answer))
+
+    @staticmethod
+    def _blamed(answer, decision: RouteDecision) -> str | None:
+        """The worker an attempt's failure counts against; None when it is nobody's fault."""
+        if isinstance(answer, WorkerGone):
+            return answer.worker_id
+        # An error event, its culprit checked on receipt (_on_record): "prefill" only with a prefill worker.
+        return {"decode": decision.decode_worker, "prefill": decision.prefill_worker}.get(answer.culprit)
+
+    def _record_failure(self, worker_id: str) -> None:
+        now = time.monotonic()
+        self._breaker.record_failure(worker_id, now)
+        self._metrics.worker_failures.labels(worker_id).inc()
+        if self._breaker.is_open(worker_id, now):
+            log.warning(
+                "worker %s failed %d times in a row: no requests for it for a while",
+                worker_id,
+                self._params.breaker_threshold,
+            )
+            self._metrics.worker_breaker_open.labels(worker_id).set(1)
+
+    def _update_breaker_gauges(self) -> None:
+        """Breakers whose cooldown ended read closed again (a failure at the next try reopens them)."""
+        open_now = self._breaker.open_workers(time.monotonic())
+        for worker_id in self._breaker.tripped():
+            if worker_id not in open_now:
+                self._metrics.worker_breaker_open.labels(worker_id).set(0)
 
     def _incarnation(self, worker_id: str) -> str:
         """The registered incarnation of ``worker_id``; "" when it is not registered."""
@@ -358,7 +405,7 @@ class ZmqBackend(Backend):
     async def _abort_workers(self, flight: _Flight, reason: str) -> None:
         flight.is_done = True
         for worker_id in flight.workers():
-            await self._link.send(worker_id, AbortRequest(flight.rid, reason))
+            await self._link.send(worker_id, AbortRequest(flight.wire_rid, reason))
 
     def _wall_deadline(self, request: GenerationRequest) -> float:
         """The request's monotonic deadline on the wall clock, which other hosts share."""
@@ -378,12 +425,14 @@ class ZmqBackend(Backend):
                 self._metrics.workers_lost.labels("goodbye").inc()
                 self._worker_left(worker_id, "said goodbye")
         else:  # TokenEvent, PromptLogprobs or Busy: only the workers serving the request may speak for it
-            flight = self._flights.get(record.rid)
+            flight = self._by_wire_rid.get(record.rid)
             if flight is None or flight.is_done:
                 return  # finished or aborted already; late records are expected
             if worker_id == flight.decode_worker or (
                 isinstance(record, (TokenEvent, PromptLogprobs)) and worker_id == flight.prefill_worker
             ):
+                if isinstance(record, TokenEvent) and record.error:
+                    self._check_culprit(worker_id, flight, record)
                 if isinstance(record, PromptLogprobs):
                     self._add_prompt_logprobs(worker_id, flight, record)
                 else:
@@ -394,6 +443,22 @@ class ZmqBackend(Backend):
                     worker_id,
                     f"{type(record).__name__} for {flight.rid[:64]}, a request it does not serve",
                 )
+
+    def _check_culprit(self, worker_id: str, flight: _Flight, event: TokenEvent) -> None:
+        """Set ``event.culprit`` to whom the failure counts against: "decode", "prefill" or "none". A
+        worker speaks for itself ("" is the sender); a decode worker may blame the prefill worker its
+        request used, or nobody; a prefill worker cannot blame anyone else."""
+        sender = "decode" if worker_id == flight.decode_worker else "prefill"
+        claimed = event.culprit or sender
+        if event.refused:
+            claimed = "none"
+        elif sender == "prefill" or (claimed == "prefill" and flight.prefill_worker is None):
+            if claimed != sender:
+                self._rejects.reject(
+                    "invalid_value", worker_id, f"error event for {flight.rid[:64]} blames {claimed!r}, not itself"
+                )
+            claimed = sender
+        event.culprit = claimed
 
     def _add_prompt_logprobs(self, worker_id: str, flight: _Flight, frame: PromptLogprobs) -> None:
         have = flight.prompt_logprobs
@@ -486,6 +551,9 @@ class ZmqBackend(Backend):
         for key in [k for k in self._lora_sent if k[0] == worker_id]:
             del self._lora_sent[key]
         self._breaker.forget(worker_id)
+        for gauge in (self._metrics.worker_breaker_open, self._metrics.worker_failures):
+            with contextlib.suppress(KeyError):  # never failed
+                gauge.remove(worker_id)
         for flight in self._flights.values():
             if not flight.is_done and worker_id in flight.workers():
                 flight.events.put_nowait(WorkerGone(worker_id, reason))
@@ -497,6 +565,7 @@ class ZmqBackend(Backend):
             for worker_id in self._registry.expire(time.monotonic()):
                 self._metrics.workers_lost.labels("expired").inc()
                 self._worker_left(worker_id, "heartbeats stopped")
+            self._update_breaker_gauges()
 
     def _update_pool_gauges(self) -> None:
         m = self._metrics

@@ -1,8 +1,10 @@
-"""python -m tests.chaos [--runs N] [--scenarios PATTERN ...] [--report docs/reliability.md]
+"""python -m tests.chaos [--runs N] [--scenarios PATTERN ...] [--hostile PATTERN ...] [--report docs/reliability.md]
 
-Runs the chaos scenarios (fault x target x phase, tests/chaos/scenario.py) and regenerates the report.
-A pattern matches ``fault:target:phase`` with shell wildcards, e.g. ``sigkill:*:*`` or ``*:gateway:decoding``.
-Exits 1 when any run failed a check.
+Runs the chaos scenarios (fault x target x phase, tests/chaos/scenario.py) and the hostile-peer attacks
+under load (tests/chaos/hostile.py), and regenerates the report. A scenario pattern matches
+``fault:target:phase`` with shell wildcards, e.g. ``sigkill:*:*`` or ``*:gateway:decoding``; a hostile
+pattern matches an attack's name, e.g. ``'forged*'``; ``--scenarios none`` or ``--hostile none`` runs none
+of that kind, and the report keeps that section from its last run. Exits 1 when any run failed a check.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import time
 from pathlib import Path
 
 from tests.chaos.clusters import BLOCK, NetnsCluster, NoNamespaces, ServeCluster
+from tests.chaos.hostile import ATTACKS, HostileCluster, HostileResult, run_attack, warm_up
 from tests.chaos.load import Prompt, make_prompts
 from tests.chaos.report import write_report
 from tests.chaos.scenario import RunResult, Scenario, matrix, run_once
@@ -26,6 +29,33 @@ PROMPTS_PER_RUN = 48  # each run starts elsewhere in the pool: mostly fresh prom
 
 def select(patterns: list[str]) -> list[Scenario]:
     return [s for s in matrix() if any(fnmatch.fnmatch(f"{s.fault}:{s.target}:{s.phase}", p) for p in patterns)]
+
+
+def select_attacks(patterns: list[str]) -> list[str]:
+    return [a for a in ATTACKS if any(fnmatch.fnmatch(a, p) for p in patterns)]
+
+
+def run_hostile(names: list[str], prompts: list[Prompt], log=print) -> list[HostileResult]:
+    """Every attack once, on one cluster."""
+    results: list[HostileResult] = []
+    with tempfile.TemporaryDirectory(prefix="chaos-") as tmp:
+        cluster = HostileCluster(str(tiny_model_dir("llama")), Path(tmp))
+        failed = True
+        try:
+            warm_up(cluster, prompts)
+            for offset, name in enumerate(names):
+                start = offset * PROMPTS_PER_RUN % len(prompts)
+                result = run_attack(cluster, name, prompts[start:] + prompts[:start])
+                results.append(result)
+                log(
+                    f"chaos: {name:<36} sent {result.sent} refused {dict(result.refused)} "
+                    f"requests {dict(result.outcomes)} leaked {result.leaked_blocks} fds +{result.fd_growth} "
+                    + ("pass" if not result.failures else f"FAIL {result.failures}")
+                )
+            failed = any(r.failures for r in results)
+        finally:
+            cluster.close(keep_logs=failed)
+    return results
 
 
 def run_all(
@@ -80,17 +110,20 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.chaos", description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=1, help="runs per scenario (alternating the pool's workers)")
     parser.add_argument("--scenarios", nargs="+", default=["*"], help="fault:target:phase patterns")
+    parser.add_argument("--hostile", nargs="+", default=["*"], help="hostile attack name patterns")
     parser.add_argument("--report", type=Path, default=Path("docs/reliability.md"))
     args = parser.parse_args(argv)
-    scenarios = select(args.scenarios)
-    if not scenarios:
-        parser.error(f"no scenario matches {args.scenarios}")
+    scenarios, names = select(args.scenarios), select_attacks(args.hostile)
+    if not scenarios and not names:
+        parser.error(f"no scenario matches {args.scenarios} and no attack {args.hostile}")
     started = time.monotonic()
-    results, not_run = run_all(scenarios, args.runs)
+    prompts = make_prompts(str(tiny_model_dir("llama")), BLOCK, PROMPTS)
+    results, not_run = run_all(scenarios, args.runs, prompts) if scenarios else ([], {})
+    hostile = run_hostile(names, prompts) if names else None
     command = "python -m tests.chaos " + " ".join(argv)
-    write_report(args.report, command.strip(), scenarios, results, not_run, time.monotonic() - started)
+    write_report(args.report, command.strip(), scenarios, results, not_run, time.monotonic() - started, hostile)
     print(f"chaos: report written to {args.report}")
-    return 1 if any(r.failures for r in results) else 0
+    return 1 if any(r.failures for r in [*results, *(hostile or [])]) else 0
 
 
 if __name__ == "__main__":

@@ -56,9 +56,11 @@ def registered_workers(url: str) -> list[dict]:
 class ServeCluster:
     faults = ("sigkill", "sigstop")
 
-    def __init__(self, model: str, tmp: Path):
+    def __init__(self, model: str, tmp: Path, **more: dict):
+        """``more``: section -> fields on top of SETTINGS (the hostile scenarios' key file, HTTP limits)."""
         self.model = model
-        self.serve = ServeProcess(Path(model), tmp, num_prefill=2, num_decode=2, **SETTINGS)
+        sections = {name: {**SETTINGS.get(name, {}), **more.get(name, {})} for name in {*SETTINGS, *more}}
+        self.serve = ServeProcess(Path(model), tmp, num_prefill=2, num_decode=2, **sections)
         self.url = self.serve.url
         self.log = self.serve.log
         self._stopped: int | None = None  # the pid frozen by the last SIGSTOP
