@@ -19,7 +19,9 @@ benchmark's; a fresh seed per round, so no round hits the cache an earlier one f
 the adapters' run filled, since an adapter's blocks hash apart from the base's. Rounds alternate
 which system goes first, so a machine whose load drifts (a shared one) weighs on both alike. Every
 request's output length is checked against its ``usage``. A system's tok/s is its output tokens over
-its wall time, summed over the rounds. The last line is
+its wall time, summed over the rounds; its tok/CPU-s the same over the CPU-seconds its whole process
+tree spent (``lora_served_vs_base_per_cpu_s``, a companion line that other load on a shared machine
+moves less). The last line is
 
     lora_served_vs_base=<lora tok/s / base tok/s>   (the issue's target: >= 0.8 on CPU)
 
@@ -45,6 +47,7 @@ from benchmarks.client import Target, send_one
 from benchmarks.lora_throughput import NUM_ADAPTERS, write_adapter
 from benchmarks.serve_launcher import ServedSystem
 from benchmarks.serve_metrics import Slo, Summary, summarize
+from benchmarks.serve_procs import cpu_delta, sample_tree
 from benchmarks.serve_workloads import Scheduled
 from benchmarks.workload import BenchRequest
 
@@ -86,26 +89,31 @@ def warm_up(url: str, models: list[str], vocab: int) -> None:
 
 
 def measure(system: ServedSystem, models: list[str], requests, label: str, round_: int, runs: list) -> Summary:
+    before = sample_tree(system.proc.pid)
     timelines, wall = asyncio.run(all_at_once(system.url, models, requests, label))
+    cpu_s = sum(p.cpu_s for p in cpu_delta(before, sample_tree(system.proc.pid)))  # the serve tree's, every process
     summary = summarize(timelines, wall, Slo(2.0, 0.1))
     errors = [t.error for t in timelines if not t.ok]
     print(
         f"{round_:<6}{label:<18}{summary.num_ok:>4}/{summary.num_requests:<4}{summary.output_tokens:>8}{wall:>9.2f}"
-        f"{summary.output_tps:>10.1f}{summary.ttft['p50']:>10.3f}{summary.tpot['p50'] * 1000:>10.1f}",
+        f"{summary.output_tps:>10.1f}{summary.ttft['p50']:>10.3f}{summary.tpot['p50'] * 1000:>10.1f}"
+        f"{cpu_s:>9.1f}{summary.output_tokens / cpu_s:>10.1f}",
         flush=True,
     )
     if errors:
         print(f"  {len(errors)} failed, first: {errors[0]}", flush=True)
     runs.append({"round": round_, "run": label, "ok": summary.num_ok, "requests": summary.num_requests,
                  "output_tokens": summary.output_tokens, "wall_s": wall, "output_tps": summary.output_tps,
+                 "cpu_s": cpu_s,
                  "ttft_p50_s": summary.ttft["p50"], "tpot_p50_s": summary.tpot["p50"]})  # fmt: skip
     system.wait_idle()
     return summary
 
 
-def total_tps(runs: list[dict], label: str) -> float:
+def total_per(runs: list[dict], label: str, denominator: str) -> float:
+    """Output tokens of the ``label`` runs over their summed ``denominator`` ("wall_s", "cpu_s")."""
     mine = [r for r in runs if r["run"] == label]
-    return sum(r["output_tokens"] for r in mine) / sum(r["wall_s"] for r in mine)
+    return sum(r["output_tokens"] for r in mine) / sum(r[denominator] for r in mine)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -149,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
             warm_up(system.url, served[name], vocab)
             system.wait_idle()
         columns = ("ok", 9), ("tokens", 8), ("wall s", 9), ("tok/s", 10), ("ttft p50", 10), ("tpot ms", 10)
+        columns += ("CPU-s", 9), ("tok/CPU-s", 10)
         print(f"\n{'round':<6}{'run':<18}" + "".join(f"{c:>{w}}" for c, w in columns))
         for round_ in range(rounds):
             requests = workloads.mixed(vocab, num_requests, args.seed + round_)
@@ -159,16 +168,22 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for system in systems.values():
             system.stop()
-    tps = {label: total_tps(runs, label) for label in ("base", "lora", "lora_server_base")}
+    labels = ("base", "lora", "lora_server_base")
+    tps = {label: total_per(runs, label, "wall_s") for label in labels}
+    per_cpu = {label: total_per(runs, label, "cpu_s") for label in labels}
     ratio, base_on_lora = tps["lora"] / tps["base"], tps["lora_server_base"] / tps["base"]
     complete = all(r["ok"] == r["requests"] for r in runs)
     print(f"\n{'over the rounds':<24}" + "".join(f"{label} {value:.1f} tok/s   " for label, value in tps.items()))
+    print(f"{'':<24}" + "".join(f"{label} {value:.1f} tok/CPU-s   " for label, value in per_cpu.items()))
     print(f"(logs in {workdir}; total {time.perf_counter() - started:.0f} s)")
     if args.json:
         Path(args.json).write_text(json.dumps({"quick": args.quick, "model": str(model_dir), "cpus": sorted(cpus),
                                                "rank": args.rank, "rounds": rounds, "runs": runs, "tok_per_s": tps,
-                                               "lora_served_vs_base": ratio,
+                                               "tok_per_cpu_s": per_cpu, "lora_served_vs_base": ratio,
                                                "lora_server_base_vs_base": base_on_lora}, indent=2))  # fmt: skip
+    # Tokens per CPU-second of the serve tree: less moved by other load on a shared machine than wall time
+    # (not immune: caches and SMT siblings are shared too). A companion line; the headline is the last.
+    print(f"lora_served_vs_base_per_cpu_s={per_cpu['lora'] / per_cpu['base']:.3f}")
     print(f"lora_server_base_vs_base={base_on_lora:.3f}")
     print(f"lora_served_vs_base={ratio:.3f}{'' if complete else ' (some requests failed: not a valid figure)'}")
     return 0 if complete else 1
