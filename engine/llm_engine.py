@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.grammar_compiles import CompileTicket
+from engine.lora_adapter import LoRAError
 from engine.model_config import HFModelConfig
 from engine.runner import ModelRunner
 from engine.sampling_params import SamplingParams
@@ -92,12 +93,20 @@ class LLMEngine:
         return request_id
 
     def lora_error(self, params: SamplingParams) -> str:
-        """Empty when this engine serves the adapter ``params`` names (or none), else the reason."""
+        """Empty when this engine serves the adapter ``params`` names (or none), else the reason. When
+        empty, ``params.lora_adapter`` holds the weights the request runs with to its end (pinned: an
+        unload, an eviction or a rewrite of its directory meanwhile does not touch them)."""
         if not params.lora_name:
             return ""
         if self.runner.lora is None:
             return f"LoRA adapter {params.lora_name!r} requested; this worker serves no adapters (--enable-lora)"
-        return self.runner.lora.check(params.lora_name, params.lora_path)
+        if error := self.runner.lora.check(params.lora_name, params.lora_path):
+            return error
+        try:
+            params.lora_adapter = self.runner.lora.pin(params.lora_name)
+        except LoRAError as exc:
+            return str(exc)
+        return ""
 
     def new_guide(self, params: SamplingParams):
         """The Guide of ``params.structured_output`` for a new sequence (None without one); raises

@@ -15,6 +15,10 @@ B that writes each projection's delta into its own slice of the fused output (sc
 
 so ``y += (x @ A^T) @ B^T`` adds exactly ``scale * B_p (A_p x)`` to each part p's rows.
 
+An adapter's ``digest`` is a hash of its two files' bytes: its identity beyond name and directory,
+so a directory rewritten in place is told apart from what was loaded from it (block hashes carry it,
+engine/block_manager.py; a re-read that finds other bytes is refused, engine/lora_manager.py).
+
 Every mismatch with the base (a module it has not, a shape, a rank above ``max_lora_rank``, a PEFT
 feature we do not run) is a LoRAError naming the adapter and the mismatch: an adapter that does not fit
 must never load and give silently degraded output.
@@ -22,8 +26,10 @@ must never load and give silently degraded output.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,10 +72,37 @@ class LoRAAdapter:
     scale: float  # lora_alpha / r, or lora_alpha / sqrt(r) with use_rslora
     targets: frozenset[str]  # PEFT projection names, e.g. {"q_proj", "v_proj"}
     modules: dict[tuple[int, str], LoRAModule]  # (layer index, fused module name) -> its delta
+    digest: str = ""  # sha256 of the config and weights files as read (files_digest)
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """Tells apart two loads of the same name whose files differ."""
+        return (self.name, self.digest)
 
     def to(self, device) -> LoRAAdapter:
         moved = {key: module.to(device) for key, module in self.modules.items()}
-        return LoRAAdapter(self.name, self.path, self.rank, self.scale, self.targets, moved)
+        return LoRAAdapter(self.name, self.path, self.rank, self.scale, self.targets, moved, self.digest)
+
+
+def files_digest(path: str | Path) -> str:
+    """sha256 over the adapter's config and weights files (what load_adapter reads); "" if unreadable."""
+    h = hashlib.sha256()
+    try:
+        for file in (CONFIG_FILE, WEIGHTS_FILE):
+            h.update((Path(path) / file).read_bytes())
+            h.update(b"\0")
+    except OSError:
+        return ""
+    return h.hexdigest()
+
+
+def files_stat(path: str | Path) -> tuple:
+    """(size, mtime_ns, inode) of both files: unchanged means not rewritten (a cheap check before hashing)."""
+    try:
+        stats = [os.stat(Path(path) / file) for file in (CONFIG_FILE, WEIGHTS_FILE)]
+    except OSError:
+        return ()
+    return tuple((st.st_size, st.st_mtime_ns, st.st_ino) for st in stats)
 
 
 def part_sizes(config: HFModelConfig) -> dict[str, list[tuple[int, int]]]:
@@ -89,6 +122,7 @@ def load_adapter(
 ) -> LoRAAdapter:
     """Read and check the adapter at ``path``; raises LoRAError."""
     path = Path(path)
+    before, digest = files_stat(path), files_digest(path)
     settings = _read_config(name, path)
     rank, alpha = settings.get("r"), settings.get("lora_alpha", settings.get("r"))
     if not isinstance(rank, int) or rank < 1:
@@ -117,7 +151,9 @@ def load_adapter(
             by_fused.setdefault(fused, []).append((part, a, b))
         for fused, parts in by_fused.items():
             modules[layer, fused] = _fuse(sizes[fused], parts, scale, dtype)
-    return LoRAAdapter(name, str(path), rank, scale, targets, modules)
+    if files_stat(path) != before:  # rewritten while being read: the digest may not be of these weights
+        raise LoRAError(f"LoRA adapter {name!r}: its files in {path} changed while being read; load it again")
+    return LoRAAdapter(name, str(path), rank, scale, targets, modules, digest)
 
 
 def _read_config(name: str, path: Path) -> dict:

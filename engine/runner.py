@@ -70,8 +70,14 @@ class ModelRunner:
     def _lora_step(self, batch: ScheduledBatch) -> LoRAStep | None:
         if self.lora is None or not any(seq.params.lora_name for seq in batch.seqs):
             return None
-        names = [seq.params.lora_name for seq, n in zip(batch.seqs, batch.num_new_tokens) for _ in range(n)]
-        return self.lora.step(names)  # [num_tokens] rows, in the order _prepare flattens them
+        pinned = [self._pinned_lora(seq.params) for seq in batch.seqs]
+        adapters = [a for a, n in zip(pinned, batch.num_new_tokens) for _ in range(n)]
+        return self.lora.step(adapters)  # [num_tokens] rows, in the order _prepare flattens them
+
+    def _pinned_lora(self, params):
+        if params.lora_name and params.lora_adapter is None:  # admitted without LLMEngine.lora_error
+            params.lora_adapter = self.lora.pin(params.lora_name)
+        return params.lora_adapter
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         # Copy-on-write of a shared partial block: whole blocks, every layer, K and V.

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from protocol.serving import MAX_LOGIT_BIAS, StructuredOutput
+
+if TYPE_CHECKING:
+    from engine.lora_adapter import LoRAAdapter
 
 
 class SamplingError(ValueError):
@@ -44,6 +48,9 @@ class SamplingParams:
     # enters the first block's hash too, so no KV is shared across adapters
     lora_name: str = ""
     lora_path: str = ""  # the directory the gateway knows the adapter by ("" offline: this engine's own)
+    # Set at admission (LLMEngine.lora_error): the adapter's weights this request runs with to its end
+    # (engine/lora_manager.py LoRAManager.pin); its digest enters the block hashes with the name.
+    lora_adapter: LoRAAdapter | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.top_k == -1:

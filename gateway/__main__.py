@@ -120,6 +120,7 @@ def build(config: PdserveConfig):
             queue_timeout_s=g.queue_timeout_s,
             default_timeout_s=g.request_timeout_s,
             security=plane_security(config.transfer.cluster_key_file, config.transfer.insecure),
+            lora_modules=config.lora.modules(),
         ),
     )
     limits = ServingLimits(
@@ -133,7 +134,7 @@ def build(config: PdserveConfig):
         None if g.reasoning_parser == "none" else g.reasoning_parser,
         None if g.tool_call_parser == "none" else g.tool_call_parser,
     )
-    adapters = LoRAAdapters(name, config.lora.enable_lora, config.lora.modules())
+    adapters = LoRAAdapters(name, config.lora.enable_lora, config.lora.modules(), backend.lora_adapters)
     params = GatewayParams(
         Tokenizer(path, config.model.chat_template),
         backend,

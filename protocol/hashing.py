@@ -38,10 +38,15 @@ def root_hash(cache_salt: str = "", lora: str = "") -> int:
     return int.from_bytes(h.digest(), "little")
 
 
-def lora_identity(lora_name: str, lora_path: str) -> str:
+def lora_identity(lora_name: str, lora_path: str, digest: str = "") -> str:
     """What a block hash knows of a request's adapter: its name and the directory it was loaded from,
-    so an adapter unloaded and loaded again from elsewhere under the same name shares no KV with the old."""
-    return f"{lora_name}\0{lora_path}" if lora_name else ""
+    so an adapter unloaded and loaded again from elsewhere under the same name shares no KV with the old;
+    on a worker also its files' digest (engine/lora_adapter.py), so neither does one loaded again from
+    the same directory rewritten in place. (The gateway, which never reads the files, hashes without
+    it: its hashes only predict where a prompt is cached.)"""
+    if not lora_name:
+        return ""
+    return f"{lora_name}\0{lora_path}\0{digest}" if digest else f"{lora_name}\0{lora_path}"
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int, cache_salt: str = "", lora: str = "") -> list[int]:

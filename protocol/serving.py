@@ -251,14 +251,20 @@ class Heartbeat:
     proof: str = ""
     lora_names: list[str] = field(default_factory=list)  # LoRA adapters loaded (requests may name them)
     hot_lora_names: list[str] = field(default_factory=list)  # of those, the ones in device slots now
-    # "gateway_id:version" of the LoRAAdapterSet each gateway sent that this worker applied last (none
-    # from a gateway: its version 0, the worker's config); one heartbeat goes to every gateway
-    lora_versions: list[str] = field(default_factory=list)
-    lora_errors: list[str] = field(default_factory=list)  # "name: why" of adapters in those sets it could not load
+    # The cluster's adapter list as this worker last applied it (LoRAAdapterSet: its stamp, names and
+    # paths; stamp (0, "") = the worker's config). Every gateway reads it: the newest list any worker
+    # holds is the one every gateway serves, and a worker behind it is sent it.
+    lora_set_version: int = 0
+    lora_set_gateway: str = ""
+    lora_set_names: list[str] = field(default_factory=list)
+    lora_set_paths: list[str] = field(default_factory=list)
+    lora_errors: list[str] = field(default_factory=list)  # "name: why" of adapters in that list it could not load
 
     def __post_init__(self) -> None:
         assert self.role in ROLES, self.role
         assert 0 <= self.kv_blocks_in_use <= self.kv_blocks_total, (self.kv_blocks_in_use, self.kv_blocks_total)
+        assert self.lora_set_version >= 0 and len(self.lora_set_names) == len(self.lora_set_paths), "bad LoRA list"
+        assert all(0 < len(n) <= MAX_LORA_NAME_CHARS for n in self.lora_set_names), "bad adapter name"
 
 
 @wire_record("serve.heartbeat_ack")
@@ -277,14 +283,25 @@ class HeartbeatAck:
 @wire_record("serve.lora_adapters")
 @dataclass(slots=True)
 class LoRAAdapterSet:
-    """gateway -> every worker: the LoRA adapters to serve, the whole list (``/v1/load_lora_adapter``
-    and ``/v1/unload_lora_adapter`` change it). The worker loads what it lacks from each path, drops
-    what is not listed, and answers with a heartbeat carrying ``version`` (and any load errors)."""
+    """gateway -> every worker: the cluster's LoRA adapters, the whole list (``/v1/load_lora_adapter``
+    and ``/v1/unload_lora_adapter`` at any gateway change it). ``(version, gateway_id)`` stamps it: a
+    worker applies a list only when its stamp is newer than the one it holds (loads what it lacks from
+    each path, drops what is not listed) and reports the stamp and list in its heartbeats (with any
+    load errors). A gateway stamps a change one above the newest version it has seen; two gateways
+    changing at once pick the same version and the higher gateway id wins (the other one sees its
+    change lost and makes it again on top)."""
 
     version: int
     names: list[str]
     paths: list[str]  # directories on the worker's filesystem, one per name
-    gateway_id: str = ""  # the sender (HeartbeatAck's id): with several gateways, a worker serves every list's union
+    gateway_id: str = ""  # the gateway that made this list ("": the workers' config, version 0)
+
+    @property
+    def stamp(self) -> tuple[int, str]:
+        return (self.version, self.gateway_id)
+
+    def as_dict(self) -> dict[str, str]:
+        return dict(zip(self.names, self.paths))
 
     def __post_init__(self) -> None:
         assert self.version >= 0 and len(self.names) == len(self.paths), (self.version, len(self.names))

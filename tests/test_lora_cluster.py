@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,7 +18,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from tests.cluster_harness import ServeProcess, free_port
+from tests.cluster_harness import RawStream, ServeProcess, free_port
 from tests.lora_factory import peft_greedy, tiny_adapter_dir
 from tests.model_factory import tiny_model_dir
 from tests.test_lora_engine import broken_copy, wrong_shape
@@ -240,3 +241,39 @@ def test_bad_adapter_at_start_up_stops_serve_with_the_adapter_named(tmp_path) ->
     done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
     assert done.returncode == 78, done.stdout + done.stderr  # EX_CONFIG: no restart can help
     assert "LoRA adapter 'bad': layer 0 v_proj has lora_A [4, 64] and lora_B [33, 4]" in done.stdout + done.stderr
+
+
+def test_unloading_an_adapter_its_running_requests_use_lets_them_finish_exactly(cluster) -> None:
+    body = {"lora_name": "theta", "lora_path": str(tiny_adapter_dir("alpha", FAMILY))}
+    assert httpx.post(f"{cluster.url}/v1/load_lora_adapter", json=body, timeout=120).status_code == 200
+    prompt, length = prompt_of(20, seed=70), 160
+    stream = RawStream(
+        cluster.url, {"model": "theta", "prompt": prompt, "max_tokens": length, "temperature": 0.0, "ignore_eos": True}
+    )
+    stream.read_until(b"data: ", count=2)  # decoding under theta
+    assert unload(cluster, "theta").status_code == 200
+    received = stream.read_until(b"data: [DONE]", timeout_s=120).decode()
+    stream.hang_up()
+    chunks = [json.loads(line[6:]) for line in received.split("\n") if line.startswith("data: {")]
+    assert "error" not in chunks[-1], chunks[-1]
+    text = "".join(c["choices"][0]["text"] for c in chunks if c.get("choices"))
+    assert text == text_of(peft_greedy(FAMILY, "alpha", [prompt], length)[0])
+
+
+def test_an_adapter_directory_rewritten_and_loaded_again_serves_the_new_weights_uncached(cluster, client, tmp_path):
+    path = tmp_path / "zeta"
+    shutil.copytree(tiny_adapter_dir("alpha", FAMILY), path)
+    prompt = prompt_of(40, seed=71)  # two full blocks of 16: cached under the first zeta
+    body = {"lora_name": "zeta", "lora_path": str(path)}
+    assert httpx.post(f"{cluster.url}/v1/load_lora_adapter", json=body, timeout=120).status_code == 200
+    expected = {n: text_of(peft_greedy(FAMILY, n, [prompt], NEW_TOKENS)[0]) for n in ("alpha", "beta")}
+    assert complete(client, "zeta", prompt).choices[0].text == expected["alpha"]
+    assert complete(client, "zeta", prompt).usage.prompt_tokens_details.cached_tokens == 32
+    assert unload(cluster, "zeta").status_code == 200
+    for file in ("adapter_config.json", "adapter_model.safetensors"):  # in place: same directory, same names
+        (path / file).write_bytes((tiny_adapter_dir("beta", FAMILY) / file).read_bytes())
+    assert httpx.post(f"{cluster.url}/v1/load_lora_adapter", json=body, timeout=120).status_code == 200
+    again = complete(client, "zeta", prompt)
+    assert again.usage.prompt_tokens_details.cached_tokens == 0  # none of the old weights' KV
+    assert again.choices[0].text == expected["beta"]
+    assert unload(cluster, "zeta").status_code == 200

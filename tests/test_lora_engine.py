@@ -196,20 +196,27 @@ def test_pdserve_generate_runs_a_prompt_under_an_adapter_as_peft_does() -> None:
     assert bad.returncode == 78 and "LoRA adapter 'beta' has rank 8, above max_lora_rank=4" in bad.stderr
 
 
-def test_a_worker_serves_the_union_of_every_gateways_list() -> None:
+def test_a_worker_keeps_the_newest_stamped_list_whichever_gateway_sent_it() -> None:
     from engine.lora_sync import LoRASync
     from protocol.serving import LoRAAdapterSet
 
     manager = lora_llm().engine.runner.lora
-    sync = LoRASync(manager)  # the config's alpha and beta
+    sync = LoRASync(manager)  # the config's alpha and beta, stamp (0, "")
+    alpha, beta = manager.known["alpha"], manager.known["beta"]
     gamma = str(tiny_adapter_dir("alpha", FAMILY))
-    sync.apply(LoRAAdapterSet(1, ["alpha", "beta", "gamma"], [*map(manager.known.get, ("alpha", "beta")), gamma], "g1"))
-    sync.apply(LoRAAdapterSet(1, ["alpha"], [manager.known["alpha"]], "g2"))  # g2 unloaded beta; knows no gamma
-    assert sorted(manager.known) == ["alpha", "beta", "gamma"]  # neither list undoes the other
-    assert sorted(sync.heartbeat_fields()["lora_versions"]) == ["g1:1", "g2:1"]
-    sync.apply(LoRAAdapterSet(2, ["alpha", "beta"], [manager.known["alpha"], manager.known["beta"]], "g1"))
-    assert sorted(manager.known) == ["alpha", "beta"]  # gamma was g1's alone
-    sync.apply(
-        LoRAAdapterSet(3, ["alpha", "beta", "bad"], [manager.known["alpha"], manager.known["beta"], "/nope"], "g1")
-    )
+    assert sync.apply(LoRAAdapterSet(1, ["alpha", "beta", "gamma"], [alpha, beta, gamma], "g1"))
+    assert sorted(manager.known) == ["alpha", "beta", "gamma"]
+    # g2 made a change on top of the same version at the same time: the lower gateway id loses
+    assert not sync.apply(LoRAAdapterSet(1, ["alpha"], [alpha], "g0"))
+    assert sorted(manager.known) == ["alpha", "beta", "gamma"]
+    # g2, having seen g1's list, unloads beta: a newer stamp, applied whoever loaded it
+    assert sync.apply(LoRAAdapterSet(2, ["alpha", "gamma"], [alpha, gamma], "g2"))
+    assert sorted(manager.known) == ["alpha", "gamma"]
+    assert not sync.apply(LoRAAdapterSet(1, ["alpha", "beta", "gamma"], [alpha, beta, gamma], "g1"))  # late
+    fields = sync.heartbeat_fields()
+    assert (fields["lora_set_version"], fields["lora_set_gateway"]) == (2, "g2")
+    assert (fields["lora_set_names"], fields["lora_set_paths"]) == (["alpha", "gamma"], [alpha, gamma])
+    assert fields["lora_names"] == ["alpha", "gamma"]
+    sync.apply(LoRAAdapterSet(3, ["alpha", "bad"], [alpha, "/nope"], "g1"))
     assert sync.heartbeat_fields()["lora_errors"] == ["bad: LoRA adapter 'bad': no adapter_config.json in /nope"]
+    assert sync.heartbeat_fields()["lora_set_names"] == ["alpha", "bad"]  # the list held, as sent

@@ -1,10 +1,11 @@
 """LoRA in the block hashes and the router: each adapter (and the base) hashes a prompt's blocks apart,
-the same on the gateway and in the engine; a request goes only to workers that hold its adapter, and
+the same on the gateway and in the engine (where a pinned adapter's files digest joins in); a request goes only to workers that hold its adapter, and
 among equals to one that holds it in a device slot."""
 
 from dataclasses import replace
 
 from engine.block_manager import BlockManager
+from engine.lora_adapter import LoRAAdapter
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 from gateway.workers.registry import Role, WorkerRegistry
@@ -34,6 +35,21 @@ def test_the_engine_caches_under_the_gateways_hashes():
     for other in ("", lora_identity("b", "/x"), lora_identity("a", "/y")):
         assert bm.match_prefix(prompt, lora=other) == ([], 0), other
     assert [bm.block_hash[b] for b in seq.block_table[:2]] == block_hashes(prompt, BS, lora=lora_identity("a", "/x"))
+
+
+def test_a_pinned_adapters_files_digest_enters_the_engines_hashes():
+    """On a worker a request holds its adapter's weights, whose files' digest joins the name and path:
+    the same name and directory with other bytes (rewritten in place, loaded again) shares no KV."""
+    bm = BlockManager(16, BS)
+    prompt = list(range(2 * BS + 1))
+    seq = Sequence(0, prompt, SamplingParams(lora_name="a", lora_path="/x"))
+    seq.params.lora_adapter = LoRAAdapter("a", "/x", 1, 1.0, frozenset(), {}, digest="d1")  # no weights needed
+    bm.allocate(seq, len(prompt))
+    seq.num_computed_tokens = len(prompt)
+    bm.cache_full_blocks(seq)
+    assert bm.match_prefix(prompt, lora=lora_identity("a", "/x", "d1")) == (seq.block_table[:2], 2 * BS)
+    for other in (lora_identity("a", "/x"), lora_identity("a", "/x", "d2")):
+        assert bm.match_prefix(prompt, lora=other) == ([], 0), other
 
 
 def worker(wid, role=Role.DECODE, in_use=0, loras=(), hot=()):

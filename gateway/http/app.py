@@ -187,14 +187,13 @@ def build_app(params: GatewayParams) -> Starlette:
             raise bad_request("request body must be a JSON object")
         adapters = serving.adapters
         name, path = body.get("lora_name"), body.get("lora_path")
-        async with lora_changes:  # one change at a time: each waits for the workers to apply its version
+        async with lora_changes:  # one change at a time here; the workers order other gateways' changes
             adapters.check_new(name, path)
-            adapters.add(name, path)
-            error = await params.backend.set_lora_adapters(adapters.paths, adapters.version, name)
+            error = await params.backend.change_lora_adapters(name, path)
             if error:  # taken back from every worker: the list is as before
-                adapters.remove(name)
-                await params.backend.set_lora_adapters(adapters.paths, adapters.version, name)
+                await params.backend.change_lora_adapters(name, None)
                 raise bad_request(f"LoRA adapter {name!r} could not be loaded: {error}", "lora_path")
+            adapters.add(name, path)
         log.info("LoRA adapter %s loaded from %s", name, path)
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
@@ -212,8 +211,8 @@ def build_app(params: GatewayParams) -> Starlette:
                     param="lora_name",
                     code="model_not_found",
                 )
+            await params.backend.change_lora_adapters(name, None)
             adapters.remove(name)
-            await params.backend.set_lora_adapters(adapters.paths, adapters.version, name)
         log.info("LoRA adapter %s unloaded", name)
         return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 

@@ -1,13 +1,16 @@
 """The LoRA adapters this server serves, by the name a request puts in ``model`` (as vLLM's
-``--lora-modules name=path``). The gateway holds the list; workers load each adapter from its path
-(the same filesystem on every host), at start-up from their config and at run time when the list
-changes (``/v1/load_lora_adapter``, gateway/workers/lora_sync.py).
+``--lora-modules name=path``). Workers load each adapter from its path (the same filesystem on every
+host), at start-up from their config and at run time when the list changes (``/v1/load_lora_adapter``).
 
-``version`` counts changes: a worker reports the version it last applied in its heartbeats, and one
-behind (a worker that joined later, or restarted) is sent the whole list again.
+With workers behind a ZeroMQ backend the list is the cluster's, as the workers hold it
+(``Backend.lora_adapters``, gateway/workers/lora_list.py): every gateway of ``pdserve serve --gateways N``
+serves and lists the same adapters, whichever gateway loaded them. Without (tests' in-process
+backends) it is this object's own.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from protocol.serving import MAX_LORA_NAME_CHARS
 
@@ -15,11 +18,22 @@ from ..http.errors import APIError, bad_request
 
 
 class LoRAAdapters:
-    def __init__(self, base_name: str, enabled: bool, modules: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        base_name: str,
+        enabled: bool,
+        modules: dict[str, str] | None = None,
+        shared: Callable[[], dict[str, str] | None] | None = None,
+    ) -> None:
         self.base_name = base_name
         self.enabled = enabled
-        self.paths: dict[str, str] = dict(modules or {})  # name -> adapter directory
-        self.version = 0  # the workers' config holds version 0; each change adds one
+        self._own: dict[str, str] = dict(modules or {})  # name -> adapter directory
+        self._shared = shared  # the cluster's list (Backend.lora_adapters), when there is one
+
+    @property
+    def paths(self) -> dict[str, str]:
+        shared = self._shared() if self._shared is not None else None
+        return shared if shared is not None else self._own
 
     def resolve(self, model: str | None) -> str:
         """The adapter a request's ``model`` names: "" for the base (or no model); a 404 as vLLM's for
@@ -52,15 +66,14 @@ class LoRAAdapters:
             raise bad_request(f"The lora adapter '{name}' has already been loaded.", "lora_name")
 
     def add(self, name: str, path: str) -> None:
-        self.paths[name] = path
-        self.version += 1
+        self._own[name] = path
 
     def remove(self, name: str) -> None:
-        del self.paths[name]
-        self.version += 1
+        self._own.pop(name, None)
 
     def model_cards(self, created: int, max_model_len: int) -> list[dict]:
         """``/v1/models`` entries of the adapters: each names the base as its ``parent`` (vLLM's)."""
+        paths = self.paths
         return [
             {
                 "id": name,
@@ -71,5 +84,5 @@ class LoRAAdapters:
                 "parent": self.base_name,
                 "max_model_len": max_model_len,
             }
-            for name, path in self.paths.items()
+            for name, path in paths.items()
         ]

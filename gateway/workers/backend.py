@@ -87,10 +87,15 @@ class Backend(abc.ABC):
     def is_ready(self) -> bool:
         """At least one worker able to serve a request is registered."""
 
-    async def set_lora_adapters(self, adapters: dict[str, str], version: int, name: str) -> str:
-        """Make ``adapters`` (name -> path) the list every worker serves, now and for workers that join
-        later; wait until each worker has applied ``version``. Returns "" or why adapter ``name`` did not
-        load on some worker. A backend without separate workers has nothing to tell: ""."""
+    def lora_adapters(self) -> dict[str, str] | None:
+        """The cluster's LoRA adapters (name -> path) as its workers hold them, which every gateway
+        serves; None: this backend has no workers to hold a list (the gateway's own list is the truth)."""
+        return None
+
+    async def change_lora_adapters(self, name: str, path: str | None) -> str:
+        """Load adapter ``name`` from ``path`` (None: unload it) on every worker, now and on workers that
+        join later; wait until each has applied the change. Returns "" or why ``name`` did not load on
+        some worker. A backend without separate workers has nothing to tell: ""."""
         return ""
 
     @abc.abstractmethod

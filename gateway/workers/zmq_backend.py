@@ -35,7 +35,7 @@ import contextlib
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gateway.deadline import get_by
 from gateway.metrics import GatewayMetrics
@@ -49,7 +49,6 @@ from protocol.serving import (
     Goodbye,
     Heartbeat,
     HeartbeatAck,
-    LoRAAdapterSet,
     PromptLogprobs,
     TokenEvent,
     TokenLogprobRecord,
@@ -59,11 +58,13 @@ from .admission import AdmissionQueue
 from .backend import Backend, CompletionEvent, GenerationRequest, NoCapacity, TokenLogprob
 from .breaker import CircuitBreaker
 from .completion_order import CompletionOrder
+from .lora_list import ClusterLoRAList, stamp_of
 from .registry import Role, WorkerRegistry
 from .router import RouteDecision, Router, RouterParams
 from .worker_link import WorkerLink
 
 log = logging.getLogger("pdserve.gateway")
+MAX_LORA_CHANGE_TRIES = 5  # a load or unload overtaken by other gateways' changes is made again, this often
 
 
 @dataclass(slots=True)
@@ -82,6 +83,7 @@ class ZmqBackendParams:
     expiry_interval_s: float = 0.5  # how often silent workers are looked for
     security: PlaneSecurity | None = None  # CURVE keys of the worker plane; None: insecure (in-process tests)
     lora_load_timeout_s: float = 60.0  # /v1/load_lora_adapter waits this long for every worker
+    lora_modules: dict[str, str] = field(default_factory=dict)  # the config's adapters (the workers' too)
 
 
 @dataclass(slots=True)
@@ -146,8 +148,7 @@ class ZmqBackend(Backend):
         self._flights: dict[str, _Flight] = {}  # by request id
         self._by_wire_rid: dict[str, _Flight] = {}  # by the current attempt's rid
         self.gateway_id = uuid.uuid4().hex  # workers tell gateway processes apart by it
-        self._lora_set = LoRAAdapterSet(0, [], [])  # version 0: the list in the workers' own config
-        self._lora_sent: dict[tuple[str, str], int] = {}  # (worker, incarnation) -> version last sent to it
+        self._lora = ClusterLoRAList(params.lora_modules)
         self._expiry_task: asyncio.Task | None = None
         self._update_pool_gauges()
 
@@ -491,49 +492,56 @@ class ZmqBackend(Backend):
         if known is None:
             log.info("worker %s (%s) registered at %s", worker_id, hb.role, hb.address)
         self._registry.observe(hb, time.monotonic())
-        if self._lora_version(hb) != self._lora_set.version:  # joined later, or restarted: send it the list
+        if self._lora.observe(hb):  # joined later, or restarted: send it the cluster's list
             self._send_lora_set(worker_id, hb.incarnation)
         self._update_pool_gauges()
         self._queue.notify()
 
-    async def set_lora_adapters(self, adapters: dict[str, str], version: int, name: str) -> str:
-        self._lora_set = LoRAAdapterSet(version, list(adapters), list(adapters.values()), self.gateway_id)
-        workers = self._registry.workers()
-        for w in workers:
-            self._send_lora_set(w.worker_id, w.incarnation)
-        give_up = time.monotonic() + self._params.lora_load_timeout_s
-        while time.monotonic() < give_up:
-            current = [w for w in (self._registry.get(x.worker_id) for x in workers) if w is not None]
-            errors = [
-                e
-                for w in current
-                if self._lora_version(w.heartbeat) == version
-                for e in w.heartbeat.lora_errors
-                if e.startswith(f"{name}: ")
-            ]
-            if errors:
-                return f"worker: {errors[0][len(name) + 2 :]}"
-            if all(self._lora_version(w.heartbeat) == version for w in current):
-                return ""
-            await asyncio.sleep(0.05)
-        late = [
-            w.worker_id
-            for w in workers
-            if (x := self._registry.get(w.worker_id)) and self._lora_version(x.heartbeat) != version
-        ]
-        return f"workers {', '.join(late)} did not apply the adapter list within {self._params.lora_load_timeout_s:g} s"
+    def lora_adapters(self) -> dict[str, str]:
+        return self._lora.paths()
 
-    def _lora_version(self, hb: Heartbeat) -> int:
-        """The version of this gateway's adapter list the worker applied last (0: none sent yet)."""
-        mine = f"{self.gateway_id}:"
-        return next((int(v[len(mine) :]) for v in hb.lora_versions if v.startswith(mine)), 0)
+    async def change_lora_adapters(self, name: str, path: str | None) -> str:
+        give_up = time.monotonic() + self._params.lora_load_timeout_s
+        for _ in range(MAX_LORA_CHANGE_TRIES):
+            paths = dict(self._lora.paths())
+            if path is None:
+                paths.pop(name, None)
+            else:
+                paths[name] = path
+            mine = self._lora.make(paths, self.gateway_id)
+            workers = self._registry.workers()
+            for w in workers:
+                self._send_lora_set(w.worker_id, w.incarnation)
+            while time.monotonic() < give_up:
+                current = [w for w in (self._registry.get(x.worker_id) for x in workers) if w is not None]
+                if errors := [
+                    e
+                    for w in current
+                    if stamp_of(w.heartbeat) == mine.stamp
+                    for e in w.heartbeat.lora_errors
+                    if e.startswith(f"{name}: ")
+                ]:
+                    return f"worker: {errors[0][len(name) + 2 :]}"
+                if all(stamp_of(w.heartbeat) >= mine.stamp for w in current):
+                    break
+                await asyncio.sleep(0.05)
+            else:
+                late = [
+                    w.worker_id
+                    for w in workers
+                    if (x := self._registry.get(w.worker_id)) and stamp_of(x.heartbeat) < mine.stamp
+                ]
+                within = self._params.lora_load_timeout_s
+                return f"workers {', '.join(late)} did not apply the adapter list within {within:g} s"
+            # Applied, or overtaken by another gateway's change made at the same time: done if the
+            # newest list has this change in it, else it is made again on top of that list.
+            if self._lora.paths().get(name) == path:
+                return ""
+        return f"the adapter list kept changing through other gateways ({MAX_LORA_CHANGE_TRIES} tries)"
 
     def _send_lora_set(self, worker_id: str, incarnation: str) -> None:
-        key = (worker_id, incarnation)
-        if self._lora_sent.get(key) == self._lora_set.version:
-            return  # on its way; the worker's next heartbeat reports it
-        self._lora_sent[key] = self._lora_set.version
-        asyncio.ensure_future(self._link.send(worker_id, self._lora_set))
+        if self._lora.due(worker_id, incarnation):  # else on its way; the worker's next heartbeat reports it
+            asyncio.ensure_future(self._link.send(worker_id, self._lora.newest))
 
     def _on_malformed(self, why: str, worker_id: str = "") -> None:
         self._rejects.reject("malformed", worker_id, why)
@@ -548,8 +556,7 @@ class ZmqBackend(Backend):
         if reason != "restarted":  # a restarted worker is registered again under its new key already
             self._link.unbind(worker_id)
         self._router.forget([worker_id])
-        for key in [k for k in self._lora_sent if k[0] == worker_id]:
-            del self._lora_sent[key]
+        self._lora.forget(worker_id)
         self._breaker.forget(worker_id)
         for gauge in (self._metrics.worker_breaker_open, self._metrics.worker_failures):
             with contextlib.suppress(KeyError):  # never failed
