@@ -64,6 +64,11 @@ def manager() -> LoRAManager:
     return manager
 
 
+def pinned(manager: LoRAManager, names: list[str]) -> list:
+    """Each token row's adapter as a request pins it at admission ("" = the base model: None)."""
+    return [manager.pin(name) if name else None for name in names]
+
+
 def mixed_names(num_tokens: int) -> list[str]:
     gen = torch.Generator().manual_seed(num_tokens)
     choice = torch.randint(0, 4, (num_tokens,), generator=gen).tolist()
@@ -73,7 +78,7 @@ def mixed_names(num_tokens: int) -> list[str]:
 @pytest.mark.parametrize("num_tokens", [37, 3])
 def test_kernel_path_equals_torch_path_on_every_module(manager, num_tokens):
     names = mixed_names(num_tokens)
-    step = manager.step(names)
+    step = manager.step(pinned(manager, names))
     assert step.stacked is None and not use_lora_kernel(manager.device)  # CPU: the torch path
     stacked = StackedLoRA(manager.config, manager.device).step(step.groups, num_tokens)
     base = torch.tensor([n == "" for n in names])
@@ -95,9 +100,9 @@ def test_kernel_path_equals_torch_path_on_every_module(manager, num_tokens):
 
 def test_an_adapter_sets_stacks_are_kept_across_steps(manager):
     stacked = StackedLoRA(manager.config, manager.device)
-    first = stacked.step(manager.step(["alpha", "", "beta"]).groups, 3)
-    again = stacked.step(manager.step(["beta", "beta", "alpha", ""]).groups, 4)  # same set, other order
-    other = stacked.step(manager.step(["gamma"]).groups, 1)
+    first = stacked.step(manager.step(pinned(manager, ["alpha", "", "beta"])).groups, 3)
+    again = stacked.step(manager.step(pinned(manager, ["beta", "beta", "alpha", ""])).groups, 4)  # same set, other order
+    other = stacked.step(manager.step(pinned(manager, ["gamma"])).groups, 1)
     assert again.stacks is first.stacks and other.stacks is not first.stacks
     assert again.batch.slots.tolist() == [first.batch.slots[2], first.batch.slots[2], first.batch.slots[0], -1]
 
