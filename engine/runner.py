@@ -129,7 +129,7 @@ class ModelRunner:
             plan=None
             if device.type == "cuda"
             else kernels.plan_attention(
-                block_tables, context_lens_t, query_start_loc_t, self.kv_pool.tensor[0, 0], self.native_decode
+                block_tables, context_lens_t, query_start_loc_t, self.kv_pool.layer(0)[0], self.native_decode
             ),
         )
         input_ids_t = torch.tensor(input_ids, dtype=torch.long, device=device)
