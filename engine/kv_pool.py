@@ -39,16 +39,27 @@ def num_blocks_for_budget(budget_bytes: int, bytes_per_block: int) -> int:
 
 
 class KVPool:
-    """Owns the pool tensor. ``tensor`` may be given (e.g. one that lives in shared memory)."""
+    """Owns the pool tensor. ``tensor`` may be given (e.g. one that lives in shared memory), or replaced
+    later by an identical one (the decode node moves its pool into shared memory after building it)."""
 
     def __init__(self, layout: KVLayout, device: torch.device | str = "cpu", tensor: torch.Tensor | None = None):
-        if tensor is None:
-            tensor = torch.zeros(layout.shape, dtype=layout.dtype, device=device)
+        self.layout = layout
+        self.tensor = tensor if tensor is not None else torch.zeros(layout.shape, dtype=layout.dtype, device=device)
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        return self._tensor
+
+    @tensor.setter
+    def tensor(self, tensor: torch.Tensor) -> None:
+        layout = self.layout
         assert tuple(tensor.shape) == layout.shape and tensor.dtype == layout.dtype, (tensor.shape, layout)
         assert tensor.is_contiguous()
-        self.layout = layout
-        self.tensor = tensor
+        self._tensor = tensor
+        # Every layer's K and V views, made once: indexing them out of the pool on every layer of every
+        # step was 4 torch ops per layer.
+        self._layers = [(tensor[i, 0], tensor[i, 1]) for i in range(layout.num_layers)]
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(k_cache, v_cache) of one layer, each ``[num_blocks, block_size, kv_heads, head_dim]``."""
-        return self.tensor[index, 0], self.tensor[index, 1]
+        return self._layers[index]
