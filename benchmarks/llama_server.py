@@ -163,14 +163,24 @@ def check_prompts(vocab: int) -> list[list[int]]:
 def greedy_mismatches(server: LlamaServer, model_dir: Path, vocab: int) -> list[str]:
     """One line per prompt whose llama-server output differs from transformers' greedy generate with
     the same EOG ids masked; empty when every token matches."""
+    import torch
+
     from benchmarks import hf_baseline
 
     model = hf_baseline.load_hf_model(model_dir)
     masked = eog_ids(model_dir)
     problems = []
-    for prompt in check_prompts(vocab):
-        expected = hf_baseline.generate_batch(model, [tuple(prompt)], CHECK_OUTPUT_LEN, suppress_ids=masked)[0]
-        got = server.complete_ids(prompt, CHECK_OUTPUT_LEN)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the server: one thread is quick enough and never waits on a busy core
+    try:
+        got_all = [server.complete_ids(prompt, CHECK_OUTPUT_LEN) for prompt in check_prompts(vocab)]
+        expected_all = [
+            hf_baseline.generate_batch(model, [tuple(prompt)], CHECK_OUTPUT_LEN, suppress_ids=masked)[0]
+            for prompt in check_prompts(vocab)
+        ]
+    finally:
+        torch.set_num_threads(threads)
+    for prompt, got, expected in zip(check_prompts(vocab), got_all, expected_all):
         if got != expected:
             first = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), min(len(got), len(expected)))
             problems.append(
@@ -185,7 +195,8 @@ def check(model_dir: Path, cpus: set[int], log_dir: Path) -> list[str]:
     from benchmarks.serve import prompt_vocab
 
     gguf = llama_build.convert(model_dir)
-    config = LlamaConfig(threads=len(cpus), parallel=1, flash_attn=False, ctx_per_slot=1024)
+    # One thread: the check is of tokens, not speed, and a second thread only waits for a busy core.
+    config = LlamaConfig(threads=1, parallel=1, flash_attn=False, ctx_per_slot=1024)
     server = LlamaServer(config, gguf, cpus, log_dir / "llama-check.log")
     try:
         return greedy_mismatches(server, model_dir, prompt_vocab(model_dir))
