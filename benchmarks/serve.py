@@ -44,10 +44,12 @@ import platform
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 from benchmarks import serve_workloads as workloads
 from benchmarks.client import KvSampler, Target, run_closed_loop, run_open_loop
+from benchmarks.llama_server import LlamaConfig
 from benchmarks.serve_launcher import ServedSystem
 from benchmarks.serve_metrics import Slo, kv_utilization, summarize
 from benchmarks.serve_plan import (
@@ -212,24 +214,51 @@ def run_llama(
     spec: SystemSpec, p: Plan, args, model_dir: Path, vocab: int, cpus: set[int], workdir: Path, report: Report
 ) -> None:
     """llama-server on the GGUF of ``model_dir``, if its greedy output is transformers' (else none of
-    its figures is reported), through the same workloads and client as pdserve."""
+    its figures is reported), through the same workloads and client as pdserve. The streams workload
+    gets a server per concurrency with as many slots as streams (``--parallel N``, as llama.cpp's users
+    run it for N clients); the other workloads one with ``spec.llama``'s slots."""
     from benchmarks import llama_build
-    from benchmarks.llama_server import LlamaServer, check
+    from benchmarks.llama_server import check
 
     problems = check(model_dir, cpus, workdir)
     if problems:
         print(f"  ({spec.name}: NOT RUN, greedy output differs from transformers: {'; '.join(problems)})", flush=True)
         return
+    gguf = llama_build.convert(model_dir)
     config = spec.llama.resolved(len(cpus))
-    server = LlamaServer(config, llama_build.convert(model_dir), cpus, workdir / f"{spec.name}.log")
+    others = tuple(w for w in spec.workloads if w != "streams")
+    servers = [(config, others, ())] if others else []
+    if "streams" in spec.workloads:
+        servers += [(replace(config, parallel=c), ("streams",), (c,)) for c in STREAM_CONCURRENCIES]
+    for server_config, chosen, levels in servers:
+        serve_llama(spec.name, server_config, gguf, chosen, levels, p, args, vocab, cpus, workdir, report)
+
+
+def serve_llama(
+    name: str,
+    config: LlamaConfig,
+    gguf: Path,
+    chosen: tuple[str, ...],
+    levels: tuple[int, ...],
+    p: Plan,
+    args,
+    vocab: int,
+    cpus: set[int],
+    workdir: Path,
+    report: Report,
+) -> None:
+    """One llama-server with ``config`` through the workloads ``chosen`` (of streams, the ``levels``)."""
+    from benchmarks.llama_server import LlamaServer
+
+    server = LlamaServer(config, gguf, cpus, workdir / f"{name}-parallel{config.parallel}.log")
     try:
         target = Target(server.url, server.model)
         warm_up(target, vocab)
         server.wait_idle()
         before = sample_tree(server.proc.pid)
-        run_workloads(spec.name, spec.workloads, target, p, args, vocab, report, server.wait_idle, None)
-        report.procs += [(spec.name, s) for s in cpu_delta(before, sample_tree(server.proc.pid))]
-        print(f"  ({spec.name}: llama-server {config.label}, greedy output checked; log {server.log_path})", flush=True)
+        run_workloads(name, chosen, target, p, args, vocab, report, server.wait_idle, None, levels)
+        report.procs += [(name, s) for s in cpu_delta(before, sample_tree(server.proc.pid))]
+        print(f"  ({name}: llama-server {config.label}, greedy output checked; log {server.log_path})", flush=True)
     finally:
         server.stop()
 
@@ -244,9 +273,11 @@ def run_workloads(
     report: Report,
     settle: Callable[[], None],
     sampler: KvSampler | None,
+    stream_levels: tuple[int, ...] = STREAM_CONCURRENCIES,
 ) -> None:
     """The plan's workloads against ``target`` (a system started here, or any server: --base-url);
-    ``settle`` waits between runs until the server is idle; ``sampler`` reads pdserve's KV gauges."""
+    ``settle`` waits between runs until the server is idle; ``sampler`` reads pdserve's KV gauges;
+    the streams workload runs the concurrencies of ``stream_levels`` (each with its own prompts)."""
     slo = Slo(args.slo_ttft, args.slo_tpot)
 
     def record(workload: str, load: str, rate: float, timelines, duration) -> None:
@@ -293,6 +324,8 @@ def run_workloads(
             args.seed,
         )
         for concurrency, requests in workloads.streams(spec):
+            if concurrency not in stream_levels:
+                continue
             result = asyncio.run(run_closed_loop(target, requests, concurrency, "streams"))
             record("streams", streams_load(concurrency), float("inf"), *result)
     if "interference" in chosen:

@@ -31,7 +31,8 @@ STREAM_PROMPT_LEN = 256
 STREAM_OUTPUT_LEN = 128
 # llama-server's slots must hold the longest request any workload sends (interference: 2048 + 8) and
 # as many requests as any workload has in flight (mixed, all at once: 64). threads=0: one per core.
-# Which of threads 1/2, --parallel = streams or 64, flash attention on/off won: docs/benchmarks.md.
+# The streams workload runs each concurrency N on a server of its own with --parallel N (issue #36's
+# configuration). The sweep of threads, --parallel and flash attention: docs/benchmarks.md.
 LLAMA_CONFIG = LlamaConfig(threads=0, parallel=64, flash_attn=False, ctx_per_slot=4096)
 
 
