@@ -3,6 +3,7 @@
 streams or 64 (what ``benchmarks.serve`` needs for its other workloads), flash attention off or on.
 
     python -m benchmarks.llama_sweep [--model DIR] [--rounds 2] [--threads 1,2] [--parallel streams,64]
+                                     [--flash-attn off,on] [--concurrencies 1,16,32]
 
 Each configuration serves each concurrency from a freshly started server (so ``--parallel streams``
 can match it), with the same client, prompts and token counts as ``benchmarks.serve``'s streams runs.
@@ -49,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2, help="requests per stream at each concurrency")
     p.add_argument("--threads", default="1,2")
     p.add_argument("--parallel", default="streams,64", help="'streams' (= the concurrency) and/or numbers")
+    p.add_argument("--flash-attn", default="off,on")
     p.add_argument("--concurrencies", default=",".join(map(str, STREAM_CONCURRENCIES)))
     args = p.parse_args(argv)
     from benchmarks.engine_throughput import resolve_model_dir
@@ -65,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     concurrencies = tuple(int(c) for c in args.concurrencies.split(","))
     spec = workloads.StreamsSpec(vocab, concurrencies, STREAM_PROMPT_LEN, STREAM_OUTPUT_LEN, args.rounds, 8)
     levels = workloads.streams(spec)
-    grid = list(itertools.product(args.threads.split(","), args.parallel.split(","), (False, True)))
+    flash = [{"off": False, "on": True}[x] for x in args.flash_attn.split(",")]
+    grid = list(itertools.product(args.threads.split(","), args.parallel.split(","), flash))
     best: dict[int, tuple[float, str]] = {}
     print(f"{'configuration':<34}{'streams':>8}{'out tok/s':>10}{'ITL p50 ms':>11}{'TTFT p99 ms':>12}{'ok':>8}")
     for threads, parallel, flash_attn in grid:
