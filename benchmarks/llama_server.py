@@ -64,6 +64,7 @@ class LlamaConfig:
             "-c",
             str(self.parallel * self.ctx_per_slot),  # split evenly between the slots
             "--no-webui",
+            "--slots",  # the /slots endpoint (off by default): wait_idle reads it between runs
             *(["-fa"] if self.flash_attn else []),
         ]
 

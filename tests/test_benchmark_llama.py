@@ -34,7 +34,20 @@ def test_llama_server_command_line(tmp_path):
     assert argv == [
         str(tmp_path / "llama-server"),
         *("-m", str(tmp_path / "m.gguf"), "--host", "127.0.0.1", "--port", "8123"),
-        *("-t", "2", "-tb", "2", "--parallel", "16", "--cont-batching", "-c", str(16 * 384), "--no-webui", "-fa"),
+        *(
+            "-t",
+            "2",
+            "-tb",
+            "2",
+            "--parallel",
+            "16",
+            "--cont-batching",
+            "-c",
+            str(16 * 384),
+            "--no-webui",
+            "--slots",
+            "-fa",
+        ),
     ]
     assert "-fa" not in LlamaConfig(1, 1, False, 64).argv(tmp_path / "s", tmp_path / "m", 1)
     assert config.label == "-t 2 --parallel 16 fa on"
