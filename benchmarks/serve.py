@@ -90,7 +90,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m benchmarks.serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--quick", action="store_true", help="smaller workloads, fewer rates (< 10 min on 2 cores)")
+    p.add_argument("--quick", action="store_true", help="smaller workloads, fewer rates")
     p.add_argument("--model", default=None, help="HF model directory (default: the cached llama-small)")
     p.add_argument("--cpus", default=None, help="CPU list for every system, e.g. 0,1 (default: this process's)")
     p.add_argument("--seed", type=int, default=0)
