@@ -5,9 +5,9 @@ Systems (each its own ``pdserve serve``, the same cores):
   cores // workers threads).
 - coloc: ``--prefill 0 --decode 1``: the decode worker prefills locally on all the cores.
 - nocache: disagg with ``engine.enable_prefix_caching=false``.
-- llama: llama.cpp's ``llama-server`` (benchmarks/llama_server.py) on the same cores, at the
-  configuration that served the streams workload best here (LLAMA_CONFIG; the sweep is in
-  docs/benchmarks.md), on the GGUF f32 of the same model, after its greedy output was checked.
+- llama: llama.cpp's ``llama-server`` (benchmarks/llama_server.py) on the same cores and the GGUF f32
+  of the same model, after its greedy output was checked: the streams workload at ``--parallel N``
+  for N streams, the others on one server of LLAMA_CONFIG (benchmarks.serve.run_llama).
 The transformers static-batching baseline runs offline on the same mixed requests as the closed loops
 (64), same cores, at batch 16 (the headline's, four full batches) and at HF_BATCH_SIZES, whose best
 is the strongest static batching this machine gives.

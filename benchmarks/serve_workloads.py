@@ -1,6 +1,6 @@
 """The serving benchmark's seeded workloads and their arrival schedules.
 
-Three shapes, each a pure function of its spec (``random.Random(seed)``, the same on every platform):
+The shapes, each a pure function of its spec (``random.Random(seed)``, the same on every platform):
 
 - mixed: ``benchmarks.workload.make_workload`` (prompts U[64,512], outputs U[16,256]), so the served
   run and the transformers baseline see the very same requests.
