@@ -190,3 +190,57 @@ def test_equal_concurrency_headlines_from_known_runs(capsys):
     rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[3:]}  # after the title and header
     assert list(rows) == ["disagg", "coloc", "llama"]  # nocache ran no streams
     assert rows["llama"].split() == ["llama", "100.0,", "6,", "50", "250.0,", "50,", "4000", "—"]
+
+
+def _sse_server(num_drops: int):
+    """A raw HTTP server that closes the first ``num_drops`` connections after reading a request, without
+    a byte of answer (as a server closing a kept-alive connection does), then streams two tokens."""
+    import asyncio
+
+    body = (
+        b'data: {"choices": [{"text": "a"}]}\n\n'
+        b'data: {"choices": [{"text": "b"}], "usage": {"completion_tokens": 2}}\n\n'
+        b"data: [DONE]\n\n"
+    )
+    seen = []
+
+    async def handle(reader, writer):
+        await reader.readuntil(b"\r\n\r\n")
+        seen.append(1)
+        if len(seen) > num_drops:
+            head = f"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nContent-Length: {len(body)}\r\n\r\n"
+            writer.write(head.encode() + body)
+            await writer.drain()
+        writer.close()
+
+    return asyncio.start_server(handle, "127.0.0.1", 0), seen
+
+
+@pytest.mark.parametrize("num_drops, ok", [(0, True), (1, True), (2, False)])
+def test_a_request_the_server_never_answered_is_sent_once_more(num_drops, ok):
+    import asyncio
+
+    import httpx
+
+    from benchmarks.client import Target, send_one
+    from benchmarks.serve_workloads import Scheduled
+    from benchmarks.workload import BenchRequest
+
+    async def run():
+        starting, seen = _sse_server(num_drops)
+        server = await starting
+        port = server.sockets[0].getsockname()[1]
+        async with httpx.AsyncClient() as client:
+            t = await send_one(
+                client, Target(f"http://127.0.0.1:{port}", "m"), Scheduled(0, BenchRequest(0, (1,), 2), "x")
+            )
+        server.close()
+        return t, len(seen)
+
+    t, connections = asyncio.run(run())
+    assert connections == min(num_drops + 1, 2)  # at most one more try
+    assert t.ok is ok
+    if ok:
+        assert (t.output_tokens, t.text, len(t.chunk_s)) == (2, "ab", 2)
+    else:
+        assert t.error.startswith("RemoteProtocolError")
