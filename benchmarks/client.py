@@ -50,31 +50,46 @@ def request_body(target: Target, r: BenchRequest) -> dict:
 async def send_one(client: httpx.AsyncClient, target: Target, item: Scheduled) -> RequestTimeline:
     r = item.request
     t = RequestTimeline(r.index, item.tag, r.prompt_len, r.output_len, send_s=time.perf_counter())
-    try:
-        async with client.stream(
-            "POST", f"{target.url}/v1/completions", json=request_body(target, r), headers=target.headers
-        ) as response:
-            if response.status_code != 200:
-                t.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
-                return t
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                now = time.perf_counter()
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    t.error = str(chunk["error"])[:200]
-                    return t
-                if chunk.get("choices"):
-                    t.chunk_s.append(now)
-                    t.text += chunk["choices"][0].get("text") or ""
-                if chunk.get("usage"):
-                    t.output_tokens = int(chunk["usage"]["completion_tokens"])
-        if t.output_tokens != r.output_len:
-            t.error = f"asked for {r.output_len} tokens, usage says {t.output_tokens}"
-    except httpx.HTTPError as exc:
-        t.error = f"{type(exc).__name__}: {exc}"
+    for attempt in range(2):
+        try:
+            await _stream(client, target, r, t)
+            break
+        except httpx.RemoteProtocolError as exc:
+            if attempt or t.chunk_s:
+                t.error = f"{type(exc).__name__}: {exc}"
+                break
+            # Nothing came back: the server closed the kept-alive connection just as it was reused
+            # (llama-server's HTTP library closes one after a few requests), so the request never
+            # reached it. Sent again on a new connection, as the OpenAI SDK does; send_s stays.
+        except httpx.HTTPError as exc:
+            t.error = f"{type(exc).__name__}: {exc}"
+            break
+    if not t.error and t.output_tokens != r.output_len:
+        t.error = f"asked for {r.output_len} tokens, usage says {t.output_tokens}"
     return t
+
+
+async def _stream(client: httpx.AsyncClient, target: Target, r: BenchRequest, t: RequestTimeline) -> None:
+    """One streamed completion into ``t``: chunk times, text, usage; an error body or chunk in ``t.error``."""
+    async with client.stream(
+        "POST", f"{target.url}/v1/completions", json=request_body(target, r), headers=target.headers
+    ) as response:
+        if response.status_code != 200:
+            t.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+            return
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            now = time.perf_counter()
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                t.error = str(chunk["error"])[:200]
+                return
+            if chunk.get("choices"):
+                t.chunk_s.append(now)
+                t.text += chunk["choices"][0].get("text") or ""
+            if chunk.get("usage"):
+                t.output_tokens = int(chunk["usage"]["completion_tokens"])
 
 
 def _client() -> httpx.AsyncClient:

@@ -27,12 +27,13 @@ def load_hf_model(model_dir: str | Path, bench: BenchDevice = CPU_FP32) -> PreTr
     return model.to(bench.device).eval()
 
 
-def _greedy_config(max_new_tokens: int, pad_token_id: int) -> GenerationConfig:
+def _greedy_config(max_new_tokens: int, pad_token_id: int, suppress_ids: list[int] | None) -> GenerationConfig:
     return GenerationConfig(
         do_sample=False,
         max_new_tokens=max_new_tokens,
         eos_token_id=None,  # never stop early: every row runs exactly max_new_tokens steps
         pad_token_id=pad_token_id,
+        suppress_tokens=suppress_ids or None,  # logits -inf: never chosen
     )
 
 
@@ -42,8 +43,14 @@ def _pad_id(model: PreTrainedModel) -> int:
 
 
 @torch.inference_mode()
-def generate_batch(model: PreTrainedModel, prompts: list[tuple[int, ...]], max_new_tokens: int) -> list[list[int]]:
-    """Greedy ``max_new_tokens`` for each prompt in one left-padded ``generate`` call."""
+def generate_batch(
+    model: PreTrainedModel,
+    prompts: list[tuple[int, ...]],
+    max_new_tokens: int,
+    suppress_ids: list[int] | None = None,
+) -> list[list[int]]:
+    """Greedy ``max_new_tokens`` for each prompt in one left-padded ``generate`` call; ``suppress_ids``
+    are never chosen (to compare with a server whose ignore_eos masks EOS instead of sampling past it)."""
     pad_id = _pad_id(model)
     width = max(len(p) for p in prompts)
     input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)  # [batch, width]
@@ -54,7 +61,7 @@ def generate_batch(model: PreTrainedModel, prompts: list[tuple[int, ...]], max_n
     out = model.generate(
         input_ids=input_ids.to(model.device),
         attention_mask=attention_mask.to(model.device),
-        generation_config=_greedy_config(max_new_tokens, pad_id),
+        generation_config=_greedy_config(max_new_tokens, pad_id, suppress_ids),
     )  # [batch, width + max_new_tokens]
     return out[:, width:].tolist()
 

@@ -1,20 +1,27 @@
-"""Serving benchmark: pdserve disaggregated vs colocated vs prefix cache off vs transformers static
-batching, side by side in one run, on the ``small`` model.
+"""Serving benchmark: pdserve disaggregated vs colocated vs prefix cache off vs llama.cpp's llama-server
+vs transformers static batching, side by side in one run, on the ``small`` model.
 
     python -m benchmarks.serve [--quick] [--plots-dir docs] [--json FILE] [--compare-insecure]
                                [--systems disagg,coloc] [--workloads interference] [--set SECTION.KEY=VALUE]
     python -m benchmarks.serve --base-url http://host:8000 [--model TOKENIZER_DIR] [--quick] [--workloads ...]
 
-1. transformers static batching (batch 16, offline, greedy, EOS ignored) on the mixed workload, with
-   torch threads = the benchmark's cores.
+1. transformers static batching (batch 16, 32 and 64, offline, greedy, EOS ignored) on the mixed
+   workload, with torch threads = the benchmark's cores.
 2. For each pdserve system (benchmarks/serve_plan.py): start ``pdserve serve`` pinned to the same
    cores, warm it up, then run its workloads with the streaming client (benchmarks/client.py):
    mixed at Poisson rates, mixed closed loop with 16 in flight (the baseline's batch size), the same
    requests all at once (the served throughput, as vLLM's ``--request-rate inf``; KV utilisation over both),
-   shared prefix at one Poisson rate, interference (short stream + 2048-token bursts). CPU-seconds
-   and peak RSS of each process of the serve tree are read from /proc around the runs.
-3. The table, per-process costs, the targets next to the measured values, optional plots and JSON;
-   the last line is ``vs_hf_static=<x> tpot_p99_disagg_vs_coloc=<y> prefix_ttft_gain=<z>``.
+   shared prefix at one Poisson rate, interference (short stream + 2048-token bursts), streams
+   (256 prompt / 128 output tokens, closed loops at 1, 16 and 32). CPU-seconds and peak RSS of each
+   process of the serve tree are read from /proc around the runs.
+   llama-server (``llama``, built by ``python -m benchmarks.llama_server build``) runs the same
+   workloads with the same client, after its greedy output is checked against transformers: a
+   mismatch leaves it out, and its ratios nan.
+3. The table, per-process costs, the targets next to the measured values, the streams table, optional
+   plots and JSON; then ``vs_hf_static=<x> tpot_p99_disagg_vs_coloc=<y> prefix_ttft_gain=<z>``, the
+   equal-concurrency line against transformers, and last
+   ``vs_llama_1=<a> vs_llama_16=<b> vs_llama_32=<c> vs_llama_1_itl=<d> ttft_p99_vs_llama_16=<e> ...``
+   (serve_report.equal_concurrency defines each).
 
 ``--compare-insecure`` runs each chosen system twice, CurveZMQ on (the default) and ``<name>-insecure``
 (``transfer.insecure``), and prints the served throughput of the second over the first.
@@ -37,23 +44,41 @@ import platform
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 from benchmarks import serve_workloads as workloads
 from benchmarks.client import KvSampler, Target, run_closed_loop, run_open_loop
+from benchmarks.llama_server import LlamaConfig
 from benchmarks.serve_launcher import ServedSystem
 from benchmarks.serve_metrics import Slo, kv_utilization, summarize
-from benchmarks.serve_plan import STATIC_BATCH_SIZE, WORKLOADS, Plan, SystemSpec, plan, select, with_insecure_twins
+from benchmarks.serve_plan import (
+    HF_BATCH_SIZES,
+    STATIC_BATCH_SIZE,
+    STREAM_CONCURRENCIES,
+    STREAM_OUTPUT_LEN,
+    STREAM_PROMPT_LEN,
+    WORKLOADS,
+    Plan,
+    SystemSpec,
+    plan,
+    select,
+    with_insecure_twins,
+)
 from benchmarks.serve_procs import cpu_delta, sample_tree, self_sample
 from benchmarks.serve_report import (
     ALL_AT_ONCE,
     HEADER,
     Report,
+    equal_concurrency,
+    headline_line,
     make_run,
     print_encryption_cost,
     print_procs,
+    print_streams_table,
     print_targets,
     run_row,
+    streams_load,
     write_json,
 )
 from benchmarks.workload import BenchRequest
@@ -65,7 +90,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m benchmarks.serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--quick", action="store_true", help="smaller workloads, fewer rates (< 10 min on 2 cores)")
+    p.add_argument("--quick", action="store_true", help="smaller workloads, fewer rates")
     p.add_argument("--model", default=None, help="HF model directory (default: the cached llama-small)")
     p.add_argument("--cpus", default=None, help="CPU list for every system, e.g. 0,1 (default: this process's)")
     p.add_argument("--seed", type=int, default=0)
@@ -74,11 +99,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--plots-dir", default=None, help="write PNG plots here (needs matplotlib: the 'plots' extra)")
     p.add_argument("--json", default=None, help="write every number to this JSON file")
     p.add_argument("--skip-hf", action="store_true", help="no transformers baseline (vs_hf_static is nan)")
-    p.add_argument("--systems", default=None, help="only these of disagg,coloc,nocache (comma-separated)")
+    p.add_argument("--systems", default=None, help="only these of disagg,coloc,nocache,llama (comma-separated)")
     p.add_argument(
         "--workloads",
         default=None,
-        help="only these of mixed_rates,mixed_closed,prefix,interference (comma-separated); the "
+        help="only these of mixed_rates,mixed_closed,prefix,interference,streams (comma-separated); the "
         "transformers baseline runs only with mixed_closed",
     )
     p.add_argument(
@@ -145,16 +170,19 @@ def run_hf_static(
     torch.set_num_threads(threads)
     model = hf_baseline.load_hf_model(model_dir, served_device(overrides))
     hf_baseline.generate_batch(model, [r.prompt_token_ids[:16] for r in requests[:2]], 2)  # warm-up
-    result = hf_baseline.run_static_batching(model, requests, STATIC_BATCH_SIZE)
-    report.hf_tps = result.tokens_per_s
-    me = self_sample("benchmark (hf)")
-    report.hf_row = (
-        f"{'hf':<9}{'mixed':<20}{f'offline b={STATIC_BATCH_SIZE}':<17}"
-        f"{f'{len(requests)}/{len(requests)}':>7}{result.tokens_per_s:>10.1f}   "
-        f"(wall {result.wall_s:.1f} s, {result.cpu_s:.1f} CPU-s, {threads} threads, "
-        f"process peak RSS {me.peak_rss_mb:.0f} MB)"
-    )
-    print(report.hf_row, flush=True)
+    for batch_size in HF_BATCH_SIZES:
+        result = hf_baseline.run_static_batching(model, requests, batch_size)
+        report.hf_by_batch[batch_size] = result.tokens_per_s
+        me = self_sample("benchmark (hf)")
+        row = (
+            f"{'hf':<9}{'mixed':<20}{f'offline b={batch_size}':<17}"
+            f"{f'{len(requests)}/{len(requests)}':>7}{result.tokens_per_s:>10.1f}   "
+            f"(wall {result.wall_s:.1f} s, {result.cpu_s:.1f} CPU-s, {threads} threads, "
+            f"process peak RSS {me.peak_rss_mb:.0f} MB)"
+        )
+        if batch_size == STATIC_BATCH_SIZE:
+            report.hf_tps, report.hf_row = result.tokens_per_s, row
+        print(row, flush=True)
 
 
 def warm_up(target: Target, vocab: int) -> None:
@@ -165,6 +193,9 @@ def warm_up(target: Target, vocab: int) -> None:
 def run_system(
     spec: SystemSpec, p: Plan, args, model_dir: Path, vocab: int, cpus: set[int], workdir: Path, report: Report
 ) -> None:
+    if spec.llama is not None:
+        run_llama(spec, p, args, model_dir, vocab, cpus, workdir, report)
+        return
     system = ServedSystem(spec.name, model_dir, workdir, cpus, spec.num_prefill, spec.num_decode, spec.sections)
     try:
         target = Target(system.url, system.model)
@@ -179,6 +210,59 @@ def run_system(
         system.stop()
 
 
+def run_llama(
+    spec: SystemSpec, p: Plan, args, model_dir: Path, vocab: int, cpus: set[int], workdir: Path, report: Report
+) -> None:
+    """llama-server on the GGUF of ``model_dir``, if its greedy output is transformers' (else none of
+    its figures is reported), through the same workloads and client as pdserve. The streams workload
+    gets a server per concurrency with as many slots as streams (``--parallel N``, as llama.cpp's users
+    run it for N clients); the other workloads one with ``spec.llama``'s slots."""
+    from benchmarks import llama_build
+    from benchmarks.llama_server import check
+
+    problems = check(model_dir, cpus, workdir)
+    if problems:
+        print(f"  ({spec.name}: NOT RUN, greedy output differs from transformers: {'; '.join(problems)})", flush=True)
+        return
+    gguf = llama_build.convert(model_dir)
+    config = spec.llama.resolved(len(cpus))
+    others = tuple(w for w in spec.workloads if w != "streams")
+    servers = [(config, others, ())] if others else []
+    if "streams" in spec.workloads:
+        servers += [(replace(config, parallel=c), ("streams",), (c,)) for c in STREAM_CONCURRENCIES]
+    for server_config, chosen, levels in servers:
+        serve_llama(spec.name, server_config, gguf, chosen, levels, p, args, vocab, cpus, workdir, report)
+
+
+def serve_llama(
+    name: str,
+    config: LlamaConfig,
+    gguf: Path,
+    chosen: tuple[str, ...],
+    levels: tuple[int, ...],
+    p: Plan,
+    args,
+    vocab: int,
+    cpus: set[int],
+    workdir: Path,
+    report: Report,
+) -> None:
+    """One llama-server with ``config`` through the workloads ``chosen`` (of streams, the ``levels``)."""
+    from benchmarks.llama_server import LlamaServer
+
+    server = LlamaServer(config, gguf, cpus, workdir / f"{name}-parallel{config.parallel}.log")
+    try:
+        target = Target(server.url, server.model)
+        warm_up(target, vocab)
+        server.wait_idle()
+        before = sample_tree(server.proc.pid)
+        run_workloads(name, chosen, target, p, args, vocab, report, server.wait_idle, None, levels)
+        report.procs += [(name, s) for s in cpu_delta(before, sample_tree(server.proc.pid))]
+        print(f"  ({name}: llama-server {config.label}, greedy output checked; log {server.log_path})", flush=True)
+    finally:
+        server.stop()
+
+
 def run_workloads(
     name: str,
     chosen: tuple[str, ...],
@@ -189,9 +273,11 @@ def run_workloads(
     report: Report,
     settle: Callable[[], None],
     sampler: KvSampler | None,
+    stream_levels: tuple[int, ...] = STREAM_CONCURRENCIES,
 ) -> None:
     """The plan's workloads against ``target`` (a system started here, or any server: --base-url);
-    ``settle`` waits between runs until the server is idle; ``sampler`` reads pdserve's KV gauges."""
+    ``settle`` waits between runs until the server is idle; ``sampler`` reads pdserve's KV gauges;
+    the streams workload runs the concurrencies of ``stream_levels`` (each with its own prompts)."""
     slo = Slo(args.slo_ttft, args.slo_tpot)
 
     def record(workload: str, load: str, rate: float, timelines, duration) -> None:
@@ -227,6 +313,21 @@ def run_workloads(
             p.prefix_rate_rps,
             *asyncio.run(run_open_loop(target, schedule)),
         )
+    if "streams" in chosen:
+        spec = workloads.StreamsSpec(
+            vocab,
+            STREAM_CONCURRENCIES,
+            STREAM_PROMPT_LEN,
+            STREAM_OUTPUT_LEN,
+            p.stream_rounds,
+            p.stream_min_requests,
+            args.seed,
+        )
+        for concurrency, requests in workloads.streams(spec):
+            if concurrency not in stream_levels:
+                continue
+            result = asyncio.run(run_closed_loop(target, requests, concurrency, "streams"))
+            record("streams", streams_load(concurrency), float("inf"), *result)
     if "interference" in chosen:
         schedule = workloads.interference(
             workloads.InterferenceSpec(
@@ -256,6 +357,18 @@ def run_endpoint(args, p: Plan, vocab: int, report: Report) -> None:
     print(f"endpoint {url}, model {model}, workloads {', '.join(chosen)}", flush=True)
     warm_up(target, vocab)
     run_workloads("endpoint", chosen, target, p, args, vocab, report, lambda: time.sleep(ENDPOINT_SETTLE_S), None)
+
+
+def require_llama_server() -> None:
+    """Fail before any run when the llama system is chosen but llama-server was never built."""
+    from benchmarks import llama_build
+
+    if not llama_build.server_binary().is_file():
+        raise SystemExit(
+            f"python -m benchmarks.serve: no llama-server at {llama_build.server_binary()}: build it with "
+            "`python -m benchmarks.llama_server build` (~10 min on 2 cores), or leave it out: "
+            "--systems disagg,coloc,nocache"
+        )
 
 
 def served_model(url: str, api_key: str) -> str:
@@ -309,11 +422,15 @@ def main(argv: list[str] | None = None) -> int:
         run_hf_static(
             model_dir, workloads.mixed(vocab, p.closed_requests, args.seed), len(cpus), report, args.overrides
         )
+    if any(spec.llama is not None for spec in p.systems):
+        require_llama_server()
     logs = Path(tempfile.mkdtemp(prefix="pdserve-bench-"))  # kept: each system's serve log
     for spec in p.systems:
         run_system(spec, p, args, model_dir, vocab, cpus, logs, report)
     print_procs(report)
     headline = print_targets(report)
+    print_streams_table(report, [spec.name for spec in p.systems], STREAM_CONCURRENCIES)
+    equal = equal_concurrency(report, STREAM_CONCURRENCIES)
     if args.compare_insecure:
         print_encryption_cost(report, [spec.name for spec in p.systems if not spec.name.endswith("-insecure")])
     if args.json:
@@ -329,6 +446,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"vs_hf_static={headline[0]:.2f} tpot_p99_disagg_vs_coloc={headline[1]:.2f} prefix_ttft_gain={headline[2]:.2f}"
     )
+    print(headline_line({k: v for k, v in equal.items() if not k.startswith(("vs_llama", "ttft_p99_vs_llama"))}))
+    print(headline_line({k: v for k, v in equal.items() if k.startswith(("vs_llama", "ttft_p99_vs_llama"))}))
     return 0
 
 

@@ -5,8 +5,12 @@ Systems (each its own ``pdserve serve``, the same cores):
   cores // workers threads).
 - coloc: ``--prefill 0 --decode 1``: the decode worker prefills locally on all the cores.
 - nocache: disagg with ``engine.enable_prefix_caching=false``.
-The transformers static-batching baseline (batch 16) runs offline on the same mixed requests as the
-closed loops (64: four full batches), same cores.
+- llama: llama.cpp's ``llama-server`` (benchmarks/llama_server.py) on the same cores and the GGUF f32
+  of the same model, after its greedy output was checked: the streams workload at ``--parallel N``
+  for N streams, the others on one server of LLAMA_CONFIG (benchmarks.serve.run_llama).
+The transformers static-batching baseline runs offline on the same mixed requests as the closed loops
+(64), same cores, at batch 16 (the headline's, four full batches) and at HF_BATCH_SIZES, whose best
+is the strongest static batching this machine gives.
 """
 
 from __future__ import annotations
@@ -15,8 +19,21 @@ from dataclasses import dataclass, field, replace
 
 import yaml
 
+from benchmarks.llama_server import LlamaConfig
+
 STATIC_BATCH_SIZE = 16
-WORKLOADS = ("mixed_rates", "mixed_closed", "prefix", "interference")
+HF_BATCH_SIZES = (16, 32, 64)
+WORKLOADS = ("mixed_rates", "mixed_closed", "prefix", "interference", "streams")
+# The streams workload (the shape of issue #36's comparison with llama-server, measured there with
+# GuideLLM): every request 256 prompt tokens and 128 output tokens, a closed loop at each concurrency.
+STREAM_CONCURRENCIES = (1, 16, 32)
+STREAM_PROMPT_LEN = 256
+STREAM_OUTPUT_LEN = 128
+# llama-server's slots must hold the longest request any workload sends (interference: 2048 + 8) and
+# as many requests as any workload has in flight (mixed, all at once: 64). threads=0: one per core.
+# The streams workload runs each concurrency N on a server of its own with --parallel N (issue #36's
+# configuration). The sweep of threads, --parallel and flash attention: docs/benchmarks.md.
+LLAMA_CONFIG = LlamaConfig(threads=0, parallel=64, flash_attn=False, ctx_per_slot=4096)
 
 
 @dataclass(slots=True, frozen=True)
@@ -25,7 +42,8 @@ class SystemSpec:
     num_prefill: int
     num_decode: int
     sections: dict  # YAML config sections given to pdserve serve
-    workloads: tuple[str, ...]  # which of "mixed_rates", "mixed_closed", "prefix", "interference" it runs
+    workloads: tuple[str, ...]  # which of WORKLOADS it runs
+    llama: LlamaConfig | None = None  # set: llama-server with this configuration instead of pdserve
 
 
 @dataclass(slots=True, frozen=True)
@@ -41,6 +59,8 @@ class Plan:
     num_bursts: int
     burst_size: int  # 2048-token prompts per burst
     systems: tuple[SystemSpec, ...] = field(default=())
+    stream_rounds: int = 2  # streams: requests per concurrency c = stream_rounds * c ...
+    stream_min_requests: int = 8  # ... and at least this many (one stream needs several for its ITL/TTFT)
 
 
 def _sections(prefix_caching: bool = True) -> dict:
@@ -55,7 +75,11 @@ def systems(quick: bool) -> tuple[SystemSpec, ...]:
     return (
         SystemSpec("disagg", 1, 1, _sections(), WORKLOADS),
         SystemSpec(
-            "coloc", 0, 1, _sections(), WORKLOADS if not quick else ("mixed_rates", "mixed_closed", "interference")
+            "coloc",
+            0,
+            1,
+            _sections(),
+            WORKLOADS if not quick else ("mixed_rates", "mixed_closed", "interference", "streams"),
         ),
         SystemSpec(
             "nocache",
@@ -64,6 +88,8 @@ def systems(quick: bool) -> tuple[SystemSpec, ...]:
             _sections(prefix_caching=False),
             ("mixed_closed", "prefix") + (() if quick else ("mixed_rates",)),
         ),
+        # --quick: the runs of the headlines that name llama-server (equal concurrency) only.
+        SystemSpec("llama", 0, 0, {}, WORKLOADS if not quick else ("mixed_closed", "streams"), LLAMA_CONFIG),
     )
 
 
@@ -94,6 +120,7 @@ def plan(quick: bool) -> Plan:
             num_bursts=6,
             burst_size=2,
             systems=systems(True),
+            stream_rounds=2,
         )
     return Plan(
         closed_requests=64,
@@ -107,6 +134,8 @@ def plan(quick: bool) -> Plan:
         num_bursts=8,
         burst_size=2,
         systems=systems(False),
+        stream_rounds=4,
+        stream_min_requests=16,
     )
 
 
@@ -115,6 +144,9 @@ def with_insecure_twins(p: Plan) -> Plan:
     the cost of CurveZMQ is measured side by side in one run (docs/security.md)."""
     twins = []
     for spec in p.systems:
+        if spec.llama is not None:  # not pdserve: no worker plane to encrypt
+            twins.append(spec)
+            continue
         sections = {**spec.sections, "transfer": {**spec.sections.get("transfer", {}), "insecure": True}}
         twins += [spec, replace(spec, name=f"{spec.name}-insecure", sections=sections)]
     return replace(p, systems=tuple(twins))

@@ -40,7 +40,8 @@ def parse_vm_hwm_mb(status_text: str) -> float:
 def _name(pid: int) -> str:
     argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     argv = [a.decode(errors="replace") for a in argv if a]
-    if "-m" in argv and argv.index("-m") + 1 < len(argv):
+    is_python = bool(argv) and Path(argv[0]).name.startswith("python")  # llama-server's -m is its model
+    if is_python and "-m" in argv and argv.index("-m") + 1 < len(argv):
         module = argv[argv.index("-m") + 1]
         rest = argv[argv.index("-m") + 2 :]
         worker = next(

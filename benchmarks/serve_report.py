@@ -17,6 +17,13 @@ TARGET_KV_UTIL = 0.95
 # The load of the served-throughput run: every mixed request sent at time 0 (vLLM's --request-rate inf),
 # so the server batches as it sees fit; the baseline batches 16 at a time over the same requests.
 ALL_AT_ONCE = "all at once"
+PDSERVE_LAYOUTS = ("disagg", "coloc")  # "pdserve's best layout" is the better of these, per figure
+LLAMA = "llama"
+
+
+def streams_load(concurrency: int) -> str:
+    """The load label of the streams workload's closed loop at ``concurrency``."""
+    return f"streams c={concurrency}"
 
 
 @dataclass(slots=True)
@@ -33,8 +40,9 @@ class Run:
 class Report:
     runs: list[Run] = field(default_factory=list)
     procs: list[tuple[str, ProcSample]] = field(default_factory=list)  # (system, process)
-    hf_tps: float = math.nan
+    hf_tps: float = math.nan  # static batching at batch 16: the first headline's baseline, as defined
     hf_row: str = ""
+    hf_by_batch: dict[int, float] = field(default_factory=dict)  # batch size -> output tokens/s
     kv_util: dict[str, tuple[float, int, int]] = field(
         default_factory=dict
     )  # system -> (util, busy samples, failed scrapes)
@@ -44,6 +52,11 @@ class Report:
             (r for r in self.runs if r.system == system and r.workload == workload and r.load.startswith(load_prefix)),
             None,
         )
+
+    def stream(self, system: str, concurrency: int) -> Run | None:
+        """The streams run at exactly ``concurrency`` (``find``'s prefix would take c=16 for c=1)."""
+        load = streams_load(concurrency)
+        return next((r for r in self.runs if r.system == system and r.workload == "streams" and r.load == load), None)
 
 
 def make_run(
@@ -123,6 +136,73 @@ def print_targets(report: Report) -> tuple[float, float, float]:
     return vs_static, tpot_ratio, gain
 
 
+def _value(run: Run | None, what: str) -> float:
+    """A run's figure: "tps" (output tokens/s), "itl_p50" or "ttft_p99" (seconds); nan for no run."""
+    if run is None:
+        return math.nan
+    s = run.summary
+    return {"tps": s.output_tps, "itl_p50": s.itl["p50"], "ttft_p99": s.ttft["p99"]}[what]
+
+
+def _best_layout(report: Report, concurrency: int) -> Run | None:
+    """pdserve's layout with the most output tokens/s on the streams workload at ``concurrency``."""
+    runs = [r for r in (report.stream(name, concurrency) for name in PDSERVE_LAYOUTS) if r is not None]
+    return max(runs, key=lambda r: r.summary.output_tps, default=None)
+
+
+def equal_concurrency(report: Report, concurrencies: tuple[int, ...]) -> dict[str, float]:
+    """The headlines at equal concurrency (defined before any was measured; nan where a run is missing):
+
+    - vs_hf_static_equal_concurrency: disagg's mixed closed loop of 16 over transformers at batch 16;
+    - vs_hf_best_batch: disagg, mixed all at once, over transformers at its best batch size;
+    - vs_llama_<c>: pdserve's best layout over llama-server, output tokens/s, streams at c;
+    - vs_llama_1_itl: llama-server's ITL p50 at one stream over the lower of pdserve's layouts' (>= 1:
+      pdserve's is at or below);
+    - ttft_p99_vs_llama_<c> (c > 1): llama-server's TTFT p99 over that of pdserve's best layout at c
+      (>= 1: pdserve's tail is no worse).
+    """
+    closed, served = report.find("disagg", "mixed", "closed"), report.find("disagg", "mixed", ALL_AT_ONCE)
+    out = {
+        "vs_hf_static_equal_concurrency": _ratio(_value(closed, "tps"), report.hf_by_batch.get(16, math.nan)),
+        "vs_hf_best_batch": _ratio(_value(served, "tps"), max(report.hf_by_batch.values(), default=math.nan)),
+    }
+    for c in concurrencies:
+        out[f"vs_llama_{c}"] = _ratio(_value(_best_layout(report, c), "tps"), _value(report.stream(LLAMA, c), "tps"))
+    if 1 in concurrencies:
+        itls = [_value(report.stream(name, 1), "itl_p50") for name in PDSERVE_LAYOUTS]
+        finite = [x for x in itls if not math.isnan(x)]
+        out["vs_llama_1_itl"] = _ratio(_value(report.stream(LLAMA, 1), "itl_p50"), min(finite, default=math.nan))
+    for c in concurrencies:
+        if c > 1:
+            out[f"ttft_p99_vs_llama_{c}"] = _ratio(
+                _value(report.stream(LLAMA, c), "ttft_p99"), _value(_best_layout(report, c), "ttft_p99")
+            )
+    return out
+
+
+def print_streams_table(report: Report, systems: list[str], concurrencies: tuple[int, ...]) -> None:
+    """Every system at each streams concurrency: output tokens/s, ITL p50, TTFT p99 (issue #36's table)."""
+    present = [name for name in systems if any(report.stream(name, c) for c in concurrencies)]
+    if not present:
+        return
+    print("\nstreams (256 prompt / 128 output tokens, closed loop): out tok/s, ITL p50 ms, TTFT p99 ms")
+    print(f"{'system':<9}" + "".join(f"{f'c={c}':>26}" for c in concurrencies))
+    for name in present:
+        cells = []
+        for c in concurrencies:
+            run = report.stream(name, c)
+            cells.append(
+                "—"
+                if run is None
+                else f"{_value(run, 'tps'):.1f}, {_ms(_value(run, 'itl_p50'))}, {_ms(_value(run, 'ttft_p99'))}"
+            )
+        print(f"{name:<9}" + "".join(f"{cell:>26}" for cell in cells))
+
+
+def headline_line(values: dict[str, float]) -> str:
+    return " ".join(f"{key}={value:.2f}" for key, value in values.items())
+
+
 def print_encryption_cost(report: Report, systems: list[str]) -> None:
     """Served throughput (all requests at once) with CurveZMQ over without, per system; target >= 0.9."""
     for system in systems:
@@ -143,6 +223,7 @@ def write_json(report: Report, path: Path, meta: dict) -> None:
     record = {
         "meta": meta,
         "hf_static_tps": report.hf_tps,
+        "hf_static_tps_by_batch": report.hf_by_batch,
         "kv_util": report.kv_util,
         "runs": [
             {

@@ -1,11 +1,13 @@
 """The serving benchmark's seeded workloads and their arrival schedules.
 
-Three shapes, each a pure function of its spec (``random.Random(seed)``, the same on every platform):
+The shapes, each a pure function of its spec (``random.Random(seed)``, the same on every platform):
 
 - mixed: ``benchmarks.workload.make_workload`` (prompts U[64,512], outputs U[16,256]), so the served
   run and the transformers baseline see the very same requests.
 - shared prefix: ``num_prefixes`` random prefixes of ``prefix_len`` tokens; request i uses prefix
   i % num_prefixes followed by its own random suffix (U[32,128]); short outputs, so TTFT is the story.
+- streams: fixed-length requests (256 prompt, 128 output tokens) for closed loops at 1, 16 and 32
+  concurrent streams, fresh prompts at each concurrency: the shape of llama-server's own comparisons.
 - interference: a steady Poisson stream of short decode-heavy requests ("short") plus, at fixed
   times, bursts of long prompts ("long", 2048 tokens, few output tokens) that a colocated worker must
   prefill between its decode steps.
@@ -123,3 +125,32 @@ def interference(spec: InterferenceSpec) -> list[Scheduled]:
             schedule.append(Scheduled(at, BenchRequest(index, prompt, spec.long_output_len), "long"))
             index += 1
     return sorted(schedule, key=lambda s: (s.at_s, s.request.index))
+
+
+@dataclass(slots=True, frozen=True)
+class StreamsSpec:
+    vocab_size: int
+    concurrencies: tuple[int, ...]  # a closed loop at each, in this order
+    prompt_len: int
+    output_len: int
+    rounds: int  # requests per concurrency c: rounds * c, so each stream sends ``rounds`` requests ...
+    min_requests: int  # ... but at least this many (one stream needs several for a TTFT tail)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        assert self.concurrencies and min(self.concurrencies) >= 1 and self.rounds >= 1, self
+
+
+def streams(spec: StreamsSpec) -> list[tuple[int, list[BenchRequest]]]:
+    """(concurrency, its requests) per level. Each level draws fresh prompts (seed + 2000 + k, clear of
+    the mixed workload's seeds): a replayed prompt would hit the prefix cache the level before filled."""
+    levels = []
+    for k, concurrency in enumerate(spec.concurrencies):
+        rng = random.Random(spec.seed + 2000 + k)
+        count = max(spec.rounds * concurrency, spec.min_requests)
+        requests = [
+            BenchRequest(i, tuple(rng.randrange(spec.vocab_size) for _ in range(spec.prompt_len)), spec.output_len)
+            for i in range(count)
+        ]
+        levels.append((concurrency, requests))
+    return levels
