@@ -101,7 +101,9 @@ def test_kernel_path_equals_torch_path_on_every_module(manager, num_tokens):
 def test_an_adapter_sets_stacks_are_kept_across_steps(manager):
     stacked = StackedLoRA(manager.config, manager.device)
     first = stacked.step(manager.step(pinned(manager, ["alpha", "", "beta"])).groups, 3)
-    again = stacked.step(manager.step(pinned(manager, ["beta", "beta", "alpha", ""])).groups, 4)  # same set, other order
+    again = stacked.step(
+        manager.step(pinned(manager, ["beta", "beta", "alpha", ""])).groups, 4
+    )  # same set, other order
     other = stacked.step(manager.step(pinned(manager, ["gamma"])).groups, 1)
     assert again.stacks is first.stacks and other.stacks is not first.stacks
     assert again.batch.slots.tolist() == [first.batch.slots[2], first.batch.slots[2], first.batch.slots[0], -1]
