@@ -85,6 +85,7 @@ from worker.logprob_records import prompt_logprobs_frames
 
 log = logging.getLogger(__name__)
 PREFILL = "prefill"  # culprit: the prefill worker the request relied on (protocol/serving.py CULPRITS)
+NO_ONE = "none"  # culprit: neither worker misbehaved (an operator rewrote an adapter's files, say)
 
 IDLE_POLL_MS = 10  # nothing to do: wait this long for a message (a KV message wakes the wait too)
 BUSY_POLL_MS = 1  # a grammar compiles (a future, not a socket), or KV comes in-process: look this often
@@ -391,6 +392,16 @@ class DecodeServer:
                 f"prefill worker computed the KV under LoRA adapter {commit.lora_name!r}; the request "
                 f"runs under {seq.params.lora_name!r}",
                 PREFILL,
+                abort_receiver=False,
+            )
+            return
+        own_digest = seq.params.lora_adapter.digest if seq.params.lora_adapter is not None else ""
+        if commit.lora_digest != own_digest:  # same name, other files: the directory changed between loads
+            self._fail(
+                req,
+                f"prefill worker computed the KV under LoRA adapter {commit.lora_name!r} read from other files "
+                f"(sha256 {commit.lora_digest[:12]!r}) than this worker's ({own_digest[:12]!r}): load it again",
+                NO_ONE,
                 abort_receiver=False,
             )
             return

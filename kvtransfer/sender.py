@@ -215,6 +215,7 @@ class KVSender:
         top_token_ids: list[int] | None = None,
         top_logprobs: list[float] | None = None,
         lora_name: str = "",
+        lora_digest: str = "",
     ) -> bool:
         """Queue the commit behind the transfer's last piece. False when the transfer already ended
         (its failure event says why)."""
@@ -230,6 +231,7 @@ class KVSender:
             list(top_token_ids or []),
             list(top_logprobs or []),
             lora_name,
+            lora_digest,
         )
         return True
 

@@ -415,9 +415,11 @@ class PrefillServer:
         state.phase = JobPhase.TRANSFERRING
         if state.trace:
             state.trace.phase("transfer")
-        lora_name = job.sampling.lora_name  # the decode worker checks its request runs under the same
+        # the decode worker checks its request runs under the same adapter, files and all
+        lora_name, adapter = job.sampling.lora_name, state.seq.params.lora_adapter
+        lora_digest = adapter.digest if adapter is not None else ""
         if not job.sample_first:
-            sender.commit(job.rid, job.generation, lora_name=lora_name)
+            sender.commit(job.rid, job.generation, lora_name=lora_name, lora_digest=lora_digest)
             return
         records = None if lp is None else [logprob_record(lp)]
         for frame in prompt_logprobs_frames(job.rid, state.seq.prompt_logprobs):
@@ -425,10 +427,17 @@ class PrefillServer:
         self.gateway.send(job.gateway_id, TokenEvent(job.rid, 0, 0, [token], records))
         self.metrics.engine.time_to_first_token.observe(time.monotonic() - state.arrived_at)
         if records is None:
-            sender.commit(job.rid, job.generation, token, lora_name=lora_name)
+            sender.commit(job.rid, job.generation, token, lora_name=lora_name, lora_digest=lora_digest)
         else:
             sender.commit(
-                job.rid, job.generation, token, lp.logprob, records[0].top_ids, records[0].top_logprobs, lora_name
+                job.rid,
+                job.generation,
+                token,
+                lp.logprob,
+                records[0].top_ids,
+                records[0].top_logprobs,
+                lora_name,
+                lora_digest,
             )
         log.info("rid=%s computed; first token %d sent", job.rid, token)
 

@@ -112,9 +112,13 @@ class Commit:
     # The LoRA adapter the KV was computed under ("" = the base): the receiver's request must run under
     # the same one, or the KV (and the first token) belong to another model
     lora_name: str = ""
+    # ... and its files' sha256 as the sender read them (engine/lora_adapter.py files_digest): the same
+    # name loaded from a directory rewritten between the two workers' loads is another adapter
+    lora_digest: str = ""
 
     def __post_init__(self):
         assert len(self.top_token_ids) == len(self.top_logprobs), "top logprobs need one id per value"
+        assert len(self.lora_digest) <= 64, "a LoRA digest is a sha256 hex string"
 
 
 @wire_record("kv.abort")
