@@ -16,7 +16,6 @@ from tests.decode_harness import generate
 from tests.test_decode_node import PROMPT, assert_idle, node  # noqa: F401 (the fixture)
 from worker import kv_model_name
 
-
 COMMITS_OF_ANOTHER_MODEL = [
     ({"lora_name": "alpha"}, "prefill worker computed the KV under LoRA adapter 'alpha'; the request runs under ''"),
     (  # the right name, other files: a directory rewritten between the two workers' loads
