@@ -10,9 +10,13 @@ Life of one link:
 2. the gateway acks each heartbeat with its id: the link learns whose it is. A request names the
    gateway it came from (``Generate.gateway_id``), and its events go back over the link with that id
 3. no ack for ``timeout_s``, or an ack with another id (the gateway restarted): that gateway is lost.
-   ``lost()`` names it once, and the worker aborts its requests (their blocks are freed); the socket
-   is made anew, which drops what was queued for the dead gateway, and goes on heartbeating, so a
-   gateway that comes back registers the worker again and is used again
+   ``lost()`` names it once, and the worker aborts its requests (their blocks are freed) and goes on
+   heartbeating, so a gateway that comes back registers the worker again and is used again. A link
+   whose connection dropped is made anew (what was queued for the dead gateway is dropped with it); a
+   silent one keeps its connection: a gateway that was only stalled (SIGSTOP, a long pause) reads the
+   queued heartbeats when it wakes and registers the worker again on it. A fresh socket there would
+   reuse the worker's routing id, which the gateway's ROUTER (no handover) refuses while it still holds
+   the old connection, so the worker would never be heard again (the chaos tool's gateway SIGSTOP)
 4. an address that no longer resolves is closed once its link is not acked (lost, or never was);
    one still acked keeps serving its streams (a gateway draining out of a Service's endpoints)
 """
@@ -136,7 +140,10 @@ class GatewayLinks:
                     "disconnected" if disconnected else f"silent for {now - link.last_ack_at:.1f} s",
                 )
                 lost.append(link.gateway_id)
-                link.reset()
+                if disconnected:
+                    link.reset()
+                else:  # a stalled gateway (paused, swapping): keep the connection, wait for an ack again
+                    link.forget_ack()
                 if address not in self._wanted:
                     self._links.pop(address).close()
         return lost

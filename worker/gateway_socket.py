@@ -80,6 +80,10 @@ class WorkerSocket:
         self.sock = self._connect()
         self.gateway_id = ""
 
+    def forget_ack(self) -> None:
+        """The gateway went silent: wait for its ack again on the same connection."""
+        self.gateway_id = ""
+
     def registration_proof(self, incarnation: str) -> str:
         """What the Heartbeat's ``proof`` carries (protocol/curve.py)."""
         if incarnation not in self._proofs:
