@@ -281,7 +281,9 @@ def assert_one_tree_per_request(served: dict[str, list], completion_tokens: int)
         ):
             assert (f"pdserve-{service}", name) in names, (service, name)
         ids = {s.span_id for s in spans}
-        assert all(s.start_ns <= s.end_ns and not s.error for s in spans)
+        assert all(s.start_ns <= s.end_ns and not s.error for s in spans), [
+            s for s in spans if s.error or s.start_ns > s.end_ns
+        ]
         assert [s for s in spans if s.parent_span_id not in ids] == [gateway_root]  # one tree, nothing dangling
         by_id = {s.span_id: s for s in spans}
         assert {by_id[s.parent_span_id].name for s in spans if s.name in ("chunk", "kv_push")} == {"prefill"}
