@@ -395,7 +395,7 @@ class DecodeServer:
                 abort_receiver=False,
             )
             return
-        own_digest = seq.params.lora_adapter.digest if seq.params.lora_adapter is not None else ""
+        own_digest = seq.params.lora_digest
         if commit.lora_digest != own_digest:  # same name, other files: the directory changed between loads
             self._fail(
                 req,

@@ -123,7 +123,7 @@ class BlockManager:
             parent = (
                 hashes[-1]
                 if hashes
-                else root_hash(params.cache_salt, lora_identity(params.lora_name, params.lora_path, _digest(params)))
+                else root_hash(params.cache_salt, lora_identity(params.lora_name, params.lora_path, params.lora_digest))
             )
             start = len(hashes) * bs
             hashes.append(hash_block(parent, seq.token_ids[start : start + bs]))
@@ -309,8 +309,3 @@ class BlockManager:
             require(self.block_hash[block] == h, f"cache entry of block {block} disagrees with its hash")
         require(sum(h is not None for h in self.block_hash) == len(self._cache), "hashed blocks missing from cache")
         require(len(free) + len(cached) + self.num_in_use_blocks == self.num_blocks, "counts do not add up")
-
-
-def _digest(params) -> str:
-    """The digest of the adapter's files the request runs with ("" for the base, or none pinned)."""
-    return params.lora_adapter.digest if params.lora_adapter is not None else ""

@@ -57,6 +57,11 @@ class SamplingParams:
             self.top_k = 0
         self.validate()
 
+    @property
+    def lora_digest(self) -> str:
+        """The digest of the adapter files this request runs with ("" for the base, or none pinned yet)."""
+        return self.lora_adapter.digest if self.lora_adapter is not None else ""
+
     def stop_ids(self, eos_token_ids: list[int]) -> frozenset[int]:
         """The token ids that end the sequence (a Sequence's ``stop_token_ids``; the sampler masks them
         while ``min_tokens`` is unmet): the request's stops plus the model's EOS unless ``ignore_eos``."""

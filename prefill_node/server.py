@@ -416,8 +416,7 @@ class PrefillServer:
         if state.trace:
             state.trace.phase("transfer")
         # the decode worker checks its request runs under the same adapter, files and all
-        lora_name, adapter = job.sampling.lora_name, state.seq.params.lora_adapter
-        lora_digest = adapter.digest if adapter is not None else ""
+        lora_name, lora_digest = job.sampling.lora_name, state.seq.params.lora_digest
         if not job.sample_first:
             sender.commit(job.rid, job.generation, lora_name=lora_name, lora_digest=lora_digest)
             return
