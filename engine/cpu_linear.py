@@ -95,6 +95,12 @@ class MatmulForms:
         bucket = bisect_left(ROW_BUCKETS, rows)
         return self.per_bucket[bucket] if bucket < len(self.per_bucket) else self.prefill
 
+    def with_c_up_to(self, rows: int, native: NativeLibrary) -> MatmulForms:
+        """These forms with the C linear at every bucket up to ``rows`` (engine/decode_step.py says why)."""
+        per_bucket = self.per_bucket or ("plain",) * len(ROW_BUCKETS)
+        per_bucket = tuple("c" if bucket <= rows else form for bucket, form in zip(ROW_BUCKETS, per_bucket))
+        return MatmulForms(per_bucket, self.slice_rows, native, self.prefill)
+
     def describe(self) -> str:
         by_form: dict[str, list[str]] = {}
         for rows, form in zip(ROW_BUCKETS, self.per_bucket):

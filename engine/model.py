@@ -13,6 +13,7 @@ from torch import nn
 
 from engine.attention_metadata import AttentionMetadata
 from engine.cpu_linear import LM_HEAD_SLICE_ROWS, PLAIN, Linear, MatmulForms, WeightCopies, linear, time_forms
+from engine.decode_step import FusedDecodeStep
 from engine.kv_pool import KVPool
 from engine.layers import MLP, Attention, DecoderLayer, RMSNorm, meta_parameter
 from engine.lora_manager import NO_LORA, LoRAStep, LoRAStepRef
@@ -35,6 +36,7 @@ class CausalLM(nn.Module):
         self.lm_head_forms = PLAIN  # CPU matmul forms of the LM head (choose_cpu_matmul_forms)
         self.lm_head_copies: WeightCopies | None = None  # the copies of the LM head those forms read
         self.native_layer_ops = False  # use_native_layer_ops
+        self.fused_decode: FusedDecodeStep | None = None  # use_fused_decode
         self.lora_ref: LoRAStepRef | None = None  # enable_lora: the step's adapters, read by every projection
 
     def forward(
@@ -51,6 +53,8 @@ class CausalLM(nn.Module):
         cos, sin = self.rotary.cos_sin(positions, x.dtype)  # each [T, 1, head_dim / 2], shared by all layers
         if self.native_layer_ops:
             check_slots(meta.slot_mapping, kv_pool.layer(0)[0])  # the C store writes where they point, unchecked
+        if self.fused_decode is not None and self.fused_decode.takes(x.shape[0], meta, lora):
+            return self.fused_decode.run(x, cos, sin, kv_pool, meta)
         residual = None
         for index, layer in enumerate(self.layers):
             x, residual = layer(x, residual, cos, sin, kv_pool.layer(index), meta)
@@ -78,17 +82,28 @@ class CausalLM(nn.Module):
                 module.native = native
         self.native_layer_ops = True
 
+    def use_fused_decode(self, native: NativeLibrary) -> bool:
+        """Run the decoder layers of a decode step as one C call where the step allows it
+        (engine/decode_step.py); after ``use_native_layer_ops`` and ``choose_cpu_matmul_forms``.
+        Returns whether this model can (see ``FusedDecodeStep.fits``)."""
+        self.fused_decode = FusedDecodeStep(self, native) if FusedDecodeStep.fits(self) else None
+        return self.fused_decode is not None
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] -> [S, vocab] float32
         hidden = self.norm(hidden)
         if self.lm_head_copies is None:  # no forms chosen (CUDA, or before timing): plain
             return F.linear(hidden, self.lm_head).float()
         return linear(hidden, self.lm_head_copies, forms=self.lm_head_forms).float()
 
-    def choose_cpu_matmul_forms(self, native: NativeLibrary | None = None) -> dict[str, MatmulForms]:
+    def choose_cpu_matmul_forms(
+        self, native: NativeLibrary | None = None, c_decode_rows: int = 0
+    ) -> dict[str, MatmulForms]:
         """Times the plain, transposed and packed matmul forms on this machine, and the C linear of
         ``native`` where given, for every distinct projection shape and the LM head
-        (engine/cpu_linear.py), at the current thread count, and uses the faster from now on. Returns
-        the choice by weight shape, for the log."""
+        (engine/cpu_linear.py), at the current thread count, and uses the faster from now on. With
+        ``c_decode_rows``, the layers' projections take the C linear up to that many rows whatever the
+        timing says (the fused decode step needs it: engine/decode_step.py). Returns the choice by
+        weight shape, for the log."""
         groups: dict[str, list[Linear]] = {}
         for module in self.modules():
             if isinstance(module, Linear):
@@ -96,6 +111,10 @@ class CausalLM(nn.Module):
         weights = {key: [m.weight for m in modules] for key, modules in groups.items()}
         weights["lm_head"] = [self.lm_head]
         chosen = time_forms(weights, {"lm_head": LM_HEAD_SLICE_ROWS}, native=native)
+        if c_decode_rows and native is not None:
+            for key, modules in groups.items():
+                if native.takes_weight(modules[0].weight):
+                    chosen[key] = chosen[key].with_c_up_to(c_decode_rows, native)
         for key, modules in groups.items():
             for module in modules:
                 module.use_forms(chosen[key])

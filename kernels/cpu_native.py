@@ -34,7 +34,10 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu_decode.c", "cpu_linear.c", "cpu_layer_ops.c")]
+SOURCES = [
+    Path(__file__).with_name(name)
+    for name in ("cpu_decode.c", "cpu_linear.c", "cpu_layer_ops.c", "cpu_decode_step.c")
+]
 HEADERS = [Path(__file__).with_name("cpu_vector.h")]
 _FLAGS = ("-O3", "-fno-math-errno", "-Wno-psabi", "-shared", "-fPIC")
 _SIZE = ctypes.c_int64
@@ -48,6 +51,24 @@ SERIAL_MAX_THREADS = 4
 # library is touched whenever it is used, and a new build removes those unused for this long (a
 # process that has one loaded keeps its mapping: unlinking does not unmap it).
 STALE_AFTER_S = 30 * 24 * 3600
+
+
+class DecodeLayer(ctypes.Structure):
+    """One layer's weights for ``pdserve_decode_step_f32`` (kernels/cpu_decode_step.c): the norms' weights
+    and the projections' packed copies (``NativeLibrary.pack_linear``); ``qkv_bias`` may be None."""
+
+    _fields_ = [(name, _PTR) for name in ("input_norm", "qkv", "qkv_bias", "o", "post_norm", "gate_up", "down")]
+
+
+class DecodeShape(ctypes.Structure):
+    """The model's shape for ``pdserve_decode_step_f32``; ``cache_floats``: one layer's K cache."""
+
+    _fields_ = [
+        *((name, _SIZE) for name in ("hidden", "num_heads", "kv_heads", "head_dim", "inter", "block_size")),
+        ("cache_floats", _SIZE),
+        ("eps", ctypes.c_float),
+        ("scale", ctypes.c_float),
+    ]
 
 
 @dataclass(slots=True, frozen=True)
@@ -229,6 +250,17 @@ class NativeLibrary:
         self._silu_mul = self._lib.pdserve_silu_mul_f32
         self._silu_mul.argtypes = [_PTR, _SIZE, _PTR, _SIZE, _SIZE, ctypes.c_int]
         self._silu_mul.restype = None
+        self._decode_step_work = self._lib.pdserve_decode_step_work
+        self._decode_step_work.argtypes = [ctypes.POINTER(DecodeShape), _SIZE, _SIZE]
+        self._decode_step_work.restype = _SIZE
+        self._decode_step = self._lib.pdserve_decode_step_f32
+        self._decode_step.argtypes = [
+            ctypes.POINTER(DecodeLayer),
+            _SIZE,
+            ctypes.POINTER(DecodeShape),
+            *(_PTR, _SIZE, _PTR, _PTR, _PTR, _PTR, _PTR, _SIZE, _PTR, _SIZE, _PTR, ctypes.c_int),
+        ]
+        self._decode_step.restype = None
 
     def supports(self, group: int, head_dim: int) -> bool:
         return bool(self._supported(group, head_dim))
@@ -385,6 +417,48 @@ class NativeLibrary:
         out = torch.empty((rows, width // 2), dtype=torch.float32)
         self._silu_mul(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), rows, width // 2, torch.get_num_threads())
         return out
+
+    def decode_step(
+        self,
+        layers,  # ctypes array of DecodeLayer, one per layer
+        shape: DecodeShape,
+        x: torch.Tensor,  # [rows, hidden] float32 contiguous: the embeddings; the model's output after
+        pool: torch.Tensor,  # the KV pool [layers, 2, blocks, block_size, kv_heads, head_dim], contiguous
+        cos: torch.Tensor,  # [rows, head_dim / 2] each, contiguous (broadcast dims of size 1 allowed)
+        sin: torch.Tensor,
+        slots: torch.Tensor,  # [rows] int64, each inside the pool (checked by the caller)
+        block_tables: torch.Tensor,  # [rows, max_blocks] int64 contiguous, ids inside the pool (checked)
+        context_lens: torch.Tensor,  # [rows] int64, each >= 1
+        max_context: int,  # >= every context length, <= max_blocks * block_size
+    ) -> None:
+        """Every decoder layer of a decode step (one new token per row), in place in ``x``
+        (kernels/cpu_decode_step.c): the same kernels, in the same order, as the layers' forward."""
+        rows = x.shape[0]
+        assert x.dtype == pool.dtype == cos.dtype == torch.float32 and x.is_contiguous() and pool.is_contiguous()
+        assert x.shape[1] == shape.hidden and len(layers) * 2 * shape.cache_floats == pool.numel()
+        assert cos.is_contiguous() and sin.is_contiguous() and cos.numel() == sin.numel() == rows * shape.head_dim // 2
+        assert slots.dtype == block_tables.dtype == context_lens.dtype == torch.int64 and slots.shape == (rows,)
+        assert block_tables.is_contiguous() and context_lens.is_contiguous() and block_tables.shape[0] == rows
+        assert block_tables.shape[1] * shape.block_size >= max_context
+        ctx_pad = -(-max_context // 16) * 16
+        work = torch.empty(self._decode_step_work(ctypes.byref(shape), rows, ctx_pad), dtype=torch.float32)
+        self._decode_step(
+            layers,
+            len(layers),
+            ctypes.byref(shape),
+            x.data_ptr(),
+            rows,
+            pool.data_ptr(),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            slots.data_ptr(),
+            block_tables.data_ptr(),
+            block_tables.shape[1],
+            context_lens.data_ptr(),
+            ctx_pad,
+            work.data_ptr(),
+            torch.get_num_threads(),
+        )
 
 
 @functools.cache
