@@ -142,6 +142,20 @@ def test_detokenizer_flushes_an_unfinished_character(pair):
     assert "\ufffd" not in "".join(deltas)
 
 
+def test_detokenizer_holds_back_only_the_last_unfinished_character(pair):
+    """A stream repeating a lone lead byte (random-weight models do) is broken text from its second
+    token on: each token's delta comes when the next byte shows the one before can never complete, not
+    all at the end."""
+    ours, hf = pair
+    lead = next(t for t in hf.encode("日", add_special_tokens=False) if hf.decode([t]) == "\ufffd")
+    ids = [lead] * 6 + hf.encode("ok", add_special_tokens=False)
+    deltas, tail = _stream(ours, hf.encode("The fox"), ids, 1)
+    assert deltas[:6] == [""] + ["\ufffd"] * 5  # the newest lead byte may still get its continuation bytes
+    assert "".join(deltas) + tail == hf.decode(ids) == "\ufffd" * 6 + "ok"
+    held, tail = _stream(ours, [], ids[:3], 1)
+    assert held == ["", "\ufffd", "\ufffd"] and tail == "\ufffd"  # the last one flushed at the end
+
+
 def test_stop_matcher_holds_back_possible_prefixes():
     m = StopStringMatcher(["STOP", "xyz"])
     assert m.push("abc S") == ("abc ", False)  # "S" may start STOP
