@@ -70,6 +70,7 @@ from kvtransfer.events import TransferEvent
 from kvtransfer.receiver import KVReceiver
 from protocol.rejects import RejectLog
 from protocol.serving import (
+    TOKEN_EVENTS_PER_FRAME,
     AbortRequest,
     Busy,
     Generate,
@@ -78,6 +79,8 @@ from protocol.serving import (
     LoRAAdapterSet,
     PrefillFailed,
     PrefillJob,
+    TokenEvent,
+    TokenEvents,
 )
 from telemetry.tracing import NO_TRACING, RequestTrace, Tracer
 from worker import Drain, EngineMetrics, EngineSnapshot, GatewayLinks, HeartbeatTimer
@@ -467,15 +470,22 @@ class DecodeServer:
         self.engine.num_computed_tokens += batch.num_batched_tokens
         self.scheduler.postprocess(batch, sampled.token_ids, sampled.logprobs)
         seen = set()
+        outbox: dict[str, list[TokenEvent]] = {}  # the step's events, by gateway: one frame each
         for seq in batch.sample_seqs:
             if seq.seq_id in seen:
                 continue
             seen.add(seq.seq_id)
             req = self._by_seq_id.get(self.scheduler.request_id_of(seq))
             if req is not None and req.rid in self.requests:
-                self._emit(req, self.scheduler.completion_index_of(seq), seq)
+                self._emit(req, self.scheduler.completion_index_of(seq), seq, outbox)
+        for gateway_id, events in outbox.items():
+            for start in range(0, len(events), TOKEN_EVENTS_PER_FRAME):
+                chunk = events[start : start + TOKEN_EVENTS_PER_FRAME]
+                self.gateway.send(gateway_id, chunk[0] if len(chunk) == 1 else TokenEvents(chunk))
 
-    def _emit(self, req: DecodeRequest, index: int, seq) -> None:
+    def _emit(self, req: DecodeRequest, index: int, seq, outbox: dict[str, list[TokenEvent]] | None = None) -> None:
+        """Sends ``seq``'s new tokens to its gateway, or puts them in ``outbox`` for the caller to send
+        with the rest of the step's (after any prompt logprobs frames, which go at once)."""
         if req.done[index] or seq.status == SequenceStatus.FINISHED_ABORTED:
             return
         num_cached = -1 if req.announced[index] else req.seq.num_cached_tokens  # on D's first event only
@@ -497,7 +507,10 @@ class DecodeServer:
             req.last_token_at = now
         self.metrics.generation_tokens.inc(len(event.token_ids))
         req.num_sent[index] += len(event.token_ids)
-        self.gateway.send(req.gateway_id, event)
+        if outbox is None:
+            self.gateway.send(req.gateway_id, event)
+        else:
+            outbox.setdefault(req.gateway_id, []).append(event)
         if event.finish_reason:
             req.done[index] = True
             if req.is_done:

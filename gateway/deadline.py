@@ -18,5 +18,7 @@ async def get_by(queue: asyncio.Queue[T], deadline: float | None) -> T:
     """The next item of ``queue``; TimeoutError once the ``time.monotonic`` deadline passes (None: none)."""
     if deadline is None:
         return await queue.get()
+    if not queue.empty():  # no wait, so no timer to arm (one per token of a stream otherwise)
+        return queue.get_nowait()
     async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
         return await queue.get()

@@ -4,8 +4,8 @@ Sockets (every bind on a configured interface, never all interfaces by default):
 
     gateway   ROUTER bound at gateway.host:gateway.worker_port. Each worker connects one DEALER whose
               ZeroMQ identity is its worker_id.
-              worker -> gateway: Heartbeat (also the registration), TokenEvent, PromptLogprobs, Busy,
-              Goodbye
+              worker -> gateway: Heartbeat (also the registration), TokenEvent (or a step's worth as
+              TokenEvents), PromptLogprobs, Busy, Goodbye
               gateway -> worker: HeartbeatAck (both roles), Generate (decode only), AbortRequest (both)
               Several gateways may serve one pool: a worker connects one DEALER to each
               (worker/gateway_links.py) and answers a request on the gateway that sent it.
@@ -199,6 +199,23 @@ class TokenEvent:
         assert self.finish_reason in FINISH_REASONS, self.finish_reason
         assert self.culprit in CULPRITS, f"unknown culprit {self.culprit[:20]!r}"
         assert self.logprobs is None or len(self.logprobs) == len(self.token_ids)
+
+
+TOKEN_EVENTS_PER_FRAME = 64  # a TokenEvents frame with top-20 logprobs per event stays near 64 KB
+
+
+@wire_record("serve.tokens_batch")
+@dataclass(slots=True)
+class TokenEvents:
+    """worker -> gateway: the TokenEvents of one engine step for requests of that gateway, in one frame.
+    One frame per token of every stream cost the decode worker a send and the gateway a receive, a
+    decode and a dispatch each (at 16 streams, 16 of each per step); the gateway takes each event of a
+    batch as if it came alone, checking it against the request it names."""
+
+    events: list[TokenEvent]
+
+    def __post_init__(self) -> None:
+        assert 0 < len(self.events) <= TOKEN_EVENTS_PER_FRAME
 
 
 PROMPT_LOGPROBS_PER_FRAME = 256  # a PromptLogprobs frame with top-20 entries stays near 100 KB

@@ -9,7 +9,7 @@ import zmq
 
 from configs.schema import load_config
 from protocol.codec import decode, encode
-from protocol.serving import Generate, Heartbeat, SamplingSpec, TokenEvent
+from protocol.serving import Generate, Heartbeat, SamplingSpec, TokenEvent, TokenEvents
 from protocol.zmq_util import bind, make_socket
 from tests.model_factory import tiny_model_dir
 
@@ -53,7 +53,9 @@ class FakeGateway:
                     time.sleep(0.01)
         self.address = address or bind(self.sock, "127.0.0.1", 0)
         self.heartbeats: list[Heartbeat] = []
-        self.others: list = []  # every non-heartbeat record, in arrival order
+        self.others: list = []  # every non-heartbeat record, in arrival order (a step's batch unpacked)
+        self._unread: list = []  # the rest of a TokenEvents batch, read one at a time
+        self.batch_sizes: list[int] = []  # events in each TokenEvents frame received
 
     def send(self, worker_id: str, record) -> None:
         self.sock.send_multipart([worker_id.encode(), encode(record)])
@@ -62,10 +64,16 @@ class FakeGateway:
         """Next non-heartbeat record for which ``until`` holds (heartbeats are kept aside)."""
         give_up = time.monotonic() + timeout_s
         while time.monotonic() < give_up:
-            if not self.sock.poll(50):
+            if self._unread:
+                record = self._unread.pop(0)
+            elif not self.sock.poll(50):
                 continue
-            _, frame = self.sock.recv_multipart()
-            record = decode(frame)
+            else:
+                _, frame = self.sock.recv_multipart()
+                record = decode(frame)
+                if isinstance(record, TokenEvents):  # one engine step's events, each as if it came alone
+                    self.batch_sizes.append(len(record.events))
+                    self._unread, record = record.events[1:], record.events[0]
             if isinstance(record, Heartbeat):
                 self.heartbeats.append(record)
                 continue

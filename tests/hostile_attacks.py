@@ -22,7 +22,7 @@ import zmq
 from protocol.codec import encode
 from protocol.curve import ClusterKey, PlaneSecurity
 from protocol.kv_messages import Abort, Commit, HandshakeReply
-from protocol.serving import MAX_STRUCTURED_OUTPUT_CHARS, Goodbye, TokenEvent
+from protocol.serving import MAX_STRUCTURED_OUTPUT_CHARS, Goodbye, TokenEvent, TokenEvents
 from tests import hostile
 
 FLUSH_MS = 2000  # a socket closed after an attack waits this long for its frames to leave
@@ -93,6 +93,13 @@ def leave(sock: zmq.Socket, worker_id: str = "evil") -> None:
 def forged_tokens(sock: zmq.Socket, rid: str) -> int:
     """A whole fake answer for a request the sender does not serve (refused: ``not_assigned``)."""
     sock.send(encode(TokenEvent(rid, 0, 0, [5, 6, 7], finish_reason="stop")))
+    return 1
+
+
+def forged_token_batch(sock: zmq.Socket, rid: str) -> int:
+    """The same, as one engine step's batch of two events (each refused on its own: ``not_assigned``)."""
+    events = [TokenEvent(rid, 0, 0, [5, 6]), TokenEvent(rid, 0, 2, [7], finish_reason="stop")]
+    sock.send(encode(TokenEvents(events)))
     return 1
 
 

@@ -91,6 +91,8 @@ def test_n3_seeded_completions_equal_engine(node):
     events = node.gateway.collect("r", n=3)
     expected = node.reference(PROMPT, SamplingParams(**params))
     assert [tokens_of(events[i]) for i in range(3)] == [o.token_ids for o in expected.outputs]
+    # Each decode step's three events came in one frame (the first step's too: the forks sample at once).
+    assert node.gateway.batch_sizes == [3] * 6
     assert_idle(node)
 
 

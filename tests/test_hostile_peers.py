@@ -237,8 +237,9 @@ def test_a_key_holder_cannot_speak_for_a_request_it_was_not_given(cluster, victi
     gw_before, d_before = rejected(cluster, "not_assigned"), rejected(cluster, "not_assigned", "decode-0")
     try:
         client, result, rid, generation = frozen_prefill_job(cluster, prompt)
-        victims.attacks += attacks.forged_tokens(to_gateway, rid)
-        cluster.wait_until(lambda: rejected(cluster, "not_assigned") >= gw_before + 1, "forged tokens refused")
+        victims.attacks += attacks.forged_tokens(to_gateway, rid) + attacks.forged_token_batch(to_gateway, rid)
+        # one forged event alone, then each of a forged batch's two
+        cluster.wait_until(lambda: rejected(cluster, "not_assigned") >= gw_before + 3, "forged tokens refused")
         sent, events = attacks.forged_kv(t, rid, generation, t.decode_kv, BLOCK)
         victims.attacks += sent
         [event] = events

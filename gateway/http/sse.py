@@ -67,7 +67,9 @@ class EventStreamResponse:
                 }
             )
             async with anyio.create_task_group() as tg:
-                lock, last_write = anyio.Lock(), [time.monotonic()]
+                # fast_acquire: a free lock is taken without yielding to the event loop first (the
+                # default yields on every write, once per token of every stream)
+                lock, last_write = anyio.Lock(fast_acquire=True), [time.monotonic()]
 
                 async def send_body(chunk: bytes, more: bool = True) -> None:
                     async with lock:  # a keep-alive never lands inside another write

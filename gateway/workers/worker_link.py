@@ -29,12 +29,12 @@ import zmq.asyncio
 from protocol.codec import WireError, decode, encode
 from protocol.curve import PlaneSecurity
 from protocol.rejects import RejectLog
-from protocol.serving import AbortRequest, Busy, Goodbye, Heartbeat, PromptLogprobs, TokenEvent
+from protocol.serving import AbortRequest, Busy, Goodbye, Heartbeat, PromptLogprobs, TokenEvent, TokenEvents
 from protocol.zmq_util import bind, make_socket
 
 log = logging.getLogger("pdserve.gateway")
 
-FROM_WORKERS = (Heartbeat, TokenEvent, PromptLogprobs, Busy, Goodbye)
+FROM_WORKERS = (Heartbeat, TokenEvent, TokenEvents, PromptLogprobs, Busy, Goodbye)
 _ROUTER_HWM = 10_000  # token events of every in-flight request pass here; bounded, but not tight
 
 

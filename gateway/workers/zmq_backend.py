@@ -51,6 +51,7 @@ from protocol.serving import (
     HeartbeatAck,
     PromptLogprobs,
     TokenEvent,
+    TokenEvents,
     TokenLogprobRecord,
 )
 
@@ -425,25 +426,32 @@ class ZmqBackend(Backend):
             elif self._registry.remove(worker_id):
                 self._metrics.workers_lost.labels("goodbye").inc()
                 self._worker_left(worker_id, "said goodbye")
-        else:  # TokenEvent, PromptLogprobs or Busy: only the workers serving the request may speak for it
-            flight = self._by_wire_rid.get(record.rid)
-            if flight is None or flight.is_done:
-                return  # finished or aborted already; late records are expected
-            if worker_id == flight.decode_worker or (
-                isinstance(record, (TokenEvent, PromptLogprobs)) and worker_id == flight.prefill_worker
-            ):
-                if isinstance(record, TokenEvent) and record.error:
-                    self._check_culprit(worker_id, flight, record)
-                if isinstance(record, PromptLogprobs):
-                    self._add_prompt_logprobs(worker_id, flight, record)
-                else:
-                    flight.events.put_nowait(record)
+        elif isinstance(record, TokenEvents):
+            for event in record.events:
+                self._on_request_record(worker_id, event)
+        else:
+            self._on_request_record(worker_id, record)
+
+    def _on_request_record(self, worker_id: str, record) -> None:
+        """TokenEvent, PromptLogprobs or Busy: only the workers serving the request may speak for it."""
+        flight = self._by_wire_rid.get(record.rid)
+        if flight is None or flight.is_done:
+            return  # finished or aborted already; late records are expected
+        if worker_id == flight.decode_worker or (
+            isinstance(record, (TokenEvent, PromptLogprobs)) and worker_id == flight.prefill_worker
+        ):
+            if isinstance(record, TokenEvent) and record.error:
+                self._check_culprit(worker_id, flight, record)
+            if isinstance(record, PromptLogprobs):
+                self._add_prompt_logprobs(worker_id, flight, record)
             else:
-                self._rejects.reject(
-                    "not_assigned",
-                    worker_id,
-                    f"{type(record).__name__} for {flight.rid[:64]}, a request it does not serve",
-                )
+                flight.events.put_nowait(record)
+        else:
+            self._rejects.reject(
+                "not_assigned",
+                worker_id,
+                f"{type(record).__name__} for {flight.rid[:64]}, a request it does not serve",
+            )
 
     def _check_culprit(self, worker_id: str, flight: _Flight, event: TokenEvent) -> None:
         """Set ``event.culprit`` to whom the failure counts against: "decode", "prefill" or "none". A
