@@ -32,7 +32,7 @@ import importlib.util
 import os
 import tempfile
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from benchmarks import scaling_plan as plan
@@ -205,23 +205,16 @@ def main(argv: list[str] | None = None) -> int:
 
     model_dir = Path(args.model) if args.model else default_model_dir()
     vocab = prompt_vocab(model_dir)
-    levels = plan.levels(vocab, sweep_of(args))
+    sweep = sweep_of(args)
+    levels = plan.levels(vocab, sweep)
     if not levels:
         raise SystemExit("python -m benchmarks.scaling: no level to run (--concurrencies and --prompt-lens empty)")
     if "llama" in systems:
         require_llama_server("python -m benchmarks.scaling", "disagg,coloc,hf")
-    cpuinfo = Path("/proc/cpuinfo")
-    when = f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC"
-    header = machine_line(cpuinfo.read_text() if cpuinfo.is_file() else "", sorted(cpus), os.cpu_count(), when)
+    header = machine_header(sorted(cpus))
     print(f"pdserve scaling benchmark{' (--quick)' if args.quick else ''}: {header}; model {model_dir}")
     print(f"systems {', '.join(systems)}; levels:\n  {describe(levels)}")
-    full = plan.levels(vocab, sweep_of(parse_args([])))
-    print(
-        f"estimated duration: this run {plan.minutes(plan.estimate_s(levels, systems))}, the full run "
-        f"(every system and level, no --quick) {plan.minutes(plan.estimate_s(full, list(SYSTEMS)))} "
-        "(scaling_plan.estimate_s: rates of 2 quiet Xeon cores, a rough guide)",
-        flush=True,
-    )
+    print_estimate(levels, systems, vocab)
     if args.plan_only:
         return 0
     logs = Path(tempfile.mkdtemp(prefix="pdserve-scaling-"))  # kept: each system's log
@@ -233,16 +226,37 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  ({name}: FAILED, no point of it: {type(exc).__name__}: {exc})", flush=True)
     print(f"\n{header}\n\n{table(points)}\n")
     meta = {"header": header, "quick": args.quick, "cpus": sorted(cpus), "model": str(model_dir), "systems": systems}
+    write_outputs(points, args, {**meta, "sweep": asdict(sweep)})
+    print(f"(total {time.perf_counter() - started:.0f} s)")
+    return 0
+
+
+def machine_header(cpus: list[int]) -> str:
+    cpuinfo = Path("/proc/cpuinfo")
+    when = f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC"
+    return machine_line(cpuinfo.read_text() if cpuinfo.is_file() else "", cpus, os.cpu_count(), when)
+
+
+def print_estimate(levels: list[plan.Level], systems: list[str], vocab: int) -> None:
+    full = plan.levels(vocab, sweep_of(parse_args([])))
+    print(
+        f"estimated duration: this run {plan.minutes(plan.estimate_s(levels, systems))}, the full run "
+        f"(every system and level, no --quick) {plan.minutes(plan.estimate_s(full, list(SYSTEMS)))} "
+        "(scaling_plan.estimate_s: rates of 2 quiet Xeon cores, a rough guide)",
+        flush=True,
+    )
+
+
+def write_outputs(points: list[Point], args, meta: dict) -> None:
+    """--json and --plot-dir (the plots titled with the header line)."""
     if args.json:
         write_json(points, Path(args.json), meta)
         print(f"json: {args.json}")
     if args.plot_dir:
         from benchmarks.scaling_plots import write_scaling_plots
 
-        for path in write_scaling_plots(points, Path(args.plot_dir), header):
+        for path in write_scaling_plots(points, Path(args.plot_dir), meta["header"]):
             print(f"plot: {path}")
-    print(f"(total {time.perf_counter() - started:.0f} s)")
-    return 0
 
 
 if __name__ == "__main__":
