@@ -14,8 +14,10 @@ from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel
+from transformers.generation.streamers import BaseStreamer
 
 from benchmarks.device_choice import BenchDevice
+from benchmarks.serve_metrics import RequestTimeline
 from benchmarks.workload import BenchRequest, SystemResult
 
 CPU_FP32 = BenchDevice("cpu", "float32")
@@ -48,9 +50,11 @@ def generate_batch(
     prompts: list[tuple[int, ...]],
     max_new_tokens: int,
     suppress_ids: list[int] | None = None,
+    streamer: BaseStreamer | None = None,
 ) -> list[list[int]]:
     """Greedy ``max_new_tokens`` for each prompt in one left-padded ``generate`` call; ``suppress_ids``
-    are never chosen (to compare with a server whose ignore_eos masks EOS instead of sampling past it)."""
+    are never chosen (to compare with a server whose ignore_eos masks EOS instead of sampling past it);
+    ``streamer`` gets the prompts, then each step's tokens (``StepClock`` times them)."""
     pad_id = _pad_id(model)
     width = max(len(p) for p in prompts)
     input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)  # [batch, width]
@@ -62,6 +66,7 @@ def generate_batch(
         input_ids=input_ids.to(model.device),
         attention_mask=attention_mask.to(model.device),
         generation_config=_greedy_config(max_new_tokens, pad_id, suppress_ids),
+        streamer=streamer,
     )  # [batch, width + max_new_tokens]
     return out[:, width:].tolist()
 
@@ -105,3 +110,39 @@ def run_static_batching(model: PreTrainedModel, requests: list[BenchRequest], ba
     return SystemResult(
         f"hf static batch={batch_size}", len(requests), sum(len(o) for o in outputs.values()), wall_s, cpu_s, outputs
     )
+
+
+class StepClock(BaseStreamer):
+    """When each decoding step's tokens came out of ``generate``: its first ``put`` is the prompts
+    (before the prefill), each later one a step's new token for every row."""
+
+    def __init__(self) -> None:
+        self.num_puts = 0
+        self.step_s: list[float] = []  # time.perf_counter() as each step's tokens arrive, in order
+
+    def put(self, value) -> None:
+        if self.num_puts:
+            self.step_s.append(time.perf_counter())
+        self.num_puts += 1
+
+    def end(self) -> None:
+        pass
+
+
+def timed_static_batching(
+    model: PreTrainedModel, requests: list[BenchRequest], batch_size: int, tag: str
+) -> tuple[list[RequestTimeline], float]:
+    """``run_static_batching``'s batches, each request's timeline as a streaming client would have seen
+    it had it been sent when its batch started (a closed loop of ``batch_size`` whose streams all wait
+    for the slowest): a chunk per step up to its own output length. Returns them and the wall time."""
+    timelines = []
+    start = time.perf_counter()
+    for first in range(0, len(requests), batch_size):
+        batch = requests[first : first + batch_size]
+        clock = StepClock()
+        sent = time.perf_counter()
+        generate_batch(model, [r.prompt_token_ids for r in batch], max(r.output_len for r in batch), streamer=clock)
+        for r in batch:
+            chunks = clock.step_s[: r.output_len]
+            timelines.append(RequestTimeline(r.index, tag, r.prompt_len, r.output_len, sent, chunks, len(chunks)))
+    return timelines, time.perf_counter() - start

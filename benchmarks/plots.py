@@ -38,7 +38,7 @@ def write_plots(report: Report, out_dir: Path) -> list[Path]:
     for ax in (ax_ttft, ax_tpot):
         ax.legend()
         ax.grid(alpha=0.3)
-    paths.append(_save(fig, out_dir / "serve_latency_vs_rate.png"))
+    paths.append(save_figure(fig, out_dir / "serve_latency_vs_rate.png"))
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for system in systems:
@@ -49,7 +49,7 @@ def write_plots(report: Report, out_dir: Path) -> list[Path]:
     ax.set(xlabel="TPOT of short requests (ms)", ylabel="fraction of requests", title="TPOT under interference")
     ax.legend()
     ax.grid(alpha=0.3)
-    paths.append(_save(fig, out_dir / "serve_tpot_interference.png"))
+    paths.append(save_figure(fig, out_dir / "serve_tpot_interference.png"))
 
     fig, ax = plt.subplots(figsize=(6, 4))
     names, values = [], []
@@ -63,11 +63,11 @@ def write_plots(report: Report, out_dir: Path) -> list[Path]:
             values.append(run.summary.output_tps)
     ax.bar(names, values)
     ax.set(ylabel="output tokens/s", title="mixed workload throughput")
-    paths.append(_save(fig, out_dir / "serve_throughput.png"))
+    paths.append(save_figure(fig, out_dir / "serve_throughput.png"))
     return paths
 
 
-def _save(fig, path: Path) -> Path:
+def save_figure(fig, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     import matplotlib.pyplot as plt

@@ -160,9 +160,9 @@ def served_device(overrides: list[str]):
     return choose_device(None, dtypes[-1] if dtypes else None, torch.cuda.is_available())
 
 
-def run_hf_static(
-    model_dir: Path, requests: list[BenchRequest], threads: int, report: Report, overrides: list[str]
-) -> None:
+def load_hf_baseline(model_dir: Path, threads: int, overrides: list[str], requests: list[BenchRequest]):
+    """transformers on the served workers' device, ``threads`` torch threads, warmed up on the first
+    tokens of two of ``requests``."""
     import torch
 
     from benchmarks import hf_baseline
@@ -170,6 +170,15 @@ def run_hf_static(
     torch.set_num_threads(threads)
     model = hf_baseline.load_hf_model(model_dir, served_device(overrides))
     hf_baseline.generate_batch(model, [r.prompt_token_ids[:16] for r in requests[:2]], 2)  # warm-up
+    return model
+
+
+def run_hf_static(
+    model_dir: Path, requests: list[BenchRequest], threads: int, report: Report, overrides: list[str]
+) -> None:
+    from benchmarks import hf_baseline
+
+    model = load_hf_baseline(model_dir, threads, overrides, requests)
     for batch_size in HF_BATCH_SIZES:
         result = hf_baseline.run_static_batching(model, requests, batch_size)
         report.hf_by_batch[batch_size] = result.tokens_per_s
@@ -359,15 +368,15 @@ def run_endpoint(args, p: Plan, vocab: int, report: Report) -> None:
     run_workloads("endpoint", chosen, target, p, args, vocab, report, lambda: time.sleep(ENDPOINT_SETTLE_S), None)
 
 
-def require_llama_server() -> None:
+def require_llama_server(prog: str = "python -m benchmarks.serve", others: str = "disagg,coloc,nocache") -> None:
     """Fail before any run when the llama system is chosen but llama-server was never built."""
     from benchmarks import llama_build
 
     if not llama_build.server_binary().is_file():
         raise SystemExit(
-            f"python -m benchmarks.serve: no llama-server at {llama_build.server_binary()}: build it with "
+            f"{prog}: no llama-server at {llama_build.server_binary()}: build it with "
             "`python -m benchmarks.llama_server build` (~10 min on 2 cores), or leave it out: "
-            "--systems disagg,coloc,nocache"
+            f"--systems {others}"
         )
 
 
