@@ -7,6 +7,8 @@ timed ``--repeats`` times and the fastest run is reported. Each share is the tim
 of work, measured by wrapping the functions that do it (``perf_counter`` on entry and exit, exclusive of
 nested kinds, so the shares add up to the step):
 
+    fused layers    every decoder layer of a decode step as one C call (engine/decode_step.py), where
+                    the step takes it: its linears, attention and layer ops are then inside this one
     layer linears   every projection of every layer (engine/cpu_linear.py: C, oneDNN or torch forms)
     LM head         the final norm and the vocab projection of the sampled rows
     attention       paged attention (the C decode kernel, or the torch path for prefill rows)
@@ -32,6 +34,7 @@ import time
 import torch
 
 CATEGORIES = (
+    "fused layers",
     "layer linears",
     "LM head",
     "attention",
@@ -85,6 +88,7 @@ def instrumented(timer: ExclusiveTimer):
     """Wraps the functions of each category (class attributes, restored on exit)."""
     import kernels
     from engine.cpu_linear import Linear
+    from engine.decode_step import FusedDecodeStep
     from engine.llm_engine import LLMEngine
     from engine.model import CausalLM
     from engine.runner import ModelRunner
@@ -93,6 +97,7 @@ def instrumented(timer: ExclusiveTimer):
     from kernels.cpu_native import NativeLibrary
 
     targets = [
+        (FusedDecodeStep, "run", "fused layers"),
         (Linear, "forward", "layer linears"),
         (CausalLM, "compute_logits", "LM head"),
         (kernels, "paged_attention", "attention"),
