@@ -35,8 +35,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = [
-    Path(__file__).with_name(name)
-    for name in ("cpu_decode.c", "cpu_linear.c", "cpu_layer_ops.c", "cpu_decode_step.c")
+    Path(__file__).with_name(name) for name in ("cpu_decode.c", "cpu_linear.c", "cpu_layer_ops.c", "cpu_decode_step.c")
 ]
 HEADERS = [Path(__file__).with_name("cpu_vector.h")]
 _FLAGS = ("-O3", "-fno-math-errno", "-Wno-psabi", "-shared", "-fPIC")
