@@ -27,7 +27,7 @@ class FusedDecodeStep:
         config = model.config
         self.native = native
         self.layers = (DecodeLayer * len(model.layers))()
-        self._projections = []
+        self._projections = _projections(model)
         for entry, layer in zip(self.layers, model.layers):
             attn, mlp = layer.self_attn, layer.mlp
             entry.input_norm = layer.input_layernorm.weight.data_ptr()
@@ -37,7 +37,6 @@ class FusedDecodeStep:
             entry.post_norm = layer.post_attention_layernorm.weight.data_ptr()
             entry.gate_up = mlp.gate_up_proj.copies.c.data_ptr()
             entry.down = mlp.down_proj.copies.c.data_ptr()
-            self._projections += [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
         self.shape = DecodeShape(
             hidden=config.hidden_size,
             num_heads=config.num_heads,
@@ -55,9 +54,7 @@ class FusedDecodeStep:
         copy held (the forms picked the C linear for some row count)."""
         if not model.native_layer_ops or model.config.qk_norm:
             return False
-        linears = [m for layer in model.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj)]
-        linears += [m for layer in model.layers for m in (layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-        return all(m.copies is not None and m.copies.c is not None for m in linears)
+        return all(m.copies is not None and m.copies.c is not None for m in _projections(model))
 
     def takes(self, rows: int, meta: AttentionMetadata, lora: LoRAStep | None) -> bool:
         plan = meta.plan
@@ -91,3 +88,12 @@ class FusedDecodeStep:
             decode.max_context,
         )
         return x
+
+
+def _projections(model) -> list:
+    """Every layer's four projections (engine/layers.py): what the fused step reads in C."""
+    return [
+        m
+        for layer in model.layers
+        for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+    ]

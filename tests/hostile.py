@@ -145,21 +145,30 @@ def hostname() -> str:
     return socket.gethostname()
 
 
-class SilentPrefill:
-    """A key holder registered as a prefill worker (its id sorts before ``prefill-0``: the router's
-    tie-break picks it) that never delivers: it takes jobs on a socket of its own and sits on them
-    (``address`` None), or advertises ``address``, where nothing answers (a closed port, a blackhole)."""
+class _RegisteredPrefill:
+    """A key holder heartbeating as prefill worker ``worker_id`` from a thread of its own, with
+    ``address`` its job endpoint (a ROUTER of its own where None); each record that arrives there goes
+    to ``_on_job``."""
 
-    def __init__(self, ctx: zmq.Context, gateway: str, security: PlaneSecurity, worker_id: str, address: str | None):
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        gateway: str,
+        security: PlaneSecurity,
+        worker_id: str,
+        address: str | None = None,
+        identity: bytes | None = None,
+    ):
         self.worker_id, self.security = worker_id, security
         self.jobs = None if address else security.server(make_socket(ctx, zmq.ROUTER))
         self.address = address or bind(self.jobs, "127.0.0.1", 0)
-        self.gateway = dealer(ctx, gateway, security)
+        self.gateway = dealer(ctx, gateway, security, identity)
         self.incarnation = uuid.uuid4().hex
-        self.num_jobs = 0  # PrefillJobs received (and never done)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
+
+    def _on_job(self, record) -> None:
+        raise NotImplementedError
 
     def _run(self) -> None:
         next_heartbeat = 0.0
@@ -171,7 +180,7 @@ class SilentPrefill:
             if self.jobs is None:
                 time.sleep(0.02)
             elif self.jobs.poll(20):  # a PrefillJob, or the AbortRequest its decode worker sends after it
-                self.num_jobs += isinstance(decode(self.jobs.recv_multipart()[-1]), PrefillJob)
+                self._on_job(decode(self.jobs.recv_multipart()[-1]))
 
     def close(self) -> None:
         self._stop.set()
@@ -183,32 +192,33 @@ class SilentPrefill:
         self.security.close()  # its ZAP handler, before the context ends
 
 
-class FakePrefill:
+class SilentPrefill(_RegisteredPrefill):
+    """A key holder registered as a prefill worker (its id sorts before ``prefill-0``: the router's
+    tie-break picks it) that never delivers: it takes jobs on a socket of its own and sits on them
+    (``address`` None), or advertises ``address``, where nothing answers (a closed port, a blackhole)."""
+
+    def __init__(self, ctx: zmq.Context, gateway: str, security: PlaneSecurity, worker_id: str, address: str | None):
+        super().__init__(ctx, gateway, security, worker_id, address)
+        self.num_jobs = 0  # PrefillJobs received (and never done)
+        self._thread.start()
+
+    def _on_job(self, record) -> None:
+        self.num_jobs += isinstance(record, PrefillJob)
+
+
+class FakePrefill(_RegisteredPrefill):
     """A key holder registered as a prefill worker (its id sorts first: the router's tie-break picks it).
     It writes the job's KV and commits a first token outside the vocabulary."""
 
     def __init__(self, ctx: zmq.Context, gateway: str, security: PlaneSecurity, block_size: int):
-        self.ctx, self.security, self.block_size = ctx, security, block_size
-        self.jobs = security.server(make_socket(ctx, zmq.ROUTER))
-        self.address = bind(self.jobs, "127.0.0.1", 0)
-        self.gateway = dealer(ctx, gateway, security, b"a-fake-prefill")
-        self.incarnation = uuid.uuid4().hex
+        super().__init__(ctx, gateway, security, "a-fake-prefill", identity=b"a-fake-prefill")
+        self.ctx, self.block_size = ctx, block_size
         self.events: list[TransferEvent] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
-    def _run(self) -> None:
-        next_heartbeat = 0.0
-        while not self._stop.is_set():
-            if time.monotonic() >= next_heartbeat:
-                proof = self.security.registration_proof("a-fake-prefill", self.incarnation)
-                self.gateway.send(encode(heartbeat("a-fake-prefill", "prefill", self.address, self.incarnation, proof)))
-                next_heartbeat = time.monotonic() + 0.2
-            if self.jobs.poll(20):
-                record = decode(self.jobs.recv_multipart()[1])
-                if isinstance(record, PrefillJob):  # (not the AbortRequest its decode worker sends after it)
-                    self._poison(record)
+    def _on_job(self, record) -> None:
+        if isinstance(record, PrefillJob):  # (not the AbortRequest its decode worker sends after it)
+            self._poison(record)
 
     def _poison(self, j: PrefillJob) -> None:
         sender = kv_sender(self.ctx, j.kv_address, self.security, self.block_size)
@@ -216,11 +226,3 @@ class FakePrefill:
         sender.commit(j.rid, j.generation, first_token=10**9)
         self.events += drive(sender, lambda events: bool(events))
         sender.channel.close()
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
-        self.gateway.send(encode(Goodbye("a-fake-prefill")))
-        self.gateway.close(linger=100)
-        self.jobs.close(linger=0)
-        self.security.close()  # its ZAP handler, before the context ends

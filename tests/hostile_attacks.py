@@ -9,6 +9,7 @@ job and KV endpoints, the gateway's HTTP URL, and the cluster key file (for atta
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import socket
@@ -179,23 +180,30 @@ def _http_socket(url: str, rcvbuf: int | None = None) -> socket.socket:
 def slowloris(url: str, give_up_s: float = 60.0) -> bool:
     """Request headers that never end, a byte every 0.1 s; True once the gateway dropped the connection."""
     sock = _http_socket(url)
-    sock.settimeout(0.1)
-    pieces = [b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n"]
-    give_up = time.monotonic() + give_up_s
     try:
-        while time.monotonic() < give_up:
-            piece = pieces.pop() if pieces else b"x"
-            try:
-                sock.sendall(piece)
-                if sock.recv(65536) == b"":
-                    return True
-            except TimeoutError:
-                continue
-            except (ConnectionResetError, BrokenPipeError):
-                return True
-        return False
+        headers = itertools.chain([b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n"], itertools.repeat(b"x"))
+        return dribble_until_dropped(sock, headers, give_up_s=give_up_s)
     finally:
         sock.close()
+
+
+def dribble_until_dropped(sock: socket.socket, pieces, every_s: float = 0.1, give_up_s: float = 60.0) -> bool:
+    """Sends ``pieces`` one by one, ``every_s`` apart, for up to ``give_up_s``; True once the server has
+    closed the connection (a send fails or a read sees the end)."""
+    sock.settimeout(every_s)
+    give_up = time.monotonic() + give_up_s
+    for piece in pieces:
+        if time.monotonic() > give_up:
+            return False
+        try:
+            sock.sendall(piece)
+            if sock.recv(65536) == b"":
+                return True
+        except TimeoutError:
+            continue
+        except (ConnectionResetError, BrokenPipeError):
+            return True
+    return False
 
 
 def never_reading_client(url: str, model: str, aborted, give_up_s: float = 300.0) -> bool:

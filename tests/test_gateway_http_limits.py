@@ -17,6 +17,7 @@ import pytest
 from gateway.http.limits import HttpLimits, uvicorn_options
 from protocol.serving import MAX_STRUCTURED_OUTPUT_CHARS
 from tests.fake_backend import API_KEYS, MODEL, live_gateway, num_requests_running, wait_until
+from tests.hostile_attacks import dribble_until_dropped
 
 HEADERS = {"Authorization": f"Bearer {API_KEYS[0]}"}
 LIMITS = HttpLimits(header_timeout_s=1.0, body_timeout_s=1.0, write_timeout_s=1.0, max_connections=None)
@@ -44,25 +45,6 @@ def connect(live, rcvbuf: int | None = None) -> socket.socket:
     return sock
 
 
-def dribble_until_dropped(sock: socket.socket, pieces, every_s: float = 0.1) -> bool:
-    """Sends ``pieces`` one by one, ``every_s`` apart, for up to GENEROUS_S; True once the server has
-    closed the connection (a send fails or a read sees the end)."""
-    sock.settimeout(every_s)
-    give_up = time.monotonic() + GENEROUS_S
-    for piece in pieces:
-        if time.monotonic() > give_up:
-            return False
-        try:
-            sock.sendall(piece)
-            if sock.recv(65536) == b"":
-                return True
-        except TimeoutError:
-            continue
-        except (ConnectionResetError, BrokenPipeError):
-            return True
-    return False
-
-
 def endless_headers():
     yield b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n"
     while True:  # headers that never end, a byte at a time: only the header deadline stops this
@@ -84,7 +66,7 @@ def test_slowloris_headers_are_dropped_while_others_are_served(live, backend):
     dropped = threading.Event()
 
     def attack() -> None:
-        if dribble_until_dropped(sock, endless_headers()):
+        if dribble_until_dropped(sock, endless_headers(), give_up_s=GENEROUS_S):
             dropped.set()
 
     attacker = threading.Thread(target=attack)
@@ -103,7 +85,7 @@ def test_a_body_dribbled_past_its_deadline_is_dropped(live, backend):
     head = (
         b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 100000\r\n\r\n"
     )
-    assert dribble_until_dropped(sock, [head, *(b" " for _ in range(100000))])
+    assert dribble_until_dropped(sock, [head, *(b" " for _ in range(100000))], give_up_s=GENEROUS_S)
     sock.close()
     assert backend.received == []
     assert ordinary_completion(live).status_code == 200
