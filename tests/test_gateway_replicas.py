@@ -210,6 +210,17 @@ def busy_answers(serve: ServeProcess) -> float:
     return float(line.rsplit(" ", 1)[1])
 
 
+def routed_locally(url: str) -> float:
+    """Requests a gateway routed to a decode worker that prefills them itself (its own metric)."""
+    body = httpx.get(f"{url}/metrics", timeout=5).text
+    prefix = "pdserve:route_decisions_total{"
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in body.splitlines()
+        if line.startswith(prefix) and 'result="local"' in line
+    )
+
+
 def _registered(cluster: ServeProcess, url: str) -> set[str]:
     try:
         return {w["id"] for w in cluster.workers(url)}
@@ -254,7 +265,20 @@ def test_two_gateways_never_oversubscribe_one_decode_worker(small_pool, referenc
         },
     )
     stream.read_until(b"data: ", count=2)  # admitted: 7 of the 12 blocks are its own
-    refused = complete(b, prompt_of(100, seed=61), 4)
+    # The worker stops mid-way through the held request (58 tokens to go) while gateway b routes the
+    # second one to it; resumed, it reads that request before it could finish the held one. (Sent while
+    # it ran, the second request raced the held one's last tokens on a fast engine, and sometimes came
+    # after them: then it fit.)
+    routed = routed_locally(b)
+    small_pool.signal("decode-0", signal.SIGSTOP)
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    try:
+        second = pool.submit(complete, b, prompt_of(100, seed=61), 4)
+        small_pool.wait_until(lambda: routed_locally(b) > routed, "gateway b routed the second request")
+    finally:
+        small_pool.signal("decode-0", signal.SIGCONT)
+        pool.shutdown(wait=False)
+    refused = second.result()
     assert refused.status_code == 503 and "busy" in refused.json()["error"]["message"], refused.text
     assert busy_answers(small_pool) == 1
     # many at once from both gateways: each one the worker admitted is served exactly, the rest are 503
