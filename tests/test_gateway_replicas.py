@@ -8,7 +8,6 @@ oversubscribe its KV: the worker itself admits, and says Busy when it cannot."""
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import os
 import signal
 import urllib.request
@@ -250,36 +249,26 @@ def small_pool(tmp_path):
 
 
 def test_two_gateways_never_oversubscribe_one_decode_worker(small_pool, reference):
-    a, b = small_pool.urls
-    held = prompt_of(100, seed=60)
-    stream = RawStream(
-        a,
-        {
-            "model": MODEL,
-            "prompt": held,
-            "max_tokens": 60,
-            "temperature": 0.0,
-            "ignore_eos": True,
-            "logprobs": 0,
-            "return_tokens_as_token_ids": True,
-        },
-    )
-    stream.read_until(b"data: ", count=2)  # admitted: 7 of the 12 blocks are its own
-    # The worker stops mid-way through the held request (58 tokens to go) while gateway b routes the
-    # second one to it; resumed, it reads that request before it could finish the held one. (Sent while
-    # it ran, the second request raced the held one's last tokens on a fast engine, and sometimes came
-    # after them: then it fit.)
-    routed = routed_locally(b)
+    # The worker is stopped while both gateways route a request to it, each from its view of an empty
+    # worker; resumed, it reads both before it could finish either, admits one and says Busy to the other.
+    # Which one wins is the worker's socket's choice, so the test takes either; no timing decides it.
+    prompts = {url: prompt_of(100, seed=60 + i) for i, url in enumerate(small_pool.urls)}
+    routed = {url: routed_locally(url) for url in small_pool.urls}
     small_pool.signal("decode-0", signal.SIGSTOP)
-    pool = concurrent.futures.ThreadPoolExecutor(1)
+    pool = concurrent.futures.ThreadPoolExecutor(2)
     try:
-        second = pool.submit(complete, b, prompt_of(100, seed=61), 4)
-        small_pool.wait_until(lambda: routed_locally(b) > routed, "gateway b routed the second request")
+        answers = {url: pool.submit(complete, url, prompt, 40) for url, prompt in prompts.items()}
+        for url in small_pool.urls:
+            small_pool.wait_until(lambda: routed_locally(url) > routed[url], f"gateway {url} routed its request")
     finally:
         small_pool.signal("decode-0", signal.SIGCONT)
         pool.shutdown(wait=False)
-    refused = second.result()
-    assert refused.status_code == 503 and "busy" in refused.json()["error"]["message"], refused.text
+    served = {url: answer.result() for url, answer in answers.items()}
+    refused = [answer for answer in served.values() if answer.status_code != 200]
+    assert len(refused) == 1, [answer.text for answer in served.values()]
+    assert refused[0].status_code == 503 and "busy" in refused[0].json()["error"]["message"], refused[0].text
+    [(url, answer)] = [(url, answer) for url, answer in served.items() if answer.status_code == 200]
+    assert ids_of(answer) == expected_ids(reference, prompts[url], 40)
     assert busy_answers(small_pool) == 1
     # many at once from both gateways: each one the worker admitted is served exactly, the rest are 503
     prompts = [prompt_of(100, seed=70 + i) for i in range(6)]
@@ -290,12 +279,4 @@ def test_two_gateways_never_oversubscribe_one_decode_worker(small_pool, referenc
             assert ids_of(answer) == expected_ids(reference, prompt, 4)
         else:
             assert answer.status_code == 503 and answer.json()["error"]["message"], answer.text
-    stream.read_until(b"data: [DONE]")
-    tokens = [
-        token
-        for line in stream.received.decode().split("\n")
-        if line.startswith("data: {")
-        for token in json.loads(line[6:])["choices"][0]["logprobs"]["tokens"]
-    ]
-    assert tokens == [f"token_id:{t}" for t in expected_ids(reference, held, 60)]
     small_pool.wait_idle()  # no block left held, and the worker's integrity check found nothing wrong
