@@ -18,9 +18,9 @@
        this            6.8   6.1   6.6   8.2  15.0  25.6  49.0
        torch F.linear 14.3  25.6  23.3  26.0  32.8  45.8  73.6
 
-   On two threads at 64 rows it ran at 204 GFLOP/s, above the 176 of a 512-row torch.mm there. Software
-   prefetch only slowed it (the hardware prefetcher follows the one stream). Past ~128 rows a GEMM
-   needs cache blocking this kernel does not do, so prefill keeps oneDNN's (engine/cpu_linear.py). */
+   On two threads at 64 rows it ran at 204 GFLOP/s, above the 176 of a 512-row torch.mm there. Past
+   ~128 rows a GEMM needs cache blocking this kernel does not do, so prefill keeps oneDNN's
+   (engine/cpu_linear.py). */
 #include "cpu_vector.h"
 
 /* NV vectors of outputs by MR rows: MR * NV accumulators, NV weight vectors and one broadcast in
@@ -33,20 +33,20 @@
 #define MR 6
 #define NR (NV * LANES)
 #define OUT_MULTIPLE 64 /* every NR above divides it: one shape rule for every build */
+#define LINE 16           /* floats in a cache line */
+#define STREAM_AHEAD 4096 /* floats (16 KiB): how far ahead of its reads a lone tile prefetches */
 
-/* pf: 2 * pf_steps cache lines to prefetch into L2, two per step of k (the next block's weights: see
-   pdserve_linear_f32). */
+/* Prefetches into L2 for the first pf_steps steps of k: pf_stride floats per step from pf, a line at a
+   time (see pdserve_linear_f32 for what they fetch). */
 #define DEFINE_TILE(ROWS)                                                                               \
     static void tile_##ROWS(const float *x, int64_t K, const float *wp, float *out, int64_t N,          \
-                            const float *pf, int64_t pf_steps) {                                       \
+                            const float *pf, int64_t pf_steps, int64_t pf_stride) {                    \
         vf acc[ROWS][NV];                                                                              \
         for (int i = 0; i < ROWS; i++)                                                                 \
             for (int v = 0; v < NV; v++) acc[i][v] = (vf){0};                                         \
         for (int64_t k = 0; k < K; k++) {                                                             \
-            if (k < pf_steps) {                                                                        \
-                __builtin_prefetch(pf + 32 * k, 0, 2);                                                 \
-                __builtin_prefetch(pf + 32 * k + 16, 0, 2);                                            \
-            }                                                                                          \
+            for (int64_t l = 0; k < pf_steps && l < pf_stride; l += LINE)                              \
+                __builtin_prefetch(pf + pf_stride * k + l, 0, 2);                                      \
             vf w[NV];                                                                                  \
             for (int v = 0; v < NV; v++) w[v] = loadv(wp + k * NR + v * LANES);                       \
             for (int i = 0; i < ROWS; i++) {                                                          \
@@ -90,20 +90,30 @@ void pdserve_linear_f32(const float *x, int64_t M, int64_t K, const float *wp, i
         float *o = out + nb * NR;
         /* With more rows than one tile, every tile after the first reads this block from L2 while the
            memory bus idles: each tile prefetches its share of the next block meanwhile (two lines per
-           step of k). One tile (a decode step of a few sequences) streams the block from memory as is.
-           Whole decode steps of the `small` model, 2-core Xeon, 2026-11-27, fastest of 5 x 20 steps in
-           three alternated runs, ms: 8 sequences 11.2-13.3 -> 7.4-9.2, 16: 14.3-15.5 -> 10.9-14.2, 32:
-           23.2-25.1 -> 20.8-24.5 (fetching 4 lines per step in the later tiles only: 9.1-9.7, 13.3-13.8,
-           22.3-22.5). */
-        const int64_t lines = K * NR / 16; /* cache lines of a block */
+           step of k). Whole decode steps of the `small` model, 2-core Xeon, 2026-11-27, fastest of 5 x 20
+           steps in three alternated runs, ms: 8 sequences 11.2-13.3 -> 7.4-9.2, 16: 14.3-15.5 ->
+           10.9-14.2, 32: 23.2-25.1 -> 20.8-24.5 (fetching 4 lines per step in the later tiles only:
+           9.1-9.7, 13.3-13.8, 22.3-22.5).
+           With rows for one tile (a decode step of a few sequences), the first tile streams the block
+           from memory and prefetches its own stream STREAM_AHEAD floats ahead of its reads. Whole decode
+           steps on two threads (benchmarks.step_profile: fastest of 3 x 40 steps, three alternated
+           runs), same machine and day, ms: 2 sequences 6.4-8.3 ->
+           6.0-6.2, 4: 8.2-9.2 -> 6.8-7.7, 6: 9.0-11.9 -> 7.1-8.5; 1 and 8 the same (one sequence already
+           runs at the memory's speed). On the EPYC (2026-11-25) prefetching the stream had slowed the
+           kernel; not measured there since. */
+        const int64_t lines = K * NR / LINE; /* cache lines of a block */
         int64_t fetched = nb + 1 < N / NR && M > MR ? 0 : lines; /* of the next block */
         const float *next = w + K * NR;
         int64_t m = 0;
 #define TILE(ROWS)                                                                                      \
     do {                                                                                               \
-        const int64_t steps = (lines - fetched < 2 * K ? lines - fetched : 2 * K) / 2;                 \
-        tile_##ROWS(x + m * K, K, w, o + m * N, N, next + 16 * fetched, steps);                        \
-        fetched += 2 * steps;                                                                          \
+        if (m == 0 && M <= MR) {                                                                       \
+            tile_##ROWS(x, K, w, o, N, w + STREAM_AHEAD, K, NR);                                       \
+        } else {                                                                                       \
+            const int64_t steps = (lines - fetched < 2 * K ? lines - fetched : 2 * K) / 2;             \
+            tile_##ROWS(x + m * K, K, w, o + m * N, N, next + LINE * fetched, steps, 2 * LINE);        \
+            fetched += 2 * steps;                                                                      \
+        }                                                                                              \
     } while (0)
         for (; m + MR <= M; m += MR) TILE(6);
         for (; m + 4 <= M; m += 4) TILE(4);
