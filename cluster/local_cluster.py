@@ -107,6 +107,9 @@ class ClusterSpec:
     num_prefill: int
     num_decode: int
     threads_per_worker: int
+    # decode.idle_prefill_threads: with one prefill worker beside one decode worker, the decode worker's
+    # steps take the prefill worker's threads too while none of its prompts is out there
+    decode_idle_prefill_threads: int = 0
     drain_timeout_s: float = 30.0
     devices: list[str] = field(default_factory=list)  # GPUs the workers take turns over; empty: inherit
     members: list[Member] = field(default_factory=list)
@@ -129,6 +132,8 @@ def worker_argv(role: str, index: int, spec: ClusterSpec) -> list[str]:
         argv += ["--set", f"{key}={value}"]
     if role == "decode":
         argv += ["--set", "decode.kv_port=0"]
+        if spec.decode_idle_prefill_threads:
+            argv += ["--set", f"decode.idle_prefill_threads={spec.decode_idle_prefill_threads}"]
     return argv
 
 

@@ -200,6 +200,7 @@ def main(argv: list[str]) -> int:
         num_prefill,
         num_decode,
         threads,
+        decode_idle_prefill_threads=idle_prefill_threads(num_prefill, num_decode, threads),
         drain_timeout_s=config.decode.drain_timeout_s,
         gateways=gateways if num_gateways > 1 else [],
         redis_argv=redis_argv,
@@ -212,6 +213,13 @@ def main(argv: list[str]) -> int:
             shutil.rmtree(os.path.dirname(made_key), ignore_errors=True)
 
 
+def idle_prefill_threads(num_prefill: int, num_decode: int, threads: int) -> int:
+    """``decode.idle_prefill_threads`` for the decode workers: with one prefill worker and one decode worker
+    the prefill worker works only on that decode worker's prompts, so its threads idle while none is out
+    (decode_node/step_threads.py). With more workers a prefill worker may be busy for another: none."""
+    return threads if num_prefill == 1 and num_decode == 1 else 0
+
+
 def run_cluster(spec: ClusterSpec, host: str, http_ports: list[int], model: str, ready_timeout: float) -> int:
     num_prefill, num_decode, threads = spec.num_prefill, spec.num_decode, spec.threads_per_worker
     cluster = LocalCluster(spec)
@@ -219,10 +227,12 @@ def run_cluster(spec: ClusterSpec, host: str, http_ports: list[int], model: str,
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.append(True))
     urls = [f"http://{host}:{http}" for http in http_ports]
+    extra = spec.decode_idle_prefill_threads
+    borrow = f"; decode {threads + extra} while no prompt is out" if extra else ""
     url = urls[0]
     print(
         f"pdserve: gateway {'  '.join(urls)}  ({num_prefill} prefill + {num_decode} decode workers, "
-        f"{threads} thread(s) each, model {model})",
+        f"{threads} thread(s) each{borrow}, model {model})",
         flush=True,
     )
     for member in cluster.members:

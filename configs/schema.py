@@ -147,6 +147,9 @@ class DecodeConfig:
     http_port: int = _field(8202, minimum=0)  # /metrics, /health, /ready (0: any free port)
     worker_id: str = ""  # its identity at the gateway; "" = decode-<hostname>-<pid>
     drain_timeout_s: float = _field(30.0, minimum=0.0)  # on SIGTERM: in-flight requests get this long
+    # CPU threads a step adds while none of its prompts is out at a prefill worker; pdserve serve sets it to the
+    # prefill worker's threads when one prefill worker shares the host with this one (decode_node/step_threads.py)
+    idle_prefill_threads: int = _field(0, minimum=0)
 
 
 @dataclass(slots=True)

@@ -58,6 +58,7 @@ import zmq
 from decode_node.admission import RequestError, make_sequence
 from decode_node.prefill_links import PrefillLinks
 from decode_node.request_state import DecodeRequest, Phase
+from decode_node.step_threads import StepThreads
 from decode_node.streaming import error_event, new_tokens_event
 from engine.block_manager import cdiv
 from engine.llm_engine import LLMEngine
@@ -101,6 +102,7 @@ class DecodeOptions:
     incarnation: str  # new on every process start
     heartbeat_s: float = 5.0
     drain_timeout_s: float = 30.0
+    idle_prefill_threads: int = 0  # a step's extra threads while no prompt is out (step_threads.py)
 
 
 class DecodeServer:
@@ -133,6 +135,7 @@ class DecodeServer:
         self._heartbeat = HeartbeatTimer(options.heartbeat_s)
         self.lora_sync = LoRASync(engine.runner.lora)
         self._drain = Drain(options.drain_timeout_s)
+        self._threads = StepThreads(options.idle_prefill_threads)
         self._stopped = False
         self.is_running = False  # the loop has started and not ended (readiness)
 
@@ -182,8 +185,7 @@ class DecodeServer:
         if self.scheduler.has_unfinished():
             return  # work to do: look at sockets without waiting
         kv_socket = self.receiver.channel.socket
-        awaiting_kv = any(r.phase == Phase.AWAITING_KV for r in self.requests.values())
-        if self._compiling or (awaiting_kv and kv_socket is None):
+        if self._compiling or (kv_socket is None and self._awaiting_kv()):
             timeout = BUSY_POLL_MS
         else:
             timeout = min(IDLE_POLL_MS, int(self._heartbeat.seconds_left() * 1000) + 1)
@@ -191,6 +193,9 @@ class DecodeServer:
         for sock in [*self.gateway.sockets(), *self.prefill.sockets(), *([kv_socket] if kv_socket is not None else [])]:
             poller.register(sock, zmq.POLLIN)
         poller.poll(timeout)
+
+    def _awaiting_kv(self) -> bool:
+        return any(r.phase == Phase.AWAITING_KV for r in self.requests.values())
 
     def _guarded(self, handle, record, peer: str) -> None:
         """Handle one message; if that raises, count it, fail and free its request, and go on."""
@@ -466,6 +471,7 @@ class DecodeServer:
         batch = self.scheduler.schedule()
         if batch is None:
             return
+        self._threads.set_for_step(prompts_out=self._awaiting_kv())
         sampled = self.engine.runner.execute(batch)
         self.engine.num_computed_tokens += batch.num_batched_tokens
         self.scheduler.postprocess(batch, sampled.token_ids, sampled.logprobs)

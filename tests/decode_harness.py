@@ -14,7 +14,7 @@ from protocol.zmq_util import bind, make_socket
 from tests.model_factory import tiny_model_dir
 
 
-def decode_config(gateway_address: str, **engine):
+def decode_config(gateway_address: str, decode: dict | None = None, **engine):
     overrides = {
         "model.path": str(tiny_model_dir("llama")),
         "model.max_model_len": 256,
@@ -32,6 +32,7 @@ def decode_config(gateway_address: str, **engine):
         "transfer.insecure": True,  # the fakes here speak plain ZeroMQ; tests/test_hostile_peers.py runs CURVE
     }
     overrides.update({f"engine.{k}": v for k, v in engine.items()})
+    overrides.update({f"decode.{k}": v for k, v in (decode or {}).items()})
     return load_config(None, env={}, overrides=overrides)
 
 

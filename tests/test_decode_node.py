@@ -26,10 +26,10 @@ PROMPT = [5, 17, 99, 3, 250, 41, 7, 300, 12, 64, 128, 9, 77]  # 13 tokens: 3 ful
 
 
 class Running:
-    def __init__(self, **engine):
+    def __init__(self, decode: dict | None = None, **engine):
         self.ctx = zmq.Context()
         self.gateway = FakeGateway(self.ctx)
-        self.config = decode_config(self.gateway.address, **engine)
+        self.config = decode_config(self.gateway.address, decode, **engine)
         self.node = DecodeNode.start(self.config, self.ctx)
         self.thread = threading.Thread(target=self.node.server.run, daemon=True)
         self.thread.start()
@@ -231,6 +231,60 @@ def test_remote_prefill_job_and_kv_land(node):
     assert torch.equal(node.node.receiver.pool.tensor[:, :, :3], p_engine.runner.kv_pool.tensor[:, :, :3])
     prefill.close(linger=0)
     assert_idle(node)
+
+
+def test_steps_take_the_prefill_workers_threads_only_while_no_prompt_is_out():
+    # One thread of its own and one of the prefill worker's beside it (as pdserve serve sets 1P+1D).
+    node = Running(decode={"idle_prefill_threads": 1})
+    threads: list[int] = []  # each step's thread count, read as the step runs
+    execute = node.node.server.engine.runner.execute
+
+    def recording(batch):
+        threads.append(torch.get_num_threads())
+        return execute(batch)
+
+    node.node.server.engine.runner.execute = recording
+    params = dict(max_tokens=8, temperature=0.0, ignore_eos=True)
+    expected = node.reference(PROMPT, SamplingParams(**params)).outputs[0].token_ids
+    other = PROMPT[::-1]
+    expected_other = node.reference(other, SamplingParams(**params)).outputs[0].token_ids
+
+    node.gateway.send("d0", generate("alone", PROMPT, **params))  # nothing out: every step takes both
+    assert tokens_of(node.gateway.collect("alone")[0]) == expected
+    assert threads == [2] * len(threads) and len(threads) >= 8
+
+    prefill = make_socket(node.ctx, zmq.ROUTER)
+    prefill_address = bind(prefill, "127.0.0.1", 0)
+    node.gateway.send("d0", generate("remote", other, prefill_address=prefill_address, **params))
+    assert prefill.poll(30_000)
+    job = decode(prefill.recv_multipart()[1], expected=PrefillJob)
+    # While that prompt is out, a request prefilled here runs start to end on this worker's own thread.
+    before = len(threads)
+    node.gateway.send("d0", generate("local", PROMPT, **params))
+    assert tokens_of(node.gateway.collect("local")[0]) == expected
+    assert threads[before:] == [1] * (len(threads) - before) and len(threads) - before >= 8
+
+    # The KV lands: the remote request's steps take both threads again.
+    p_engine = build_engine(node.config.model.path, node.config.model, node.config.engine)
+    p_engine.add_request(other, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    while p_engine.has_unfinished():
+        [out] = p_engine.step() or [None]
+    sender = KVSender(
+        p_engine.runner.kv_pool, kv_model_name(node.config.model.path), ZmqClient(node.ctx, job.kv_address)
+    )
+    sender.handshake(timeout_s=10)
+    committed = len(threads)
+    sender.send(job.rid, job.generation, [0, 1, 2, 3], job.dst_block_ids)
+    sender.commit(job.rid, job.generation, first_token=out.outputs[0].token_ids[0])
+    events = []
+    while not events:
+        events = sender.poll()
+    assert events[0].ok, events[0].reason
+    assert tokens_of(node.gateway.collect("remote")[0], first_offset=1) == expected_other[1:]
+    assert threads[committed:] == [2] * (len(threads) - committed) and len(threads) - committed == 7
+    prefill.close(linger=0)
+    assert_idle(node)
+    assert_no_leak(node.close())
 
 
 def test_prefill_failed_ends_request_with_error_and_frees(node):
