@@ -1,5 +1,8 @@
 """PNG plots of a serving-benchmark report (matplotlib, the optional ``plots`` extra).
 
+    python -m benchmarks.serve --plots-dir DIR        plots as the run ends
+    python -m benchmarks.plots RUN.json DIR           plots of a run saved with --json
+
 - latency vs request rate per system (TTFT p50 and TPOT p50 of the mixed workload's Poisson runs)
 - TPOT distribution of the short requests under interference (one CDF per system)
 - output throughput per system (mixed, all requests at once) next to transformers static batching
@@ -8,9 +11,10 @@
 from __future__ import annotations
 
 import math
+import sys
 from pathlib import Path
 
-from benchmarks.serve_report import ALL_AT_ONCE, Report
+from benchmarks.serve_report import ALL_AT_ONCE, Report, read_json
 
 
 def write_plots(report: Report, out_dir: Path) -> list[Path]:
@@ -74,3 +78,8 @@ def save_figure(fig, path: Path) -> Path:
 
     plt.close(fig)
     return path
+
+
+if __name__ == "__main__":
+    for written in write_plots(read_json(Path(sys.argv[1])), Path(sys.argv[2])):
+        print(f"plot: {written}")

@@ -128,7 +128,7 @@ def run_pdserve(name: str, model_dir: Path, cpus: set[int], levels: list[plan.Le
     context = max(spec.sections["model"]["max_model_len"], plan.longest_request(levels))
     [spec] = select(serve_sizes(False), [name], overrides=[f"model.max_model_len={context}"]).systems
     system = ServedSystem(name, model_dir, logs, cpus, spec.num_prefill, spec.num_decode, spec.sections)
-    print(f"  ({name}: {system.threads_per_worker} thread(s) per worker; log {system.log_path})", flush=True)
+    print(f"  ({name}: {system.threads}; log {system.log_path})", flush=True)
     return measure_started(name, system, levels, vocab)
 
 

@@ -214,7 +214,7 @@ def run_system(
         sampler = KvSampler(system.metrics_urls("decode"), spec.sections.get("engine", {}).get("block_size", 16))
         run_workloads(spec.name, spec.workloads, target, p, args, vocab, report, system.wait_idle, sampler)
         report.procs += [(spec.name, s) for s in cpu_delta(before, sample_tree(system.proc.pid))]
-        print(f"  ({spec.name}: {system.threads_per_worker} thread(s) per worker; log {system.log_path})", flush=True)
+        print(f"  ({spec.name}: {system.threads}; log {system.log_path})", flush=True)
     finally:
         system.stop()
 

@@ -27,7 +27,7 @@ from pathlib import Path
 import yaml
 
 READY_LINE = re.compile(r"READY http_port=(\d+) .*worker_id=(\S+)")
-SERVE_LINE = re.compile(r"\((\d+) prefill \+ (\d+) decode workers, (\d+) thread")
+SERVE_LINE = re.compile(r"\((\d+) prefill \+ (\d+) decode workers, (\d+) thread\(s\) each(?:; decode (\d+) while)?")
 PR_SET_PDEATHSIG = 1
 
 
@@ -123,6 +123,7 @@ class ServedSystem:
         self.url = self.urls[0]
         self.worker_http: dict[str, int] = {}  # worker_id -> metrics port
         self.threads_per_worker = 0
+        self.decode_idle_threads = 0  # the decode worker's threads while no prompt is out (1P+1D), else 0
         self._lines: queue.Queue[str] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
         self._wait_for("pdserve: ready", ready_timeout_s)
@@ -136,7 +137,14 @@ class ServedSystem:
                 self.worker_http[match.group(2)] = int(match.group(1))
             if match := SERVE_LINE.search(line):
                 self.threads_per_worker = int(match.group(3))
+                self.decode_idle_threads = int(match.group(4) or 0)
             self._lines.put(line)
+
+    @property
+    def threads(self) -> str:
+        """The serve line's threads, for the benchmark's tables."""
+        borrowed = f", decode {self.decode_idle_threads} while no prompt is out" if self.decode_idle_threads else ""
+        return f"{self.threads_per_worker} thread(s) per worker{borrowed}"
 
     def _wait_for(self, text: str, timeout_s: float) -> None:
         give_up = time.monotonic() + timeout_s

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from benchmarks.serve_metrics import RequestTimeline, Summary
@@ -241,3 +241,17 @@ def write_json(report: Report, path: Path, meta: dict) -> None:
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=1, default=str))
+
+
+def read_json(path: Path) -> Report:
+    """The runs and baselines ``write_json`` wrote (to plot a saved run again: ``python -m benchmarks.plots``)."""
+    record = json.loads(path.read_text())
+    names = {f.name for f in fields(Summary)}
+    runs = [
+        Run(
+            r["system"], r["workload"], r["load"], float(r["rate_rps"]), Summary(**{n: r[n] for n in names}), r["tpots"]
+        )
+        for r in record["runs"]
+    ]
+    by_batch = {int(batch): tps for batch, tps in record["hf_static_tps_by_batch"].items()}
+    return Report(runs=runs, hf_tps=record["hf_static_tps"], hf_by_batch=by_batch)
