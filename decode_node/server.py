@@ -471,7 +471,7 @@ class DecodeServer:
         batch = self.scheduler.schedule()
         if batch is None:
             return
-        self._threads.set_for_step(prompts_out=self._awaiting_kv())
+        self._threads.set_for_step(prompts_out=self._awaiting_kv)
         sampled = self.engine.runner.execute(batch)
         self.engine.num_computed_tokens += batch.num_batched_tokens
         self.scheduler.postprocess(batch, sampled.token_ids, sampled.logprobs)

@@ -15,6 +15,8 @@ own reductions (the sampler's log-softmax) may differ in the last bit, as betwee
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 
@@ -23,9 +25,11 @@ class StepThreads:
         self.own = torch.get_num_threads()
         self.borrowed = borrowed
 
-    def set_for_step(self, prompts_out: bool) -> int:
-        """Set torch's (and so the C kernels') thread count for the next step; returns it."""
-        threads = self.own if prompts_out else self.own + self.borrowed
+    def set_for_step(self, prompts_out: Callable[[], bool]) -> None:
+        """Set torch's (and so the C kernels') thread count for the next step. ``prompts_out`` is asked
+        only where there are threads to borrow: most workers have none, and it scans the requests."""
+        if not self.borrowed:
+            return
+        threads = self.own if prompts_out() else self.own + self.borrowed
         if threads != torch.get_num_threads():
             torch.set_num_threads(threads)
-        return threads

@@ -97,10 +97,9 @@ void pdserve_linear_f32(const float *x, int64_t M, int64_t K, const float *wp, i
            With rows for one tile (a decode step of a few sequences), the first tile streams the block
            from memory and prefetches its own stream STREAM_AHEAD floats ahead of its reads. Whole decode
            steps on two threads (benchmarks.step_profile: fastest of 3 x 40 steps, three alternated
-           runs), same machine and day, ms: 2 sequences 6.4-8.3 ->
-           6.0-6.2, 4: 8.2-9.2 -> 6.8-7.7, 6: 9.0-11.9 -> 7.1-8.5; 1 and 8 the same (one sequence already
-           runs at the memory's speed). On the EPYC (2026-11-25) prefetching the stream had slowed the
-           kernel; not measured there since. */
+           runs), same machine and day, ms: 2 sequences 6.4-8.3 -> 6.0-6.2, 4: 8.2-9.2 -> 6.8-7.7, 6:
+           9.0-11.9 -> 7.1-8.5; 1 and 8 the same (one sequence already runs at the memory's speed). On
+           the EPYC (2026-11-25) prefetching the stream had slowed the kernel; not measured there since. */
         const int64_t lines = K * NR / LINE; /* cache lines of a block */
         int64_t fetched = nb + 1 < N / NR && M > MR ? 0 : lines; /* of the next block */
         const float *next = w + K * NR;
