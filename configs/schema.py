@@ -61,6 +61,9 @@ class EngineConfig:
     # CPU decode attention: "c" = the C kernel (kernels/cpu_decode.c), built at first use with the
     # machine's compiler, torch where it cannot be built or has no copy for the model; "torch" = torch only
     cpu_decode_attention: str = _field("c", choices=("c", "torch"))
+    # CPU prefill attention (prompt chunks): "c" = the C kernel (kernels/cpu_prefill.c), built like the
+    # decode one, torch's SDPA where it cannot be built or has no copy for the model; "torch" = SDPA only
+    cpu_prefill_attention: str = _field("c", choices=("c", "torch"))
     # CPU linears at few rows (decode steps): "c" = the C kernel (kernels/cpu_linear.c) at the row counts
     # where it times faster than torch's forms at load (which may keep a weight both dense and packed);
     # "torch" = torch's forms only

@@ -115,7 +115,10 @@ def build_engine(
     if native_decode is not None and fused_decode_rows:
         fused = model.use_fused_decode(native_decode)
         log.info("CPU decode steps: %s", "one C call for every layer" if fused else "layer by layer")
-    runner = ModelRunner(model, pool, Sampler(engine_cfg.seed), native_decode=native_decode, lora=lora)
+    native_prefill = _native_prefill(engine_cfg, config, pool)
+    runner = ModelRunner(
+        model, pool, Sampler(engine_cfg.seed), native_decode=native_decode, native_prefill=native_prefill, lora=lora
+    )
     limits = GrammarLimits(
         engine_cfg.grammar_compile_timeout_s, engine_cfg.grammar_cache_mb << 20, engine_cfg.grammar_compile_threads
     )
@@ -194,6 +197,25 @@ def _native_decode(engine_cfg: EngineConfig, config, pool: KVPool) -> cpu_native
         log.info("CPU decode attention: torch")
     else:
         log.info("CPU decode attention: the C kernel%s", "" if library.threaded else ", on one thread (no OpenMP)")
+    return library
+
+
+def _native_prefill(engine_cfg: EngineConfig, config, pool: KVPool) -> cpu_native.NativeLibrary | None:
+    """The C prefill-attention kernel where it is asked for and runs this model on this pool; logs the choice.
+    Its work splits by (request, KV head, 16 queries), so a build without OpenMP is kept only as long
+    as the decode kernel's rule keeps it (``_one_thread_too_few``)."""
+    if pool.tensor.device.type != "cpu":
+        return None
+    library = cpu_native.load() if engine_cfg.cpu_prefill_attention == "c" else None
+    why = None
+    if library is not None and not supports_native_decode(library, config.num_heads, pool):
+        why = f"no copy for {config.num_heads} heads over {config.num_kv_heads} KV heads of {config.head_dim}"
+    elif library is not None and _one_thread_too_few(library):
+        why = f"built without OpenMP, and torch has {torch.get_num_threads()} threads"
+    if library is None or why:
+        log.info("CPU prefill attention: torch's SDPA%s", f" (the C kernel has {why})" if why else "")
+        return None
+    log.info("CPU prefill attention: the C kernel%s", "" if library.threaded else ", on one thread (no OpenMP)")
     return library
 
 

@@ -44,14 +44,17 @@ class ModelRunner:
         sampler: Sampler | None = None,
         native_decode: NativeLibrary | None = None,
         lora: LoRAManager | None = None,
+        native_prefill: NativeLibrary | None = None,
     ):
         """``native_decode``: the C decode kernel (CPU only), for a model and pool it supports
-        (``supports_native_decode``); None keeps decode attention on the torch path. ``lora``: the
+        (``supports_native_decode``); None keeps decode attention on the torch path. ``native_prefill``:
+        the C prefill kernel likewise (the same support rule); None keeps SDPA. ``lora``: the
         adapters requests may name (the model must have LoRA enabled); None: base only."""
         self.model = model
         self.kv_pool = kv_pool
         self.sampler = sampler or Sampler()
         self.native_decode = native_decode
+        self.native_prefill = native_prefill
         self.lora = lora
         self.block_size = kv_pool.layout.block_size
         self.device = kv_pool.tensor.device
@@ -135,7 +138,12 @@ class ModelRunner:
             plan=None
             if device.type == "cuda"
             else kernels.plan_attention(
-                block_tables, context_lens_t, query_start_loc_t, self.kv_pool.layer(0)[0], self.native_decode
+                block_tables,
+                context_lens_t,
+                query_start_loc_t,
+                self.kv_pool.layer(0)[0],
+                self.native_decode,
+                self.native_prefill,
             ),
         )
         input_ids_t = torch.tensor(input_ids, dtype=torch.long, device=device)

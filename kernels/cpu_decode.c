@@ -20,25 +20,6 @@
 #define PREFETCH_TOKENS 32 /* rows fetched ahead: pages lie at random places in the pool, where the
                               hardware prefetcher cannot follow (+25% at batch 64, one thread) */
 
-/* e^x for x <= 0 (softmax arguments): 2^n * poly(r) with x = n ln2 + r, |r| <= ln2 / 2 (Cephes' expf
-   polynomial, about 1 ulp); below -87 it returns e^-87, which the sum cannot tell from 0. */
-static inline vf exp_nonpositive(vf x) {
-    x = select(x < splat(-87.0f), splat(-87.0f), x);
-    const vf round = splat(12582912.0f); /* 1.5 * 2^23: adding and subtracting it rounds to an integer */
-    const vf n = (x * 1.44269504088896341f + round) - round;
-    const vf r = x - n * 0.693359375f + n * 2.12194440e-4f; /* ln2 in two parts: exact n * ln2_hi */
-    vf p = r * 1.9875691500e-4f + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
-    vf two_n;
-    memcpy(&two_n, &bits, sizeof two_n);
-    return p * two_n;
-}
-
 /* Walks a request's context token by token through its block table, without a division per token. */
 typedef struct {
     const float *cache; /* this kv head's first element: cache + head * head_dim */

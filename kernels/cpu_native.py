@@ -1,6 +1,7 @@
 """The CPU kernels in C, built on first use and called through ctypes: decode attention over the paged
-KV (cpu_decode.c), ``x @ w^T`` for the few rows of a decode step (cpu_linear.c), and a layer's RMSNorm
-with its residual add, its rotary embedding with the K/V store and its SwiGLU product (cpu_layer_ops.c).
+KV (cpu_decode.c), prefill attention of prompt chunks over it (cpu_prefill.c), ``x @ w^T`` for the
+few rows of a decode step (cpu_linear.c), and a layer's RMSNorm with its residual add, its rotary
+embedding with the K/V store and its SwiGLU product (cpu_layer_ops.c).
 
 ``load()`` compiles them into one library with the machine's C compiler (``$CC``, else ``cc``; GCC or clang)
 for this very CPU (``-march=native``, ``-mcpu=native`` on Arm) into ``~/.cache/pdserve/native/``
@@ -35,7 +36,8 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = [
-    Path(__file__).with_name(name) for name in ("cpu_decode.c", "cpu_linear.c", "cpu_layer_ops.c", "cpu_decode_step.c")
+    Path(__file__).with_name(name)
+    for name in ("cpu_decode.c", "cpu_prefill.c", "cpu_linear.c", "cpu_layer_ops.c", "cpu_decode_step.c")
 ]
 HEADERS = [Path(__file__).with_name("cpu_vector.h")]
 _FLAGS = ("-O3", "-fno-math-errno", "-Wno-psabi", "-shared", "-fPIC")
@@ -184,9 +186,9 @@ def remove_stale(directory: Path, now: float | None = None) -> list[Path]:
 
 
 class NativeLibrary:
-    """The loaded kernels: ``supports(group, head_dim)`` and ``paged_decode(...)`` for attention,
-    ``supports_linear(in, out)``, ``pack_linear(weight)`` and ``linear(x, packed)``; ``threaded``: whether
-    they run on OpenMP threads."""
+    """The loaded kernels: ``supports(group, head_dim)``, ``paged_decode(...)`` and ``paged_prefill(...)``
+    for attention, ``supports_linear(in, out)``, ``pack_linear(weight)`` and ``linear(x, packed)``;
+    ``threaded``: whether they run on OpenMP threads."""
 
     def __init__(self, path: Path):
         self.name = path.name  # carries the hash of the source, flags and compiler it was built from
@@ -216,6 +218,12 @@ class NativeLibrary:
             ctypes.c_int,
         ]
         self._decode.restype = None
+        self._prefill = self._lib.pdserve_paged_prefill_f32
+        self._prefill.argtypes = [_PTR, _SIZE, _PTR, _PTR, _PTR, _SIZE, _PTR, _PTR, _PTR, _PTR]
+        self._prefill.argtypes += [_SIZE] * 5 + [ctypes.c_float, ctypes.c_int]
+        self._prefill.restype = None
+        self._lib.pdserve_prefill_scratch_bytes.restype = _SIZE
+        self._prefill_scratch_bytes = int(self._lib.pdserve_prefill_scratch_bytes())
         self._linear_supported = self._lib.pdserve_linear_supported
         self._linear_supported.argtypes = [_SIZE, _SIZE]
         self._linear_supported.restype = ctypes.c_int
@@ -303,6 +311,50 @@ class NativeLibrary:
             ctx_pad,
             scale,
             torch.get_num_threads(),
+        )
+        return out
+
+    def paged_prefill(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim] float32; rows may be strided, heads packed
+        k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim] float32, contiguous
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,  # [batch, max_blocks] int64, contiguous, every id in the pool
+        context_lens: torch.Tensor,  # [batch] int64
+        query_start_loc: torch.Tensor,  # [batch + 1] int64; every chunk >= 1 query, <= its context
+        scale: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        """Causal attention of each request's chunk over its paged context (kernels/cpu_prefill.c)."""
+        num_tokens, num_heads, head_dim = q.shape
+        _, block_size, kv_heads, _ = k_cache.shape
+        # The C code trusts these: a wrong layout would read the wrong memory, not raise.
+        assert q.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+        assert q.stride(2) == 1 and q.stride(1) == head_dim and k_cache.is_contiguous() and v_cache.is_contiguous()
+        assert block_tables.dtype == context_lens.dtype == query_start_loc.dtype == torch.int64
+        assert block_tables.is_contiguous() and context_lens.is_contiguous() and query_start_loc.is_contiguous()
+        batch = context_lens.shape[0]
+        assert block_tables.shape[0] == batch and query_start_loc.shape[0] == batch + 1
+        out = torch.empty((num_tokens, num_heads, head_dim), dtype=torch.float32)
+        threads = torch.get_num_threads()
+        scratch = torch.empty(threads * self._prefill_scratch_bytes, dtype=torch.uint8)  # per-thread tiles
+        self._prefill(
+            q.data_ptr(),
+            q.stride(0),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            block_tables.data_ptr(),
+            block_tables.shape[1],
+            context_lens.data_ptr(),
+            query_start_loc.data_ptr(),
+            out.data_ptr(),
+            scratch.data_ptr(),
+            batch,
+            num_heads,
+            kv_heads,
+            head_dim,
+            block_size,
+            scale,
+            threads,
         )
         return out
 

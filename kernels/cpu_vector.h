@@ -1,6 +1,6 @@
-/* Vector helpers shared by the CPU kernels (cpu_decode.c, cpu_linear.c): a float vector as wide as one
-   hardware register (GCC vector extensions, also understood by clang), loads and stores, and a
-   transpose-and-add reduction of LANES vectors at once. */
+/* Vector helpers shared by the CPU kernels (cpu_decode.c, cpu_prefill.c, cpu_linear.c, ...): a float
+   vector as wide as one hardware register (GCC vector extensions, also understood by clang), loads and
+   stores, a transpose-and-add reduction of LANES vectors at once, and the softmax's exponential. */
 #ifndef PDSERVE_CPU_VECTOR_H
 #define PDSERVE_CPU_VECTOR_H
 
@@ -94,6 +94,25 @@ static inline vf sum_lanes(const vf *x) {
     vf w[2];
     for (int i = 0; i < 2; i++) w[i] = PAIR_SUM(z[2 * i], z[2 * i + 1], PAIRS_LO, PAIRS_HI); /* 2 partials each */
     return PAIR_SUM(w[0], w[1], EVENS, ODDS);
+}
+
+/* e^x for x <= 0 (softmax arguments): 2^n * poly(r) with x = n ln2 + r, |r| <= ln2 / 2 (Cephes' expf
+   polynomial, about 1 ulp); below -87 it returns e^-87, which the sum cannot tell from 0. */
+static inline vf exp_nonpositive(vf x) {
+    x = select(x < splat(-87.0f), splat(-87.0f), x);
+    const vf round = splat(12582912.0f); /* 1.5 * 2^23: adding and subtracting it rounds to an integer */
+    const vf n = (x * 1.44269504088896341f + round) - round;
+    const vf r = x - n * 0.693359375f + n * 2.12194440e-4f; /* ln2 in two parts: exact n * ln2_hi */
+    vf p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
+    vf two_n;
+    memcpy(&two_n, &bits, sizeof two_n);
+    return p * two_n;
 }
 
 #endif

@@ -16,7 +16,7 @@ import torch
 
 from kernels.cpu_native import NativeLibrary
 from kernels.paged_decode import DecodeBucket, NativeDecode, paged_decode_reference, paged_decode_triton, plan_decode
-from kernels.paged_prefill import paged_prefill_reference, paged_prefill_triton
+from kernels.paged_prefill import NativePrefill, paged_prefill_triton, plan_prefill, prefill_rows
 
 
 @dataclass(slots=True)
@@ -37,6 +37,7 @@ class AttentionPlan:
     decode: list[DecodeBucket] | NativeDecode | None  # how the decode requests run; None: none decodes
     decode_tokens: torch.Tensor | None  # [d] int64: each decode request's token; None: every one decodes
     prefill: PrefillRows | None  # set in mixed steps only
+    native_prefill: NativePrefill | None = None  # the prefill chunks for the C kernel; None: SDPA
 
 
 def plan_attention(
@@ -45,16 +46,20 @@ def plan_attention(
     query_start_loc: torch.Tensor,
     cache: torch.Tensor,
     native: NativeLibrary | None = None,
+    native_prefill: NativeLibrary | None = None,
 ) -> AttentionPlan:
     """``cache``: any one layer's K cache (the buckets depend on its block size and bytes per token).
-    ``native``: the C decode kernel, for a model it supports (else decode rows take the torch path)."""
+    ``native``: the C decode kernel, for a model it supports (else decode rows take the torch path);
+    ``native_prefill``: the C prefill kernel, likewise (else prefill rows take SDPA)."""
     q_lens = query_start_loc[1:] - query_start_loc[:-1]  # [batch]
     is_decode = q_lens == 1
     num_decode = int(is_decode.sum())
     if num_decode == q_lens.shape[0]:
         return AttentionPlan(plan_decode(block_tables, context_lens, cache, native), None, None)
     if num_decode == 0:
-        return AttentionPlan(None, None, None)
+        return AttentionPlan(
+            None, None, None, plan_prefill(block_tables, context_lens, query_start_loc, cache, native_prefill)
+        )
     decode = plan_decode(block_tables[is_decode], context_lens[is_decode], cache, native)
     dec_tokens = query_start_loc[:-1][is_decode].long()  # a decode request's one query token
     pre = ~is_decode
@@ -63,7 +68,8 @@ def plan_attention(
     torch.cumsum(pre_lens, 0, out=pre_loc[1:])
     token_is_pre = torch.repeat_interleave(pre, q_lens, output_size=int(query_start_loc[-1]))  # [num_tokens]
     prefill = PrefillRows(token_is_pre.nonzero()[:, 0], block_tables[pre], context_lens[pre], pre_loc)
-    return AttentionPlan(decode, dec_tokens, prefill)
+    chunks = plan_prefill(prefill.block_tables, prefill.context_lens, pre_loc, cache, native_prefill)
+    return AttentionPlan(decode, dec_tokens, prefill, chunks)
 
 
 def paged_attention_reference(
@@ -77,11 +83,13 @@ def paged_attention_reference(
     plan: AttentionPlan | None = None,  # plan_attention(...) of these tensors, made once per step
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """The engine's CPU path: decode rows by the C kernel where the plan says so, else by batched
-    matmul; prefill rows by SDPA per request."""
+    matmul; prefill rows by the C kernel where the plan says so, else by SDPA per request."""
     if plan is None:
         plan = plan_attention(block_tables, context_lens, query_start_loc, k_cache)
     if plan.decode is None:
-        return paged_prefill_reference(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale)
+        return prefill_rows(
+            q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, plan.native_prefill
+        )
     if plan.decode_tokens is None:
         return _decode_rows(q, k_cache, v_cache, plan.decode, scale)
 
@@ -92,7 +100,7 @@ def paged_attention_reference(
     out.index_copy_(
         0,
         pre.tokens,
-        paged_prefill_reference(
+        prefill_rows(
             q.index_select(0, pre.tokens),
             k_cache,
             v_cache,
@@ -100,6 +108,7 @@ def paged_attention_reference(
             pre.context_lens,
             pre.query_start_loc,
             scale,
+            plan.native_prefill,
         ),
     )
     return out

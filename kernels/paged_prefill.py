@@ -4,6 +4,9 @@ Request i's chunk is the last q_len_i tokens of its context_lens[i]-token contex
 in the pool): query j sits at position ``ctx_i - q_len_i + j`` and sees keys ``0 ..= pos``, i.e. the
 cached prefix plus the causal part of its own chunk. This is paged_attention's general contract.
 
+On CPU the C kernel (kernels/cpu_prefill.c, ``NativePrefill``) takes the chunks where the engine asks
+for it; the torch reference runs SDPA request by request over the gathered context.
+
 Triton: one program per (request, tile of BLOCK_M queries, kv head). The tile's rows are
 (query, head of the group) pairs, so each KV tile is loaded once for the whole query group.
 The torch reference runs SDPA request by request over the gathered context.
@@ -11,16 +14,60 @@ The torch reference runs SDPA request by request over the gathered context.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 from kernels.attention_tile import load_kv_tile, online_softmax_step
+from kernels.cpu_native import NativeLibrary
 from kernels.paged_decode import gather_context
 from kernels.triton_or_stub import tl, triton
 
 _LOG2E = 1.4426950408889634
 _ROWS = 64  # (query, group head) rows per program
 _BLOCK_N = 64  # KV tokens per tile
+
+
+@dataclass(slots=True)
+class NativePrefill:
+    """A step's prefill chunks for the C kernel: their inputs, converted once per step."""
+
+    library: NativeLibrary
+    block_tables: torch.Tensor  # [p, max_blocks] int64, contiguous, every id in the pool
+    context_lens: torch.Tensor  # [p] int64
+    query_start_loc: torch.Tensor  # [p + 1] int64
+
+    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        return self.library.paged_prefill(
+            q, k_cache, v_cache, self.block_tables, self.context_lens, self.query_start_loc, scale
+        )
+
+
+def plan_prefill(
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    cache: torch.Tensor,
+    native: NativeLibrary | None,
+) -> NativePrefill | None:
+    """The chunks' inputs for the C kernel (``cache``: any one layer's K cache, for its block count);
+    None where there is no kernel (SDPA then)."""
+    if native is None:
+        return None
+    tables = block_tables.long().contiguous()
+    # The C code indexes the pool with these ids unchecked: an id out of range must fail here.
+    low, high = map(int, torch.aminmax(tables)) if tables.numel() else (0, 0)
+    if low < 0 or high >= cache.shape[0]:
+        raise IndexError(f"block table ids span {low}..{high}, pool has {cache.shape[0]} blocks")
+    return NativePrefill(native, tables, context_lens.long().contiguous(), query_start_loc.long().contiguous())
+
+
+def prefill_rows(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, native: NativePrefill | None):
+    """The C kernel where the plan holds one, else the torch reference."""
+    if native is not None:
+        return native.run(q, k_cache, v_cache, scale)
+    return paged_prefill_reference(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale)
 
 
 def paged_prefill_reference(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale):
