@@ -185,6 +185,16 @@ def remove_stale(directory: Path, now: float | None = None) -> list[Path]:
     return removed
 
 
+def _check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens) -> None:
+    """The layout both attention kernels read. The C code trusts it: a wrong one would read the wrong
+    memory, not raise."""
+    assert q.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+    assert q.stride(2) == 1 and q.stride(1) == q.shape[2] and k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert block_tables.dtype == context_lens.dtype == torch.int64
+    assert block_tables.is_contiguous() and context_lens.is_contiguous()
+    assert block_tables.shape[0] == context_lens.shape[0]
+
+
 class NativeLibrary:
     """The loaded kernels: ``supports(group, head_dim)``, ``paged_decode(...)`` and ``paged_prefill(...)``
     for attention, ``supports_linear(in, out)``, ``pack_linear(weight)`` and ``linear(x, packed)``;
@@ -284,11 +294,8 @@ class NativeLibrary:
     ) -> torch.Tensor:  # [batch, num_heads, head_dim]
         batch, num_heads, head_dim = q.shape
         _, block_size, kv_heads, _ = k_cache.shape
-        # The C code trusts these: a wrong layout would read the wrong memory, not raise.
-        assert q.dtype == k_cache.dtype == v_cache.dtype == torch.float32
-        assert q.stride(2) == 1 and q.stride(1) == head_dim and k_cache.is_contiguous() and v_cache.is_contiguous()
-        assert block_tables.dtype == context_lens.dtype == torch.int64 and block_tables.is_contiguous()
-        assert context_lens.is_contiguous() and block_tables.shape[0] == batch == context_lens.shape[0]
+        _check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens)
+        assert batch == context_lens.shape[0]
         assert block_tables.shape[1] * block_size >= max_context  # supports() was checked once, at engine build
         ctx_pad = -(-max_context // 16) * 16
         out = torch.empty((batch, num_heads, head_dim), dtype=torch.float32)
@@ -327,13 +334,10 @@ class NativeLibrary:
         """Causal attention of each request's chunk over its paged context (kernels/cpu_prefill.c)."""
         num_tokens, num_heads, head_dim = q.shape
         _, block_size, kv_heads, _ = k_cache.shape
-        # The C code trusts these: a wrong layout would read the wrong memory, not raise.
-        assert q.dtype == k_cache.dtype == v_cache.dtype == torch.float32
-        assert q.stride(2) == 1 and q.stride(1) == head_dim and k_cache.is_contiguous() and v_cache.is_contiguous()
-        assert block_tables.dtype == context_lens.dtype == query_start_loc.dtype == torch.int64
-        assert block_tables.is_contiguous() and context_lens.is_contiguous() and query_start_loc.is_contiguous()
+        _check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens)
         batch = context_lens.shape[0]
-        assert block_tables.shape[0] == batch and query_start_loc.shape[0] == batch + 1
+        assert query_start_loc.dtype == torch.int64 and query_start_loc.is_contiguous()
+        assert query_start_loc.shape[0] == batch + 1
         out = torch.empty((num_tokens, num_heads, head_dim), dtype=torch.float32)
         threads = torch.get_num_threads()
         scratch = torch.empty(threads * self._prefill_scratch_bytes, dtype=torch.uint8)  # per-thread tiles

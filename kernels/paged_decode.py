@@ -72,6 +72,16 @@ class NativeDecode:
         )
 
 
+def checked_tables(block_tables: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """The block tables as the C kernels take them (int64, contiguous), every id checked to lie in the
+    pool: the C code indexes the pool with them unchecked, so an id out of range must fail here."""
+    tables = block_tables.long().contiguous()
+    low, high = map(int, torch.aminmax(tables)) if tables.numel() else (0, 0)
+    if low < 0 or high >= cache.shape[0]:
+        raise IndexError(f"block table ids span {low}..{high}, pool has {cache.shape[0]} blocks")
+    return tables
+
+
 def plan_decode(
     block_tables: torch.Tensor, context_lens: torch.Tensor, cache: torch.Tensor, native: NativeLibrary | None = None
 ) -> list[DecodeBucket] | NativeDecode:
@@ -80,11 +90,7 @@ def plan_decode(
     plans once per step and every layer reuses the plan (planning in each layer was ~5% of a decode
     step at batch 64). ``cache``: any one layer's K cache, for its block size and bytes per token."""
     if native is not None:
-        tables = block_tables.long().contiguous()
-        # The C code indexes the pool with these ids unchecked: an id out of range must fail here.
-        low, high = map(int, torch.aminmax(tables)) if tables.numel() else (0, 0)
-        if low < 0 or high >= cache.shape[0]:
-            raise IndexError(f"block table ids span {low}..{high}, pool has {cache.shape[0]} blocks")
+        tables = checked_tables(block_tables, cache)
         return NativeDecode(native, tables, context_lens.long().contiguous(), int(context_lens.max()))
     block_size = cache.shape[1]
     token_bytes = 2 * cache[0, 0].nbytes  # one token's K and its V in one layer

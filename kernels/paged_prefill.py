@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from kernels.attention_tile import load_kv_tile, online_softmax_step
 from kernels.cpu_native import NativeLibrary
-from kernels.paged_decode import gather_context
+from kernels.paged_decode import checked_tables, gather_context
 from kernels.triton_or_stub import tl, triton
 
 _LOG2E = 1.4426950408889634
@@ -55,11 +55,7 @@ def plan_prefill(
     None where there is no kernel (SDPA then)."""
     if native is None:
         return None
-    tables = block_tables.long().contiguous()
-    # The C code indexes the pool with these ids unchecked: an id out of range must fail here.
-    low, high = map(int, torch.aminmax(tables)) if tables.numel() else (0, 0)
-    if low < 0 or high >= cache.shape[0]:
-        raise IndexError(f"block table ids span {low}..{high}, pool has {cache.shape[0]} blocks")
+    tables = checked_tables(block_tables, cache)
     return NativePrefill(native, tables, context_lens.long().contiguous(), query_start_loc.long().contiguous())
 
 

@@ -65,6 +65,28 @@ def make_case(context_lens, q_lens, *, heads, kv_heads, head_dim, block_size, dt
     return AttentionCase(q, k_cache, v_cache, block_tables, context, loc, sharpness * head_dim**-0.5)
 
 
+def kernel_case(context_lens, q_lens, group: int, head_dim: int, block_size: int) -> AttentionCase:
+    """A float32 case for the C kernels at one query group and head size: two KV heads (one at group 8),
+    peaky attention, q strided like the rows of the model's fused QKV tensor."""
+    kv_heads = 2 if group < 8 else 1
+    case = make_case(context_lens, q_lens, heads=group * kv_heads, kv_heads=kv_heads, head_dim=head_dim,
+                     block_size=block_size, dtype=torch.float32, seed=group * head_dim + block_size, sharpness=4.0)  # fmt: skip
+    assert case.q.stride(0) != case.q.shape[1] * head_dim
+    return case
+
+
+def on_one_thread_and_two(run) -> tuple[torch.Tensor, torch.Tensor]:
+    """``run()`` with torch (and so the C kernels) on one thread, then on two; torch's count restored."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run()
+        torch.set_num_threads(2)
+        return one, run()
+    finally:
+        torch.set_num_threads(threads)
+
+
 def naive_attention(case: AttentionCase) -> torch.Tensor:
     """One request and one head at a time, float64, keys walked block by block through the table."""
     q, k_cache, v_cache = case.q.cpu().double(), case.k_cache.cpu().double(), case.v_cache.cpu().double()

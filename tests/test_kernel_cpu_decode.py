@@ -21,7 +21,7 @@ from engine.runner import supports_native_decode
 from kernels import cpu_native
 from kernels.paged_decode import NativeDecode
 from tests.model_factory import tiny_model_dir
-from tests.test_kernel_attention import assert_matches_naive, make_case
+from tests.test_kernel_attention import assert_matches_naive, kernel_case, make_case, on_one_thread_and_two
 
 # A single token, one short of a 16-token chunk, one chunk, one past it, and lengths past the 32-token
 # prefetch distance; with block size 5 no chunk lines up with a page.
@@ -38,19 +38,7 @@ def run_native(lib, case) -> torch.Tensor:
 @pytest.mark.parametrize("head_dim", [16, 32, 64, 128])
 @pytest.mark.parametrize("group", [1, 2, 3, 4, 7, 8])
 def test_c_decode_matches_naive(any_build, group, head_dim, block_size):
-    kv_heads = 2 if group < 8 else 1
-    case = make_case(
-        CONTEXT_LENS,
-        [1] * len(CONTEXT_LENS),
-        heads=group * kv_heads,
-        kv_heads=kv_heads,
-        head_dim=head_dim,
-        block_size=block_size,
-        dtype=torch.float32,
-        seed=group * head_dim + block_size,
-        sharpness=4.0,
-    )
-    assert case.q.stride(0) != case.q.shape[1] * head_dim  # rows of a fused QKV tensor, as in the model
+    case = kernel_case(CONTEXT_LENS, [1] * len(CONTEXT_LENS), group, head_dim, block_size)
     assert_matches_naive(run_native(any_build, case), case)
 
 
@@ -74,14 +62,7 @@ def test_c_decode_gives_the_same_bits_on_one_thread_and_two(any_build):
     case = make_case(
         [700, 3, 129, 64, 250], [1] * 5, heads=8, kv_heads=2, head_dim=64, block_size=16, dtype=torch.float32, seed=9
     )
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = run_native(any_build, case)
-        torch.set_num_threads(2)
-        two = run_native(any_build, case)
-    finally:
-        torch.set_num_threads(threads)
+    one, two = on_one_thread_and_two(lambda: run_native(any_build, case))
     assert torch.equal(one, two)  # each (request, kv head) is one thread's work, summed in one order
     assert_matches_naive(two, case)
 
@@ -95,13 +76,17 @@ def test_supported_shapes(library):
     assert not supports_native_decode(library, 8, KVPool(KVLayout(1, 4, 16, 2, 64, torch.bfloat16)))
 
 
-def test_the_engine_takes_the_kernel_unless_told_torch():
+@pytest.mark.parametrize(
+    "setting, taken, kept", [("cpu_decode_attention", "native_decode", "native_prefill"),
+                             ("cpu_prefill_attention", "native_prefill", "native_decode")]
+)  # fmt: skip
+def test_the_engine_takes_each_attention_kernel_unless_told_torch(setting, taken, kept):
     library = cpu_native.load()  # the engine's (other tests rebuild the loader's cache: not the fixture)
     path = str(tiny_model_dir("llama"))
     model = ModelConfig(path=path, dtype="float32")
-    assert build_engine(path, model, EngineConfig(kv_cache_memory_mb=4), device="cpu").runner.native_decode is library
-    torch_only = EngineConfig(kv_cache_memory_mb=4, cpu_decode_attention="torch")
-    assert build_engine(path, model, torch_only, device="cpu").runner.native_decode is None
+    assert getattr(build_engine(path, model, EngineConfig(kv_cache_memory_mb=4), device="cpu").runner, taken) is library
+    torch_only = build_engine(path, model, EngineConfig(kv_cache_memory_mb=4, **{setting: "torch"}), device="cpu")
+    assert getattr(torch_only.runner, taken) is None and getattr(torch_only.runner, kept) is library  # its own
 
 
 def test_the_engine_takes_a_build_without_openmp_up_to_its_thread_limit(monkeypatch):
@@ -120,6 +105,7 @@ def test_the_engine_takes_a_build_without_openmp_up_to_its_thread_limit(monkeypa
                 path, model, EngineConfig(kv_cache_memory_mb=4, num_threads=num_threads), device="cpu"
             )
             assert engine.runner.native_decode is expected, num_threads
+            assert engine.runner.native_prefill is expected, num_threads
             assert engine.runner.model.native_layer_ops is (expected is not None), num_threads  # the same rule
     finally:
         torch.set_num_threads(threads)

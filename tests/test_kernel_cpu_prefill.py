@@ -1,7 +1,8 @@
 """The C prefill-attention kernel (kernels/cpu_prefill.c): against the naive float64 attention of
 test_kernel_attention for every query group and head size it has a copy for, through the engine's plan,
 in every vector width and without OpenMP; first chunks, later chunks over a cached prefix, several
-requests in one step and prefill rows beside decode rows; and how the engine chooses it."""
+requests in one step and prefill rows beside decode rows (how the engine chooses it:
+test_kernel_cpu_decode.py)."""
 
 from __future__ import annotations
 
@@ -9,12 +10,8 @@ import pytest
 import torch
 
 import kernels
-from configs.schema import EngineConfig, ModelConfig
-from engine.llm import build_engine
-from kernels import cpu_native
 from kernels.paged_prefill import NativePrefill
-from tests.model_factory import tiny_model_dir
-from tests.test_kernel_attention import assert_matches_naive, make_case
+from tests.test_kernel_attention import assert_matches_naive, kernel_case, make_case, on_one_thread_and_two
 
 
 def run_native(lib, case) -> torch.Tensor:
@@ -35,19 +32,7 @@ REQUESTS = [(1, 1), (15, 15), (16, 16), (17, 17), (150, 150), (100, 37), (300, 6
 @pytest.mark.parametrize("head_dim", [16, 32, 64, 128])
 @pytest.mark.parametrize("group", [1, 2, 3, 4, 7, 8])
 def test_c_prefill_matches_naive(any_build, group, head_dim, block_size):
-    kv_heads = 2 if group < 8 else 1
-    case = make_case(
-        [ctx for ctx, _ in REQUESTS],
-        [q for _, q in REQUESTS],
-        heads=group * kv_heads,
-        kv_heads=kv_heads,
-        head_dim=head_dim,
-        block_size=block_size,
-        dtype=torch.float32,
-        seed=group * head_dim + block_size,
-        sharpness=4.0,
-    )
-    assert case.q.stride(0) != case.q.shape[1] * head_dim  # rows of a fused QKV tensor, as in the model
+    case = kernel_case([ctx for ctx, _ in REQUESTS], [q for _, q in REQUESTS], group, head_dim, block_size)
     assert_matches_naive(run_native(any_build, case), case)
 
 
@@ -67,14 +52,7 @@ def test_c_prefill_in_a_mixed_step_matches_naive(any_build):
 def test_c_prefill_gives_the_same_bits_on_one_thread_and_two(library):
     case = make_case([700, 90, 129], [700, 90, 64], heads=8, kv_heads=2, head_dim=64, block_size=16,
                      dtype=torch.float32, seed=9)  # fmt: skip
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = run_native(library, case)
-        torch.set_num_threads(2)
-        two = run_native(library, case)
-    finally:
-        torch.set_num_threads(threads)
+    one, two = on_one_thread_and_two(lambda: run_native(library, case))
     assert torch.equal(one, two)  # each (request, kv head, query tile) is one thread's work, in one order
     assert_matches_naive(two, case)
 
@@ -84,13 +62,3 @@ def test_a_block_id_outside_the_pool_is_refused_before_the_kernel_reads(library)
     case.block_tables[1, 0] = case.k_cache.shape[0]  # one past the last block
     with pytest.raises(IndexError, match=f"pool has {case.k_cache.shape[0]} blocks"):
         run_native(library, case)
-
-
-def test_the_engine_takes_the_kernel_unless_told_torch():
-    library = cpu_native.load()  # the engine's (other tests rebuild the loader's cache: not the fixture)
-    path = str(tiny_model_dir("llama"))
-    model = ModelConfig(path=path, dtype="float32")
-    assert build_engine(path, model, EngineConfig(kv_cache_memory_mb=4), device="cpu").runner.native_prefill is library
-    torch_only = EngineConfig(kv_cache_memory_mb=4, cpu_prefill_attention="torch")
-    engine = build_engine(path, model, torch_only, device="cpu")
-    assert engine.runner.native_prefill is None and engine.runner.native_decode is library  # each its own setting
