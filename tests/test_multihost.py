@@ -23,6 +23,7 @@ from tests.model_factory import tiny_model_dir
 from tests.netns import ROOT, Host, Network, poll_until
 
 PRESET = str(ROOT / "configs" / "multinode.yaml")
+LONG_TOKENS = 1000  # the drain's requests: ~1 s of streaming on the tiny model, where the metric poll sees it
 
 
 def wait_until(predicate, what: str, timeout_s: float = 60.0, hosts: dict | None = None):
@@ -138,13 +139,14 @@ def test_pools_across_namespaces_scale_and_drain():
         assert hosts["d2"].metric("pdserve:kv_transfer_bytes_count", transport="zmq") > 0
 
         # scale in: SIGTERM a decode worker while it streams; it drains, exits 0, and no request fails
+        # (48 tokens each, as before, took 40 ms on an idle host: done before the poll below saw them)
         long = [prompt_of(30 + 3 * i, seed=200 + i) for i in range(8)]
         with ThreadPoolExecutor(8) as pool:
-            futures = [pool.submit(complete, p, 48) for p in long]
+            futures = [pool.submit(complete, p, LONG_TOKENS) for p in long]
             wait_until(lambda: hosts["d0"].metric("vllm:num_requests_running") > 0, "d0 running a request", 60, hosts)
             hosts["d0"].proc.send_signal(signal.SIGTERM)
             results = [f.result() for f in futures]
-        assert results == [(200, expected(p, 48)) for p in long]
+        assert results == [(200, expected(p, LONG_TOKENS)) for p in long]
         assert hosts["d0"].proc.wait(timeout=45) == 0, "".join(hosts["d0"].log[-20:])
         wait_until(lambda: "d0" not in workers(), "d0 gone from the registry", 30, hosts)
         assert complete(prompts[0], 8) == (200, expected(prompts[0], 8))  # the rest keep serving
