@@ -123,6 +123,11 @@ class Load:
             if outcome.kind != "ok":
                 time.sleep(0.2)  # a gateway that is down refuses at once: do not spin
 
+    def send_from(self, prompts: list[Prompt]) -> None:
+        """Go on with these prompts instead (those in flight finish)."""
+        with self._lock:
+            self.prompts, self._next = prompts, 0
+
     def first_ok_since(self, since: float) -> Outcome | None:
         """The earliest-answered exact request among those sent at or after ``since``."""
         with self._lock:

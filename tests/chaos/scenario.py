@@ -6,7 +6,8 @@ gateway's worker timeout, so both expire); then check, and measure:
 1. a killed worker is dropped from routing (gone from /v1/workers, or back with a new incarnation);
 2. recovery: every worker registered again (a killed one with a new incarnation) and a request that
    started after that came back exact; time to recover = fault -> that answer;
-3. the replacement (or the healed member) is picked up: it serves work again;
+3. the replacement (or the healed member) is picked up: it serves work again (prompts held back until
+   then, which no worker has cached);
 4. every request ended within its deadline with the exact reference text or a clear error (HTTP 5xx
    with an OpenAI error body; a refused or reset connection only when the gateway itself was hit);
 5. once idle, every worker reports kv_blocks_in_use == 0, nothing running or waiting, nothing held
@@ -75,7 +76,11 @@ def run_once(cluster, scenario: Scenario, prompts: list[Prompt], run: int) -> Ru
         return result
     before = _all_registered(cluster)
     pool = member.split("-")[0]
-    load = Load(cluster.url, cluster.model, prompts).start()
+    # The second half is held back for after the fault: prompts no worker has cached, so the router
+    # weighs load alone and the healed member gets its share. Repeats of the first half would all go
+    # to the workers that cached them meanwhile (a fast prefill never backs up enough to spill over).
+    warm, fresh = prompts[: len(prompts) // 2], prompts[len(prompts) // 2 :]
+    load = Load(cluster.url, cluster.model, warm).start()
     try:
         if not wait_for_phase(cluster, member, scenario.phase, PREFILL, DECODE):
             result.failures.append(f"phase {scenario.phase} never observed on {member}")
@@ -86,6 +91,7 @@ def run_once(cluster, scenario: Scenario, prompts: list[Prompt], run: int) -> Ru
             faulted_at = time.monotonic()
             _inject(cluster, scenario, member, before, result)
             result.recover_s = _recover(cluster, scenario, member, before, load, faulted_at, result)
+            load.send_from(fresh)
             if pool != "gateway" and not poll_until(lambda: cluster.metric(member, SERVED[pool]) > served_before, 30):
                 result.failures.append(f"{member} not picked up again: served nothing after the fault")
     finally:
