@@ -111,11 +111,11 @@ def build_engine(
         block_manager,
     )
     lora = _lora_manager(model, config, lora_cfg or LoRAConfig(), kv_dtype, device)
-    native_decode = _native_decode(engine_cfg, config, pool)
+    native_decode = _native_attention("decode", engine_cfg.cpu_decode_attention, config, pool)
     if native_decode is not None and fused_decode_rows:
         fused = model.use_fused_decode(native_decode)
         log.info("CPU decode steps: %s", "one C call for every layer" if fused else "layer by layer")
-    native_prefill = _native_prefill(engine_cfg, config, pool)
+    native_prefill = _native_attention("prefill", engine_cfg.cpu_prefill_attention, config, pool)
     runner = ModelRunner(
         model, pool, Sampler(engine_cfg.seed), native_decode=native_decode, native_prefill=native_prefill, lora=lora
     )
@@ -173,49 +173,24 @@ def _memory() -> str:
     return f"resident memory {resident_mib:.0f} MiB (peak {peak_mib:.0f} MiB)"
 
 
-def _native_decode(engine_cfg: EngineConfig, config, pool: KVPool) -> cpu_native.NativeLibrary | None:
-    """The C decode kernel where it is asked for and runs this model on this pool; logs the choice."""
+def _native_attention(kind: str, setting: str, config, pool: KVPool) -> cpu_native.NativeLibrary | None:
+    """The C attention kernel for ``kind`` ("decode" or "prefill") where ``setting`` asks for it and it
+    runs this model on this pool; logs the choice. Both kernels have copies for the same shapes."""
     if pool.tensor.device.type != "cpu":
         return None
-    library = cpu_native.load() if engine_cfg.cpu_decode_attention == "c" else None
-    if library is not None and not supports_native_decode(library, config.num_heads, pool):
-        log.info(
-            "CPU decode attention: torch (the C kernel has no copy for %d heads over %d KV heads of %d, %s)",
-            config.num_heads,
-            config.num_kv_heads,
-            config.head_dim,
-            pool.layout.dtype,
-        )
-        return None
-    if library is not None and _one_thread_too_few(library):
-        log.info(
-            "CPU decode attention: torch (the C kernel was built without OpenMP, and torch has %d threads)",
-            torch.get_num_threads(),
-        )
-        return None
-    if library is None:
-        log.info("CPU decode attention: torch")
-    else:
-        log.info("CPU decode attention: the C kernel%s", "" if library.threaded else ", on one thread (no OpenMP)")
-    return library
-
-
-def _native_prefill(engine_cfg: EngineConfig, config, pool: KVPool) -> cpu_native.NativeLibrary | None:
-    """The C prefill-attention kernel where it is asked for and runs this model on this pool; logs the choice.
-    Its work splits by (request, KV head, 16 queries), so a build without OpenMP is kept only as long
-    as the decode kernel's rule keeps it (``_one_thread_too_few``)."""
-    if pool.tensor.device.type != "cpu":
-        return None
-    library = cpu_native.load() if engine_cfg.cpu_prefill_attention == "c" else None
+    library = cpu_native.load() if setting == "c" else None
     why = None
     if library is not None and not supports_native_decode(library, config.num_heads, pool):
-        why = f"no copy for {config.num_heads} heads over {config.num_kv_heads} KV heads of {config.head_dim}"
+        why = (
+            f"has no copy for {config.num_heads} heads over {config.num_kv_heads} KV heads of {config.head_dim}, "
+            f"{pool.layout.dtype}"
+        )
     elif library is not None and _one_thread_too_few(library):
-        why = f"built without OpenMP, and torch has {torch.get_num_threads()} threads"
+        why = f"was built without OpenMP, and torch has {torch.get_num_threads()} threads"
     if library is None or why:
-        log.info("CPU prefill attention: torch's SDPA%s", f" (the C kernel has {why})" if why else "")
+        log.info("CPU %s attention: torch%s", kind, f" (the C kernel {why})" if why else "")
         return None
-    log.info("CPU prefill attention: the C kernel%s", "" if library.threaded else ", on one thread (no OpenMP)")
+    log.info("CPU %s attention: the C kernel%s", kind, "" if library.threaded else ", on one thread (no OpenMP)")
     return library
 
 

@@ -9,7 +9,6 @@ for it; the torch reference runs SDPA request by request over the gathered conte
 
 Triton: one program per (request, tile of BLOCK_M queries, kv head). The tile's rows are
 (query, head of the group) pairs, so each KV tile is loaded once for the whole query group.
-The torch reference runs SDPA request by request over the gathered context.
 """
 
 from __future__ import annotations
