@@ -1,0 +1,1 @@
+"""Benchmarks, one subpackage per question; each module names its command in its docstring."""

@@ -34,7 +34,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     from engine.llm import LLM  # torch is imported only here
-    from engine.sampling_params import SamplingError, SamplingParams
+    from engine.sampling.params import SamplingError, SamplingParams
 
     try:
         params = SamplingParams(

@@ -97,7 +97,7 @@ GROUPS: dict[str, tuple[Flag, ...]] = {
             int,
         ),
     ),
-    "LoRAConfig": (  # config section lora (engine/lora_manager.py)
+    "LoRAConfig": (  # config section lora (engine/lora/manager.py)
         Flag(("--enable-lora",), "lora.enable_lora", "serve LoRA adapters; a request names one as its model", None),
         Flag(
             ("--lora-modules",),

@@ -33,8 +33,8 @@ log = logging.getLogger(__name__)
 
 ENV_PREFIX = "PDSERVE_"
 API_KEY_ENV = "PDSERVE_API_KEY"
-# Read where they act, not config: the C kernels' build cache (kernels/cpu_native.py) and the CPU
-# matmul forms' cache (engine/forms_cache.py).
+# Read where they act, not config: the C kernels' build cache (kernels/cpu/native.py) and the CPU
+# matmul forms' cache (kernels/cpu/forms_cache.py).
 PROCESS_ENV = frozenset({"PDSERVE_NATIVE_CACHE_DIR", "PDSERVE_CPU_FORMS_CACHE_DIR", "PDSERVE_RETIME_CPU_FORMS"})
 
 # Kubernetes' service-link variables (Docker links' naming): <SVC>_SERVICE_HOST, <SVC>_SERVICE_PORT,

@@ -28,7 +28,7 @@ DEFAULT_FAMILY = "llama"
 DEFAULT_SIZE = "small"
 CHECKPOINT_VERSION = 3  # bump when make_model's output changes, so stale caches are not reused
 
-# architecture name in config.json -> the engine's family name (engine/model_config.py builds on it)
+# architecture name in config.json -> the engine's family name (engine/model/config.py builds on it)
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",

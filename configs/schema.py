@@ -58,20 +58,20 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # reuse full blocks whose token hash chain matches
     seed: int | None = None  # seeds the sampler unseeded requests share; None: a fresh seed per process
     num_threads: int | None = _field(None, minimum=1)  # torch CPU threads; None: torch's default
-    # CPU decode attention: "c" = the C kernel (kernels/cpu_decode.c), built at first use with the
+    # CPU decode attention: "c" = the C kernel (kernels/cpu/decode.c), built at first use with the
     # machine's compiler, torch where it cannot be built or has no copy for the model; "torch" = torch only
     cpu_decode_attention: str = _field("c", choices=("c", "torch"))
-    # CPU prefill attention (prompt chunks): "c" = the C kernel (kernels/cpu_prefill.c), built like the
+    # CPU prefill attention (prompt chunks): "c" = the C kernel (kernels/cpu/prefill.c), built like the
     # decode one, torch's SDPA where it cannot be built or has no copy for the model; "torch" = SDPA only
     cpu_prefill_attention: str = _field("c", choices=("c", "torch"))
-    # CPU linears at few rows (decode steps): "c" = the C kernel (kernels/cpu_linear.c) at the row counts
+    # CPU linears at few rows (decode steps): "c" = the C kernel (kernels/cpu/linear.c) at the row counts
     # where it times faster than torch's forms at load (which may keep a weight both dense and packed);
     # "torch" = torch's forms only
     cpu_decode_linear: str = _field("c", choices=("c", "torch"))
     # CPU layer steps: "c" = RMSNorm with its residual add, RoPE with the K/V store and SwiGLU's product
-    # in C (kernels/cpu_layer_ops.c; float32 weights); "torch" = torch only
+    # in C (kernels/cpu/layer_ops.c; float32 weights); "torch" = torch only
     cpu_layer_ops: str = _field("c", choices=("c", "torch"))
-    # Structured outputs (engine/grammar_compiles.py): a request whose grammar has not compiled this long
+    # Structured outputs (engine/sampling/grammar_compiles.py): a request whose grammar has not compiled this long
     # after it arrived is refused (xgrammar cannot stop the compile; it ends on its thread, unread).
     grammar_compile_timeout_s: float = _field(30.0, minimum=0.001)
     grammar_compile_threads: int = _field(2, minimum=1)  # grammars compiling at once on a worker
@@ -192,7 +192,7 @@ class ObservabilityConfig:
 
 @dataclass(slots=True)
 class LoRAConfig:
-    """Multi-LoRA serving, as vLLM's --enable-lora flags (engine/lora_manager.py). Adapters are PEFT
+    """Multi-LoRA serving, as vLLM's --enable-lora flags (engine/lora/manager.py). Adapters are PEFT
     directories each worker reads from its own filesystem (the same path on every host)."""
 
     enable_lora: bool = False  # serve LoRA adapters; requests name one as their "model"

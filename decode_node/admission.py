@@ -9,8 +9,8 @@ from __future__ import annotations
 import dataclasses
 
 from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingError, SamplingParams
-from engine.sequence import Sequence, vocab_error
+from engine.sampling.params import SamplingError, SamplingParams
+from engine.sched.sequence import Sequence, vocab_error
 from protocol.serving import Generate, SamplingSpec
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from engine.sequence import Sequence
+from engine.sched.sequence import Sequence
 from telemetry.tracing import RequestTrace
 
 

@@ -60,13 +60,13 @@ from decode_node.prefill_links import PrefillLinks
 from decode_node.request_state import DecodeRequest, Phase
 from decode_node.step_threads import StepThreads
 from decode_node.streaming import error_event, new_tokens_event
-from engine.block_manager import cdiv
+from engine.kv.block_manager import cdiv
 from engine.llm_engine import LLMEngine
-from engine.lora_sync import LoRASync
-from engine.sampler import TokenLogprobs, continue_seeded_stream
-from engine.scheduler import AdmissionError
-from engine.sequence import SequenceStatus
-from engine.structured_output import StructuredOutputError
+from engine.lora.sync import LoRASync
+from engine.sampling.sampler import TokenLogprobs, continue_seeded_stream
+from engine.sampling.structured_output import StructuredOutputError
+from engine.sched.scheduler import AdmissionError
+from engine.sched.sequence import SequenceStatus
 from kvtransfer.events import TransferEvent
 from kvtransfer.receiver import KVReceiver
 from protocol.rejects import RejectLog

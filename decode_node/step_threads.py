@@ -9,7 +9,7 @@ which a prompt arrives: the engine's threads run in lockstep, and one that share
 prefill worker stalls them all (docs/performance.md).
 
 The C kernels' values do not depend on the thread count: each output is one sum in one order whichever
-thread computes it (kernels/cpu_linear.c), and decode attention splits by sequence and KV head. Torch's
+thread computes it (kernels/cpu/linear.c), and decode attention splits by sequence and KV head. Torch's
 own reductions (the sampler's log-softmax) may differ in the last bit, as between any two thread counts.
 """
 

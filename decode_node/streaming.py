@@ -6,7 +6,7 @@ seq.output_token_ids: [ streamed (num_sent) ........ | new this step ]
 
 from __future__ import annotations
 
-from engine.sequence import Sequence, SequenceStatus
+from engine.sched.sequence import Sequence, SequenceStatus
 from protocol.serving import TokenEvent
 from worker.logprob_records import logprob_record
 

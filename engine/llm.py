@@ -14,20 +14,20 @@ from collections.abc import Sequence as Seq
 import torch
 
 from configs.schema import ConfigError, EngineConfig, LoRAConfig, ModelConfig, PdserveConfig, load_config
-from engine.block_manager import BlockManager
-from engine.cpu_linear import exclusive_timing
-from engine.grammar_compiles import GrammarLimits
-from engine.kv_pool import KVLayout, KVPool, num_blocks_for_budget
+from engine.kv.block_manager import BlockManager
+from engine.kv.pool import KVLayout, KVPool, num_blocks_for_budget
 from engine.llm_engine import LLMEngine, RequestOutput
-from engine.loader import load_model
-from engine.lora_adapter import LoRAError
-from engine.lora_manager import LoRALimits, LoRAManager
-from engine.runner import ModelRunner, supports_native_decode
-from engine.sampler import Sampler
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig
-from engine.structured_output import Grammars
-from kernels import cpu_native
+from engine.lora.adapter import LoRAError
+from engine.lora.manager import LoRALimits, LoRAManager
+from engine.model.cpu_linear import exclusive_timing
+from engine.model.loader import load_model
+from engine.sampling.grammar_compiles import GrammarLimits
+from engine.sampling.params import SamplingParams
+from engine.sampling.sampler import Sampler
+from engine.sampling.structured_output import Grammars
+from engine.sched.scheduler import Scheduler, SchedulerConfig
+from engine.step.runner import ModelRunner, supports_native_decode
+from kernels.cpu import native as cpu_native
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ def build_engine(
     )
     model, config = load_model(model_path, dtype=dtype, device=device)
     _log_loaded(model, config, time.monotonic() - started)
-    fused_decode_rows = 0  # decode steps of up to this many rows may run as one C call (engine/decode_step.py)
+    fused_decode_rows = 0  # decode steps of up to this many rows may run as one C call (engine/model/decode_step.py)
     if device == "cpu":  # after set_num_threads: which form wins depends on the thread count
         layer_ops = cpu_native.load() if engine_cfg.cpu_layer_ops == "c" else None
         if (

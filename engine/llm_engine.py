@@ -16,15 +16,15 @@ import itertools
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from engine.block_manager import BlockManager
-from engine.grammar_compiles import CompileTicket
-from engine.lora_adapter import LoRAError
-from engine.model_config import HFModelConfig
-from engine.runner import ModelRunner
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence, SequenceStatus, vocab_error
-from engine.structured_output import Grammars, StructuredOutputError
+from engine.kv.block_manager import BlockManager
+from engine.lora.adapter import LoRAError
+from engine.model.config import HFModelConfig
+from engine.sampling.grammar_compiles import CompileTicket
+from engine.sampling.params import SamplingParams
+from engine.sampling.structured_output import Grammars, StructuredOutputError
+from engine.sched.scheduler import Scheduler
+from engine.sched.sequence import Sequence, SequenceStatus, vocab_error
+from engine.step.runner import ModelRunner
 
 NO_GRAMMARS = "structured outputs need the model's tokenizer; this engine has none"
 

@@ -5,21 +5,26 @@ functions take one layer's K and V caches, ``pool[layer, 0]`` and ``pool[layer, 
 
 One file per kernel, each holding the @triton.jit kernel, its launcher and its torch reference:
 store_kv.py, paged_decode.py, paged_prefill.py (with paged_attention.py choosing between them),
-block_copy.py, and lora_batched.py (the batched LoRA product; engine/stacked_lora.py dispatches to it).
+block_copy.py, and lora_batched.py (the batched LoRA product; engine/lora/stacked.py dispatches to it).
 
 Tests run the Triton kernels on CPU tensors under ``TRITON_INTERPRET=1``. Triton reads that variable
 when ``@triton.jit`` decorates a kernel, i.e. when these modules are imported, so it must be in the
 environment before the first ``import kernels`` (tests/conftest.py sets it when CUDA is absent).
 """
 
-from kernels.block_copy import (
+from kernels.triton.block_copy import (
     gather_blocks_reference,
     gather_blocks_triton,
     scatter_blocks_reference,
     scatter_blocks_triton,
 )
-from kernels.paged_attention import AttentionPlan, paged_attention_reference, paged_attention_triton, plan_attention
-from kernels.store_kv import store_kv_reference, store_kv_triton
+from kernels.triton.paged_attention import (
+    AttentionPlan,
+    paged_attention_reference,
+    paged_attention_triton,
+    plan_attention,
+)
+from kernels.triton.store_kv import store_kv_reference, store_kv_triton
 
 
 def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:

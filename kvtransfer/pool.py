@@ -1,5 +1,5 @@
 """The KV pool as the transfer plane sees it: a tensor ``[layers, 2, num_blocks, block_size, kv_heads,
-head_dim]`` and its layout. Declared here, not imported: the engine's ``KVPool`` (engine/kv_pool.py)
+head_dim]`` and its layout. Declared here, not imported: the engine's ``KVPool`` (engine/kv/pool.py)
 fits it, and kvtransfer stays below the engine (kernels and protocol only)."""
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import itertools
 
-from engine.block_manager import BlockManager
-from engine.sequence import Sequence, SequenceStatus
+from engine.kv.block_manager import BlockManager
+from engine.sched.sequence import Sequence, SequenceStatus
 
 
 class BlockPins:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.block_manager import cdiv
+from engine.kv.block_manager import cdiv
 
 
 @dataclass(slots=True)

@@ -14,7 +14,7 @@ import enum
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from engine.sequence import Sequence
+from engine.sched.sequence import Sequence
 from protocol.serving import PrefillJob
 from telemetry.tracing import RequestTrace
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.block_manager import cdiv
-from engine.sampling_params import SamplingError
-from engine.sequence import vocab_error
+from engine.kv.block_manager import cdiv
+from engine.sampling.params import SamplingError
+from engine.sched.sequence import vocab_error
 from prefill_node.sampling import first_token_params
 from protocol.endpoints import endpoint_error
 from protocol.serving import PrefillJob

@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import zmq
 
-from engine.kv_pool import KVPool
+from engine.kv.pool import KVPool
 from kvtransfer.channel import ZmqClient
 from kvtransfer.events import TransferEvent
 from kvtransfer.metrics import TransferMetrics

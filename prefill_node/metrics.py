@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from engine.block_manager import BlockManager
-from engine.scheduler import Scheduler
+from engine.kv.block_manager import BlockManager
+from engine.sched.scheduler import Scheduler
 from kvtransfer.metrics import TransferMetrics
 from worker.metrics import EngineMetrics, EngineSnapshot
 

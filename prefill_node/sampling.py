@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 from protocol.serving import SamplingSpec
 
 

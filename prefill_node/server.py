@@ -42,13 +42,13 @@ import uuid
 
 import zmq
 
-from engine.block_manager import cdiv
+from engine.kv.block_manager import cdiv
 from engine.llm_engine import LLMEngine
-from engine.lora_sync import LoRASync
-from engine.scheduled_batch import ScheduledBatch
-from engine.scheduler import AdmissionError
-from engine.sequence import Sequence
-from engine.structured_output import StructuredOutputError
+from engine.lora.sync import LoRASync
+from engine.sampling.structured_output import StructuredOutputError
+from engine.sched.batch import ScheduledBatch
+from engine.sched.scheduler import AdmissionError
+from engine.sched.sequence import Sequence
 from kvtransfer.events import TransferEvent
 from kvtransfer.sender import HandshakeError
 from prefill_node.block_pins import BlockPins

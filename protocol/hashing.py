@@ -41,7 +41,7 @@ def root_hash(cache_salt: str = "", lora: str = "") -> int:
 def lora_identity(lora_name: str, lora_path: str, digest: str = "") -> str:
     """What a block hash knows of a request's adapter: its name and the directory it was loaded from,
     so an adapter unloaded and loaded again from elsewhere under the same name shares no KV with the old;
-    on a worker also its files' digest (engine/lora_adapter.py), so neither does one loaded again from
+    on a worker also its files' digest (engine/lora/adapter.py), so neither does one loaded again from
     the same directory rewritten in place. (The gateway, which never reads the files, hashes without
     it: its hashes only predict where a prompt is cached.)"""
     if not lora_name:

@@ -112,7 +112,7 @@ class Commit:
     # The LoRA adapter the KV was computed under ("" = the base): the receiver's request must run under
     # the same one, or the KV (and the first token) belong to another model
     lora_name: str = ""
-    # ... and its files' sha256 as the sender read them (engine/lora_adapter.py files_digest): the same
+    # ... and its files' sha256 as the sender read them (engine/lora/adapter.py files_digest): the same
     # name loaded from a directory rewritten between the two workers' loads is another adapter
     lora_digest: str = ""
 

@@ -40,7 +40,7 @@ CULPRITS = ("", "decode", "prefill", "none")
 
 
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a token's bias: [-100, 100] (gateway and engine both check it)
-# What a structured output may ask for (engine/structured_output.py), and how long its text may be: a
+# What a structured output may ask for (engine/sampling/structured_output.py), and how long its text may be: a
 # Generate frame also carries the prompt, all within the codec's 1 MB.
 STRUCTURED_OUTPUT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 MAX_STRUCTURED_OUTPUT_CHARS = 64 * 1024

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import yaml
 
-from benchmarks.serve_launcher import free_ports, serve_argv
+from benchmarks.common.launcher import free_ports, serve_argv
 
 READY_LINE = re.compile(r"READY http_port=(\d+) .*worker_id=(\S+)")
 READY_PID = re.compile(r"READY .* pid=(\d+)")

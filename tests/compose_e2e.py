@@ -188,7 +188,7 @@ def reference_cases(count: int) -> list[tuple[list[int], str]]:
 
     from cluster.default_model import default_model_dir
     from engine.llm import LLM
-    from engine.sampling_params import SamplingParams
+    from engine.sampling.params import SamplingParams
 
     with tempfile.TemporaryDirectory() as cache:
         llm = LLM(str(default_model_dir(cache)), block_size=16)

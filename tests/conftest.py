@@ -1,5 +1,5 @@
 """Shared test setup. Triton kernels run under the interpreter when no GPU is present. Fixtures for the
-C kernels (kernels/cpu_native.py): the engine's build, and every build other machines would make."""
+C kernels (kernels/cpu/native.py): the engine's build, and every build other machines would make."""
 
 import os
 
@@ -9,7 +9,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from kernels import cpu_native  # noqa: E402 (after TRITON_INTERPRET: @triton.jit reads it)
+from kernels.cpu import native as cpu_native  # noqa: E402 (after TRITON_INTERPRET: @triton.jit reads it)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -13,7 +13,7 @@ import uuid
 import torch
 import zmq
 
-from engine.kv_pool import KVLayout, KVPool
+from engine.kv.pool import KVLayout, KVPool
 from kvtransfer.channel import ZmqClient
 from kvtransfer.events import TransferEvent
 from kvtransfer.sender import KVSender

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from engine.block_manager import BlockManager
-from engine.scheduler import Scheduler
+from engine.kv.block_manager import BlockManager
+from engine.sched.scheduler import Scheduler
 
 
 def assert_integrity(bm: BlockManager) -> None:

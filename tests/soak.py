@@ -55,12 +55,12 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.client import Target, send_one
-from benchmarks.serve_metrics import RequestTimeline, percentile
-from benchmarks.serve_workloads import Scheduled
-from benchmarks.workload import BenchRequest
+from benchmarks.common.client import Target, send_one
+from benchmarks.common.metrics import RequestTimeline, percentile
+from benchmarks.common.workload import BenchRequest
+from benchmarks.serve.workloads import Scheduled
 from engine.llm import LLM
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 from tests.cluster_harness import ServeProcess
 from tests.model_factory import tiny_model_dir
 

@@ -11,9 +11,10 @@ import torch.nn.functional as F
 import zmq
 from prometheus_client import CollectorRegistry
 
-from benchmarks import fastest_matmul, roofline, transfer_ceilings
-from benchmarks.fastest_matmul import KernelTiming, MatmulShape
-from engine.kv_pool import KVLayout, KVPool
+from benchmarks.engine import fastest_matmul, roofline
+from benchmarks.engine.fastest_matmul import KernelTiming, MatmulShape
+from benchmarks.transfer import ceilings as transfer_ceilings
+from engine.kv.pool import KVLayout, KVPool
 from kvtransfer.channel import ZmqClient, ZmqServer
 from kvtransfer.metrics import TransferMetrics
 from kvtransfer.receiver import KVReceiver
@@ -84,7 +85,7 @@ def test_fastest_keeps_each_shapes_quickest_kernel_and_peak_the_highest_rate():
 
 
 def test_every_timed_kernel_computes_the_linear():
-    from kernels import cpu_native
+    from kernels.cpu import native as cpu_native
 
     weight = torch.randn(64, 32)  # [out, in]
     x = torch.randn(5, 32)

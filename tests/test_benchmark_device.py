@@ -1,4 +1,4 @@
-"""Every system a benchmark compares runs on one device in one dtype (benchmarks/device_choice.py):
+"""Every system a benchmark compares runs on one device in one dtype (benchmarks/common/device_choice.py):
 pdserve's engine would take CUDA bfloat16 on a GPU host while a plainly loaded transformers baseline
 stays on CPU in float32, and the comparison would measure the hardware."""
 
@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks import hf_baseline
-from benchmarks.device_choice import BenchDevice, choose_device
-from benchmarks.engine_throughput import parse_args, pdserve_config
-from benchmarks.serve import served_device
+from benchmarks.common.device_choice import BenchDevice, choose_device
+from benchmarks.engine.throughput import parse_args, pdserve_config
+from benchmarks.peers import hf_baseline
+from benchmarks.serve.run import served_device
 from tests.model_factory import tiny_model_dir
 
 

@@ -10,12 +10,12 @@ import math
 import pytest
 import torch
 
-from benchmarks import gguf_convert, hf_baseline
-from benchmarks import serve_plan as P
-from benchmarks import serve_workloads as W
-from benchmarks.llama_server import LlamaConfig, eog_ids
-from benchmarks.serve_metrics import RequestTimeline, Slo, summarize
-from benchmarks.serve_report import (
+from benchmarks.common.metrics import RequestTimeline, Slo, summarize
+from benchmarks.peers import gguf_convert, hf_baseline
+from benchmarks.peers.llama_server import LlamaConfig, eog_ids
+from benchmarks.serve import plan as P
+from benchmarks.serve import workloads as W
+from benchmarks.serve.report import (
     ALL_AT_ONCE,
     Report,
     equal_concurrency,
@@ -222,9 +222,9 @@ def test_a_request_the_server_never_answered_is_sent_once_more(num_drops, ok):
 
     import httpx
 
-    from benchmarks.client import Target, send_one
-    from benchmarks.serve_workloads import Scheduled
-    from benchmarks.workload import BenchRequest
+    from benchmarks.common.client import Target, send_one
+    from benchmarks.common.workload import BenchRequest
+    from benchmarks.serve.workloads import Scheduled
 
     async def run():
         starting, seen = _sse_server(num_drops)

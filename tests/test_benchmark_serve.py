@@ -12,11 +12,11 @@ import re
 import numpy as np
 import pytest
 
-from benchmarks import serve_plan as P
-from benchmarks import serve_workloads as W
-from benchmarks.client import parse_metric
-from benchmarks.serve_metrics import RequestTimeline, Slo, is_good, kv_utilization, percentile, summarize
-from benchmarks.serve_procs import CLOCK_TICKS, parse_stat, parse_vm_hwm_mb, sample_tree
+from benchmarks.common.client import parse_metric
+from benchmarks.common.metrics import RequestTimeline, Slo, is_good, kv_utilization, percentile, summarize
+from benchmarks.common.procs import CLOCK_TICKS, parse_stat, parse_vm_hwm_mb, sample_tree
+from benchmarks.serve import plan as P
+from benchmarks.serve import workloads as W
 
 
 def timeline(index: int, send: float, chunks: list[float], tokens: int, tag: str = "mixed") -> RequestTimeline:
@@ -91,7 +91,7 @@ def test_proc_parsing_reads_this_process():
 
 
 def test_mixed_workload_is_the_engine_benchmarks():
-    from benchmarks.workload import WorkloadSpec, make_workload
+    from benchmarks.common.workload import WorkloadSpec, make_workload
 
     assert W.mixed(500, 16, seed=2) == make_workload(WorkloadSpec(vocab_size=500, num_requests=16, seed=2))
 
@@ -207,7 +207,7 @@ def test_base_url_measures_a_running_server_with_the_same_workloads(tok_dir, tmp
 
     import httpx
 
-    from benchmarks.serve import main
+    from benchmarks.serve.run import main
     from gateway.serving.pipeline import ServingLimits
     from tests import prom
     from tests.fake_backend import API_KEYS, MODEL, live_gateway

@@ -3,8 +3,8 @@ the shares of a step add up to the step."""
 
 from __future__ import annotations
 
-from benchmarks import step_profile
-from benchmarks.step_profile import ExclusiveTimer
+from benchmarks.engine import step_profile
+from benchmarks.engine.step_profile import ExclusiveTimer
 
 
 def test_nested_categories_count_exclusive_time(monkeypatch):
@@ -24,8 +24,8 @@ def test_nested_categories_count_exclusive_time(monkeypatch):
 
 
 def test_instrumented_restores_what_it_wrapped():
-    from engine.cpu_linear import Linear
-    from engine.sampler import Sampler
+    from engine.model.cpu_linear import Linear
+    from engine.sampling.sampler import Sampler
 
     before = (Linear.forward, Sampler.__call__)
     with step_profile.instrumented(ExclusiveTimer()):

@@ -6,8 +6,9 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from benchmarks import hf_baseline, matmul_floor, roofline
-from benchmarks.workload import WorkloadSpec, make_workload
+from benchmarks.common.workload import WorkloadSpec, make_workload
+from benchmarks.engine import matmul_floor, roofline
+from benchmarks.peers import hf_baseline
 
 
 def tiny_llama() -> LlamaForCausalLM:

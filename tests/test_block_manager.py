@@ -1,8 +1,8 @@
 """Block manager: exact block ids for allocation, prefix hits, eviction order and copy-on-write."""
 
-from engine.block_manager import BlockManager
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
+from engine.kv.block_manager import BlockManager
+from engine.sampling.params import SamplingParams
+from engine.sched.sequence import Sequence
 from protocol.hashing import block_hashes
 from tests.invariants import assert_block_counts, assert_integrity, assert_no_leak
 

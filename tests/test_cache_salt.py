@@ -10,9 +10,9 @@ import struct
 import httpx
 import pytest
 
-from engine.block_manager import BlockManager
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
+from engine.kv.block_manager import BlockManager
+from engine.sampling.params import SamplingParams
+from engine.sched.sequence import Sequence
 from protocol.hashing import ROOT_HASH, block_hashes
 from tests.fake_backend import API_KEYS, MODEL, live_gateway
 from tests.invariants import assert_no_leak

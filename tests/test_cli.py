@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from engine.llm import LLM
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 
 
 def pdserve(*args: str) -> subprocess.CompletedProcess:

@@ -1,4 +1,4 @@
-"""The CPU matmul forms of engine/cpu_linear.py against F.linear, on the shapes and strides the engine
+"""The CPU matmul forms of engine/model/cpu_linear.py against F.linear, on the shapes and strides the engine
 gives them (the MLP's down_proj reads a strided half of gate_up), how a row count picks its form, and
 how timings pick the forms and the copies of a weight to hold."""
 
@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import cpu_linear
-from engine.cpu_linear import (
+from engine.model import cpu_linear
+from engine.model.cpu_linear import (
     LM_HEAD_SLICE_ROWS,
     PLAIN,
     ROW_BUCKETS,
@@ -24,8 +24,8 @@ from engine.cpu_linear import (
     linear_transposed,
     pack_weight,
 )
-from engine.loader import load_model
-from kernels import cpu_native
+from engine.model.loader import load_model
+from kernels.cpu import native as cpu_native
 from tests.model_factory import tiny_model_dir
 
 

@@ -12,7 +12,7 @@ import zmq
 
 from decode_node.node import DecodeNode
 from engine.llm import LLM, build_engine
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 from kvtransfer.channel import ZmqClient
 from kvtransfer.sender import KVSender
 from protocol.codec import decode, encode
@@ -383,7 +383,7 @@ def test_abort_deadline_and_a_bad_grammar_while_compiling(node, held_compiles):
 
 
 def test_a_grammar_compile_past_its_deadline_refuses_its_request(node, held_compiles):
-    from engine.grammar_compiles import GrammarLimits
+    from engine.sampling.grammar_compiles import GrammarLimits
     from protocol.serving import StructuredOutput
 
     grammars = node.node.server.engine.grammars

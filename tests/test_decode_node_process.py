@@ -12,7 +12,7 @@ from pathlib import Path
 import zmq
 
 from engine.llm import LLM
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 from protocol.serving import Goodbye
 from tests.decode_harness import FakeGateway, decode_config, generate, scrape, tokens_of
 

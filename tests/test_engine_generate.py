@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine.llm import LLM
-from engine.sampling_params import SamplingError, SamplingParams
+from engine.sampling.params import SamplingError, SamplingParams
 from tests.invariants import assert_no_leak
 from tests.model_factory import tiny_model_dir
 

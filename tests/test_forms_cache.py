@@ -1,4 +1,4 @@
-"""The CPU matmul forms kept on disk (engine/forms_cache.py): a process that finds its machine's picks
+"""The CPU matmul forms kept on disk (kernels/cpu/forms_cache.py): a process that finds its machine's picks
 for a model takes them without timing, and anything else it finds there (a stale build's forms, a
 broken file, no way to write) falls back to timing, as a start without the cache would."""
 
@@ -8,10 +8,11 @@ import json
 
 import pytest
 
-from engine import cpu_linear, forms_cache
-from engine.cpu_linear import FORMS, ROW_BUCKETS
-from engine.loader import load_model
-from kernels import cpu_native
+from engine.model import cpu_linear
+from engine.model.cpu_linear import FORMS, ROW_BUCKETS
+from engine.model.loader import load_model
+from kernels.cpu import forms_cache
+from kernels.cpu import native as cpu_native
 from tests.model_factory import tiny_model_dir
 
 

@@ -1,4 +1,4 @@
-"""The fused decode step (engine/decode_step.py, kernels/cpu_decode_step.c): a decode step's layers as one
+"""The fused decode step (engine/model/decode_step.py, kernels/cpu/decode_step.c): a decode step's layers as one
 C call give the same bits as the layers called one by one, and transformers' logits; steps it cannot
 run (prefill rows, LoRA, per-head q/k norms, other forms at that row count) keep the layer path."""
 
@@ -10,8 +10,8 @@ from transformers import AutoModelForCausalLM
 
 from configs.schema import EngineConfig, ModelConfig
 from engine.llm import FUSED_DECODE_ROWS, build_engine
-from engine.loader import load_model
-from engine.lora_manager import LoRAStep
+from engine.lora.manager import LoRAStep
+from engine.model.loader import load_model
 from tests.model_factory import tiny_model_dir
 from tests.test_cpu_linear import use_forms_everywhere
 from tests.test_model_parity import ATOL, PagedHarness, _prompt, _reference_logits

@@ -126,7 +126,7 @@ def test_include_reasoning_false_leaves_only_the_answer(client, backend, answeri
 
 
 def test_a_structured_output_applies_after_the_reasoning_the_prompt_opens(client, backend, answering):
-    # The workers gate the grammar on the end tag (engine/structured_output.py ReasoningGate), as vLLM does.
+    # The workers gate the grammar on the end tag (engine/sampling/structured_output.py ReasoningGate), as vLLM does.
     answering('Wants JSON.</think>{"a": 1}')
     r = client.chat.completions.create(
         model=MODEL, messages=MESSAGES, max_tokens=64, response_format={"type": "json_object"}

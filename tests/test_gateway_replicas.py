@@ -18,7 +18,7 @@ import torch
 from transformers import AutoTokenizer
 
 from engine.llm import LLM
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 from tests.cluster_harness import RawStream, ServeProcess
 from tests.model_factory import tiny_model_dir
 

@@ -1,5 +1,5 @@
 """scripts/gpu-check's parts that need no GPU: its arguments, the report it writes, the clear exit
-without CUDA, and the size of what the device tool would carry (benchmarks/gpu_check.py)."""
+without CUDA, and the size of what the device tool would carry (benchmarks/gpu/check.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from benchmarks import gpu_check
+from benchmarks.gpu import check as gpu_check
 
 WHEEL_SET_MIB = 12  # scripts/gpu-wheels.txt measured 10.2 MiB (xgrammar + tvm-ffi 4.4, pydantic-core 2.2)
 

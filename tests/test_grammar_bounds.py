@@ -1,4 +1,4 @@
-"""Bounds on structured-output compiles (engine/grammar_compiles.py): a deadline per compile, cancel on
+"""Bounds on structured-output compiles (engine/sampling/grammar_compiles.py): a deadline per compile, cancel on
 abort, a bounded cache of compiled grammars. A compile is held back by the test (the compiler's load
 lock), so the deadline is crossed for certain, not by a race with a fast compile."""
 
@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from engine.grammar_compiles import GrammarLimits
-from engine.structured_output import Grammars, StructuredOutputError
+from engine.sampling.grammar_compiles import GrammarLimits
+from engine.sampling.structured_output import Grammars, StructuredOutputError
 from protocol.serving import StructuredOutput
 from tests.model_factory import tiny_model_dir
 

@@ -29,7 +29,7 @@ import zmq
 
 from cluster.keygen import write_private_key
 from engine.llm import LLM
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 from tests import hostile
 from tests import hostile_attacks as attacks
 from tests.cluster_harness import ServeProcess

@@ -34,7 +34,7 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from engine.llm import LLM
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 from protocol.curve import new_secret_text
 from tests.kustomize_lite import render
 from tests.model_factory import tiny_model_dir

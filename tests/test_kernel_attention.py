@@ -14,9 +14,9 @@ import pytest
 import torch
 
 import kernels
-from kernels.paged_attention import paged_attention_reference, paged_attention_triton
-from kernels.paged_decode import bucket_sizes, paged_decode_reference, paged_decode_triton
-from kernels.paged_prefill import paged_prefill_reference, paged_prefill_triton
+from kernels.triton.paged_attention import paged_attention_reference, paged_attention_triton
+from kernels.triton.paged_decode import bucket_sizes, paged_decode_reference, paged_decode_triton
+from kernels.triton.paged_prefill import paged_prefill_reference, paged_prefill_triton
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
 

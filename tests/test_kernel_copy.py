@@ -7,13 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.block_copy import (
+from kernels.triton.block_copy import (
     gather_blocks_reference,
     gather_blocks_triton,
     scatter_blocks_reference,
     scatter_blocks_triton,
 )
-from kernels.store_kv import store_kv_reference, store_kv_triton
+from kernels.triton.store_kv import store_kv_reference, store_kv_triton
 
 STORE = {"triton": store_kv_triton, "reference": store_kv_reference}
 GATHER = {"triton": gather_blocks_triton, "reference": gather_blocks_reference}

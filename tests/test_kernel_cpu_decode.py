@@ -1,4 +1,4 @@
-"""The C decode-attention kernel (kernels/cpu_decode.c): built here, against the naive float64
+"""The C decode-attention kernel (kernels/cpu/decode.c): built here, against the naive float64
 attention of test_kernel_attention for every query group and head size it has a copy for, through the
 engine's plan, on one thread and two, in every vector width and without OpenMP; its build cache; and
 what happens where it cannot be built, or only without OpenMP."""
@@ -15,11 +15,11 @@ import torch
 
 import kernels
 from configs.schema import EngineConfig, ModelConfig
-from engine.kv_pool import KVLayout, KVPool
+from engine.kv.pool import KVLayout, KVPool
 from engine.llm import build_engine
-from engine.runner import supports_native_decode
-from kernels import cpu_native
-from kernels.paged_decode import NativeDecode
+from engine.step.runner import supports_native_decode
+from kernels.cpu import native as cpu_native
+from kernels.triton.paged_decode import NativeDecode
 from tests.model_factory import tiny_model_dir
 from tests.test_kernel_attention import assert_matches_naive, kernel_case, make_case, on_one_thread_and_two
 
@@ -156,7 +156,7 @@ def test_no_working_compiler_leaves_the_torch_path(compiler, tmp_path, monkeypat
     monkeypatch.setenv("PDSERVE_NATIVE_CACHE_DIR", str(tmp_path))
     cpu_native.load.cache_clear()
     try:
-        with caplog.at_level(logging.WARNING, logger="kernels.cpu_native"):
+        with caplog.at_level(logging.WARNING, logger="kernels.cpu.native"):
             assert cpu_native.load() is None
         assert "torch path" in caplog.text
         assert list(tmp_path.iterdir()) == []  # a failed build leaves nothing behind
@@ -181,7 +181,7 @@ def test_without_openmp_it_builds_without_and_later_starts_reuse_that(tmp_path, 
     monkeypatch.setenv("PDSERVE_NATIVE_CACHE_DIR", str(tmp_path / "cache"))
     cpu_native.load.cache_clear()
     try:
-        with caplog.at_level(logging.WARNING, logger="kernels.cpu_native"):
+        with caplog.at_level(logging.WARNING, logger="kernels.cpu.native"):
             lib = cpu_native.load()
         assert lib is not None and not lib.threaded
         assert "without OpenMP" in caplog.text and "unsupported option -fopenmp" in caplog.text
@@ -203,7 +203,7 @@ def test_a_library_that_does_not_load_is_not_kept(tmp_path, monkeypatch, caplog)
     monkeypatch.setenv("PDSERVE_NATIVE_CACHE_DIR", str(tmp_path / "cache"))
     cpu_native.load.cache_clear()
     try:
-        with caplog.at_level(logging.WARNING, logger="kernels.cpu_native"):
+        with caplog.at_level(logging.WARNING, logger="kernels.cpu.native"):
             assert cpu_native.load() is None
         assert "does not load" in caplog.text and "torch path" in caplog.text
         assert list((tmp_path / "cache").iterdir()) == []

@@ -1,4 +1,4 @@
-"""The C norm, RoPE and SwiGLU kernels (kernels/cpu_layer_ops.c) against float64 references, in every build of
+"""The C norm, RoPE and SwiGLU kernels (kernels/cpu/layer_ops.c) against float64 references, in every build of
 the C library (tests/conftest.py: with and without OpenMP, 4-, 8- and 16-float vectors). Their use in
 the model is checked against transformers in tests/test_model_parity.py."""
 
@@ -9,8 +9,8 @@ import torch
 
 from configs.schema import EngineConfig, ModelConfig
 from engine.llm import build_engine
-from engine.model import check_slots
-from kernels import cpu_native
+from engine.model.model import check_slots
+from kernels.cpu import native as cpu_native
 from tests.model_factory import tiny_model_dir
 
 SENTINEL = 7.0  # what the caches and padding hold before a call: the kernel must write exactly its slots

@@ -1,4 +1,4 @@
-"""The C linear (kernels/cpu_linear.c) against a float64 product, in every build the decode-attention
+"""The C linear (kernels/cpu/linear.c) against a float64 product, in every build the decode-attention
 tests build (each vector width, and without OpenMP), at row counts that cross its 6-, 4-, 2- and 1-row
 tiles; its packed copy holding exactly the weight's values; the same bits on one thread and two and
 for a row whatever the batch around it; the shapes it takes; and the engine's switch for it."""
@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from configs.schema import EngineConfig, ModelConfig
-from engine.cpu_linear import Linear
 from engine.llm import build_engine
-from kernels import cpu_native
+from engine.model.cpu_linear import Linear
+from kernels.cpu import native as cpu_native
 from tests.model_factory import tiny_model_dir
 
 ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 13, 30]

@@ -1,4 +1,4 @@
-"""The C prefill-attention kernel (kernels/cpu_prefill.c): against the naive float64 attention of
+"""The C prefill-attention kernel (kernels/cpu/prefill.c): against the naive float64 attention of
 test_kernel_attention for every query group and head size it has a copy for, through the engine's plan,
 in every vector width and without OpenMP; first chunks, later chunks over a cached prefix, several
 requests in one step and prefill rows beside decode rows (how the engine chooses it:
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import kernels
-from kernels.paged_prefill import NativePrefill
+from kernels.triton.paged_prefill import NativePrefill
 from tests.test_kernel_attention import assert_matches_naive, kernel_case, make_case, on_one_thread_and_two
 
 

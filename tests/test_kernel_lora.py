@@ -1,4 +1,4 @@
-"""The batched LoRA product (kernels/lora_batched.py): the Triton kernel (CPU interpreter here) against
+"""The batched LoRA product (kernels/triton/lora_batched.py): the Triton kernel (CPU interpreter here) against
 its torch reference, and that reference against an independent per-token float64 computation, on mixed
 batches: base tokens, three adapters of ranks 4, 8 and 16 with different scalings, fused slices that
 some adapters leave alone. Weights outside each slot's column ranges are NaN, so reading one shows.
@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.lora_batched import LoRAWeights, lora_delta_reference, lora_delta_triton, plan_lora_batch
+from kernels.triton.lora_batched import LoRAWeights, lora_delta_reference, lora_delta_triton, plan_lora_batch
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 HIDDEN = 96  # not a multiple of the kernel's 64-column K step

@@ -15,7 +15,7 @@ import torch
 import zmq
 from prometheus_client import CollectorRegistry
 
-from engine.kv_pool import KVPool
+from engine.kv.pool import KVPool
 from kvtransfer.channel import ZmqClient
 from kvtransfer.events import TransferStatus
 from kvtransfer.metrics import TransferMetrics
@@ -29,7 +29,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SENDER_SCRIPT = textwrap.dedent("""
     import sys, time, torch, zmq
-    from engine.kv_pool import KVLayout, KVPool
+    from engine.kv.pool import KVLayout, KVPool
     from kvtransfer.channel import ZmqClient
     from kvtransfer.sender import KVSender
     layout = KVLayout(2, 16, 4, 2, 8, torch.float32)
@@ -47,7 +47,7 @@ SENDER_SCRIPT = textwrap.dedent("""
 RECEIVER_SCRIPT = textwrap.dedent("""
     import torch, zmq
     from prometheus_client import CollectorRegistry
-    from engine.kv_pool import KVLayout, KVPool
+    from engine.kv.pool import KVLayout, KVPool
     from kvtransfer.channel import ZmqServer
     from kvtransfer.metrics import TransferMetrics
     from kvtransfer.receiver import KVReceiver

@@ -10,7 +10,7 @@ import torch
 import zmq
 from prometheus_client import CollectorRegistry
 
-from engine.kv_pool import KVLayout, KVPool
+from engine.kv.pool import KVLayout, KVPool
 from kvtransfer.channel import InprocServer, ZmqClient, ZmqServer
 from kvtransfer.events import TransferStatus
 from kvtransfer.metrics import TransferMetrics

@@ -21,8 +21,8 @@ from cluster.make_model import (
     main,
     make_model,
 )
-from engine.loader import load_model
-from engine.model_config import HFModelConfig
+from engine.model.config import HFModelConfig
+from engine.model.loader import load_model
 from tests.model_factory import tiny_model_dir
 
 

@@ -1,11 +1,11 @@
-"""benchmarks.serve_lora's arithmetic and systems: a system's throughput over rounds is its tokens over
+"""benchmarks.serve.lora's arithmetic and systems: a system's throughput over rounds is its tokens over
 its time (a ratio of sums, not a mean of per-round ratios), and the two systems differ only in LoRA."""
 
 from __future__ import annotations
 
 import pytest
 
-from benchmarks.serve_lora import sections, total_per
+from benchmarks.serve.lora import sections, total_per
 
 
 def test_throughput_over_rounds_is_a_ratio_of_sums():

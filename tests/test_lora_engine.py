@@ -15,9 +15,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine.llm import LLM
-from engine.lora_adapter import LoRAError, load_adapter
-from engine.model_config import HFModelConfig
-from engine.sampling_params import SamplingParams
+from engine.lora.adapter import LoRAError, load_adapter
+from engine.model.config import HFModelConfig
+from engine.sampling.params import SamplingParams
 from tests.invariants import assert_no_leak
 from tests.lora_factory import peft_greedy, tiny_adapter_dir
 from tests.model_factory import _root, tiny_model_dir
@@ -197,7 +197,7 @@ def test_pdserve_generate_runs_a_prompt_under_an_adapter_as_peft_does() -> None:
 
 
 def test_a_worker_keeps_the_newest_stamped_list_whichever_gateway_sent_it() -> None:
-    from engine.lora_sync import LoRASync
+    from engine.lora.sync import LoRASync
     from protocol.serving import LoRAAdapterSet
 
     manager = lora_llm().engine.runner.lora

@@ -4,10 +4,10 @@ among equals to one that holds it in a device slot."""
 
 from dataclasses import replace
 
-from engine.block_manager import BlockManager
-from engine.lora_adapter import LoRAAdapter
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
+from engine.kv.block_manager import BlockManager
+from engine.lora.adapter import LoRAAdapter
+from engine.sampling.params import SamplingParams
+from engine.sched.sequence import Sequence
 from gateway.workers.registry import Role, WorkerRegistry
 from gateway.workers.router import Policy, Router, RouterParams
 from protocol.hashing import block_hashes, lora_identity, root_hash

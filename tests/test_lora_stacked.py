@@ -1,4 +1,4 @@
-"""The engine's LoRA product through the batched kernel (engine/stacked_lora.py, the CUDA path; the
+"""The engine's LoRA product through the batched kernel (engine/lora/stacked.py, the CUDA path; the
 Triton interpreter here) against the engine's torch path (LoRAStep's per-adapter groups, the CPU path)
 and the kernel's torch reference, on every module of a tiny model with a mixed batch: base tokens and
 three adapters of ranks 4, 8 (rsLoRA) and 16 that target different parts of the fused q/k/v and
@@ -19,12 +19,12 @@ import torch
 from safetensors.torch import save_file
 
 from engine.llm import LLM
-from engine.lora_adapter import PROJECTIONS, part_sizes
-from engine.lora_manager import LoRALimits, LoRAManager
-from engine.model_config import HFModelConfig
-from engine.sampling_params import SamplingParams
-from engine.stacked_lora import StackedLoRA, use_lora_kernel
-from kernels.lora_batched import lora_delta_reference, lora_delta_triton
+from engine.lora.adapter import PROJECTIONS, part_sizes
+from engine.lora.manager import LoRALimits, LoRAManager
+from engine.lora.stacked import StackedLoRA, use_lora_kernel
+from engine.model.config import HFModelConfig
+from engine.sampling.params import SamplingParams
+from kernels.triton.lora_batched import lora_delta_reference, lora_delta_triton
 from tests.lora_factory import peft_greedy, tiny_adapter_dir
 from tests.model_factory import _root, tiny_model_dir
 
@@ -112,11 +112,11 @@ def test_an_adapter_sets_stacks_are_kept_across_steps(manager):
 def test_engine_through_the_kernel_path_gives_pefts_greedy_tokens(monkeypatch):
     """The whole engine with the CUDA path's dispatch taken on CPU (the kernel under the interpreter):
     base and two adapters interleaved so every step mixes them, token for token PEFT's greedy output."""
-    import engine.lora_manager
+    import engine.lora.manager
 
     launches = []
-    monkeypatch.setattr(engine.lora_manager, "use_lora_kernel", lambda device: True)
-    monkeypatch.setattr("engine.stacked_lora.lora_delta_triton", lambda *a: launches.append(lora_delta_triton(*a)))
+    monkeypatch.setattr(engine.lora.manager, "use_lora_kernel", lambda device: True)
+    monkeypatch.setattr("engine.lora.stacked.lora_delta_triton", lambda *a: launches.append(lora_delta_triton(*a)))
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(5, 700, (n,), generator=gen).tolist() for n in (5, 37, 16)]
     names = ["", "alpha", "beta"]

@@ -3,10 +3,10 @@
 Every case compares against ``transformers`` run on each whole sequence at once: one-shot prefill,
 chunked prefill over a permuted (non-contiguous) block table, a varlen batch of mixed lengths, and
 decode steps after a prefill. The batch and decode cases also run with every matmul in the packed
-CPU form and in the C linear (engine/cpu_linear.py, kernels/cpu_linear.c), which load-time timing picks
+CPU form and in the C linear (engine/model/cpu_linear.py, kernels/cpu/linear.c), which load-time timing picks
 at some row counts for real checkpoints; the decode case with decode attention both in torch and in the
-C kernel (kernels/cpu_decode.c). The prefill, batch and decode cases run with the layer's norms and RoPE
-both in torch and in C (kernels/cpu_layer_ops.c).
+C kernel (kernels/cpu/decode.c). The prefill, batch and decode cases run with the layer's norms and RoPE
+both in torch and in C (kernels/cpu/layer_ops.c).
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import kernels
-from engine.attention_metadata import AttentionMetadata
-from engine.kv_pool import KVLayout, KVPool
-from engine.loader import load_model
-from kernels import cpu_native
+from engine.kv.pool import KVLayout, KVPool
+from engine.model.loader import load_model
+from engine.step.attention_metadata import AttentionMetadata
+from kernels.cpu import native as cpu_native
 from tests.model_factory import tiny_model_dir
 from tests.test_cpu_linear import use_forms_everywhere
 

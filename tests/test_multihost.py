@@ -18,7 +18,7 @@ import torch
 
 from cluster.keygen import write_private_key
 from engine.llm import LLM
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 from tests.model_factory import tiny_model_dir
 from tests.netns import ROOT, Host, Network, poll_until
 

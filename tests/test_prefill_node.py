@@ -14,9 +14,9 @@ import zmq
 from prometheus_client import CollectorRegistry
 
 from configs.schema import EngineConfig, ModelConfig
-from engine.block_manager import cdiv
+from engine.kv.block_manager import cdiv
 from engine.llm import build_engine
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 from kvtransfer.channel import ZmqServer
 from kvtransfer.metrics import TransferMetrics
 from kvtransfer.receiver import KVReceiver
@@ -89,7 +89,7 @@ class FakeDecode:
         self.registry = CollectorRegistry()
         self.transport = transport
         self.shared = create_shared(layout.shape, layout.dtype) if transport == "shm" else None
-        from engine.kv_pool import KVPool
+        from engine.kv.pool import KVPool
 
         pool = KVPool(layout, tensor=self.shared.tensor if self.shared else None)
         self.free = set(range(layout.num_blocks))

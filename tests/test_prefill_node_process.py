@@ -80,7 +80,7 @@ def test_prefill_worker_process_serves_a_job_and_drains_on_sigterm(tmp_path):
 RECEIVER = textwrap.dedent("""
     import sys, time, torch, zmq
     from prometheus_client import CollectorRegistry
-    from engine.kv_pool import KVLayout, KVPool
+    from engine.kv.pool import KVLayout, KVPool
     from kvtransfer.channel import ZmqServer
     from kvtransfer.metrics import TransferMetrics
     from kvtransfer.receiver import KVReceiver

@@ -21,7 +21,7 @@ import yaml
 from cluster.keygen import write_private_key
 from cluster.local_cluster import remove_shm_segments
 from engine.llm import LLM
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 from tests.cluster_harness import free_port
 from tests.model_factory import tiny_model_dir
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 from transformers import RepetitionPenaltyLogitsProcessor
 
-from engine.sampler import (
+from engine.sampling.params import SamplingParams
+from engine.sampling.sampler import (
     Sampler,
     TokenLogprobs,
     apply_min_p_,
@@ -18,8 +19,7 @@ from engine.sampler import (
     apply_top_k_top_p_,
     first_max_index,
 )
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
+from engine.sched.sequence import Sequence
 
 NEG_INF = float("-inf")
 # Chi-square critical values at p = 0.001, by degrees of freedom (standard table).
@@ -447,7 +447,7 @@ def test_allowed_token_ids_must_name_token_ids(allowed):
 
 
 def test_a_seeded_stream_continues_after_a_first_token_sampled_elsewhere():
-    from engine.sampler import continue_seeded_stream
+    from engine.sampling.sampler import continue_seeded_stream
 
     torch.manual_seed(9)
     steps = torch.randn(2, 1, 50)

@@ -10,10 +10,10 @@ import math
 import httpx
 import pytest
 
-from benchmarks import scaling_plan as P
-from benchmarks.scaling_report import HF_NOTE, Point, cpu_model, table, write_json
-from benchmarks.serve_metrics import Summary
-from benchmarks.workload import BenchRequest
+from benchmarks.common.metrics import Summary
+from benchmarks.common.workload import BenchRequest
+from benchmarks.scaling import plan as P
+from benchmarks.scaling.report import HF_NOTE, Point, cpu_model, table, write_json
 
 VOCAB = 1000
 
@@ -106,7 +106,7 @@ def test_cpu_model_reads_proc_cpuinfo():
 
 
 def test_plots_draw_a_line_per_system_and_write_only_swept_axes(tmp_path):
-    from benchmarks.scaling_plots import figure, write_scaling_plots
+    from benchmarks.scaling.plots import figure, write_scaling_plots
 
     points = [
         Point(system, "concurrency", c, 256, 128, summary(int(tps * 10), 10.0, (c * 0.1, c * 0.2), (0.01, 0.03)))
@@ -130,7 +130,7 @@ def test_plots_draw_a_line_per_system_and_write_only_swept_axes(tmp_path):
 
 
 def test_transformers_timelines_follow_its_batches():
-    from benchmarks import hf_baseline
+    from benchmarks.peers import hf_baseline
     from tests.model_factory import tiny_model_dir
 
     model = hf_baseline.load_hf_model(tiny_model_dir("llama"))
@@ -156,9 +156,9 @@ def test_served_levels_reach_the_server_in_closed_loops(tok_dir):
     """Against a live gateway over fake workers: each level's requests all reach it (its /metrics count
     them, with the warm-up's two) and the server is let settle after the warm-up and after each level.
     The fake answers a fixed text shorter than 128 tokens, so the client counts none of them complete."""
-    from benchmarks.client import Target
-    from benchmarks.scaling import measure
-    from benchmarks.serve import prompt_vocab
+    from benchmarks.common.client import Target
+    from benchmarks.scaling.run import measure
+    from benchmarks.serve.run import prompt_vocab
     from gateway.serving.pipeline import ServingLimits
     from tests import prom
     from tests.fake_backend import API_KEYS, MODEL, live_gateway

@@ -8,11 +8,11 @@ outputs, which are checked against a pool-free reference.
 
 import pytest
 
-from engine.block_manager import BlockManager
-from engine.sampling_params import SamplingParams
-from engine.scheduled_batch import ScheduledBatch
-from engine.scheduler import AdmissionError, Scheduler, SchedulerConfig
-from engine.sequence import Sequence, SequenceStatus
+from engine.kv.block_manager import BlockManager
+from engine.sampling.params import SamplingParams
+from engine.sched.batch import ScheduledBatch
+from engine.sched.scheduler import AdmissionError, Scheduler, SchedulerConfig
+from engine.sched.sequence import Sequence, SequenceStatus
 from tests.invariants import assert_block_counts, assert_integrity, assert_no_leak, assert_scheduler_idle
 
 VOCAB = 50

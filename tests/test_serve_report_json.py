@@ -1,13 +1,13 @@
 """A serving-benchmark run saved with ``--json`` reads back as the report it was (``read_json``), so its
-plots can be drawn again from the file (``python -m benchmarks.plots RUN.json DIR``)."""
+plots can be drawn again from the file (``python -m benchmarks.serve.plots RUN.json DIR``)."""
 
 from __future__ import annotations
 
 import math
 
-from benchmarks.plots import write_plots
-from benchmarks.serve_metrics import Summary
-from benchmarks.serve_report import Report, Run, read_json, write_json
+from benchmarks.common.metrics import Summary
+from benchmarks.serve.plots import write_plots
+from benchmarks.serve.report import Report, Run, read_json, write_json
 
 
 def stats(p50: float, p99: float) -> dict[str, float]:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from decode_node.node import share_pool
-from engine.kv_pool import KVLayout, KVPool
+from engine.kv.pool import KVLayout, KVPool
 from kvtransfer import shm_pool
 from kvtransfer.shm_pool import ShmCapacityError, create_shared
 

@@ -14,8 +14,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engine.llm import LLM
-from engine.sampling_params import SamplingParams
-from engine.structured_output import StructuredOutputError
+from engine.sampling.params import SamplingParams
+from engine.sampling.structured_output import StructuredOutputError
 from protocol.serving import StructuredOutput
 from tests.invariants import assert_no_leak
 from tests.model_factory import tiny_model_dir

@@ -1,7 +1,7 @@
 """The cluster's LoRA adapter list as one gateway knows it: the newest stamped list (protocol
 LoRAAdapterSet) it made or saw in any worker's heartbeat, and which workers still need it.
 
-The workers are the shared source: each holds the newest list it was sent (engine/lora_sync.py) and
+The workers are the shared source: each holds the newest list it was sent (engine/lora/sync.py) and
 reports it in the heartbeats every gateway receives. A gateway adopts any list newer than its own, so
 an adapter loaded or unloaded through one gateway shows in every gateway's ``/v1/models`` within a
 heartbeat, and a gateway that starts later learns the list from the first worker it hears. A worker

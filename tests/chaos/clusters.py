@@ -19,7 +19,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from benchmarks.client import parse_metric
+from benchmarks.common.client import parse_metric
 from cluster.keygen import write_private_key
 from tests.cluster_harness import ServeProcess
 from tests.netns import ROOT, Host, Network

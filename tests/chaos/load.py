@@ -11,7 +11,7 @@ import httpx
 import torch
 
 from engine.llm import LLM
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 from gateway.text.detokenizer import IncrementalDetokenizer
 from gateway.text.tokenizer import Tokenizer
 

@@ -24,7 +24,7 @@ import torch
 from cluster.make_model import make_model
 from configs.schema import load_config
 from engine.llm import LLM
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3"]
 PROMPT_LENGTHS = [1, 5, 37, 300, 16, 129, 64, 700]  # block multiples, a 1-token prompt, chunked ones

@@ -19,7 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 SENDER = textwrap.dedent("""
     import sys, torch, zmq
-    from engine.kv_pool import KVLayout, KVPool
+    from engine.kv.pool import KVLayout, KVPool
     from kvtransfer.channel import ZmqClient
     from kvtransfer.sender import KVSender
     layout = KVLayout(2, 32, 16, 2, 64, torch.bfloat16)
@@ -35,7 +35,7 @@ SENDER = textwrap.dedent("""
 
 
 def test_cuda_ipc_bit_exact_between_processes():
-    from engine.kv_pool import KVLayout, KVPool
+    from engine.kv.pool import KVLayout, KVPool
     from kvtransfer.channel import ZmqServer
     from kvtransfer.metrics import TransferMetrics
     from kvtransfer.receiver import KVReceiver

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import kernels
-from kernels.paged_decode import paged_decode_triton
-from kernels.paged_prefill import paged_prefill_triton
+from kernels.triton.paged_decode import paged_decode_triton
+from kernels.triton.paged_prefill import paged_prefill_triton
 from tests.test_kernel_attention import TOLERANCE, AttentionCase, make_case, poisoned_like
 
 
@@ -146,9 +146,9 @@ def test_gpu_engine_logits_match_transformers(family):
     transformers' eager fp32 forward on CUDA over each whole sequence."""
     from transformers import AutoModelForCausalLM
 
-    from engine.attention_metadata import AttentionMetadata
-    from engine.kv_pool import KVLayout, KVPool
-    from engine.loader import load_model
+    from engine.kv.pool import KVLayout, KVPool
+    from engine.model.loader import load_model
+    from engine.step.attention_metadata import AttentionMetadata
     from tests.model_factory import tiny_model_dir
 
     path = tiny_model_dir(family)

@@ -1,4 +1,4 @@
-"""The batched LoRA kernel on CUDA (kernels/lora_batched.py): at full size against a per-token float64
+"""The batched LoRA kernel on CUDA (kernels/triton/lora_batched.py): at full size against a per-token float64
 computation and its torch reference, and the engine on CUDA (which dispatches its LoRA deltas to the
 kernel) against PEFT on CUDA, token for token. Skipped without CUDA (tests/gpu/conftest.py).
 
@@ -15,9 +15,9 @@ import torch
 
 from configs.schema import load_config
 from engine.llm import LLM
-from engine.sampling_params import SamplingParams
-from engine.stacked_lora import use_lora_kernel
-from kernels.lora_batched import lora_delta_reference, lora_delta_triton, plan_lora_batch
+from engine.lora.stacked import use_lora_kernel
+from engine.sampling.params import SamplingParams
+from kernels.triton.lora_batched import lora_delta_reference, lora_delta_triton, plan_lora_batch
 from tests.lora_factory import tiny_adapter_dir
 from tests.model_factory import tiny_model_dir
 from tests.test_kernel_lora import assert_close_relative, make_weights, per_token_float64
@@ -85,7 +85,7 @@ def test_gpu_engine_with_adapters_equals_peft_token_for_token(monkeypatch):
     """float32 on CUDA: base and two adapters in every step through the kernel, as PEFT generates."""
     assert use_lora_kernel(torch.device("cuda"))
     launches = []
-    monkeypatch.setattr("engine.stacked_lora.lora_delta_triton", lambda *a: launches.append(lora_delta_triton(*a)))
+    monkeypatch.setattr("engine.lora.stacked.lora_delta_triton", lambda *a: launches.append(lora_delta_triton(*a)))
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(5, 700, (n,), generator=gen).tolist() for n in (5, 37, 16, 90)]
     names = ["", "alpha", "beta"]

@@ -1,0 +1,1 @@
+"""What every benchmark shares: workloads, the streaming client, metrics, process samples, the launcher."""

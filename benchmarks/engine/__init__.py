@@ -1,0 +1,1 @@
+"""The offline engine: throughput against transformers, a step's profile, LoRA overhead, their roofline."""

@@ -1,0 +1,1 @@
+"""The prepared GPU run (`scripts/gpu-check`) and the Triton kernel benchmark."""

@@ -1,0 +1,1 @@
+"""Scaling curves: throughput and latency against concurrency and prompt length (`python -m benchmarks.scaling`)."""

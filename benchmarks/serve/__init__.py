@@ -1,0 +1,1 @@
+"""The serving benchmark: pdserve against llama-server and transformers (`python -m benchmarks.serve`)."""

@@ -1,0 +1,99 @@
+"""A decode step's decoder layers as one C call (kernels/cpu/decode_step.c), where the step allows it.
+
+The layers' forward calls ~10 kernels per layer from Python; at a decode step of a few sequences the
+calls (argument checks, output tensors, ctypes conversion) cost about a fifth of the step. This runs the
+same kernels in the same order from C, so its output is the same bits as the layer-by-layer path.
+
+It takes a step when every row decodes one token through the C decode kernel (the runner's plan is a
+``NativeDecode`` of every row), no LoRA adapter is in the step, and every projection computes that many
+rows with the C linear (the forms timed at load pick it for the row count). Otherwise the layers run
+one by one as before.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.kv.pool import KVPool
+from engine.lora.manager import LoRAStep
+from engine.step.attention_metadata import AttentionMetadata
+from kernels.cpu.native import DecodeLayer, DecodeShape, NativeLibrary
+from kernels.triton.paged_decode import NativeDecode
+
+
+class FusedDecodeStep:
+    def __init__(self, model, native: NativeLibrary):
+        """``model``: a CausalLM with C layer ops and chosen forms (``CausalLM.use_fused_decode`` checks)."""
+        config = model.config
+        self.native = native
+        self.layers = (DecodeLayer * len(model.layers))()
+        self._projections = _projections(model)
+        for entry, layer in zip(self.layers, model.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            entry.input_norm = layer.input_layernorm.weight.data_ptr()
+            entry.qkv = attn.qkv_proj.copies.c.data_ptr()
+            entry.qkv_bias = None if attn.qkv_proj.bias is None else attn.qkv_proj.bias.data_ptr()
+            entry.o = attn.o_proj.copies.c.data_ptr()
+            entry.post_norm = layer.post_attention_layernorm.weight.data_ptr()
+            entry.gate_up = mlp.gate_up_proj.copies.c.data_ptr()
+            entry.down = mlp.down_proj.copies.c.data_ptr()
+        self.shape = DecodeShape(
+            hidden=config.hidden_size,
+            num_heads=config.num_heads,
+            kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim,
+            inter=config.intermediate_size,
+            eps=model.layers[0].input_layernorm.eps,
+            scale=model.layers[0].self_attn.scale,
+        )
+        self._takes_rows: dict[int, bool] = {}
+
+    @staticmethod
+    def fits(model) -> bool:
+        """Whether a model can take it: C layer ops, no per-head q/k norms, every projection with its C
+        copy held (the forms picked the C linear for some row count)."""
+        if not model.native_layer_ops or model.config.qk_norm:
+            return False
+        return all(m.copies is not None and m.copies.c is not None for m in _projections(model))
+
+    def takes(self, rows: int, meta: AttentionMetadata, lora: LoRAStep | None) -> bool:
+        plan = meta.plan
+        if plan is None or not isinstance(plan.decode, NativeDecode) or plan.decode_tokens is not None:
+            return False
+        if lora is not None and lora.groups:
+            return False
+        takes = self._takes_rows.get(rows)
+        if takes is None:
+            takes = self._takes_rows[rows] = all(m.forms.form_for(rows) == "c" for m in self._projections)
+        return takes
+
+    def run(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_pool: KVPool, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """Every layer over ``x`` (the step's embeddings, updated in place): what the model's forward returns."""
+        decode = meta.plan.decode
+        layout = kv_pool.layout
+        self.shape.block_size = layout.block_size
+        self.shape.cache_floats = layout.num_blocks * layout.block_size * layout.kv_heads * layout.head_dim
+        self.native.decode_step(
+            self.layers,
+            self.shape,
+            x,
+            kv_pool.tensor,
+            cos,
+            sin,
+            meta.slot_mapping,
+            decode.block_tables,
+            decode.context_lens,
+            decode.max_context,
+        )
+        return x
+
+
+def _projections(model) -> list:
+    """Every layer's four projections (engine/model/layers.py): what the fused step reads in C."""
+    return [
+        m
+        for layer in model.layers
+        for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+    ]

@@ -1,0 +1,1 @@
+"""One scheduled step run: its attention metadata, the model forward, the sample."""

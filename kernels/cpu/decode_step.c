@@ -1,0 +1,79 @@
+/* A decode step's decoder layers in one call, fp32: for every layer, RMSNorm (with the residual add),
+   the qkv projection, RoPE with the K/V store, decode attention, the o projection, RMSNorm, gate_up,
+   SwiGLU's product and the down projection -- the same kernels (layer_ops.c, linear.c,
+   decode.c) in the same order as the Python layer calls them one by one, so the values are the
+   same bits.
+
+   Why: called from Python, a layer is ~10 kernel calls, each with its argument checks, output
+   allocation and ctypes conversion; at a decode step of one sequence those cost about a fifth of the
+   step (the kernels themselves stream 12 MB of weights per layer in ~0.5 ms). Here they are one call.
+*/
+#include <stddef.h>
+#include <stdint.h>
+
+void pdserve_rms_norm_f32(const float *x, int64_t x_stride, float *residual, const float *weight, float *out,
+                          int64_t rows, int64_t dim, float eps, int num_threads);
+void pdserve_linear_f32(const float *x, int64_t M, int64_t K, const float *wp, int64_t N, const float *bias,
+                        float *out, int num_threads);
+void pdserve_rope_store_f32(float *qkv, int64_t qkv_stride, int64_t tokens, int64_t num_heads, int64_t kv_heads,
+                            int64_t head_dim, const float *cos, const float *sin, const int64_t *slots,
+                            float *k_cache, float *v_cache, int num_threads);
+void pdserve_paged_decode_f32(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+                              const int64_t *block_tables, int64_t table_stride, const int64_t *context_lens,
+                              float *out, float *scratch, int64_t batch, int64_t num_heads, int64_t kv_heads,
+                              int64_t head_dim, int64_t block_size, int64_t ctx_pad, float scale, int num_threads);
+void pdserve_silu_mul_f32(const float *gate_up, int64_t gate_up_stride, float *out, int64_t rows, int64_t inter,
+                          int num_threads);
+
+/* One layer's weights: the norms' [hidden] weights and the projections in linear.c's packed layout
+   (qkv_bias: [q + 2 kv] or NULL). */
+typedef struct {
+    const float *input_norm, *qkv, *qkv_bias, *o, *post_norm, *gate_up, *down;
+} DecodeLayer;
+
+/* The model's shape and a step's attention inputs (tables, context lengths: as pdserve_paged_decode_f32). */
+typedef struct {
+    int64_t hidden, num_heads, kv_heads, head_dim, inter, block_size, cache_floats; /* one layer's K cache */
+    float eps, scale;
+} DecodeShape;
+
+/* Floats of work space a step of `rows` sequences needs, contexts padded to ctx_pad. */
+int64_t pdserve_decode_step_work(const DecodeShape *s, int64_t rows, int64_t ctx_pad) {
+    const int64_t qkv = (s->num_heads + 2 * s->kv_heads) * s->head_dim, q = s->num_heads * s->head_dim;
+    return rows * (2 * s->hidden + qkv + q + 3 * s->inter + s->num_heads * ctx_pad);
+}
+
+/* x: [rows, hidden], the embeddings in, the last layer's output plus the residual stream out (what
+   the model's forward returns). pool: the KV pool, layer l's K cache at pool + 2 l cache_floats and its
+   V cache right after. cos, sin: [rows, head_dim / 2]; slots: each row's new cache slot. */
+void pdserve_decode_step_f32(const DecodeLayer *layers, int64_t num_layers, const DecodeShape *s, float *x,
+                             int64_t rows, float *pool, const float *cos, const float *sin, const int64_t *slots,
+                             const int64_t *block_tables, int64_t table_stride, const int64_t *context_lens,
+                             int64_t ctx_pad, float *work, int num_threads) {
+    const int64_t hidden = s->hidden, q_size = s->num_heads * s->head_dim;
+    const int64_t qkv_size = q_size + 2 * s->kv_heads * s->head_dim;
+    float *residual = work, *h = residual + rows * hidden, *qkv = h + rows * hidden, *attn = qkv + rows * qkv_size;
+    float *gate_up = attn + rows * q_size, *act = gate_up + rows * 2 * s->inter, *scores = act + rows * s->inter;
+    for (int64_t l = 0; l < num_layers; l++) {
+        const DecodeLayer *w = layers + l;
+        float *k_cache = pool + 2 * l * s->cache_floats, *v_cache = k_cache + s->cache_floats;
+        if (l == 0) { /* the first layer's residual stream is its input */
+            for (int64_t i = 0; i < rows * hidden; i++) residual[i] = x[i];
+            pdserve_rms_norm_f32(x, hidden, NULL, w->input_norm, h, rows, hidden, s->eps, num_threads);
+        } else {
+            pdserve_rms_norm_f32(x, hidden, residual, w->input_norm, h, rows, hidden, s->eps, num_threads);
+        }
+        pdserve_linear_f32(h, rows, hidden, w->qkv, qkv_size, w->qkv_bias, qkv, num_threads);
+        pdserve_rope_store_f32(qkv, qkv_size, rows, s->num_heads, s->kv_heads, s->head_dim, cos, sin, slots, k_cache,
+                               v_cache, num_threads);
+        pdserve_paged_decode_f32(qkv, qkv_size, k_cache, v_cache, block_tables, table_stride, context_lens, attn,
+                                 scores, rows, s->num_heads, s->kv_heads, s->head_dim, s->block_size, ctx_pad,
+                                 s->scale, num_threads);
+        pdserve_linear_f32(attn, rows, q_size, w->o, hidden, NULL, x, num_threads);
+        pdserve_rms_norm_f32(x, hidden, residual, w->post_norm, h, rows, hidden, s->eps, num_threads);
+        pdserve_linear_f32(h, rows, hidden, w->gate_up, 2 * s->inter, NULL, gate_up, num_threads);
+        pdserve_silu_mul_f32(gate_up, 2 * s->inter, act, rows, s->inter, num_threads);
+        pdserve_linear_f32(act, rows, s->inter, w->down, hidden, NULL, x, num_threads);
+    }
+    for (int64_t i = 0; i < rows * hidden; i++) x[i] += residual[i];
+}

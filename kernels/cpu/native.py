@@ -1,0 +1,546 @@
+"""The CPU kernels in C, built on first use and called through ctypes: decode attention over the paged
+KV (decode.c), prefill attention of prompt chunks over it (prefill.c), ``x @ w^T`` for the
+few rows of a decode step (linear.c), and a layer's RMSNorm with its residual add, its rotary
+embedding with the K/V store and its SwiGLU product (layer_ops.c).
+
+``load()`` compiles them into one library with the machine's C compiler (``$CC``, else ``cc``; GCC or clang)
+for this very CPU (``-march=native``, ``-mcpu=native`` on Arm) into ``~/.cache/pdserve/native/``
+(``$PDSERVE_NATIVE_CACHE_DIR`` overrides), once per source, compiler and torch: later processes load
+the cached library (a build takes ~1 s; a library unused for 30 days is removed by the next build
+there). Where no compiler works, it logs why once and returns None, and the engine keeps the torch path.
+
+With GCC it links the OpenMP runtime torch ships (``torch/lib/libgomp.so.1``) when there is one, so
+the kernel's threads are torch's threads rather than a second pool competing for the same cores.
+Where no OpenMP build works it builds without (``NativeLibrary.threaded`` is then False), and the
+engine uses that one-thread build up to ``SERIAL_MAX_THREADS``. ctypes releases the GIL around the call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import json
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCES = [
+    Path(__file__).with_name(name) for name in ("decode.c", "prefill.c", "linear.c", "layer_ops.c", "decode_step.c")
+]
+HEADERS = [Path(__file__).with_name("vector.h")]
+_FLAGS = ("-O3", "-fno-math-errno", "-Wno-psabi", "-shared", "-fPIC")
+_SIZE = ctypes.c_int64
+_PTR = ctypes.c_void_p
+# A build without OpenMP runs on the calling thread alone. On the 2-core Xeon, its one thread took half
+# the time of the torch path on two (batch 16: 0.29 against 0.60 ms per layer; batch 64: 1.41 against
+# 2.67; context 64-600). With twice the threads torch would about catch up (estimated: this machine
+# has two cores), so past this many the engine keeps torch.
+SERIAL_MAX_THREADS = 4
+# Builds for other sources, compilers or torch versions pile up in the cache as pdserve is upgraded. A
+# library is touched whenever it is used, and a new build removes those unused for this long (a
+# process that has one loaded keeps its mapping: unlinking does not unmap it).
+STALE_AFTER_S = 30 * 24 * 3600
+
+
+class DecodeLayer(ctypes.Structure):
+    """One layer's weights for ``pdserve_decode_step_f32`` (kernels/cpu/decode_step.c): the norms' weights
+    and the projections' packed copies (``NativeLibrary.pack_linear``); ``qkv_bias`` may be None."""
+
+    _fields_ = [(name, _PTR) for name in ("input_norm", "qkv", "qkv_bias", "o", "post_norm", "gate_up", "down")]
+
+
+class DecodeShape(ctypes.Structure):
+    """The model's shape for ``pdserve_decode_step_f32``; ``cache_floats``: one layer's K cache."""
+
+    _fields_ = [
+        *((name, _SIZE) for name in ("hidden", "num_heads", "kv_heads", "head_dim", "inter", "block_size")),
+        ("cache_floats", _SIZE),
+        ("eps", ctypes.c_float),
+        ("scale", ctypes.c_float),
+    ]
+
+
+@dataclass(slots=True, frozen=True)
+class Variant:
+    """One way to build the library: with OpenMP threads or without; ``lanes`` forces the vector width
+    (4, 8 or 16 floats) where the default is the hardware's (the tests build every width)."""
+
+    openmp: bool = True
+    lanes: int | None = None
+
+
+THREADED, SERIAL = Variant(openmp=True), Variant(openmp=False)
+
+
+def cache_dir() -> Path:
+    configured = os.environ.get("PDSERVE_NATIVE_CACHE_DIR")
+    return Path(configured) if configured else Path.home() / ".cache" / "pdserve" / "native"
+
+
+def _torch_libgomp() -> Path | None:
+    path = Path(torch.__file__).parent / "lib" / "libgomp.so.1"
+    return path if path.exists() else None
+
+
+def _command(compiler: str, variant: Variant, output: str) -> list[str]:
+    # Arm compilers spell "this very CPU" -mcpu=native; x86 ones -march=native.
+    arch = "-mcpu=native" if platform.machine().lower() in ("arm64", "aarch64") else "-march=native"
+    flags = [*_FLAGS, arch] + ([f"-DLANES={variant.lanes}"] if variant.lanes else [])
+    link = []
+    if variant.openmp:
+        flags.append("-fopenmp")
+        gomp = _torch_libgomp()
+        if gomp is not None:  # else torch linked the system's runtime (or none): -fopenmp picks it
+            link = [str(gomp), f"-Wl,-rpath,{gomp.parent}"]
+    return [compiler, *flags, *map(str, SOURCES), "-o", output, *link]
+
+
+@functools.cache  # read at every build lookup and forms-cache key; the CPU does not change under us
+def cpu_identity() -> str:
+    """The CPU's model name and feature flags (Linux; Arm's features and part number), else what
+    ``platform`` knows of it: what a ``-march=native`` build, or a timing, is only valid for."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    seen = {}
+    for line in lines:
+        name, _, value = line.partition(":")
+        if name.strip() in ("model name", "flags", "Features", "CPU part"):
+            seen.setdefault(name.strip(), value.strip())
+    return json.dumps(seen, sort_keys=True) if seen else f"{platform.machine()} {platform.processor()}"
+
+
+def _target(compiler: str, variant: Variant) -> Path:
+    recipe = " ".join(_command(compiler, variant, "")).encode()
+    code = [path.read_bytes() for path in SOURCES + HEADERS]
+    # The CPU too: a home directory shared by machines of other CPUs (NFS, one volume for a node pool)
+    # must not hand one of them a library built for instructions it lacks.
+    key = hashlib.sha256(
+        b"\0".join([*code, recipe, torch.__version__.encode(), os.uname().machine.encode(), cpu_identity().encode()])
+    )
+    return cache_dir() / f"cpu_native-{key.hexdigest()[:16]}.so"
+
+
+def build(compiler: str, variant: Variant = THREADED) -> Path:
+    """Compile (or find already compiled) the library; raises on a failed build."""
+    target = _target(compiler, variant)
+    if target.exists():
+        _touch(target)
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Into a temporary name, then renamed: processes starting together never load a half-written file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        command = _command(compiler, variant, tmp)
+        done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(command)} failed: {done.stderr.strip()[-2000:]}")
+        try:  # a shared library links with symbols missing (clang's OpenMP calls against libgomp)
+            ctypes.CDLL(tmp)
+        except OSError as e:
+            raise RuntimeError(f"{' '.join(command)} built a library that does not load: {e}") from e
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    remove_stale(target.parent)
+    return target
+
+
+def _touch(path: Path) -> None:
+    try:
+        os.utime(path)
+    except OSError:  # a read-only cache: the library still loads, it only ages
+        pass
+
+
+def remove_stale(directory: Path, now: float | None = None) -> list[Path]:
+    """Deletes libraries unused for ``STALE_AFTER_S``, and temporary files a crashed build left behind
+    (an hour old: no build takes that long); returns what it deleted."""
+    now = time.time() if now is None else now
+    removed = []
+    # cpu_decode-*: the library's name before it held the linear too.
+    for path in [*directory.glob("cpu_native-*.so"), *directory.glob("cpu_decode-*.so"), *directory.glob("tmp*.so")]:
+        max_age = 3600 if path.name.startswith("tmp") else STALE_AFTER_S
+        try:
+            if now - path.stat().st_mtime > max_age:
+                path.unlink()
+                removed.append(path)
+        except OSError:  # gone already (another process cleaning), or not ours to delete
+            continue
+    return removed
+
+
+def _check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens) -> None:
+    """The layout both attention kernels read. The C code trusts it: a wrong one would read the wrong
+    memory, not raise."""
+    assert q.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+    assert q.stride(2) == 1 and q.stride(1) == q.shape[2] and k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert block_tables.dtype == context_lens.dtype == torch.int64
+    assert block_tables.is_contiguous() and context_lens.is_contiguous()
+    assert block_tables.shape[0] == context_lens.shape[0]
+
+
+class NativeLibrary:
+    """The loaded kernels: ``supports(group, head_dim)``, ``paged_decode(...)`` and ``paged_prefill(...)``
+    for attention, ``supports_linear(in, out)``, ``pack_linear(weight)`` and ``linear(x, packed)``;
+    ``threaded``: whether they run on OpenMP threads."""
+
+    def __init__(self, path: Path):
+        self.name = path.name  # carries the hash of the source, flags and compiler it was built from
+        self._lib = ctypes.CDLL(str(path))
+        self.threaded = bool(self._lib.pdserve_native_threaded())  # False: it runs on the caller's thread
+        self._supported = self._lib.pdserve_decode_supported
+        self._supported.argtypes = [_SIZE, _SIZE]
+        self._supported.restype = ctypes.c_int
+        self._decode = self._lib.pdserve_paged_decode_f32
+        self._decode.argtypes = [
+            _PTR,
+            _SIZE,
+            _PTR,
+            _PTR,
+            _PTR,
+            _SIZE,
+            _PTR,
+            _PTR,
+            _PTR,
+            _SIZE,
+            _SIZE,
+            _SIZE,
+            _SIZE,
+            _SIZE,
+            _SIZE,
+            ctypes.c_float,
+            ctypes.c_int,
+        ]
+        self._decode.restype = None
+        self._prefill = self._lib.pdserve_paged_prefill_f32
+        self._prefill.argtypes = [_PTR, _SIZE, _PTR, _PTR, _PTR, _SIZE, _PTR, _PTR, _PTR, _PTR]
+        self._prefill.argtypes += [_SIZE] * 5 + [ctypes.c_float, ctypes.c_int]
+        self._prefill.restype = None
+        self._lib.pdserve_prefill_scratch_bytes.restype = _SIZE
+        self._prefill_scratch_bytes = int(self._lib.pdserve_prefill_scratch_bytes())
+        self._linear_supported = self._lib.pdserve_linear_supported
+        self._linear_supported.argtypes = [_SIZE, _SIZE]
+        self._linear_supported.restype = ctypes.c_int
+        self._linear = self._lib.pdserve_linear_f32
+        self._linear.argtypes = [_PTR, _SIZE, _SIZE, _PTR, _SIZE, _PTR, _PTR, ctypes.c_int]
+        self._linear.restype = None
+        self._pack_linear = self._lib.pdserve_linear_pack_f32
+        self._pack_linear.argtypes = [_PTR, _SIZE, _SIZE, _PTR, ctypes.c_int]
+        self._pack_linear.restype = None
+        self._lib.pdserve_linear_block.restype = _SIZE
+        self.linear_block = int(self._lib.pdserve_linear_block())  # NR: outputs side by side in a packed weight
+        self._rms_norm = self._lib.pdserve_rms_norm_f32
+        self._rms_norm.argtypes = [_PTR, _SIZE, _PTR, _PTR, _PTR, _SIZE, _SIZE, ctypes.c_float, ctypes.c_int]
+        self._rms_norm.restype = None
+        self._rope_store = self._lib.pdserve_rope_store_f32
+        self._rope_store.argtypes = [
+            _PTR,
+            _SIZE,
+            _SIZE,
+            _SIZE,
+            _SIZE,
+            _SIZE,
+            _PTR,
+            _PTR,
+            _PTR,
+            _PTR,
+            _PTR,
+            ctypes.c_int,
+        ]
+        self._rope_store.restype = None
+        self._silu_mul = self._lib.pdserve_silu_mul_f32
+        self._silu_mul.argtypes = [_PTR, _SIZE, _PTR, _SIZE, _SIZE, ctypes.c_int]
+        self._silu_mul.restype = None
+        self._decode_step_work = self._lib.pdserve_decode_step_work
+        self._decode_step_work.argtypes = [ctypes.POINTER(DecodeShape), _SIZE, _SIZE]
+        self._decode_step_work.restype = _SIZE
+        self._decode_step = self._lib.pdserve_decode_step_f32
+        self._decode_step.argtypes = [
+            ctypes.POINTER(DecodeLayer),
+            _SIZE,
+            ctypes.POINTER(DecodeShape),
+            *(_PTR, _SIZE, _PTR, _PTR, _PTR, _PTR, _PTR, _SIZE, _PTR, _SIZE, _PTR, ctypes.c_int),
+        ]
+        self._decode_step.restype = None
+
+    def supports(self, group: int, head_dim: int) -> bool:
+        return bool(self._supported(group, head_dim))
+
+    def paged_decode(
+        self,
+        q: torch.Tensor,  # [batch, num_heads, head_dim] float32; rows may be strided, heads packed
+        k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim] float32, contiguous
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,  # [batch, max_blocks] int64, contiguous
+        context_lens: torch.Tensor,  # [batch] int64, each >= 1
+        max_context: int,  # >= every context length
+        scale: float,
+    ) -> torch.Tensor:  # [batch, num_heads, head_dim]
+        batch, num_heads, head_dim = q.shape
+        _, block_size, kv_heads, _ = k_cache.shape
+        _check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens)
+        assert batch == context_lens.shape[0]
+        assert block_tables.shape[1] * block_size >= max_context  # supports() was checked once, at engine build
+        ctx_pad = -(-max_context // 16) * 16
+        out = torch.empty((batch, num_heads, head_dim), dtype=torch.float32)
+        scratch = torch.empty(batch * num_heads * ctx_pad, dtype=torch.float32)  # softmax rows
+        self._decode(
+            q.data_ptr(),
+            q.stride(0),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            block_tables.data_ptr(),
+            block_tables.shape[1],
+            context_lens.data_ptr(),
+            out.data_ptr(),
+            scratch.data_ptr(),
+            batch,
+            num_heads,
+            kv_heads,
+            head_dim,
+            block_size,
+            ctx_pad,
+            scale,
+            torch.get_num_threads(),
+        )
+        return out
+
+    def paged_prefill(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim] float32; rows may be strided, heads packed
+        k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim] float32, contiguous
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,  # [batch, max_blocks] int64, contiguous, every id in the pool
+        context_lens: torch.Tensor,  # [batch] int64
+        query_start_loc: torch.Tensor,  # [batch + 1] int64; every chunk >= 1 query, <= its context
+        scale: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        """Causal attention of each request's chunk over its paged context (kernels/cpu/prefill.c)."""
+        num_tokens, num_heads, head_dim = q.shape
+        _, block_size, kv_heads, _ = k_cache.shape
+        _check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens)
+        batch = context_lens.shape[0]
+        assert query_start_loc.dtype == torch.int64 and query_start_loc.is_contiguous()
+        assert query_start_loc.shape[0] == batch + 1
+        out = torch.empty((num_tokens, num_heads, head_dim), dtype=torch.float32)
+        threads = torch.get_num_threads()
+        scratch = torch.empty(threads * self._prefill_scratch_bytes, dtype=torch.uint8)  # per-thread tiles
+        self._prefill(
+            q.data_ptr(),
+            q.stride(0),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            block_tables.data_ptr(),
+            block_tables.shape[1],
+            context_lens.data_ptr(),
+            query_start_loc.data_ptr(),
+            out.data_ptr(),
+            scratch.data_ptr(),
+            batch,
+            num_heads,
+            kv_heads,
+            head_dim,
+            block_size,
+            scale,
+            threads,
+        )
+        return out
+
+    def supports_linear(self, in_features: int, out_features: int) -> bool:
+        return bool(self._linear_supported(in_features, out_features))
+
+    def takes_weight(self, weight: torch.Tensor) -> bool:
+        """Whether ``pack_linear`` takes this ``[out, in]`` weight (float32, a shape it has tiles for)."""
+        return weight.dtype == torch.float32 and self.supports_linear(weight.shape[1], weight.shape[0])
+
+    def pack_linear(self, weight: torch.Tensor) -> torch.Tensor:
+        """The copy of ``weight`` ([out, in] float32, a shape ``takes_weight``) that ``linear`` reads:
+        ``[out / NR, in, NR]``, each block of NR outputs side by side for every input (kernels/cpu/linear.c)."""
+        assert self.takes_weight(weight)
+        weight = weight.contiguous()
+        out_features, in_features = weight.shape
+        packed = torch.empty((out_features // self.linear_block, in_features, self.linear_block), dtype=torch.float32)
+        self._pack_linear(weight.data_ptr(), out_features, in_features, packed.data_ptr(), torch.get_num_threads())
+        return packed
+
+    def linear(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``F.linear(x, weight, bias)`` for x [rows, in] float32 and ``packed = pack_linear(weight)``.
+        Returns [rows, out]."""
+        blocks, in_features, block = packed.shape
+        assert x.dtype == packed.dtype == torch.float32 and x.dim() == 2 and x.shape[1] == in_features
+        assert block == self.linear_block and packed.is_contiguous()
+        assert bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())
+        x = x.contiguous()
+        out = torch.empty((x.shape[0], blocks * block), dtype=torch.float32)
+        self._linear(
+            x.data_ptr(),
+            x.shape[0],
+            in_features,
+            packed.data_ptr(),
+            blocks * block,
+            None if bias is None else bias.data_ptr(),
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
+        return out
+
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """RMSNorm of the rows of x ([rows, dim] float32, rows may be strided) by ``weight`` ([dim]). With
+        ``residual`` ([rows, dim], contiguous): ``residual += x`` first, in place, and the sum is what is
+        normalised. Returns a new [rows, dim]."""
+        rows, dim = x.shape
+        assert x.dtype == weight.dtype == torch.float32 and x.stride(1) == 1 and weight.shape == (dim,)
+        assert weight.is_contiguous()
+        assert residual is None or (
+            residual.dtype == torch.float32 and residual.is_contiguous() and residual.shape == x.shape
+        )
+        out = torch.empty((rows, dim), dtype=torch.float32)
+        self._rms_norm(
+            x.data_ptr(),
+            x.stride(0),
+            None if residual is None else residual.data_ptr(),
+            weight.data_ptr(),
+            out.data_ptr(),
+            rows,
+            dim,
+            eps,
+            torch.get_num_threads(),
+        )
+        return out
+
+    def rope_store(
+        self,
+        qkv: torch.Tensor,
+        num_heads: int,
+        kv_heads: int,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        slots: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> None:
+        """Rotates the query and key heads of each ``qkv`` row ([tokens, >= (heads + 2 kv_heads) * head_dim]
+        float32, rows may be strided) in place with its ``cos``/``sin`` ([tokens, head_dim / 2] each,
+        contiguous; broadcast dims of size 1 allowed), then stores its K and V at cache slot
+        ``slots[t]`` (int64, every one below the caches' slots: the caller checks, the C code does not)."""
+        tokens = qkv.shape[0]
+        head_dim = k_cache.shape[-1]
+        assert qkv.dtype == cos.dtype == sin.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+        assert qkv.dim() == 2 and qkv.stride(1) == 1 and qkv.shape[1] >= (num_heads + 2 * kv_heads) * head_dim
+        assert cos.is_contiguous() and sin.is_contiguous() and cos.numel() == sin.numel() == tokens * (head_dim // 2)
+        assert slots.dtype == torch.int64 and slots.is_contiguous() and slots.shape == (tokens,)
+        assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
+        assert k_cache.shape[-2] == kv_heads and head_dim % 2 == 0
+        self._rope_store(
+            qkv.data_ptr(),
+            qkv.stride(0),
+            tokens,
+            num_heads,
+            kv_heads,
+            head_dim,
+            cos.data_ptr(),
+            sin.data_ptr(),
+            slots.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            torch.get_num_threads(),
+        )
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` of each row ``[gate | up]`` of ``gate_up`` ([rows, 2 * inter] float32, rows
+        may be strided). Returns a new contiguous [rows, inter]."""
+        rows, width = gate_up.shape
+        assert gate_up.dtype == torch.float32 and gate_up.stride(1) == 1 and width % 2 == 0
+        out = torch.empty((rows, width // 2), dtype=torch.float32)
+        self._silu_mul(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), rows, width // 2, torch.get_num_threads())
+        return out
+
+    def decode_step(
+        self,
+        layers,  # ctypes array of DecodeLayer, one per layer
+        shape: DecodeShape,
+        x: torch.Tensor,  # [rows, hidden] float32 contiguous: the embeddings; the model's output after
+        pool: torch.Tensor,  # the KV pool [layers, 2, blocks, block_size, kv_heads, head_dim], contiguous
+        cos: torch.Tensor,  # [rows, head_dim / 2] each, contiguous (broadcast dims of size 1 allowed)
+        sin: torch.Tensor,
+        slots: torch.Tensor,  # [rows] int64, each inside the pool (checked by the caller)
+        block_tables: torch.Tensor,  # [rows, max_blocks] int64 contiguous, ids inside the pool (checked)
+        context_lens: torch.Tensor,  # [rows] int64, each >= 1
+        max_context: int,  # >= every context length, <= max_blocks * block_size
+    ) -> None:
+        """Every decoder layer of a decode step (one new token per row), in place in ``x``
+        (kernels/cpu/decode_step.c): the same kernels, in the same order, as the layers' forward."""
+        rows = x.shape[0]
+        assert x.dtype == pool.dtype == cos.dtype == torch.float32 and x.is_contiguous() and pool.is_contiguous()
+        assert x.shape[1] == shape.hidden and len(layers) * 2 * shape.cache_floats == pool.numel()
+        assert cos.is_contiguous() and sin.is_contiguous() and cos.numel() == sin.numel() == rows * shape.head_dim // 2
+        assert slots.dtype == block_tables.dtype == context_lens.dtype == torch.int64 and slots.shape == (rows,)
+        assert block_tables.is_contiguous() and context_lens.is_contiguous() and block_tables.shape[0] == rows
+        assert block_tables.shape[1] * shape.block_size >= max_context
+        ctx_pad = -(-max_context // 16) * 16
+        work = torch.empty(self._decode_step_work(ctypes.byref(shape), rows, ctx_pad), dtype=torch.float32)
+        self._decode_step(
+            layers,
+            len(layers),
+            ctypes.byref(shape),
+            x.data_ptr(),
+            rows,
+            pool.data_ptr(),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            slots.data_ptr(),
+            block_tables.data_ptr(),
+            block_tables.shape[1],
+            context_lens.data_ptr(),
+            ctx_pad,
+            work.data_ptr(),
+            torch.get_num_threads(),
+        )
+
+
+@functools.cache
+def load() -> NativeLibrary | None:
+    """The kernels, built if need be; None (logged once) where they cannot be built or loaded here.
+
+    The OpenMP build first; where that fails (clang without libomp, Apple's clang, which has no
+    -fopenmp) the build without it. A variant already in the cache is taken before any build is
+    tried, so a failing OpenMP build costs its second or so once, not at every start."""
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        log.warning(
+            "no C compiler (CC=%s): CPU decode attention, linears and layer ops stay on the torch path",
+            os.environ.get("CC", "cc"),
+        )
+        return None
+    variants = sorted((THREADED, SERIAL), key=lambda v: not _target(compiler, v).exists())  # stable: cached first
+    failures = []
+    for variant in variants:
+        try:
+            library = NativeLibrary(build(compiler, variant))
+        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+            failures.append(str(e))
+            continue
+        if failures:
+            log.warning("C kernels built without OpenMP, so they run on one thread: %s", failures[0])
+        return library
+    log.warning(
+        "C kernels unavailable, CPU decode attention, linears and layer ops stay on the torch path: %s", failures[-1]
+    )
+    return None
