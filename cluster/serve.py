@@ -34,8 +34,9 @@ from cluster.keygen import write_private_key
 from cluster.local_cluster import ClusterSpec, LocalCluster, MemberFailed
 from cluster.roles import add_config_args, command_line_overrides, env_of
 from cluster.vllm_flags import add_vllm_groups
+from configs.loader import load_config
 from configs.model_source import resolve_model
-from configs.schema import EX_CONFIG, ConfigError, load_config
+from configs.schema import EX_CONFIG, ConfigError
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

@@ -8,7 +8,6 @@ line in PdserveConfig. Stdlib only: torch-free processes (gateway, cluster) impo
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 
@@ -225,10 +224,3 @@ class PdserveConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
-
-
-def load_config(yaml_path=None, env=os.environ, overrides=None) -> PdserveConfig:
-    """Defaults < YAML < env < overrides; see configs/loader.py (kept there so this file is the schema)."""
-    from configs.loader import load_config as load
-
-    return load(yaml_path, env, overrides)

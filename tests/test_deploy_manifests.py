@@ -15,7 +15,7 @@ from pathlib import Path
 import yaml
 from prometheus_client import CollectorRegistry
 
-from configs.schema import load_config
+from configs.loader import load_config
 from tests.kustomize_lite import render
 from tests.pod_security import restricted_violations
 
