@@ -15,18 +15,7 @@ from worker import EngineSnapshot
 
 def engine_snapshot(scheduler: Scheduler, bm: BlockManager, requests: Iterable[DecodeRequest]) -> EngineSnapshot:
     awaiting = sum(r.phase <= Phase.AWAITING_KV for r in requests)  # and COMPILING: not in the engine yet
-    return EngineSnapshot(
-        num_running=scheduler.num_running,
-        num_waiting=scheduler.num_waiting + awaiting,
-        kv_blocks_total=bm.num_blocks,
-        kv_blocks_in_use=bm.num_in_use_blocks,
-        kv_blocks_free=bm.num_allocatable_blocks,
-        prefix_query_tokens=bm.num_prefix_query_tokens,
-        prefix_hit_tokens=bm.num_prefix_hit_tokens,
-        num_preemptions=scheduler.num_preemptions,
-        kv_live_slots=bm.num_live_slots,
-        block_size=bm.block_size,
-    )
+    return EngineSnapshot.read(scheduler, bm, num_waiting_outside=awaiting)
 
 
 def queued_prefill_tokens(scheduler: Scheduler) -> int:
