@@ -377,3 +377,17 @@ def test_the_image_context_holds_every_package_and_no_tests():
     }
     assert not {p.split(".")[0] for p in packages} & ignored
     assert {".git", ".venv", "tests", "docs", "deploy"} <= ignored  # nothing the image runs; big or churning
+
+
+def test_the_image_installs_the_lock_for_its_python():
+    """deploy/Dockerfile installs requirements/runtime-cpu.txt by default and the CUDA build the lock of
+    its Python 3.12 (docs/deploy.md's command), from a build context that holds them."""
+    dockerfile = (DEPLOY / "Dockerfile").read_text()
+    [default] = re.findall(r"^ARG LOCK=(\S+)$", dockerfile, re.M)
+    [cuda] = re.findall(r"--build-arg LOCK=(\S+) \.", (ROOT / "docs" / "deploy.md").read_text())
+    for lock, python in ((default, "3.11"), (cuda, "3.12")):
+        head = (ROOT / lock).read_text().split("\n", 4)
+        assert f"# for: CPython {python}, Linux x86_64" in head, lock
+    assert (default, cuda) == ("requirements/runtime-cpu.txt", "requirements/runtime-cuda.txt")
+    ignored = {line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()}
+    assert "requirements" not in ignored and "--require-hashes --no-deps -r" in dockerfile
