@@ -76,7 +76,7 @@ class EngineConfig:
     grammar_compile_threads: int = _field(2, minimum=1)  # grammars compiling at once on a worker
     grammar_cache_mb: int = _field(
         512, minimum=0
-    )  # xgrammar's cache of compiled grammars, least recently used out (vLLM's 512)
+    )  # compiled grammars kept, by xgrammar's measure of each; least recently used out (vLLM's 512)
 
 
 @dataclass(slots=True)
