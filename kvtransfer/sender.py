@@ -25,6 +25,7 @@ from kvtransfer import fence as fences
 from kvtransfer.block_runs import copy_blocks
 from kvtransfer.channel import ClientChannel
 from kvtransfer.compat import compat_of, new_incarnation
+from kvtransfer.copy_timing import CopyStopwatch, TransferTimes, block_bytes
 from kvtransfer.events import TransferEvent, TransferStatus
 from kvtransfer.metrics import TransferMetrics
 from kvtransfer.ownership import Verdict
@@ -64,6 +65,7 @@ class _Transfer:
     in_flight: collections.deque = field(default_factory=collections.deque)  # (src ids, buffer kept alive)
     commit: Commit | None = None
     commit_sent: bool = False
+    times: TransferTimes = field(default_factory=TransferTimes)  # copy, exposed tail, span (copy_timing.py)
 
 
 class KVSender:
@@ -199,6 +201,7 @@ class KVSender:
             self._finish(t, False, f"superseded by generation {generation}")  # unpins the old attempt
         if t is None or t.generation != generation:
             t = self._transfers[rid] = _Transfer(rid, generation, self._clock() + self.deadline_s)
+            t.times.started_at = time.perf_counter()
         assert t.commit is None, f"{rid} is already committing"
         # Pieces of half a window: two are in flight at once, so the receiver's copy of one overlaps
         # the wire time of the next (a whole-window piece would wait for its own credit).
@@ -233,6 +236,7 @@ class KVSender:
             lora_name,
             lora_digest,
         )
+        t.times.commit_at = time.perf_counter()
         return True
 
     def abort(self, rid: str, generation: int, reason: str = "") -> None:
@@ -307,8 +311,10 @@ class KVSender:
     def _ship(self, t: _Transfer, src: list[int], dst: list[int]):
         if self._target is None:  # over the channel: packed raw bytes ride beside the header, zero-copy
             src_ids = torch.tensor(src, device=self.pool.tensor.device)
-            buffer = gather_blocks(self.pool.tensor, src_ids)  # [L, 2, n, bs, kvh, d]
-            raw = buffer.contiguous().view(torch.uint8).cpu()
+            with (watch := CopyStopwatch(self.pool.tensor.device)):
+                buffer = gather_blocks(self.pool.tensor, src_ids)  # [L, 2, n, bs, kvh, d]
+                raw = buffer.contiguous().view(torch.uint8).cpu()
+            self._copied(t, watch, len(src))
             header = BlockWrite(t.rid, t.generation, self.incarnation, dst, True, raw.numel())
             return header, [memoryview(raw.numpy()).cast("B")], raw
         remote, fence = self._target
@@ -316,10 +322,16 @@ class KVSender:
         if not fences.holds(fence, dst_ids, fences.fence_token(t.rid, t.generation)):
             self._finish(t, False, "stale: destination no longer reserved for this transfer", released=True)
             return None, None, None
-        copy_blocks(self.pool.tensor, src, remote, dst)
+        with (watch := CopyStopwatch(remote.device)):
+            copy_blocks(self.pool.tensor, src, remote, dst)
         if remote.is_cuda:
             torch.cuda.current_stream(remote.device).synchronize()  # bytes land before the header
+        self._copied(t, watch, len(src))
         return BlockWrite(t.rid, t.generation, self.incarnation, dst, False, 0), [], None
+
+    def _copied(self, t: _Transfer, watch: CopyStopwatch, blocks: int) -> None:
+        t.times.copy_s += watch.seconds()
+        t.times.copied_bytes += blocks * block_bytes(self.pool.tensor)
 
     def fail_all(self, reason: str) -> None:
         """The receiver is gone: every transfer to it fails and unpins now."""
@@ -372,6 +384,8 @@ class KVSender:
             self._unpin(pinned)
         if not ok and self._metrics is not None:
             self._metrics.failed_transfers.labels("sender", reason.split(":")[0]).inc()
+        if ok and self._metrics is not None:
+            self._metrics.observe_sent(self.transport, t.times, time.perf_counter())
         self._events.append(TransferEvent(t.rid, t.generation, ok, reason, released_by_receiver=released))
         if self._transfers.get(t.rid) is t:
             del self._transfers[t.rid]
