@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from benchmarks.common.metric_text import metric_sums
 from benchmarks.common.metrics import RequestTimeline
 from benchmarks.common.workload import BenchRequest
 from benchmarks.serve.workloads import Scheduled
@@ -142,12 +143,9 @@ async def run_closed_loop(
 
 
 def parse_metric(body: str, name: str) -> float:
-    """Sum of every sample of ``name`` (any labels) in a Prometheus text exposition."""
-    total = 0.0
-    for line in body.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+    """Sum of every sample of ``name`` (any labels) in a Prometheus text exposition; MissingMetric
+    (benchmarks/common/metric_text.py) when there is none."""
+    return metric_sums(body, [name])[name]
 
 
 @dataclass(slots=True)

@@ -8,11 +8,14 @@ transport, against the single engine. ``python -m benchmarks.transfer.pd_parity 
    CPU: ``shm``; ``local_prefill_max_tokens: 0`` so every prompt goes through the prefill worker.
 3. The same prompts, one at a time, through the OpenAI completions API (token-id prompts, greedy,
    ignore_eos, ``return_tokens_as_token_ids``): the served tokens must equal the engine's.
-4. From /metrics: the decode worker's transfers (bytes, seconds from first write to commit, transport)
-   and the gateway's TTFT; the transfer's share of TTFT = transfer seconds / TTFT seconds, summed over
-   the requests. Transfer time overlaps prefill chunks, so this share is an upper bound.
+4. From /metrics, each series required (a missing name is an error, never 0): the decode worker's
+   transfers (bytes, first write to commit), the prefill worker's (the copy itself, timed with CUDA
+   events on CUDA; the exposed tail from the last chunk's commit to its ack; the whole span) and the
+   gateway's ``vllm:time_to_first_token_seconds``. copy_gbps = copied bytes / copy seconds;
+   exposed_share_of_ttft = exposed seconds / TTFT seconds, summed over the requests. A TTFT or transfer
+   count other than one per request fails the run.
 
-Last line: ``pd_equal=<requests equal>/<requests> transfer_gbps=<x> transfer_share_of_ttft=<y>``
+Last line: ``pd_equal=<equal>/<requests> copy_gbps=<x> exposed_share_of_ttft=<y> ttft_count=<n>``
 """
 
 from __future__ import annotations
@@ -31,10 +34,24 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.common.device_choice import BenchDevice, add_device_args, choose_device
+from benchmarks.common.metric_text import metric_sums
 
 PROMPT_LENGTHS = [4096, 2048, 1024, 512, 129, 17]
 QUICK_PROMPT_LENGTHS = [300, 129, 17]
 NEW_TOKENS = 32
+
+
+# The decode worker's view of a transfer (first write to commit), the prefill worker's (the copy itself,
+# the tail after the last chunk, the whole span: kvtransfer/copy_timing.py) and the gateway's TTFT.
+DECODE_SERIES = {"pdserve:kv_transfer_bytes_sum", "pdserve:kv_transfer_seconds_sum", "pdserve:kv_transfer_bytes_count"}
+PREFILL_SERIES = {
+    "pdserve:kv_transfer_copy_bytes_total",
+    "pdserve:kv_transfer_copy_seconds_sum",
+    "pdserve:kv_transfer_exposed_seconds_sum",
+    "pdserve:kv_transfer_span_seconds_sum",
+    "pdserve:kv_transfer_span_seconds_count",
+}
+GATEWAY_SERIES = {"vllm:time_to_first_token_seconds_sum", "vllm:time_to_first_token_seconds_count"}
 
 
 def prompts_for(lengths: list[int], vocab: int) -> list[list[int]]:
@@ -89,16 +106,10 @@ def complete(url: str, model: str, prompt: list[int]) -> tuple[list[int], float]
     return [int(t.removeprefix("token_id:")) for t in tokens], time.perf_counter() - started
 
 
-def metric_sums(url: str, names: set[str]) -> dict[str, float]:
-    """Sum over labels of each named sample (e.g. ``pdserve:kv_transfer_bytes_sum``) at ``url``."""
+def scrape(url: str, names: set[str]) -> dict[str, float]:
+    """The named samples at ``url`` summed over labels; MissingMetric names any the server lacks."""
     with urllib.request.urlopen(url, timeout=10) as response:
-        text = response.read().decode()
-    sums = dict.fromkeys(names, 0.0)
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name in names:
-                sums[sample.name] += sample.value
-    return sums
+        return metric_sums(response.read().decode(), names, where=url)
 
 
 def transports_used(url: str) -> list[str]:
@@ -119,19 +130,28 @@ def run_served(model_dir: Path, bench: BenchDevice, prompts: list[list[int]], wo
 
     system = ServedSystem("pd", model_dir, workdir, os.sched_getaffinity(0), 1, 1, served_sections(bench))
     try:
-        complete(system.url, system.model, prompts[-1][:8])  # warm-up (kernels compile, handshake)
+        # Warm-up (kernels compile, handshake) on a prompt no measured one shares a block with; long enough
+        # for a transfer, so the transfer series exist before the first reading.
+        complete(system.url, system.model, list(range(5, 45)))
         system.wait_idle()
         decode_metrics = system.metrics_urls("decode")[0]
-        names = {"pdserve:kv_transfer_bytes_sum", "pdserve:kv_transfer_seconds_sum", "pdserve:kv_transfer_bytes_count"}
-        ttft_names = {"pdserve:time_to_first_token_seconds_sum", "pdserve:time_to_first_token_seconds_count"}
-        before = {**metric_sums(decode_metrics, names), **metric_sums(f"{system.url}/metrics", ttft_names)}
+        prefill_metrics = system.metrics_urls("prefill")[0]
+
+        def read() -> dict[str, float]:
+            return {
+                **scrape(decode_metrics, DECODE_SERIES),
+                **scrape(prefill_metrics, PREFILL_SERIES),
+                **scrape(f"{system.url}/metrics", GATEWAY_SERIES),
+            }
+
+        before = read()
         outputs, seconds = [], []
         for prompt in prompts:
             tokens, s = complete(system.url, system.model, prompt)
             outputs.append(tokens)
             seconds.append(s)
         system.wait_idle()
-        after = {**metric_sums(decode_metrics, names), **metric_sums(f"{system.url}/metrics", ttft_names)}
+        after = read()
         delta = {k: after[k] - before[k] for k in after}
         return {
             "outputs": outputs,
@@ -147,13 +167,9 @@ def run_served(model_dir: Path, bench: BenchDevice, prompts: list[list[int]], wo
 def summarize(bench: BenchDevice, prompts, expected, served) -> dict:
     m = served["metrics"]
     equal = sum(a == b for a, b in zip(expected, served["outputs"]))
-    gbps = (
-        m["pdserve:kv_transfer_bytes_sum"] / m["pdserve:kv_transfer_seconds_sum"] / 1e9
-        if m["pdserve:kv_transfer_seconds_sum"] > 0
-        else 0.0
-    )
-    ttft = m["pdserve:time_to_first_token_seconds_sum"]
-    share = m["pdserve:kv_transfer_seconds_sum"] / ttft if ttft > 0 else 0.0
+    ttft = m["vllm:time_to_first_token_seconds_sum"]
+    copy_s, exposed_s, span_s = (m[f"pdserve:kv_transfer_{n}_seconds_sum"] for n in ("copy", "exposed", "span"))
+    copied = m["pdserve:kv_transfer_copy_bytes_total"]
     return {
         "device": bench.describe(),
         "prompt_lengths": [len(p) for p in prompts],
@@ -170,15 +186,32 @@ def summarize(bench: BenchDevice, prompts, expected, served) -> dict:
         ),
         "transports": served["transports"],
         "transfers": m["pdserve:kv_transfer_bytes_count"],
+        "transfers_sent": m["pdserve:kv_transfer_span_seconds_count"],
         "transfer_bytes": m["pdserve:kv_transfer_bytes_sum"],
-        "transfer_seconds": m["pdserve:kv_transfer_seconds_sum"],
-        "transfer_gbps": gbps,
+        "copied_bytes": copied,
+        # The decode worker's first write to commit: it spans the prefill chunks, a latency not a bandwidth.
+        "receive_seconds": m["pdserve:kv_transfer_seconds_sum"],
+        "copy_seconds": copy_s,
+        "copy_gbps": copied / copy_s / 1e9 if copy_s > 0 else None,
+        "exposed_seconds": exposed_s,
+        "span_seconds": span_s,
         "ttft_seconds": ttft,
-        "ttft_count": m["pdserve:time_to_first_token_seconds_count"],
-        "transfer_share_of_ttft": share,
+        "ttft_count": m["vllm:time_to_first_token_seconds_count"],
+        # What TTFT waits for after the last prefill chunk, over TTFT (both summed over the requests).
+        "exposed_share_of_ttft": exposed_s / ttft if ttft > 0 else None,
         "request_seconds": served["request_seconds"],
         "serve_log": served["log"],
     }
+
+
+def check_counts(figures: dict) -> list[str]:
+    """What makes the figures unusable: a TTFT or transfer count that is not one per request."""
+    n = figures["requests"]
+    return [
+        f"{key}={figures[key]:g}, expected {n}"
+        for key in ("ttft_count", "transfers", "transfers_sent")
+        if figures[key] != n
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -209,13 +242,20 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="pdserve-pd-"))
     figures = summarize(bench, prompts, expected, run_served(model_dir, bench, prompts, workdir))
     print(json.dumps({k: v for k, v in figures.items() if k != "request_seconds"}, indent=1))
+    figures["count_errors"] = problems = check_counts(figures)
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=2))
+    for problem in problems:
+        print(f"pd_parity: {problem}", file=sys.stderr)
     print(
-        f"pd_equal={figures['equal']}/{figures['requests']} transfer_gbps={figures['transfer_gbps']:.2f} "
-        f"transfer_share_of_ttft={figures['transfer_share_of_ttft']:.3f}"
+        f"pd_equal={figures['equal']}/{figures['requests']} copy_gbps={fmt(figures['copy_gbps'])} "
+        f"exposed_share_of_ttft={fmt(figures['exposed_share_of_ttft'])} ttft_count={figures['ttft_count']:g}"
     )
-    return 0 if figures["equal"] == figures["requests"] else 1
+    return 0 if figures["equal"] == figures["requests"] and not problems else 1
+
+
+def fmt(x: float | None) -> str:
+    return "none" if x is None else f"{x:.3f}"
 
 
 if __name__ == "__main__":
