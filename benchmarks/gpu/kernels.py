@@ -21,33 +21,31 @@ import sys
 
 import torch
 
-BATCH, CONTEXT, HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 64, 2048, 32, 8, 128, 16
+HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
+# (batch, context) of the decode benchmark: the issue's 64 x 2048, one long-context case and a wide
+# short one; each picks a different split count, so all three are read against the copy bandwidth.
+DECODE_SHAPES = [(64, 2048), (8, 16384), (256, 512)]
 PREFILL_LENS = [512, 1024, 2048, 300, 77, 1500, 128, 900]  # one step's chunks, each its own whole prompt
 COPY_LAYERS, COPY_POOL_BLOCKS, COPY_BLOCKS = 32, 1024, 256  # a 32-layer pool; one transfer of 4096 tokens
 DTYPE = torch.bfloat16
 TARGET_DECODE_OF_COPY = 0.7
 
 
-def time_ms(fn, warmup: int = 5, iters: int = 50) -> float:
-    """Median of CUDA-event timings of ``fn`` (after warmup)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+def time_ms(fn, warmup_ms: float = 25, rep_ms: float = 100) -> float:
+    """Median milliseconds of ``fn`` by ``triton.testing.do_bench``: launches queued back to back with no
+    host sync between them (so host launch time hides behind the GPU, as it does in a served step),
+    the L2 cache flushed before each, and the warm-up compiling whatever Triton needs outside the
+    timed window."""
+    from triton.testing import do_bench
+
+    return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
 
 
 def copy_bandwidth_gbps(num_bytes: int = 2 << 30) -> float:
     """Bytes read + written per second by one large device-to-device copy."""
     src = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    ms = time_ms(lambda: dst.copy_(src), iters=20)
+    ms = time_ms(lambda: dst.copy_(src))
     return 2 * num_bytes / ms / 1e6
 
 
@@ -74,7 +72,7 @@ def bench_decode(batch: int, context: int, copy_gbps: float) -> dict:
     inputs = paged_inputs([1] * batch, [context] * batch)
     q, k_cache, v_cache, block_tables, context_lens, _, scale = inputs
     kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * k_cache.element_size()
-    ref_ms = time_ms(lambda: paged_attention_reference(*inputs), iters=10)
+    ref_ms = time_ms(lambda: paged_attention_reference(*inputs), rep_ms=50)
     rows = {"triton (auto splits)": time_ms(lambda: paged_attention(*inputs))}
     for splits in (1, 2, 4, 8):
 
@@ -115,8 +113,8 @@ def bench_prefill() -> dict:
     inputs = paged_inputs(PREFILL_LENS, PREFILL_LENS)
     # Causal attention: QK^T and PV over the visible half, 2 FLOPs per multiply-add.
     flops = sum(4 * HEADS * HEAD_DIM * n * (n + 1) / 2 for n in PREFILL_LENS)
-    triton_ms = time_ms(lambda: paged_prefill_triton(*inputs), iters=20)
-    ref_ms = time_ms(lambda: paged_prefill_reference(*inputs), iters=10)
+    triton_ms = time_ms(lambda: paged_prefill_triton(*inputs))
+    ref_ms = time_ms(lambda: paged_prefill_reference(*inputs), rep_ms=50)
     error = (paged_prefill_triton(*inputs).float() - paged_prefill_reference(*inputs).float()).abs().max().item()
     print(f"\nprefill: {len(PREFILL_LENS)} prompts of {PREFILL_LENS} tokens, {flops / 1e9:.1f} GFLOP causal")
     for name, ms in (("triton", triton_ms), ("torch reference (SDPA)", ref_ms)):
@@ -234,7 +232,7 @@ def bench_lora() -> dict:
             fresh = StackedLoRA(config, torch.device("cuda")).step(groups, num_tokens)
             return [fresh.stacks.weights((0, f)) for f in sizes]
 
-        stack_ms = time_ms(build_stacks, iters=10)
+        stack_ms = time_ms(build_stacks, rep_ms=50)
         print(
             f"{label:<16}{ms['torch']:>10.3f}{ms['triton']:>10.3f}{ms['torch'] / ms['triton']:>9.2f}x{diff:>12.2e}"
             f"{stack_ms:>12.3f}"
@@ -249,10 +247,27 @@ def bench_lora() -> dict:
     return figures
 
 
+def parse_shapes(text: str) -> list[tuple[int, int]]:
+    """``64x2048,8x16384`` -> [(64, 2048), (8, 16384)]."""
+    shapes = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        batch, sep, context = part.partition("x")
+        if not sep or not batch.isdigit() or not context.isdigit() or int(batch) < 1 or int(context) < 1:
+            raise argparse.ArgumentTypeError(f"{part!r} is not BATCHxCONTEXT (positive integers)")
+        shapes.append((int(batch), int(context)))
+    if not shapes:
+        raise argparse.ArgumentTypeError("no shape given")
+    return shapes
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, default=BATCH)
-    parser.add_argument("--context", type=int, default=CONTEXT)
+    parser.add_argument(
+        "--decode-shapes",
+        type=parse_shapes,
+        default=DECODE_SHAPES,
+        help="batch x context pairs, e.g. 64x2048,8x16384 (default: %(default)s)",
+    )
     parser.add_argument("--json", help="write the figures to this file too")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -263,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     figures = {
         "device": torch.cuda.get_device_name(),
         "copy_gbps": copy_gbps,
-        "decode": bench_decode(args.batch, args.context, copy_gbps),
+        "decode": [bench_decode(batch, context, copy_gbps) for batch, context in args.decode_shapes],
         "prefill": bench_prefill(),
         "block_copy": bench_block_copy(copy_gbps),
         "lora": bench_lora(),
