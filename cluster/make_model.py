@@ -13,7 +13,10 @@ import random
 from pathlib import Path
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
-SIZES = ("tiny", "small")
+SIZES = ("tiny", "small", "llama3-8b")
+# Shapes too large to write as random fp32 safetensors (32 GB): config.json, the generation config and a
+# tokenizer only, for ``model.load_format: dummy`` (engine/model/dummy_weights.py) to make the weights.
+CONFIG_ONLY = {"llama3-8b": "llama"}  # shape -> the one family it is
 
 # Special tokens take the first ids, so every config shares bos/eos/pad ids with its tokenizer.
 PAD, BOS, EOS, IM_START, IM_END = "<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"
@@ -32,6 +35,9 @@ _DIMS = {
                  intermediate_size=128, vocab_size=768, max_position_embeddings=2048),
     "small": dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
                   intermediate_size=1536, vocab_size=32000, max_position_embeddings=8192),
+    # Meta-Llama-3-8B's config.json (rope_theta 500000, rms_norm_eps 1e-5, untied), without its weights
+    "llama3-8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                      intermediate_size=14336, vocab_size=128256, max_position_embeddings=8192),
 }  # fmt: skip
 
 _ARCHITECTURES = {
@@ -48,6 +54,8 @@ def build_config(family: str, size: str):
 
     if family not in FAMILIES or size not in SIZES:
         raise ValueError(f"unknown family/size {family!r}/{size!r}; families: {FAMILIES}, sizes: {SIZES}")
+    if CONFIG_ONLY.get(size, family) != family:
+        raise ValueError(f"size {size!r} is a {CONFIG_ONLY[size]} shape, not {family}")
     dims = dict(_DIMS[size])
     dims["head_dim"] = dims["hidden_size"] // dims["num_attention_heads"]
     kwargs = dict(dims, rms_norm_eps=1e-6, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
@@ -57,6 +65,9 @@ def build_config(family: str, size: str):
         # Exercise Llama 3.1 scaling: with head_dim 16 the bands below/inside/above the window all occur.
         rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 256}  # fmt: skip
+    if size == "llama3-8b":
+        rope = {"rope_type": "default", "rope_theta": 500000.0}
+        kwargs.update(rms_norm_eps=1e-5, tie_word_embeddings=False, dtype="bfloat16")
     kwargs["rope_parameters"] = rope
     if family == "mistral":
         kwargs["sliding_window"] = None
@@ -130,6 +141,13 @@ def make_model(family: str, size: str, out_dir: str | Path, seed: int = 0) -> Pa
     config = build_config(family, size)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if size in CONFIG_ONLY:  # no weights: serve it with --load-format dummy
+        config.save_pretrained(out)
+        GenerationConfig(bos_token_id=BOS_ID, eos_token_id=[EOS_ID, IM_END_ID], pad_token_id=PAD_ID).save_pretrained(
+            out
+        )
+        build_tokenizer(config.vocab_size).save_pretrained(out)
+        return out
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _perturb_vectors(model)
@@ -161,7 +179,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     path = make_model(args.family, args.size, args.out, seed=args.seed)
-    print(f"wrote {args.family}/{args.size} checkpoint to {path}")
+    what = (
+        "config and tokenizer (no weights: serve with --load-format dummy)"
+        if args.size in CONFIG_ONLY
+        else "checkpoint"
+    )
+    print(f"wrote {args.family}/{args.size} {what} to {path}")
     return 0
 
 

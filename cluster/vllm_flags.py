@@ -73,6 +73,11 @@ GROUPS: dict[str, tuple[Flag, ...]] = {
             parse_token_count,
         ),
         Flag(("--dtype",), "model.dtype", "weights and KV dtype: auto, float32 (float), bfloat16, float16 (half)"),
+        Flag(
+            ("--load-format",),
+            "model.load_format",
+            "auto: the checkpoint's safetensors; dummy: random weights on the device from config.json alone",
+        ),
         Flag(("--seed",), "engine.seed", "seed of the sampler shared by unseeded requests", int),
     ),
     "CacheConfig": (

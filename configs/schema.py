@@ -26,12 +26,16 @@ def _field(default, *, choices: tuple | None = None, minimum: float | None = Non
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 TRANSPORTS = ("auto", "loopback", "shm", "cuda_ipc", "zmq")
+LOAD_FORMATS = ("auto", "dummy")
 
 
 @dataclass(slots=True)
 class ModelConfig:
     path: str = ""  # Hugging Face directory or hub id; "" = the small model embedded for tests and demos
     dtype: str = _field("auto", choices=DTYPES)  # weights and KV dtype; auto: bfloat16 on GPU, float32 on CPU
+    # vLLM's --load-format: auto = the checkpoint's safetensors; dummy = random weights made on the device
+    # in the target dtype from config.json alone (speed at a model's shape without its checkpoint)
+    load_format: str = _field("auto", choices=LOAD_FORMATS)
     max_model_len: int | None = _field(None, minimum=1)  # context limit in tokens; None: the model's own
     cache_dir: str = ""  # where the embedded default model is made on first use; "" = ~/.cache/pdserve
     served_model_name: str = (

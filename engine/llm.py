@@ -57,7 +57,7 @@ def build_engine(
     log.info(
         "loading model %s (dtype %s, %s, %d threads)", model_path, model_cfg.dtype, device, torch.get_num_threads()
     )
-    model, config = load_model(model_path, dtype=dtype, device=device)
+    model, config = load_model(model_path, dtype=dtype, device=device, load_format=model_cfg.load_format)
     _log_loaded(model, config, time.monotonic() - started)
     fused_decode_rows = 0  # decode steps of up to this many rows may run as one C call (engine/model/decode_step.py)
     if device == "cpu":  # after set_num_threads: which form wins depends on the thread count

@@ -5,6 +5,7 @@
 3. open every safetensors file (one, or the shards an index names) lazily;
 4. check each expected tensor exists with the expected shape, then fuse q/k/v and gate/up rows and
    materialise our parameters directly in the target dtype and device.
+With ``load_format="dummy"`` steps 3-4 are random weights made on the device (dummy_weights.py).
 """
 
 from __future__ import annotations
@@ -19,15 +20,23 @@ from torch import nn
 
 from configs.model_source import ModelSourceError, resolve_model
 from engine.model.config import HFModelConfig
+from engine.model.dummy_weights import fill_dummy
 from engine.model.model import CausalLM
 
+LOAD_FORMATS = ("auto", "dummy")  # as vLLM's --load-format names them
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def load_model(
-    model: str | Path, dtype: torch.dtype | str | None = None, device: torch.device | str = "cpu"
+    model: str | Path,
+    dtype: torch.dtype | str | None = None,
+    device: torch.device | str = "cpu",
+    load_format: str = "auto",
 ) -> tuple[CausalLM, HFModelConfig]:
-    """Default dtype: float32 on CPU, bfloat16 on CUDA. Returns the model in eval mode, no grads."""
+    """Default dtype: float32 on CPU, bfloat16 on CUDA. Returns the model in eval mode, no grads.
+    ``load_format`` "dummy": random weights on the device, only config.json read (dummy_weights.py)."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"unknown load format {load_format!r}; supported: {', '.join(LOAD_FORMATS)}")
     path = resolve_model(str(model))
     try:
         config = HFModelConfig.from_hf_dir(path)
@@ -36,6 +45,9 @@ def load_model(
     device = torch.device(device)
     dtype = _resolve_dtype(dtype, device)
     lm = CausalLM(config, device)
+    if load_format == "dummy":
+        fill_dummy(lm, config, dtype, device)
+        return lm.eval(), config
     with ExitStack() as stack:
         tensors = _open_checkpoint(path, stack)
         _fill_parameters(lm, config, tensors, dtype, device)
