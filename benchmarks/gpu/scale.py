@@ -8,10 +8,10 @@ device in the same dtype. Every figure is set against something measured in the 
 
 - ``copy_gbps``: one large device-to-device copy (bytes read + written per second), the HBM ceiling;
   ``matmul_tflops``: one large matmul in the run's dtype, the compute ceiling.
-- decode: output tokens/s at each batch (1, 16, 64, 256) with ``--context``-token prompts (1k), greedy,
-  every request the same length: (a run of 1 + N tokens) - (a run of 1 token) over batch * N, so the
-  prefill cancels out. Against the roofline (benchmarks/gpu/roofline.py) and against transformers'
-  ``generate`` measured the same way.
+- decode: output tokens/s at each batch (1, 16, 64, 256) with 1k-token prompts, greedy, every request
+  the same length. pdserve: its engine steps timed one by one, the last N - 1 of a 1 + N token run are
+  pure decode steps. transformers' ``generate`` (static batch): (a run of 1 + N tokens) - (a run of 1
+  token) over batch * N, so its prefill cancels out. Both against the roofline (benchmarks/gpu/roofline.py).
 - prefill: one ``--prefill-tokens`` prompt (8k) to its first token: achieved TFLOP/s / matmul_tflops.
 - transfer: a ``--transfer-tokens`` prompt's KV (4k: 512 MiB at the 8B shape in bfloat16) copied between
   two pools on the device by the transfer plane's block copy (kvtransfer/block_runs.py), timed as the
@@ -128,13 +128,25 @@ def pdserve_figures(path: Path, plan: Plan, device: str, dtype: str, vocab: int)
         params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
         return wall(device, lambda: llm.generate(prompts, params))
 
+    def decode_tps(prompts) -> float:
+        """One run of 1 + N tokens, each engine step timed: the last N - 1 steps are pure decode (every
+        prompt's prefill ended in an earlier step), one token per request each."""
+        params = SamplingParams(temperature=0.0, max_tokens=1 + plan.new_tokens, ignore_eos=True)
+        for prompt in prompts:
+            llm.engine.add_request(list(prompt), params)
+        steps = []
+        while llm.engine.has_unfinished():
+            steps.append(wall(device, llm.engine.step))
+        decode = steps[-(plan.new_tokens - 1) :]
+        assert len(steps) > len(decode), f"{len(steps)} steps for {plan.new_tokens} new tokens"
+        return len(prompts) * len(decode) / sum(decode)
+
     run(random_prompts(2, 32, vocab, 0), 4)  # warm-up: kernels compile outside the timed runs
     figures = {"decode_tps": {}}
     for batch in plan.batches:
         prompts = random_prompts(batch, plan.context, vocab, batch)
-        run(prompts[:1], 2)  # this batch's kernel variants compile here
-        first, whole = run(prompts, 1), run(prompts, 1 + plan.new_tokens)
-        figures["decode_tps"][batch] = batch * plan.new_tokens / max(whole - first, 1e-9)
+        run(prompts[:1], 3)  # kernel variants of a new batch size compile here
+        figures["decode_tps"][batch] = decode_tps(prompts)
     figures["prefill_s"] = run(random_prompts(1, plan.prefill_tokens, vocab, 1), 1)
     figures["transfer_prompt_ttft_s"] = run(random_prompts(1, plan.transfer_tokens, vocab, 2), 1)
     return figures  # the engine (and its KV pool) goes with this frame
