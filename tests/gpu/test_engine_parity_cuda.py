@@ -100,7 +100,7 @@ def record(figures: dict) -> None:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("size", ["tiny", "small"])
+@pytest.mark.parametrize("size", ["small"])  # tiny differs from small only in size: small covers it (#48 budget)
 def test_fp32_greedy_equals_transformers_token_for_token(model_root, family, size):
     path = model_dir(model_root, family, size)
     hf = transformers_model(path, torch.float32)
