@@ -634,7 +634,7 @@ class DecodeServer:
             role="decode",
             address=self.options.kv_address,
             incarnation=self.options.incarnation,
-            proof=self.gateway.registration_proof(self.options.incarnation),
+            proof=self.gateway.registration_proof(self.options.incarnation, "decode"),
             block_size=self.block_manager.block_size,
             kv_blocks_total=snap.kv_blocks_total,
             kv_blocks_free=snap.kv_blocks_free,

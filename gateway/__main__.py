@@ -119,7 +119,7 @@ def build(config: PdserveConfig):
             max_queued_requests=g.max_queued_requests,
             queue_timeout_s=g.queue_timeout_s,
             default_timeout_s=g.request_timeout_s,
-            security=plane_security(config.transfer.cluster_key_file, config.transfer.insecure),
+            security=plane_security(config.transfer.cluster_key_file, config.transfer.insecure, "gateway"),
             lora_modules=config.lora.modules(),
         ),
     )

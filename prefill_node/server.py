@@ -528,7 +528,7 @@ class PrefillServer:
             role="prefill",
             address=self.address,
             incarnation=self.incarnation,
-            proof=self.gateway.registration_proof(self.incarnation),
+            proof=self.gateway.registration_proof(self.incarnation, "prefill"),
             block_size=bm.block_size,
             kv_blocks_total=bm.num_blocks,
             kv_blocks_free=bm.num_allocatable_blocks,

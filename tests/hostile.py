@@ -55,7 +55,7 @@ def register(
 ) -> str:
     """Send a Heartbeat with a valid membership proof for ``security``'s key; returns the incarnation."""
     incarnation = uuid.uuid4().hex
-    proof = security.registration_proof(worker_id, incarnation)
+    proof = security.registration_proof(worker_id, incarnation, role)
     sock.send(encode(heartbeat(worker_id, role, address, incarnation, proof, draining)))
     return incarnation
 
@@ -174,7 +174,7 @@ class _RegisteredPrefill:
         next_heartbeat = 0.0
         while not self._stop.is_set():
             if time.monotonic() >= next_heartbeat:
-                proof = self.security.registration_proof(self.worker_id, self.incarnation)
+                proof = self.security.registration_proof(self.worker_id, self.incarnation, "prefill")
                 self.gateway.send(encode(heartbeat(self.worker_id, "prefill", self.address, self.incarnation, proof)))
                 next_heartbeat = time.monotonic() + 0.2
             if self.jobs is None:

@@ -111,9 +111,9 @@ class GatewayLinks:
         unacked = [link for link in self._links.values() if not link.gateway_id]
         return any([link.send(record) for link in unacked])
 
-    def registration_proof(self, incarnation: str) -> str:
+    def registration_proof(self, incarnation: str, role: str) -> str:
         """What the Heartbeat's ``proof`` carries (protocol/curve.py): the same over every link."""
-        return self.security.registration_proof(self._worker_id, incarnation)
+        return self.security.registration_proof(self._worker_id, incarnation, role)
 
     def broadcast(self, record) -> None:
         """To every gateway: heartbeats, goodbye."""
