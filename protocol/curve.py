@@ -151,6 +151,17 @@ class ClusterKey:
         message = _proof_message(client_public, role, worker_id, incarnation)
         return any(verify(key, message, proof) for key in self.public.current().members.get(role, ()))
 
+    def sign_as(self, role: str, message: bytes) -> str:
+        """A signature by this holder's ``role`` member key (a gateway signs the LoRA list it makes)."""
+        seed = self.signing_seeds.get(role)
+        if seed is None:
+            raise ClusterKeyError(f"this {self.role} credential cannot sign as {role}")
+        return sign(seed, message)
+
+    def signed_by(self, role: str, message: bytes, signature: str) -> bool:
+        """Whether a key accepted for ``role`` signed ``message``."""
+        return any(verify(key, message, signature) for key in self.public.current().members.get(role, ()))
+
     def signer_of(self, client_public: bytes, role: str, worker_id: str, incarnation: str, proof: str) -> bytes:
         """The accepted public key that signed ``proof`` (b"" when none): what a worker id is bound to."""
         message = _proof_message(client_public, role, worker_id, incarnation)
