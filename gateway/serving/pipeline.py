@@ -36,6 +36,7 @@ from gateway.dialects.openai.request import ParsedRequest, resolve_max_tokens, t
 from gateway.dialects.responses.background import BackgroundResponses
 from gateway.dialects.responses.conversation_fit import fit_conversation
 from gateway.dialects.responses.store import ResponseStore
+from gateway.dialects.responses.tenants import TenantStore, tenant_of
 from gateway.http.errors import APIError, bad_request, no_capacity
 from gateway.http.request_id import HEADER as REQUEST_ID_HEADER
 from gateway.http.sse import EventStreamResponse, wait_for_disconnect
@@ -100,7 +101,8 @@ class Serving:
         and answered by the dialect's output builder."""
         trace = self._trace(request)
         try:
-            asked = dialect.parse(body, ParseContext(self._parsers.tool_calls, self.store))
+            store = TenantStore(self.store, tenant_of(request.headers.get("authorization")))  # its own responses
+            asked = dialect.parse(body, ParseContext(self._parsers.tool_calls, store))
             return await self._serve(request, asked, dialect, trace)
         except BaseException as e:  # refused before it began (a 400, 404, 503), or the client left: the span ends
             if trace is not None:
