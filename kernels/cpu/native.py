@@ -33,6 +33,8 @@ from pathlib import Path
 
 import torch
 
+from kernels.cpu import trusted_cache
+
 log = logging.getLogger(__name__)
 
 SOURCES = [
@@ -136,10 +138,9 @@ def _target(compiler: str, variant: Variant) -> Path:
 def build(compiler: str, variant: Variant = THREADED) -> Path:
     """Compile (or find already compiled) the library; raises on a failed build."""
     target = _target(compiler, variant)
-    if target.exists():
+    if trusted_cache.take(target):  # a private cache directory, and the bytes this build sealed
         _touch(target)
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
     # Into a temporary name, then renamed: processes starting together never load a half-written file.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
@@ -153,6 +154,7 @@ def build(compiler: str, variant: Variant = THREADED) -> Path:
         except OSError as e:
             raise RuntimeError(f"{' '.join(command)} built a library that does not load: {e}") from e
         os.replace(tmp, target)
+        trusted_cache.seal(target)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
