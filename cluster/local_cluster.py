@@ -117,7 +117,7 @@ class ClusterSpec:
         default_factory=list
     )  # (HTTP port, worker port) each; []: one, as configured
     redis_argv: list[str] | None = None  # the shared Responses store's server, when this cluster runs it
-    # role -> its own key file (protocol/role_keys.py), handed to that role's members only; {}: the env's
+    # member name or role -> its own key file (protocol/role_keys.py), handed to that member only; {}: the env's
     role_keys: dict[str, str] = field(default_factory=dict)
 
 
@@ -155,10 +155,10 @@ class LocalCluster:
         for member in workers:
             if member.name in gpus:
                 member.env["CUDA_VISIBLE_DEVICES"] = gpus[member.name]
-        for member in self.members:  # each role sees its own credential only
-            role = member.name.split("-")[0]
-            if role in spec.role_keys:
-                member.env["PDSERVE_TRANSFER_CLUSTER_KEY_FILE"] = spec.role_keys[role]
+        for member in self.members:  # each member sees its own credential only (its own, else its role's)
+            key = spec.role_keys.get(member.name) or spec.role_keys.get(member.name.split("-")[0])
+            if key:
+                member.env["PDSERVE_TRANSFER_CLUSTER_KEY_FILE"] = key
         self._stopping = False
         self.serving = False  # set once every member has come up: from then on an exit is restarted
 

@@ -37,7 +37,7 @@ from cluster.roles import add_config_args, command_line_overrides, env_of
 from cluster.vllm_flags import add_vllm_groups
 from configs.model_source import resolve_model
 from configs.schema import EX_CONFIG, ConfigError, load_config
-from protocol.role_keys import ROLES, new_role_set
+from protocol.role_keys import ROLES, add_member, new_role_set
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -211,8 +211,7 @@ def main(argv: list[str]) -> int:
             return EX_CONFIG
     role_keys: dict[str, str] = {}
     if not config.transfer.cluster_key_file and not config.transfer.insecure:
-        # one credential per role in a private directory; each member gets its own role's path (never a key)
-        role_keys = {role: path for role, path in zip(ROLES, new_role_set(tempfile.mkdtemp(prefix="pdserve-key-")))}
+        role_keys = member_keys(tempfile.mkdtemp(prefix="pdserve-key-"), num_prefill, num_decode)
     spec = ClusterSpec(
         args.config,
         env,
@@ -232,6 +231,18 @@ def main(argv: list[str]) -> int:
         if role_keys:
             shutil.rmtree(os.path.dirname(role_keys["gateway"]), ignore_errors=True)
         remove_redis_config(redis_argv)
+
+
+def member_keys(directory: str, num_prefill: int, num_decode: int) -> dict[str, str]:
+    """A credential per role and, for each worker, a member key of its own (protocol/role_keys.py) in
+    the private ``directory``: member name (or role, for the gateways) -> its key file. A worker's id then
+    stays its own across a restart: another worker of its pool cannot squat it (the gateway binds an id to
+    the member key that registered it)."""
+    paths = dict(zip(ROLES, new_role_set(directory)))
+    for role, count in (("prefill", num_prefill), ("decode", num_decode)):
+        for i in range(count):
+            paths[f"{role}-{i}"] = add_member(directory, role, f"{role}-{i}")
+    return paths
 
 
 def idle_prefill_threads(num_prefill: int, num_decode: int, threads: int) -> int:
