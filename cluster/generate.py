@@ -55,7 +55,8 @@ def main(argv: list[str]) -> int:
     except SamplingError as e:
         print(f"pdserve generate: {e}", file=sys.stderr)
         return 2
-    from configs.schema import EX_CONFIG, ConfigError, load_config
+    from configs.loader import load_config
+    from configs.schema import EX_CONFIG, ConfigError
 
     try:
         config = load_config(args.config, overrides=lora_overrides(args))

@@ -25,7 +25,8 @@ import struct
 import sys
 
 from cluster.vllm_flags import add_vllm_groups, vllm_overrides
-from configs.schema import EX_CONFIG, ConfigError, load_config
+from configs.loader import load_config
+from configs.schema import EX_CONFIG, ConfigError
 
 ROLE_MODULES = {"gateway": "gateway", "prefill": "prefill_node", "decode": "decode_node"}
 SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address

@@ -35,8 +35,9 @@ from cluster.gpu_placement import parse_devices
 from cluster.local_cluster import ClusterSpec, LocalCluster, MemberFailed
 from cluster.roles import add_config_args, command_line_overrides, env_of
 from cluster.vllm_flags import add_vllm_groups
+from configs.loader import load_config
 from configs.model_source import resolve_model
-from configs.schema import EX_CONFIG, ConfigError, load_config
+from configs.schema import EX_CONFIG, ConfigError
 from protocol.role_keys import ROLES, add_member, new_role_set
 
 

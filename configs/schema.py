@@ -8,7 +8,6 @@ line in PdserveConfig. Stdlib only: torch-free processes (gateway, cluster) impo
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 
@@ -77,7 +76,7 @@ class EngineConfig:
     grammar_compile_threads: int = _field(2, minimum=1)  # grammars compiling at once on a worker
     grammar_cache_mb: int = _field(
         512, minimum=0
-    )  # xgrammar's cache of compiled grammars, least recently used out (vLLM's 512)
+    )  # compiled grammars kept, by xgrammar's measure of each; least recently used out (vLLM's 512)
 
 
 @dataclass(slots=True)
@@ -229,10 +228,3 @@ class PdserveConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
-
-
-def load_config(yaml_path=None, env=os.environ, overrides=None) -> PdserveConfig:
-    """Defaults < YAML < env < overrides; see configs/loader.py (kept there so this file is the schema)."""
-    from configs.loader import load_config as load
-
-    return load(yaml_path, env, overrides)

@@ -34,6 +34,11 @@ stops acking them (worker/gateway_links.py) takes its requests with it: they are
 would. SIGTERM drains: Busy to new work, in-flight requests get ``drain_timeout_s``, then ``Goodbye``
 and the loop returns.
 
+This file is that life cycle, one group of methods per step above, read top to bottom (hence its
+length); what is not the life cycle lives beside it: admission checks (admission.py), a Commit's checks
+(commit_check.py), load reports (load_report.py), prefill worker links (prefill_links.py), request
+state (request_state.py), a step's threads (step_threads.py), token events (streaming.py).
+
 One thread runs everything but grammar compiles: it polls the sockets (briefly when idle) and runs an
 engine step when there is work. Nothing in a step waits on the network.
 
@@ -56,10 +61,12 @@ from dataclasses import dataclass
 import zmq
 
 from decode_node.admission import RequestError, make_sequence
+from decode_node.commit_check import PREFILL, commit_problem
+from decode_node.load_report import decode_heartbeat, engine_snapshot, queued_prefill_tokens
 from decode_node.prefill_links import PrefillLinks
 from decode_node.request_state import DecodeRequest, Phase
 from decode_node.step_threads import StepThreads
-from decode_node.streaming import error_event, new_tokens_event
+from decode_node.streaming import error_event, event_frames, new_tokens_event
 from engine.kv.block_manager import cdiv
 from engine.llm_engine import LLMEngine
 from engine.lora.sync import LoRASync
@@ -71,7 +78,6 @@ from kvtransfer.events import TransferEvent
 from kvtransfer.receiver import KVReceiver
 from protocol.rejects import RejectLog
 from protocol.serving import (
-    TOKEN_EVENTS_PER_FRAME,
     AbortRequest,
     Busy,
     Generate,
@@ -81,15 +87,12 @@ from protocol.serving import (
     PrefillFailed,
     PrefillJob,
     TokenEvent,
-    TokenEvents,
 )
 from telemetry.tracing import NO_TRACING, RequestTrace, Tracer
 from worker import Drain, EngineMetrics, EngineSnapshot, GatewayLinks, HeartbeatTimer
 from worker.logprob_records import prompt_logprobs_frames
 
 log = logging.getLogger(__name__)
-PREFILL = "prefill"  # culprit: the prefill worker the request relied on (protocol/serving.py CULPRITS)
-NO_ONE = "none"  # culprit: neither worker misbehaved (an operator rewrote an adapter's files, say)
 
 IDLE_POLL_MS = 10  # nothing to do: wait this long for a message (a KV message wakes the wait too)
 BUSY_POLL_MS = 1  # a grammar compiles (a future, not a socket), or KV comes in-process: look this often
@@ -396,50 +399,16 @@ class DecodeServer:
         commit, seq = event.commit, req.seq
         self.receiver.adopt(req.rid)  # the range is ours again (the seq has held its blocks all along)
         req.prefill_address = ""
-        if commit.lora_name != seq.params.lora_name:
-            self._fail(
-                req,
-                f"prefill worker computed the KV under LoRA adapter {commit.lora_name!r}; the request "
-                f"runs under {seq.params.lora_name!r}",
-                PREFILL,
-                abort_receiver=False,
-            )
-            return
-        own_digest = seq.params.lora_digest
-        if commit.lora_digest != own_digest:  # same name, other files: the directory changed between loads
-            self._fail(
-                req,
-                f"prefill worker computed the KV under LoRA adapter {commit.lora_name!r} read from other files "
-                f"(sha256 {commit.lora_digest[:12]!r}) than this worker's ({own_digest[:12]!r}): load it again",
-                NO_ONE,
-                abort_receiver=False,
-            )
-            return
-        if seq.params.n == 1 and commit.first_token is None:
-            self._fail(req, "prefill worker committed without the first token", PREFILL, abort_receiver=False)
-            return
         vocab_size = self.engine.model_config.vocab_size
-        bad = [t for t in [commit.first_token, *commit.top_token_ids] if t is not None and not 0 <= t < vocab_size]
-        if bad:
-            self.rejects.reject(
-                "invalid_value",
-                "prefill worker",
-                f"rid={req.rid} token {bad[0]} outside the vocabulary of {vocab_size}",
-            )
-            self._fail(
-                req,
-                f"prefill worker sent token {bad[0]}, outside the vocabulary of {vocab_size}",
-                PREFILL,
-                abort_receiver=False,
-            )
-            return
-        if seq.params.n == 1 and seq.guide is not None and not seq.guide.accept(commit.first_token):
-            self._fail(
-                req,
-                f"prefill worker's first token {commit.first_token} is outside the request's grammar",
-                PREFILL,
-                abort_receiver=False,
-            )
+        problem = commit_problem(commit, seq, vocab_size)
+        if problem is not None:
+            if problem.bad_token is not None:
+                self.rejects.reject(
+                    "invalid_value",
+                    "prefill worker",
+                    f"rid={req.rid} token {problem.bad_token} outside the vocabulary of {vocab_size}",
+                )
+            self._fail(req, problem.error, problem.culprit, abort_receiver=False)
             return
         req.phase = Phase.SCHEDULED
         num_computed = self._kv_needed_from_prefill(seq)
@@ -487,9 +456,8 @@ class DecodeServer:
             if req is not None and req.rid in self.requests:
                 self._emit(req, self.scheduler.completion_index_of(seq), seq, outbox)
         for gateway_id, events in outbox.items():
-            for start in range(0, len(events), TOKEN_EVENTS_PER_FRAME):
-                chunk = events[start : start + TOKEN_EVENTS_PER_FRAME]
-                self.gateway.send(gateway_id, chunk[0] if len(chunk) == 1 else TokenEvents(chunk))
+            for frame in event_frames(events):
+                self.gateway.send(gateway_id, frame)
 
     def _emit(self, req: DecodeRequest, index: int, seq, outbox: dict[str, list[TokenEvent]] | None = None) -> None:
         """Sends ``seq``'s new tokens to its gateway, or puts them in ``outbox`` for the caller to send
@@ -614,20 +582,7 @@ class DecodeServer:
 
     # ---- load, metrics, drain ----
     def snapshot(self) -> EngineSnapshot:
-        bm, s = self.block_manager, self.scheduler
-        awaiting = sum(r.phase <= Phase.AWAITING_KV for r in self.requests.values())  # and COMPILING
-        return EngineSnapshot(
-            num_running=s.num_running,
-            num_waiting=s.num_waiting + awaiting,
-            kv_blocks_total=bm.num_blocks,
-            kv_blocks_in_use=bm.num_in_use_blocks,
-            kv_blocks_free=bm.num_allocatable_blocks,
-            prefix_query_tokens=bm.num_prefix_query_tokens,
-            prefix_hit_tokens=bm.num_prefix_hit_tokens,
-            num_preemptions=s.num_preemptions,
-            kv_live_slots=bm.num_live_slots,
-            block_size=bm.block_size,
-        )
+        return engine_snapshot(self.scheduler, self.block_manager, self.requests.values())
 
     def _update_metrics(self) -> None:
         self.metrics.update(self.snapshot())
@@ -635,23 +590,14 @@ class DecodeServer:
         self.metrics.check_integrity_if_idle(self.block_manager, is_idle, time.monotonic())
 
     def _heartbeat_record(self) -> Heartbeat:
-        snap = self.snapshot()
-        queued = sum(s.num_uncomputed_tokens for s in self.scheduler.waiting)
-        queued += sum(s.num_uncomputed_tokens - 1 for s in self.scheduler.running if s.num_uncomputed_tokens > 1)
-        return Heartbeat(
+        return decode_heartbeat(
+            self.snapshot(),
+            queued_prefill_tokens(self.scheduler),
+            self._drain.requested,
             worker_id=self.options.worker_id,
-            role="decode",
             address=self.options.kv_address,
             incarnation=self.options.incarnation,
             proof=self.gateway.registration_proof(self.options.incarnation, "decode"),
-            block_size=self.block_manager.block_size,
-            kv_blocks_total=snap.kv_blocks_total,
-            kv_blocks_free=snap.kv_blocks_free,
-            kv_blocks_in_use=snap.kv_blocks_in_use,
-            num_running=snap.num_running,
-            num_waiting=snap.num_waiting,
-            queued_prefill_tokens=queued,
-            draining=self._drain.requested,
             **self.lora_sync.heartbeat_fields(),
         )
 

@@ -7,7 +7,7 @@ seq.output_token_ids: [ streamed (num_sent) ........ | new this step ]
 from __future__ import annotations
 
 from engine.sched.sequence import Sequence, SequenceStatus
-from protocol.serving import TokenEvent
+from protocol.serving import TOKEN_EVENTS_PER_FRAME, TokenEvent, TokenEvents
 from worker.logprob_records import logprob_record
 
 FINISH_REASONS = {SequenceStatus.FINISHED_STOPPED: "stop", SequenceStatus.FINISHED_LENGTH: "length"}
@@ -35,3 +35,10 @@ def error_event(
     return TokenEvent(
         rid, index, offset, [], error=error[:1000], refused=refused, culprit="none" if refused else culprit
     )
+
+
+def event_frames(events: list[TokenEvent]):
+    """A step's events for one gateway as frames of at most TOKEN_EVENTS_PER_FRAME (a lone one as itself)."""
+    for start in range(0, len(events), TOKEN_EVENTS_PER_FRAME):
+        chunk = events[start : start + TOKEN_EVENTS_PER_FRAME]
+        yield chunk[0] if len(chunk) == 1 else TokenEvents(chunk)

@@ -13,7 +13,8 @@ from collections.abc import Sequence as Seq
 
 import torch
 
-from configs.schema import ConfigError, EngineConfig, LoRAConfig, ModelConfig, PdserveConfig, load_config
+from configs.loader import load_config
+from configs.schema import ConfigError, EngineConfig, LoRAConfig, ModelConfig, PdserveConfig
 from engine.kv.block_manager import BlockManager
 from engine.kv.pool import KVLayout, KVPool, num_blocks_for_budget
 from engine.llm_engine import LLMEngine, RequestOutput

@@ -15,7 +15,8 @@ import signal
 import sys
 from pathlib import Path
 
-from configs.schema import EX_CONFIG, ConfigError, PdserveConfig, load_config
+from configs.loader import load_config
+from configs.schema import EX_CONFIG, ConfigError, PdserveConfig
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from engine.kv.block_manager import BlockManager
 from engine.sched.scheduler import Scheduler
 from kvtransfer.metrics import TransferMetrics
 from worker.metrics import EngineMetrics, EngineSnapshot
@@ -39,18 +38,4 @@ class PrefillMetrics:
 
     def update(self, scheduler: Scheduler, num_queued: int, num_transferring: int, queued_tokens: int) -> None:
         self.queued_tokens.set(queued_tokens)
-        bm: BlockManager = scheduler.block_manager
-        self.engine.update(
-            EngineSnapshot(
-                num_running=scheduler.num_running + num_transferring,
-                num_waiting=scheduler.num_waiting + num_queued,
-                kv_blocks_total=bm.num_blocks,
-                kv_blocks_in_use=bm.num_in_use_blocks,
-                kv_blocks_free=bm.num_allocatable_blocks,
-                prefix_query_tokens=bm.num_prefix_query_tokens,
-                prefix_hit_tokens=bm.num_prefix_hit_tokens,
-                num_preemptions=scheduler.num_preemptions,
-                kv_live_slots=bm.num_live_slots,
-                block_size=bm.block_size,
-            )
-        )
+        self.engine.update(EngineSnapshot.read(scheduler, scheduler.block_manager, num_transferring, num_queued))

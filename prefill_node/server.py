@@ -26,6 +26,10 @@ Life cycle of a request on this node:
 Around it: a Heartbeat to every gateway every interval (queued prefill tokens, KV block counts); a
 gateway that stops acking them (worker/gateway_links.py) takes its jobs with it, aborted as in 6.
 /metrics, /health, /ready, and SIGTERM drain (no new jobs, finish in-flight, Goodbye, exit).
+This file is that life cycle, one group of methods per step, read top to bottom (hence its length);
+what is not lives beside it: a job's checks (job_check.py) and state (job.py), the blocks to push
+(block_push.py) and their pins (block_pins.py), the KV senders per decode worker (kv_senders.py), the
+first token's sampling (sampling.py), metrics and options.
 Every socket is CURVE-authenticated with the cluster key (protocol/curve.py). A frame that fails to
 decode or validate is refused and counted (``pdserve:rejected_frames_total{reason}``); one whose handling
 raises is counted as ``handler_error``, its job failed, and the loop goes on.

@@ -4,23 +4,20 @@ Spans queue in memory (at most ``max_queue``); a daemon thread sends what has fi
 ``delay_s`` as one ExportTraceServiceRequest (``otlp.encode_request``). A full queue drops spans rather
 than slowing requests, and a failed send loses its batch (no retry, as the OTel SDK's default for
 errors it does not deem transient): both are counted, and logged at most once a minute. The two
-protocols share all of that; only ``Sender.send`` differs (``HttpSender`` here, ``otlp_grpc.GrpcSender``).
+protocols share all of that; only ``Sender.send`` differs (``otlp_http.HttpSender``, ``otlp_grpc.GrpcSender``).
 """
 
 from __future__ import annotations
 
 import collections
-import gzip
 import logging
-import ssl
 import threading
 import time
-import urllib.error
-import urllib.request
-from typing import Protocol
 
 from configs.schema import ConfigError
 from telemetry.otlp import encode_request
+from telemetry.otlp_http import HttpSender
+from telemetry.otlp_sender import ExportFailed, Sender
 from telemetry.otlp_settings import OtlpSettings
 from telemetry.span import Span
 
@@ -28,43 +25,6 @@ log = logging.getLogger(__name__)
 
 EXIT_WAIT_S = 2.0
 COMPLAINT_INTERVAL_S = 60.0  # a collector down for hours: one line a minute
-
-
-class ExportFailed(Exception):
-    """A batch the collector did not take: unreachable, refused, or too slow."""
-
-
-class Sender(Protocol):
-    target: str  # where the batches go, for log lines
-
-    def send(self, body: bytes, timeout_s: float) -> None:
-        """Deliver one encoded ExportTraceServiceRequest; raise ExportFailed if it was not taken."""
-
-    def close(self) -> None: ...
-
-
-class HttpSender:
-    """OTLP/HTTP: POST the request to the endpoint URL as application/x-protobuf."""
-
-    def __init__(self, settings: OtlpSettings):
-        self.target = settings.endpoint
-        self._headers = {"Content-Type": "application/x-protobuf", **dict(settings.headers)}
-        self._gzip = settings.compression == "gzip"
-        if self._gzip:
-            self._headers["Content-Encoding"] = "gzip"
-        self._ssl = ssl.create_default_context(cafile=settings.certificate_file or None) if settings.tls else None
-
-    def send(self, body: bytes, timeout_s: float) -> None:
-        data = gzip.compress(body) if self._gzip else body
-        request = urllib.request.Request(self.target, data=data, headers=self._headers, method="POST")
-        try:
-            with urllib.request.urlopen(request, timeout=timeout_s, context=self._ssl) as response:
-                response.read()
-        except (urllib.error.URLError, OSError) as exc:  # HTTPError (a 4xx/5xx) is a URLError
-            raise ExportFailed(str(exc)) from exc
-
-    def close(self) -> None:
-        pass
 
 
 class OtlpExporter:

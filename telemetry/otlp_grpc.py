@@ -12,7 +12,7 @@ import urllib.parse
 
 import grpc
 
-from telemetry.otlp_export import ExportFailed
+from telemetry.otlp_sender import ExportFailed
 from telemetry.otlp_settings import OtlpSettings
 
 EXPORT_METHOD = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"

@@ -7,7 +7,7 @@ import urllib.request
 
 import zmq
 
-from configs.schema import load_config
+from configs.loader import load_config
 from protocol.codec import decode, encode
 from protocol.serving import Generate, Heartbeat, SamplingSpec, TokenEvent, TokenEvents
 from protocol.zmq_util import bind, make_socket

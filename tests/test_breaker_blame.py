@@ -21,7 +21,7 @@ import pytest
 import zmq
 
 from cluster.keygen import write_private_key
-from configs.schema import load_config
+from configs.loader import load_config
 from decode_node.node import DecodeNode
 from engine.llm import LLM
 from tests import hostile

@@ -91,7 +91,7 @@ VLLM_COMMAND_LINE = [
 def serve_config(argv: list[str], env: dict[str, str] | None = None):
     from cluster.roles import command_line_overrides
     from cluster.serve import parse_args
-    from configs.schema import load_config
+    from configs.loader import load_config
 
     args = parse_args(argv)
     return args, load_config(args.config, env=env or {}, overrides=command_line_overrides(args, "gateway"))

@@ -120,7 +120,7 @@ def test_api_key_variable_adds_an_accepted_key(tmp_path):
 
 
 def test_a_process_started_in_a_kubernetes_namespace_runs_and_warns_on_stderr():
-    code = "from configs.schema import load_config; c = load_config(); print(c.gateway.port, c.gateway.api_keys)"
+    code = "from configs.loader import load_config; c = load_config(); print(c.gateway.port, c.gateway.api_keys)"
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), **namespace_env(), "PDSERVE_API_KEY": "sk-k8s"}
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr

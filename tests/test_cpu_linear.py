@@ -225,7 +225,7 @@ def test_form_timing_is_exclusive_across_processes(tmp_path):
     lock, log = tmp_path / "timing.lock", tmp_path / "holds"
     child = (
         "import sys, time\n"
-        "from engine.cpu_linear import exclusive_timing\n"
+        "from engine.model.cpu_linear import exclusive_timing\n"
         "with exclusive_timing(sys.argv[1]):\n"
         "    start = time.time(); time.sleep(0.3)\n"
         "    open(sys.argv[2], 'a').write(f'{start} {time.time()}\\n')\n"

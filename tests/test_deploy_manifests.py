@@ -1,5 +1,5 @@
 """deploy/ validated offline: compose against the compose spec, Kubernetes manifests (each overlay, rendered
-as kustomize would) strictly against the API schemas and against Pod Security "restricted", KEDA
+by kubectl's own kustomize, as `kubectl apply -k` renders it) strictly against the API schemas and against Pod Security "restricted", KEDA
 ScaledObjects against our own schema (each with a broken copy that must fail), and the cross-file facts a
 deployment depends on (ports, names, grace periods, volumes, metric names the code exports)."""
 
@@ -15,16 +15,16 @@ from pathlib import Path
 import yaml
 from prometheus_client import CollectorRegistry
 
-from configs.schema import load_config
-from tests.kustomize_lite import render
+from configs.loader import load_config
+from tests.operator_commands import kustomize
 from tests.pod_security import restricted_violations
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
 BIN = Path(sys.executable).parent
 PRESET = load_config(ROOT / "configs" / "multinode.yaml", env={})
-OVERLAYS = {name: render(DEPLOY / "k8s" / "overlays" / name) for name in ("cpu", "gpu")}
-SCALED = sorted((DEPLOY / "k8s" / "autoscaling").glob("*.yaml"))
+OVERLAYS = {name: kustomize(DEPLOY / "k8s" / "overlays" / name) for name in ("cpu", "gpu")}
+SCALED = sorted((DEPLOY / "k8s" / "base" / "autoscaling").glob("*.yaml"))
 CACHE_MOUNT = "/home/pdserve/.cache/pdserve"  # ~/.cache/pdserve of the image's user (deploy/Dockerfile)
 SCHEMA = DEPLOY / "k8s" / "schemas" / "scaledobject.schema.json"
 
@@ -165,6 +165,41 @@ def test_pools_have_disruption_budgets_volumes_and_startup_probes():
             assert budget["selector"]["matchLabels"] == pod["metadata"]["labels"] and budget["maxUnavailable"] == 1
             gpus = container["resources"]["limits"].get("nvidia.com/gpu")
             assert gpus == (1 if overlay == "gpu" else None), (overlay, role)
+
+
+def test_the_gpu_overlay_is_the_cpu_one_with_gpu_workers_on_the_cuda_image():
+    """No GPU here, so the GPU pods cannot start: their rendering is checked instead. It must equal the
+    CPU overlay's with exactly the GPU changes written out below: one whole GPU requested and limited
+    per worker (the device plugin's nvidia.com/gpu), the GPU nodes' taint tolerated, a KV pool sized for
+    GPU memory, and every pdserve role on the CUDA image that docs/deploy.md builds."""
+    [cuda_tag] = re.findall(
+        r"-t (pdserve:\S+) \\\n\s+--build-arg BASE_IMAGE=nvidia/cuda", (ROOT / "docs" / "deploy.md").read_text()
+    )
+    expected = copy.deepcopy(OVERLAYS["cpu"])
+    for role in ("gateway", "prefill", "decode"):
+        pod = one(expected, "Deployment", f"pdserve-{role}")["spec"]["template"]["spec"]
+        pod["containers"][0]["image"] = cuda_tag
+        if role == "gateway":  # tokenizes and routes: no GPU
+            continue
+        resources = pod["containers"][0]["resources"]
+        resources["limits"]["nvidia.com/gpu"] = resources["requests"]["nvidia.com/gpu"] = 1
+        resources["requests"]["cpu"] = "4"
+        pod["containers"][0]["env"].append({"name": "PDSERVE_ENGINE_KV_CACHE_MEMORY_MB", "value": "16384"})
+        pod["tolerations"] = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    assert OVERLAYS["gpu"] == expected
+    assert cuda_tag == "pdserve:cuda"
+
+
+def test_every_overlay_the_docs_name_is_one_kustomize_renders():
+    """docs/deploy.md's `kubectl apply -k` paths, and the overlays named beside them, are the directories
+    rendered above: a layout kustomize refuses (an overlay inside its base: "cycle detected") fails there."""
+    text = (ROOT / "docs" / "deploy.md").read_text()
+    applied = set(re.findall(r"kubectl apply -k (deploy/k8s/[\w/-]+)", text))
+    named = {f"deploy/k8s/{o}" for o in re.findall(r"or (overlays/[a-z]+)", text)}
+    rendered = {f"deploy/k8s/overlays/{name}" for name in OVERLAYS}
+    assert applied and applied | named == rendered, applied | named
+    assert sorted(p.name for p in (DEPLOY / "k8s" / "overlays").iterdir()) == sorted(OVERLAYS)
+    assert not (DEPLOY / "k8s" / "kustomization.yaml").exists()  # the overlays' parent is no kustomize root
 
 
 def test_every_role_reads_the_cluster_key_from_its_secret_and_none_runs_insecure():
@@ -342,3 +377,17 @@ def test_the_image_context_holds_every_package_and_no_tests():
     }
     assert not {p.split(".")[0] for p in packages} & ignored
     assert {".git", ".venv", "tests", "docs", "deploy"} <= ignored  # nothing the image runs; big or churning
+
+
+def test_the_image_installs_the_lock_for_its_python():
+    """deploy/Dockerfile installs requirements/runtime-cpu.txt by default and the CUDA build the lock of
+    its Python 3.12 (docs/deploy.md's command), from a build context that holds them."""
+    dockerfile = (DEPLOY / "Dockerfile").read_text()
+    [default] = re.findall(r"^ARG LOCK=(\S+)$", dockerfile, re.M)
+    [cuda] = re.findall(r"--build-arg LOCK=(\S+) \.", (ROOT / "docs" / "deploy.md").read_text())
+    for lock, python in ((default, "3.11"), (cuda, "3.12")):
+        head = (ROOT / lock).read_text().split("\n", 4)
+        assert f"# for: CPython {python}, Linux x86_64" in head, lock
+    assert (default, cuda) == ("requirements/runtime-cpu.txt", "requirements/runtime-cuda.txt")
+    ignored = {line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()}
+    assert "requirements" not in ignored and "--require-hashes --no-deps -r" in dockerfile

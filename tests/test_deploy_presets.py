@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from configs.schema import PdserveConfig, load_config
+from configs.loader import load_config
+from configs.schema import PdserveConfig
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 

@@ -101,7 +101,9 @@ def test_abort_while_queued_and_while_prefilling(cluster):
 def test_abort_while_transferring(cluster):
     p_before, d_before = aborted(cluster, "prefill-0"), aborted(cluster, "decode-0")
     computed_before = cluster.metric("prefill-0", "pdserve:prefill_computed_tokens_total")
-    length = 400
+    # The longest prompt, so D is frozen while P still computes it, however fast this machine prefills
+    # (a 400-token prompt finished between two of the test's polls, and D took its KV).
+    length = LONG
     stream = RawStream(cluster.url, body(prompt_of(length, seed=3), 4))
     cluster.wait_until(lambda: running(cluster, "prefill-0") == 1, "P prefilling")
     cluster.signal("decode-0", signal.SIGSTOP)  # nobody acknowledges the KV: P stays transferring

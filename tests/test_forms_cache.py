@@ -11,6 +11,7 @@ import pytest
 from engine.model import cpu_linear
 from engine.model.cpu_linear import FORMS, ROW_BUCKETS
 from engine.model.loader import load_model
+from kernels.cpu import build as cpu_build
 from kernels.cpu import forms_cache
 from kernels.cpu import native as cpu_native
 from tests.model_factory import tiny_model_dir
@@ -118,5 +119,5 @@ def test_the_key_separates_machines_builds_and_shapes(monkeypatch, tmp_path):
     assert forms_cache.path_for(key, "cpu_native-bbbb.so") != base
     assert forms_cache.path_for(key, None) != base
     assert forms_cache.path_for((("q_proj", 2, (64, 64)), 3, 4), "cpu_native-aaaa.so") != base
-    monkeypatch.setattr(cpu_native, "cpu_identity", lambda: "another CPU")
+    monkeypatch.setattr(cpu_build, "cpu_identity", lambda: "another CPU")
     assert forms_cache.path_for(key, "cpu_native-aaaa.so") != base

@@ -172,7 +172,8 @@ def test_vllm_flags_of_pdserve_serve_and_the_gateway_set_the_config():
     from cluster.roles import command_line_overrides
     from cluster.serve import cluster_env
     from cluster.serve import parse_args as serve_args
-    from configs.schema import ConfigError, load_config
+    from configs.loader import load_config
+    from configs.schema import ConfigError
     from gateway.__main__ import overrides_of
     from gateway.__main__ import parse_args as gateway_args
 

@@ -12,7 +12,7 @@ import pytest
 from cluster.gpu_placement import parse_devices, placement
 from cluster.local_cluster import ClusterSpec, LocalCluster
 from cluster.serve import parse_args
-from configs.schema import load_config
+from configs.loader import load_config
 
 
 def test_workers_take_turns_and_see_their_own_gpu_first():

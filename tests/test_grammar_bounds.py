@@ -5,10 +5,11 @@ lock), so the deadline is crossed for certain, not by a race with a fast compile
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import pytest
 
-from engine.sampling.grammar_compiles import GrammarLimits
+from engine.sampling.grammar_compiles import CompiledCache, GrammarLimits
 from engine.sampling.structured_output import Grammars, StructuredOutputError
 from protocol.serving import StructuredOutput
 from tests.model_factory import tiny_model_dir
@@ -76,3 +77,18 @@ def test_an_unbounded_cache_would_have_grown_past_that_budget():
     for spec in distinct_regexes(60):
         g.guide(spec)
     assert g.cache_size_bytes > 4 * (128 << 10)
+
+
+def test_the_cache_evicts_the_least_recently_used_before_an_insert_would_pass_the_budget():
+    """CompiledCache alone, on entries of known size: xgrammar's measure of each grammar plus its key's
+    bytes (2 here), the oldest use out first, never over the budget, an entry above it not kept."""
+    cache = CompiledCache(budget_bytes=100)
+    a, b, c, huge = (SimpleNamespace(memory_size_bytes=n) for n in (38, 38, 38, 99))
+    cache.put(("r", "a"), a)
+    cache.put(("r", "b"), b)
+    assert cache.size_bytes == 80
+    assert cache.get(("r", "a")) is a  # a is now the most recently used: b goes first
+    cache.put(("r", "c"), c)
+    assert [cache.get(("r", k)) for k in "abc"] == [a, None, c] and cache.size_bytes == 80
+    cache.put(("r", "h"), huge)  # 101 bytes: served, never kept
+    assert cache.get(("r", "h")) is None and cache.size_bytes == 80

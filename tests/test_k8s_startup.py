@@ -1,4 +1,7 @@
-"""The Kubernetes manifests start and serve, without a cluster: each pod of deploy/k8s/overlays/cpu (as
+"""The Kubernetes manifests start and serve, without a cluster. The operator's commands of docs/deploy.md
+make what a cluster would get (tests/operator_commands.py): `pdserve keygen` the cluster key, `kubectl
+create secret` the two Secrets (client-side, as kubectl builds them), `kubectl apply -k
+deploy/k8s/overlays/cpu` the objects, rendered by kubectl's own kustomize. Each pod of that rendering (as
 many as each Deployment's replicas: two gateways) runs in its own network namespace, started exactly as
 the kubelet would start it (the container's command, or the image's entrypoint, and its args, env and
 envFrom, fieldRef status.podIP, Secrets as env vars and as mounted files, and the service-link variables
@@ -23,7 +26,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import socket
 import sys
 import tempfile
@@ -35,10 +37,9 @@ from transformers import AutoTokenizer
 
 from engine.llm import LLM
 from engine.sampling.params import SamplingParams
-from protocol.curve import new_secret_text
-from tests.kustomize_lite import render
 from tests.model_factory import tiny_model_dir
 from tests.netns import ROOT, HostProcess, Network, poll_until
+from tests.operator_commands import run_documented_commands
 
 APP_DIR = "/app/"  # the image's WORKDIR: the repository's configs/ are at /app/configs (deploy/Dockerfile)
 ENTRYPOINT = [sys.executable, "-m", "cluster"]  # the image's ENTRYPOINT ["pdserve"]
@@ -168,19 +169,19 @@ def probe(pod: HostProcess, container: dict, name: str) -> int:
 
 def test_pods_start_as_the_manifests_say_register_with_every_gateway_and_serve(tmp_path):
     model = str(tiny_model_dir("llama"))
-    rendered = render(ROOT / "deploy" / "k8s" / "overlays" / "cpu")
+    (keys := tmp_path / "operator").mkdir()
+    operated = run_documented_commands(keys)
+    assert list(operated.applied) == ["deploy/k8s/overlays/cpu"]  # the overlay the docs apply
+    rendered = operated.applied["deploy/k8s/overlays/cpu"]
     deployments = {d["metadata"]["name"]: d for d in rendered if d["kind"] == "Deployment"}
     services = [d for d in rendered if d["kind"] == "Service"]
     configmaps = {d["metadata"]["name"]: dict(d["data"]) for d in rendered if d["kind"] == "ConfigMap"}
     # the operator's one setting for a real model (docs/deploy.md); here the test's small checkpoint
     configmaps["pdserve-env"]["PDSERVE_MODEL_PATH"] = model
-    api_key = secrets.token_hex(16)
-    secrets_ = {  # what the operator creates (docs/deploy.md)
-        "pdserve-api-keys": {"keys": api_key},  # kubectl create secret generic pdserve-api-keys --from-literal=keys=...
-        "pdserve-cluster-key": {
-            "cluster.key": new_secret_text()
-        },  # pdserve keygen > cluster.key; --from-file=cluster.key
-    }
+    secrets_ = operated.secrets  # the Secrets as `kubectl create secret generic` made them
+    assert sorted(secrets_) == ["pdserve-api-keys", "pdserve-cluster-key"]
+    assert not list(keys.iterdir())  # the docs' `rm cluster.key` ran: the key lives in the Secret only
+    api_key = secrets_["pdserve-api-keys"]["keys"]
     assert set(deployments) == set(FIRST_INDEX)
     assert deployments["pdserve-gateway"]["spec"]["replicas"] == 2
 

@@ -18,6 +18,7 @@ from configs.schema import EngineConfig, ModelConfig
 from engine.kv.pool import KVLayout, KVPool
 from engine.llm import build_engine
 from engine.step.runner import supports_native_decode
+from kernels.cpu import build as cpu_build
 from kernels.cpu import native as cpu_native
 from kernels.triton.paged_decode import NativeDecode
 from tests.model_factory import tiny_model_dir
@@ -131,7 +132,7 @@ def test_another_cpu_gets_its_own_build(library, tmp_path, monkeypatch):
     # library built with -march=native on another.
     monkeypatch.setenv("PDSERVE_NATIVE_CACHE_DIR", str(tmp_path))
     ours = cpu_native.build("cc")
-    monkeypatch.setattr(cpu_native, "cpu_identity", lambda: "another CPU")
+    monkeypatch.setattr(cpu_build, "cpu_identity", lambda: "another CPU")
     theirs = cpu_native.build("cc")
     assert theirs != ours and {p.name for p in tmp_path.glob("*.so")} == {ours.name, theirs.name}
 
@@ -149,7 +150,7 @@ def test_a_build_removes_libraries_unused_for_a_month_and_dead_temporaries(tmp_p
     for name, age in ages.items():
         (tmp_path / name).write_bytes(b"")
         os.utime(tmp_path / name, (now - age, now - age))
-    removed = cpu_native.remove_stale(tmp_path, now)
+    removed = cpu_build.remove_stale(tmp_path, now)
     assert sorted(p.name for p in removed) == ["cpu_decode-old.so", "cpu_native-old.so", "tmpdead.so"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cpu_native-recent.so", "notes.txt", "tmplive.so"]
 

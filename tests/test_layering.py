@@ -1,5 +1,6 @@
 """The layering table, checked: which of the project's packages each package may import, read from every
-module's imports (``ast``: also the ones inside functions), and the gateway torch-free when imported.
+module's imports (``ast``: also the ones inside functions), the gateway torch-free when imported, and no
+import circles between any two modules.
 
 ``MAY_IMPORT`` is the one copy of the table; docs/architecture.md quotes it.
 """
@@ -70,8 +71,9 @@ GATEWAY_MAY_IMPORT = {
 KNOWN_EXCEPTIONS = {("configs", "cluster")}
 
 
-def imports_of(path: Path) -> set[str]:
-    """Every module ``path`` imports, absolute (relative imports resolved), at any depth of the file."""
+def imports_of(path: Path, with_names: bool = False) -> set[str]:
+    """Every module ``path`` imports, absolute (relative imports resolved), at any depth of the file;
+    ``with_names`` adds ``module.name`` for each ``from module import name`` (it may be a submodule)."""
     package = path.relative_to(ROOT).parent.parts  # what a relative import of level 1 starts from
     found = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
@@ -79,10 +81,13 @@ def imports_of(path: Path) -> set[str]:
             found |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom):
             if node.level == 0:
-                found.add(node.module)
+                module = node.module
             else:
                 base = package[: len(package) - node.level + 1]
-                found.add(".".join(base + ((node.module,) if node.module else ())))
+                module = ".".join(base + ((node.module,) if node.module else ()))
+            found.add(module)
+            if with_names:
+                found |= {f"{module}.{alias.name}" for alias in node.names}
     return found
 
 
@@ -148,3 +153,72 @@ def test_importing_every_gateway_module_leaves_torch_out():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def module_graph() -> dict[str, set[str]]:
+    """Each of the project's modules -> the project's modules it imports (at any depth of the file). A
+    ``from package import name`` counts the submodule ``name`` where there is one, else the package."""
+    modules = {module_name(path): path for package in MAY_IMPORT for path in modules_of(package)}
+    graph = {}
+    for name, path in modules.items():
+        found = set()
+        for imported in imports_of(path, with_names=True):
+            while imported and imported not in modules:
+                imported = imported.rpartition(".")[0]
+            if imported and imported != name:
+                found.add(imported)
+        graph[name] = found
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan's algorithm, iteratively)."""
+    index, low, on_stack, stack, cycles = {}, {}, set(), [], []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    cycles.append(sorted(component))
+    return cycles
+
+
+def test_the_cycle_finder_finds_a_circle_and_only_it():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert import_cycles(graph) == [["a", "b", "c"]]
+
+
+def test_no_module_imports_itself_through_others():
+    """No import circles anywhere, between packages or inside one (imports inside functions count too)."""
+    assert import_cycles(module_graph()) == []

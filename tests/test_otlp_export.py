@@ -14,8 +14,9 @@ import pytest
 import trustme
 
 from configs.schema import EX_CONFIG, ConfigError
-from telemetry.otlp_export import HttpSender, OtlpExporter, exporter_for
+from telemetry.otlp_export import OtlpExporter, exporter_for
 from telemetry.otlp_grpc import GrpcSender, grpc_target
+from telemetry.otlp_http import HttpSender
 from telemetry.otlp_settings import otlp_settings
 from telemetry.span import Span
 from telemetry.tracing import NO_TRACING, tracer_for

@@ -157,8 +157,8 @@ def test_served_levels_reach_the_server_in_closed_loops(tok_dir):
     them, with the warm-up's two) and the server is let settle after the warm-up and after each level.
     The fake answers a fixed text shorter than 128 tokens, so the client counts none of them complete."""
     from benchmarks.common.client import Target
+    from benchmarks.common.workload import prompt_vocab
     from benchmarks.scaling.run import measure
-    from benchmarks.serve.run import prompt_vocab
     from gateway.serving.pipeline import ServingLimits
     from tests import prom
     from tests.fake_backend import API_KEYS, MODEL, live_gateway

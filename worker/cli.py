@@ -6,7 +6,8 @@ import argparse
 import logging
 import sys
 
-from configs.schema import ConfigError, PdserveConfig, load_config
+from configs.loader import load_config
+from configs.schema import ConfigError, PdserveConfig
 from telemetry.tracing import check_tracing
 
 

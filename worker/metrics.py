@@ -38,6 +38,24 @@ class EngineSnapshot:
     kv_live_slots: int = 0  # slots of in-use blocks holding a live token (BlockManager.num_live_slots)
     block_size: int = 0
 
+    @classmethod
+    def read(cls, scheduler, block_manager, num_running_outside: int = 0, num_waiting_outside: int = 0):
+        """The engine's totals now; ``*_outside``: a node's requests the scheduler does not hold (queued
+        before admission, awaiting KV, transferring), counted in with the scheduler's own."""
+        bm = block_manager
+        return cls(
+            num_running=scheduler.num_running + num_running_outside,
+            num_waiting=scheduler.num_waiting + num_waiting_outside,
+            kv_blocks_total=bm.num_blocks,
+            kv_blocks_in_use=bm.num_in_use_blocks,
+            kv_blocks_free=bm.num_allocatable_blocks,
+            prefix_query_tokens=bm.num_prefix_query_tokens,
+            prefix_hit_tokens=bm.num_prefix_hit_tokens,
+            num_preemptions=scheduler.num_preemptions,
+            kv_live_slots=bm.num_live_slots,
+            block_size=bm.block_size,
+        )
+
 
 class EngineMetrics:
     def __init__(

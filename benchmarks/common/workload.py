@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from pathlib import Path
 
 
 @dataclass(slots=True, frozen=True)
@@ -76,3 +77,10 @@ class SystemResult:
     @property
     def tokens_per_cpu_s(self) -> float:
         return self.output_tokens / self.cpu_s
+
+
+def prompt_vocab(model_dir: Path) -> int:
+    """Token ids the gateway accepts: its tokenizer's vocabulary (it may be smaller than the model's)."""
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(model_dir / "tokenizer.json")).get_vocab_size()

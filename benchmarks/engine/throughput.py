@@ -75,7 +75,7 @@ def resolve_model_dir(model: str | None) -> Path:
 
 def pdserve_config(bench: BenchDevice, engine_overrides: dict):
     """The config pdserve runs with: the benchmark's dtype, whatever the presets' "auto" would pick."""
-    from configs.schema import load_config
+    from configs.loader import load_config
 
     overrides = {"model.dtype": bench.dtype, **{f"engine.{k}": v for k, v in engine_overrides.items()}}
     return load_config(None, env={}, overrides=overrides)

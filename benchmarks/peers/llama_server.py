@@ -193,7 +193,7 @@ def greedy_mismatches(server: LlamaServer, model_dir: Path, vocab: int) -> list[
 
 def check(model_dir: Path, cpus: set[int], log_dir: Path) -> list[str]:
     """Starts a one-slot server on the GGUF of ``model_dir`` and compares its greedy output."""
-    from benchmarks.serve.run import prompt_vocab
+    from benchmarks.common.workload import prompt_vocab
 
     gguf = llama_build.convert(model_dir)
     # One thread: the check is of tokens, not speed, and a second thread only waits for a busy core.

@@ -53,8 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--flash-attn", default="off,on")
     p.add_argument("--concurrencies", default=",".join(map(str, STREAM_CONCURRENCIES)))
     args = p.parse_args(argv)
+    from benchmarks.common.workload import prompt_vocab
     from benchmarks.engine.throughput import resolve_model_dir
-    from benchmarks.serve.run import prompt_vocab
 
     cpus = os.sched_getaffinity(0)
     model_dir = resolve_model_dir(args.model)

@@ -200,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--plot-dir needs matplotlib: pip install -e '.[plots]'")
     cpus = {int(c) for c in args.cpus.split(",")} if args.cpus else os.sched_getaffinity(0)
     os.sched_setaffinity(0, cpus)  # the client and transformers share the systems' cores
-    from benchmarks.serve.run import prompt_vocab, require_llama_server
+    from benchmarks.common.workload import prompt_vocab
+    from benchmarks.serve.run import require_llama_server
     from configs.model_source import default_model_dir
 
     model_dir = Path(args.model) if args.model else default_model_dir()

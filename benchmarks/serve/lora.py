@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     cpus = {int(c) for c in args.cpus.split(",")} if args.cpus else os.sched_getaffinity(0)
     os.sched_setaffinity(0, cpus)  # the client shares the systems' cores, as benchmarks.serve's
-    from benchmarks.serve.run import prompt_vocab
+    from benchmarks.common.workload import prompt_vocab
     from configs.model_source import default_model_dir
     from engine.model.config import HFModelConfig
 

@@ -51,7 +51,7 @@ from benchmarks.common.client import KvSampler, Target, run_closed_loop, run_ope
 from benchmarks.common.launcher import ServedSystem
 from benchmarks.common.metrics import Slo, kv_utilization, summarize
 from benchmarks.common.procs import cpu_delta, sample_tree, self_sample
-from benchmarks.common.workload import BenchRequest
+from benchmarks.common.workload import BenchRequest, prompt_vocab
 from benchmarks.peers.llama_server import LlamaConfig
 from benchmarks.serve import workloads
 from benchmarks.serve.plan import (
@@ -140,13 +140,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def _names(text: str | None) -> list[str] | None:
     return [x.strip() for x in text.split(",") if x.strip()] if text else None
-
-
-def prompt_vocab(model_dir: Path) -> int:
-    """Token ids the gateway accepts: its tokenizer's vocabulary (it may be smaller than the model's)."""
-    from tokenizers import Tokenizer
-
-    return Tokenizer.from_file(str(model_dir / "tokenizer.json")).get_vocab_size()
 
 
 def served_device(overrides: list[str]):

@@ -43,7 +43,7 @@ def prompts_for(lengths: list[int], vocab: int) -> list[list[int]]:
 
 
 def engine_greedy(model_dir: Path, bench: BenchDevice, prompts: list[list[int]]) -> list[list[int]]:
-    from configs.schema import load_config
+    from configs.loader import load_config
     from engine.llm import LLM
     from engine.sampling.params import SamplingParams
 

@@ -4,15 +4,20 @@ xgrammar cannot stop a compile once started, and a 64 KB grammar against a large
 minutes. So a request waits for its compile only until its deadline (counted from its submission, once
 the tokenizer is loaded: the first compile's one-time load is not the request's doing); past it, the
 request is refused with the limit named, and the compile is left to end on its thread, unread. A
-request aborted before its compile started cancels it. xgrammar's cache of compiled grammars keeps
-the most recently used under a byte budget: unbounded, each unique grammar a client sends stays in memory
-(xgrammar's GHSA-389x-67px-mjg3; vLLM bounds it at 512 MB, VLLM_XGRAMMAR_CACHE_MB, as we do).
+request aborted before its compile started cancels it. The cache of compiled grammars keeps the most
+recently used under a byte budget: unbounded, each unique grammar a client sends stays in memory
+(xgrammar's GHSA-389x-67px-mjg3; vLLM bounds it at 512 MB, VLLM_XGRAMMAR_CACHE_MB, as we do). The
+cache is pdserve's own (CompiledCache), not xgrammar's: xgrammar's ``cache_limit_bytes`` is
+approximate ("the actual memory usage may slightly exceed this value"), and 0.2.9 evicts only after
+an insert has gone over it (a 128 KiB budget held 132,524 bytes), so the budget would not hold.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -22,11 +27,50 @@ log = logging.getLogger(__name__)
 @dataclass(slots=True, frozen=True)
 class GrammarLimits:
     compile_timeout_s: float = 30.0  # engine.grammar_compile_timeout_s
-    cache_bytes: int = 512 << 20  # engine.grammar_cache_mb: xgrammar's LRU cache of compiled grammars; -1: unbounded
+    cache_bytes: int = 512 << 20  # engine.grammar_cache_mb: the LRU cache of compiled grammars; -1: unbounded
     num_threads: int = 2  # engine.grammar_compile_threads: compiles running at once
 
     def __post_init__(self) -> None:
         assert self.compile_timeout_s > 0 and self.num_threads >= 1, self
+
+
+class CompiledCache:
+    """Compiled grammars by their source, least recently used out so the bytes held never pass the
+    budget. An entry's bytes are what xgrammar measures of the compiled grammar
+    (``memory_size_bytes``: its token masks and rules) plus its source text, the key, as xgrammar's own
+    cache counts it. Eviction comes before the insert, so the total is at most the budget at every
+    moment; a grammar larger than the whole budget is served but not kept. Compiling threads share it."""
+
+    def __init__(self, budget_bytes: int) -> None:
+        self._budget = budget_bytes  # -1: unbounded
+        self._entries: OrderedDict[tuple[str, str], tuple[object, int]] = OrderedDict()  # oldest use first
+        self._size = 0
+        self._lock = threading.Lock()
+
+    @property
+    def size_bytes(self) -> int:
+        return self._size
+
+    def get(self, key: tuple[str, str]):
+        """The compiled grammar for ``key`` (now the most recently used), or None."""
+        with self._lock:
+            if key not in self._entries:
+                return None
+            self._entries.move_to_end(key)
+            return self._entries[key][0]
+
+    def put(self, key: tuple[str, str], compiled) -> None:
+        size = compiled.memory_size_bytes + sum(len(part.encode()) for part in key)
+        with self._lock:
+            if key in self._entries:  # two threads compiled the same grammar: keep one
+                return
+            if 0 <= self._budget < size:
+                return
+            while self._budget >= 0 and self._size + size > self._budget:
+                _, (_, evicted) = self._entries.popitem(last=False)
+                self._size -= evicted
+            self._entries[key] = (compiled, size)
+            self._size += size
 
 
 class StructuredOutputError(ValueError):

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from engine.sampling.grammar_compiles import CompileTicket, GrammarLimits, StructuredOutputError
+from engine.sampling.grammar_compiles import CompiledCache, CompileTicket, GrammarLimits, StructuredOutputError
 from protocol.serving import StructuredOutput
 
 # JSON is generated without free whitespace between tokens: a model is never stuck emitting spaces,
@@ -122,6 +122,7 @@ class Grammars:
         self._vocab_size = vocab_size  # the model's logits width (may exceed the tokenizer's size)
         self._stop_token_ids = list(stop_token_ids)  # the grammar's end: the model's EOS ids
         self._compiler = None
+        self._compiled = CompiledCache(limits.cache_bytes)  # bounded by pdserve, not by xgrammar
         self._json_keep: torch.Tensor | None = None  # tokens JSON output may use (see _load)
         self._token_bytes: list[bytes] = []  # each token id's bytes, for reasoning gates (see _load)
         self._executor: ThreadPoolExecutor | None = None  # guide_async's threads, started on first use
@@ -140,8 +141,8 @@ class Grammars:
 
     @property
     def cache_size_bytes(self) -> int:
-        """Bytes xgrammar's cache of compiled grammars holds now (0 before the first compile)."""
-        return self._compiler.get_cache_size_bytes() if self._compiler is not None else 0
+        """Bytes the cache of compiled grammars holds now (CompiledCache measures them)."""
+        return self._compiled.size_bytes
 
     def guide(self, spec: StructuredOutput) -> Guide:
         """A fresh Guide for ``spec``; raises StructuredOutputError."""
@@ -150,19 +151,24 @@ class Grammars:
         with self._loading:
             if self._compiler is None:
                 self._load()
-        compiler = self._compiler
-        with _errors_named(spec):
-            if spec.kind == "json":
-                compiled = compiler.compile_json_schema(spec.spec, **_JSON_OPTIONS)
-            elif spec.kind == "json_object":
-                compiled = compiler.compile_json_schema(_JSON_OBJECT_SCHEMA, **_JSON_OPTIONS)
-            elif spec.kind == "regex":
-                compiled = compiler.compile_regex(spec.spec)
-            else:
-                compiled = compiler.compile_grammar(_ebnf_of(spec))
+        compiled = self._compiled.get((spec.kind, spec.spec))
+        if compiled is None:
+            compiled = self._compile(spec)
+            self._compiled.put((spec.kind, spec.spec), compiled)
         is_json = spec.kind in ("json", "json_object")
         gate = ReasoningGate(spec.after.encode(), self._token_bytes) if spec.after else None
         return Guide(xgr.GrammarMatcher(compiled), self._json_keep if is_json else None, gate)
+
+    def _compile(self, spec: StructuredOutput):
+        compiler = self._compiler
+        with _errors_named(spec):
+            if spec.kind == "json":
+                return compiler.compile_json_schema(spec.spec, **_JSON_OPTIONS)
+            if spec.kind == "json_object":
+                return compiler.compile_json_schema(_JSON_OBJECT_SCHEMA, **_JSON_OPTIONS)
+            if spec.kind == "regex":
+                return compiler.compile_regex(spec.spec)
+            return compiler.compile_grammar(_ebnf_of(spec))
 
     def _load(self) -> None:
         import xgrammar as xgr
@@ -187,7 +193,8 @@ class Grammars:
         for t in control:
             keep[t // 32] &= _CLEAR_BIT[t % 32]
         self._json_keep = keep
-        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=self._limits.cache_bytes)
+        # xgrammar's own cache off: its limit is approximate, so CompiledCache holds the grammars
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         self._loaded_at = time.monotonic()
 
 

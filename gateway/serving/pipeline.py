@@ -13,6 +13,11 @@ gateway/serving/dialect.py): parse -> tokenize -> admit -> generate -> JSON or S
    ``OutputBuilder``. A background response: answered ``queued`` before step 4, which goes on without
    the client (gateway/dialects/responses/background.py)
 6. client disconnect at any point -> abort every unfinished backend request
+
+One class, ``Serving``, holds those steps in that order (its length is the one pipeline read top to
+bottom); what a step needs beyond it lives in its own module: the dialect records (dialect.py), a
+request's completions merged and ordered (choice.py), generation (generation.py), the request report
+(request_report.py), LoRA adapter routes (lora_adapters.py).
 """
 
 from __future__ import annotations

@@ -26,6 +26,10 @@ Several gateways may share the pools (docs/gateway-replicas.md): each worker hea
 this one acks every heartbeat with its id (``HeartbeatAck``, new per process), which its Generates
 carry, so workers answer here and abort this gateway's requests if it dies. A worker's KV is its own
 to reserve: a heartbeat's free blocks are a hint, and a worker that another gateway filled says Busy.
+
+``ZmqBackend`` is that life cycle and the bookkeeping of the pools it draws on, read top to bottom (hence
+its length); the sockets are the worker link's (worker_link.py), a request in flight and its records'
+conversions are flight.py's, routing router.py's, breakers breaker.py's, the LoRA list lora_list.py's.
 """
 
 from __future__ import annotations
@@ -52,13 +56,13 @@ from protocol.serving import (
     PromptLogprobs,
     TokenEvent,
     TokenEvents,
-    TokenLogprobRecord,
 )
 
 from .admission import AdmissionQueue
-from .backend import Backend, CompletionEvent, GenerationRequest, NoCapacity, TokenLogprob
+from .backend import Backend, CompletionEvent, GenerationRequest, NoCapacity
 from .breaker import CircuitBreaker
 from .completion_order import CompletionOrder
+from .flight import Flight, WorkerGone, describe, to_backend_event, to_logprob
 from .lora_list import ClusterLoRAList, stamp_of
 from .registry import Role, WorkerRegistry
 from .router import RouteDecision, Router, RouterParams
@@ -87,53 +91,6 @@ class ZmqBackendParams:
     lora_modules: dict[str, str] = field(default_factory=dict)  # the config's adapters (the workers' too)
 
 
-@dataclass(slots=True)
-class WorkerGone:
-    """Queued to a request when a worker serving it left (expired, restarted, goodbye, unreachable)."""
-
-    worker_id: str
-    reason: str
-
-
-class _Flight:
-    """One request in flight: which workers serve it, and the records that came back for it."""
-
-    __slots__ = (
-        "rid",
-        "wire_rid",
-        "num_attempts",
-        "num_prompt_tokens",
-        "num_top_prompt_logprobs",
-        "events",
-        "prompt_logprobs",
-        "decode_worker",
-        "prefill_worker",
-        "is_done",
-        "is_aborted",
-    )
-
-    def __init__(self, rid: str, num_prompt_tokens: int, num_top_prompt_logprobs: int = 0) -> None:
-        self.rid = rid
-        # What the workers of the current attempt know it by: the request id, then "<rid>~<attempt>" on a
-        # retry, so that an abort or a late frame of an earlier attempt cannot touch a later one (a retry
-        # on the same prefill worker would otherwise be aborted by the gateway's abort of the first try).
-        self.wire_rid = rid
-        self.num_attempts = 0
-        self.num_prompt_tokens = num_prompt_tokens
-        # the k asked for: alternatives past it are dropped on arrival, so a worker cannot grow what is kept
-        self.num_top_prompt_logprobs = num_top_prompt_logprobs
-        self.events: asyncio.Queue = asyncio.Queue()  # TokenEvent | Busy | WorkerGone | None (aborted)
-        # From PromptLogprobs frames, which precede the first TokenEvent; None once a frame was out of order.
-        self.prompt_logprobs: list[TokenLogprob] | None = []
-        self.decode_worker: str | None = None
-        self.prefill_worker: str | None = None
-        self.is_done = False  # finished, failed or aborted: the workers need no more abort
-        self.is_aborted = False  # the HTTP layer gave up on it (client gone, stop string, shutdown)
-
-    def workers(self) -> list[str]:
-        return [w for w in (self.decode_worker, self.prefill_worker) if w is not None]
-
-
 class ZmqBackend(Backend):
     def __init__(self, registry: WorkerRegistry, metrics: GatewayMetrics, params: ZmqBackendParams) -> None:
         self._registry = registry
@@ -146,8 +103,8 @@ class ZmqBackend(Backend):
         self._link = WorkerLink(
             params.host, params.worker_port, params.max_frame_bytes, self._on_record, self._rejects, params.security
         )
-        self._flights: dict[str, _Flight] = {}  # by request id
-        self._by_wire_rid: dict[str, _Flight] = {}  # by the current attempt's rid
+        self._flights: dict[str, Flight] = {}  # by request id
+        self._by_wire_rid: dict[str, Flight] = {}  # by the current attempt's rid
         self.gateway_id = uuid.uuid4().hex  # workers tell gateway processes apart by it
         self._lora = ClusterLoRAList(params.lora_modules, params.security.key if params.security else None)
         self._expiry_task: asyncio.Task | None = None
@@ -194,7 +151,7 @@ class ZmqBackend(Backend):
     async def generate(self, request: GenerationRequest):
         if request.request_id in self._flights:
             raise ValueError(f"request id {request.request_id} is already in flight")
-        flight = _Flight(request.request_id, len(request.prompt_token_ids), request.sampling.prompt_logprobs or 0)
+        flight = Flight(request.request_id, len(request.prompt_token_ids), request.sampling.prompt_logprobs or 0)
         self._flights[flight.rid] = flight
         try:
             first = await self._place(request, flight)
@@ -204,7 +161,7 @@ class ZmqBackend(Backend):
             while True:
                 if not isinstance(event, TokenEvent):  # aborted, lost, deadline
                     if event is not None:
-                        yield CompletionEvent(error=_describe(event))
+                        yield CompletionEvent(error=describe(event))
                     return
                 if event.error:
                     # A refusal speaks to the client about its request; a failure names the worker.
@@ -217,7 +174,7 @@ class ZmqBackend(Backend):
                     yield CompletionEvent(error=str(e))
                     return
                 for e in released:
-                    out = _to_backend_event(e, queue_time)
+                    out = to_backend_event(e, queue_time)
                     if queue_time is not None:  # the first event: who serves it (the request log line)
                         out.worker_ids = flight.workers()
                     queue_time = None
@@ -237,7 +194,7 @@ class ZmqBackend(Backend):
 
     # --- placement: route, send, wait for the first answer ------------------------------------------
 
-    async def _place(self, request: GenerationRequest, flight: _Flight):
+    async def _place(self, request: GenerationRequest, flight: Flight):
         """Returns the first TokenEvent (or a terminal record to turn into an error); raises NoCapacity."""
         policy = self._params.router.policy.value
         tried: dict[str, str] = {}  # worker id -> the incarnation that said Busy for this request, or failed it
@@ -306,7 +263,7 @@ class ZmqBackend(Backend):
             failed = self._blamed(answer, decision)
             if failed is not None and self._incarnation(failed) == incarnations.get(failed, ""):
                 self._record_failure(failed)  # (not one that restarted or left since: a new worker)
-            await self._abort_workers(flight, f"attempt failed: {_describe(answer)}")
+            await self._abort_workers(flight, f"attempt failed: {describe(answer)}")
             if flight.is_aborted:
                 return None
             flight.is_done = False  # the request itself goes on
@@ -317,7 +274,7 @@ class ZmqBackend(Backend):
                 tried[worker_id] = incarnations.get(worker_id, "")
             failure = answer
             self._metrics.route_decisions.labels(policy, "retry").inc()
-            log.warning("request %s: %s before the first token; retrying elsewhere", flight.rid, _describe(answer))
+            log.warning("request %s: %s before the first token; retrying elsewhere", flight.rid, describe(answer))
 
     @staticmethod
     def _blamed(answer, decision: RouteDecision) -> str | None:
@@ -397,14 +354,14 @@ class ZmqBackend(Backend):
                 self._metrics.route_decisions.labels(policy, "no_capacity").inc()
                 raise NoCapacity(self._params.retry_after_s, "no decode worker had KV room in time")
 
-    async def _next(self, flight: _Flight, request: GenerationRequest):
+    async def _next(self, flight: Flight, request: GenerationRequest):
         """The next record for ``flight``; WorkerGone(reason="deadline") when the deadline passes first."""
         try:
             return await get_by(flight.events, request.deadline)
         except TimeoutError:
             return WorkerGone(flight.decode_worker or "", "deadline")
 
-    async def _abort_workers(self, flight: _Flight, reason: str) -> None:
+    async def _abort_workers(self, flight: Flight, reason: str) -> None:
         flight.is_done = True
         for worker_id in flight.workers():
             await self._link.send(worker_id, AbortRequest(flight.wire_rid, reason))
@@ -453,7 +410,7 @@ class ZmqBackend(Backend):
                 f"{type(record).__name__} for {flight.rid[:64]}, a request it does not serve",
             )
 
-    def _check_culprit(self, worker_id: str, flight: _Flight, event: TokenEvent) -> None:
+    def _check_culprit(self, worker_id: str, flight: Flight, event: TokenEvent) -> None:
         """Set ``event.culprit`` to whom the failure counts against: "decode", "prefill" or "none". A
         worker speaks for itself ("" is the sender); a decode worker may blame the prefill worker its
         request used, or nobody; a prefill worker cannot blame anyone else."""
@@ -469,7 +426,7 @@ class ZmqBackend(Backend):
             claimed = sender
         event.culprit = claimed
 
-    def _add_prompt_logprobs(self, worker_id: str, flight: _Flight, frame: PromptLogprobs) -> None:
+    def _add_prompt_logprobs(self, worker_id: str, flight: Flight, frame: PromptLogprobs) -> None:
         have = flight.prompt_logprobs
         if have is None:
             return  # already failed
@@ -484,7 +441,7 @@ class ZmqBackend(Backend):
             )
             return
         k = flight.num_top_prompt_logprobs
-        have += [_to_logprob(r, rank, k) for r, rank in zip(frame.logprobs, frame.ranks)]
+        have += [to_logprob(r, rank, k) for r, rank in zip(frame.logprobs, frame.ranks)]
 
     def _on_heartbeat(self, worker_id: str, hb: Heartbeat) -> None:
         if hb.worker_id != worker_id:
@@ -593,29 +550,3 @@ class ZmqBackend(Backend):
             )
             m.pool_requests_running.labels(role.value).set(sum(w.heartbeat.num_running for w in workers))
             m.pool_requests_waiting.labels(role.value).set(sum(w.heartbeat.num_waiting for w in workers))
-
-
-def _to_logprob(r: TokenLogprobRecord, rank: int | None = None, max_top: int | None = None) -> TokenLogprob:
-    return TokenLogprob(r.token_id, r.logprob, list(zip(r.top_ids[:max_top], r.top_logprobs[:max_top])), rank)
-
-
-def _to_backend_event(e: TokenEvent, queue_time_s: float | None) -> CompletionEvent:
-    logprobs = None if e.logprobs is None else [_to_logprob(r) for r in e.logprobs]
-    return CompletionEvent(
-        index=e.index,
-        token_ids=list(e.token_ids),
-        logprobs=logprobs,
-        finish_reason=e.finish_reason or None,
-        num_cached_tokens=e.num_cached_tokens if e.num_cached_tokens >= 0 else None,
-        queue_time_s=queue_time_s,
-    )
-
-
-def _describe(answer) -> str:
-    if isinstance(answer, WorkerGone):
-        if answer.reason == "deadline":
-            return "the request's deadline passed"
-        return f"worker {answer.worker_id} {answer.reason}"
-    if isinstance(answer, TokenEvent):
-        return f"worker error: {answer.error[:200]}"
-    return "aborted"

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.cpu import native as cpu_native
+from kernels.cpu import build as cpu_build
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ def cache_dir() -> Path:
 
 
 def path_for(key: tuple, native_name: str | None) -> Path:
-    text = "\0".join([repr(key), cpu_native.cpu_identity(), torch.__version__, native_name or "-"])
+    text = "\0".join([repr(key), cpu_build.cpu_identity(), torch.__version__, native_name or "-"])
     return cache_dir() / f"forms-{hashlib.sha256(text.encode()).hexdigest()[:24]}.json"
 
 

@@ -3,14 +3,10 @@ KV (decode.c), prefill attention of prompt chunks over it (prefill.c), ``x @ w^T
 few rows of a decode step (linear.c), and a layer's RMSNorm with its residual add, its rotary
 embedding with the K/V store and its SwiGLU product (layer_ops.c).
 
-``load()`` compiles them into one library with the machine's C compiler (``$CC``, else ``cc``; GCC or clang)
-for this very CPU (``-march=native``, ``-mcpu=native`` on Arm) into ``~/.cache/pdserve/native/``
-(``$PDSERVE_NATIVE_CACHE_DIR`` overrides), once per source, compiler and torch: later processes load
-the cached library (a build takes ~1 s; a library unused for 30 days is removed by the next build
-there). Where no compiler works, it logs why once and returns None, and the engine keeps the torch path.
+``load()`` compiles them into one library with the machine's C compiler (``$CC``, else ``cc``) through
+kernels/cpu/build.py (for this very CPU, cached on disk). Where no compiler works, it logs why once and
+returns None, and the engine keeps the torch path.
 
-With GCC it links the OpenMP runtime torch ships (``torch/lib/libgomp.so.1``) when there is one, so
-the kernel's threads are torch's threads rather than a second pool competing for the same cores.
 Where no OpenMP build works it builds without (``NativeLibrary.threaded`` is then False), and the
 engine uses that one-thread build up to ``SERIAL_MAX_THREADS``. ctypes releases the GIL around the call.
 """
@@ -19,29 +15,25 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import json
 import logging
 import os
-import platform
 import shutil
 import subprocess
-import tempfile
-import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from kernels.cpu import trusted_cache
+from kernels.cpu.build import SERIAL, THREADED, Sources, Variant, build_library, library_path
 
 log = logging.getLogger(__name__)
 
-SOURCES = [
-    Path(__file__).with_name(name) for name in ("decode.c", "prefill.c", "linear.c", "layer_ops.c", "decode_step.c")
-]
-HEADERS = [Path(__file__).with_name("vector.h")]
-_FLAGS = ("-O3", "-fno-math-errno", "-Wno-psabi", "-shared", "-fPIC")
+SOURCES = Sources(
+    name="cpu_native",
+    sources=tuple(
+        Path(__file__).with_name(name) for name in ("decode.c", "prefill.c", "linear.c", "layer_ops.c", "decode_step.c")
+    ),
+    headers=(Path(__file__).with_name("vector.h"),),
+)
 _SIZE = ctypes.c_int64
 _PTR = ctypes.c_void_p
 # A build without OpenMP runs on the calling thread alone. On the 2-core Xeon, its one thread took half
@@ -49,10 +41,6 @@ _PTR = ctypes.c_void_p
 # 2.67; context 64-600). With twice the threads torch would about catch up (estimated: this machine
 # has two cores), so past this many the engine keeps torch.
 SERIAL_MAX_THREADS = 4
-# Builds for other sources, compilers or torch versions pile up in the cache as pdserve is upgraded. A
-# library is touched whenever it is used, and a new build removes those unused for this long (a
-# process that has one loaded keeps its mapping: unlinking does not unmap it).
-STALE_AFTER_S = 30 * 24 * 3600
 
 
 class DecodeLayer(ctypes.Structure):
@@ -71,119 +59,6 @@ class DecodeShape(ctypes.Structure):
         ("eps", ctypes.c_float),
         ("scale", ctypes.c_float),
     ]
-
-
-@dataclass(slots=True, frozen=True)
-class Variant:
-    """One way to build the library: with OpenMP threads or without; ``lanes`` forces the vector width
-    (4, 8 or 16 floats) where the default is the hardware's (the tests build every width)."""
-
-    openmp: bool = True
-    lanes: int | None = None
-
-
-THREADED, SERIAL = Variant(openmp=True), Variant(openmp=False)
-
-
-def cache_dir() -> Path:
-    configured = os.environ.get("PDSERVE_NATIVE_CACHE_DIR")
-    return Path(configured) if configured else Path.home() / ".cache" / "pdserve" / "native"
-
-
-def _torch_libgomp() -> Path | None:
-    path = Path(torch.__file__).parent / "lib" / "libgomp.so.1"
-    return path if path.exists() else None
-
-
-def _command(compiler: str, variant: Variant, output: str) -> list[str]:
-    # Arm compilers spell "this very CPU" -mcpu=native; x86 ones -march=native.
-    arch = "-mcpu=native" if platform.machine().lower() in ("arm64", "aarch64") else "-march=native"
-    flags = [*_FLAGS, arch] + ([f"-DLANES={variant.lanes}"] if variant.lanes else [])
-    link = []
-    if variant.openmp:
-        flags.append("-fopenmp")
-        gomp = _torch_libgomp()
-        if gomp is not None:  # else torch linked the system's runtime (or none): -fopenmp picks it
-            link = [str(gomp), f"-Wl,-rpath,{gomp.parent}"]
-    return [compiler, *flags, *map(str, SOURCES), "-o", output, *link]
-
-
-@functools.cache  # read at every build lookup and forms-cache key; the CPU does not change under us
-def cpu_identity() -> str:
-    """The CPU's model name and feature flags (Linux; Arm's features and part number), else what
-    ``platform`` knows of it: what a ``-march=native`` build, or a timing, is only valid for."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        lines = []
-    seen = {}
-    for line in lines:
-        name, _, value = line.partition(":")
-        if name.strip() in ("model name", "flags", "Features", "CPU part"):
-            seen.setdefault(name.strip(), value.strip())
-    return json.dumps(seen, sort_keys=True) if seen else f"{platform.machine()} {platform.processor()}"
-
-
-def _target(compiler: str, variant: Variant) -> Path:
-    recipe = " ".join(_command(compiler, variant, "")).encode()
-    code = [path.read_bytes() for path in SOURCES + HEADERS]
-    # The CPU too: a home directory shared by machines of other CPUs (NFS, one volume for a node pool)
-    # must not hand one of them a library built for instructions it lacks.
-    key = hashlib.sha256(
-        b"\0".join([*code, recipe, torch.__version__.encode(), os.uname().machine.encode(), cpu_identity().encode()])
-    )
-    return cache_dir() / f"cpu_native-{key.hexdigest()[:16]}.so"
-
-
-def build(compiler: str, variant: Variant = THREADED) -> Path:
-    """Compile (or find already compiled) the library; raises on a failed build."""
-    target = _target(compiler, variant)
-    if trusted_cache.take(target):  # a private cache directory, and the bytes this build sealed
-        _touch(target)
-        return target
-    # Into a temporary name, then renamed: processes starting together never load a half-written file.
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        command = _command(compiler, variant, tmp)
-        done = subprocess.run(command, capture_output=True, text=True, timeout=120)
-        if done.returncode != 0:
-            raise RuntimeError(f"{' '.join(command)} failed: {done.stderr.strip()[-2000:]}")
-        try:  # a shared library links with symbols missing (clang's OpenMP calls against libgomp)
-            ctypes.CDLL(tmp)
-        except OSError as e:
-            raise RuntimeError(f"{' '.join(command)} built a library that does not load: {e}") from e
-        os.replace(tmp, target)
-        trusted_cache.seal(target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    remove_stale(target.parent)
-    return target
-
-
-def _touch(path: Path) -> None:
-    try:
-        os.utime(path)
-    except OSError:  # a read-only cache: the library still loads, it only ages
-        pass
-
-
-def remove_stale(directory: Path, now: float | None = None) -> list[Path]:
-    """Deletes libraries unused for ``STALE_AFTER_S``, and temporary files a crashed build left behind
-    (an hour old: no build takes that long); returns what it deleted."""
-    now = time.time() if now is None else now
-    removed = []
-    # cpu_decode-*: the library's name before it held the linear too.
-    for path in [*directory.glob("cpu_native-*.so"), *directory.glob("cpu_decode-*.so"), *directory.glob("tmp*.so")]:
-        max_age = 3600 if path.name.startswith("tmp") else STALE_AFTER_S
-        try:
-            if now - path.stat().st_mtime > max_age:
-                path.unlink()
-                removed.append(path)
-        except OSError:  # gone already (another process cleaning), or not ours to delete
-            continue
-    return removed
 
 
 def _check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens) -> None:
@@ -517,6 +392,11 @@ class NativeLibrary:
         )
 
 
+def build(compiler: str, variant: Variant = THREADED) -> Path:
+    """These kernels' library, compiled (or found already compiled) by ``compiler``; raises on a failed build."""
+    return build_library(SOURCES, compiler, variant)
+
+
 @functools.cache
 def load() -> NativeLibrary | None:
     """The kernels, built if need be; None (logged once) where they cannot be built or loaded here.
@@ -531,7 +411,7 @@ def load() -> NativeLibrary | None:
             os.environ.get("CC", "cc"),
         )
         return None
-    variants = sorted((THREADED, SERIAL), key=lambda v: not _target(compiler, v).exists())  # stable: cached first
+    variants = sorted((THREADED, SERIAL), key=lambda v: not library_path(SOURCES, compiler, v).exists())  # cached first
     failures = []
     for variant in variants:
         try:

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from cluster.make_model import make_model
-from configs.schema import load_config
+from configs.loader import load_config
 from engine.llm import LLM
 from engine.sampling.params import SamplingParams
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from configs.schema import load_config
+from configs.loader import load_config
 from engine.llm import LLM
 from engine.lora.stacked import use_lora_kernel
 from engine.sampling.params import SamplingParams

@@ -1,0 +1,156 @@
+"""Compiling the C kernels into a shared library for this very CPU, kept in a cache on disk.
+
+A library is compiled with the machine's C compiler (GCC or clang) for this CPU (``-march=native``,
+``-mcpu=native`` on Arm) into ``~/.cache/pdserve/native/`` (``$PDSERVE_NATIVE_CACHE_DIR`` overrides),
+once per source, compiler, torch and CPU: later processes load the cached file (a build takes ~1 s; a
+library unused for 30 days is removed by the next build there). With GCC it links the OpenMP runtime
+torch ships (``torch/lib/libgomp.so.1``) when there is one, so the kernels' threads are torch's threads
+rather than a second pool competing for the same cores. ``kernels/cpu/native.py`` says what it builds.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import json
+import os
+import platform
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kernels.cpu import trusted_cache
+
+_FLAGS = ("-O3", "-fno-math-errno", "-Wno-psabi", "-shared", "-fPIC")
+# Builds for other sources, compilers or torch versions pile up in the cache as pdserve is upgraded. A
+# library is touched whenever it is used, and a new build removes those unused for this long (a
+# process that has one loaded keeps its mapping: unlinking does not unmap it).
+STALE_AFTER_S = 30 * 24 * 3600
+
+
+@dataclass(slots=True, frozen=True)
+class Sources:
+    """One library's C sources and the headers they include; ``name`` prefixes its builds in the cache."""
+
+    name: str
+    sources: tuple[Path, ...]
+    headers: tuple[Path, ...]
+
+
+@dataclass(slots=True, frozen=True)
+class Variant:
+    """One way to build the library: with OpenMP threads or without; ``lanes`` forces the vector width
+    (4, 8 or 16 floats) where the default is the hardware's (the tests build every width)."""
+
+    openmp: bool = True
+    lanes: int | None = None
+
+
+THREADED, SERIAL = Variant(openmp=True), Variant(openmp=False)
+
+
+def cache_dir() -> Path:
+    configured = os.environ.get("PDSERVE_NATIVE_CACHE_DIR")
+    return Path(configured) if configured else Path.home() / ".cache" / "pdserve" / "native"
+
+
+def _torch_libgomp() -> Path | None:
+    path = Path(torch.__file__).parent / "lib" / "libgomp.so.1"
+    return path if path.exists() else None
+
+
+def _command(library: Sources, compiler: str, variant: Variant, output: str) -> list[str]:
+    # Arm compilers spell "this very CPU" -mcpu=native; x86 ones -march=native.
+    arch = "-mcpu=native" if platform.machine().lower() in ("arm64", "aarch64") else "-march=native"
+    flags = [*_FLAGS, arch] + ([f"-DLANES={variant.lanes}"] if variant.lanes else [])
+    link = []
+    if variant.openmp:
+        flags.append("-fopenmp")
+        gomp = _torch_libgomp()
+        if gomp is not None:  # else torch linked the system's runtime (or none): -fopenmp picks it
+            link = [str(gomp), f"-Wl,-rpath,{gomp.parent}"]
+    return [compiler, *flags, *map(str, library.sources), "-o", output, *link]
+
+
+@functools.cache  # read at every build lookup and forms-cache key; the CPU does not change under us
+def cpu_identity() -> str:
+    """The CPU's model name and feature flags (Linux; Arm's features and part number), else what
+    ``platform`` knows of it: what a ``-march=native`` build, or a timing, is only valid for."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    seen = {}
+    for line in lines:
+        name, _, value = line.partition(":")
+        if name.strip() in ("model name", "flags", "Features", "CPU part"):
+            seen.setdefault(name.strip(), value.strip())
+    return json.dumps(seen, sort_keys=True) if seen else f"{platform.machine()} {platform.processor()}"
+
+
+def library_path(library: Sources, compiler: str, variant: Variant) -> Path:
+    """Where the build of ``library`` by ``compiler`` as ``variant`` for this machine lives in the cache."""
+    recipe = " ".join(_command(library, compiler, variant, "")).encode()
+    code = [path.read_bytes() for path in library.sources + library.headers]
+    # The CPU too: a home directory shared by machines of other CPUs (NFS, one volume for a node pool)
+    # must not hand one of them a library built for instructions it lacks.
+    key = hashlib.sha256(
+        b"\0".join([*code, recipe, torch.__version__.encode(), os.uname().machine.encode(), cpu_identity().encode()])
+    )
+    return cache_dir() / f"{library.name}-{key.hexdigest()[:16]}.so"
+
+
+def build_library(library: Sources, compiler: str, variant: Variant = THREADED) -> Path:
+    """Compile (or find already compiled) ``library``; raises on a failed build."""
+    target = library_path(library, compiler, variant)
+    if trusted_cache.take(target):  # a private cache directory, and the bytes this build sealed
+        _touch(target)
+        return target
+    # Into a temporary name, then renamed: processes starting together never load a half-written file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        command = _command(library, compiler, variant, tmp)
+        done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(command)} failed: {done.stderr.strip()[-2000:]}")
+        try:  # a shared library links with symbols missing (clang's OpenMP calls against libgomp)
+            ctypes.CDLL(tmp)
+        except OSError as e:
+            raise RuntimeError(f"{' '.join(command)} built a library that does not load: {e}") from e
+        os.replace(tmp, target)
+        trusted_cache.seal(target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    remove_stale(target.parent)
+    return target
+
+
+def _touch(path: Path) -> None:
+    try:
+        os.utime(path)
+    except OSError:  # a read-only cache: the library still loads, it only ages
+        pass
+
+
+def remove_stale(directory: Path, now: float | None = None) -> list[Path]:
+    """Deletes libraries unused for ``STALE_AFTER_S``, and temporary files a crashed build left behind
+    (an hour old: no build takes that long); returns what it deleted."""
+    now = time.time() if now is None else now
+    removed = []
+    # Every library here is one of ours (cpu_decode-*: the kernels' name before they held the linear too).
+    for path in directory.glob("*.so"):
+        max_age = 3600 if path.name.startswith("tmp") else STALE_AFTER_S
+        try:
+            if now - path.stat().st_mtime > max_age:
+                path.unlink()
+                removed.append(path)
+        except OSError:  # gone already (another process cleaning), or not ours to delete
+            continue
+    return removed
