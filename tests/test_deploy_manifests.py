@@ -230,13 +230,46 @@ def test_every_role_reads_the_cluster_key_from_its_secret_and_none_runs_insecure
 def test_network_policy_keeps_worker_ports_to_pdserve_pods():
     policy = one(OVERLAYS["cpu"], "NetworkPolicy", "pdserve-worker-plane")["spec"]
     pdserve = {"matchLabels": {"app.kubernetes.io/name": "pdserve"}}
-    assert policy["podSelector"] == pdserve and policy["policyTypes"] == ["Ingress"]
+    not_redis = {"key": "app.kubernetes.io/component", "operator": "NotIn", "values": ["responses-store"]}
+    assert policy["podSelector"] == {**pdserve, "matchExpressions": [not_redis]}
+    assert policy["policyTypes"] == ["Ingress"]
     from_pods, open_ports = policy["ingress"]
     assert from_pods == {"from": [{"podSelector": pdserve}]}
     opened = {p["port"] for p in open_ports["ports"]}
     assert opened == {PRESET.gateway.port, PRESET.prefill.http_port, PRESET.decode.http_port}
     worker_plane = {PRESET.gateway.worker_port, PRESET.prefill.port, PRESET.decode.port, PRESET.decode.kv_port}
     assert not opened & worker_plane
+
+
+def test_only_gateway_pods_reach_redis():
+    """A worker pod (compromised or not) cannot read the Responses store: Redis takes connections from
+    gateway pods only, on its port only, and no other policy opens it (NetworkPolicies add up)."""
+    redis_labels = one(OVERLAYS["cpu"], "Deployment", "pdserve-redis")["spec"]["template"]["metadata"]["labels"]
+    gateway_labels = one(OVERLAYS["cpu"], "Deployment", "pdserve-gateway")["spec"]["template"]["metadata"]["labels"]
+    policy = one(OVERLAYS["cpu"], "NetworkPolicy", "pdserve-redis")["spec"]
+    assert policy["podSelector"] == {"matchLabels": redis_labels} and policy["policyTypes"] == ["Ingress"]
+    [rule] = policy["ingress"]
+    assert rule["from"] == [{"podSelector": {"matchLabels": gateway_labels}}]
+    assert rule["ports"] == [{"port": 6379, "protocol": "TCP"}]
+    others = [d for d in OVERLAYS["cpu"] if d["kind"] == "NetworkPolicy" and d["metadata"]["name"] != "pdserve-redis"]
+    for other in others:  # each leaves the responses-store pods out
+        assert {"key": "app.kubernetes.io/component", "operator": "NotIn", "values": ["responses-store"]} in other[
+            "spec"
+        ]["podSelector"].get("matchExpressions", []), other["metadata"]["name"]
+
+
+def test_compose_replicas_publish_on_loopback_and_need_an_api_key_and_a_redis_password():
+    text = (DEPLOY / "lb" / "compose.replicas.yaml").read_text().replace("!reset ", "")
+    services = yaml.safe_load(text)["services"]
+    assert services["lb"]["ports"] == ["${PDSERVE_PUBLISH_HOST:-127.0.0.1}:${PDSERVE_PORT:-8000}:8000"]
+    env = services["gateway"]["environment"]
+    assert env["PDSERVE_GATEWAY_API_KEYS"].startswith("${PDSERVE_API_KEY:?")  # compose refuses to start without
+    assert env["PDSERVE_GATEWAY_RESPONSES_STORE_URL"].startswith("redis://:${PDSERVE_REDIS_PASSWORD:?")
+    redis = services["redis"]
+    assert redis["environment"]["REDIS_PASSWORD"].startswith("${PDSERVE_REDIS_PASSWORD:?")
+    command = redis["command"][2]
+    assert "--protected-mode yes" in command and "requirepass" in command and "redis-server -" in command
+    assert "PASSWORD" not in command.split("redis-server", 1)[1]  # on stdin, never on its command line
 
 
 def test_compose_workers_scale_without_edits():
