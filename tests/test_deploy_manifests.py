@@ -202,10 +202,10 @@ def test_every_overlay_the_docs_name_is_one_kustomize_renders():
     assert not (DEPLOY / "k8s" / "kustomization.yaml").exists()  # the overlays' parent is no kustomize root
 
 
-def test_every_role_reads_the_cluster_key_from_its_secret_and_none_runs_insecure():
-    """The worker plane is CurveZMQ-authenticated (docs/security.md): each gateway, prefill and decode pod
-    mounts the operator's Secret read-only where PDSERVE_TRANSFER_CLUSTER_KEY_FILE points; no manifest
-    carries a key or turns authentication off."""
+def test_every_role_reads_only_its_own_credential_from_its_secret_and_none_runs_insecure():
+    """The worker plane is CurveZMQ-authenticated with a credential per role (docs/security.md): each
+    gateway, prefill and decode pod mounts its own role's Secret (its key and roles.pub) read-only where
+    PDSERVE_TRANSFER_CLUSTER_KEY_FILE points; no manifest carries a key or turns authentication off."""
     for overlay, rendered in OVERLAYS.items():
         for role in ("gateway", "prefill", "decode"):
             pod = one(rendered, "Deployment", f"pdserve-{role}")["spec"]["template"]["spec"]
@@ -215,10 +215,10 @@ def test_every_role_reads_the_cluster_key_from_its_secret_and_none_runs_insecure
             [mount] = [m for m in container["volumeMounts"] if m["mountPath"] == str(key_file.parent)]
             assert mount["readOnly"] is True, (overlay, role)
             [volume] = [v for v in pod["volumes"] if v["name"] == mount["name"]]
-            # the file name is the Secret's key: `kubectl create secret generic --from-file=cluster.key`
-            assert volume["secret"] == {"secretName": "pdserve-cluster-key", "defaultMode": 0o400}, (overlay, role)
+            # the file name is the Secret's key: `kubectl create secret generic --from-file=keys/<role>.key`
+            assert volume["secret"] == {"secretName": f"pdserve-{role}-key", "defaultMode": 0o400}, (overlay, role)
             assert (
-                key_file.name == "cluster.key" and pod["securityContext"]["fsGroup"] == 10001
+                key_file.name == f"{role}.key" and pod["securityContext"]["fsGroup"] == 10001
             )  # group-readable by uid 10001
         assert not [d for d in rendered if d["kind"] == "Secret"], overlay  # the operator creates Secrets
     manifests = [*DEPLOY.glob("k8s/**/*.yaml"), *DEPLOY.glob("**/compose*.yaml")]
@@ -347,7 +347,14 @@ def test_kubernetes_probes_ports_and_grace_periods():
                 "secretKeyRef": {"name": "pdserve-api-keys", "key": "keys"}
             }
             # replicas share their Responses store in Redis, so a conversation goes on at any of them
-            assert env["PDSERVE_GATEWAY_RESPONSES_STORE_URL"]["value"] == "redis://pdserve-redis:6379/0"
+            # with the password of the Secret pdserve-redis (the kubelet expands $(NAME) of an earlier variable)
+            names = [e["name"] for e in container["env"]]
+            assert env["PDSERVE_REDIS_PASSWORD"]["valueFrom"] == {
+                "secretKeyRef": {"name": "pdserve-redis", "key": "password"}
+            }
+            assert names.index("PDSERVE_REDIS_PASSWORD") < names.index("PDSERVE_GATEWAY_RESPONSES_STORE_URL")
+            url = env["PDSERVE_GATEWAY_RESPONSES_STORE_URL"]["value"]
+            assert url == "redis://:$(PDSERVE_REDIS_PASSWORD)@pdserve-redis:6379/0"
         else:  # every gateway replica: the headless worker-plane Service has one A record per gateway pod
             assert env[f"PDSERVE_{role.upper()}_GATEWAY_ADDRESS"]["value"] == "tcp://pdserve-gateway-workers:8001"
     hpa = one(OVERLAYS["cpu"], "HorizontalPodAutoscaler", "pdserve-gateway")["spec"]
