@@ -269,3 +269,20 @@ def test_deadline_ends_a_slow_request_and_aborts_it(client, backend):
     assert "timed out after 1.0 s" in _error(info.value)["message"]
     assert backend.aborted == [backend.received[0].request_id]
     assert backend.received[0].deadline == pytest.approx(backend.received[0].arrival_time + 1.0)
+
+
+@pytest.mark.parametrize(
+    "tools, message",
+    [
+        (
+            [{"type": "function", "function": {"name": "n" * 65, "parameters": {}}}],
+            "tools[0].function.name may have at most 64 characters, got 65",
+        ),
+    ],
+)
+def test_tool_definitions_beyond_openais_bounds_are_400(client, backend, tools, message):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], tools=tools)
+    err = _error(info.value)
+    assert err["param"] == "tools" and err["message"] == message
+    assert backend.received == []

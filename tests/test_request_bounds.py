@@ -9,6 +9,7 @@ import pytest
 
 from gateway.http.errors import APIError
 from gateway.http.request_fields import MAX_LOGIT_BIAS_KEYS, MAX_STOP_CHARS, Fields
+from gateway.text.tool_calls import MAX_TOOLS, parse_tools
 
 
 def refusal(body: dict, read) -> APIError:
@@ -41,3 +42,12 @@ def test_a_stop_string_over_the_bound_is_400_and_one_at_it_reads():
     err = refusal({"stop": ["ok", "x" * (MAX_STOP_CHARS + 1)]}, lambda f: f.stop_strings())
     assert f"at most {MAX_STOP_CHARS} characters, got {MAX_STOP_CHARS + 1}" in str(err)
     assert Fields({"stop": "y" * MAX_STOP_CHARS}).stop_strings() == ["y" * MAX_STOP_CHARS]
+
+
+def test_more_tools_than_openai_allows_is_400():
+    """(Beyond the test gateway's body cap, so read here; tests/test_gateway_errors.py has the name bound.)"""
+    tools = [{"type": "function", "function": {"name": f"f{i}", "parameters": {}}} for i in range(MAX_TOOLS + 1)]
+    with pytest.raises(APIError) as info:
+        parse_tools(tools)
+    assert info.value.status == 400 and str(info.value) == f"tools may list at most {MAX_TOOLS} functions, got 129"
+    assert parse_tools(tools[:MAX_TOOLS]) == tools[:MAX_TOOLS]
