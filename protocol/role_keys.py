@@ -164,9 +164,8 @@ def new_role_set(directory: str) -> list[str]:
         {f.role: (member_public(f.member_seed),) for f in files},
     )
     paths = [write_private(os.path.join(directory, f"{f.role}.key"), f.text()) for f in files]
-    with open(os.path.join(directory, PUBLIC_FILE), "w", encoding="ascii") as out:
-        out.write(roles.text())
-    return [*paths, os.path.join(directory, PUBLIC_FILE)]
+    # 0600 too: its server public keys are what lets a client finish a handshake (members only)
+    return [*paths, write_private(os.path.join(directory, PUBLIC_FILE), roles.text())]
 
 
 def add_member(directory: str, role: str, name: str) -> str:
