@@ -1,18 +1,20 @@
-"""CurveZMQ on the worker plane: one cluster secret, a derived server keypair, ephemeral client keys.
+"""CurveZMQ on the worker plane: a credential per role (protocol/role_keys.py), ephemeral client keys.
 
-The operator gives every process of a cluster the same 32-byte secret (a file: ``pdserve keygen``).
-From it each process derives (HKDF-SHA256, fixed labels):
+Each process holds its role's credential (``pdserve keygen --out DIR``: ``<role>.key`` with ``roles.pub``
+beside it), or a legacy cluster secret from which every role's credential is derived (HKDF-SHA256):
 
-    server keypair     every socket that binds (gateway worker ROUTER, prefill job ROUTER, decode KV
-                       ROUTER) is a CURVE server with it; a client must know its public key to finish
-                       the handshake, and only holders of the secret do: an outsider cannot connect.
-    registration key   a worker proves membership in its Heartbeat: HMAC(key, its client public key,
-                       worker id, incarnation). A leaked server public key alone registers nobody.
+    server keypair     every socket a role binds (gateway worker ROUTER, prefill job ROUTER, decode KV
+                       ROUTER) is a CURVE server with that role's keypair; a client pins the public key
+                       of the role it means to reach, so a member of another role cannot answer for it.
+    member key         Ed25519; a worker proves its role in its Heartbeat: a signature over its role, its
+                       client public key, worker id and incarnation, checked against the keys roles.pub
+                       lists for that role (reread when it changes: rotation without a restart).
 
 Each process makes its own client keypair at start (never stored). A server's ZAP handler accepts any
 client key that completed the handshake and stamps its frames with it (the ``User-Id`` property), so
-a server knows which peer sent each frame: the gateway binds a worker id to the key that registered
-it, a decode worker takes KV only from the key of the prefill worker it was assigned.
+a server knows which peer sent each frame: the gateway binds a worker id to the key that registered it
+(and to the member key that signed it), a decode worker takes KV only from the key of the prefill worker
+it was assigned.
 
 ``PlaneSecurity(None)`` is the explicit opt-out (``transfer.insecure``): plain TCP, no peer keys.
 """
