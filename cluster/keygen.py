@@ -1,8 +1,10 @@
-"""``pdserve keygen > cluster.key``: a new cluster secret for the worker plane (docs/security.md).
+"""``pdserve keygen --out DIR``: the worker plane's credentials, one per role (docs/security.md).
 
-Every gateway and worker of one cluster reads the same file (``transfer.cluster_key_file``); mount it
-from a Kubernetes Secret or a compose secret, mode 0400/0600. A new file rotates the key: restart
-every process of the cluster with it (a process with the old key can no longer connect).
+``--out DIR`` writes ``gateway.key``, ``prefill.key``, ``decode.key`` (0600) and ``roles.pub``: mount
+each role's file with roles.pub beside it (``transfer.cluster_key_file=/run/secrets/<role>.key``) into
+that role's pods only. ``--out DIR --add ROLE --name NAME`` adds a member key of ROLE (a rotation, or
+one key per member): its public key is appended to roles.pub, which every process rereads when it
+changes. Without ``--out``: one legacy cluster secret on stdout, every role in one file.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import sys
 import tempfile
 
 from protocol.curve import new_secret_text
+from protocol.role_keys import ROLES, add_member, new_role_set
 
 
 def write_private_key(directory: str | None = None) -> str:
@@ -28,6 +31,16 @@ def write_private_key(directory: str | None = None) -> str:
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="pdserve keygen", description=__doc__.splitlines()[0])
-    p.parse_args(argv)
-    sys.stdout.write(new_secret_text())
+    p.add_argument("--out", help="directory for a role set (made 0700; must not hold one already)")
+    p.add_argument("--add", choices=ROLES, help="add a member key of this role to the set in --out")
+    p.add_argument("--name", help="file name (without .key) of the added member key")
+    args = p.parse_args(argv)
+    if args.add and not (args.out and args.name):
+        p.error("--add needs --out (the set) and --name (the new key's file name)")
+    if args.add:
+        print(add_member(args.out, args.add, args.name))
+    elif args.out:
+        print("\n".join(new_role_set(args.out)))
+    else:
+        sys.stdout.write(new_secret_text())
     return 0

@@ -117,6 +117,8 @@ class ClusterSpec:
         default_factory=list
     )  # (HTTP port, worker port) each; []: one, as configured
     redis_argv: list[str] | None = None  # the shared Responses store's server, when this cluster runs it
+    # member name or role -> its own key file (protocol/role_keys.py), handed to that member only; {}: the env's
+    role_keys: dict[str, str] = field(default_factory=dict)
 
 
 def worker_argv(role: str, index: int, spec: ClusterSpec) -> list[str]:
@@ -153,6 +155,10 @@ class LocalCluster:
         for member in workers:
             if member.name in gpus:
                 member.env["CUDA_VISIBLE_DEVICES"] = gpus[member.name]
+        for member in self.members:  # each member sees its own credential only (its own, else its role's)
+            key = spec.role_keys.get(member.name) or spec.role_keys.get(member.name.split("-")[0])
+            if key:
+                member.env["PDSERVE_TRANSFER_CLUSTER_KEY_FILE"] = key
         self._stopping = False
         self.serving = False  # set once every member has come up: from then on an exit is restarted
 

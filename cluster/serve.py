@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import shutil
 import signal
 import socket
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -30,13 +32,13 @@ from collections.abc import Callable
 from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.gpu_placement import parse_devices
-from cluster.keygen import write_private_key
 from cluster.local_cluster import ClusterSpec, LocalCluster, MemberFailed
 from cluster.roles import add_config_args, command_line_overrides, env_of
 from cluster.vllm_flags import add_vllm_groups
 from configs.loader import load_config
 from configs.model_source import resolve_model
 from configs.schema import EX_CONFIG, ConfigError
+from protocol.role_keys import ROLES, add_member, new_role_set
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -78,7 +80,10 @@ def cluster_env(overrides: dict[str, str], model: str, host: str, worker_ports: 
 
 def redis_server(max_mb: int) -> tuple[list[str], str]:
     """(argv, url) of a redis-server on a free loopback port holding the gateways' Responses store:
-    nothing written to disk, the least recently used responses dropped past ``max_mb``."""
+    nothing written to disk, the least recently used responses dropped past ``max_mb``; a generated
+    password (in a 0600 file of a private 0700 directory, never on a command line other users can read
+    in ``ps``), protected mode on, so a process of the host without the password reads nothing (#47).
+    The directory is ``argv[1]``'s; the caller removes it at exit (``remove_redis_config``)."""
     exe = shutil.which("redis-server")
     if exe is None:
         raise ConfigError(
@@ -88,8 +93,15 @@ def redis_server(max_mb: int) -> tuple[list[str], str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    password = secrets.token_hex(32)
+    folder = tempfile.mkdtemp(prefix="pdserve-redis-")  # 0700
+    config = os.path.join(folder, "redis.conf")
+    fd = os.open(config, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(f"requirepass {password}\nprotected-mode yes\n")
     argv = [
         exe,
+        config,
         "--bind",
         "127.0.0.1",
         "--port",
@@ -103,7 +115,13 @@ def redis_server(max_mb: int) -> tuple[list[str], str]:
         "--maxmemory-policy",
         "allkeys-lru",
     ]
-    return argv, f"redis://127.0.0.1:{port}/0"
+    return argv, f"redis://:{password}@127.0.0.1:{port}/0"
+
+
+def remove_redis_config(argv: list[str] | None) -> None:
+    """Remove the private directory of ``redis_server``'s config (and password)."""
+    if argv is not None:
+        shutil.rmtree(os.path.dirname(argv[1]), ignore_errors=True)
 
 
 def wait_ready(
@@ -192,9 +210,9 @@ def main(argv: list[str]) -> int:
         except ConfigError as exc:
             print(f"pdserve serve: {exc}", file=sys.stderr)
             return EX_CONFIG
-    made_key = None
+    role_keys: dict[str, str] = {}
     if not config.transfer.cluster_key_file and not config.transfer.insecure:
-        made_key = env["PDSERVE_TRANSFER_CLUSTER_KEY_FILE"] = write_private_key()
+        role_keys = member_keys(tempfile.mkdtemp(prefix="pdserve-key-"), num_prefill, num_decode)
     spec = ClusterSpec(
         args.config,
         env,
@@ -206,12 +224,26 @@ def main(argv: list[str]) -> int:
         gateways=gateways if num_gateways > 1 else [],
         redis_argv=redis_argv,
         devices=devices,
+        role_keys=role_keys,
     )
     try:
         return run_cluster(spec, host, [http for http, _ in gateways], model, args.ready_timeout)
     finally:
-        if made_key is not None:
-            shutil.rmtree(os.path.dirname(made_key), ignore_errors=True)
+        if role_keys:
+            shutil.rmtree(os.path.dirname(role_keys["gateway"]), ignore_errors=True)
+        remove_redis_config(redis_argv)
+
+
+def member_keys(directory: str, num_prefill: int, num_decode: int) -> dict[str, str]:
+    """A credential per role and, for each worker, a member key of its own (protocol/role_keys.py) in
+    the private ``directory``: member name (or role, for the gateways) -> its key file. A worker's id then
+    stays its own across a restart: another worker of its pool cannot squat it (the gateway binds an id to
+    the member key that registered it)."""
+    paths = dict(zip(ROLES, new_role_set(directory)))
+    for role, count in (("prefill", num_prefill), ("decode", num_decode)):
+        for i in range(count):
+            paths[f"{role}-{i}"] = add_member(directory, role, f"{role}-{i}")
+    return paths
 
 
 def idle_prefill_threads(num_prefill: int, num_decode: int, threads: int) -> int:

@@ -88,6 +88,10 @@ class GatewayConfig:
     host: str = "127.0.0.1"  # interface to bind; never all interfaces unless asked for
     port: int = _field(8000, minimum=0)  # HTTP port (0: any free port)
     api_keys: list[str] = field(default_factory=list)  # accepted bearer keys; empty: no auth
+    # Bearer keys that may load/unload LoRA adapters at run time; empty: those routes are off (403)
+    admin_api_keys: list[str] = field(default_factory=list)
+    # Salt every request's prefix-cache hashes with its API key: keys share no prefix KV (nor cache timing)
+    cache_salt_per_api_key: bool = False
     # Origins whose browser pages may call the API (CORS, as vLLM's --allowed-origins); ["*"]: any.
     # Empty: no CORS headers (a page from another origin cannot read an answer).
     allowed_origins: list[str] = field(default_factory=list)

@@ -50,7 +50,7 @@ class DecodeNode:
     @classmethod
     def start(cls, config: PdserveConfig, ctx: zmq.Context | None = None) -> DecodeNode:
         """Raises ClusterKeyError (before loading the model) without a usable cluster key."""
-        security = plane_security(config.transfer.cluster_key_file, config.transfer.insecure)
+        security = plane_security(config.transfer.cluster_key_file, config.transfer.insecure, "decode")
         ctx = ctx or zmq.Context()
         dc = config.decode
         model_path = resolve_model(config.model.path, config.model.cache_dir)

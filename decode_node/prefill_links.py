@@ -41,7 +41,7 @@ class PrefillLinks:
             if len(self._socks) >= MAX_LINKS:
                 oldest = next(iter(self._socks))
                 self._socks.pop(oldest).close(linger=0)
-            sock = self._security.client(make_socket(self._ctx, zmq.DEALER, max_msg_size=MAX_REPLY_BYTES))
+            sock = self._security.client(make_socket(self._ctx, zmq.DEALER, max_msg_size=MAX_REPLY_BYTES), "prefill")
             sock.setsockopt(zmq.IDENTITY, self._identity)
             try:
                 sock.connect(address)

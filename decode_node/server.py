@@ -164,7 +164,9 @@ class DecodeServer:
 
     def run_once(self) -> None:
         self._wait_for_messages()
-        for record in self.gateway.poll():
+        for sender, record in self.gateway.poll_from():
+            if isinstance(record, AbortRequest) and not self._may_abort(sender, record.rid):
+                continue  # another gateway's request: only the gateway that owns it aborts it
             self._guarded(self._on_gateway_record, record, "gateway")
         for gateway_id in self.gateway.lost():
             self._on_gateway_lost(gateway_id)
@@ -511,6 +513,13 @@ class DecodeServer:
             self._release(req)
             self.metrics.request_failure.labels("aborted").inc()
 
+    def _may_abort(self, sender: str, rid: str) -> bool:
+        req = self.requests.get(rid)
+        if req is None or self.gateway.may_abort(sender, req.gateway_id):
+            return True
+        self.rejects.reject("not_assigned", sender, f"abort of another gateway's request {rid[:64]!r}")
+        return False
+
     def _on_gateway_lost(self, gateway_id: str) -> None:
         """Nobody reads these requests' tokens any more: free what they hold, as an abort would."""
         orphans = [req for req in self.requests.values() if req.gateway_id == gateway_id]
@@ -588,7 +597,7 @@ class DecodeServer:
             worker_id=self.options.worker_id,
             address=self.options.kv_address,
             incarnation=self.options.incarnation,
-            proof=self.gateway.registration_proof(self.options.incarnation),
+            proof=self.gateway.registration_proof(self.options.incarnation, "decode"),
             **self.lora_sync.heartbeat_fields(),
         )
 

@@ -120,7 +120,7 @@ def build(config: PdserveConfig):
             max_queued_requests=g.max_queued_requests,
             queue_timeout_s=g.queue_timeout_s,
             default_timeout_s=g.request_timeout_s,
-            security=plane_security(config.transfer.cluster_key_file, config.transfer.insecure),
+            security=plane_security(config.transfer.cluster_key_file, config.transfer.insecure, "gateway"),
             lora_modules=config.lora.modules(),
         ),
     )
@@ -130,6 +130,7 @@ def build(config: PdserveConfig):
         request_timeout_s=g.request_timeout_s or None,
         max_prompt_logprobs_entries=g.max_prompt_logprobs_entries,
         sse_keepalive_s=g.sse_keepalive_s or None,
+        cache_salt_per_api_key=g.cache_salt_per_api_key,
     )
     parsers = ChatParsers(
         None if g.reasoning_parser == "none" else g.reasoning_parser,
@@ -141,6 +142,7 @@ def build(config: PdserveConfig):
         backend,
         limits,
         api_keys=list(g.api_keys),
+        admin_api_keys=list(g.admin_api_keys),
         lora_adapters=adapters,
         max_body_bytes=g.max_body_bytes,
         registry=registry,

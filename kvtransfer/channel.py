@@ -186,7 +186,7 @@ class ZmqClient(ClientChannel):
         security: PlaneSecurity | None = None,
     ):
         self.sock = make_socket(ctx, zmq.DEALER, hwm=hwm, max_msg_size=max_msg_size)
-        (security or PlaneSecurity(None)).client(self.sock)
+        (security or PlaneSecurity(None)).client(self.sock, "decode")  # the KV receivers
         self._monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
         self.num_connected = 0  # connections that completed their handshake, as far as take_lost has read
         try:

@@ -42,7 +42,7 @@ def build_prefill_server(
     config: PdserveConfig, ctx: zmq.Context, registry: CollectorRegistry | None = None
 ) -> PrefillServer:
     """Raises ClusterKeyError (before loading the model) without a usable cluster key."""
-    security = plane_security(config.transfer.cluster_key_file, config.transfer.insecure)
+    security = plane_security(config.transfer.cluster_key_file, config.transfer.insecure, "prefill")
     engine = build_engine(resolve_model_path(config), config.model, config.engine, lora_cfg=config.lora)
     metrics = PrefillMetrics(registry or CollectorRegistry(), config.model.name_for_clients())
     options = options_from_config(config)

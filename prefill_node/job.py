@@ -40,6 +40,7 @@ class JobState:
     is_sending: bool = False  # the KV sender has a live transfer for it (abort must tell the receiver)
     guide: Future | None = None  # its structured output's guide while that compiles, with its deadline (then on seq)
     trace: RequestTrace | None = None  # its span here when the decode worker traces it (telemetry/tracing.py)
+    sender: str = ""  # the CURVE key (insecure: the routing id, hex) that sent it: only it aborts or replaces it
 
     @property
     def rid(self) -> str:

@@ -217,12 +217,14 @@ class PrefillServer:
                 self._on_frames([f.bytes for f in frames], key)
             except Exception as exc:  # a bug met by one message: count it, fail its job, keep serving
                 self._on_handler_error(frames[0].bytes, key, exc)
-        for record in self.gateway.poll():
+        for sender, record in self.gateway.poll_from():
             if isinstance(record, LoRAAdapterSet):
                 self.lora_sync.apply(record)
                 self._heartbeat.fire_now()  # the gateway waits for the version applied
-            else:
+            elif record.rid not in self.jobs or self.gateway.may_abort(sender, self.jobs[record.rid].job.gateway_id):
                 self._abort(record.rid, f"gateway: {record.reason}")
+            else:  # only the gateway that owns a job (or its decode worker) aborts it
+                self.rejects.reject("not_assigned", sender, f"abort of another gateway's job {record.rid[:64]!r}")
         for gateway_id in self.gateway.lost():
             for state in [s for s in self.jobs.values() if s.job.gateway_id == gateway_id]:
                 self._abort(state.rid, f"gateway {gateway_id} lost")
@@ -243,12 +245,16 @@ class PrefillServer:
             self.metrics.malformed_frames.inc()
             self.rejects.reject("malformed", key or peer.hex(), str(exc))
             return
-        if isinstance(record, AbortRequest):
+        sender = key or peer.hex()
+        owner = self.jobs[record.rid].sender if record.rid in self.jobs else sender
+        if owner != sender:  # only the decode worker that sent a job aborts or replaces it
+            self.rejects.reject("not_assigned", sender, f"{type(record).__name__} for another peer's job")
+        elif isinstance(record, AbortRequest):
             self._abort(record.rid, f"decode worker: {record.reason}")
         else:
-            self._on_job(peer, record)
+            self._on_job(peer, record, sender)
 
-    def _on_job(self, peer: bytes, job: PrefillJob) -> None:
+    def _on_job(self, peer: bytes, job: PrefillJob, sender: str = "") -> None:
         self.metrics.jobs.inc()
         if job.rid in self.jobs:  # a retry under a new generation replaces the old attempt
             self._abort(job.rid, "superseded")
@@ -269,7 +275,13 @@ class PrefillServer:
         )
         bs = self.block_manager.block_size
         state = JobState(
-            job, peer, seq, cdiv(len(job.token_ids), bs), time.monotonic(), next_block=job.skip_tokens // bs
+            job,
+            peer,
+            seq,
+            cdiv(len(job.token_ids), bs),
+            time.monotonic(),
+            next_block=job.skip_tokens // bs,
+            sender=sender or peer.hex(),
         )
         if params.structured_output is not None:
             state.guide = self.new_guide_async(params)
@@ -532,7 +544,7 @@ class PrefillServer:
             role="prefill",
             address=self.address,
             incarnation=self.incarnation,
-            proof=self.gateway.registration_proof(self.incarnation),
+            proof=self.gateway.registration_proof(self.incarnation, "prefill"),
             block_size=bm.block_size,
             kv_blocks_total=bm.num_blocks,
             kv_blocks_free=bm.num_allocatable_blocks,

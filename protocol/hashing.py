@@ -1,7 +1,10 @@
 """Block hashes of a token sequence: the one function the gateway and every node agree on.
 
 A full block's hash chains its parent's, so equal hashes mean equal whole prefixes, not just equal
-blocks. blake2b (not Python's ``hash``) keeps hashes identical across processes and hosts.
+blocks. SHA-256 over the parent's 32 bytes and the block's tokens (as vLLM's ``sha256`` prefix-caching
+hash): identical across processes and hosts, and with 256 bits no tenant can craft a prompt whose block
+collides with another tenant's cached one (a 64-bit hash made that a feasible search). Hashes never
+cross a socket: the gateway and every worker compute them from the tokens, so all of them change together.
 
 A request's ``cache_salt`` (vLLM's field) replaces the first block's parent: every hash of a salted
 sequence differs from the unsalted one's and from any other salt's, so tenants that salt differently
@@ -18,10 +21,12 @@ from collections.abc import Sequence
 ROOT_HASH = 0  # parent hash of a sequence's first block
 
 
+HASH_BYTES = 32
+
+
 def hash_block(parent_hash: int, token_ids: Sequence[int]) -> int:
-    """64-bit hash of one full block, chained to the hash of the block before it."""
-    h = hashlib.blake2b(digest_size=8)
-    h.update(struct.pack("<Q", parent_hash))
+    """256-bit hash of one full block, chained to the hash of the block before it."""
+    h = hashlib.sha256(parent_hash.to_bytes(HASH_BYTES, "little"))
     h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
     return int.from_bytes(h.digest(), "little")
 
@@ -34,8 +39,7 @@ def root_hash(cache_salt: str = "", lora: str = "") -> int:
     seed = b"pdserve-cache-salt\0" + cache_salt.encode("utf-8")
     if lora:
         seed = b"pdserve-lora\0" + lora.encode("utf-8") + b"\0" + seed
-    h = hashlib.blake2b(seed, digest_size=8)
-    return int.from_bytes(h.digest(), "little")
+    return int.from_bytes(hashlib.sha256(seed).digest(), "little")
 
 
 def lora_identity(lora_name: str, lora_path: str, digest: str = "") -> str:

@@ -275,6 +275,7 @@ class Heartbeat:
     lora_set_gateway: str = ""
     lora_set_names: list[str] = field(default_factory=list)
     lora_set_paths: list[str] = field(default_factory=list)
+    lora_set_signature: str = ""  # the gateway's signature of that list, as received (LoRAAdapterSet)
     lora_errors: list[str] = field(default_factory=list)  # "name: why" of adapters in that list it could not load
 
     def __post_init__(self) -> None:
@@ -312,6 +313,9 @@ class LoRAAdapterSet:
     names: list[str]
     paths: list[str]  # directories on the worker's filesystem, one per name
     gateway_id: str = ""  # the gateway that made this list ("": the workers' config, version 0)
+    # Ed25519 by a gateway member key over the rest (hex; "" when insecure or version 0): workers carry
+    # the list between gateways but cannot make one (gateway/workers/lora_list.py)
+    signature: str = ""
 
     @property
     def stamp(self) -> tuple[int, str]:

@@ -105,7 +105,7 @@ def redis_url(tmp_path_factory):
 
     import redis
 
-    from cluster.serve import redis_server
+    from cluster.serve import redis_server, remove_redis_config
 
     argv, url = redis_server(max_mb=64)  # the one `pdserve serve --gateways N` starts, on a free loopback port
     proc = subprocess.Popen([*argv, "--dir", str(tmp_path_factory.mktemp("redis"))], stdout=subprocess.DEVNULL)
@@ -121,3 +121,4 @@ def redis_url(tmp_path_factory):
     yield url
     proc.terminate()
     proc.wait(timeout=10)
+    remove_redis_config(argv)

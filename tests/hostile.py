@@ -33,11 +33,15 @@ def key_holder(key_file: str) -> PlaneSecurity:
 
 
 def dealer(
-    ctx: zmq.Context, endpoint: str, security: PlaneSecurity | None = None, identity: bytes | None = None
+    ctx: zmq.Context,
+    endpoint: str,
+    security: PlaneSecurity | None = None,
+    identity: bytes | None = None,
+    server_role: str = "gateway",
 ) -> zmq.Socket:
     sock = make_socket(ctx, zmq.DEALER)
     if security is not None:
-        security.client(sock)
+        security.client(sock, server_role)
     if identity is not None:
         sock.setsockopt(zmq.IDENTITY, identity)
     sock.connect(endpoint)
@@ -55,7 +59,7 @@ def register(
 ) -> str:
     """Send a Heartbeat with a valid membership proof for ``security``'s key; returns the incarnation."""
     incarnation = uuid.uuid4().hex
-    proof = security.registration_proof(worker_id, incarnation)
+    proof = security.registration_proof(worker_id, incarnation, role)
     sock.send(encode(heartbeat(worker_id, role, address, incarnation, proof, draining)))
     return incarnation
 
@@ -174,7 +178,7 @@ class _RegisteredPrefill:
         next_heartbeat = 0.0
         while not self._stop.is_set():
             if time.monotonic() >= next_heartbeat:
-                proof = self.security.registration_proof(self.worker_id, self.incarnation)
+                proof = self.security.registration_proof(self.worker_id, self.incarnation, "prefill")
                 self.gateway.send(encode(heartbeat(self.worker_id, "prefill", self.address, self.incarnation, proof)))
                 next_heartbeat = time.monotonic() + 0.2
             if self.jobs is None:
@@ -208,11 +212,14 @@ class SilentPrefill(_RegisteredPrefill):
 
 class FakePrefill(_RegisteredPrefill):
     """A key holder registered as a prefill worker (its id sorts first: the router's tie-break picks it).
-    It writes the job's KV and commits a first token outside the vocabulary."""
+    It writes the job's KV (every value 7.0: wrong) and commits ``first_token`` (by
+    default outside the vocabulary; the right one makes the wrong KV pass the decode worker's check)."""
 
-    def __init__(self, ctx: zmq.Context, gateway: str, security: PlaneSecurity, block_size: int):
+    def __init__(
+        self, ctx: zmq.Context, gateway: str, security: PlaneSecurity, block_size: int, first_token: int = 10**9
+    ):
         super().__init__(ctx, gateway, security, "a-fake-prefill", identity=b"a-fake-prefill")
-        self.ctx, self.block_size = ctx, block_size
+        self.ctx, self.block_size, self.first_token = ctx, block_size, first_token
         self.events: list[TransferEvent] = []
         self._thread.start()
 
@@ -223,6 +230,6 @@ class FakePrefill(_RegisteredPrefill):
     def _poison(self, j: PrefillJob) -> None:
         sender = kv_sender(self.ctx, j.kv_address, self.security, self.block_size)
         sender.send(j.rid, j.generation, list(range(len(j.dst_block_ids))), j.dst_block_ids)
-        sender.commit(j.rid, j.generation, first_token=10**9)
+        sender.commit(j.rid, j.generation, first_token=self.first_token)
         self.events += drive(sender, lambda events: bool(events))
         sender.channel.close()

@@ -47,10 +47,11 @@ def forged_registrations(t: Target) -> int:
     plain = hostile.dealer(t.ctx, t.gateway)
     stranger = hostile.dealer(t.ctx, t.gateway, PlaneSecurity(ClusterKey.from_secret(os.urandom(32))))
     real = ClusterKey.from_file(t.key_file)
-    leaked = PlaneSecurity(ClusterKey(real.server_public, real.server_secret, os.urandom(32)))
+    forged_signers = {role: os.urandom(32) for role in real.signing_seeds}  # the server key but no signer
+    leaked = PlaneSecurity(ClusterKey("", real.server_secrets, forged_signers, real.public))
     outsider = hostile.dealer(t.ctx, t.gateway, leaked)
     incarnation = uuid.uuid4().hex
-    proof = hostile.key_holder(t.key_file).registration_proof("replayed", incarnation)
+    proof = hostile.key_holder(t.key_file).registration_proof("replayed", incarnation, "decode")
     thief = hostile.dealer(t.ctx, t.gateway, hostile.key_holder(t.key_file))
     for _ in range(5):  # a DEALER whose handshake never completes has no peer to queue for: it refuses
         for sock, worker_id in ((plain, "rogue-plain"), (stranger, "rogue-stranger")):

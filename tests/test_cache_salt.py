@@ -1,6 +1,6 @@
 """cache_salt (vLLM's per-request field) keeps tenants' prefix caches apart: it enters the first block's
 hash, the same function in gateway and nodes, so differently salted requests never share prefix KV.
-Exact hashes are computed here from the definition (blake2b, 8 bytes, little-endian, chained)."""
+Exact hashes are computed here from the definition (SHA-256, 32 bytes, little-endian, chained)."""
 
 from __future__ import annotations
 
@@ -20,15 +20,16 @@ from tests.invariants import assert_no_leak
 HEADERS = {"Authorization": f"Bearer {API_KEYS[0]}"}
 
 
-def blake(data: bytes) -> int:
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+def sha(data: bytes) -> int:
+    return int.from_bytes(hashlib.sha256(data).digest(), "little")
 
 
 def expected_hashes(tokens: list[int], block_size: int, salt: str) -> list[int]:
-    parent = blake(b"pdserve-cache-salt\0" + salt.encode()) if salt else ROOT_HASH
+    parent = sha(b"pdserve-cache-salt\0" + salt.encode()) if salt else ROOT_HASH
     out = []
     for start in range(0, len(tokens) - block_size + 1, block_size):
-        parent = blake(struct.pack("<Q", parent) + struct.pack(f"<{block_size}q", *tokens[start : start + block_size]))
+        block = struct.pack(f"<{block_size}q", *tokens[start : start + block_size])
+        parent = sha(parent.to_bytes(32, "little") + block)
         out.append(parent)
     return out
 
@@ -132,3 +133,26 @@ def test_a_bad_cache_salt_is_a_400(live, backend, salt, message):
     assert r.status_code == 400
     assert r.json()["error"]["message"] == message and r.json()["error"]["param"] == "cache_salt"
     assert backend.received == []
+
+
+def test_a_salt_per_api_key_keeps_keys_apart_and_each_keys_prefixes_shared(tok_dir):
+    """gateway.cache_salt_per_api_key: the same prompt under another key is no hit (nor a timing probe);
+    under the same key it is, with and without a request salt of its own (each kept apart)."""
+    body = {"prompt": list(range(40, 60)), "max_tokens": 1}
+    with live_gateway(tok_dir, max_model_len=128, limits_given={"cache_salt_per_api_key": True}) as live:
+
+        def cached(key: str, extra: dict | None = None) -> int:
+            headers = {"Authorization": f"Bearer {key}"}
+            r = httpx.post(
+                live.base_url + "/v1/completions", json={"model": MODEL, **body, **(extra or {})}, headers=headers
+            )
+            assert r.status_code == 200, r.text
+            return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+        assert cached(API_KEYS[0]) == 0
+        assert cached(API_KEYS[1]) == 0  # another key: nothing shared
+        assert cached(API_KEYS[0]) > 0  # its own key: a hit
+        assert cached(API_KEYS[0], {"cache_salt": "x"}) == 0  # its own salt on top: apart again
+        salts = [r.sampling.cache_salt for r in live.backend.received]
+        assert salts[0] == salts[2] and len({salts[0], salts[1], salts[3]}) == 3
+        assert all(len(s) == 64 and API_KEYS[0] not in s for s in salts)  # a digest, never the key

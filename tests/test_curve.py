@@ -47,13 +47,14 @@ def test_no_key_refuses_unless_explicitly_insecure(tmp_path):
 def test_proof_binds_key_worker_and_incarnation():
     key = ClusterKey.from_secret(bytes(range(32)))
     a, b = PlaneSecurity(key), PlaneSecurity(key)
-    proof = a.registration_proof("decode-0", "inc-1")
-    assert key.verify_registration(a.client_public, "decode-0", "inc-1", proof)
-    assert not key.verify_registration(b.client_public, "decode-0", "inc-1", proof)  # replayed from another key
-    assert not key.verify_registration(a.client_public, "decode-1", "inc-1", proof)
-    assert not key.verify_registration(a.client_public, "decode-0", "inc-2", proof)
+    proof = a.registration_proof("decode-0", "inc-1", "decode")
+    assert key.verify_registration(a.client_public, "decode", "decode-0", "inc-1", proof)
+    assert not key.verify_registration(b.client_public, "decode", "decode-0", "inc-1", proof)  # from another key
+    assert not key.verify_registration(a.client_public, "decode", "decode-1", "inc-1", proof)
+    assert not key.verify_registration(a.client_public, "decode", "decode-0", "inc-2", proof)
+    assert not key.verify_registration(a.client_public, "prefill", "decode-0", "inc-1", proof)  # the role is signed
     other = ClusterKey.from_secret(bytes(32))
-    assert not other.verify_registration(a.client_public, "decode-0", "inc-1", proof)
+    assert not other.verify_registration(a.client_public, "decode", "decode-0", "inc-1", proof)
 
 
 def test_curve_sockets_carry_the_client_key_and_shut_out_other_keys():

@@ -202,10 +202,10 @@ def test_every_overlay_the_docs_name_is_one_kustomize_renders():
     assert not (DEPLOY / "k8s" / "kustomization.yaml").exists()  # the overlays' parent is no kustomize root
 
 
-def test_every_role_reads_the_cluster_key_from_its_secret_and_none_runs_insecure():
-    """The worker plane is CurveZMQ-authenticated (docs/security.md): each gateway, prefill and decode pod
-    mounts the operator's Secret read-only where PDSERVE_TRANSFER_CLUSTER_KEY_FILE points; no manifest
-    carries a key or turns authentication off."""
+def test_every_role_reads_only_its_own_credential_from_its_secret_and_none_runs_insecure():
+    """The worker plane is CurveZMQ-authenticated with a credential per role (docs/security.md): each
+    gateway, prefill and decode pod mounts its own role's Secret (its key and roles.pub) read-only where
+    PDSERVE_TRANSFER_CLUSTER_KEY_FILE points; no manifest carries a key or turns authentication off."""
     for overlay, rendered in OVERLAYS.items():
         for role in ("gateway", "prefill", "decode"):
             pod = one(rendered, "Deployment", f"pdserve-{role}")["spec"]["template"]["spec"]
@@ -215,10 +215,10 @@ def test_every_role_reads_the_cluster_key_from_its_secret_and_none_runs_insecure
             [mount] = [m for m in container["volumeMounts"] if m["mountPath"] == str(key_file.parent)]
             assert mount["readOnly"] is True, (overlay, role)
             [volume] = [v for v in pod["volumes"] if v["name"] == mount["name"]]
-            # the file name is the Secret's key: `kubectl create secret generic --from-file=cluster.key`
-            assert volume["secret"] == {"secretName": "pdserve-cluster-key", "defaultMode": 0o400}, (overlay, role)
+            # the file name is the Secret's key: `kubectl create secret generic --from-file=keys/<role>.key`
+            assert volume["secret"] == {"secretName": f"pdserve-{role}-key", "defaultMode": 0o400}, (overlay, role)
             assert (
-                key_file.name == "cluster.key" and pod["securityContext"]["fsGroup"] == 10001
+                key_file.name == f"{role}.key" and pod["securityContext"]["fsGroup"] == 10001
             )  # group-readable by uid 10001
         assert not [d for d in rendered if d["kind"] == "Secret"], overlay  # the operator creates Secrets
     manifests = [*DEPLOY.glob("k8s/**/*.yaml"), *DEPLOY.glob("**/compose*.yaml")]
@@ -230,13 +230,46 @@ def test_every_role_reads_the_cluster_key_from_its_secret_and_none_runs_insecure
 def test_network_policy_keeps_worker_ports_to_pdserve_pods():
     policy = one(OVERLAYS["cpu"], "NetworkPolicy", "pdserve-worker-plane")["spec"]
     pdserve = {"matchLabels": {"app.kubernetes.io/name": "pdserve"}}
-    assert policy["podSelector"] == pdserve and policy["policyTypes"] == ["Ingress"]
+    not_redis = {"key": "app.kubernetes.io/component", "operator": "NotIn", "values": ["responses-store"]}
+    assert policy["podSelector"] == {**pdserve, "matchExpressions": [not_redis]}
+    assert policy["policyTypes"] == ["Ingress"]
     from_pods, open_ports = policy["ingress"]
     assert from_pods == {"from": [{"podSelector": pdserve}]}
     opened = {p["port"] for p in open_ports["ports"]}
     assert opened == {PRESET.gateway.port, PRESET.prefill.http_port, PRESET.decode.http_port}
     worker_plane = {PRESET.gateway.worker_port, PRESET.prefill.port, PRESET.decode.port, PRESET.decode.kv_port}
     assert not opened & worker_plane
+
+
+def test_only_gateway_pods_reach_redis():
+    """A worker pod (compromised or not) cannot read the Responses store: Redis takes connections from
+    gateway pods only, on its port only, and no other policy opens it (NetworkPolicies add up)."""
+    redis_labels = one(OVERLAYS["cpu"], "Deployment", "pdserve-redis")["spec"]["template"]["metadata"]["labels"]
+    gateway_labels = one(OVERLAYS["cpu"], "Deployment", "pdserve-gateway")["spec"]["template"]["metadata"]["labels"]
+    policy = one(OVERLAYS["cpu"], "NetworkPolicy", "pdserve-redis")["spec"]
+    assert policy["podSelector"] == {"matchLabels": redis_labels} and policy["policyTypes"] == ["Ingress"]
+    [rule] = policy["ingress"]
+    assert rule["from"] == [{"podSelector": {"matchLabels": gateway_labels}}]
+    assert rule["ports"] == [{"port": 6379, "protocol": "TCP"}]
+    others = [d for d in OVERLAYS["cpu"] if d["kind"] == "NetworkPolicy" and d["metadata"]["name"] != "pdserve-redis"]
+    for other in others:  # each leaves the responses-store pods out
+        assert {"key": "app.kubernetes.io/component", "operator": "NotIn", "values": ["responses-store"]} in other[
+            "spec"
+        ]["podSelector"].get("matchExpressions", []), other["metadata"]["name"]
+
+
+def test_compose_replicas_publish_on_loopback_and_need_an_api_key_and_a_redis_password():
+    text = (DEPLOY / "lb" / "compose.replicas.yaml").read_text().replace("!reset ", "")
+    services = yaml.safe_load(text)["services"]
+    assert services["lb"]["ports"] == ["${PDSERVE_PUBLISH_HOST:-127.0.0.1}:${PDSERVE_PORT:-8000}:8000"]
+    env = services["gateway"]["environment"]
+    assert env["PDSERVE_GATEWAY_API_KEYS"].startswith("${PDSERVE_API_KEY:?")  # compose refuses to start without
+    assert env["PDSERVE_GATEWAY_RESPONSES_STORE_URL"].startswith("redis://:${PDSERVE_REDIS_PASSWORD:?")
+    redis = services["redis"]
+    assert redis["environment"]["REDIS_PASSWORD"].startswith("${PDSERVE_REDIS_PASSWORD:?")
+    command = redis["command"][2]
+    assert "--protected-mode yes" in command and "requirepass" in command and "redis-server -" in command
+    assert "PASSWORD" not in command.split("redis-server", 1)[1]  # on stdin, never on its command line
 
 
 def test_compose_workers_scale_without_edits():
@@ -314,7 +347,14 @@ def test_kubernetes_probes_ports_and_grace_periods():
                 "secretKeyRef": {"name": "pdserve-api-keys", "key": "keys"}
             }
             # replicas share their Responses store in Redis, so a conversation goes on at any of them
-            assert env["PDSERVE_GATEWAY_RESPONSES_STORE_URL"]["value"] == "redis://pdserve-redis:6379/0"
+            # with the password of the Secret pdserve-redis (the kubelet expands $(NAME) of an earlier variable)
+            names = [e["name"] for e in container["env"]]
+            assert env["PDSERVE_REDIS_PASSWORD"]["valueFrom"] == {
+                "secretKeyRef": {"name": "pdserve-redis", "key": "password"}
+            }
+            assert names.index("PDSERVE_REDIS_PASSWORD") < names.index("PDSERVE_GATEWAY_RESPONSES_STORE_URL")
+            url = env["PDSERVE_GATEWAY_RESPONSES_STORE_URL"]["value"]
+            assert url == "redis://:$(PDSERVE_REDIS_PASSWORD)@pdserve-redis:6379/0"
         else:  # every gateway replica: the headless worker-plane Service has one A record per gateway pod
             assert env[f"PDSERVE_{role.upper()}_GATEWAY_ADDRESS"]["value"] == "tcp://pdserve-gateway-workers:8001"
     hpa = one(OVERLAYS["cpu"], "HorizontalPodAutoscaler", "pdserve-gateway")["spec"]

@@ -126,13 +126,23 @@ def test_token_id_out_of_vocab(client):
         ({"5": 100.5}, "logit_bias[5] must be a number in [-100, 100], got 100.5"),
         ({"5": "up"}, "logit_bias[5] must be a number in [-100, 100], got 'up'"),
         ({"5": 1, "1000000": 1}, "logit_bias token id 1000000 is out of range [0, "),
+        ({"9" * 20: 1}, "logit_bias keys must be token ids"),  # more digits than an int64 has
     ],
 )
-def test_bad_logit_bias_is_400_naming_it(client, backend, value, message):
+def test_bad_logit_bias_is_400_naming_it(client, backend, value, message, caplog):
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=MODEL, prompt="Hello", max_tokens=1, logit_bias=value)
     err = _error(info.value)
-    assert err["param"] == "logit_bias" and message in err["message"]
+    assert err["param"] == "logit_bias" and message in err["message"] and len(err["message"]) < 400
+    assert backend.received == []
+    assert not [r for r in caplog.records if r.exc_info], "a bad logit_bias logged a traceback"
+
+
+def test_a_stop_string_longer_than_the_bound_is_400(client, backend):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="Hello", max_tokens=1, stop=["x" * 1025])
+    err = _error(info.value)
+    assert err["param"] == "stop" and "at most 1024 characters, got 1025" in err["message"]
     assert backend.received == []
 
 
@@ -259,3 +269,20 @@ def test_deadline_ends_a_slow_request_and_aborts_it(client, backend):
     assert "timed out after 1.0 s" in _error(info.value)["message"]
     assert backend.aborted == [backend.received[0].request_id]
     assert backend.received[0].deadline == pytest.approx(backend.received[0].arrival_time + 1.0)
+
+
+@pytest.mark.parametrize(
+    "tools, message",
+    [
+        (
+            [{"type": "function", "function": {"name": "n" * 65, "parameters": {}}}],
+            "tools[0].function.name may have at most 64 characters, got 65",
+        ),
+    ],
+)
+def test_tool_definitions_beyond_openais_bounds_are_400(client, backend, tools, message):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], tools=tools)
+    err = _error(info.value)
+    assert err["param"] == "tools" and err["message"] == message
+    assert backend.received == []

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import sys
 import tempfile
@@ -139,7 +140,8 @@ def container_env(
         env.update(configmaps[source["configMapRef"]["name"]])
     for var in container.get("env", []):
         if "value" in var:
-            env[var["name"]] = var["value"]
+            # $(NAME) of a variable defined before it, as the kubelet expands it (dependent variables)
+            env[var["name"]] = re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), var["value"])
             for mount_path, folder in mounts.items():  # a file on a Secret volume (mount_secrets)
                 if var["value"].startswith(mount_path.rstrip("/") + "/"):
                     env[var["name"]] = folder + var["value"][len(mount_path.rstrip("/")) :]
@@ -179,8 +181,14 @@ def test_pods_start_as_the_manifests_say_register_with_every_gateway_and_serve(t
     # the operator's one setting for a real model (docs/deploy.md); here the test's small checkpoint
     configmaps["pdserve-env"]["PDSERVE_MODEL_PATH"] = model
     secrets_ = operated.secrets  # the Secrets as `kubectl create secret generic` made them
-    assert sorted(secrets_) == ["pdserve-api-keys", "pdserve-cluster-key"]
-    assert not list(keys.iterdir())  # the docs' `rm cluster.key` ran: the key lives in the Secret only
+    assert sorted(secrets_) == [
+        "pdserve-api-keys",
+        "pdserve-decode-key",
+        "pdserve-gateway-key",
+        "pdserve-prefill-key",
+        "pdserve-redis",
+    ]
+    assert not list(keys.iterdir())  # the docs' `rm -r keys` ran: the credentials live in the Secrets only
     api_key = secrets_["pdserve-api-keys"]["keys"]
     assert set(deployments) == set(FIRST_INDEX)
     assert deployments["pdserve-gateway"]["spec"]["replicas"] == 2

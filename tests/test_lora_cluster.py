@@ -26,6 +26,8 @@ from tests.test_lora_engine import broken_copy, wrong_shape
 FAMILY = "llama"
 BLOCK = 16
 NEW_TOKENS = 10
+ADMIN_KEY = "admin-test-key"
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +37,8 @@ def cluster(tmp_path_factory):
         tiny_model_dir(FAMILY),
         tmp_path_factory.mktemp("lora-cluster"),
         engine={"block_size": BLOCK, "prefill_chunk_size": 24, "kv_cache_memory_mb": 8},
-        gateway={"local_prefill_max_tokens": 0},  # every uncached prompt goes through the prefill worker
+        # every uncached prompt goes through the prefill worker; runtime LoRA changes need the admin key
+        gateway={"local_prefill_max_tokens": 0, "admin_api_keys": [ADMIN_KEY]},
         # one device slot for two (then three) adapters: every mixed batch pages them in and out
         lora={"enable_lora": True, "lora_modules": modules, "max_loras": 1, "max_cpu_loras": 2, "max_lora_rank": 8},
     )
@@ -63,7 +66,7 @@ def complete(client, model: str, prompt: list[int]):
 
 
 def unload(cluster, name: str) -> httpx.Response:
-    return httpx.post(f"{cluster.url}/v1/unload_lora_adapter", json={"lora_name": name}, timeout=120)
+    return httpx.post(f"{cluster.url}/v1/unload_lora_adapter", headers=ADMIN, json={"lora_name": name}, timeout=120)
 
 
 def base_name() -> str:
@@ -108,8 +111,19 @@ def test_unknown_model_is_a_404_naming_it(cluster) -> None:
 
 def test_load_and_unload_at_run_time(cluster, client) -> None:
     prompt = prompt_of(30, seed=7)
+    body = {"lora_name": "gamma", "lora_path": str(tiny_adapter_dir("alpha", FAMILY))}
+    for headers in ({}, {"Authorization": "Bearer not-the-admin"}):  # an ordinary caller changes nothing
+        refused = httpx.post(f"{cluster.url}/v1/load_lora_adapter", headers=headers, json=body, timeout=120)
+        assert refused.status_code == 403 and refused.json()["error"]["type"] == "permission_error"
+        assert "needs an admin API key" in refused.json()["error"]["message"]
+        gone = httpx.post(f"{cluster.url}/v1/unload_lora_adapter", headers=headers, json={"lora_name": "alpha"})
+        assert gone.status_code == 403
+    assert {"alpha", "beta"} <= {m.id for m in client.models.list().data} and "gamma" not in {
+        m.id for m in client.models.list().data
+    }
     r = httpx.post(
         f"{cluster.url}/v1/load_lora_adapter",
+        headers=ADMIN,
         timeout=120,
         json={"lora_name": "gamma", "lora_path": str(tiny_adapter_dir("alpha", FAMILY))},
     )
@@ -119,20 +133,23 @@ def test_load_and_unload_at_run_time(cluster, client) -> None:
     assert all("gamma" in w["lora_names"] for w in cluster.workers()), cluster.workers()  # both pools
     expected = text_of(peft_greedy(FAMILY, "alpha", [prompt], NEW_TOKENS)[0])  # gamma holds alpha's weights
     assert complete(client, "gamma", prompt).choices[0].text == expected
-    again = httpx.post(f"{cluster.url}/v1/load_lora_adapter", json={"lora_name": "gamma", "lora_path": "/x"})
+    again = httpx.post(
+        f"{cluster.url}/v1/load_lora_adapter", headers=ADMIN, json={"lora_name": "gamma", "lora_path": "/x"}
+    )
     assert again.status_code == 400 and "already been loaded" in again.json()["error"]["message"]
 
-    r = httpx.post(f"{cluster.url}/v1/unload_lora_adapter", json={"lora_name": "gamma"}, timeout=120)
+    r = httpx.post(f"{cluster.url}/v1/unload_lora_adapter", headers=ADMIN, json={"lora_name": "gamma"}, timeout=120)
     assert r.status_code == 200 and r.text == "Success: LoRA adapter 'gamma' removed successfully."
     assert "gamma" not in {m.id for m in client.models.list().data}
     with pytest.raises(openai.NotFoundError):
         complete(client, "gamma", prompt)
-    gone = httpx.post(f"{cluster.url}/v1/unload_lora_adapter", json={"lora_name": "gamma"})
+    gone = httpx.post(f"{cluster.url}/v1/unload_lora_adapter", headers=ADMIN, json={"lora_name": "gamma"})
     assert gone.status_code == 404 and gone.json()["error"]["message"] == "The lora adapter 'gamma' cannot be found."
 
     # gamma again, now from beta's directory: none of the old gamma's KV is reused, beta's tokens come out
     r = httpx.post(
         f"{cluster.url}/v1/load_lora_adapter",
+        headers=ADMIN,
         timeout=120,
         json={"lora_name": "gamma", "lora_path": str(tiny_adapter_dir("beta", FAMILY))},
     )
@@ -152,10 +169,13 @@ def test_load_and_unload_under_traffic_leave_other_requests_exact(cluster, clien
         answers = pool.map(lambda job: complete(client, models[job[0]], prompts[job[1]]), jobs)
         for _ in range(2):  # the adapter list changes on every worker while those run
             body = {"lora_name": "epsilon", "lora_path": str(tiny_adapter_dir("beta", FAMILY))}
-            assert httpx.post(f"{cluster.url}/v1/load_lora_adapter", json=body, timeout=120).status_code == 200
+            assert (
+                httpx.post(f"{cluster.url}/v1/load_lora_adapter", headers=ADMIN, json=body, timeout=120).status_code
+                == 200
+            )
             assert (
                 httpx.post(
-                    f"{cluster.url}/v1/unload_lora_adapter", json={"lora_name": "epsilon"}, timeout=120
+                    f"{cluster.url}/v1/unload_lora_adapter", headers=ADMIN, json={"lora_name": "epsilon"}, timeout=120
                 ).status_code
                 == 200
             )
@@ -166,6 +186,7 @@ def test_load_and_unload_under_traffic_leave_other_requests_exact(cluster, clien
 def test_a_worker_that_joins_later_gets_the_adapters_loaded_at_run_time(cluster, client) -> None:
     r = httpx.post(
         f"{cluster.url}/v1/load_lora_adapter",
+        headers=ADMIN,
         timeout=120,
         json={"lora_name": "delta", "lora_path": str(tiny_adapter_dir("beta", FAMILY))},
     )
@@ -203,7 +224,9 @@ def test_bad_adapter_at_run_time_is_a_400_and_the_server_keeps_serving(cluster, 
         path = broken_copy("alpha", rank_16)
     elif path == "wrong_shape":
         path = broken_copy("alpha", wrong_shape)
-    r = httpx.post(f"{cluster.url}/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": path}, timeout=120)
+    r = httpx.post(
+        f"{cluster.url}/v1/load_lora_adapter", headers=ADMIN, json={"lora_name": "bad", "lora_path": path}, timeout=120
+    )
     assert r.status_code == 400, r.text
     assert message in r.json()["error"]["message"]
     assert "bad" not in {m.id for m in client.models.list().data}
@@ -245,7 +268,7 @@ def test_bad_adapter_at_start_up_stops_serve_with_the_adapter_named(tmp_path) ->
 
 def test_unloading_an_adapter_its_running_requests_use_lets_them_finish_exactly(cluster) -> None:
     body = {"lora_name": "theta", "lora_path": str(tiny_adapter_dir("alpha", FAMILY))}
-    assert httpx.post(f"{cluster.url}/v1/load_lora_adapter", json=body, timeout=120).status_code == 200
+    assert httpx.post(f"{cluster.url}/v1/load_lora_adapter", headers=ADMIN, json=body, timeout=120).status_code == 200
     prompt, length = prompt_of(20, seed=70), 160
     stream = RawStream(
         cluster.url, {"model": "theta", "prompt": prompt, "max_tokens": length, "temperature": 0.0, "ignore_eos": True}
@@ -265,14 +288,14 @@ def test_an_adapter_directory_rewritten_and_loaded_again_serves_the_new_weights_
     shutil.copytree(tiny_adapter_dir("alpha", FAMILY), path)
     prompt = prompt_of(40, seed=71)  # two full blocks of 16: cached under the first zeta
     body = {"lora_name": "zeta", "lora_path": str(path)}
-    assert httpx.post(f"{cluster.url}/v1/load_lora_adapter", json=body, timeout=120).status_code == 200
+    assert httpx.post(f"{cluster.url}/v1/load_lora_adapter", headers=ADMIN, json=body, timeout=120).status_code == 200
     expected = {n: text_of(peft_greedy(FAMILY, n, [prompt], NEW_TOKENS)[0]) for n in ("alpha", "beta")}
     assert complete(client, "zeta", prompt).choices[0].text == expected["alpha"]
     assert complete(client, "zeta", prompt).usage.prompt_tokens_details.cached_tokens == 32
     assert unload(cluster, "zeta").status_code == 200
     for file in ("adapter_config.json", "adapter_model.safetensors"):  # in place: same directory, same names
         (path / file).write_bytes((tiny_adapter_dir("beta", FAMILY) / file).read_bytes())
-    assert httpx.post(f"{cluster.url}/v1/load_lora_adapter", json=body, timeout=120).status_code == 200
+    assert httpx.post(f"{cluster.url}/v1/load_lora_adapter", headers=ADMIN, json=body, timeout=120).status_code == 200
     again = complete(client, "zeta", prompt)
     assert again.usage.prompt_tokens_details.cached_tokens == 0  # none of the old weights' KV
     assert again.choices[0].text == expected["beta"]

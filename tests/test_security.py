@@ -108,9 +108,9 @@ def test_every_protected_route_needs_a_key(cluster):
             response = call(cluster, method, path, auth, stored)
             if path.endswith("/cancel"):  # past the key: only background responses can be cancelled
                 assert response.status_code == 400 and "Only background" in response.json()["error"]["message"]
-            elif path.endswith("load_lora_adapter"):  # past the key: this server runs without --enable-lora
-                assert response.status_code in (400, 404), response.text
-                assert "not enabled" in response.text or "cannot be found" in response.text
+            elif path.endswith("load_lora_adapter"):  # past the key: runtime LoRA changes need an admin key
+                assert response.status_code == 403, response.text
+                assert "runtime LoRA adapter changes are off" in response.json()["error"]["message"]
             else:
                 assert response.status_code == 200, (method, path, response.text)
 

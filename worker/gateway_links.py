@@ -102,6 +102,15 @@ class GatewayLinks:
         """What every gateway sent since the last call (acks are taken by the links)."""
         return [record for link in list(self._links.values()) for record in link.poll()]
 
+    def poll_from(self) -> list[tuple[str, object]]:
+        """What every gateway sent, each record with the id its link's gateway acked ("" before one)."""
+        return [(link.gateway_id, record) for link in list(self._links.values()) for record in link.poll()]
+
+    def may_abort(self, sender: str, owner: str) -> bool:
+        """Whether the gateway acked as ``sender`` may abort a request ``owner`` sent: only the owner, once
+        a link has acked it; a request from a gateway no link acked (a test's) is any link's to abort."""
+        return sender == owner or owner not in self.gateway_ids()
+
     def send(self, gateway_id: str, record) -> bool:
         """To the gateway with ``gateway_id``. An id no link has acked (yet, or ever: a test's gateway)
         goes to every link not acked yet; a gateway drops records of requests it does not know."""
@@ -111,9 +120,9 @@ class GatewayLinks:
         unacked = [link for link in self._links.values() if not link.gateway_id]
         return any([link.send(record) for link in unacked])
 
-    def registration_proof(self, incarnation: str) -> str:
+    def registration_proof(self, incarnation: str, role: str) -> str:
         """What the Heartbeat's ``proof`` carries (protocol/curve.py): the same over every link."""
-        return self.security.registration_proof(self._worker_id, incarnation)
+        return self.security.registration_proof(self._worker_id, incarnation, role)
 
     def broadcast(self, record) -> None:
         """To every gateway: heartbeats, goodbye."""

@@ -65,7 +65,7 @@ class WorkerSocket:
 
     def _connect(self) -> zmq.Socket:
         sock = make_socket(self._ctx, zmq.DEALER, hwm=self._hwm, max_msg_size=MAX_FRAME_BYTES)
-        self.security.client(sock)
+        self.security.client(sock, "gateway")
         sock.setsockopt(zmq.IDENTITY, self.worker_id.encode())
         if self.address.startswith("tcp://["):
             sock.setsockopt(zmq.IPV6, 1)
@@ -84,10 +84,10 @@ class WorkerSocket:
         """The gateway went silent: wait for its ack again on the same connection."""
         self.gateway_id = ""
 
-    def registration_proof(self, incarnation: str) -> str:
+    def registration_proof(self, incarnation: str, role: str) -> str:
         """What the Heartbeat's ``proof`` carries (protocol/curve.py)."""
         if incarnation not in self._proofs:
-            self._proofs[incarnation] = self.security.registration_proof(self.worker_id, incarnation)
+            self._proofs[incarnation] = self.security.registration_proof(self.worker_id, incarnation, role)
         return self._proofs[incarnation]
 
     def send(self, record) -> bool:

@@ -64,6 +64,7 @@ class LoRASync:
             "lora_set_gateway": self.held.gateway_id,
             "lora_set_names": list(self.held.names),
             "lora_set_paths": list(self.held.paths),
+            "lora_set_signature": self.held.signature,  # a worker carries the gateway's list; it cannot make one
             "lora_errors": list(self.errors),
         }
         if self.manager is not None:

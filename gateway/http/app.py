@@ -40,6 +40,7 @@ from gateway.workers.backend import Backend
 from gateway.workers.registry import WorkerRegistry
 from telemetry.tracing import NO_TRACING, Tracer
 
+from .admin import AdminGate
 from .auth import ApiKeys
 from .errors import APIError, bad_request
 from .openapi import openapi_spec
@@ -57,6 +58,7 @@ class GatewayParams:
     backend: Backend
     limits: ServingLimits  # model name, context length, admission limit, Retry-After
     api_keys: list[str] = field(default_factory=list)  # empty: no authentication
+    admin_api_keys: list[str] = field(default_factory=list)  # runtime LoRA load/unload; empty: off (admin.py)
     max_body_bytes: int = 1 << 20
     registry: WorkerRegistry | None = None  # shown at /v1/workers
     metrics: GatewayMetrics | None = None  # shared with the backend's pool gauges; None: made for limits' model
@@ -123,6 +125,7 @@ def build_app(params: GatewayParams) -> Starlette:
         params.lora_adapters,
     )
     keys = ApiKeys(params.api_keys)
+    admin = AdminGate(params.admin_api_keys)
     metrics.stored_responses.set_function(lambda: len(serving.store))
     metrics.stored_responses_bytes.set_function(lambda: serving.store.num_bytes)
     metrics.background_responses.set_function(lambda: len(serving.background))
@@ -181,7 +184,7 @@ def build_app(params: GatewayParams) -> Starlette:
 
     async def load_lora_adapter(request: Request):
         """vLLM's runtime route: {"lora_name", "lora_path"}; every worker loads it before the answer."""
-        authorize(request)
+        admin.authorize(request, authorize)
         body = await read_json(request, params.max_body_bytes)
         if not isinstance(body, dict):
             raise bad_request("request body must be a JSON object")
@@ -198,7 +201,7 @@ def build_app(params: GatewayParams) -> Starlette:
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
     async def unload_lora_adapter(request: Request):
-        authorize(request)
+        admin.authorize(request, authorize)
         body = await read_json(request, params.max_body_bytes)
         if not isinstance(body, dict):
             raise bad_request("request body must be a JSON object")

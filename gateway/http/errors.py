@@ -11,6 +11,7 @@ MAX_MESSAGE_CHARS = 1000  # a client-controlled value quoted in a message cannot
 _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
+    403: "permission_error",
     404: "invalid_request_error",
     413: "invalid_request_error",
     500: "internal_error",

@@ -9,6 +9,9 @@ from .errors import bad_request
 
 _MISSING = object()
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+_INT64_DIGITS = len(str(_INT64_MAX))  # 19: a longer key is refused before int() (which raises past 4300 digits)
+MAX_STOP_CHARS = 1024  # per stop string: the detokenizer holds back that much text while it matches
+MAX_LOGIT_BIAS_KEYS = 1024  # far above any real use; bounds the per-request table the sampler builds
 
 
 def _is_int(v: Any) -> bool:
@@ -76,6 +79,9 @@ class Fields:
             raise bad_request(f"{name} must be a string or a list of at most {max_count} strings", name)
         if any(s == "" for s in v):
             raise bad_request(f"{name} must not contain an empty string", name)
+        longest = max((len(s) for s in v), default=0)
+        if longest > MAX_STOP_CHARS:
+            raise bad_request(f"{name} strings may have at most {MAX_STOP_CHARS} characters, got {longest}", name)
         return v
 
     def token_ids(self, name: str) -> list[int]:
@@ -89,9 +95,12 @@ class Fields:
         v = self.raw(name, {})
         if not isinstance(v, dict):
             raise bad_request(f"{name} must be an object mapping token ids to numbers, got {_show(v)}", name)
+        if len(v) > MAX_LOGIT_BIAS_KEYS:
+            raise bad_request(f"{name} may bias at most {MAX_LOGIT_BIAS_KEYS} tokens, got {len(v)}", name)
         out = {}
         for key, bias in v.items():
-            if not (key.isascii() and key.isdigit() and int(key) <= _INT64_MAX):
+            short = len(key) <= _INT64_DIGITS
+            if not (short and key.isascii() and key.isdigit() and int(key) <= _INT64_MAX):
                 raise bad_request(f"{name} keys must be token ids (non-negative integers), got {_show(key)}", name)
             if not _is_number(bias) or abs(bias) > max_bias:
                 raise bad_request(

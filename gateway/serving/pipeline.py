@@ -41,10 +41,12 @@ from gateway.dialects.openai.request import ParsedRequest, resolve_max_tokens, t
 from gateway.dialects.responses.background import BackgroundResponses
 from gateway.dialects.responses.conversation_fit import fit_conversation
 from gateway.dialects.responses.store import ResponseStore
+from gateway.dialects.responses.tenants import TenantStore, tenant_of
 from gateway.http.errors import APIError, bad_request, no_capacity
 from gateway.http.request_id import HEADER as REQUEST_ID_HEADER
 from gateway.http.sse import EventStreamResponse, wait_for_disconnect
 from gateway.metrics import GatewayMetrics
+from gateway.serving.key_salt import api_key_of, salt_for_key
 from gateway.text.chat_output import ChatParsers, ChatShape
 from gateway.text.reasoning import PARSERS as REASONING_PARSERS
 from gateway.text.tokenizer import ChatTemplateError, Tokenizer
@@ -69,6 +71,7 @@ class ServingLimits:
     request_timeout_s: float | None = None  # becomes each backend request's deadline
     max_prompt_logprobs_entries: int = 262144  # gateway.max_prompt_logprobs_entries
     sse_keepalive_s: float | None = 15.0  # gateway.sse_keepalive_s; None: no keep-alive comments
+    cache_salt_per_api_key: bool = False  # gateway.cache_salt_per_api_key: tenants share no prefix KV
 
 
 class Serving:
@@ -105,7 +108,8 @@ class Serving:
         and answered by the dialect's output builder."""
         trace = self._trace(request)
         try:
-            asked = dialect.parse(body, ParseContext(self._parsers.tool_calls, self.store))
+            store = TenantStore(self.store, tenant_of(request.headers.get("authorization")))  # its own responses
+            asked = dialect.parse(body, ParseContext(self._parsers.tool_calls, store))
             return await self._serve(request, asked, dialect, trace)
         except BaseException as e:  # refused before it began (a 400, 404, 503), or the client left: the span ends
             if trace is not None:
@@ -183,6 +187,8 @@ class Serving:
         lora_name = self.check_model(p.model)
         p.sampling["lora_name"] = lora_name  # into every SamplingSpec of the request: the workers run it
         p.sampling["lora_path"] = self.adapters.paths.get(lora_name, "")
+        if self._limits.cache_salt_per_api_key:  # key_salt.py: no prefix KV shared across API keys
+            p.sampling["cache_salt"] = salt_for_key(api_key_of(request.headers), p.sampling.get("cache_salt", ""))
         if self.num_in_flight >= self._limits.max_concurrent_requests or not self._backend.has_capacity():
             self._metrics.requests.labels("rejected").inc()
             raise no_capacity(self._limits.retry_after_s)

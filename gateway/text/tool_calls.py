@@ -90,6 +90,10 @@ def parse_tool_choice(f: Fields, tools: list[dict] | None, auto_parser: str | No
     return ToolChoice(tools, name)
 
 
+MAX_TOOLS = 128  # OpenAI's limit on one request's tools: every prompt renders all of them
+MAX_TOOL_NAME_CHARS = 64  # OpenAI's limit on a function name
+
+
 def parse_tools(tools) -> list[dict] | None:
     if tools is not None and not (isinstance(tools, list) and tools and all(_is_tool(t) for t in tools)):
         raise bad_request(
@@ -97,6 +101,15 @@ def parse_tools(tools) -> list[dict] | None:
             'string, "parameters": JSON schema object}}',
             "tools",
         )
+    if tools is not None and len(tools) > MAX_TOOLS:
+        raise bad_request(f"tools may list at most {MAX_TOOLS} functions, got {len(tools)}", "tools")
+    for i, tool in enumerate(tools or []):
+        if len(tool["function"]["name"]) > MAX_TOOL_NAME_CHARS:
+            raise bad_request(
+                f"tools[{i}].function.name may have at most {MAX_TOOL_NAME_CHARS} characters, "
+                f"got {len(tool['function']['name'])}",
+                "tools",
+            )
     return tools
 
 

@@ -42,6 +42,7 @@ _ROUTER_HWM = 10_000  # token events of every in-flight request pass here; bound
 class _Binding:
     peer: str  # the worker's public key (z85), or its routing id (hex) when insecure
     route: bytes  # the ROUTER routing id of its connection
+    signer: bytes = b""  # the member key that signed its registration: only that key takes the id over
 
 
 class WorkerLink:
@@ -120,10 +121,21 @@ class WorkerLink:
             return worker_id
         hb = record
         key = self._security.key
-        if key is not None and not key.verify_registration(peer.encode(), hb.worker_id, hb.incarnation, hb.proof):
-            self._rejects.reject("bad_proof", peer, f"registration of {hb.worker_id[:64]!r} without a valid proof")
-            return None
+        signer = b""
+        if key is not None:
+            # The role is inside the signed message: only a key listed for hb.role signs for it.
+            signer = key.signer_of(peer.encode(), hb.role, hb.worker_id, hb.incarnation, hb.proof)
+            if not signer:
+                self._rejects.reject(
+                    "bad_proof", peer, f"registration of {hb.worker_id[:64]!r} as {hb.role!r} without a valid proof"
+                )
+                return None
         bound = self._bindings.get(hb.worker_id)
+        if bound is not None and bound.peer != peer and bound.signer != signer:
+            # A routing id stays its signer's until the registry forgets it (unbind): a restart of that
+            # worker takes it over, another member (or another role) cannot squat it in the gap.
+            self._rejects.reject("identity_taken", peer, f"{hb.worker_id[:64]!r} is bound to another member key")
+            return None
         if bound is not None and bound.peer != peer and bound.route != route and await self._is_connected(bound.route):
             self._rejects.reject("identity_taken", peer, f"{hb.worker_id[:64]!r} is registered by another key")
             return None
@@ -135,7 +147,7 @@ class WorkerLink:
             return None
         if bound is not None and bound.peer != peer:
             self.unbind(hb.worker_id)  # its old connection is gone: a restarted worker takes its id over
-        self._bindings[hb.worker_id] = _Binding(peer, route)
+        self._bindings[hb.worker_id] = _Binding(peer, route, signer)
         self._worker_of_peer[peer] = hb.worker_id
         return hb.worker_id
 

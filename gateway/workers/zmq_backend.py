@@ -106,7 +106,7 @@ class ZmqBackend(Backend):
         self._flights: dict[str, Flight] = {}  # by request id
         self._by_wire_rid: dict[str, Flight] = {}  # by the current attempt's rid
         self.gateway_id = uuid.uuid4().hex  # workers tell gateway processes apart by it
-        self._lora = ClusterLoRAList(params.lora_modules)
+        self._lora = ClusterLoRAList(params.lora_modules, params.security.key if params.security else None)
         self._expiry_task: asyncio.Task | None = None
         self._update_pool_gauges()
 

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from kernels.cpu import trusted_cache
+
 _FLAGS = ("-O3", "-fno-math-errno", "-Wno-psabi", "-shared", "-fPIC")
 # Builds for other sources, compilers or torch versions pile up in the cache as pdserve is upgraded. A
 # library is touched whenever it is used, and a new build removes those unused for this long (a
@@ -106,10 +108,9 @@ def library_path(library: Sources, compiler: str, variant: Variant) -> Path:
 def build_library(library: Sources, compiler: str, variant: Variant = THREADED) -> Path:
     """Compile (or find already compiled) ``library``; raises on a failed build."""
     target = library_path(library, compiler, variant)
-    if target.exists():
+    if trusted_cache.take(target):  # a private cache directory, and the bytes this build sealed
         _touch(target)
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
     # Into a temporary name, then renamed: processes starting together never load a half-written file.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
@@ -123,6 +124,7 @@ def build_library(library: Sources, compiler: str, variant: Variant = THREADED) 
         except OSError as e:
             raise RuntimeError(f"{' '.join(command)} built a library that does not load: {e}") from e
         os.replace(tmp, target)
+        trusted_cache.seal(target)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)

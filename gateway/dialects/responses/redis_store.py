@@ -81,11 +81,11 @@ class RedisResponseStore:
         except redis.RedisError:
             return 0
 
-    def put(self, body: dict, input_items: list[dict]) -> bool:
+    def put(self, body: dict, input_items: list[dict], owner: str = "") -> bool:
         """Keeps the response; False where it alone is larger than the budget (and its earlier state is
         dropped then, as in memory) or Redis did not take it (logged: the client has its answer)."""
         runner = self.replica_id if body.get("status") in RUNNING else None
-        data = json.dumps([body, input_items, runner], ensure_ascii=False)
+        data = json.dumps([body, input_items, runner, owner], ensure_ascii=False)
         key = KEY_PREFIX + body["id"]
         try:
             if len(data) > self.max_bytes:
@@ -104,7 +104,8 @@ class RedisResponseStore:
             raise _unavailable(e) from None
         if data is None:
             return None
-        body, input_items, runner = json.loads(data)
+        body, input_items, runner, *rest = json.loads(data)
+        owner = rest[0] if rest else ""  # entries stored before owners were kept belong to no key
         if runner is not None and runner != self.replica_id and not self._is_alive(runner):
             body = {
                 **body,
@@ -114,8 +115,8 @@ class RedisResponseStore:
                     "message": "the gateway replica running this background response stopped before it ended",
                 },
             }
-            self.put(body, input_items)
-        return StoredResponse(body, input_items, len(data))
+            self.put(body, input_items, owner)
+        return StoredResponse(body, input_items, len(data), owner)
 
     def _is_alive(self, replica_id: str) -> bool:
         try:

@@ -10,7 +10,7 @@ Behind replicas sharing the store, a background response runs on the replica tha
 cancel (or DELETE) reaching another one is published to every replica, and the answer waits (up to
 ``CANCEL_WAIT_S``) until the store shows it ended.
 
-An id the store does not hold is a 404 that says why it may be gone.
+An id the store does not hold, or another API key's, is a 404 that says why it may be gone (tenants.py).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from gateway.http.errors import APIError, bad_request
 
 from .background import BackgroundResponses
 from .store import MAX_INPUT_ITEMS_PAGE, ResponseStore, StoredResponse, input_items_page
+from .tenants import TenantStore, tenant_of
 
 DEFAULT_PAGE = 20  # OpenAI's default limit
 CANCEL_WAIT_S = 10.0  # a cancel waits this long for another replica to stop the response
@@ -39,7 +40,7 @@ def response_routes(
     def stored(request: Request) -> StoredResponse:
         authorize(request)
         rid = request.path_params["response_id"]
-        entry = store.get(rid)
+        entry = TenantStore(store, tenant_of(request.headers.get("authorization"))).get(rid)  # another key's: 404
         if entry is None:
             why = (
                 "it was not stored, was deleted, or was dropped for room (least recently used first)"

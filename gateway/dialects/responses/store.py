@@ -27,6 +27,7 @@ class StoredResponse:
     body: dict  # the Response object as its client got it (its previous_response_id links the chain)
     input_items: list[dict]  # the request's own input, as items with ids; instructions are not items
     size: int  # bytes it counts for against the budget: its JSON's length
+    owner: str = ""  # digest of the API key that made it (tenants.py); "" with API keys off
 
 
 class ResponseStore:
@@ -48,7 +49,7 @@ class ResponseStore:
     def num_bytes(self) -> int:
         return self._bytes
 
-    def put(self, body: dict, input_items: list[dict]) -> bool:
+    def put(self, body: dict, input_items: list[dict], owner: str = "") -> bool:
         """Keeps the response, evicting the least recently used to make room. False where it alone is
         larger than the whole budget: it is not kept, nor is an earlier state of it (a background
         response's in_progress must not stand for an answer that did not fit)."""
@@ -59,7 +60,7 @@ class ResponseStore:
         while self._bytes + size > self.max_bytes:
             _, evicted = self._entries.popitem(last=False)
             self._bytes -= evicted.size
-        self._entries[body["id"]] = StoredResponse(body, input_items, size)
+        self._entries[body["id"]] = StoredResponse(body, input_items, size, owner)
         self._bytes += size
         return True
 
