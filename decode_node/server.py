@@ -58,6 +58,7 @@ import zmq
 from decode_node.admission import RequestError, make_sequence
 from decode_node.prefill_links import PrefillLinks
 from decode_node.request_state import DecodeRequest, Phase
+from decode_node.speculation import acceptance_note
 from decode_node.step_threads import StepThreads
 from decode_node.streaming import error_event, new_tokens_event
 from engine.kv.block_manager import cdiv
@@ -474,7 +475,7 @@ class DecodeServer:
         self._threads.set_for_step(prompts_out=self._awaiting_kv)
         sampled = self.engine.runner.execute(batch)
         self.engine.num_computed_tokens += batch.num_batched_tokens
-        self.scheduler.postprocess(batch, sampled.token_ids, sampled.logprobs)
+        self.scheduler.postprocess(batch, sampled.token_ids, sampled.logprobs, sampled.accepted)
         seen = set()
         outbox: dict[str, list[TokenEvent]] = {}  # the step's events, by gateway: one frame each
         for seq in batch.sample_seqs:
@@ -523,7 +524,7 @@ class DecodeServer:
                 self._forget(req)
                 self.metrics.request_success.labels(event.finish_reason).inc()
                 self.metrics.e2e_request_latency.observe(now - req.arrived)
-                log.info("rid=%s finished: %s", req.rid, event.finish_reason)
+                log.info("rid=%s finished: %s%s", req.rid, event.finish_reason, acceptance_note(seq))
                 if req.trace:
                     req.trace.end(
                         None,
