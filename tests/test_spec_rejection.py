@@ -105,3 +105,34 @@ def test_rejection_sampling_accepts_when_draft_equals_target() -> None:
         d = int(torch.multinomial(p[0], 1, generator=gen))
         verdict = verify_sampled(p, [d], gen, p[:1])
         assert (verdict.accepted, verdict.token) == ([d], 2)
+
+
+def test_back_off_waits_double_after_each_poor_probe_and_reset_on_acceptance() -> None:
+    from engine.sampling.params import SamplingParams
+    from engine.sched.sequence import Sequence
+    from engine.spec.config import SpeculativeConfig
+    from engine.spec.speculator import FIRST_BACKOFF, Speculator
+
+    spec = Speculator(SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_max=2, min_acceptance=0.5))
+    seq = Sequence(0, [1, 2, 3, 1, 2], SamplingParams(temperature=0.0, max_tokens=100))
+
+    def steps_until_proposal() -> int:
+        for waited in range(1000):
+            if spec.propose(seq, num_running=1, max_new_tokens=50, budget=100):
+                return waited
+        raise AssertionError("never proposes")
+
+    assert steps_until_proposal() == 0  # hopeful at first: proposes [3, 1]
+    spec.record(seq, 2, 0)  # 1.0 -> 0.7: still above 0.5, no wait
+    assert steps_until_proposal() == 0
+    spec.record(seq, 2, 0)  # 0.49: below -> wait 4
+    assert steps_until_proposal() == FIRST_BACKOFF
+    spec.record(seq, 2, 0)  # still low -> wait 8
+    assert steps_until_proposal() == 2 * FIRST_BACKOFF
+    spec.record(seq, 2, 2)  # a good probe lifts the average above 0.5: back to every step
+    spec.record(seq, 2, 2)
+    assert seq.spec.acceptance >= 0.5 and steps_until_proposal() == 0
+    assert (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens) == (5, 10, 4)
+    assert spec.num_accepted_per_pos == [2, 2]
+    # Past max_num_seqs running sequences nobody speculates.
+    assert spec.propose(seq, num_running=spec.config.max_num_seqs + 1, max_new_tokens=50, budget=100) == []

@@ -93,6 +93,8 @@ class SpecState:
     num_draft_tokens: int = 0  # draft tokens verified
     num_accepted_tokens: int = 0  # of those, accepted
     acceptance: float = 1.0  # exponentially weighted acceptance rate; starts hopeful so the first step tries
+    num_wait_steps: int = 0  # steps to skip before proposing again (the back-off)
+    backoff: int = 0  # the next wait when acceptance stays low; doubles on each poor probe
 
     @property
     def acceptance_rate(self) -> float:

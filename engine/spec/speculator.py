@@ -5,9 +5,10 @@ A sequence gets drafts only when
   drafts there costs compute and buys no bandwidth);
 - its sampling is position-independent beyond what verification reproduces: no grammar, no logprobs,
   no penalties (they read the tokens before each position), past ``min_tokens``, one completion;
-- its acceptance average is at least ``min_acceptance``. A sequence below it proposes nothing, and its
-  average creeps back up by ``RECOVERY`` a step, so it tries again after a while: text that starts
-  copying later is caught.
+- it is not backing off. A sequence whose acceptance average falls below ``min_acceptance`` skips
+  proposing for a while, then probes once more; each probe that leaves the average low doubles the wait
+  (``FIRST_BACKOFF`` steps, at most ``MAX_BACKOFF``), so free text pays a verification on a few percent of
+  its steps, and text that starts copying later is still caught.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from engine.spec.config import SpeculativeConfig
 from engine.spec.ngram import NgramProposer
 
 EWMA_WEIGHT = 0.3  # weight of the latest step in a sequence's acceptance average
-RECOVERY = 0.02  # a backed-off sequence's average rises this much a step (about 10 steps from 0.0 to 0.2)
+FIRST_BACKOFF = 4  # steps a sequence waits after its average first falls below min_acceptance
+MAX_BACKOFF = 128  # the longest wait: one probe in 128 steps costs well under 1% at a 1.5x step
 
 
 class Speculator:
@@ -38,8 +40,8 @@ class Speculator:
         if num_running > self.config.max_num_seqs or not eligible(seq):
             return []
         state = seq.spec
-        if state.acceptance < self.config.min_acceptance:
-            state.acceptance += RECOVERY
+        if state.num_wait_steps > 0:
+            state.num_wait_steps -= 1
             return []
         limit = min(max_new_tokens - 1, budget - 1)  # the step also emits one token of its own
         return self.proposer.propose(seq.token_ids, limit) if limit > 0 else []
@@ -51,6 +53,11 @@ class Speculator:
         state.num_draft_tokens += num_drafts
         state.num_accepted_tokens += num_accepted
         state.acceptance += EWMA_WEIGHT * (num_accepted / num_drafts - state.acceptance)
+        if state.acceptance < self.config.min_acceptance:
+            state.backoff = min(MAX_BACKOFF, 2 * state.backoff) if state.backoff else FIRST_BACKOFF
+            state.num_wait_steps = state.backoff
+        else:
+            state.backoff = 0
         self.num_drafts += 1
         self.num_draft_tokens += num_drafts
         self.num_accepted_tokens += num_accepted
