@@ -115,6 +115,16 @@ GROUPS: dict[str, tuple[Flag, ...]] = {
         Flag(("--max-lora-rank",), "lora.max_lora_rank", "highest adapter rank accepted", int),
         Flag(("--max-cpu-loras",), "lora.max_cpu_loras", "adapters kept in a worker's host memory", int),
     ),
+    "SpeculativeConfig": (  # engine/spec/config.py parses the JSON; the decode worker speculates
+        Flag(
+            ("--speculative-config",),
+            "engine.speculative_config",
+            'speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+            '"prompt_lookup_max": 4}\'',
+            str,
+            "JSON",
+        ),
+    ),
     "ObservabilityConfig": (
         Flag(
             ("--otlp-traces-endpoint",),

@@ -81,6 +81,9 @@ class EngineConfig:
     grammar_cache_mb: int = _field(
         512, minimum=0
     )  # compiled grammars kept, by xgrammar's measure of each; least recently used out (vLLM's 512)
+    # Speculative decoding on the decode worker, vLLM's --speculative-config JSON (engine/spec/config.py):
+    # '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}'. Empty: off.
+    speculative_config: str = ""
 
 
 @dataclass(slots=True)

@@ -17,6 +17,7 @@ from configs.model_source import resolve_model
 from configs.schema import PdserveConfig
 from decode_node.prefill_links import PrefillLinks
 from decode_node.server import DecodeOptions, DecodeServer
+from decode_node.speculation import SpecDecodeCollector
 from engine.llm import build_engine
 from kvtransfer.channel import ZmqServer
 from kvtransfer.compat import new_incarnation
@@ -97,6 +98,8 @@ class DecodeNode:
             rejects,
             tracer_for("decode", worker_id, config.observability.otlp_traces_endpoint),
         )
+        if engine.scheduler.speculator is not None:
+            registry.register(SpecDecodeCollector(engine.scheduler.speculator, config.model.name_for_clients()))
         http = serve_http(dc.host, dc.http_port, registry, server.is_ready)
         log.info(
             "decode worker %s: kv %s, http %s:%d, gateway %s, %d KV blocks of %d tokens",

@@ -65,6 +65,7 @@ from decode_node.commit_check import PREFILL, commit_problem
 from decode_node.load_report import decode_heartbeat, engine_snapshot, queued_prefill_tokens
 from decode_node.prefill_links import PrefillLinks
 from decode_node.request_state import DecodeRequest, Phase
+from decode_node.speculation import acceptance_note
 from decode_node.step_threads import StepThreads
 from decode_node.streaming import error_event, event_frames, new_tokens_event
 from engine.kv.block_manager import cdiv
@@ -445,7 +446,7 @@ class DecodeServer:
         self._threads.set_for_step(prompts_out=self._awaiting_kv)
         sampled = self.engine.runner.execute(batch)
         self.engine.num_computed_tokens += batch.num_batched_tokens
-        self.scheduler.postprocess(batch, sampled.token_ids, sampled.logprobs)
+        self.scheduler.postprocess(batch, sampled.token_ids, sampled.logprobs, sampled.accepted)
         seen = set()
         outbox: dict[str, list[TokenEvent]] = {}  # the step's events, by gateway: one frame each
         for seq in batch.sample_seqs:
@@ -493,7 +494,7 @@ class DecodeServer:
                 self._forget(req)
                 self.metrics.request_success.labels(event.finish_reason).inc()
                 self.metrics.e2e_request_latency.observe(now - req.arrived)
-                log.info("rid=%s finished: %s", req.rid, event.finish_reason)
+                log.info("rid=%s finished: %s%s", req.rid, event.finish_reason, acceptance_note(seq))
                 if req.trace:
                     req.trace.end(
                         None,

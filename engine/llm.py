@@ -27,6 +27,8 @@ from engine.sampling.params import SamplingParams
 from engine.sampling.sampler import Sampler
 from engine.sampling.structured_output import Grammars
 from engine.sched.scheduler import Scheduler, SchedulerConfig
+from engine.spec.config import SpeculativeConfigError, parse_speculative_config
+from engine.spec.speculator import Speculator
 from engine.step.runner import ModelRunner, supports_native_decode
 from kernels.cpu import native as cpu_native
 
@@ -110,6 +112,7 @@ def build_engine(
             prefill_chunk_size=engine_cfg.prefill_chunk_size,
         ),
         block_manager,
+        _speculator(engine_cfg.speculative_config),
     )
     lora = _lora_manager(model, config, lora_cfg or LoRAConfig(), kv_dtype, device)
     native_decode = _native_attention("decode", engine_cfg.cpu_decode_attention, config, pool)
@@ -124,6 +127,19 @@ def build_engine(
         engine_cfg.grammar_compile_timeout_s, engine_cfg.grammar_cache_mb << 20, engine_cfg.grammar_compile_threads
     )
     return LLMEngine(config, scheduler, runner, Grammars(model_path, config.vocab_size, config.eos_token_ids, limits))
+
+
+def _speculator(text: str) -> Speculator | None:
+    try:
+        config = parse_speculative_config(text)
+    except SpeculativeConfigError as exc:
+        raise ConfigError(str(exc)) from None
+    if config is None:
+        return None
+    if config.method != "ngram":
+        raise ConfigError(f'speculative method {config.method!r} is not served yet; use "ngram"')
+    log.info("speculative decoding: %s", config)
+    return Speculator(config)
 
 
 def _lora_manager(model, config, lora_cfg: LoRAConfig, dtype: torch.dtype, device: str) -> LoRAManager | None:

@@ -140,7 +140,7 @@ class LLMEngine:
             return []
         sampled = self.runner.execute(batch)
         self.num_computed_tokens += sum(batch.num_new_tokens)
-        finished = self.scheduler.postprocess(batch, sampled.token_ids, sampled.logprobs)
+        finished = self.scheduler.postprocess(batch, sampled.token_ids, sampled.logprobs, sampled.accepted)
         return [out for seq in finished if (out := self._on_finished(seq)) is not None]
 
     def _on_finished(self, seq: Sequence) -> RequestOutput | None:

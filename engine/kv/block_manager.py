@@ -203,6 +203,16 @@ class BlockManager:
         seq.num_computed_tokens = num_tokens
         self.cache_full_blocks(seq)
 
+    def free_unused_tail(self, seq: Sequence) -> None:
+        """Free the table's blocks past those covering ``num_computed_tokens``: blocks allocated for
+        speculative tokens that were rejected. They hold no computed token, so none is hashed or shared."""
+        keep = cdiv(seq.num_computed_tokens, self.block_size)
+        while len(seq.block_table) > keep:
+            block = seq.block_table.pop()
+            assert self.ref_counts[block] == 1 and self.block_hash[block] is None, block
+            self.ref_counts[block] = 0
+            self._free.append(block)
+
     def _shared_in_write_range(self, seq: Sequence, num_new_tokens: int) -> list[int]:
         # Table indices that this step writes into and that another sequence also references.
         if num_new_tokens <= 0:

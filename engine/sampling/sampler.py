@@ -44,6 +44,7 @@ class TokenLogprobs:
 class SamplerOutput:
     token_ids: list[int]  # one per row of the logits
     logprobs: list[TokenLogprobs | None]  # one per row; None where the request asked for none
+    accepted: list[list[int]] | None = None  # speculation: per row, the accepted drafts before its token
 
 
 class Sampler:
@@ -81,6 +82,28 @@ class Sampler:
 
         token_ids = tokens.tolist()
         return SamplerOutput(token_ids=token_ids, logprobs=_logprobs(raw, seqs, token_ids))
+
+    def target_distribution(self, logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
+        """The distribution ``seq`` samples from at each row of ``logits`` [R, V] (every row one position
+        of this one sequence): for a greedy request its processed logits (their argmax is the token), else
+        the probabilities after its filters. For requests ``engine.spec.speculator.eligible`` admits: no
+        grammar, penalty or pending min_tokens, whose edits would differ by position."""
+        x = logits.float().clone()  # [R, V]
+        rows = [seq] * x.shape[0]
+        apply_allowed_tokens_(x, rows)
+        apply_logit_bias_(x, rows)
+        if seq.params.temperature < _GREEDY_EPS:
+            return x
+        _apply_filters_(x, [seq.params] * x.shape[0])
+        return x.softmax(dim=1)
+
+    def generator_for(self, seq: Sequence, device: torch.device) -> torch.Generator:
+        """The generator ``seq``'s random draws come from: its own when seeded, else the shared one."""
+        return _generator_of(seq, device) if seq.params.seed is not None else self._shared_generator(device)
+
+    @staticmethod
+    def is_greedy(seq: Sequence) -> bool:
+        return seq.params.temperature < _GREEDY_EPS
 
     def _exponential_race(self, probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         num_rows, vocab = probs.shape

@@ -8,7 +8,10 @@ One step (``schedule``), in this order:
 2. Prefill chunks of running sequences still catching up, then new admissions from the waiting queue
    (front first, prefix cache hit first): each chunk at most ``prefill_chunk_size`` tokens, the batch
    at most ``max_num_batched_tokens``, at most ``max_num_seqs`` running sequences.
-3. ``postprocess`` advances computed tokens, caches newly full blocks, appends sampled tokens, checks
+   With a speculator (engine/spec/), a decoding sequence may compute its token plus k draft tokens as
+   one chunk; without room for them it decodes plainly.
+3. ``postprocess`` advances computed tokens (for a speculating sequence only up to its accepted drafts;
+   blocks that hold only rejected drafts are freed), caches newly full blocks, appends sampled tokens, checks
    stops and frees the finished sequences' blocks.
 
 ``n > 1``: when a prompt's last chunk is scheduled, its n - 1 extra completions are forked from it
@@ -27,6 +30,7 @@ from dataclasses import dataclass, field
 from engine.kv.block_manager import BlockManager, cdiv
 from engine.sched.batch import ScheduledBatch
 from engine.sched.sequence import Sequence, SequenceStatus
+from engine.spec.speculator import Speculator
 
 log = logging.getLogger(__name__)
 
@@ -47,9 +51,11 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, speculator: Speculator | None = None):
+        """``speculator``: proposes draft tokens for decoding sequences; None: no speculation."""
         self.config = config
         self.block_manager = block_manager
+        self.speculator = speculator
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: the last one is preempted first
         self._live: dict[int, Sequence] = {}  # every unfinished sequence, waiting or running
@@ -152,19 +158,29 @@ class Scheduler:
         self._admit_waiting(step)
         if not step.seqs:
             return None
-        return ScheduledBatch(step.seqs, step.num_new_tokens, step.sample_seqs, step.sample_rows, step.copies)
+        drafts = step.drafts if any(step.drafts) else []
+        return ScheduledBatch(step.seqs, step.num_new_tokens, step.sample_seqs, step.sample_rows, step.copies, drafts)
 
     def _schedule_decodes(self, step: _StepBuilder) -> None:
         for seq in [s for s in self.running if s.num_uncomputed_tokens == 1]:
             if seq.status != SequenceStatus.RUNNING or step.budget == 0:
                 continue  # preempted by an earlier sequence of this loop
+            drafts = self._drafts(seq, step)
+            if drafts and not self.block_manager.can_allocate(seq, 1 + len(drafts)):
+                drafts = []  # no room for the drafts' KV: decode plainly rather than preempt for a guess
             while not self.block_manager.can_allocate(seq, 1):
                 victim = self.running[-1]
                 self._preempt(victim)
                 if victim is seq:
                     break
             else:
-                self._add_to_step(step, seq, 1)
+                self._add_to_step(step, seq, 1 + len(drafts), drafts)
+
+    def _drafts(self, seq: Sequence, step: _StepBuilder) -> list[int]:
+        if self.speculator is None:
+            return []
+        max_new = min(seq.params.max_tokens - seq.num_output_tokens, self.config.max_model_len - seq.num_tokens)
+        return self.speculator.propose(seq, len(self.running), max_new, step.budget)
 
     def _schedule_running_prefills(self, step: _StepBuilder) -> None:
         for seq in [s for s in self.running if s.num_uncomputed_tokens > 1]:
@@ -199,14 +215,15 @@ class Scheduler:
             self.running.append(seq)
             self._add_to_step(step, seq, n)
 
-    def _add_to_step(self, step: _StepBuilder, seq: Sequence, n: int) -> None:
+    def _add_to_step(self, step: _StepBuilder, seq: Sequence, n: int, drafts: list[int] = ()) -> None:
         # seq's own allocation (prefix hit on first admission) happens here; n counts past the hit.
         step.copies += self.block_manager.allocate(seq, n)
         row = len(step.seqs)
         step.seqs.append(seq)
         step.num_new_tokens.append(n)
+        step.drafts.append(list(drafts))
         step.budget -= n
-        if seq.num_computed_tokens + n < seq.num_tokens:
+        if seq.num_computed_tokens + n - len(drafts) < seq.num_tokens:
             return  # mid-prompt chunk: nothing to sample yet
         step.sample_seqs.append(seq)
         step.sample_rows.append(row)
@@ -260,15 +277,33 @@ class Scheduler:
         self.num_preemptions += 1
 
     # ---- after the step ----
-    def postprocess(self, batch: ScheduledBatch, token_ids: list[int], logprobs: list | None) -> list[Sequence]:
-        """Apply a computed step; returns the sequences that finished in it."""
+    def postprocess(
+        self,
+        batch: ScheduledBatch,
+        token_ids: list[int],
+        logprobs: list | None,
+        accepted: list[list[int]] | None = None,
+    ) -> list[Sequence]:
+        """Apply a computed step; returns the sequences that finished in it. ``accepted``: per sample seq,
+        the drafts verification accepted (they come before its ``token_ids`` entry); None: no drafts."""
         assert len(token_ids) == len(batch.sample_seqs), (len(token_ids), len(batch.sample_seqs))
         self._forget_finished()
         bm = self.block_manager
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            if not seq.is_finished:  # aborted after schedule: its blocks are gone already
-                seq.num_computed_tokens += n
-                bm.cache_full_blocks(seq)
+        accepted_by_row = {row: acc for row, acc in zip(batch.sample_rows, accepted)} if accepted else {}
+        for row, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            if seq.is_finished:  # aborted after schedule: its blocks are gone already
+                continue
+            drafts = batch.drafts_of(row)
+            if drafts:
+                # KV of the rejected drafts stays in its slots until overwritten; it is not computed.
+                # Its full blocks are offered to the cache once the accepted drafts are in token_ids.
+                num_accepted = len(accepted_by_row[row])
+                seq.num_computed_tokens += n - (len(drafts) - num_accepted)
+                bm.free_unused_tail(seq)
+                self.speculator.record(seq, len(drafts), num_accepted)
+                continue
+            seq.num_computed_tokens += n
+            bm.cache_full_blocks(seq)
         for seq, row in zip(batch.sample_seqs, batch.sample_rows):
             source = batch.seqs[row]
             if source is not seq and not seq.is_finished:
@@ -278,6 +313,9 @@ class Scheduler:
         finished = []
         for j, (seq, token) in enumerate(zip(batch.sample_seqs, token_ids)):
             if seq.is_finished:
+                continue
+            if batch.drafts_of(batch.sample_rows[j]) and self._append_accepted(seq, accepted[j]):
+                finished.append(seq)
                 continue
             if seq.guide is not None and not seq.guide.accept(token):
                 # Unreachable while the sampler masks what the grammar refuses: a bug, not the request's.
@@ -295,6 +333,20 @@ class Scheduler:
                 self._finish(seq, status)
                 finished.append(seq)
         return finished
+
+    def _append_accepted(self, seq: Sequence, drafts: list[int]) -> bool:
+        # Accepted drafts are output tokens like any other: each is checked for a stop, and what follows
+        # a stop is dropped, as plain decoding would never have produced it. True: seq finished.
+        for token in drafts:
+            seq.token_ids.append(token)
+            status = self._stop_status(seq, token)
+            if status is not None:
+                seq.num_computed_tokens = seq.num_tokens - 1  # the KV past the stop is of dropped tokens
+                self.running.remove(seq)
+                self._finish(seq, status)
+                return True
+        self.block_manager.cache_full_blocks(seq)  # num_computed_tokens == num_tokens now
+        return False
 
     def _stop_status(self, seq: Sequence, token: int) -> SequenceStatus | None:
         # Stop tokens count only after min_tokens earlier outputs (the sampler masks them until then).
@@ -332,3 +384,4 @@ class _StepBuilder:
     sample_seqs: list[Sequence] = field(default_factory=list)
     sample_rows: list[int] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)
+    drafts: list[list[int]] = field(default_factory=list)  # per seq: its draft tokens (most empty)

@@ -47,6 +47,7 @@ class Sequence:
     guide: Guide | None = None  # a structured output's place in its grammar, fed every output token
     output_logprobs: list = field(default_factory=list)  # one entry per generated token when asked
     prompt_logprobs: list = field(default_factory=list)  # TokenLogprobs of prompt tokens 1, 2, ... when asked
+    spec: SpecState = field(default_factory=lambda: SpecState())  # speculative decoding's counters (engine/spec/)
 
     def __post_init__(self) -> None:
         if self.num_prompt_tokens < 0:
@@ -82,6 +83,22 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+
+@dataclass(slots=True)
+class SpecState:
+    """One sequence's speculation record: what its drafts earned, for the back-off and its log line."""
+
+    num_drafts: int = 0  # steps that verified at least one draft token
+    num_draft_tokens: int = 0  # draft tokens verified
+    num_accepted_tokens: int = 0  # of those, accepted
+    acceptance: float = 1.0  # exponentially weighted acceptance rate; starts hopeful so the first step tries
+    num_wait_steps: int = 0  # steps to skip before proposing again (the back-off)
+    backoff: int = 0  # the next wait when acceptance stays low; doubles on each poor probe
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
 
 
 def vocab_error(prompt_token_ids: list[int], params: SamplingParams, vocab_size: int) -> str:

@@ -21,6 +21,7 @@ from engine.model.model import CausalLM
 from engine.sampling.prompt_logprobs import record_prompt_logprobs
 from engine.sampling.sampler import Sampler, SamplerOutput
 from engine.sched.batch import ScheduledBatch
+from engine.spec.verify import sample_with_drafts
 from engine.step.attention_metadata import AttentionMetadata
 from kernels.cpu.native import NativeLibrary
 
@@ -67,6 +68,8 @@ class ModelRunner:
         input_ids, positions, meta = self._prepare(batch)
         hidden = self.model(input_ids, positions, self.kv_pool, meta, self._lora_step(batch))  # [num_tokens, hidden]
         record_prompt_logprobs(self.model.compute_logits, hidden, batch, meta.query_start_loc)
+        if batch.has_drafts:
+            return sample_with_drafts(self.model.compute_logits, hidden, batch, self.sampler)
         logits = self.model.compute_logits(self._sampled_hidden(hidden, batch))  # [num_samples, vocab]
         return self.sampler(logits, batch.sample_seqs)
 
@@ -111,10 +114,11 @@ class ModelRunner:
         slots: list[int] = []  # block_id * block_size + offset of each new token
         context_lens: list[int] = []
         query_start_loc = [0]
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             start, table = seq.num_computed_tokens, seq.block_table
             end = start + n
-            input_ids += seq.token_ids[start:end]
+            input_ids += seq.token_ids[start:end]  # a speculating seq's one known token, then its drafts
+            input_ids += batch.drafts_of(i)
             if n == 1:
                 positions.append(start)
                 slots.append(table[start // bs] * bs + start % bs)

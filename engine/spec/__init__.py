@@ -1,0 +1,1 @@
+"""Speculative decoding: proposers of draft tokens and their verification against the target model."""

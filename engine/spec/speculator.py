@@ -1,0 +1,78 @@
+"""Who speculates this step, and with which drafts: the proposer behind a back-off.
+
+A sequence gets drafts only when
+- fewer than ``max_num_seqs`` sequences run (a full batch already fills each weight pass: verifying
+  drafts there costs compute and buys no bandwidth);
+- its sampling is position-independent beyond what verification reproduces: no grammar, no logprobs,
+  no penalties (they read the tokens before each position), past ``min_tokens``, one completion;
+- it is not backing off. A sequence whose acceptance average falls below ``min_acceptance`` skips
+  proposing for a while, then probes once more; each probe that leaves the average low doubles the wait
+  (``FIRST_BACKOFF`` steps, at most ``MAX_BACKOFF``), so free text pays a verification on a few percent of
+  its steps, and text that starts copying later is still caught.
+"""
+
+from __future__ import annotations
+
+from engine.sched.sequence import Sequence
+from engine.spec.config import SpeculativeConfig
+from engine.spec.ngram import NgramProposer
+
+EWMA_WEIGHT = 0.3  # weight of the latest step in a sequence's acceptance average
+FIRST_BACKOFF = 4  # steps a sequence waits after its average first falls below min_acceptance
+MAX_BACKOFF = 128  # the longest wait: one probe in 128 steps costs well under 1% at a 1.5x step
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig):
+        if config.method != "ngram":
+            raise ValueError(f"Speculator proposes n-gram drafts; method {config.method!r} has its own proposer")
+        self.config = config
+        self.proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_max, config.prompt_lookup_min)
+        # vLLM's spec_decode counters, all time: read by the worker's /metrics
+        self.num_drafts = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.num_accepted_per_pos = [0] * config.num_speculative_tokens
+
+    def propose(self, seq: Sequence, num_running: int, max_new_tokens: int, budget: int) -> list[int]:
+        """Drafts for ``seq``'s next step (possibly none). ``max_new_tokens``: tokens it may still append;
+        ``budget``: tokens the step may still compute (the drafts ride on its one decode token)."""
+        if num_running > self.config.max_num_seqs or not eligible(seq):
+            return []
+        state = seq.spec
+        if state.num_wait_steps > 0:
+            state.num_wait_steps -= 1
+            return []
+        limit = min(max_new_tokens - 1, budget - 1)  # the step also emits one token of its own
+        return self.proposer.propose(seq.token_ids, limit) if limit > 0 else []
+
+    def record(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
+        """Count one verification of ``num_drafts`` drafts, ``num_accepted`` of them accepted."""
+        state = seq.spec
+        state.num_drafts += 1
+        state.num_draft_tokens += num_drafts
+        state.num_accepted_tokens += num_accepted
+        state.acceptance += EWMA_WEIGHT * (num_accepted / num_drafts - state.acceptance)
+        if state.acceptance < self.config.min_acceptance:
+            state.backoff = min(MAX_BACKOFF, 2 * state.backoff) if state.backoff else FIRST_BACKOFF
+            state.num_wait_steps = state.backoff
+        else:
+            state.backoff = 0
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+        for pos in range(num_accepted):
+            self.num_accepted_per_pos[pos] += 1
+
+
+def eligible(seq: Sequence) -> bool:
+    p = seq.params
+    return (
+        seq.guide is None
+        and p.n == 1
+        and p.logprobs is None
+        and p.repetition_penalty == 1.0
+        and p.presence_penalty == 0.0
+        and p.frequency_penalty == 0.0
+        and seq.num_output_tokens >= p.min_tokens
+    )
