@@ -42,7 +42,7 @@ def hf_greedy(hf) -> list[list[int]]:
 def engine_greedy(gguf_file: Path) -> list[list[int]]:
     llm = LLM(str(gguf_file), kv_cache_memory_mb=8)
     got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
-    assert_no_leak(llm.engine.scheduler.block_manager)
+    assert_no_leak(llm.engine.block_manager)
     return got
 
 
