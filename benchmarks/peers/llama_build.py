@@ -22,7 +22,8 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-LLAMA_CPP_PYTHON_VERSION = "0.3.16"  # vendors llama.cpp of 2025-08 (its build-info names the commit)
+# the newest release that builds here (its vendored llama.cpp: build-info names the commit)
+LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 BUILD_JOBS = 2
 
 
