@@ -89,7 +89,7 @@ def engine_perplexity(llm: LLM, text_ids: list[int], chunks: int) -> float:
 
 
 def llama_perplexity(gguf: Path, chunks: int, threads: int) -> float:
-    binary = llama_build.source_dir() / "build" / "bin" / "llama-perplexity"
+    binary = llama_build.tool_binary("llama-perplexity")
     argv = [str(binary), "-m", str(gguf), "-f", str(TEXT), "-c", str(CTX), "--chunks", str(chunks)]
     out = subprocess.run(argv + ["-t", str(threads), "-b", str(CTX)], capture_output=True, text=True, check=True)
     match = re.search(r"Final estimate: PPL = ([0-9.]+)", out.stdout + out.stderr)

@@ -72,7 +72,7 @@ def gguf_file(fmt: str) -> Path:
         argv = [sys.executable, "-m", "benchmarks.peers.gguf_convert", str(llama_build.source_dir())]
         argv += [str(float_checkpoint()), str(partial), "--outtype", fmt]
     else:
-        binary = llama_build.source_dir() / "build" / "bin" / "llama-quantize"
+        binary = llama_build.tool_binary("llama-quantize")
         argv = [str(binary), str(gguf_file("f32")), str(partial), QUANTIZED[fmt]]
     print("+ " + " ".join(argv), flush=True)
     subprocess.run(argv, check=True)
