@@ -73,6 +73,11 @@ GROUPS: dict[str, tuple[Flag, ...]] = {
             parse_token_count,
         ),
         Flag(("--dtype",), "model.dtype", "weights and KV dtype: auto, float32 (float), bfloat16, float16 (half)"),
+        Flag(
+            ("--quantization", "-q"),
+            "model.quantization",
+            "int8: per-channel weight-only int8 made at load (CPU); a GGUF file keeps its own formats",
+        ),
         Flag(("--seed",), "engine.seed", "seed of the sampler shared by unseeded requests", int),
     ),
     "CacheConfig": (
