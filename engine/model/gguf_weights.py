@@ -1,10 +1,10 @@
 """The one decision of how a GGUF tensor becomes a weight the model runs.
 
-Today every type is dequantized at load to float32 with ``gguf.quants.dequantize`` (llama.cpp's own
-reference decoding), which the model then casts to its dtype. When the quantized kernels
-(``engine/quant/``) land, types that have a kernel return their quantized record here instead, rows of
-raw GGUF blocks, and this function is the one place that changes; the dequantizing path stays for the
-types without a kernel. ``describe`` is the one log line saying which types were dequantized.
+A 2-D tensor in a format the quantized kernels run (engine/quant/weight.py's BLOCKS: Q8_0, Q4_0, Q4_1,
+Q4_K, Q6_K) stays quantized: ``weight_for`` returns its rows of raw GGUF blocks as a ``QuantizedWeight``
+(engine/model/gguf_quant.py puts those into the model's projections). Every other type (F32, F16,
+Q5_0, Q5_K, ...) is dequantized to float32 with ``gguf.quants.dequantize`` (llama.cpp's reference
+decoding), which the model then casts to its dtype; the load log says which took which path.
 """
 
 from __future__ import annotations
@@ -13,12 +13,20 @@ from collections import Counter
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, ReaderTensor, dequantize
+from gguf import ReaderTensor, dequantize
 
-_PLAIN = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
+from engine.quant.weight import BLOCKS, QuantizedWeight
 
 
-def weight_for(tensor: ReaderTensor) -> torch.Tensor:
+def weight_for(tensor: ReaderTensor) -> torch.Tensor | QuantizedWeight:
+    """A quantized record where a kernel runs the format, else the float32 tensor ([out, in] first)."""
+    if tensor.tensor_type.name in BLOCKS and len(tensor.shape) == 2:
+        rows = torch.from_numpy(np.array(tensor.data, dtype=np.uint8))  # a copy: [out, row bytes] off the mmap
+        return QuantizedWeight(tensor.tensor_type.name, rows, int(tensor.shape[0]))
+    return dequantized(tensor)
+
+
+def dequantized(tensor: ReaderTensor) -> torch.Tensor:
     """The tensor as float32, shape outermost first ([out_features, in_features] for a linear)."""
     try:
         values = dequantize(tensor.data, tensor.tensor_type)
@@ -32,10 +40,6 @@ def weight_for(tensor: ReaderTensor) -> torch.Tensor:
 
 
 def describe(tensors: list[ReaderTensor]) -> str:
-    """'Q4_1 x210, Q8_0 x1 dequantized to float32 at load; F32 x61 as stored' for the log."""
-    counts = Counter(t.tensor_type for t in tensors)
-    quantized = ", ".join(f"{k.name} x{n}" for k, n in counts.most_common() if k not in _PLAIN)
-    plain = ", ".join(f"{k.name} x{n}" for k, n in counts.most_common() if k in _PLAIN)
-    if not quantized:
-        return f"{plain} as stored"
-    return f"{quantized} dequantized to float32 at load (no quantized kernel wired yet); {plain or 'nothing'} as stored"
+    """'Q4_1 x210, F32 x61, Q8_0 x1': the file's tensor types, for the log."""
+    counts = Counter(t.tensor_type.name for t in tensors)
+    return ", ".join(f"{name} x{n}" for name, n in counts.most_common())

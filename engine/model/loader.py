@@ -21,6 +21,7 @@ from torch import nn
 from configs.gguf_source import find_gguf
 from configs.model_source import ModelSourceError, resolve_model
 from engine.model.config import HFModelConfig
+from engine.model.gguf_quant import keep_quantized
 from engine.model.gguf_tensors import GGUFTensors
 from engine.model.model import CausalLM
 
@@ -46,6 +47,8 @@ def load_model(
         else:
             tensors = _open_checkpoint(path, stack)
         _fill_parameters(lm, config, tensors, dtype, device)
+        if gguf_file is not None and device.type == "cpu" and dtype == torch.float32:
+            keep_quantized(lm, tensors)  # the quantized kernels are CPU float32 ones (engine/model/gguf_quant.py)
     return lm.eval(), config
 
 
