@@ -78,6 +78,11 @@ GROUPS: dict[str, tuple[Flag, ...]] = {
             "model.load_format",
             "auto: the checkpoint's safetensors; dummy: random weights on the device from config.json alone",
         ),
+        Flag(
+            ("--quantization", "-q"),
+            "model.quantization",
+            "int8: per-channel weight-only int8 made at load (CPU); a GGUF file keeps its own formats",
+        ),
         Flag(("--seed",), "engine.seed", "seed of the sampler shared by unseeded requests", int),
     ),
     "CacheConfig": (

@@ -25,6 +25,7 @@ def _field(default, *, choices: tuple | None = None, minimum: float | None = Non
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = ("", "int8")  # "": the checkpoint's own weights (a GGUF file keeps its blocks either way)
 TRANSPORTS = ("auto", "loopback", "shm", "cuda_ipc", "zmq")
 LOAD_FORMATS = ("auto", "dummy")
 
@@ -37,6 +38,9 @@ class ModelConfig:
     # in the target dtype from config.json alone (speed at a model's shape without its checkpoint)
     load_format: str = _field("auto", choices=LOAD_FORMATS)
     max_model_len: int | None = _field(None, minimum=1)  # context limit in tokens; None: the model's own
+    # vLLM's --quantization: "int8" = per-channel weight-only int8 made at load (CPU, float32 checkpoints;
+    # engine/quant/int8.py)
+    quantization: str = _field("", choices=QUANTIZATIONS)
     cache_dir: str = ""  # where the embedded default model is made on first use; "" = ~/.cache/pdserve
     served_model_name: str = (
         ""  # the name clients put in "model"; "" = path as given (the default model: "pdserve-small")

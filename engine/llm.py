@@ -14,6 +14,7 @@ from collections.abc import Sequence as Seq
 import torch
 
 from configs.loader import load_config
+from configs.model_source import resolve_model
 from configs.schema import ConfigError, EngineConfig, LoRAConfig, ModelConfig, PdserveConfig
 from engine.kv.block_manager import BlockManager
 from engine.kv.pool import KVLayout, KVPool, num_blocks_for_budget
@@ -22,6 +23,9 @@ from engine.lora.adapter import LoRAError
 from engine.lora.manager import LoRALimits, LoRAManager
 from engine.model.cpu_linear import exclusive_timing
 from engine.model.loader import load_model
+from engine.quant.apply import quantize_at_load, quantized_modules
+from engine.quant.forms import choose_quant_forms
+from engine.quant.forms import describe as describe_quant_forms
 from engine.sampling.grammar_compiles import GrammarLimits
 from engine.sampling.params import SamplingParams
 from engine.sampling.sampler import Sampler
@@ -61,6 +65,8 @@ def build_engine(
     )
     model, config = load_model(model_path, dtype=dtype, device=device, load_format=model_cfg.load_format)
     _log_loaded(model, config, time.monotonic() - started)
+    if model_cfg.quantization:
+        quantize_at_load(model, model_cfg.quantization, device)
     fused_decode_rows = 0  # decode steps of up to this many rows may run as one C call (engine/model/decode_step.py)
     if device == "cpu":  # after set_num_threads: which form wins depends on the thread count
         layer_ops = cpu_native.load() if engine_cfg.cpu_layer_ops == "c" else None
@@ -77,6 +83,11 @@ def build_engine(
         with exclusive_timing():
             forms = model.choose_cpu_matmul_forms(native, fused_decode_rows)
         log.info("CPU matmul forms by weight: %s", ", ".join(f"{k} {f.describe()}" for k, f in forms.items()))
+        if quantized_modules(model):
+            with exclusive_timing():
+                log.info(
+                    "quantized matmul forms: %s", describe_quant_forms(choose_quant_forms(quantized_modules(model)))
+                )
     max_model_len = model_cfg.max_model_len or config.max_position_embeddings
     if max_model_len > config.max_position_embeddings:
         raise ConfigError(
@@ -242,7 +253,8 @@ class LLM:
         if self._tokenizer is None:
             from transformers import AutoTokenizer
 
-            self._tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+            # a GGUF file's tokenizer is the one materialised beside its config (configs/gguf_source.py)
+            self._tokenizer = AutoTokenizer.from_pretrained(resolve_model(self.model_path))
         return self._tokenizer
 
     def apply_chat_template(self, user_text: str) -> str:

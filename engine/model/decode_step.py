@@ -16,6 +16,7 @@ import torch
 
 from engine.kv.pool import KVPool
 from engine.lora.manager import LoRAStep
+from engine.model.cpu_linear import Linear
 from engine.step.attention_metadata import AttentionMetadata
 from kernels.cpu.native import DecodeLayer, DecodeShape, NativeLibrary
 from kernels.triton.paged_decode import NativeDecode
@@ -50,11 +51,13 @@ class FusedDecodeStep:
 
     @staticmethod
     def fits(model) -> bool:
-        """Whether a model can take it: C layer ops, no per-head q/k norms, every projection with its C
-        copy held (the forms picked the C linear for some row count)."""
+        """Whether a model can take it: C layer ops, no per-head q/k norms, every projection a float
+        ``Linear`` with its C copy held (the forms picked the C linear for some row count). Quantized
+        projections (engine/quant/) run layer by layer: this step's C code reads packed float32 weights."""
         if not model.native_layer_ops or model.config.qk_norm:
             return False
-        return all(m.copies is not None and m.copies.c is not None for m in _projections(model))
+        projections = _projections(model)
+        return all(isinstance(m, Linear) and m.copies is not None and m.copies.c is not None for m in projections)
 
     def takes(self, rows: int, meta: AttentionMetadata, lora: LoRAStep | None) -> bool:
         plan = meta.plan

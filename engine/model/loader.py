@@ -2,7 +2,8 @@
 
 1. resolve the directory (configs/model_source.py: hub ids through ``huggingface_hub.snapshot_download``);
 2. parse ``config.json`` into an ``HFModelConfig`` (refusing what we do not support);
-3. open every safetensors file (one, or the shards an index names) lazily;
+3. open every safetensors file (one, or the shards an index names) lazily, or the GGUF file the
+   directory was materialised from (engine/model/gguf_tensors.py);
 4. check each expected tensor exists with the expected shape, then fuse q/k/v and gate/up rows and
    materialise our parameters directly in the target dtype and device.
 With ``load_format="dummy"`` steps 3-4 are random weights made on the device (dummy_weights.py).
@@ -18,9 +19,12 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from configs.gguf_source import find_gguf
 from configs.model_source import ModelSourceError, resolve_model
 from engine.model.config import HFModelConfig
 from engine.model.dummy_weights import fill_dummy
+from engine.model.gguf_quant import keep_quantized
+from engine.model.gguf_tensors import GGUFTensors
 from engine.model.model import CausalLM
 
 LOAD_FORMATS = ("auto", "dummy")  # as vLLM's --load-format names them
@@ -49,8 +53,14 @@ def load_model(
         fill_dummy(lm, config, dtype, device)
         return lm.eval(), config
     with ExitStack() as stack:
-        tensors = _open_checkpoint(path, stack)
+        gguf_file = find_gguf(path)  # a GGUF's materialised directory points at the file (configs/gguf_source.py)
+        if gguf_file is not None:
+            tensors = GGUFTensors(gguf_file, config.num_heads, config.num_kv_heads)
+        else:
+            tensors = _open_checkpoint(path, stack)
         _fill_parameters(lm, config, tensors, dtype, device)
+        if gguf_file is not None and device.type == "cpu" and dtype == torch.float32:
+            keep_quantized(lm, tensors)  # the quantized kernels are CPU float32 ones (engine/model/gguf_quant.py)
     return lm.eval(), config
 
 

@@ -1,0 +1,75 @@
+"""``x @ W^T`` for a quantized weight, in one of two forms picked per row count at start (engine/quant/forms.py):
+
+- ``int``: the C kernel straight from the blocks (kernels/cpu/quant.c): the activations quantized to int8
+  blocks once per call, integer dot products. Reads the weight's bytes once per call whatever the rows,
+  so it is the form for decode steps, where streaming the weight is the whole cost.
+- ``panel``: up to ``PANEL_ROWS`` weight rows at a time dequantized to a float32 panel (C), then torch's
+  matmul on it. A long prefill is arithmetic-bound: oneDNN's blocked GEMM beats the row-at-a-time integer
+  kernel there, and dequantizing a panel costs one pass over it per call, small beside the matmul.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.model.cpu_linear import ROW_BUCKETS
+from engine.quant.weight import QuantizedWeight
+from kernels.cpu.quant import QuantLibrary
+
+PANEL_ROWS = 4096  # weight rows dequantized at once by the panel form (16 MiB of float32 at in=1024)
+QUANT_FORMS = ("int", "panel")
+
+
+def quantized_linear(
+    x: torch.Tensor, weight: QuantizedWeight, lib: QuantLibrary, form: str, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``F.linear(x, dequantized weight, bias)`` for x [rows, in] float32, in ``form``."""
+    if form == "int":
+        return lib.linear(weight.type_name, x, weight.rows, weight.in_features, bias)
+    out = torch.empty((x.shape[0], weight.out_features), dtype=torch.float32)
+    for start in range(0, weight.out_features, PANEL_ROWS):
+        count = min(PANEL_ROWS, weight.out_features - start)
+        panel = lib.dequantize(weight.type_name, weight.rows, weight.in_features, start, count)  # [count, in]
+        part = None if bias is None else bias[start : start + count]
+        out[:, start : start + count] = F.linear(x, panel, part)
+    return out
+
+
+class QuantLinear(nn.Module):
+    """A projection whose weight stays quantized: what a ``Linear`` of engine/model/cpu_linear.py is for
+    float weights. ``per_bucket`` (a form per ``ROW_BUCKETS`` entry, past the last one ``panel``) is set
+    by ``use_forms`` once timed; until then every row count takes ``int``."""
+
+    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None, lib: QuantLibrary):
+        super().__init__()
+        self.qweight = weight
+        self.bias = None if bias is None else nn.Parameter(bias.float().contiguous(), requires_grad=False)
+        self.lib = lib
+        self.per_bucket: tuple[str, ...] = ("int",) * len(ROW_BUCKETS)
+        self.in_features, self.out_features = weight.in_features, weight.out_features
+        # set by CausalLM.enable_lora, as on Linear: LoRA deltas on a quantized base are not wired yet
+        self.lora_key: tuple[int, str] | None = None
+        self.lora_ref = None
+
+    def use_forms(self, per_bucket: tuple[str, ...]) -> None:
+        assert len(per_bucket) == len(ROW_BUCKETS) and set(per_bucket) <= set(QUANT_FORMS), per_bucket
+        self.per_bucket = per_bucket
+
+    def form_for(self, rows: int) -> str:
+        bucket = bisect_left(ROW_BUCKETS, rows)
+        return self.per_bucket[bucket] if bucket < len(self.per_bucket) else "panel"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1])
+        y = quantized_linear(x2, self.qweight, self.lib, self.form_for(x2.shape[0]), self.bias)
+        if self.lora_ref is not None and self.lora_ref.step.groups:
+            self.lora_ref.step.add_delta(self.lora_key, x2, y)
+        return y.reshape(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"{self.qweight.type_name}, in={self.in_features}, out={self.out_features}"

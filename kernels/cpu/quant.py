@@ -1,0 +1,138 @@
+"""The quantized-weight CPU kernels (kernels/cpu/quant.c) through ctypes: ``x @ W^T`` straight from rows of
+GGUF blocks or per-channel int8, and the dequantization of a panel of rows for the prefill path.
+
+Built apart from the f32 kernels' library (kernels/cpu/native.py), with the same compiler flags, OpenMP
+runtime and cache directory, so neither build waits on or invalidates the other. ``load()`` builds the
+machine's best variant (VNNI where the CPU has it); ``load(scalar=True)`` the plain-C one, which the
+tests compare against the same reference.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from kernels.cpu import native as cpu_native
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("quant.c")
+TYPE_IDS = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q4_K": 3, "Q6_K": 4, "I8": 5}  # the enum in quant.c
+_SIZE, _PTR = ctypes.c_int64, ctypes.c_void_p
+
+
+def _command(compiler: str, scalar: bool, output: str) -> list[str]:
+    arch = "-mcpu=native" if platform.machine().lower() in ("arm64", "aarch64") else "-march=native"
+    flags = ["-O3", "-fno-math-errno", "-Wno-psabi", "-shared", "-fPIC", arch, "-fopenmp"]
+    flags += ["-DPDSERVE_QUANT_SCALAR"] if scalar else []
+    gomp = cpu_native._torch_libgomp()  # torch's OpenMP runtime: one thread pool with torch's
+    link = [str(gomp), f"-Wl,-rpath,{gomp.parent}"] if gomp is not None else []
+    return [compiler, *flags, str(SOURCE), "-o", output, *link]
+
+
+def _build(compiler: str, scalar: bool) -> Path:
+    recipe = " ".join(_command(compiler, scalar, "")).encode()
+    key = hashlib.sha256(
+        b"\0".join([SOURCE.read_bytes(), recipe, torch.__version__.encode(), cpu_native.cpu_identity().encode()])
+    )
+    target = cpu_native.cache_dir() / f"cpu_quant-{key.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)  # renamed into place: never half-written
+    os.close(fd)
+    try:
+        command = _command(compiler, scalar, tmp)
+        done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(command)} failed: {done.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+class QuantLibrary:
+    """``linear(type, x, rows)`` and ``dequantize(type, rows, start, count)`` over quantized weight rows."""
+
+    def __init__(self, path: Path):
+        self.name = path.name
+        self._lib = ctypes.CDLL(str(path))
+        self.vnni = bool(self._lib.pdserve_quant_vnni())
+        self._linear = self._lib.pdserve_quant_linear
+        self._linear.argtypes = [ctypes.c_int, _PTR, _SIZE, _SIZE, _PTR, _SIZE, _SIZE, _PTR, _PTR, _PTR, ctypes.c_int]
+        self._linear.restype = None
+        self._dequantize = self._lib.pdserve_quant_dequantize
+        self._dequantize.argtypes = [ctypes.c_int, _PTR, _SIZE, _SIZE, _SIZE, _SIZE, _PTR, ctypes.c_int]
+        self._dequantize.restype = None
+
+    def linear(
+        self, type_name: str, x: torch.Tensor, rows: torch.Tensor, in_features: int, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``x [m, in] float32 @ W^T (+ bias)`` for W held as ``rows`` ([out, row_bytes] uint8). Returns [m, out]."""
+        assert x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] == in_features and in_features % 32 == 0
+        assert rows.dtype == torch.uint8 and rows.dim() == 2 and rows.is_contiguous()
+        assert bias is None or (bias.dtype == torch.float32 and bias.is_contiguous() and bias.shape == rows.shape[:1])
+        x = x.contiguous()
+        m, out_features = x.shape[0], rows.shape[0]
+        y = torch.empty((m, out_features), dtype=torch.float32)
+        scratch = torch.empty(m * (in_features + in_features // 32 * 4 + in_features // 16 * 4), dtype=torch.uint8)
+        self._linear(
+            TYPE_IDS[type_name],
+            x.data_ptr(),
+            m,
+            in_features,
+            rows.data_ptr(),
+            out_features,
+            rows.shape[1],
+            None if bias is None else bias.data_ptr(),
+            y.data_ptr(),
+            scratch.data_ptr(),
+            torch.get_num_threads(),
+        )
+        return y
+
+    def dequantize(
+        self, type_name: str, rows: torch.Tensor, in_features: int, start: int = 0, count: int | None = None
+    ) -> torch.Tensor:
+        """Rows ``[start, start + count)`` of W as float32 ``[count, in]``."""
+        assert rows.dtype == torch.uint8 and rows.dim() == 2 and rows.is_contiguous()
+        count = rows.shape[0] - start if count is None else count
+        assert start >= 0 and start + count <= rows.shape[0]
+        out = torch.empty((count, in_features), dtype=torch.float32)
+        self._dequantize(
+            TYPE_IDS[type_name],
+            rows.data_ptr(),
+            start,
+            count,
+            in_features,
+            rows.shape[1],
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
+        return out
+
+
+@functools.cache
+def load(scalar: bool = False) -> QuantLibrary | None:
+    """The kernels, built if need be; None (logged once) where no compiler builds them here."""
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        log.warning("no C compiler (CC=%s): quantized weights are dequantized at load", os.environ.get("CC", "cc"))
+        return None
+    try:
+        return QuantLibrary(_build(compiler, scalar))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        log.warning("quantized C kernels unavailable, quantized weights are dequantized at load: %s", e)
+        return None

@@ -1,0 +1,25 @@
+"""Random GGUF weight rows of each quantized type for the kernel tests: random bytes are valid blocks once
+their float16 scale fields hold finite, moderate values, so every bit pattern of the quants is exercised
+and ``gguf.quants.dequantize`` of the same bytes is an independent reference."""
+
+from __future__ import annotations
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+# per type: the byte offsets of float16 fields inside one block
+_F16_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q6_K": (208,)}
+
+
+def random_rows(type_name: str, out_features: int, in_features: int, seed: int = 0) -> np.ndarray:
+    """[out, row_bytes] uint8: ``out`` rows of ``in`` values in ``type_name``'s blocks."""
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
+    assert in_features % block == 0
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (out_features, in_features // block, size), dtype=np.uint8)
+    for offset in _F16_FIELDS[type_name]:
+        scale = rng.uniform(0.2, 1.0, blocks.shape[:2]) * rng.choice([-1, 1], blocks.shape[:2]) / 64
+        if type_name in ("Q4_K",):  # d and dmin are positive in llama.cpp's K-quants
+            scale = np.abs(scale)
+        blocks[:, :, offset : offset + 2] = scale.astype(np.float16).view(np.uint8).reshape(*blocks.shape[:2], 2)
+    return blocks.reshape(out_features, -1)

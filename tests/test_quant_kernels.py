@@ -1,0 +1,65 @@
+"""The quantized CPU kernels (kernels/cpu/quant.c) against llama.cpp's own Python decoding of the same bytes
+(``gguf.quants.dequantize``) and a float64 matmul, on irregular shapes, in both builds (VNNI where the
+CPU has it, and plain C)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, dequantize
+
+from kernels.cpu import quant
+from tests.quant_blocks import random_rows
+
+TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
+# rows, in (a multiple of the K-quants' 256), out
+SHAPES = [(1, 256, 17), (3, 512, 33), (17, 1024, 7), (64, 4096, 5), (1, 4096, 129)]
+
+
+def _x_as_kernel_quantizes(x: np.ndarray) -> np.ndarray:
+    """x with each block of 32 rounded to int8 at scale max|x| / 127, as the kernel quantizes activations."""
+    blocks = x.reshape(x.shape[0], -1, 32).astype(np.float32)
+    amax = np.abs(blocks).max(axis=2, keepdims=True)
+    scale = amax / np.float32(127)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    q = np.rint(blocks * inv)
+    return (q.astype(np.float64) * scale.astype(np.float64)).reshape(x.shape)
+
+
+@pytest.fixture(params=[False, True], ids=["best", "scalar"])
+def lib(request):
+    library = quant.load(scalar=request.param)
+    assert library is not None, "no C compiler builds kernels/cpu/quant.c here"
+    return library
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+@pytest.mark.parametrize("rows,in_features,out_features", SHAPES)
+def test_linear_matches_gguf_dequantize(lib, type_name, rows, in_features, out_features):
+    w = random_rows(type_name, out_features, in_features, seed=rows + out_features)
+    w_ref = dequantize(w, GGMLQuantizationType[type_name]).astype(np.float64)  # [out, in]
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(out_features))
+    bias = torch.randn(out_features)
+    y = lib.linear(type_name, x, torch.from_numpy(w), in_features, bias).double().numpy()
+    # the kernel's own arithmetic: exact up to float32 sums
+    expected = _x_as_kernel_quantizes(x.numpy()) @ w_ref.T + bias.double().numpy()
+    scale = np.abs(expected).max()
+    np.testing.assert_allclose(y, expected, atol=2e-5 * scale * np.sqrt(in_features / 256), rtol=0)
+    # and against unquantized activations: what int8 activation blocks cost (llama.cpp's Q8 blocks too)
+    exact = x.double().numpy() @ w_ref.T + bias.double().numpy()
+    assert np.abs(y - exact).max() <= 0.02 * np.abs(exact).max()
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_dequantize_is_gguf_exactly(lib, type_name):
+    w = random_rows(type_name, 19, 512, seed=3)
+    panel = lib.dequantize(type_name, torch.from_numpy(w), 512, start=5, count=11).numpy()
+    np.testing.assert_array_equal(panel, dequantize(w, GGMLQuantizationType[type_name])[5:16])
+
+
+def test_zero_activations_give_bias(lib):
+    w = random_rows("Q4_K", 9, 256)
+    bias = torch.arange(9, dtype=torch.float32)
+    y = lib.linear("Q4_K", torch.zeros(2, 256), torch.from_numpy(w), 256, bias)
+    torch.testing.assert_close(y, bias.expand(2, 9), rtol=0, atol=0)
