@@ -15,6 +15,7 @@ import torch
 
 from configs.schema import ConfigError, EngineConfig, LoRAConfig, ModelConfig, PdserveConfig, load_config
 from engine.kv.block_manager import BlockManager
+from engine.kv.cache_dtype import kv_storage_dtype
 from engine.kv.pool import KVLayout, KVPool, num_blocks_for_budget
 from engine.llm_engine import LLMEngine, RequestOutput
 from engine.lora.adapter import LoRAError
@@ -80,12 +81,13 @@ def build_engine(
             f"max_model_len {max_model_len} exceeds the model's {config.max_position_embeddings} positions"
         )
     kv_dtype = next(model.parameters()).dtype
-    probe = KVLayout(config.num_layers, 1, engine_cfg.block_size, config.num_kv_heads, config.head_dim, kv_dtype)
+    store_dtype = kv_storage_dtype(engine_cfg.kv_cache_dtype, kv_dtype, device)
+    probe = KVLayout(config.num_layers, 1, engine_cfg.block_size, config.num_kv_heads, config.head_dim, store_dtype)
     num_blocks = engine_cfg.num_kv_blocks or num_blocks_for_budget(
         engine_cfg.kv_cache_memory_mb << 20, probe.bytes_per_block
     )
     layout = KVLayout(
-        config.num_layers, num_blocks, engine_cfg.block_size, config.num_kv_heads, config.head_dim, kv_dtype
+        config.num_layers, num_blocks, engine_cfg.block_size, config.num_kv_heads, config.head_dim, store_dtype
     )
     pool = KVPool(layout, device=device)
     log.info(

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.cpu.native import NativeLibrary
+from kernels.triton import kv_int8
 from kernels.triton.attention_tile import load_kv_tile, online_softmax_step
 from kernels.triton.triton_or_stub import tl, triton
 
@@ -33,7 +34,10 @@ def _gather(cache: torch.Tensor, block_ids: torch.Tensor, batch: int, max_ctx: i
     # One row per block: index_select copies whole rows with memcpy (measured 3x faster than on 4-D).
     rows = cache.view(cache.shape[0], -1) if cache.is_contiguous() else cache
     gathered = rows.index_select(0, block_ids)  # [batch * num_blocks, block_size * kvh * d]
-    return gathered.view(batch, -1, *cache.shape[2:])[:, :max_ctx]
+    context = gathered.view(batch, -1, *cache.shape[2:])[:, :max_ctx]
+    if cache.dtype == torch.int8:  # these requests' rows only, never the whole pool (kv_int8.py)
+        return kv_int8.dequantize_rows(context)
+    return context
 
 
 # CPU decode buckets: requests of similar context length, padded together. A bucket holds as many rows
