@@ -36,7 +36,8 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = [
-    Path(__file__).with_name(name) for name in ("decode.c", "prefill.c", "linear.c", "layer_ops.c", "decode_step.c")
+    Path(__file__).with_name(name)
+    for name in ("decode.c", "decode_int8.c", "prefill.c", "linear.c", "layer_ops.c", "decode_step.c")
 ]
 HEADERS = [Path(__file__).with_name("vector.h")]
 _FLAGS = ("-O3", "-fno-math-errno", "-Wno-psabi", "-shared", "-fPIC")
@@ -280,6 +281,10 @@ class NativeLibrary:
 
     def supports(self, group: int, head_dim: int) -> bool:
         return bool(self._supported(group, head_dim))
+
+    def symbol(self, name: str):
+        """A C function of the library, for bindings kept in their own files (decode_int8.py)."""
+        return getattr(self._lib, name)
 
     def paged_decode(
         self,
