@@ -1,5 +1,5 @@
 """The binding of the int8-KV decode attention kernel (decode_int8.c): float32 queries over a pool of
-packed int8 rows ``[head_dim values | float32 scale]`` (kernels/triton/kv_int8.py)."""
+packed int8 rows ``[head_dim values | float32 scales]`` (kernels/triton/kv_int8.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import ctypes
 import torch
 
 from kernels.cpu.native import NativeLibrary
+from kernels.triton import kv_int8
 
 _PTR, _SIZE = ctypes.c_void_p, ctypes.c_int64
 
@@ -25,7 +26,7 @@ class Int8Decode:
     def run(
         self,
         q: torch.Tensor,  # [batch, num_heads, head_dim] float32; rows may be strided, heads packed
-        k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim + 4] int8, contiguous
+        k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, kv_int8.row_dim(head_dim)] int8, contiguous
         v_cache: torch.Tensor,
         block_tables: torch.Tensor,  # [batch, max_blocks] int64, contiguous, ids checked by the caller
         context_lens: torch.Tensor,  # [batch] int64, each >= 1
@@ -35,7 +36,8 @@ class Int8Decode:
         batch, num_heads, head_dim = q.shape
         _, block_size, kv_heads, row = k_cache.shape
         # The C code trusts the layout: a wrong one would read the wrong memory, not raise.
-        assert q.dtype == torch.float32 and k_cache.dtype == v_cache.dtype == torch.int8 and row == head_dim + 4
+        assert q.dtype == torch.float32 and k_cache.dtype == v_cache.dtype == torch.int8
+        assert row == kv_int8.row_dim(head_dim)
         assert q.stride(2) == 1 and q.stride(1) == head_dim and k_cache.is_contiguous() and v_cache.is_contiguous()
         assert k_cache.shape == v_cache.shape and num_heads % kv_heads == 0
         assert block_tables.dtype == context_lens.dtype == torch.int64 and block_tables.is_contiguous()
