@@ -96,6 +96,11 @@ GROUPS: dict[str, tuple[Flag, ...]] = {
             "BYTES",
         ),
         Flag(("--num-gpu-blocks-override",), "engine.num_kv_blocks", "exact KV pool size in blocks", int),
+        Flag(
+            ("--kv-cache-dtype",),
+            "engine.kv_cache_dtype",
+            "what the KV pool stores: auto (the model's dtype), int8 (per-token-per-head scales), fp8 (GPU)",
+        ),
     ),
     "SchedulerConfig": (
         Flag(("--max-num-seqs",), "engine.max_num_seqs", "sequences in one decode batch at most", int),

@@ -17,6 +17,7 @@ from configs.loader import load_config
 from configs.model_source import resolve_model
 from configs.schema import ConfigError, EngineConfig, LoRAConfig, ModelConfig, PdserveConfig
 from engine.kv.block_manager import BlockManager
+from engine.kv.cache_dtype import kv_storage_dtype
 from engine.kv.pool import KVLayout, KVPool, num_blocks_for_budget
 from engine.llm_engine import LLMEngine, RequestOutput
 from engine.lora.adapter import LoRAError
@@ -94,12 +95,13 @@ def build_engine(
             f"max_model_len {max_model_len} exceeds the model's {config.max_position_embeddings} positions"
         )
     kv_dtype = next(model.parameters()).dtype
-    probe = KVLayout(config.num_layers, 1, engine_cfg.block_size, config.num_kv_heads, config.head_dim, kv_dtype)
+    store_dtype = kv_storage_dtype(engine_cfg.kv_cache_dtype, kv_dtype, device)
+    probe = KVLayout(config.num_layers, 1, engine_cfg.block_size, config.num_kv_heads, config.head_dim, store_dtype)
     num_blocks = engine_cfg.num_kv_blocks or num_blocks_for_budget(
         engine_cfg.kv_cache_memory_mb << 20, probe.bytes_per_block
     )
     layout = KVLayout(
-        config.num_layers, num_blocks, engine_cfg.block_size, config.num_kv_heads, config.head_dim, kv_dtype
+        config.num_layers, num_blocks, engine_cfg.block_size, config.num_kv_heads, config.head_dim, store_dtype
     )
     pool = KVPool(layout, device=device)
     log.info(
@@ -127,7 +129,8 @@ def build_engine(
     )
     lora = _lora_manager(model, config, lora_cfg or LoRAConfig(), kv_dtype, device)
     native_decode = _native_attention("decode", engine_cfg.cpu_decode_attention, config, pool)
-    if native_decode is not None and fused_decode_rows:
+    # The fused step (decode_step.c) stores and reads float32 K/V: an int8 pool runs layer by layer.
+    if native_decode is not None and fused_decode_rows and pool.layout.dtype == torch.float32:
         fused = model.use_fused_decode(native_decode)
         log.info("CPU decode steps: %s", "one C call for every layer" if fused else "layer by layer")
     native_prefill = _native_attention("prefill", engine_cfg.cpu_prefill_attention, config, pool)
@@ -208,7 +211,14 @@ def _native_attention(kind: str, setting: str, config, pool: KVPool) -> cpu_nati
         return None
     library = cpu_native.load() if setting == "c" else None
     why = None
-    if library is not None and not supports_native_decode(library, config.num_heads, pool):
+    if library is not None and pool.layout.dtype == torch.int8:
+        # The int8 pool (--kv-cache-dtype int8): decode has its own C kernel (decode_int8.c); prefill
+        # chunks run SDPA over the rows they gather, dequantized (paged_decode._gather).
+        if kind == "prefill":
+            why = "reads float32 K/V, and this pool is int8"
+        elif not library.supports(config.num_heads // config.num_kv_heads, config.head_dim):
+            why = f"has no copy for {config.num_heads} heads over {config.num_kv_heads} KV heads of {config.head_dim}"
+    elif library is not None and not supports_native_decode(library, config.num_heads, pool):
         why = (
             f"has no copy for {config.num_heads} heads over {config.num_kv_heads} KV heads of {config.head_dim}, "
             f"{pool.layout.dtype}"

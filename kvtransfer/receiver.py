@@ -245,7 +245,7 @@ class KVReceiver:
             with warnings.catch_warnings():  # zmq frames are read-only; we copy out of them at once
                 warnings.simplefilter("ignore", UserWarning)
                 data = torch.frombuffer(frames[1], dtype=layout.dtype)
-            shape = (layout.num_layers, 2, n, layout.block_size, layout.kv_heads, layout.head_dim)
+            shape = (layout.num_layers, 2, n, *layout.shape[3:])  # int8 rows carry their scales
             dst = torch.tensor(w.dst_block_ids, device=self.pool.tensor.device)
             scatter_blocks(self.pool.tensor, dst, data.view(shape).to(self.pool.tensor.device))
         if verdict is not Verdict.OK:

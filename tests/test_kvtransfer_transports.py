@@ -22,6 +22,14 @@ LAYOUT = KVLayout(num_layers=2, num_blocks=16, block_size=4, kv_heads=2, head_di
 TRANSPORTS = ["loopback", "shm", "zmq"]
 
 
+def random_pool(layout: KVLayout, seed: int) -> torch.Tensor:
+    """A pool of random contents in the layout's dtype (int8 pools: random bytes, scales included)."""
+    g = torch.Generator().manual_seed(seed)
+    if layout.dtype == torch.int8:
+        return torch.randint(-128, 128, layout.shape, dtype=torch.int8, generator=g)
+    return torch.randn(layout.shape, generator=g, dtype=layout.dtype)
+
+
 class Node:
     """A receiver with a free list, and the registry it reports to."""
 
@@ -54,7 +62,7 @@ class Node:
 
     def sender(self, layout: KVLayout = LAYOUT, **kwargs) -> KVSender:
         channel = self.server.connect() if self.transport == "loopback" else ZmqClient(self.ctx, self.server.endpoint)
-        src = KVPool(layout, tensor=torch.randn(layout.shape, generator=torch.Generator().manual_seed(7)))
+        src = KVPool(layout, tensor=random_pool(layout, seed=7))
         tx = KVSender(src, "tiny", channel, **kwargs)
         stop = threading.Event()
         serving = threading.Thread(target=lambda: [self.rx.poll() for _ in iter(stop.is_set, True)])

@@ -5,6 +5,8 @@ Systems (each its own ``pdserve serve``, the same cores):
   cores // workers threads).
 - coloc: ``--prefill 0 --decode 1``: the decode worker prefills locally on all the cores.
 - nocache: disagg with ``engine.enable_prefix_caching=false``.
+- disagg-int8: disagg with ``--kv-cache-dtype int8`` (the streams workload: TTFT and ITL at 16 and 32
+  streams beside disagg's), selected with ``--systems disagg,disagg-int8``.
 - llama: llama.cpp's ``llama-server`` (benchmarks/peers/llama_server.py) on the same cores and the GGUF f32
   of the same model, after its greedy output was checked: the streams workload at ``--parallel N``
   for N streams, the others on one server of LLAMA_CONFIG (benchmarks.serve.run_llama).
@@ -68,12 +70,12 @@ class Plan:
     stream_min_requests: int = 8  # ... and at least this many (one stream needs several for its ITL/TTFT)
 
 
-def _sections(prefix_caching: bool = True) -> dict:
+def _sections(prefix_caching: bool = True, kv_cache_dtype: str = "auto") -> dict:
     # Long enough for 2048-token prompts; pools sized so no workload preempts.
-    return {
-        "model": {"max_model_len": 4096},
-        "engine": {"enable_prefix_caching": prefix_caching, "max_num_seqs": 64, "kv_cache_memory_mb": 1024},
-    }
+    engine = {"enable_prefix_caching": prefix_caching, "max_num_seqs": 64, "kv_cache_memory_mb": 1024}
+    if kv_cache_dtype != "auto":
+        engine["kv_cache_dtype"] = kv_cache_dtype
+    return {"model": {"max_model_len": 4096}, "engine": engine}
 
 
 def systems(quick: bool) -> tuple[SystemSpec, ...]:
@@ -95,6 +97,7 @@ def systems(quick: bool) -> tuple[SystemSpec, ...]:
         ),
         # --quick: the runs of the headlines that name llama-server (equal concurrency) only.
         SystemSpec("llama", 0, 0, {}, WORKLOADS if not quick else ("mixed_closed", "streams"), LLAMA_CONFIG),
+        SystemSpec("disagg-int8", 1, 1, _sections(kv_cache_dtype="int8"), ("streams",)),
         *gguf_systems(),
     )
 

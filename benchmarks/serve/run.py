@@ -103,7 +103,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--plots-dir", default=None, help="write PNG plots here (needs matplotlib: the 'plots' extra)")
     p.add_argument("--json", default=None, help="write every number to this JSON file")
     p.add_argument("--skip-hf", action="store_true", help="no transformers baseline (vs_hf_static is nan)")
-    p.add_argument("--systems", default=None, help="only these of disagg,coloc,nocache,llama (comma-separated)")
+    p.add_argument(
+        "--systems", default=None, help="only these of disagg,coloc,nocache,disagg-int8,llama (comma-separated)"
+    )
     p.add_argument(
         "--workloads",
         default=None,

@@ -1,6 +1,7 @@
 """KV transfer bandwidth per transport vs raw pyzmq PUSH/PULL, memcpy (torch ``copy_``) and two ceilings.
 
     python -m benchmarks.transfer.kv_transfer [--quick] [--compare-insecure]
+    python -m benchmarks.transfer.kv_transfer --kv-cache-dtype int8 [--prompt-tokens 1024]  (kv_dtype.py)
 
 Layout: the ``small`` model (8 layers, 2 KV heads, head dim 64, fp32, block size 16 -> 128 KiB a block).
 Each transfer: reserve on the receiver, send + commit, time until the receiver's commit event. Best of a few
@@ -36,6 +37,7 @@ import zmq
 from prometheus_client import CollectorRegistry
 
 from benchmarks.transfer import ceilings as transfer_ceilings
+from benchmarks.transfer import kv_dtype
 from engine.kv.pool import KVLayout, KVPool
 from kvtransfer.channel import InprocServer, ZmqClient, ZmqServer
 from kvtransfer.metrics import TransferMetrics
@@ -200,7 +202,17 @@ def main() -> None:
         action="store_true",
         help="also time zmq and shm with CurveZMQ on (the default in the product)",
     )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        choices=("auto", "int8"),
+        default="auto",
+        help="int8: only one prompt's KV in float32 and int8 side by side (benchmarks/transfer/kv_dtype.py)",
+    )
+    parser.add_argument("--prompt-tokens", type=int, default=1024, help="the prompt of --kv-cache-dtype int8")
     args = parser.parse_args()
+    if args.kv_cache_dtype == "int8":
+        kv_dtype.compare(args.prompt_tokens, repeats=40)
+        return
     sizes = [1, 4, 16] if args.quick else [1, 4, 16, 64, 256]
     repeats = 2 if args.quick else 3
     frame_bytes = WINDOW_BLOCKS * small_layout(1).bytes_per_block

@@ -1,4 +1,7 @@
-"""The node's one preallocated KV pool: ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]``.
+"""The node's one preallocated KV pool: ``[layers, 2, num_blocks, block_size, kv_heads, row_dim]``.
+
+``row_dim`` is ``head_dim`` for a float pool; an int8 pool (``--kv-cache-dtype int8``) packs each row's
+float32 scale after its values (kernels/triton/kv_int8.py), so a block carries its scales with it.
 
 Attention reads it through block tables; transports move whole blocks of it (all layers at once).
 """
@@ -8,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from kernels.triton import kv_int8
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,14 +25,19 @@ class KVLayout:
     dtype: torch.dtype
 
     @property
+    def row_dim(self) -> int:
+        """Elements of one token's one head in the pool: int8 rows carry their scale (4 bytes) too."""
+        return kv_int8.row_dim(self.head_dim) if self.dtype == torch.int8 else self.head_dim
+
+    @property
     def shape(self) -> tuple[int, ...]:
-        return (self.num_layers, 2, self.num_blocks, self.block_size, self.kv_heads, self.head_dim)
+        return (self.num_layers, 2, self.num_blocks, self.block_size, self.kv_heads, self.row_dim)
 
     @property
     def bytes_per_block(self) -> int:
-        """Bytes of one block across all layers, K and V."""
+        """Bytes of one block across all layers, K and V (scales included)."""
         element = torch.empty((), dtype=self.dtype).element_size()
-        return self.num_layers * 2 * self.block_size * self.kv_heads * self.head_dim * element
+        return self.num_layers * 2 * self.block_size * self.kv_heads * self.row_dim * element
 
 
 def num_blocks_for_budget(budget_bytes: int, bytes_per_block: int) -> int:
@@ -61,5 +71,5 @@ class KVPool:
         self._layers = [(tensor[i, 0], tensor[i, 1]) for i in range(layout.num_layers)]
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(k_cache, v_cache) of one layer, each ``[num_blocks, block_size, kv_heads, head_dim]``."""
+        """(k_cache, v_cache) of one layer, each ``[num_blocks, block_size, kv_heads, row_dim]``."""
         return self._layers[index]

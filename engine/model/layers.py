@@ -83,8 +83,9 @@ class Attention(nn.Module):
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
         k_cache, v_cache = kv_cache
-        if self.native is not None and self.q_norm is None:
+        if self.native is not None and self.q_norm is None and k_cache.dtype == torch.float32:
             # q and k rotated in place in qkv, k and v stored: q stays a strided view of qkv.
+            # (An int8 pool quantizes on the torch store below.)
             self.native.rope_store(
                 qkv, self.num_heads, self.num_kv_heads, cos, sin, meta.slot_mapping, k_cache, v_cache
             )

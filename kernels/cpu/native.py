@@ -30,7 +30,8 @@ log = logging.getLogger(__name__)
 SOURCES = Sources(
     name="cpu_native",
     sources=tuple(
-        Path(__file__).with_name(name) for name in ("decode.c", "prefill.c", "linear.c", "layer_ops.c", "decode_step.c")
+        Path(__file__).with_name(name)
+        for name in ("decode.c", "decode_int8.c", "prefill.c", "linear.c", "layer_ops.c", "decode_step.c")
     ),
     headers=(Path(__file__).with_name("vector.h"),),
 )
@@ -157,6 +158,10 @@ class NativeLibrary:
 
     def supports(self, group: int, head_dim: int) -> bool:
         return bool(self._supported(group, head_dim))
+
+    def symbol(self, name: str):
+        """A C function of the library, for bindings kept in their own files (decode_int8.py)."""
+        return getattr(self._lib, name)
 
     def paged_decode(
         self,

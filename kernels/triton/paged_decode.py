@@ -9,11 +9,14 @@ the gathered context (GQA without repeat_interleave).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
+from kernels.cpu.decode_int8 import Int8Decode
 from kernels.cpu.native import NativeLibrary
+from kernels.triton import kv_int8
 from kernels.triton.attention_tile import load_kv_tile, online_softmax_step
 from kernels.triton.triton_or_stub import tl, triton
 
@@ -33,7 +36,10 @@ def _gather(cache: torch.Tensor, block_ids: torch.Tensor, batch: int, max_ctx: i
     # One row per block: index_select copies whole rows with memcpy (measured 3x faster than on 4-D).
     rows = cache.view(cache.shape[0], -1) if cache.is_contiguous() else cache
     gathered = rows.index_select(0, block_ids)  # [batch * num_blocks, block_size * kvh * d]
-    return gathered.view(batch, -1, *cache.shape[2:])[:, :max_ctx]
+    context = gathered.view(batch, -1, *cache.shape[2:])[:, :max_ctx]
+    if cache.dtype == torch.int8:  # these requests' rows only, never the whole pool (kv_int8.py)
+        return kv_int8.dequantize_rows(context)
+    return context
 
 
 # CPU decode buckets: requests of similar context length, padded together. A bucket holds as many rows
@@ -67,9 +73,19 @@ class NativeDecode:
     max_context: int
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        if k_cache.dtype == torch.int8:  # --kv-cache-dtype int8: dequantized in registers (decode_int8.c)
+            return int8_decode(self.library).run(
+                q, k_cache, v_cache, self.block_tables, self.context_lens, self.max_context, scale
+            )
         return self.library.paged_decode(
             q, k_cache, v_cache, self.block_tables, self.context_lens, self.max_context, scale
         )
+
+
+@functools.cache
+def int8_decode(library: NativeLibrary) -> Int8Decode:
+    """The library's int8 decode binding, made once."""
+    return Int8Decode(library)
 
 
 def checked_tables(block_tables: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels.triton import kv_int8
 from kernels.triton.triton_or_stub import tl, triton
 
 
@@ -18,9 +19,11 @@ def store_kv_reference(
     v_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens] int64
 ) -> None:
-    kv_heads, head_dim = k_cache.shape[-2:]
-    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
-    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+    kv_heads, row = k_cache.shape[-2:]
+    if k_cache.dtype == torch.int8:  # packed int8 rows: quantize per token per head (kv_int8.py)
+        key, value = kv_int8.quantize_rows(key), kv_int8.quantize_rows(value)
+    k_cache.view(-1, kv_heads, row).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+    v_cache.view(-1, kv_heads, row).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
 
 
 @triton.jit

