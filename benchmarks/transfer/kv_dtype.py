@@ -14,6 +14,7 @@ import torch
 import zmq
 from prometheus_client import CollectorRegistry
 
+from benchmarks.transfer.transfer_steps import handshake, one_transfer
 from engine.kv.pool import KVLayout, KVPool
 from kvtransfer.channel import InprocServer, ZmqClient, ZmqServer
 from kvtransfer.metrics import TransferMetrics
@@ -39,8 +40,6 @@ class Pair:
     """A sender and a receiver over one transport, handshaken, for repeated transfers of n blocks."""
 
     def __init__(self, transport: str, layout: KVLayout):
-        from benchmarks.transfer.kv_transfer import _handshake
-
         self.shared = create_shared(layout.shape, layout.dtype) if transport == "shm" else None
         self.dst = KVPool(layout, tensor=self.shared.tensor if self.shared else None)
         self.ctx = zmq.Context()
@@ -60,14 +59,12 @@ class Pair:
         )
         self.channel = self.server.connect() if transport == "loopback" else ZmqClient(self.ctx, self.server.endpoint)
         self.tx = KVSender(KVPool(layout, tensor=random_pool(layout)), "small", self.channel)
-        _handshake(self.rx, self.tx, transport)
+        handshake(self.rx, self.tx, transport)
         self.count = 0
 
     def transfer(self, n: int) -> float:
-        from benchmarks.transfer.kv_transfer import _one_transfer
-
         self.count += 1
-        seconds = _one_transfer(self.rx, self.tx, f"p{self.count}", n)
+        seconds = one_transfer(self.rx, self.tx, f"p{self.count}", n)
         assert torch.equal(self.dst.tensor[:, :, :n], self.tx.pool.tensor[:, :, :n])  # the bytes really moved
         return seconds
 

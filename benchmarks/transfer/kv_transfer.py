@@ -38,6 +38,7 @@ from prometheus_client import CollectorRegistry
 
 from benchmarks.transfer import ceilings as transfer_ceilings
 from benchmarks.transfer import kv_dtype
+from benchmarks.transfer.transfer_steps import handshake, one_transfer
 from engine.kv.pool import KVLayout, KVPool
 from kvtransfer.channel import InprocServer, ZmqClient, ZmqServer
 from kvtransfer.metrics import TransferMetrics
@@ -82,12 +83,12 @@ def time_transport(transport: str, sizes_mib: list[int], repeats: int, curve: bo
         server.connect() if transport == "loopback" else ZmqClient(ctx, server.endpoint, security=PlaneSecurity(key))
     )
     tx = KVSender(KVPool(layout, tensor=torch.randn(layout.shape)), "small", channel)
-    _handshake(rx, tx, transport)
+    handshake(rx, tx, transport)
     results = {}
     try:
         for size in sizes_mib:
             n = size * MIB // layout.bytes_per_block
-            results[size] = min(_one_transfer(rx, tx, f"{size}-{i}", n) for i in range(repeats))
+            results[size] = min(one_transfer(rx, tx, f"{size}-{i}", n) for i in range(repeats))
             assert torch.equal(dst.tensor[:, :, :n], tx.pool.tensor[:, :, :n])  # the bytes really moved
     finally:
         rx.close()
@@ -98,36 +99,6 @@ def time_transport(transport: str, sizes_mib: list[int], repeats: int, curve: bo
         if shared:
             shared.unlink()
     return results
-
-
-def _handshake(rx: KVReceiver, tx: KVSender, transport: str) -> None:
-    stop = threading.Event()
-    serving = threading.Thread(target=lambda: [rx.poll() for _ in iter(stop.is_set, True)])
-    serving.start()
-    try:
-        assert tx.handshake().transport == transport
-    finally:
-        stop.set()
-        serving.join()
-
-
-def _one_transfer(rx: KVReceiver, tx: KVSender, rid: str, n: int) -> float:
-    """One thread polls both ends (zmq moves bytes on its own I/O thread): no GIL hand-offs measured."""
-    ids = list(range(n))
-    rx.reserve(rid, 1, ids)
-    start = time.perf_counter()
-    tx.send(rid, 1, ids, ids)
-    tx.commit(rid, 1)
-    events = []
-    while not events:
-        tx.poll()
-        events = rx.poll()
-    elapsed = time.perf_counter() - start
-    while not tx.poll():
-        rx.poll()
-    assert events[0].ok, events
-    rx.adopt(rid)
-    return elapsed
 
 
 def time_raw_zmq(sizes_mib: list[int], repeats: int, frame_bytes: int) -> dict[int, float]:
