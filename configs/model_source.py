@@ -6,7 +6,9 @@
   imports torch, runs only then: the gateway stays torch-free once the cache holds it);
 - a local directory holding a Hugging Face checkpoint;
 - a hub id (``Org/Name``), fetched into (or found in) the Hugging Face cache. The gateway asks for the
-  config and tokenizer files only, the workers for the weights too.
+  config and tokenizer files only, the workers for the weights too;
+- a GGUF file, or a directory holding one: materialised once as a checkpoint directory of config and
+  tokenizer that points at the file (configs/gguf_source.py); the engine reads the weights from the file.
 
 Whatever is wrong is a ``ModelSourceError`` (a ``ConfigError``) with one line naming the model and the
 problem: a missing path, a hub id the hub cannot provide (offline, unknown, gated), a directory without
@@ -22,6 +24,8 @@ import re
 import shutil
 from pathlib import Path
 
+from configs.gguf_config import GGUFError
+from configs.gguf_source import find_gguf, is_materialised, materialise
 from configs.schema import ConfigError
 
 DEFAULT_FAMILY = "llama"
@@ -48,7 +52,7 @@ class ModelSourceError(ConfigError):
 
 def resolve_model(path: str, cache_dir: str = "", *, weights: bool = True) -> Path:
     """The local checkpoint directory ``model.path`` names, checked to be one the engine runs."""
-    directory = default_model_dir(cache_dir) if not path else _locate(path, weights)
+    directory = default_model_dir(cache_dir) if not path else _locate(path, weights, cache_dir)
     check_checkpoint(directory, path or "the default model")
     return directory
 
@@ -72,11 +76,21 @@ def check_checkpoint(directory: Path, given: str) -> None:
         )
 
 
-def _locate(path: str, weights: bool) -> Path:
+def _locate(path: str, weights: bool, cache_dir: str) -> Path:
     local = Path(path).expanduser()
     if local.exists():
+        if is_materialised(local):  # a GGUF's directory, passed on by the supervisor or a role
+            return local
+        try:
+            gguf_file = find_gguf(local)
+            if gguf_file is not None:
+                return materialise(gguf_file, cache_dir)
+        except (GGUFError, OSError) as exc:
+            raise ModelSourceError(f"model {path!r}: {exc}") from None
         if not local.is_dir():
-            raise ModelSourceError(f"model {path!r} is a file; expected a checkpoint directory or a hub id")
+            raise ModelSourceError(
+                f"model {path!r} is a file; expected a checkpoint directory, a .gguf file or a hub id"
+            )
         return local
     if not _HUB_ID.match(path):
         raise ModelSourceError(f"model path {path!r} does not exist")

@@ -13,6 +13,7 @@ from collections.abc import Sequence as Seq
 
 import torch
 
+from configs.model_source import resolve_model
 from configs.schema import ConfigError, EngineConfig, LoRAConfig, ModelConfig, PdserveConfig, load_config
 from engine.kv.block_manager import BlockManager
 from engine.kv.pool import KVLayout, KVPool, num_blocks_for_budget
@@ -235,7 +236,8 @@ class LLM:
         if self._tokenizer is None:
             from transformers import AutoTokenizer
 
-            self._tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+            # a GGUF file's tokenizer is the one materialised beside its config (configs/gguf_source.py)
+            self._tokenizer = AutoTokenizer.from_pretrained(resolve_model(self.model_path))
         return self._tokenizer
 
     def apply_chat_template(self, user_text: str) -> str:

@@ -185,7 +185,10 @@ def test_select_narrows_the_plan_and_overrides_every_system():
 @pytest.mark.parametrize(
     "args, message",
     [
-        ((["disag"], None, []), "unknown system(s) ['disag']; choose from ['disagg', 'coloc', 'nocache', 'llama']"),
+        (
+            (["disag"], None, []),
+            "unknown system(s) ['disag']; choose from ['disagg', 'coloc', 'nocache', 'llama', 'coloc-q8', 'llama-q8', 'coloc-q4', 'llama-q4']",
+        ),
         ((None, ["mixed"], []), "unknown workload(s) ['mixed']"),
         (
             (None, None, ["local_prefill_max_tokens=0"]),

@@ -57,8 +57,17 @@ def _stand_in_missing_modules() -> None:
         sys.modules[dotted].__dict__.update(attrs)
 
 
+def _text_model_class(converter):
+    try:  # llama.cpp of llama-cpp-python 0.3.36 keeps its model classes in conversion/ beside the script
+        from conversion.base import TextModel
+    except ImportError:  # older releases: in convert_hf_to_gguf.py itself
+        return converter.TextModel
+    return TextModel
+
+
 def _map_our_pre_tokenizer(converter, model_dir: Path) -> None:
-    known = converter.TextModel.get_vocab_base_pre
+    text_model = _text_model_class(converter)
+    known = text_model.get_vocab_base_pre
 
     def get_vocab_base_pre(self, tokenizer) -> str:
         try:
@@ -68,7 +77,7 @@ def _map_our_pre_tokenizer(converter, model_dir: Path) -> None:
                 raise
             return GPT2_PRE_TOKENIZER
 
-    converter.TextModel.get_vocab_base_pre = get_vocab_base_pre
+    text_model.get_vocab_base_pre = get_vocab_base_pre
 
 
 def convert(llama_cpp_dir: Path, model_dir: Path, out: Path, outtype: str = "f32") -> None:

