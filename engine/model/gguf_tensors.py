@@ -17,6 +17,7 @@ import torch
 from gguf import GGUFReader
 
 from engine.model.gguf_weights import describe, weight_for
+from engine.quant.weight import QuantizedWeight, take_rows
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +68,7 @@ class GGUFTensors:
         self._heads = {"attn_q": num_heads, "attn_k": num_kv_heads} if arch in _PERMUTED_ARCHS else {}
         log.info("GGUF %s: %s", path.name, describe(list(self._tensors.values())))
 
-    def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor | QuantizedWeight:
         tensor = self._tensors.get(gguf_name(name))
         if tensor is None:
             raise ValueError(f"GGUF file is missing tensor {gguf_name(name)!r} ({name}, shape {list(shape)})")
@@ -76,4 +77,7 @@ class GGUFTensors:
             raise ValueError(f"GGUF tensor {tensor.name!r} has shape {list(found)}; this config expects {list(shape)}")
         weight = weight_for(tensor)
         heads = self._heads.get(tensor.name.split(".")[-2])  # blk.3.attn_q.weight -> attn_q
-        return weight if heads is None else weight[unpermute_rows(shape[0], heads)]
+        if heads is None:
+            return weight
+        index = unpermute_rows(shape[0], heads)
+        return take_rows(weight, index) if isinstance(weight, QuantizedWeight) else weight[index]

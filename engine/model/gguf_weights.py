@@ -15,11 +15,18 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, ReaderTensor, dequantize
 
+from engine.quant.weight import BLOCKS, QuantizedWeight
+
 _PLAIN = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
 
 
-def weight_for(tensor: ReaderTensor) -> torch.Tensor:
-    """The tensor as float32, shape outermost first ([out_features, in_features] for a linear)."""
+def weight_for(tensor: ReaderTensor) -> torch.Tensor | QuantizedWeight:
+    """A 2-D tensor in a format with a C kernel (engine/quant/): its rows of blocks as they are in the file;
+    anything else as float32, shape outermost first ([out_features, in_features] for a linear)."""
+    if tensor.tensor_type.name in BLOCKS and len(tensor.shape) == 2:
+        in_features = int(tensor.shape[0])
+        rows = np.array(tensor.data, dtype=np.uint8).reshape(int(tensor.shape[1]), -1)  # a copy off the mmap
+        return QuantizedWeight(tensor.tensor_type.name, torch.from_numpy(rows), in_features)
     try:
         values = dequantize(tensor.data, tensor.tensor_type)
     except NotImplementedError:
@@ -34,8 +41,13 @@ def weight_for(tensor: ReaderTensor) -> torch.Tensor:
 def describe(tensors: list[ReaderTensor]) -> str:
     """'Q4_1 x210, Q8_0 x1 dequantized to float32 at load; F32 x61 as stored' for the log."""
     counts = Counter(t.tensor_type for t in tensors)
-    quantized = ", ".join(f"{k.name} x{n}" for k, n in counts.most_common() if k not in _PLAIN)
     plain = ", ".join(f"{k.name} x{n}" for k, n in counts.most_common() if k in _PLAIN)
-    if not quantized:
+    if all(k in _PLAIN for k in counts):
         return f"{plain} as stored"
-    return f"{quantized} dequantized to float32 at load (no quantized kernel wired yet); {plain or 'nothing'} as stored"
+    kept = ", ".join(f"{k.name} x{n}" for k, n in counts.most_common() if k.name in BLOCKS)
+    other = ", ".join(f"{k.name} x{n}" for k, n in counts.most_common() if k not in _PLAIN and k.name not in BLOCKS)
+    return (
+        f"{kept or 'nothing'} kept quantized for the C kernels (engine/quant/; the embedding is dequantized, "
+        f"fused parts of mixed formats too); {other or 'nothing'} dequantized to float32 at load; "
+        f"{plain or 'nothing'} as stored"
+    )

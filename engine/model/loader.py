@@ -23,6 +23,8 @@ from configs.model_source import ModelSourceError, resolve_model
 from engine.model.config import HFModelConfig
 from engine.model.gguf_tensors import GGUFTensors
 from engine.model.model import CausalLM
+from engine.quant.apply import fused_weight, linear_for, replace_module
+from engine.quant.weight import QuantizedWeight
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -97,20 +99,33 @@ def _fill_parameters(lm: CausalLM, config: HFModelConfig, tensors: _Tensors, dty
     h, d = config.hidden_size, config.head_dim
     q_size, kv_size = config.num_heads * d, config.num_kv_heads * d
 
-    def put(module: nn.Module, name: str, *parts: torch.Tensor) -> None:
+    # A GGUF's quantized weights stay quantized on CPU in float32 (engine/quant/), else are dequantized.
+    keep_quantized = device.type == "cpu" and dtype == torch.float32
+
+    def put(module: nn.Module, name: str, *parts: torch.Tensor | QuantizedWeight) -> None:
         # Rows of the parts, concatenated in order: one fused weight, in the target dtype/device.
-        value = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+        if any(isinstance(part, QuantizedWeight) for part in parts):
+            value = fused_weight(list(parts), keep_quantized and name == "weight" and module is not lm)
+            if isinstance(value, QuantizedWeight):
+                replace_module(lm, module, linear_for(value))
+                return
+        else:
+            value = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
         module._parameters[name] = nn.Parameter(value.to(device=device, dtype=dtype), requires_grad=False)
 
     def get(name: str, *shape: int) -> torch.Tensor:
         return tensors.get(name, shape)
 
-    put(lm, "embed_tokens", get("model.embed_tokens.weight", config.vocab_size, h))
+    embed = get("model.embed_tokens.weight", config.vocab_size, h)
+    put(lm, "embed_tokens", embed)  # a lookup table: float, whatever the file holds
     put(lm.norm, "weight", get("model.norm.weight", h))
+    head = embed if config.tie_word_embeddings else get("lm_head.weight", config.vocab_size, h)
     if config.tie_word_embeddings:
         lm._parameters["lm_head"] = lm.embed_tokens
     else:
-        put(lm, "lm_head", get("lm_head.weight", config.vocab_size, h))
+        put(lm, "lm_head", head)
+    if keep_quantized and isinstance(head, QuantizedWeight):
+        lm.use_quantized_lm_head(linear_for(head))
     for i, layer in enumerate(lm.layers):
         p = f"model.layers.{i}."
         attn, mlp = layer.self_attn, layer.mlp
