@@ -93,30 +93,50 @@ def test_gateway_reads_a_gguf_without_torch_or_transformers(tmp_path: Path) -> N
 
 
 @functools.cache
-def engine_and_reference() -> tuple[list[list[int]], list[list[int]], list[str]]:
-    """(prompts, transformers' greedy tokens, the engine's texts) for the chat QUESTIONS."""
+def engine_and_reference() -> tuple[list[list[int]], list[list[int]], list[str], list[torch.Tensor]]:
+    """(the engine's greedy tokens, transformers' greedy tokens, the engine's texts, transformers' log-probs
+    per step [NEW_TOKENS, vocab]) for the chat QUESTIONS."""
     tok = hf_tokenizer()
     prompts = [tok.apply_chat_template(chat(q), tokenize=True, add_generation_prompt=True) for q in QUESTIONS]
     prompts = [p if isinstance(p, list) else p["input_ids"] for p in prompts]
     hf = AutoModelForCausalLM.from_pretrained(SMOLLM2_GGUF.parent, gguf_file=SMOLLM2_GGUF.name, dtype=torch.float32)
     hf.eval().generation_config.eos_token_id = None  # exactly NEW_TOKENS, like ignore_eos
-    expected = []
+    expected, logprobs = [], []
     for prompt in prompts:
         ids = torch.tensor([prompt])
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False)
-        expected.append(out[0, len(prompt) :].tolist())
+        out = hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+        expected.append(out.sequences[0, len(prompt) :].tolist())
+        logprobs.append(torch.log_softmax(torch.cat(out.logits).float(), dim=-1))
     llm = LLM(str(SMOLLM2_GGUF), kv_cache_memory_mb=64)
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True))
     assert_no_leak(llm.engine.block_manager)
     got = [o.outputs[0].token_ids for o in outputs]
-    return got, expected, [llm.tokenizer.decode(g, skip_special_tokens=True) for g in got]
+    return got, expected, [llm.tokenizer.decode(g, skip_special_tokens=True) for g in got], logprobs
+
+
+# The file's Q4_1 projections stay quantized (engine/quant/), and the kernels round each activation block to
+# int8 as llama.cpp's do: logits move by a few hundredths of a nat, which may flip a near tie (the LM head,
+# where that flipped the first answer token, stays float: engine/model/loader.py).
+NEAR_TIE = 0.1  # nats between transformers' pick and the engine's at the step where they part
 
 
 def test_greedy_tokens_equal_transformers_on_the_dequantized_file() -> None:
-    got, expected, _ = engine_and_reference()
-    assert got == expected
+    got, expected, _, logprobs = engine_and_reference()
+    for i, (g, e, lp) in enumerate(zip(got, expected, logprobs)):
+        step = next((j for j in range(len(e)) if g[j] != e[j]), None)
+        if step is not None:  # only at a near tie; the continuations then differ
+            margin = float(lp[step, e[step]] - lp[step, g[step]])
+            assert margin < NEAR_TIE, f"question {i} parts at token {step} by {margin:.3f} nats"
+    assert sum(g == e for g, e in zip(got, expected)) >= len(got) - 1
 
 
 def test_the_capital_of_france_is_paris() -> None:
-    _, _, texts = engine_and_reference()
+    _, _, texts, _ = engine_and_reference()
     assert "Paris" in texts[0], texts[0]

@@ -21,7 +21,6 @@ import torch
 
 from kernels.cpu import native as cpu_native
 from kernels.cpu import quant as cpu_quant
-from tests.quant_blocks import random_rows
 
 SHAPES = {  # name: (in, out, copies)
     "qkv": (576, 960, 30),
@@ -42,11 +41,20 @@ def _pass_seconds(run, copies) -> float:
     return (time.perf_counter() - start) / len(copies)
 
 
-def _int8_rows(out_features: int, in_features: int, seed: int) -> torch.Tensor:
-    from engine.quant.int8 import quantize_int8
+def _rows(type_name: str, out_features: int, in_features: int, seed: int) -> torch.Tensor:
+    """A random weight quantized to ``type_name``: llama.cpp's Python quantizer (gguf) where it has one,
+    else engine/quant's."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, quantize
 
-    g = torch.Generator().manual_seed(seed)
-    return quantize_int8(torch.randn(out_features, in_features, generator=g)).rows
+    from engine.quant.int8 import quantize_int8
+    from engine.quant.kquants import quantize_q4_k, quantize_q6_k
+
+    weight = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(seed)) * 0.05
+    made = {"I8": quantize_int8, "Q4_K": quantize_q4_k, "Q6_K": quantize_q6_k}.get(type_name)
+    if made is not None:
+        return made(weight).rows
+    return torch.from_numpy(np.ascontiguousarray(quantize(weight.numpy(), GGMLQuantizationType[type_name])))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,15 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         in_features, out_features, copies = SHAPES[name]
         f32 = [native.pack_linear(torch.randn(out_features, in_features)) for _ in range(copies)]
         formats = [f for f in args.formats if not (f.endswith("_K") and in_features % 256)]
-        weights = {
-            f: [
-                _int8_rows(out_features, in_features, i)
-                if f == "I8"
-                else torch.from_numpy(random_rows(f, out_features, in_features, seed=i))
-                for i in range(copies)
-            ]
-            for f in formats
-        }
+        weights = {f: [_rows(f, out_features, in_features, i) for i in range(copies)] for f in formats}
         for rows in ROWS:
             x = torch.randn(rows, in_features)
             best = dict.fromkeys(["f32", *formats], float("inf"))

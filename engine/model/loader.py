@@ -116,16 +116,15 @@ def _fill_parameters(lm: CausalLM, config: HFModelConfig, tensors: _Tensors, dty
     def get(name: str, *shape: int) -> torch.Tensor:
         return tensors.get(name, shape)
 
-    embed = get("model.embed_tokens.weight", config.vocab_size, h)
-    put(lm, "embed_tokens", embed)  # a lookup table: float, whatever the file holds
+    put(lm, "embed_tokens", get("model.embed_tokens.weight", config.vocab_size, h))  # a float lookup table
     put(lm.norm, "weight", get("model.norm.weight", h))
-    head = embed if config.tie_word_embeddings else get("lm_head.weight", config.vocab_size, h)
     if config.tie_word_embeddings:
         lm._parameters["lm_head"] = lm.embed_tokens
     else:
-        put(lm, "lm_head", head)
-    if keep_quantized and isinstance(head, QuantizedWeight):
-        lm.use_quantized_lm_head(linear_for(head))
+        put(lm, "lm_head", get("lm_head.weight", config.vocab_size, h))
+    # The LM head stays float (the lookup table's copy when tied): from int8 activation blocks its logits
+    # moved ~0.05 nats, enough to flip SmolLM2 Q4_1's near tie at the first answer token ("L'Étoile" for
+    # "The capital of France is Paris."); the float head answers as transformers does.
     for i, layer in enumerate(lm.layers):
         p = f"model.layers.{i}."
         attn, mlp = layer.self_attn, layer.mlp

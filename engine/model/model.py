@@ -35,7 +35,6 @@ class CausalLM(nn.Module):
         self.rotary = RotaryEmbedding(config, device)
         self.lm_head_forms = PLAIN  # CPU matmul forms of the LM head (choose_cpu_matmul_forms)
         self.lm_head_copies: WeightCopies | None = None  # the copies of the LM head those forms read
-        self.lm_head_quantized: nn.Module | None = None  # use_quantized_lm_head: the head kept quantized
         self.native_layer_ops = False  # use_native_layer_ops
         self.fused_decode: FusedDecodeStep | None = None  # use_fused_decode
         self.lora_ref: LoRAStepRef | None = None  # enable_lora: the step's adapters, read by every projection
@@ -90,15 +89,8 @@ class CausalLM(nn.Module):
         self.fused_decode = FusedDecodeStep(self, native) if FusedDecodeStep.fits(self) else None
         return self.fused_decode is not None
 
-    def use_quantized_lm_head(self, head: nn.Module) -> None:
-        """Logits from ``head`` (engine/quant/: a GGUF's quantized output or tied embedding, which the
-        lookup table keeps a float copy of); the float head is then neither timed nor copied."""
-        self.lm_head_quantized = head
-
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] -> [S, vocab] float32
         hidden = self.norm(hidden)
-        if self.lm_head_quantized is not None:
-            return self.lm_head_quantized(hidden)
         if self.lm_head_copies is None:  # no forms chosen (CUDA, or before timing): plain
             return F.linear(hidden, self.lm_head).float()
         return linear(hidden, self.lm_head_copies, forms=self.lm_head_forms).float()
@@ -117,10 +109,7 @@ class CausalLM(nn.Module):
             if isinstance(module, Linear):
                 groups.setdefault(f"{module.out_features}x{module.in_features}", []).append(module)
         weights = {key: [m.weight for m in modules] for key, modules in groups.items()}
-        if self.lm_head_quantized is None:
-            weights["lm_head"] = [self.lm_head]
-        if not weights:  # every weight quantized (engine/quant/forms.py times those)
-            return {}
+        weights["lm_head"] = [self.lm_head]
         chosen = time_forms(weights, {"lm_head": LM_HEAD_SLICE_ROWS}, native=native)
         if c_decode_rows and native is not None:
             for key, modules in groups.items():
@@ -129,8 +118,7 @@ class CausalLM(nn.Module):
         for key, modules in groups.items():
             for module in modules:
                 module.use_forms(chosen[key])
-        if self.lm_head_quantized is None:
-            self.use_lm_head_forms(chosen["lm_head"])
+        self.use_lm_head_forms(chosen["lm_head"])
         return chosen
 
     def use_lm_head_forms(self, forms: MatmulForms) -> None:
