@@ -19,7 +19,7 @@ from configs.schema import ConfigError
 from engine.model.cpu_linear import Linear
 from engine.quant.int8 import dequantize_int8, quantize_int8
 from engine.quant.linear import QuantLinear
-from engine.quant.weight import QuantizedWeight
+from engine.quant.weight import QuantizedWeight, concat_rows
 from kernels.cpu import quant as cpu_quant
 
 log = logging.getLogger(__name__)
@@ -93,3 +93,25 @@ def quantize_at_load(model: nn.Module, method: str, device: str) -> None:
     before = sum(m.weight.numel() * 4 for layer in model.layers for m in map(layer.get_submodule, PROJECTIONS))
     after = quantize_projections(model, METHODS[method])
     log.info("quantization %s: the layers' projections %.0f MiB -> %.0f MiB", method, before / 2**20, after / 2**20)
+
+
+def fused_weight(parts: list[QuantizedWeight | torch.Tensor], keep: bool) -> QuantizedWeight | torch.Tensor:
+    """One weight from a fused projection's parts (rows in order): the quantized record where ``keep`` (CPU,
+    float32) and every part is one quantized format and width, else float32 (a llama.cpp mix such as
+    Q4_K_M's q/k in one format and v in another is dequantized, and the log says so)."""
+    if keep and all(isinstance(p, QuantizedWeight) for p in parts):
+        if len({(p.type_name, p.in_features) for p in parts}) == 1:
+            return parts[0] if len(parts) == 1 else concat_rows(parts)
+        log.warning("a fused projection mixes %s: dequantized to float32", "/".join(p.type_name for p in parts))
+    floats = [dequantize(p) if isinstance(p, QuantizedWeight) else p.float() for p in parts]
+    return floats[0] if len(floats) == 1 else torch.cat(floats, dim=0)
+
+
+def replace_module(root: nn.Module, old: nn.Module, new: nn.Module) -> None:
+    """Puts ``new`` where ``old`` sits under ``root``."""
+    for name, module in root.named_modules():
+        if module is old:
+            parent_name, _, attr = name.rpartition(".")
+            setattr(root.get_submodule(parent_name), attr, new)
+            return
+    raise KeyError("module not under root")

@@ -47,7 +47,10 @@ class QuantLinear(nn.Module):
     def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None, lib: QuantLibrary):
         super().__init__()
         self.qweight = weight
-        self.bias = None if bias is None else nn.Parameter(bias.float().contiguous(), requires_grad=False)
+        # registered even when None: a loader may put the bias after the weight (engine/model/loader.py)
+        self.register_parameter(
+            "bias", None if bias is None else nn.Parameter(bias.float().contiguous(), requires_grad=False)
+        )
         self.lib = lib
         self.per_bucket: tuple[str, ...] = ("int",) * len(ROW_BUCKETS)
         self.in_features, self.out_features = weight.in_features, weight.out_features

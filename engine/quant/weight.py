@@ -65,3 +65,8 @@ def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
         found = ", ".join(f"{p.type_name} [{p.out_features}, {p.in_features}]" for p in parts)
         raise ValueError(f"a fused projection needs parts of one format and width; got {found}")
     return QuantizedWeight(first.type_name, torch.cat([p.rows for p in parts]), first.in_features)
+
+
+def take_rows(weight: QuantizedWeight, index: torch.Tensor) -> QuantizedWeight:
+    """The weight with its rows reordered by ``index`` (llama.cpp's q/k row order undone: whole rows move)."""
+    return QuantizedWeight(weight.type_name, weight.rows[index].contiguous(), weight.in_features)

@@ -45,10 +45,12 @@ class Sources:
 @dataclass(slots=True, frozen=True)
 class Variant:
     """One way to build the library: with OpenMP threads or without; ``lanes`` forces the vector width
-    (4, 8 or 16 floats) where the default is the hardware's (the tests build every width)."""
+    (4, 8 or 16 floats) where the default is the hardware's (the tests build every width); ``defines``
+    are macros a library's sources choose a code path by (quant.c's plain-C build)."""
 
     openmp: bool = True
     lanes: int | None = None
+    defines: tuple[str, ...] = ()
 
 
 THREADED, SERIAL = Variant(openmp=True), Variant(openmp=False)
@@ -68,6 +70,7 @@ def _command(library: Sources, compiler: str, variant: Variant, output: str) -> 
     # Arm compilers spell "this very CPU" -mcpu=native; x86 ones -march=native.
     arch = "-mcpu=native" if platform.machine().lower() in ("arm64", "aarch64") else "-march=native"
     flags = [*_FLAGS, arch] + ([f"-DLANES={variant.lanes}"] if variant.lanes else [])
+    flags += [f"-D{name}" for name in variant.defines]
     link = []
     if variant.openmp:
         flags.append("-fopenmp")

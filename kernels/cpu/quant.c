@@ -37,6 +37,9 @@ enum { T_Q8_0 = 0, T_Q4_0 = 1, T_Q4_1 = 2, T_Q4_K = 3, T_Q6_K = 4, T_I8 = 5 };
 static inline float f16(const uint8_t *p) {
     uint16_t h;
     memcpy(&h, p, 2);
+#if QUANT_VNNI && defined(__F16C__)
+    return _cvtsh_ss(h);
+#endif
     uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 31, man = h & 1023, bits;
     if (exp == 0) { /* zero or subnormal: exact as a float */
         float v = ldexpf((float)man, -24);
@@ -74,28 +77,28 @@ static inline void q4k_scale_min(int j, const uint8_t *q, int *sc, int *m) { /* 
     }
 }
 
-/* Sub-block b (of 32 values) of a row in type t. */
-static inline void unpack(int t, const uint8_t *row, int64_t b, sub_t *s) {
+/* Sub-block b (of 32 values) of a row in type t: its scales, and with ``bytes`` its values in s->u. */
+static inline void unpack(int t, const uint8_t *row, int64_t b, sub_t *s, int bytes) {
     switch (t) {
     case T_Q8_0: {
         const uint8_t *p = row + b * 34;
         s->s_lo = s->s_hi = f16(p);
         s->m = 0, s->off = 128;
-        for (int i = 0; i < 32; i++) s->u[i] = p[2 + i] ^ 0x80; /* int8 + 128 */
+        for (int i = 0; bytes && i < 32; i++) s->u[i] = p[2 + i] ^ 0x80; /* int8 + 128 */
         break;
     }
     case T_Q4_0: {
         const uint8_t *p = row + b * 18;
         s->s_lo = s->s_hi = f16(p);
         s->m = 0, s->off = 8;
-        nibbles(p + 2, s->u);
+        if (bytes) nibbles(p + 2, s->u);
         break;
     }
     case T_Q4_1: {
         const uint8_t *p = row + b * 20;
         s->s_lo = s->s_hi = f16(p);
         s->m = f16(p + 2), s->off = 0;
-        nibbles(p + 4, s->u);
+        if (bytes) nibbles(p + 4, s->u);
         break;
     }
     case T_Q4_K: {
@@ -106,7 +109,7 @@ static inline void unpack(int t, const uint8_t *row, int64_t b, sub_t *s) {
         s->m = -f16(p + 2) * mn, s->off = 0;
         const uint8_t *q = p + 16 + 32 * (j / 2); /* 64 values per 32 bytes: low nibbles, then high */
         const int shift = 4 * (j % 2);
-        for (int i = 0; i < 32; i++) s->u[i] = (q[i] >> shift) & 15;
+        for (int i = 0; bytes && i < 32; i++) s->u[i] = (q[i] >> shift) & 15;
         break;
     }
     case T_Q6_K: {
@@ -118,7 +121,7 @@ static inline void unpack(int t, const uint8_t *row, int64_t b, sub_t *s) {
         s->s_lo = d * sc[2 * j], s->s_hi = d * sc[2 * j + 1];
         s->m = 0, s->off = 32;
         const int lshift = 4 * (g >> 1), hshift = 2 * g;
-        for (int i = 0; i < 32; i++) s->u[i] = ((ql[i] >> lshift) & 15) | (((qh[i] >> hshift) & 3) << 4);
+        for (int i = 0; bytes && i < 32; i++) s->u[i] = ((ql[i] >> lshift) & 15) | (((qh[i] >> hshift) & 3) << 4);
         break;
     }
     default: { /* T_I8: b indexes 32 values after the row's float scale */
@@ -126,11 +129,45 @@ static inline void unpack(int t, const uint8_t *row, int64_t b, sub_t *s) {
         memcpy(&sc, row, 4);
         s->s_lo = s->s_hi = sc;
         s->m = 0, s->off = 128;
-        for (int i = 0; i < 32; i++) s->u[i] = row[4 + b * 32 + i] ^ 0x80;
+        for (int i = 0; bytes && i < 32; i++) s->u[i] = row[4 + b * 32 + i] ^ 0x80;
         break;
     }
     }
 }
+
+#if QUANT_VNNI
+/* The values of sub-block b as unpack() lays them in s->u, straight into a register: built in memory byte
+   by byte, the 32-byte reload waited on two 16-byte stores (no store forwarding), 10x slower for Q4_0. */
+static inline __m256i unpack_vec(int t, const uint8_t *row, int64_t b) {
+    const __m256i low4 = _mm256_set1_epi8(15), flip = _mm256_set1_epi8((char)0x80);
+    switch (t) {
+    case T_Q8_0:
+        return _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(row + b * 34 + 2)), flip);
+    case T_Q4_0:
+    case T_Q4_1: {
+        const __m128i v = _mm_loadu_si128((const __m128i *)(row + b * (t == T_Q4_0 ? 18 : 20) + (t == T_Q4_0 ? 2 : 4)));
+        const __m256i both = _mm256_set_m128i(_mm_srli_epi16(v, 4), v); /* high nibbles are values 16..31 */
+        return _mm256_and_si256(both, low4);
+    }
+    case T_Q4_K: {
+        const int j = (int)(b % 8);
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(row + (b / 8) * 144 + 16 + 32 * (j / 2)));
+        return _mm256_and_si256(j % 2 ? _mm256_srli_epi16(q, 4) : q, low4);
+    }
+    case T_Q6_K: {
+        const uint8_t *p = row + (b / 8) * 210;
+        const int j = (int)(b % 8), half = j / 4, g = j % 4;
+        const __m256i ql = _mm256_loadu_si256((const __m256i *)(p + 64 * half + 32 * (g & 1)));
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(p + 128 + 32 * half));
+        const __m256i lo = _mm256_and_si256(_mm256_srl_epi16(ql, _mm_cvtsi32_si128(4 * (g >> 1))), low4);
+        const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * g)), _mm256_set1_epi8(3));
+        return _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)); /* hi <= 3: the shift stays in its byte */
+    }
+    default:
+        return _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(row + 4 + b * 32)), flip);
+    }
+}
+#endif
 
 /* Row i of x as int8 blocks of 32: q[i*K ..], scale d[i*K/32 ..], sums of each 16 sum16[i*K/16 ..]. */
 static void quantize_row(const float *x, int64_t K, int8_t *q, float *d, int32_t *sum16) {
@@ -151,43 +188,58 @@ static void quantize_row(const float *x, int64_t K, int8_t *q, float *d, int32_t
     }
 }
 
-/* One output: weight row (type t, K values) . quantized x row. */
-static float dot_row(int t, const uint8_t *row, int64_t K, const int8_t *q, const float *d, const int32_t *sum16) {
-    float rest = 0;
+#define ROWS_AT_ONCE 4 /* rows of x each unpacked weight sub-block is multiplied with */
+
+/* Outputs of one weight row (type t, K values) for R <= ROWS_AT_ONCE quantized rows of x: each
+   sub-block is unpacked once for all of them. */
+static void dot_rows(int t, const uint8_t *row, int64_t K, int R, const int8_t *q, const float *d,
+                     const int32_t *sum16, float *out, int64_t out_stride) {
+    float rest[ROWS_AT_ONCE] = {0};
     sub_t s;
+    const int64_t nb = K / 32;
 #if QUANT_VNNI
-    __m256 acc = _mm256_setzero_ps();
+    __m256 acc[ROWS_AT_ONCE];
+    for (int r = 0; r < ROWS_AT_ONCE; r++) acc[r] = _mm256_setzero_ps();
 #endif
-    for (int64_t b = 0; b < K / 32; b++) {
-        unpack(t, row, b, &s);
-        const float dx = d[b];
-        const int32_t lo = sum16[2 * b], hi = sum16[2 * b + 1];
-        rest += dx * (s.m * (float)(lo + hi) - s.off * (s.s_lo * lo + s.s_hi * hi));
+    for (int64_t b = 0; b < nb; b++) {
 #if QUANT_VNNI
-        const __m256i u = _mm256_loadu_si256((const __m256i *)s.u);
-        const __m256i xq = _mm256_loadu_si256((const __m256i *)(q + 32 * b));
+        unpack(t, row, b, &s, 0);
+        const __m256i u = unpack_vec(t, row, b);
+#else
+        unpack(t, row, b, &s, 1);
+#endif
+        for (int r = 0; r < R; r++) {
+            const float dx = d[r * nb + b];
+            const int32_t lo = sum16[r * 2 * nb + 2 * b], hi = sum16[r * 2 * nb + 2 * b + 1];
+            const int8_t *xq = q + r * K + 32 * b;
+            rest[r] += dx * (s.m * (float)(lo + hi) - s.off * (s.s_lo * lo + s.s_hi * hi));
+#if QUANT_VNNI
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)xq);
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-        const __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, xq);
+            const __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, xv);
 #else
-        const __m256i dot = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, xq);
+            const __m256i dot = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, xv);
 #endif
-        /* lanes 0..3 hold values 0..15, lanes 4..7 values 16..31 */
-        const __m256 scale = _mm256_set_m128(_mm_set1_ps(dx * s.s_hi), _mm_set1_ps(dx * s.s_lo));
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc);
+            /* lanes 0..3 hold values 0..15, lanes 4..7 values 16..31 */
+            const __m256 scale = _mm256_set_m128(_mm_set1_ps(dx * s.s_hi), _mm_set1_ps(dx * s.s_lo));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[r]);
 #else
-        int32_t dlo = 0, dhi = 0;
-        for (int i = 0; i < 16; i++) dlo += (int32_t)s.u[i] * q[32 * b + i];
-        for (int i = 16; i < 32; i++) dhi += (int32_t)s.u[i] * q[32 * b + i];
-        rest += dx * (s.s_lo * (float)dlo + s.s_hi * (float)dhi);
+            int32_t dlo = 0, dhi = 0;
+            for (int i = 0; i < 16; i++) dlo += (int32_t)s.u[i] * xq[i];
+            for (int i = 16; i < 32; i++) dhi += (int32_t)s.u[i] * xq[i];
+            rest[r] += dx * (s.s_lo * (float)dlo + s.s_hi * (float)dhi);
 #endif
+        }
     }
+    for (int r = 0; r < R; r++) {
 #if QUANT_VNNI
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_add_ss(h, _mm_movehdup_ps(h));
-    rest += _mm_cvtss_f32(h);
+        __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
+        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_add_ss(h, _mm_movehdup_ps(h));
+        rest[r] += _mm_cvtss_f32(h);
 #endif
-    return rest;
+        out[r * out_stride] += rest[r];
+    }
 }
 
 int pdserve_quant_vnni(void) { return QUANT_VNNI; }
@@ -207,9 +259,11 @@ void pdserve_quant_linear(int t, const float *x, int64_t rows, int64_t K, const 
 #pragma omp for schedule(static)
         for (int64_t n = 0; n < N; n++) {
             const uint8_t *row = w + n * row_bytes;
-            const float b = bias ? bias[n] : 0;
-            for (int64_t i = 0; i < rows; i++)
-                y[i * N + n] = b + dot_row(t, row, K, q + i * K, d + i * (K / 32), sum16 + i * (K / 16));
+            for (int64_t i = 0; i < rows; i++) y[i * N + n] = bias ? bias[n] : 0;
+            for (int64_t i = 0; i < rows; i += ROWS_AT_ONCE) {
+                const int R = rows - i < ROWS_AT_ONCE ? (int)(rows - i) : ROWS_AT_ONCE;
+                dot_rows(t, row, K, R, q + i * K, d + i * (K / 32), sum16 + i * (K / 16), y + i * N + n, N);
+            }
         }
     }
 }
@@ -223,7 +277,7 @@ void pdserve_quant_dequantize(int t, const uint8_t *w, int64_t n0, int64_t count
         float *o = out + n * K;
         sub_t s;
         for (int64_t b = 0; b < K / 32; b++) {
-            unpack(t, row, b, &s);
+            unpack(t, row, b, &s, 1);
             for (int i = 0; i < 32; i++) o[32 * b + i] = (i < 16 ? s.s_lo : s.s_hi) * (float)(s.u[i] - s.off) + s.m;
         }
     }

@@ -11,56 +11,26 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import os
-import platform
 import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
-from kernels.cpu import native as cpu_native
+from kernels.cpu.build import Sources, Variant, build_library
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("quant.c")
+SOURCES = Sources(name="cpu_quant", sources=(Path(__file__).with_name("quant.c"),), headers=())
 TYPE_IDS = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q4_K": 3, "Q6_K": 4, "I8": 5}  # the enum in quant.c
 _SIZE, _PTR = ctypes.c_int64, ctypes.c_void_p
 
 
-def _command(compiler: str, scalar: bool, output: str) -> list[str]:
-    arch = "-mcpu=native" if platform.machine().lower() in ("arm64", "aarch64") else "-march=native"
-    flags = ["-O3", "-fno-math-errno", "-Wno-psabi", "-shared", "-fPIC", arch, "-fopenmp"]
-    flags += ["-DPDSERVE_QUANT_SCALAR"] if scalar else []
-    gomp = cpu_native._torch_libgomp()  # torch's OpenMP runtime: one thread pool with torch's
-    link = [str(gomp), f"-Wl,-rpath,{gomp.parent}"] if gomp is not None else []
-    return [compiler, *flags, str(SOURCE), "-o", output, *link]
-
-
 def _build(compiler: str, scalar: bool) -> Path:
-    recipe = " ".join(_command(compiler, scalar, "")).encode()
-    key = hashlib.sha256(
-        b"\0".join([SOURCE.read_bytes(), recipe, torch.__version__.encode(), cpu_native.cpu_identity().encode()])
-    )
-    target = cpu_native.cache_dir() / f"cpu_quant-{key.hexdigest()[:16]}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)  # renamed into place: never half-written
-    os.close(fd)
-    try:
-        command = _command(compiler, scalar, tmp)
-        done = subprocess.run(command, capture_output=True, text=True, timeout=120)
-        if done.returncode != 0:
-            raise RuntimeError(f"{' '.join(command)} failed: {done.stderr.strip()[-2000:]}")
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
+    variant = Variant(defines=("PDSERVE_QUANT_SCALAR",) if scalar else ())
+    return build_library(SOURCES, compiler, variant)
 
 
 class QuantLibrary:

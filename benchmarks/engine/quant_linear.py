@@ -1,0 +1,97 @@
+"""The quantized linears (kernels/cpu/quant.c) against the f32 C linear (kernels/cpu/linear.c) on the same
+shapes, measured side by side in one run: ``python -m benchmarks.engine.quant_linear``.
+
+Shapes: SmolLM2-135M's projections (qkv 576->960, o 576->576, gate_up 576->3072, down 1536->576, the tied
+LM head 576->49152) and a 4096-wide layer (4096->4096). K-quants (256-value blocks) only where ``in`` is a
+multiple of 256: llama-quantize gives SmolLM2's 576-wide rows another type too. Rows 1/4/16/64.
+
+As in a decode step, each timed pass goes over ``copies`` copies of the weight (SmolLM2's 30 layers; one
+for the LM head and the 4096 layer), so the weights come from memory, not a warm cache. The f32 and each
+format are alternated within each repeat (best of ``repeats``), so load from other processes on a shared
+machine falls on all alike. Printed per shape, rows and format: ms per weight, GB/s of weight bytes
+streamed, and ``vs_f32`` = f32 time / quantized time (> 1: faster than f32).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from kernels.cpu import native as cpu_native
+from kernels.cpu import quant as cpu_quant
+
+SHAPES = {  # name: (in, out, copies)
+    "qkv": (576, 960, 30),
+    "o": (576, 576, 30),
+    "gate_up": (576, 3072, 30),
+    "down": (1536, 576, 30),
+    "lm_head": (576, 49152, 1),
+    "wide": (4096, 4096, 2),
+}
+FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K", "I8")
+ROWS = (1, 4, 16, 64)
+
+
+def _pass_seconds(run, copies) -> float:
+    start = time.perf_counter()
+    for weight in copies:
+        run(weight)
+    return (time.perf_counter() - start) / len(copies)
+
+
+def _rows(type_name: str, out_features: int, in_features: int, seed: int) -> torch.Tensor:
+    """A random weight quantized to ``type_name``: llama.cpp's Python quantizer (gguf) where it has one,
+    else engine/quant's."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, quantize
+
+    from engine.quant.int8 import quantize_int8
+    from engine.quant.kquants import quantize_q4_k, quantize_q6_k
+
+    weight = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(seed)) * 0.05
+    made = {"I8": quantize_int8, "Q4_K": quantize_q4_k, "Q6_K": quantize_q6_k}.get(type_name)
+    if made is not None:
+        return made(weight).rows
+    return torch.from_numpy(np.ascontiguousarray(quantize(weight.numpy(), GGMLQuantizationType[type_name])))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    native, quant = cpu_native.load(), cpu_quant.load()
+    assert native is not None and quant is not None, "the C kernels do not build here"
+    print(f"# cpu: {cpu_native.cpu_identity()[:80]}... threads {args.threads}, vnni {quant.vnni}")
+    for name in args.shapes:
+        in_features, out_features, copies = SHAPES[name]
+        f32 = [native.pack_linear(torch.randn(out_features, in_features)) for _ in range(copies)]
+        formats = [f for f in args.formats if not (f.endswith("_K") and in_features % 256)]
+        weights = {f: [_rows(f, out_features, in_features, i) for i in range(copies)] for f in formats}
+        for rows in ROWS:
+            x = torch.randn(rows, in_features)
+            best = dict.fromkeys(["f32", *formats], float("inf"))
+            for attempt in range(args.repeats + 1):  # the first: warm-up
+                runs = {"f32": (lambda w: native.linear(x, w), f32)}
+                runs |= {f: (lambda w, f=f: quant.linear(f, x, w, in_features), weights[f]) for f in formats}
+                for key, (run, ws) in runs.items():
+                    seconds = _pass_seconds(run, ws)
+                    if attempt:
+                        best[key] = min(best[key], seconds)
+            f32_bytes = out_features * in_features * 4
+            line = [f"{name} {in_features}->{out_features} rows={rows}: f32 {best['f32'] * 1e3:.3f}ms"]
+            line[0] += f" {f32_bytes / best['f32'] / 1e9:.1f}GB/s"
+            for f in formats:
+                gbs = weights[f][0].numel() / best[f] / 1e9
+                line.append(f"{f} {best[f] * 1e3:.3f}ms {gbs:.1f}GB/s vs_f32={best['f32'] / best[f]:.2f}")
+            print(" | ".join(line), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
