@@ -24,6 +24,10 @@ NEW_TOKENS = 6
 PROMPT = torch.randint(5, 700, (19,), generator=torch.Generator().manual_seed(5)).tolist()
 
 
+ADMIN_KEY = "admin-test-key"
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     serve = ServeProcess(
@@ -31,6 +35,7 @@ def cluster(tmp_path_factory):
         tmp_path_factory.mktemp("lora-replicas"),
         num_gateways=2,
         engine={"block_size": 16, "kv_cache_memory_mb": 8},
+        gateway={"admin_api_keys": [ADMIN_KEY]},  # runtime adapter changes need an admin key
         lora={"enable_lora": True, "lora_modules": [f"alpha={tiny_adapter_dir('alpha', FAMILY)}"], "max_lora_rank": 8},
     )
     yield serve
@@ -59,7 +64,7 @@ def models(url: str) -> set[str]:
 
 
 def change(url: str, route: str, **body) -> httpx.Response:
-    return httpx.post(f"{url}/v1/{route}_lora_adapter", json=body, timeout=120)
+    return httpx.post(f"{url}/v1/{route}_lora_adapter", headers=ADMIN, json=body, timeout=120)
 
 
 def test_an_adapter_loaded_through_one_gateway_is_served_and_listed_by_both(cluster, expected):

@@ -602,6 +602,10 @@ def test_malformed_frames_and_bad_jobs_are_rejected_and_counted(cluster):
     c.decode.adopt("g")
     for rid in ("v", "b", "d", "late"):
         c.decode.rx.abort(rid)
+    # D has the Commit; P ends the job on D's CommitAck, on its own thread: wait for that, not a time.
+    give_up = time.monotonic() + 60
+    while "g" in c.server.jobs and time.monotonic() < give_up:
+        time.sleep(0.01)
     c.stop()
     assert c.sample("pdserve:prefill_malformed_frames_total") == 3
     assert c.sample("pdserve:prefill_jobs_rejected_total", reason="bad_job") == 4
