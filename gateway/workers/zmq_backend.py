@@ -173,6 +173,10 @@ class ZmqBackend(Backend):
                 except ValueError as e:
                     yield CompletionEvent(error=str(e))
                     return
+                if order.is_finished:
+                    # Before the last yield: a consumer that stops at the final event never resumes this
+                    # generator, and its `finally` must not abort workers that finished by themselves.
+                    flight.is_done = True
                 for e in released:
                     out = to_backend_event(e, queue_time)
                     if queue_time is not None:  # the first event: who serves it (the request log line)
@@ -182,8 +186,7 @@ class ZmqBackend(Backend):
                         out.prompt_logprobs = flight.prompt_logprobs  # checked against the prompt by Generation
                     yield out
                 if order.is_finished:
-                    flight.is_done = True  # the workers finished it themselves: nothing to abort
-                    return
+                    return  # the workers finished it themselves: nothing to abort
                 event = await self._next(flight, request)
         finally:
             if not flight.is_done:
