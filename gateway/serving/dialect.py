@@ -11,6 +11,8 @@ it), and answers through an ``OutputBuilder``: the whole body, or the frames of 
 
 from __future__ import annotations
 
+import logging
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -23,6 +25,8 @@ from gateway.text.chat_output import ChatShape
 from gateway.text.tokenizer import Tokenizer
 
 from .choice import ChoiceDelta, ChoiceState
+
+log = logging.getLogger("pdserve.gateway")
 
 
 class StreamBuilder(Protocol):
@@ -98,4 +102,18 @@ class Dialect:
     parse: Callable[[object, ParseContext], Asked]  # a request body -> what it asks (400 naming the field)
     error_body: Callable[[APIError], dict]  # the error JSON its clients read
     keeps_request_id: bool = True  # its response ids carry the client's X-Request-Id
+    # Its ids read stored data back (GET /v1/responses/{id}): only the gateway logs them, for the owner's
+    # audit; the workers and every span see an internal id that opens nothing.
+    private_ids: bool = False
     key_in_x_api_key: bool = False  # its clients send the API key bare in x-api-key (Bearer works too)
+
+    def worker_rid(self, rid: str, given: str | None) -> str:
+        """The id the workers serve response ``rid`` under (and log, and trace); ``given``: X-Request-Id."""
+        if self.private_ids:
+            # A stored response's id is how its owner reads it back: workers and spans never see it. This
+            # line is the one place that ties the two together (the owner's audit, on the gateway only).
+            internal = f"req-{uuid.uuid4().hex}"
+            log.info("rid=%s serves %s", internal, rid)
+            return internal
+        # a client's id may be reused, so the workers' ids get a nonce of their own
+        return f"{rid}-{uuid.uuid4().hex[:8]}" if given else rid

@@ -217,11 +217,10 @@ class Serving:
         # checked by the RequestIdEcho middleware (a malformed one never gets here)
         given = request.headers.get(REQUEST_ID_HEADER) if dialect.keeps_request_id else None
         rid = dialect.id_prefix + (given or uuid.uuid4().hex)
-        # the workers' ids: a client's id may be reused, so they get a nonce of their own
-        backend_rid = f"{rid}-{uuid.uuid4().hex[:8]}" if given else rid
+        backend_rid = dialect.worker_rid(rid, given)
         requests, states = self._fan_out(backend_rid, p, prompts, chat, arrival, trace)
         if trace is not None:
-            trace.set(**{"gen_ai.request.id": rid})
+            trace.set(**{"gen_ai.request.id": backend_rid if dialect.private_ids else rid})
             trace.phase("generate")  # routing (a "route" span per prompt), queueing, prefill: up to the first token
         opts = ResponseOptions(
             p.logprobs, p.prompt_logprobs, p.n, self._echo_texts(p, prompts) if p.echo else None, shape

@@ -20,7 +20,15 @@ def _parse(body, ctx: ParseContext) -> Asked:
     return Asked(asked.parsed, output, fit=asked.truncate, background=asked.background, keep=keep)
 
 
-# Its ids are the server's (resp_...), never the client's X-Request-Id: the store is keyed by them.
+# Its ids are the server's (resp_...), never the client's X-Request-Id: the store is keyed by them, so they
+# stay out of the workers' logs and the traces (private_ids).
 RESPONSES = Dialect(
-    "responses", "/v1/responses", "resp_", chat=True, parse=_parse, error_body=APIError.body, keeps_request_id=False
+    "responses",
+    "/v1/responses",
+    "resp_",
+    chat=True,
+    parse=_parse,
+    error_body=APIError.body,
+    keeps_request_id=False,
+    private_ids=True,
 )
