@@ -342,6 +342,14 @@ class DecodeServer:
 
     def _start_remote_prefill(self, req: DecodeRequest, gen: Generate, num_tokens: int) -> None:
         seq, bm = req.seq, self.block_manager
+        if self.receiver.needs_sender_key and not gen.prefill_key:
+            # "" would let any member write this request's KV: a gateway always names the prefill worker.
+            error = "refused: the request names no prefill worker key (Generate.prefill_key)"
+            if req.trace:
+                req.trace.end(error)
+            self.metrics.request_failure.labels("invalid").inc()
+            self._send_error_all(req.rid, req.gateway_id, seq.params.n, error)
+            return
         if not bm.can_reserve(seq, num_tokens, num_spare_blocks=1):
             self._busy(
                 req.rid, req.gateway_id, f"KV pool full: {bm.num_allocatable_blocks} blocks available", req.trace

@@ -46,6 +46,11 @@ class ServerChannel(abc.ABC):
         """The socket whose readiness means messages wait (for a poller to sleep on); None: in-process."""
         return None
 
+    @property
+    def authenticates_peers(self) -> bool:
+        """Whether every message carries its sender's verified key (a CURVE plane)."""
+        return False
+
     def close(self) -> None:
         pass
 
@@ -150,6 +155,10 @@ class ZmqServer(ServerChannel):
     @property
     def socket(self) -> zmq.Socket:
         return self.sock
+
+    @property
+    def authenticates_peers(self) -> bool:
+        return self._security.is_secure
 
     def close_security(self) -> None:
         """Stop the ZAP handler this server started (before its context is terminated)."""

@@ -101,10 +101,18 @@ class KVReceiver:
         sender_incarnation: str | None = None,
         sender_key: str = "",
     ):
-        """``sender_key``: only the peer authenticated with this key may write the range ("": any peer)."""
+        """``sender_key``: only the peer authenticated with this key may write the range ("": any peer,
+        only where peers are not authenticated: on a CURVE plane a range for anyone is refused)."""
+        if self.needs_sender_key and not sender_key:
+            raise ValueError(f"reservation {rid!r} names no sender key on an authenticated plane")
         self.table.reserve(rid, generation, block_ids, sender_incarnation, sender_key=sender_key)
         self._fence.tensor[torch.tensor(block_ids)] = fences.fence_token(rid, generation)
         self.metrics.blocks_held_for_peer.set(len(self.table.held_blocks()))
+
+    @property
+    def needs_sender_key(self) -> bool:
+        """On a CURVE plane every range names the one peer key that may write it."""
+        return self.channel.authenticates_peers
 
     def adopt(self, rid: str) -> tuple[int, ...]:
         """After a committed event: the request takes the blocks over; the fence comes down."""

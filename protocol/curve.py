@@ -26,7 +26,6 @@ import hmac
 import logging
 import os
 import secrets
-import stat
 from dataclasses import dataclass
 
 import zmq
@@ -34,6 +33,7 @@ import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
+from protocol.key_file_mode import KeyFileModeError, check_private
 from protocol.role_keys import (
     PUBLIC_FILE,
     ROLE_KEY_HEADER,
@@ -112,15 +112,14 @@ class ClusterKey:
     @classmethod
     def from_file(cls, path: str) -> ClusterKey:
         try:
-            mode = os.stat(path).st_mode
+            st = os.stat(path)
             text = open(path, encoding="ascii").read().strip()
         except (OSError, UnicodeDecodeError) as exc:
             raise ClusterKeyError(f"cluster key file {path}: {exc}") from None
-        if mode & stat.S_IRWXO and not stat.S_ISLNK(mode):
-            # Kubernetes mounts Secrets 0644 by default (defaultMode 0400 is advised): warn, do not refuse.
-            # Group bits are no warning: with fsGroup the kubelet makes a 0400 Secret 0440, group = the
-            # pod's own group, which is how a non-root pod reads it (deploy/k8s).
-            log.warning("cluster key file %s is readable by other users (mode %o); chmod 600 it", path, mode & 0o777)
+        try:
+            check_private(path, st)  # refused, not warned: a key others can read is everyone's
+        except KeyFileModeError as exc:
+            raise ClusterKeyError(str(exc)) from None
         if text.startswith(ROLE_KEY_HEADER):
             try:
                 public = PublicSet.load(os.path.join(os.path.dirname(path), PUBLIC_FILE))

@@ -9,12 +9,14 @@ import zmq
 
 from configs.loader import load_config
 from protocol.codec import decode, encode
+from protocol.curve import PlaneSecurity
 from protocol.serving import Generate, Heartbeat, SamplingSpec, TokenEvent, TokenEvents
 from protocol.zmq_util import bind, make_socket
 from tests.model_factory import tiny_model_dir
 
 
-def decode_config(gateway_address: str, decode: dict | None = None, **engine):
+def decode_config(gateway_address: str, decode: dict | None = None, key_file: str = "", **engine):
+    """``key_file``: a decode credential (``pdserve keygen --out``): the worker speaks CURVE."""
     overrides = {
         "model.path": str(tiny_model_dir("llama")),
         "model.max_model_len": 256,
@@ -31,6 +33,8 @@ def decode_config(gateway_address: str, decode: dict | None = None, **engine):
         "transfer.lease_seconds": 10,
         "transfer.insecure": True,  # the fakes here speak plain ZeroMQ; tests/test_hostile_peers.py runs CURVE
     }
+    if key_file:
+        overrides.update({"transfer.insecure": False, "transfer.cluster_key_file": key_file})
     overrides.update({f"engine.{k}": v for k, v in engine.items()})
     overrides.update({f"decode.{k}": v for k, v in (decode or {}).items()})
     return load_config(None, env={}, overrides=overrides)
@@ -42,9 +46,12 @@ def generate(rid: str, prompt: list[int], prefill_address: str = "", timeout_s: 
 
 
 class FakeGateway:
-    def __init__(self, ctx: zmq.Context, address: str = ""):
-        """``address``: bind that endpoint again (a gateway restarted on its port); "": any free port."""
+    def __init__(self, ctx: zmq.Context, address: str = "", security: PlaneSecurity | None = None):
+        """``address``: bind that endpoint again (a gateway restarted on its port); "": any free port.
+        ``security``: a gateway credential's (a CURVE server, as the real gateway's worker socket)."""
         self.sock = make_socket(ctx, zmq.ROUTER)
+        if security is not None:
+            security.server(self.sock)
         if address:
             for _ in range(200):  # zmq releases a closed socket's port asynchronously
                 try:

@@ -28,6 +28,7 @@ def test_key_file_round_trip_and_errors(tmp_path):
     assert len(new_secret_text().strip()) == 64
     bad = tmp_path / "bad.key"
     bad.write_text("not hex\n")
+    bad.chmod(0o600)
     with pytest.raises(ClusterKeyError, match="expected 64 hex characters"):
         ClusterKey.from_file(str(bad))
     bad.write_text("ab" * 16)

@@ -101,20 +101,27 @@ def cluster_dns(
 
 
 def mount_secrets(pod_spec: dict, container: dict, secrets_: dict[str, dict], root: Path) -> dict[str, str]:
-    """The container's Secret volumes as the kubelet writes them (one file per key, defaultMode), under
-    ``root``: this machine's /etc is not ours to write, so each mountPath becomes a temporary directory
-    and the env values that name a file below it are rewritten to match (container_env). Returns
-    mountPath -> that directory."""
+    """The container's Secret volumes as the kubelet writes them, under ``root``: its atomic writer's
+    layout (``<key> -> ..data/<key>``, ``..data`` -> a timestamped folder), defaultMode, and with the
+    pod's fsGroup the group read bit the kubelet adds for it (0400 arrives 0440; the group is this
+    process's own here). This machine's /etc is not ours to write, so each mountPath becomes a temporary
+    directory and the env values that name a file below it are rewritten to match (container_env).
+    Returns mountPath -> that directory."""
     volumes = {v["name"]: v["secret"] for v in pod_spec.get("volumes", []) if "secret" in v}
+    has_fs_group = "fsGroup" in pod_spec.get("securityContext", {})
     mounts = {}
     for mount in container.get("volumeMounts", []):
         if (secret := volumes.get(mount["name"])) is None:
             continue
         folder = Path(tempfile.mkdtemp(dir=root))
+        stamped = folder / "..2026_11_29_00_00_00.1"
+        stamped.mkdir()
+        (folder / "..data").symlink_to(stamped.name)
         for key, text in secrets_[secret["secretName"]].items():
-            path = folder / key
+            path = stamped / key
             path.write_text(text)
-            path.chmod(secret.get("defaultMode", 0o644))
+            path.chmod(secret.get("defaultMode", 0o644) | (0o440 if has_fs_group else 0))
+            (folder / key).symlink_to(f"..data/{key}")
         mounts[mount["mountPath"]] = str(folder)
     return mounts
 
