@@ -1,8 +1,8 @@
 """deploy/compose.yaml on a real Docker engine, end to end (run by scripts/compose-test):
 
 1. build the image (only the gateway service builds it), start 2 prefill + 2 decode + the gateway on
-   a fresh cache volume with a new cluster key (the `cluster_key` secret, owned by the containers'
-   uid 10001 as docs/deploy.md says), and time until a completion is served (cold);
+   a fresh cache volume with a new key set (`pdserve keygen --out`, a secret per role, each file 0400 and
+   owned by the containers' uid 10001 as docs/deploy.md says), and time until a completion is served (cold);
 2. serve requests: greedy output equals this machine's engine on the same embedded model;
 3. under a request loop, `up -d --scale decode=1` then `--scale decode=2`: no request fails, and the
    gateway and the prefill pool keep their containers (same id, same start, no restart);
@@ -31,7 +31,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cluster.keygen import write_private_key
+from cluster.keygen import main as keygen
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = ["docker", "compose", "-f", str(ROOT / "deploy" / "compose.yaml"), "-p", "pdserve-e2e"]
@@ -48,25 +48,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def cluster_key_file() -> str:
-    """A new cluster key as the operator makes one (docs/deploy.md): `pdserve keygen > cluster.key`, then
-    readable by the containers' user only. Compose bind-mounts a file secret as it is on the host (it
-    ignores uid/gid/mode for file secrets), so the file must belong to uid 10001; where this runs
-    unprivileged, chown is refused and the file is made readable by all instead (pdserve warns)."""
-    path = write_private_key()  # mode 0600, in a new 0700 directory
-    try:
-        os.chown(path, 10001, 10001)
-        os.chmod(path, 0o400)
-    except PermissionError:
-        os.chmod(path, 0o644)
-    return path
+def keys_dir() -> str:
+    """A new key set as the operator makes one (docs/deploy.md): `pdserve keygen --out keys`, each file
+    0400 and owned by uid 10001. Compose bind-mounts a file secret as it is on the host (it ignores
+    uid/gid/mode for file secrets), and a key file open to group or others stops the worker: so this needs
+    root (the chown), as the Docker engine does."""
+    folder = tempfile.mkdtemp(prefix="pdserve-keys-")
+    if keygen(["--out", folder]) != 0:
+        raise RuntimeError("pdserve keygen failed")
+    for name in os.listdir(folder):
+        os.chmod(os.path.join(folder, name), 0o400)
+        os.chown(os.path.join(folder, name), 10001, 10001)
+    os.chown(folder, 10001, 10001)
+    return folder
 
 
 @dataclass
 class Deployment:
     port: int = field(default_factory=free_port)
     api_key: str = field(default_factory=lambda: secrets.token_hex(16))
-    key_file: str = field(default_factory=lambda: cluster_key_file())
+    keys: str = field(default_factory=lambda: keys_dir())
 
     @property
     def env(self) -> dict[str, str]:
@@ -74,7 +75,7 @@ class Deployment:
             **os.environ,
             "PDSERVE_PORT": str(self.port),
             "PDSERVE_API_KEY": self.api_key,
-            "PDSERVE_CLUSTER_KEY_FILE": self.key_file,
+            "PDSERVE_KEYS_DIR": self.keys,
             "PDSERVE_PREFILL_REPLICAS": "2",
             "PDSERVE_DECODE_REPLICAS": "2",
         }
@@ -303,7 +304,7 @@ def main() -> int:
             d.compose("down", "-v", "--remove-orphans")
         except (RuntimeError, OSError, subprocess.SubprocessError) as exc:  # report; do not hide the step that failed
             log(f"teardown failed: {exc}")
-        shutil.rmtree(Path(d.key_file).parent, ignore_errors=True)
+        shutil.rmtree(d.keys, ignore_errors=True)
         figures["total_s"] = round(time.monotonic() - began, 1)
         print(json.dumps(figures, indent=2), flush=True)
     failed = figures.get("scale_failures", 0) + figures.get("restart_failures", 0)

@@ -299,15 +299,22 @@ def test_compose_builds_once_and_shares_model_and_cache_volumes():
     for name, service in pdserve.items():
         assert service["volumes"] == ["${PDSERVE_MODEL_DIR:-models}:/models:ro", f"cache:{CACHE_MOUNT}"], name
         assert service["environment"]["PDSERVE_TRANSFER_TRANSPORT"] == "zmq"  # no shm across containers
-        # the worker plane's key: the operator's file, mounted as the `cluster_key` secret (docs/deploy.md)
-        assert service["secrets"] == ["cluster_key"], name
-        assert service["environment"]["PDSERVE_TRANSFER_CLUSTER_KEY_FILE"] == "/run/secrets/cluster_key", name
+        # the worker plane's key: only this role's, beside roles.pub (tests/test_compose_secrets.py)
+        assert service["secrets"] == [
+            {"source": f"{name}_key", "target": f"{name}.key"},
+            {"source": "roles_pub", "target": "roles.pub"},
+        ], name
+        assert service["environment"]["PDSERVE_TRANSFER_CLUSTER_KEY_FILE"] == f"/run/secrets/{name}.key", name
         health = service["healthcheck"]
         assert health["start_period"] == "15m" and health["retries"] >= 3, name
     assert services["gateway"]["ports"] == ["${PDSERVE_PUBLISH_HOST:-127.0.0.1}:${PDSERVE_PORT:-8000}:8000"]
     assert services["gateway"]["environment"]["PDSERVE_GATEWAY_API_KEYS"] == "${PDSERVE_API_KEY:-}"
     assert yaml.safe_load((DEPLOY / "compose.yaml").read_text())["secrets"] == {
-        "cluster_key": {"file": "${PDSERVE_CLUSTER_KEY_FILE:-./cluster.key}"}
+        **{
+            f"{role}_key": {"file": f"${{PDSERVE_KEYS_DIR:-./keys}}/{role}.key"}
+            for role in ("gateway", "prefill", "decode")
+        },
+        "roles_pub": {"file": "${PDSERVE_KEYS_DIR:-./keys}/roles.pub"},
     }
     for name in ("prometheus", "grafana"):  # images from a registry: only with --profile monitoring
         assert services[name]["profiles"] == ["monitoring"]
