@@ -35,6 +35,7 @@ from kvtransfer.metrics import TransferMetrics
 from kvtransfer.ownership import DEFAULT_LEASE_S, OwnershipTable, RangeState, Verdict
 from kvtransfer.pool import BlockPool
 from kvtransfer.shm_pool import SharedTensor, create_shared
+from kvtransfer.shm_window import ShmWindows
 from kvtransfer.transports import FALLBACK, TRANSPORTS, Exports, Pair
 from protocol.codec import WireError, decode, encode
 from protocol.kv_messages import (
@@ -46,6 +47,8 @@ from protocol.kv_messages import (
     CudaIpcHandle,
     Handshake,
     HandshakeReply,
+    WindowGrant,
+    WindowRequest,
     WriteRejected,
 )
 from protocol.rejects import RejectLog
@@ -88,6 +91,7 @@ class KVReceiver:
         self._key_of: dict[bytes, str] = {}  # channel peer id -> its public key at handshake
         self._transport_of: dict[str, str] = {}  # sender incarnation -> transport
         self._events: list[TransferEvent] = []
+        self.windows = ShmWindows(pool.layout)  # shm: one window of only its blocks per transfer
         self._cuda_handle: CudaIpcHandle | None = None
         # True for an in-process channel: a loopback sender copies straight into our pool.
         self._has_loopback = channel.offer_loopback(pool.tensor, self._fence.tensor)
@@ -123,6 +127,7 @@ class KVReceiver:
 
     def abort(self, rid: str) -> bool:
         """Local abort (client gone). Idempotent; the blocks go back through ``release``."""
+        self.windows.drop(rid)
         return self.table.abort(rid)
 
     def poll(self, max_messages: int = 256) -> list[TransferEvent]:
@@ -148,6 +153,7 @@ class KVReceiver:
     def close(self) -> None:
         self.channel.close()
         self._fence.unlink()
+        self.windows.drop_all()
 
     # -- frames ------------------------------------------------------------------------------
     def _handle(self, peer: bytes, frames: list, key: str = "") -> None:
@@ -157,7 +163,7 @@ class KVReceiver:
             record = decode(frames[0], MAX_HEADER_BYTES)
             if len(frames) != (2 if isinstance(record, BlockWrite) and record.inline else 1):
                 raise WireError(f"{type(record).__name__} with {len(frames)} frames")
-            if not isinstance(record, (Handshake, BlockWrite, Commit, Abort)):
+            if not isinstance(record, (Handshake, BlockWrite, Commit, Abort, WindowRequest)):
                 raise WireError(f"{type(record).__name__} is not a sender's message")
         except WireError as exc:
             self.metrics.malformed_frames.inc()
@@ -167,6 +173,8 @@ class KVReceiver:
             self._on_handshake(peer, record, key)
         elif self._peer_of.get(peer) != record.sender_incarnation:
             self._reject(peer, record, Verdict.UNKNOWN_INCARNATION)  # no handshake, or spoofed incarnation
+        elif isinstance(record, WindowRequest):
+            self._on_window_request(peer, record)
         elif isinstance(record, BlockWrite):
             self._on_write(peer, record, frames)
         elif isinstance(record, Commit):
@@ -237,6 +245,21 @@ class KVReceiver:
         )
         return next((t for t in hs.transports if t in TRANSPORTS and TRANSPORTS[t].possible(pair)), FALLBACK)
 
+    def _on_window_request(self, peer: bytes, req: WindowRequest) -> None:
+        """shm: a window of the reservation's blocks, named only to the key the range was reserved for."""
+        key = self._key_of.get(peer, "")
+        if self._transport_of.get(req.sender_incarnation) != "shm":
+            self.rejects.reject("invalid_value", key or peer.hex(), "window request outside the shm transport")
+            self._reject(peer, req, Verdict.WRONG_STATE)
+            return
+        verdict = self.table.write(req.rid, req.generation, req.sender_incarnation, [], key=key)
+        if verdict is not Verdict.OK:
+            self._reject(peer, req, verdict)
+            return
+        r = self.table.get(req.rid)
+        name = self.windows.open(req.rid, req.generation, r.block_ids)
+        self.channel.send(peer, [encode(WindowGrant(req.rid, req.generation, name, list(r.block_ids)))])
+
     def _on_write(self, peer: bytes, w: BlockWrite, frames: list) -> None:
         n = len(w.dst_block_ids)
         expected = n * self.pool.layout.bytes_per_block
@@ -256,6 +279,17 @@ class KVReceiver:
             shape = (layout.num_layers, 2, n, *layout.shape[3:])  # int8 rows carry their scales
             dst = torch.tensor(w.dst_block_ids, device=self.pool.tensor.device)
             scatter_blocks(self.pool.tensor, dst, data.view(shape).to(self.pool.tensor.device))
+        elif (
+            verdict is Verdict.OK
+            and self._transport_of.get(w.sender_incarnation) == "shm"
+            # the bytes wait in the transfer's window; only now, checked, do they reach the pool
+            and not self.windows.copy_in(w.rid, w.generation, w.dst_block_ids, self.pool.tensor)
+        ):
+            # Counted as written but never copied: the range must not commit. End it here.
+            r = self.table.get(w.rid)
+            self.table.abort(w.rid, w.generation)
+            self._fail(w.rid, w.generation, "write without a window", r.block_ids)
+            verdict = Verdict.WRONG_STATE
         if verdict is not Verdict.OK:
             self._reject(peer, w, verdict)
 
@@ -266,6 +300,7 @@ class KVReceiver:
             self.table.abort(c.rid, c.generation)
             self._fail(c.rid, c.generation, "commit before every block was written", r.block_ids)
         elif verdict is Verdict.OK and r.state == RangeState.COMMITTED:
+            self.windows.drop(c.rid)
             num_bytes = len(r.block_ids) * self.pool.layout.bytes_per_block
             started = r.first_write_at if r.first_write_at is not None else r.reserved_at
             transport = self._transport_of.get(c.sender_incarnation, FALLBACK)
@@ -284,6 +319,7 @@ class KVReceiver:
         self.channel.send(peer, [encode(WriteRejected(record.rid, record.generation, verdict.value))])
 
     def _fail(self, rid: str, generation: int, reason: str, block_ids) -> None:
+        self.windows.drop(rid, generation)
         self.metrics.failed_transfers.labels("receiver", reason.split(":")[0]).inc()
         self._events.append(TransferEvent(rid, generation, False, reason, block_ids=tuple(block_ids)))
 

@@ -30,6 +30,7 @@ from kvtransfer.events import TransferEvent, TransferStatus
 from kvtransfer.metrics import TransferMetrics
 from kvtransfer.ownership import Verdict
 from kvtransfer.pool import BlockPool
+from kvtransfer.shm_window import attach_window
 from kvtransfer.transports import TRANSPORTS, DirectTarget
 from protocol.codec import WireError, decode, encode
 from protocol.kv_messages import (
@@ -40,6 +41,8 @@ from protocol.kv_messages import (
     Credit,
     Handshake,
     HandshakeReply,
+    WindowGrant,
+    WindowRequest,
     WriteRejected,
 )
 
@@ -66,6 +69,10 @@ class _Transfer:
     commit: Commit | None = None
     commit_sent: bool = False
     times: TransferTimes = field(default_factory=TransferTimes)  # copy, exposed tail, span (copy_timing.py)
+    # shm: the window of only this transfer's blocks (kvtransfer/shm_window.py), asked for once
+    window_asked: bool = False
+    window: torch.Tensor | None = None
+    slot_of: dict[int, int] = field(default_factory=dict)  # reserved block id -> its slot in the window
 
 
 class KVSender:
@@ -102,6 +109,7 @@ class KVSender:
         self._credits = 0
         self._window = 0
         self._target: DirectTarget | None = None  # direct transports: (the receiver's pool, its fence)
+        self._windowed = False  # shm: each transfer writes into a window of its own blocks only
         self._transfers: dict[str, _Transfer] = {}  # live transfers only
         self._finished: collections.OrderedDict[str, TransferStatus] = collections.OrderedDict()
         self._events: list[TransferEvent] = []
@@ -172,12 +180,10 @@ class KVSender:
             return "loopback outside one process"
         if not 1 <= reply.credits <= MAX_CREDITS:
             return f"credits {reply.credits} outside [1, {MAX_CREDITS}]"
-        if reply.transport != "zmq" and reply.num_blocks != self.pool.layout.num_blocks:
+        if reply.transport in ("loopback", "cuda_ipc") and reply.num_blocks != self.pool.layout.num_blocks:
             return f"pool of {reply.num_blocks} blocks, expected {self.pool.layout.num_blocks}"
-        if reply.transport in ("shm", "cuda_ipc") and reply.shm_fence_name is None:
+        if reply.transport == "cuda_ipc" and reply.shm_fence_name is None:
             return "no fence"
-        if reply.transport == "shm" and reply.shm_pool_name is None:
-            return "no shm pool"
         if reply.transport == "cuda_ipc" and reply.cuda_pool is None:
             return "no cuda pool handle"
         if reply.num_blocks < 1:
@@ -189,6 +195,7 @@ class KVSender:
         transport = TRANSPORTS.get(reply.transport)
         assert transport is not None, reply.transport
         self._target = transport.attach(reply, layout, self.channel)
+        self._windowed = reply.transport == "shm"
         assert reply.num_blocks == layout.num_blocks or self._target is None
         self.peer_num_blocks = reply.num_blocks
 
@@ -267,7 +274,7 @@ class KVSender:
         if self.handshake_pending and not self._handshake_sent:
             return True
         return any(
-            (t.queued and self._credits >= len(t.queued[0][0]))
+            (t.queued and self._credits >= len(t.queued[0][0]) and not self._awaits_window(t))
             or (not t.queued and t.commit is not None and not t.commit_sent)
             for t in self._transfers.values()
         )
@@ -293,7 +300,14 @@ class KVSender:
         return events
 
     # -- internals ---------------------------------------------------------------------------
+    def _awaits_window(self, t: _Transfer) -> bool:
+        return self._windowed and t.window is None and t.window_asked
+
     def _pump(self, t: _Transfer) -> None:
+        if self._windowed and t.window is None and t.queued:
+            if not t.window_asked:
+                t.window_asked = self.channel.send([encode(WindowRequest(t.rid, t.generation, self.incarnation))])
+            return  # nothing ships before the grant; the commit waits behind the pieces
         while t.queued and self._credits >= len(t.queued[0][0]):
             src, dst = t.queued[0]
             header, frames, keep = self._ship(t, src, dst)
@@ -309,6 +323,15 @@ class KVSender:
             t.commit_sent = self.channel.send([encode(t.commit)])
 
     def _ship(self, t: _Transfer, src: list[int], dst: list[int]):
+        if self._windowed:
+            slots = [t.slot_of.get(d) for d in dst]
+            if None in slots:
+                self._finish(t, False, "destination outside the granted window")
+                return None, None, None
+            with (watch := CopyStopwatch(self.pool.tensor.device)):
+                copy_blocks(self.pool.tensor, src, t.window, slots)
+            self._copied(t, watch, len(src))
+            return BlockWrite(t.rid, t.generation, self.incarnation, dst, False, 0), [], None
         if self._target is None:  # over the channel: packed raw bytes ride beside the header, zero-copy
             src_ids = torch.tensor(src, device=self.pool.tensor.device)
             with (watch := CopyStopwatch(self.pool.tensor.device)):
@@ -349,7 +372,7 @@ class KVSender:
             if self.handshake_pending:
                 self._on_handshake_reply(msg)
             return
-        if not isinstance(msg, (Credit, WriteRejected, CommitAck)):
+        if not isinstance(msg, (Credit, WriteRejected, CommitAck, WindowGrant)):
             return
         if isinstance(msg, Credit):  # credits belong to the pair, even when the transfer is over
             self._credits = min(self._credits + msg.blocks, self._window)
@@ -361,6 +384,8 @@ class KVSender:
             if t.in_flight:
                 src, _ = t.in_flight.popleft()
                 self._unpin(list(src))
+        elif isinstance(msg, WindowGrant):
+            self._on_window(t, msg)
         elif isinstance(msg, WriteRejected):
             self.needs_handshake |= msg.reason == Verdict.UNKNOWN_INCARNATION.value
             self._finish(t, False, f"rejected by receiver: {msg.reason}", released=msg.reason == Verdict.STALE.value)
@@ -372,7 +397,26 @@ class KVSender:
                 released=not msg.ok and msg.reason == Verdict.STALE.value,
             )
 
+    def _on_window(self, t: _Transfer, grant: WindowGrant) -> None:
+        """shm: map the window the receiver made for this transfer (a peer's reply: checked first)."""
+        ids = grant.block_ids
+        error = ""
+        if not self._windowed or t.window is not None or not t.window_asked:
+            error = "a window nobody asked for"
+        elif not ids or len(set(ids)) != len(ids) or not all(0 <= b < self.peer_num_blocks for b in ids):
+            error = "window block ids outside the receiver's pool"
+        else:
+            try:
+                t.window = attach_window(grant.name, self.pool.layout, len(ids))
+            except (ValueError, OSError, RuntimeError) as exc:  # a name that is not there, a size that differs
+                error = f"cannot map the window: {str(exc)[:200]}"
+        if error:
+            self._finish(t, False, error)
+            return
+        t.slot_of = {b: i for i, b in enumerate(ids)}
+
     def _finish(self, t: _Transfer, ok: bool, reason: str, released: bool = False) -> None:
+        t.window = None  # unmapped with its last reference
         t.status = TransferStatus.SUCCESS if ok else TransferStatus.FAILED
         pinned = [b for src, _ in t.in_flight for b in src] + [b for src, _ in t.queued for b in src]
         if not ok:

@@ -5,6 +5,8 @@ One conversation per peer pair::
     sender                                  receiver
     Handshake(compat, incarnation, offers) ─▶
                                          ◀─ HandshakeReply(accepted, incarnation, transport, credits)
+    WindowRequest(rid, gen, inc)        ─▶   (shm: once per transfer, before its first write)
+                                         ◀─ WindowGrant(rid, gen, segment, block ids)  (to the assigned key)
     BlockWrite(rid, gen, inc, dst ids) [+ raw block bytes when inline]  ─▶   (per prefill chunk)
                                          ◀─ Credit(blocks)  (+ WriteRejected when fenced off)
     Commit(rid, gen, inc, first token)  ─▶
@@ -73,7 +75,7 @@ class HandshakeReply:
     num_blocks: int  # receiver pool size; dst block ids are below it
     error: str = ""  # why it was refused, naming the field
     mismatched_field: str = ""
-    shm_pool_name: str | None = None  # shm: the pool tensor's segment
+    shm_pool_name: str | None = None  # unused since per-transfer windows (WindowGrant); kept for old peers
     shm_fence_name: str | None = None  # shm / cuda_ipc: per-block owner tokens
     cuda_pool: CudaIpcHandle | None = None
 
@@ -160,3 +162,25 @@ class CommitAck:
     generation: int
     ok: bool
     reason: str = ""
+
+
+@wire_record("kv.window_request")
+@dataclass(slots=True)
+class WindowRequest:
+    """shm: the sender asks for the shared window of one transfer (kvtransfer/shm_window.py)."""
+
+    rid: str
+    generation: int
+    sender_incarnation: str
+
+
+@wire_record("kv.window_grant")
+@dataclass(slots=True)
+class WindowGrant:
+    """shm: a /dev/shm segment ``[L, 2, len(block_ids), bs, kvh, d]`` holding only this transfer's blocks,
+    slot i for ``block_ids[i]``; sent only to the key the range was reserved for, unlinked at the first write."""
+
+    rid: str
+    generation: int
+    name: str
+    block_ids: list[int]

@@ -19,7 +19,7 @@ from kvtransfer.events import TransferEvent
 from kvtransfer.sender import KVSender
 from protocol.codec import decode, encode
 from protocol.curve import ClusterKey, PlaneSecurity
-from protocol.kv_messages import HandshakeReply
+from protocol.kv_messages import HandshakeReply, WindowGrant, WindowRequest
 from protocol.serving import Goodbye, Heartbeat, PrefillJob, SamplingSpec
 from protocol.zmq_util import bind, make_socket
 from tests.model_factory import tiny_model_dir
@@ -115,10 +115,14 @@ class FakeReceiver:
     """A KV receiver (a key holder's ROUTER, a CURVE server of the cluster) that answers every handshake
     with ``reply``: a hostile one."""
 
-    def __init__(self, ctx: zmq.Context, security: PlaneSecurity, reply: HandshakeReply):
+    def __init__(
+        self, ctx: zmq.Context, security: PlaneSecurity, reply: HandshakeReply, window: tuple[str, list[int]] = ()
+    ):
+        """``window``: (segment name, block ids) of the WindowGrant it answers a shm WindowRequest with."""
         self.sock = security.server(make_socket(ctx, zmq.ROUTER))
         self.address = bind(self.sock, "127.0.0.1", 0)
         self.reply = reply
+        self.window = window
         self.num_handshakes = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -127,7 +131,12 @@ class FakeReceiver:
     def _run(self) -> None:
         while not self._stop.is_set():
             if self.sock.poll(20):
-                peer, *_ = self.sock.recv_multipart()
+                peer, first, *_ = self.sock.recv_multipart()
+                record = decode(first)
+                if isinstance(record, WindowRequest) and self.window:
+                    grant = WindowGrant(record.rid, record.generation, *self.window)
+                    self.sock.send_multipart([peer, encode(grant)])
+                    continue
                 self.num_handshakes += 1
                 self.sock.send_multipart([peer, encode(self.reply)])
 

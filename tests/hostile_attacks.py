@@ -132,11 +132,12 @@ def replayed_kv(t: Target, rid: str, generation: int, kv_address: str, block_siz
 HANDSHAKES = {  # a key holder's KV receiver answering every handshake with one of these
     "transport": dict(transport="carrier-pigeon", credits=8),
     "credits": dict(transport="zmq", credits=0),
-    "shm-path": dict(transport="shm", credits=8, shm_pool_name="../../etc/passwd", shm_fence_name="../../etc/shadow"),
-    "shm-missing": dict(
-        transport="shm", credits=8, shm_pool_name="pdserve-kv-0-nope", shm_fence_name="pdserve-fence-0-nope"
-    ),
     "cuda": dict(transport="cuda_ipc", credits=8, shm_fence_name="pdserve-fence-0-nope"),
+}
+WINDOWS = {  # ... or accepting shm and granting each transfer one of these windows (kvtransfer/shm_window.py)
+    "window-path": ("../../etc/passwd", [0, 1]),
+    "window-missing": ("pdserve-win-0-nope", [0, 1]),
+    "window-outside-pool": ("pdserve-win-0-nope", [10**6]),
 }
 
 
@@ -152,6 +153,8 @@ def malformed_jobs_and_handshakes(t: Target, block_size: int) -> tuple[int, dict
         )
         for name, reply in HANDSHAKES.items()
     }
+    shm = HandshakeReply(accepted=True, receiver_incarnation="x", num_blocks=64, transport="shm", credits=8)
+    fakes |= {name: hostile.FakeReceiver(t.ctx, evil, shm, window) for name, window in WINDOWS.items()}
     jobs = [hostile.job("bad-address", "x", block_size), hostile.job("bad-scheme", "ipc:///tmp/nope", block_size)]
     out_of_pool = hostile.job("out-of-pool", t.decode_kv, block_size)
     out_of_pool.dst_block_ids = [10**6 + i for i in range(len(out_of_pool.dst_block_ids))]

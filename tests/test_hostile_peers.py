@@ -264,11 +264,14 @@ def test_a_key_holder_cannot_speak_for_a_request_it_was_not_given(cluster, victi
 def test_malformed_jobs_and_hostile_handshakes_do_not_kill_the_prefill_worker(cluster, victims, ctx):
     sent, failed = attacks.malformed_jobs_and_handshakes(target(cluster, ctx), BLOCK)
     victims.attacks += sent
-    assert len(failed) == sent == 3 + len(attacks.HANDSHAKES), failed
+    assert len(failed) == sent == 3 + len(attacks.HANDSHAKES) + len(attacks.WINDOWS), failed
     assert "kv_address" in failed["bad-address"] and "kv_address" in failed["bad-scheme"]
     assert "outside the receiver's pool" in failed["out-of-pool"]
     for name in attacks.HANDSHAKES:
         assert "invalid handshake reply" in failed[f"handshake-{name}"], failed[f"handshake-{name}"]
+    assert "cannot map the window: invalid shared tensor name" in failed["handshake-window-path"]
+    assert "cannot map the window" in failed["handshake-window-missing"]
+    assert "window block ids outside the receiver's pool" in failed["handshake-window-outside-pool"]
     victims.assert_unharmed(seed=5)
 
 

@@ -225,6 +225,8 @@ def test_sender_abort_after_commit_leaves_the_committed_range_to_the_receiver(no
     tx = node.sender()
     node.reserve("r", 1, [1, 2])
     tx.send("r", 1, [0, 3], [1, 2])
+    # shm ships nothing before the receiver grants the transfer's window: let the blocks go out first
+    pump(node, tx, until=lambda rx, _: tx.status("r") is TransferStatus.TRANSFERRING)
     tx.commit("r", 1, first_token=9)
     for _ in range(50):  # commit on the wire, not yet read by the receiver
         tx.poll()
