@@ -34,7 +34,7 @@ from kvtransfer.events import TransferEvent
 from kvtransfer.metrics import TransferMetrics
 from kvtransfer.ownership import DEFAULT_LEASE_S, OwnershipTable, RangeState, Verdict
 from kvtransfer.pool import BlockPool
-from kvtransfer.shm_pool import SharedTensor, create_shared
+from kvtransfer.shm_pool import SharedTensor, ShmCapacityError, create_shared
 from kvtransfer.shm_window import ShmWindows
 from kvtransfer.transports import FALLBACK, TRANSPORTS, Exports, Pair
 from protocol.codec import WireError, decode, encode
@@ -257,7 +257,13 @@ class KVReceiver:
             self._reject(peer, req, verdict)
             return
         r = self.table.get(req.rid)
-        name = self.windows.open(req.rid, req.generation, r.block_ids)
+        try:
+            name = self.windows.open(req.rid, req.generation, r.block_ids)
+        except ShmCapacityError as exc:  # /dev/shm is full: this transfer cannot land, say so now
+            self.table.abort(req.rid, req.generation)
+            self._fail(req.rid, req.generation, f"no shm window: {exc}", r.block_ids)
+            self._reject(peer, req, Verdict.STALE)
+            return
         self.channel.send(peer, [encode(WindowGrant(req.rid, req.generation, name, list(r.block_ids)))])
 
     def _on_write(self, peer: bytes, w: BlockWrite, frames: list) -> None:

@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry
 
 from cluster.keygen import main as keygen
 from engine.kv.pool import KVLayout, KVPool
+from kvtransfer import shm_pool
 from kvtransfer.channel import ZmqClient, ZmqServer
 from kvtransfer.events import TransferStatus
 from kvtransfer.metrics import TransferMetrics
@@ -156,3 +157,17 @@ def test_a_write_without_a_window_ends_the_range_uncommitted(plane):
     assert reply == WriteRejected("r2", 1, "wrong_state")
     assert [(e.ok, e.reason) for e in plane.rx_events] == [(False, "write without a window")]
     assert plane.rx.table.held_blocks() == {} and plane.free == set(range(LAYOUT.num_blocks))
+
+
+def test_no_room_for_a_window_fails_the_transfer_at_once(plane, monkeypatch):
+    assigned, security = plane.sender()
+    plane.free -= set(RESERVED)
+    plane.rx.reserve("r3", 1, RESERVED, sender_key=security.client_public.decode())
+    monkeypatch.setattr(shm_pool, "shm_free_bytes", lambda directory=SHM_DIR: 0)  # only the reader is replaced
+    assert plane.raw_reply(assigned, [encode(WindowRequest("r3", 1, assigned.incarnation))]) == WriteRejected(
+        "r3", 1, "stale"
+    )
+    [failed] = plane.rx_events
+    assert not failed.ok and failed.reason.startswith("no shm window: /dev/shm has 0 bytes free")
+    assert plane.rx.table.held_blocks() == {} and plane.free == set(range(LAYOUT.num_blocks))
+    assert len(plane.rx.windows) == 0 and windows_on_disk() == []
