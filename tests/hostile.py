@@ -92,11 +92,14 @@ def tiny_layout(block_size: int, num_blocks: int = 64) -> KVLayout:
     )
 
 
-def kv_sender(ctx: zmq.Context, kv_address: str, security: PlaneSecurity, block_size: int) -> KVSender:
-    """The project's own KV sender, over zmq, with the attacker's key; handshaken."""
+def kv_sender(
+    ctx: zmq.Context, kv_address: str, security: PlaneSecurity, block_size: int, transports=("zmq",)
+) -> KVSender:
+    """The project's own KV sender, over ``transports`` (zmq; shm: a window per transfer), with the
+    attacker's key; handshaken."""
     pool = KVPool(tiny_layout(block_size), tensor=torch.full(tiny_layout(block_size).shape, 7.0))
     sender = KVSender(
-        pool, MODEL, ZmqClient(ctx, kv_address, max_msg_size=64 << 20, security=security), transports=("zmq",)
+        pool, MODEL, ZmqClient(ctx, kv_address, max_msg_size=64 << 20, security=security), transports=transports
     )
     sender.handshake(timeout_s=30)
     return sender

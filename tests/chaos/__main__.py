@@ -18,6 +18,7 @@ from pathlib import Path
 
 from tests.chaos.clusters import BLOCK, NetnsCluster, NoNamespaces, ServeCluster
 from tests.chaos.hostile import ATTACKS, HostileCluster, HostileResult, run_attack, warm_up
+from tests.chaos.hostile_roles import RESTARTS, ROLE_ATTACKS, RoleCluster
 from tests.chaos.load import Prompt, make_prompts
 from tests.chaos.report import write_report
 from tests.chaos.scenario import RunResult, Scenario, matrix, run_once
@@ -32,20 +33,29 @@ def select(patterns: list[str]) -> list[Scenario]:
 
 
 def select_attacks(patterns: list[str]) -> list[str]:
-    return [a for a in ATTACKS if any(fnmatch.fnmatch(a, p) for p in patterns)]
+    return [a for a in [*ATTACKS, *ROLE_ATTACKS] if any(fnmatch.fnmatch(a, p) for p in patterns)]
 
 
 def run_hostile(names: list[str], prompts: list[Prompt], log=print) -> list[HostileResult]:
-    """Every attack once, on one cluster."""
+    """Every attack once: the key holders' on a cluster with one cluster key, the compromised members' on a
+    cluster with a credential per member."""
+    results = _run_on(HostileCluster, [n for n in names if n in ATTACKS], ATTACKS, prompts, log)
+    return results + _run_on(RoleCluster, [n for n in names if n in ROLE_ATTACKS], ROLE_ATTACKS, prompts, log)
+
+
+def _run_on(make_cluster, names: list[str], table: dict, prompts: list[Prompt], log) -> list[HostileResult]:
     results: list[HostileResult] = []
+    if not names:
+        return results
     with tempfile.TemporaryDirectory(prefix="chaos-") as tmp:
-        cluster = HostileCluster(str(tiny_model_dir("llama")), Path(tmp))
+        cluster = make_cluster(str(tiny_model_dir("llama")), Path(tmp))
         failed = True
         try:
             warm_up(cluster, prompts)
             for offset, name in enumerate(names):
                 start = offset * PROMPTS_PER_RUN % len(prompts)
-                result = run_attack(cluster, name, prompts[start:] + prompts[:start])
+                restarts = frozenset(RESTARTS.get(name, ()))
+                result = run_attack(cluster, name, prompts[start:] + prompts[:start], table, restarts)
                 results.append(result)
                 log(
                     f"chaos: {name:<36} sent {result.sent} refused {dict(result.refused)} "

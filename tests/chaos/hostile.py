@@ -59,15 +59,11 @@ class HostileCluster(ServeCluster):
     """The chaos tool's ``pdserve serve`` 2 + 2, with a cluster key file (an operator's), short HTTP
     limits and ENGINE."""
 
-    def __init__(self, model: str, tmp):
-        self.key_file = write_private_key()
-        super().__init__(
-            model,
-            tmp,
-            engine=ENGINE,
-            gateway=HTTP_LIMITS,
-            transfer={"cluster_key_file": self.key_file},
-        )
+    def __init__(self, model: str, tmp, cluster_key: bool = True):
+        """``cluster_key`` False: no key configured, so pdserve serve makes a credential per member."""
+        self.key_file = write_private_key() if cluster_key else ""
+        transfer = {"transfer": {"cluster_key_file": self.key_file}} if cluster_key else {}
+        super().__init__(model, tmp, engine=ENGINE, gateway=HTTP_LIMITS, **transfer)
 
     def target(self, ctx: zmq.Context) -> attacks.Target:
         address = {w["id"]: w["address"] for w in self.workers()}
@@ -98,7 +94,7 @@ class HostileCluster(ServeCluster):
         return {w: len(os.listdir(f"/proc/{self.serve.worker_pid[w]}/fd")) for w in WORKERS}
 
 
-def _in_flight_job(cluster: HostileCluster, since: int) -> tuple[str, str, int] | None:
+def in_flight_job(cluster: HostileCluster, since: int) -> tuple[str, str, int] | None:
     """(decode worker, rid, transfer generation) of the latest prefill job logged after line ``since``."""
     for line in reversed(cluster.log[since:]):
         if m := JOB_LINE.search(line):
@@ -106,7 +102,7 @@ def _in_flight_job(cluster: HostileCluster, since: int) -> tuple[str, str, int] 
     return None
 
 
-def _kv_address(cluster: HostileCluster, worker_id: str) -> str:
+def kv_address(cluster: HostileCluster, worker_id: str) -> str:
     return next(w["address"] for w in cluster.workers() if w["id"] == worker_id)
 
 
@@ -128,13 +124,13 @@ def forged_tokens_and_kv(cluster: HostileCluster, t: attacks.Target, result: Hos
     try:
         for _ in range(3):
             since = len(cluster.log)
-            job = poll_until(lambda: _in_flight_job(cluster, since), 30, poll_s=0.01)
+            job = poll_until(lambda: in_flight_job(cluster, since), 30, poll_s=0.01)
             if job is None:
                 result.failures.append("no prefill job seen to forge frames for")
                 return
             decode_worker, rid, generation = job
             result.sent += attacks.forged_tokens(sock, rid)
-            sent, events = attacks.forged_kv(t, rid, generation, _kv_address(cluster, decode_worker), BLOCK)
+            sent, events = attacks.forged_kv(t, rid, generation, kv_address(cluster, decode_worker), BLOCK)
             result.sent += sent
             if any(e.ok for e in events):
                 result.failures.append(f"a forged KV write for {rid} was taken")
@@ -145,14 +141,14 @@ def forged_tokens_and_kv(cluster: HostileCluster, t: attacks.Target, result: Hos
 def replayed_frames(cluster: HostileCluster, t: attacks.Target, result: HostileResult) -> None:
     """Writes for requests that are over, replayed: stale."""
     since = len(cluster.log)
-    jobs = poll_until(lambda: (j := _in_flight_job(cluster, since)) and [j], 30, poll_s=0.05)
+    jobs = poll_until(lambda: (j := in_flight_job(cluster, since)) and [j], 30, poll_s=0.05)
     if not jobs:
         result.failures.append("no prefill job seen to replay")
         return
     decode_worker, rid, generation = jobs[0]
     poll_until(lambda: any(f"rid={rid} finished" in line for line in cluster.log[since:]), 30)
     for _ in range(3):
-        sent, events = attacks.replayed_kv(t, rid, generation, _kv_address(cluster, decode_worker), BLOCK)
+        sent, events = attacks.replayed_kv(t, rid, generation, kv_address(cluster, decode_worker), BLOCK)
         result.sent += sent
         if any(e.ok for e in events):
             result.failures.append(f"a replayed KV write for {rid} was taken")
@@ -225,7 +221,11 @@ def warm_up(cluster: HostileCluster, prompts: list[Prompt], num_requests: int = 
         load.stop()
 
 
-def run_attack(cluster: HostileCluster, attack: str, prompts: list[Prompt]) -> HostileResult:
+def run_attack(
+    cluster: HostileCluster, attack: str, prompts: list[Prompt], table=None, restarts: frozenset = frozenset()
+) -> HostileResult:
+    """``table``: name -> attack (ATTACKS by default); ``restarts``: workers the attack kills itself."""
+    table = table or ATTACKS
     result = HostileResult(attack)
     if not settle(cluster, SETTLE_S)[0]:
         result.failures.append("cluster not idle before the attack")
@@ -235,7 +235,7 @@ def run_attack(cluster: HostileCluster, attack: str, prompts: list[Prompt]) -> H
     load = Load(cluster.url, cluster.model, prompts).start()
     try:
         poll_until(lambda: load.outcomes, 60, poll_s=0.05)  # requests flowing
-        ATTACKS[attack](cluster, cluster.target(ctx), result)
+        table[attack](cluster, cluster.target(ctx), result)
         time.sleep(1.0)  # the load goes on a moment after the attack
     except Exception as exc:  # an attack that broke is a failed run, not a crashed tool
         result.failures.append(f"the attack raised {exc!r}")
@@ -243,7 +243,9 @@ def run_attack(cluster: HostileCluster, attack: str, prompts: list[Prompt]) -> H
         result.outcomes = Counter(o.kind for o in load.stop())
         ctx.destroy(linger=0)
     result.failures += [f"{kind} request" for kind in result.outcomes if kind not in ("ok", "error")]
-    if cluster.serve.worker_pid != pids:
+    if {w: p for w, p in cluster.serve.worker_pid.items() if w not in restarts} != {
+        w: p for w, p in pids.items() if w not in restarts
+    }:
         result.failures.append("a worker died and was restarted")
     registered = {w["id"] for w in cluster.workers()}
     if registered != set(WORKERS):
@@ -251,8 +253,9 @@ def run_attack(cluster: HostileCluster, attack: str, prompts: list[Prompt]) -> H
     idle, result.leaked_blocks = settle(cluster, SETTLE_S)
     if not idle:
         result.failures.append(f"not idle {SETTLE_S:.0f} s after the attack: {result.leaked_blocks} KV blocks in use")
-    poll_until(lambda: all(n <= fds[w] + FD_SLACK for w, n in cluster.fds().items()), 30)
-    result.fd_growth = max(0, *(n - fds[w] for w, n in cluster.fds().items()))
+    fds = {w: n for w, n in fds.items() if w not in restarts}  # a restarted worker is a new process
+    poll_until(lambda: all(n <= fds[w] + FD_SLACK for w, n in cluster.fds().items() if w in fds), 30)
+    result.fd_growth = max(0, *(n - fds[w] for w, n in cluster.fds().items() if w in fds))
     if result.fd_growth > FD_SLACK:
         result.failures.append(f"file descriptors grew by {result.fd_growth}")
     result.refused = cluster.rejections() - refused
