@@ -21,7 +21,7 @@ from tests import hostile
 from tests import hostile_attacks as attacks
 from tests import hostile_roles as roles
 from tests.chaos.clusters import BLOCK
-from tests.chaos.hostile import HostileCluster, HostileResult, in_flight_job, kv_address
+from tests.chaos.hostile import REJECTED, HostileCluster, HostileResult, in_flight_job, kv_address
 from tests.netns import poll_until
 
 VALID_FIRST_TOKEN = 5  # inside the vocabulary: the wrong KV would pass the decode worker's check
@@ -40,7 +40,9 @@ class RoleCluster(HostileCluster):
 
 
 def _gateway_rejected(cluster: HostileCluster, reason: str) -> float:
-    return cluster.metric("gateway", f'pdserve:rejected_frames_total{{reason="{reason}"}}')
+    """The gateway's refusals for ``reason`` (0 before the first: a labelled counter appears with it)."""
+    body = httpx.get(f"{cluster.url}/metrics", timeout=5).text
+    return sum(float(value) for label, value in REJECTED.findall(body) if label == reason)
 
 
 def decode_posing_as_prefill(cluster: HostileCluster, t: attacks.Target, result: HostileResult) -> None:
