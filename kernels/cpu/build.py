@@ -10,13 +10,13 @@ rather than a second pool competing for the same cores. ``kernels/cpu/native.py`
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import hashlib
 import json
 import os
 import platform
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -122,10 +122,16 @@ def build_library(library: Sources, compiler: str, variant: Variant = THREADED) 
         done = subprocess.run(command, capture_output=True, text=True, timeout=120)
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(command)} failed: {done.stderr.strip()[-2000:]}")
-        try:  # a shared library links with symbols missing (clang's OpenMP calls against libgomp)
-            ctypes.CDLL(tmp)
-        except OSError as e:
-            raise RuntimeError(f"{' '.join(command)} built a library that does not load: {e}") from e
+        # A shared library links with symbols missing (clang's OpenMP calls against libgomp): load it
+        # once to know. In a child: a library this process mapped must never become the cached file,
+        # since the cache's file is later replaced or (by a tamperer) rewritten in place, and a
+        # rewrite in place reaches a mapping's relocated pages too, so the exit handlers ran garbage
+        # (the SIGSEGV at interpreter exit after the trusted-cache test).
+        check = [sys.executable, "-c", "import ctypes, sys; ctypes.CDLL(sys.argv[1])", tmp]
+        loaded = subprocess.run(check, capture_output=True, text=True, timeout=60)
+        if loaded.returncode != 0:
+            reason = loaded.stderr.strip().splitlines()[-1:] or [f"exit {loaded.returncode}"]
+            raise RuntimeError(f"{' '.join(command)} built a library that does not load: {reason[0]}")
         os.replace(tmp, target)
         trusted_cache.seal(target)
     finally:
