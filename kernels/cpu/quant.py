@@ -81,6 +81,11 @@ class QuantLibrary:
         )
         return y
 
+    @property
+    def linear_address(self) -> int:
+        """The address of ``pdserve_quant_linear``, for C callers (kernels/cpu/decode_step.c's fused step)."""
+        return ctypes.cast(self._linear, ctypes.c_void_p).value
+
     def scratch_bytes(self, rows: int, in_features: int) -> int:
         """Bytes of work space one ``linear`` of ``rows`` rows of ``in_features`` values takes."""
         return int(self._scratch_bytes(rows, in_features))
