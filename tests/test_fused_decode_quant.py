@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import pytest
 
+from engine.llm import FUSED_DECODE_ROWS
 from engine.model.loader import load_model
-from engine.quant.apply import PROJECTIONS, linear_for, quantize_projections, set_projection
+from engine.quant.apply import PROJECTIONS, linear_for, quantize_projections, quantized_modules, set_projection
 from engine.quant.linear import QuantLinear
 from tests.test_cpu_linear import use_forms_everywhere
 from tests.test_fused_decode_step import RecordingHarness
 from tests.test_model_parity import _prompt
-from tests.test_quant_engine import _Lookup, _model_dir, _records
+from tests.test_quant_engine import _engine, _Lookup, _model_dir, _records
 
 FORMATS = [("Q8_0", "tiny"), ("Q4_0", "tiny"), ("Q4_1", "tiny"), ("I8", "tiny"), ("Q4_K", "k256"), ("Q6_K", "k256")]
 
@@ -70,3 +71,11 @@ def test_a_projection_on_the_panel_form_keeps_the_layer_path(library):
     down.use_forms(("int", "panel", *down.per_bucket[2:]))  # ROW_BUCKETS (1, 4, ...): 2..4 rows on the panel
     harness = _decode_ten_steps(model, config, library)  # three rows a step
     assert harness.fused_steps == 0
+
+
+def test_the_engine_runs_quantized_decode_steps_as_one_call_on_the_int_kernel(monkeypatch):
+    llm = _engine(monkeypatch, _model_dir("llama", "tiny"), _records("llama", "tiny", "Q4_1"), quantized=True)
+    model = llm.engine.runner.model
+    assert model.fused_decode is not None and model.fused_decode.quant is not None
+    for m in quantized_modules(model):  # whatever the timing picked at decode rows
+        assert {m.form_for(rows) for rows in range(1, FUSED_DECODE_ROWS + 1)} == {"int"}
