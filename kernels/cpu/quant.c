@@ -111,6 +111,9 @@ int64_t quant512_lane_bytes(int64_t K);
 void quant512_lanes(int t, const int8_t *q, const float *d, int64_t K, uint8_t *lanes);
 void quant512_rows(int t, const int8_t *q, const uint8_t *lanes, int64_t rows, int64_t K, const uint8_t *w,
                    int64_t N, int64_t row_bytes, const float *bias, float *y);
+int quant16_takes(int t, int64_t rows);
+void quant16_rows(int t, const int8_t *q, const float *d, const int32_t *sum16, const uint8_t *lanes, int64_t rows,
+                  int64_t K, const uint8_t *w, int64_t N, int64_t row_bytes, const float *bias, float *y);
 #endif
 
 /* Bytes of scratch pdserve_quant_linear needs for `rows` rows of K values: their int8 values, block
@@ -135,7 +138,8 @@ void pdserve_quant_linear(int t, const float *x, int64_t rows, int64_t K, const 
 #endif
         }
 #if QUANT_512
-        quant512_rows(t, q, lanes, rows, K, w, N, row_bytes, bias, y);
+        if (quant16_takes(t, rows)) quant16_rows(t, q, d, sum16, lanes, rows, K, w, N, row_bytes, bias, y);
+        else quant512_rows(t, q, lanes, rows, K, w, N, row_bytes, bias, y);
 #else
         (void)lanes;
         /* chunks of output rows: each thread streams its own part of W once, for every row of x */

@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 SOURCES = Sources(
     name="cpu_quant",
-    sources=tuple(Path(__file__).with_name(name) for name in ("quant.c", "quant_tile512.c")),
+    sources=tuple(Path(__file__).with_name(name) for name in ("quant.c", "quant_tile512.c", "quant_panel16.c")),
     headers=(Path(__file__).with_name("quant_formats.h"),),
 )
 TYPE_IDS = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q4_K": 3, "Q6_K": 4, "I8": 5}  # the enum in quant.c

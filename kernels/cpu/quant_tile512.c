@@ -122,14 +122,13 @@ static void tile_any(int t, int nx, const uint8_t *const *w, const xrow_t *x, in
     }
 }
 
-/* y[rows][N] (+)= x @ W^T inside quant.c's parallel region: the threads split the output rows. q: the
-   activations (rows * K int8), lanes: quant512_lanes of each row (rows * quant512_lane_bytes(K)). */
-void quant512_rows(int t, const int8_t *q, const uint8_t *lanes, int64_t rows, int64_t K, const uint8_t *w,
-                   int64_t N, int64_t row_bytes, const float *bias, float *y) {
-#pragma omp for schedule(static)
-    for (int64_t n0 = 0; n0 < N; n0 += TILE_W) {
+/* y[rows][n] = x @ W^T (+ bias) for the output rows n of [n_begin, n_end). q: the activations (rows * K
+   int8), lanes: quant512_lanes of each row (rows * quant512_lane_bytes(K)). */
+void quant512_span(int t, const int8_t *q, const uint8_t *lanes, int64_t rows, int64_t K, const uint8_t *w,
+                   int64_t n_begin, int64_t n_end, int64_t N, int64_t row_bytes, const float *bias, float *y) {
+    for (int64_t n0 = n_begin; n0 < n_end; n0 += TILE_W) {
         const uint8_t *wr[TILE_W];
-        for (int n = 0; n < TILE_W; n++) wr[n] = w + (n0 + n < N ? n0 + n : n0) * row_bytes; /* past N: a repeat */
+        for (int n = 0; n < TILE_W; n++) wr[n] = w + (n0 + n < n_end ? n0 + n : n0) * row_bytes; /* past: a repeat */
         for (int64_t i0 = 0; i0 < rows;) {
             const int64_t left = rows - i0;
             const int nx = left >= TILE_X ? TILE_X : left >= 4 ? 4 : left >= 2 ? 2 : 1;
@@ -140,10 +139,18 @@ void quant512_rows(int t, const int8_t *q, const uint8_t *lanes, int64_t rows, i
             }
             float out[TILE_W][TILE_X];
             tile_any(t, nx, wr, x, K, TILE_W * row_bytes, out);
-            for (int n = 0; n < TILE_W && n0 + n < N; n++)
+            for (int n = 0; n < TILE_W && n0 + n < n_end; n++)
                 for (int r = 0; r < nx; r++) y[(i0 + r) * N + n0 + n] = (bias ? bias[n0 + n] : 0) + out[n][r];
             i0 += nx;
         }
     }
+}
+
+/* quant512_span over all N output rows inside quant.c's parallel region: the threads split them. */
+void quant512_rows(int t, const int8_t *q, const uint8_t *lanes, int64_t rows, int64_t K, const uint8_t *w,
+                   int64_t N, int64_t row_bytes, const float *bias, float *y) {
+#pragma omp for schedule(static)
+    for (int64_t n0 = 0; n0 < N; n0 += TILE_W) /* static: each thread one run of rows, its prefetches ahead */
+        quant512_span(t, q, lanes, rows, K, w, n0, n0 + TILE_W < N ? n0 + TILE_W : N, N, row_bytes, bias, y);
 }
 #endif
