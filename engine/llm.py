@@ -27,6 +27,7 @@ from engine.model.loader import load_model
 from engine.quant.apply import quantize_at_load, quantized_modules
 from engine.quant.forms import choose_quant_forms
 from engine.quant.forms import describe as describe_quant_forms
+from engine.quant.linear import int_up_to
 from engine.sampling.grammar_compiles import GrammarLimits
 from engine.sampling.params import SamplingParams
 from engine.sampling.sampler import Sampler
@@ -43,7 +44,10 @@ log = logging.getLogger(__name__)
 # linear whatever the load-time timing of single projections picked: the timing cannot see the per-call
 # cost the fused step removes. 2-core Xeon, `small` model, ms per decode step (the timed forms, layer by
 # layer -> the C linear, one call), 2026-11-27: 1 sequence 7.2-7.4 -> 5.0-5.2, 16: 15.3-15.8 -> 14.6-15.2,
-# 32: 22.9-25.2 -> 22.5-25.3, 64: 48.5 -> 48.1. Past it (a prefill chunk) the timed forms stand.
+# 32: 22.9-25.2 -> 22.5-25.3, 64: 48.5 -> 48.1. Past it (a prefill chunk) the timed forms stand. Quantized
+# projections likewise take their int kernel (kernels/cpu/quant.c) up to it: the panel form dequantizes
+# the whole weight per call, and the timing on a loaded 2-core EPYC once picked it for 1 row (then a
+# Q8_0 decode step was 10x slower than f32's).
 FUSED_DECODE_ROWS = 64
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -89,6 +93,9 @@ def build_engine(
                 log.info(
                     "quantized matmul forms: %s", describe_quant_forms(choose_quant_forms(quantized_modules(model)))
                 )
+            if fused_decode_rows:  # as the C linear above: the fused step runs the int kernel at decode rows
+                int_up_to(quantized_modules(model), fused_decode_rows)
+                log.info("quantized projections: the int kernel up to %d rows (one C call per step)", fused_decode_rows)
     max_model_len = model_cfg.max_model_len or config.max_position_embeddings
     if max_model_len > config.max_position_embeddings:
         raise ConfigError(

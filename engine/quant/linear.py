@@ -76,3 +76,10 @@ class QuantLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.qweight.type_name}, in={self.in_features}, out={self.out_features}"
+
+
+def int_up_to(modules: list[QuantLinear], rows: int) -> None:
+    """Every row bucket up to ``rows`` on the ``int`` form (the fused decode step's kernel), the timed
+    picks past it kept: what ``MatmulForms.with_c_up_to`` is for float weights."""
+    for m in modules:
+        m.use_forms(tuple("int" if bucket <= rows else form for bucket, form in zip(ROW_BUCKETS, m.per_bucket)))

@@ -1,8 +1,9 @@
-/* A decode step's decoder layers in one call, fp32: for every layer, RMSNorm (with the residual add),
+/* A decode step's decoder layers in one call, float32 activations: for every layer, RMSNorm (with the residual add),
    the qkv projection, RoPE with the K/V store, decode attention, the o projection, RMSNorm, gate_up,
    SwiGLU's product and the down projection -- the same kernels (layer_ops.c, linear.c,
    decode.c) in the same order as the Python layer calls them one by one, so the values are the
-   same bits.
+   same bits. A projection is float32 (linear.c's packed layout) or quantized rows (kernels/cpu/quant.c,
+   called through the pointer the quant library hands over: the very function the layer path calls).
 
    Why: called from Python, a layer is ~10 kernel calls, each with its argument checks, output
    allocation and ctypes conversion; at a decode step of one sequence those cost about a fifth of the
@@ -25,17 +26,37 @@ void pdserve_paged_decode_f32(const float *q, int64_t q_stride, const float *k_c
 void pdserve_silu_mul_f32(const float *gate_up, int64_t gate_up_stride, float *out, int64_t rows, int64_t inter,
                           int num_threads);
 
-/* One layer's weights: the norms' [hidden] weights and the projections in linear.c's packed layout
-   (qkv_bias: [q + 2 kv] or NULL). */
+/* quant.c's pdserve_quant_linear */
+typedef void (*QuantLinear)(int type, const float *x, int64_t rows, int64_t K, const uint8_t *w, int64_t N,
+                            int64_t row_bytes, const float *bias, float *y, uint8_t *scratch, int threads);
+
+/* One projection's weight: float32 in linear.c's packed layout (type < 0), else N rows of row_bytes in
+   quant.c's format `type`. */
 typedef struct {
-    const float *input_norm, *qkv, *qkv_bias, *o, *post_norm, *gate_up, *down;
+    const void *w;
+    int64_t type, row_bytes;
+} Projection;
+
+/* One layer's weights: the norms' [hidden] weights, qkv_bias ([q + 2 kv] or NULL), the projections. */
+typedef struct {
+    const float *input_norm, *post_norm, *qkv_bias;
+    Projection qkv, o, gate_up, down;
 } DecodeLayer;
 
-/* The model's shape and a step's attention inputs (tables, context lengths: as pdserve_paged_decode_f32). */
+/* The model's shape and a step's attention inputs (tables, context lengths: as pdserve_paged_decode_f32);
+   quant_linear: NULL where every projection is float32. */
 typedef struct {
     int64_t hidden, num_heads, kv_heads, head_dim, inter, block_size, cache_floats; /* one layer's K cache */
     float eps, scale;
+    QuantLinear quant_linear;
 } DecodeShape;
+
+/* out[rows][N] = x[rows][K] @ W^T (+ bias) with the projection's kernel; quant_scratch: quant.c's work space. */
+static void project(const DecodeShape *s, const Projection *p, const float *x, int64_t rows, int64_t K, int64_t N,
+                    const float *bias, float *out, uint8_t *quant_scratch, int num_threads) {
+    if (p->type < 0) pdserve_linear_f32(x, rows, K, p->w, N, bias, out, num_threads);
+    else s->quant_linear((int)p->type, x, rows, K, p->w, N, p->row_bytes, bias, out, quant_scratch, num_threads);
+}
 
 /* Floats of work space a step of `rows` sequences needs, contexts padded to ctx_pad. */
 int64_t pdserve_decode_step_work(const DecodeShape *s, int64_t rows, int64_t ctx_pad) {
@@ -45,11 +66,12 @@ int64_t pdserve_decode_step_work(const DecodeShape *s, int64_t rows, int64_t ctx
 
 /* x: [rows, hidden], the embeddings in, the last layer's output plus the residual stream out (what
    the model's forward returns). pool: the KV pool, layer l's K cache at pool + 2 l cache_floats and its
-   V cache right after. cos, sin: [rows, head_dim / 2]; slots: each row's new cache slot. */
+   V cache right after. cos, sin: [rows, head_dim / 2]; slots: each row's new cache slot. quant_scratch:
+   quant.c's work space for `rows` rows of the widest projection input (NULL where none is quantized). */
 void pdserve_decode_step_f32(const DecodeLayer *layers, int64_t num_layers, const DecodeShape *s, float *x,
                              int64_t rows, float *pool, const float *cos, const float *sin, const int64_t *slots,
                              const int64_t *block_tables, int64_t table_stride, const int64_t *context_lens,
-                             int64_t ctx_pad, float *work, int num_threads) {
+                             int64_t ctx_pad, float *work, uint8_t *quant_scratch, int num_threads) {
     const int64_t hidden = s->hidden, q_size = s->num_heads * s->head_dim;
     const int64_t qkv_size = q_size + 2 * s->kv_heads * s->head_dim;
     float *residual = work, *h = residual + rows * hidden, *qkv = h + rows * hidden, *attn = qkv + rows * qkv_size;
@@ -63,17 +85,17 @@ void pdserve_decode_step_f32(const DecodeLayer *layers, int64_t num_layers, cons
         } else {
             pdserve_rms_norm_f32(x, hidden, residual, w->input_norm, h, rows, hidden, s->eps, num_threads);
         }
-        pdserve_linear_f32(h, rows, hidden, w->qkv, qkv_size, w->qkv_bias, qkv, num_threads);
+        project(s, &w->qkv, h, rows, hidden, qkv_size, w->qkv_bias, qkv, quant_scratch, num_threads);
         pdserve_rope_store_f32(qkv, qkv_size, rows, s->num_heads, s->kv_heads, s->head_dim, cos, sin, slots, k_cache,
                                v_cache, num_threads);
         pdserve_paged_decode_f32(qkv, qkv_size, k_cache, v_cache, block_tables, table_stride, context_lens, attn,
                                  scores, rows, s->num_heads, s->kv_heads, s->head_dim, s->block_size, ctx_pad,
                                  s->scale, num_threads);
-        pdserve_linear_f32(attn, rows, q_size, w->o, hidden, NULL, x, num_threads);
+        project(s, &w->o, attn, rows, q_size, hidden, NULL, x, quant_scratch, num_threads);
         pdserve_rms_norm_f32(x, hidden, residual, w->post_norm, h, rows, hidden, s->eps, num_threads);
-        pdserve_linear_f32(h, rows, hidden, w->gate_up, 2 * s->inter, NULL, gate_up, num_threads);
+        project(s, &w->gate_up, h, rows, hidden, 2 * s->inter, NULL, gate_up, quant_scratch, num_threads);
         pdserve_silu_mul_f32(gate_up, 2 * s->inter, act, rows, s->inter, num_threads);
-        pdserve_linear_f32(act, rows, s->inter, w->down, hidden, NULL, x, num_threads);
+        project(s, &w->down, act, rows, s->inter, hidden, NULL, x, quant_scratch, num_threads);
     }
     for (int64_t i = 0; i < rows * hidden; i++) x[i] += residual[i];
 }

@@ -44,21 +44,33 @@ _PTR = ctypes.c_void_p
 SERIAL_MAX_THREADS = 4
 
 
-class DecodeLayer(ctypes.Structure):
-    """One layer's weights for ``pdserve_decode_step_f32`` (kernels/cpu/decode_step.c): the norms' weights
-    and the projections' packed copies (``NativeLibrary.pack_linear``); ``qkv_bias`` may be None."""
+class Projection(ctypes.Structure):
+    """One projection's weight for ``pdserve_decode_step_f32``: the C linear's packed float32 copy
+    (``NativeLibrary.pack_linear``) with ``type`` -1, or quantized rows (kernels/cpu/quant.c's type id)."""
 
-    _fields_ = [(name, _PTR) for name in ("input_norm", "qkv", "qkv_bias", "o", "post_norm", "gate_up", "down")]
+    _fields_ = [("w", _PTR), ("type", _SIZE), ("row_bytes", _SIZE)]
+
+
+class DecodeLayer(ctypes.Structure):
+    """One layer's weights for ``pdserve_decode_step_f32`` (kernels/cpu/decode_step.c): the norms' weights,
+    the qkv bias (may be None) and the four projections."""
+
+    _fields_ = [
+        *((name, _PTR) for name in ("input_norm", "post_norm", "qkv_bias")),
+        *((name, Projection) for name in ("qkv", "o", "gate_up", "down")),
+    ]
 
 
 class DecodeShape(ctypes.Structure):
-    """The model's shape for ``pdserve_decode_step_f32``; ``cache_floats``: one layer's K cache."""
+    """The model's shape for ``pdserve_decode_step_f32``; ``cache_floats``: one layer's K cache;
+    ``quant_linear``: the quantized kernel's address (``QuantLibrary.linear_address``), else None."""
 
     _fields_ = [
         *((name, _SIZE) for name in ("hidden", "num_heads", "kv_heads", "head_dim", "inter", "block_size")),
         ("cache_floats", _SIZE),
         ("eps", ctypes.c_float),
         ("scale", ctypes.c_float),
+        ("quant_linear", _PTR),  # kernels/cpu/quant.c's pdserve_quant_linear, where a projection is quantized
     ]
 
 
@@ -152,7 +164,7 @@ class NativeLibrary:
             ctypes.POINTER(DecodeLayer),
             _SIZE,
             ctypes.POINTER(DecodeShape),
-            *(_PTR, _SIZE, _PTR, _PTR, _PTR, _PTR, _PTR, _SIZE, _PTR, _SIZE, _PTR, ctypes.c_int),
+            *(_PTR, _SIZE, _PTR, _PTR, _PTR, _PTR, _PTR, _SIZE, _PTR, _SIZE, _PTR, _PTR, ctypes.c_int),
         ]
         self._decode_step.restype = None
 
@@ -366,6 +378,7 @@ class NativeLibrary:
         block_tables: torch.Tensor,  # [rows, max_blocks] int64 contiguous, ids inside the pool (checked)
         context_lens: torch.Tensor,  # [rows] int64, each >= 1
         max_context: int,  # >= every context length, <= max_blocks * block_size
+        quant_scratch: torch.Tensor | None = None,  # uint8, QuantLibrary.scratch_bytes(rows, widest input)
     ) -> None:
         """Every decoder layer of a decode step (one new token per row), in place in ``x``
         (kernels/cpu/decode_step.c): the same kernels, in the same order, as the layers' forward."""
@@ -376,6 +389,8 @@ class NativeLibrary:
         assert slots.dtype == block_tables.dtype == context_lens.dtype == torch.int64 and slots.shape == (rows,)
         assert block_tables.is_contiguous() and context_lens.is_contiguous() and block_tables.shape[0] == rows
         assert block_tables.shape[1] * shape.block_size >= max_context
+        assert (quant_scratch is None) == (shape.quant_linear is None)
+        assert quant_scratch is None or (quant_scratch.dtype == torch.uint8 and quant_scratch.is_contiguous())
         ctx_pad = -(-max_context // 16) * 16
         work = torch.empty(self._decode_step_work(ctypes.byref(shape), rows, ctx_pad), dtype=torch.float32)
         self._decode_step(
@@ -393,6 +408,7 @@ class NativeLibrary:
             context_lens.data_ptr(),
             ctx_pad,
             work.data_ptr(),
+            None if quant_scratch is None else quant_scratch.data_ptr(),
             torch.get_num_threads(),
         )
 

@@ -23,7 +23,11 @@ from kernels.cpu.build import Sources, Variant, build_library
 
 log = logging.getLogger(__name__)
 
-SOURCES = Sources(name="cpu_quant", sources=(Path(__file__).with_name("quant.c"),), headers=())
+SOURCES = Sources(
+    name="cpu_quant",
+    sources=tuple(Path(__file__).with_name(name) for name in ("quant.c", "quant_tile512.c", "quant_panel16.c")),
+    headers=(Path(__file__).with_name("quant_formats.h"),),
+)
 TYPE_IDS = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q4_K": 3, "Q6_K": 4, "I8": 5}  # the enum in quant.c
 _SIZE, _PTR = ctypes.c_int64, ctypes.c_void_p
 
@@ -40,6 +44,10 @@ class QuantLibrary:
         self.name = path.name
         self._lib = ctypes.CDLL(str(path))
         self.vnni = bool(self._lib.pdserve_quant_vnni())
+        self.tiles512 = bool(self._lib.pdserve_quant_tiles512())  # kernels/cpu/quant_tile512.c
+        self._scratch_bytes = self._lib.pdserve_quant_scratch_bytes
+        self._scratch_bytes.argtypes = [_SIZE, _SIZE]
+        self._scratch_bytes.restype = _SIZE
         self._linear = self._lib.pdserve_quant_linear
         self._linear.argtypes = [ctypes.c_int, _PTR, _SIZE, _SIZE, _PTR, _SIZE, _SIZE, _PTR, _PTR, _PTR, ctypes.c_int]
         self._linear.restype = None
@@ -57,7 +65,7 @@ class QuantLibrary:
         x = x.contiguous()
         m, out_features = x.shape[0], rows.shape[0]
         y = torch.empty((m, out_features), dtype=torch.float32)
-        scratch = torch.empty(m * (in_features + in_features // 32 * 4 + in_features // 16 * 4), dtype=torch.uint8)
+        scratch = torch.empty(self.scratch_bytes(m, in_features), dtype=torch.uint8)
         self._linear(
             TYPE_IDS[type_name],
             x.data_ptr(),
@@ -72,6 +80,15 @@ class QuantLibrary:
             torch.get_num_threads(),
         )
         return y
+
+    @property
+    def linear_address(self) -> int:
+        """The address of ``pdserve_quant_linear``, for C callers (kernels/cpu/decode_step.c's fused step)."""
+        return ctypes.cast(self._linear, ctypes.c_void_p).value
+
+    def scratch_bytes(self, rows: int, in_features: int) -> int:
+        """Bytes of work space one ``linear`` of ``rows`` rows of ``in_features`` values takes."""
+        return int(self._scratch_bytes(rows, in_features))
 
     def dequantize(
         self, type_name: str, rows: torch.Tensor, in_features: int, start: int = 0, count: int | None = None

@@ -1,0 +1,164 @@
+/* The weight formats of kernels/cpu/quant.c decoded: a 32-value sub-block's scales, min and offset
+   (unpack), and its values as unsigned bytes in a register (unpack_vec). The layouts are in quant.c's
+   opening comment. */
+#ifndef PDSERVE_QUANT_FORMATS_H
+#define PDSERVE_QUANT_FORMATS_H
+#include <stdint.h>
+#include <string.h>
+#include <math.h>
+#if !defined(PDSERVE_QUANT_SCALAR) && ((defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__))
+#include <immintrin.h>
+#define QUANT_VNNI 1
+#else
+#define QUANT_VNNI 0
+#endif
+/* 512-bit tiles (kernels/cpu/quant_tile512.c) where AVX-512 VNNI is there with BW/DQ for its masks and lanes */
+#if QUANT_VNNI && defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+#define QUANT_512 1
+#else
+#define QUANT_512 0
+#endif
+
+enum { T_Q8_0 = 0, T_Q4_0 = 1, T_Q4_1 = 2, T_Q4_K = 3, T_Q6_K = 4, T_I8 = 5 };
+
+/* What unpack() adds to a format's values to make them unsigned bytes (u = w / s + offset). */
+static inline int32_t weight_offset(int t) {
+    return t == T_Q8_0 || t == T_I8 ? 128 : t == T_Q4_0 ? 8 : t == T_Q6_K ? 32 : 0;
+}
+
+static inline float f16(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+#if QUANT_VNNI && defined(__F16C__)
+    return _cvtsh_ss(h);
+#endif
+    uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 31, man = h & 1023, bits;
+    if (exp == 0) { /* zero or subnormal: exact as a float */
+        float v = ldexpf((float)man, -24);
+        return sign ? -v : v;
+    }
+    if (exp == 31) bits = sign | 0x7f800000u | (man << 13);
+    else bits = sign | ((exp + 112) << 23) | (man << 13);
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* One 32-value sub-block of a weight row, unpacked: u = w / s + offset as bytes, its scale per half
+   (s_lo for values 0..15, s_hi for 16..31), its additive min and offset. */
+typedef struct {
+    uint8_t u[32];
+    float s_lo, s_hi, m;
+    int off;
+} sub_t;
+
+static inline void nibbles(const uint8_t *qs, uint8_t *u) { /* 16 bytes -> 32 values, low nibbles first */
+    for (int i = 0; i < 16; i++) {
+        u[i] = qs[i] & 15;
+        u[i + 16] = qs[i] >> 4;
+    }
+}
+
+static inline void q4k_scale_min(int j, const uint8_t *q, int *sc, int *m) { /* ggml's get_scale_min_k4 */
+    if (j < 4) {
+        *sc = q[j] & 63;
+        *m = q[j + 4] & 63;
+    } else {
+        *sc = (q[j + 4] & 15) | ((q[j - 4] >> 6) << 4);
+        *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+/* Sub-block b (of 32 values) of a row in type t: its scales, and with ``bytes`` its values in s->u. */
+static inline void unpack(int t, const uint8_t *row, int64_t b, sub_t *s, int bytes) {
+    switch (t) {
+    case T_Q8_0: {
+        const uint8_t *p = row + b * 34;
+        s->s_lo = s->s_hi = f16(p);
+        s->m = 0, s->off = 128;
+        for (int i = 0; bytes && i < 32; i++) s->u[i] = p[2 + i] ^ 0x80; /* int8 + 128 */
+        break;
+    }
+    case T_Q4_0: {
+        const uint8_t *p = row + b * 18;
+        s->s_lo = s->s_hi = f16(p);
+        s->m = 0, s->off = 8;
+        if (bytes) nibbles(p + 2, s->u);
+        break;
+    }
+    case T_Q4_1: {
+        const uint8_t *p = row + b * 20;
+        s->s_lo = s->s_hi = f16(p);
+        s->m = f16(p + 2), s->off = 0;
+        if (bytes) nibbles(p + 4, s->u);
+        break;
+    }
+    case T_Q4_K: {
+        const uint8_t *p = row + (b / 8) * 144;
+        int j = (int)(b % 8), sc, mn;
+        q4k_scale_min(j, p + 4, &sc, &mn);
+        s->s_lo = s->s_hi = f16(p) * sc;
+        s->m = -f16(p + 2) * mn, s->off = 0;
+        const uint8_t *q = p + 16 + 32 * (j / 2); /* 64 values per 32 bytes: low nibbles, then high */
+        const int shift = 4 * (j % 2);
+        for (int i = 0; bytes && i < 32; i++) s->u[i] = (q[i] >> shift) & 15;
+        break;
+    }
+    case T_Q6_K: {
+        const uint8_t *p = row + (b / 8) * 210;
+        int j = (int)(b % 8), half = j / 4, g = j % 4; /* 128 values per half, 4 groups of 32 in it */
+        const uint8_t *ql = p + 64 * half + 32 * (g & 1), *qh = p + 128 + 32 * half;
+        const int8_t *sc = (const int8_t *)(p + 192);
+        float d = f16(p + 208);
+        s->s_lo = d * sc[2 * j], s->s_hi = d * sc[2 * j + 1];
+        s->m = 0, s->off = 32;
+        const int lshift = 4 * (g >> 1), hshift = 2 * g;
+        for (int i = 0; bytes && i < 32; i++) s->u[i] = ((ql[i] >> lshift) & 15) | (((qh[i] >> hshift) & 3) << 4);
+        break;
+    }
+    default: { /* T_I8: b indexes 32 values after the row's float scale */
+        float sc;
+        memcpy(&sc, row, 4);
+        s->s_lo = s->s_hi = sc;
+        s->m = 0, s->off = 128;
+        for (int i = 0; bytes && i < 32; i++) s->u[i] = row[4 + b * 32 + i] ^ 0x80;
+        break;
+    }
+    }
+}
+
+#if QUANT_VNNI
+/* The values of sub-block b as unpack() lays them in s->u, straight into a register: built in memory byte
+   by byte, the 32-byte reload waited on two 16-byte stores (no store forwarding), 10x slower for Q4_0. */
+static inline __m256i unpack_vec(int t, const uint8_t *row, int64_t b) {
+    const __m256i low4 = _mm256_set1_epi8(15), flip = _mm256_set1_epi8((char)0x80);
+    switch (t) {
+    case T_Q8_0:
+        return _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(row + b * 34 + 2)), flip);
+    case T_Q4_0:
+    case T_Q4_1: {
+        const __m128i v = _mm_loadu_si128((const __m128i *)(row + b * (t == T_Q4_0 ? 18 : 20) + (t == T_Q4_0 ? 2 : 4)));
+        const __m256i both = _mm256_set_m128i(_mm_srli_epi16(v, 4), v); /* high nibbles are values 16..31 */
+        return _mm256_and_si256(both, low4);
+    }
+    case T_Q4_K: {
+        const int j = (int)(b % 8);
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(row + (b / 8) * 144 + 16 + 32 * (j / 2)));
+        return _mm256_and_si256(j % 2 ? _mm256_srli_epi16(q, 4) : q, low4);
+    }
+    case T_Q6_K: {
+        const uint8_t *p = row + (b / 8) * 210;
+        const int j = (int)(b % 8), half = j / 4, g = j % 4;
+        const __m256i ql = _mm256_loadu_si256((const __m256i *)(p + 64 * half + 32 * (g & 1)));
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(p + 128 + 32 * half));
+        const __m256i lo = _mm256_and_si256(_mm256_srl_epi16(ql, _mm_cvtsi32_si128(4 * (g >> 1))), low4);
+        const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * g)), _mm256_set1_epi8(3));
+        return _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)); /* hi <= 3: the shift stays in its byte */
+    }
+    default:
+        return _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(row + 4 + b * 32)), flip);
+    }
+}
+#endif
+
+#endif
