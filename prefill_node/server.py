@@ -73,7 +73,6 @@ from worker.drain import Drain
 from worker.gateway_links import GatewayLinks
 from worker.heartbeat import HeartbeatTimer
 from worker.logprob_records import logprob_record, prompt_logprobs_frames
-from worker.step_pacer import StepPacer
 
 log = logging.getLogger(__name__)
 
@@ -144,8 +143,6 @@ class PrefillServer:
         self._by_seq: dict[int, JobState] = {}  # seq_id -> job, for jobs in the scheduler
         self._seq_ids = itertools.count()
         self._heartbeat = HeartbeatTimer(options.heartbeat_s)
-        sched = self.scheduler.config
-        self._pacer = StepPacer(sched.max_num_batched_tokens, options.heartbeat_s, sched.prefill_chunk_size)
         self._stop = threading.Event()
         self._drain = Drain(options.drain_timeout_s)
         self.is_done = False  # drained and said Goodbye
@@ -166,12 +163,9 @@ class PrefillServer:
         self._receive(timeout_ms)
         self._expire()
         self._admit()
-        self.scheduler.config.max_num_batched_tokens = self._pacer.budget()  # a step within a heartbeat
         batch = self.scheduler.schedule()
         if batch is not None:
-            started = time.monotonic()
             self._step(batch)
-            self._pacer.record(batch.num_batched_tokens, time.monotonic() - started)
         self._on_transfer_events(self.senders.poll())
         self._after_turn()
 

@@ -1,5 +1,5 @@
-"""How many tokens a worker's next step may compute (a prefill worker's, or a decode worker's that
-prefills its own prompts), so that a step ends within a heartbeat interval.
+"""How many tokens the next step of a decode worker that prefills its own prompts may compute, so
+that a step ends within a heartbeat interval. (A prefill worker has the same loop; pacing it is not wired yet.)
 
 The worker's loop sends its heartbeats between steps, and the gateway drops a worker silent for
 ``worker_timeout_s`` (15 s). A step of ``max_num_batched_tokens`` (2048) prompt tokens took 10-20 s on
