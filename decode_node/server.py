@@ -92,6 +92,7 @@ from protocol.serving import (
 from telemetry.tracing import NO_TRACING, RequestTrace, Tracer
 from worker import Drain, EngineMetrics, EngineSnapshot, GatewayLinks, HeartbeatTimer
 from worker.logprob_records import prompt_logprobs_frames
+from worker.step_pacer import StepPacer
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +141,8 @@ class DecodeServer:
         self.lora_sync = LoRASync(engine.runner.lora)
         self._drain = Drain(options.drain_timeout_s)
         self._threads = StepThreads(options.idle_prefill_threads)
+        sched = self.scheduler.config
+        self._pacer = StepPacer(sched.max_num_batched_tokens, options.heartbeat_s, sched.prefill_chunk_size)
         self._stopped = False
         self.is_running = False  # the loop has started and not ended (readiness)
 
@@ -448,11 +451,14 @@ class DecodeServer:
 
     # ---- 5. one engine step ----
     def _step(self) -> None:
+        self.scheduler.config.max_num_batched_tokens = self._pacer.budget()  # a step within a heartbeat
         batch = self.scheduler.schedule()
         if batch is None:
             return
         self._threads.set_for_step(prompts_out=self._awaiting_kv)
+        started = time.monotonic()
         sampled = self.engine.runner.execute(batch)
+        self._pacer.record(batch.num_batched_tokens, time.monotonic() - started)
         self.engine.num_computed_tokens += batch.num_batched_tokens
         self.scheduler.postprocess(batch, sampled.token_ids, sampled.logprobs, sampled.accepted)
         seen = set()

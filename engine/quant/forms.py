@@ -2,7 +2,10 @@
 
 As ``time_forms`` does for the float forms (engine/model/cpu_linear.py): each timed pass runs one form
 over every weight of every group in model order, so each weight comes from memory as in a step, and
-each bucket takes the faster form. Timed once per process for the same shapes, formats and thread count.
+each bucket takes the faster form. Timed once per process for the same shapes, formats and thread count,
+and once per machine: the picks are kept on disk beside the float ones (kernels/cpu/forms_cache.py,
+keyed by the CPU, torch, the quantized kernels' build, the shapes, formats and thread count), since
+timing them took 44-139 s of a worker's start on a loaded 2-core EPYC and a restart must not re-time.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import torch
 
 from engine.model.cpu_linear import ROW_BUCKETS
 from engine.quant.linear import QUANT_FORMS, QuantLinear, quantized_linear
+from kernels.cpu import forms_cache
 
 log = logging.getLogger(__name__)
 
@@ -26,13 +30,25 @@ def choose_quant_forms(modules: list[QuantLinear], repeats: int = 2) -> dict[str
     groups: dict[str, list[QuantLinear]] = {}
     for m in modules:
         groups.setdefault(f"{m.qweight.type_name} {m.out_features}x{m.in_features}", []).append(m)
-    keys = {g: (g, len(ms), repeats, torch.get_num_threads()) for g, ms in groups.items()}
+    threads = torch.get_num_threads()
+    keys = {g: (g, len(ms), repeats, threads) for g, ms in groups.items()}
     todo = {g: ms for g, ms in groups.items() if keys[g] not in _picked}
     if todo:
-        started = time.monotonic()
-        for g, picks in _timed(todo, repeats).items():
-            _picked[keys[g]] = picks
-        log.info("timed quantized matmul forms for %d weight shapes in %.1f s", len(todo), time.monotonic() - started)
+        lib = todo[next(iter(todo))][0].lib
+        # "quantized" apart from the float forms' keys; the library's name carries its source's hash
+        path = forms_cache.path_for(("quantized", tuple(sorted(keys[g] for g in todo))), lib.name)
+        stored = forms_cache.load(path, list(todo), QUANT_FORMS, len(ROW_BUCKETS), prefill_forms=("panel",))
+        if stored is None:
+            log.info("timing quantized matmul forms for %d weight shapes (the picks are kept in %s)", len(todo), path)
+            started = time.monotonic()
+            picks = _timed(todo, repeats)
+            forms_cache.store(path, {g: (per_bucket, "panel") for g, per_bucket in picks.items()})
+            log.info("timed quantized matmul forms in %.1f s", time.monotonic() - started)
+        else:
+            log.info("quantized matmul forms found in the cache %s: no timing", path)
+            picks = {g: per_bucket for g, (per_bucket, _) in stored.items()}
+        for g, per_bucket in picks.items():
+            _picked[keys[g]] = per_bucket
     chosen = {g: _picked[keys[g]] for g in groups}
     for g, ms in groups.items():
         for m in ms:

@@ -11,7 +11,13 @@ torch's version and the C kernels' build (its file name carries a hash of their 
 ``PDSERVE_RETIME_CPU_FORMS=1`` times at start anyway and rewrites the file (after moving the disk
 to other hardware under the same CPU name, or to re-measure on an idle machine). A file that cannot
 be read, or names forms or buckets this build does not have, is timed again and rewritten; one that
-cannot be written leaves the worker timing at each start, as before.
+cannot be written leaves the worker timing at each start, as before. The quantized weights' forms
+(engine/quant/forms.py) are kept here too, keyed by the quantized kernels' build and the formats.
+
+A planted file would steer which forms run (not what they compute, but a slow form is a denial of
+service), so the directory follows kernels/cpu/trusted_cache.py's rules as the kernel cache does:
+this user's, writable by no one else (tightened and emptied where it was not), and a file that is
+not this user's own, or that others may write, is removed and timed again.
 """
 
 from __future__ import annotations
@@ -20,12 +26,14 @@ import hashlib
 import json
 import logging
 import os
+import stat
 import tempfile
 from pathlib import Path
 
 import torch
 
 from kernels.cpu import build as cpu_build
+from kernels.cpu import trusted_cache
 
 log = logging.getLogger(__name__)
 
@@ -42,15 +50,39 @@ def path_for(key: tuple, native_name: str | None) -> Path:
     return cache_dir() / f"forms-{hashlib.sha256(text.encode()).hexdigest()[:24]}.json"
 
 
-def load(path: Path, groups: list[str], forms: tuple[str, ...], num_buckets: int) -> Picks | None:
+def _trusted(path: Path) -> bool:
+    """Whether ``path`` may be read: in a private directory, a regular file of this user's that no one
+    else may write. An untrusted file is removed (the caller times again and rewrites it)."""
+    try:
+        trusted_cache.private_dir(path.parent)
+        info = os.lstat(path)
+    except trusted_cache.KernelCacheError as e:
+        log.warning("CPU matmul forms cache not used: %s", e)
+        return False
+    except OSError:  # none yet
+        return False
+    if stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid() and not info.st_mode & 0o022:
+        return True
+    log.warning("CPU matmul forms cache %s is not this user's own file: removed, timing again", path)
+    path.unlink(missing_ok=True)
+    return False
+
+
+def load(
+    path: Path,
+    groups: list[str],
+    forms: tuple[str, ...],
+    num_buckets: int,
+    prefill_forms: tuple[str, ...] = ("packed", "plain"),
+) -> Picks | None:
     """The picks stored at ``path`` when they cover exactly ``groups`` with known forms; else None."""
-    if os.environ.get("PDSERVE_RETIME_CPU_FORMS") == "1":
+    if os.environ.get("PDSERVE_RETIME_CPU_FORMS") == "1" or not _trusted(path):
         return None
     try:
         stored = json.loads(path.read_text())
         picks = {g: (tuple(stored[g]["per_bucket"]), stored[g]["prefill"]) for g in groups}
         valid = set(stored) == set(groups) and all(
-            len(per_bucket) == num_buckets and all(f in forms for f in per_bucket) and prefill in ("packed", "plain")
+            len(per_bucket) == num_buckets and all(f in forms for f in per_bucket) and prefill in prefill_forms
             for per_bucket, prefill in picks.values()
         )
     except OSError:  # none yet
@@ -71,12 +103,12 @@ def store(path: Path, picks: Picks) -> None:
     )
     tmp = None
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        trusted_cache.private_dir(path.parent)
         fd, tmp = tempfile.mkstemp(suffix=".json", dir=path.parent)
         with os.fdopen(fd, "w") as f:
             f.write(body)
         os.replace(tmp, path)
-    except OSError as e:  # read-only or full: the next start times again
+    except (OSError, trusted_cache.KernelCacheError) as e:  # read-only, full or not ours: timed at each start
         log.warning("CPU matmul forms not cached at %s: %s", path, e)
         if tmp is not None:
             Path(tmp).unlink(missing_ok=True)
