@@ -83,11 +83,14 @@ def test_q8_0_gguf_kept_quantized_holds_the_dequantized_weights(family: str, tmp
     quant = load_model(gguf_file)[0]
     with dequantizing():
         plain = load_model(gguf_file)[0]
-    assert len(quantized_modules(quant)) == 4 * len(quant.layers)  # every projection of every layer
+    assert len(quantized_modules(quant)) == 4 * len(quant.layers) + 1  # every projection of every layer, the head
     for quant_layer, plain_layer in zip(quant.layers, plain.layers):
         for path in PROJECTIONS:
             record = quant_layer.get_submodule(path).qweight
             assert torch.equal(dequantize(record), plain_layer.get_submodule(path).weight), path
+    # the LM head in the file's format too (output, or token_embd when tied), as llama.cpp runs it
+    assert plain.quantized_head is None
+    assert torch.equal(dequantize(quant.quantized_head.qweight), plain.lm_head)
 
 
 def run_generate(model: Path, home: Path) -> subprocess.CompletedProcess:

@@ -199,6 +199,8 @@ def time_forms(
     timing noise could otherwise give them forms whose float rounding differs. And once per machine:
     the picks are kept on disk (``kernels/cpu/forms_cache.py``) for the next process to start."""
     slice_rows = slice_rows or {}
+    if not groups:  # every weight quantized (a GGUF file's projections and head): nothing float to time
+        return {}
     key = (
         tuple((k, len(ws), tuple(ws[0].shape), ws[0].dtype, slice_rows.get(k)) for k, ws in groups.items()),
         repeats,

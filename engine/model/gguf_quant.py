@@ -1,8 +1,11 @@
 """A GGUF file's projections kept quantized: each decoder layer's fused q/k/v, o, gate/up and down
 projection becomes the quantized kernels' linear (engine/quant/apply.linear_for) over the file's own
 rows of blocks, when every part of it is in one format a kernel runs (a Q4_K_M file mixes formats
-within a layer: a fused projection whose parts differ stays float). The embedding, the LM head and
-the norms stay float, as vLLM's GGUF path keeps them. CPU float32 only: the kernels are CPU ones.
+within a layer: a fused projection whose parts differ stays float). The LM head too, in the file's
+format (``output``, or ``token_embd`` when tied), as llama.cpp runs it: in float32 it is the largest
+weight a decode step reads (SmolLM2's 49152 x 576 head is 113 MB of a step's 226 MB at Q8_0). The
+embedding's rows are gathered from a float32 copy (one row per token: no step reads it whole), and
+the norms stay float. CPU float32 only: the kernels are CPU ones.
 """
 
 from __future__ import annotations
@@ -41,6 +44,12 @@ def keep_quantized(lm: nn.Module, tensors: GGUFTensors) -> tuple[Counter, Counte
             record = weights[0] if len(weights) == 1 else concat_rows(weights)
             set_projection(layer, fused, linear_for(record, layer.get_submodule(fused).bias))
             kept[record.type_name] += 1
+    head = tensors.weight("model.embed_tokens.weight" if lm.config.tie_word_embeddings else "lm_head.weight")
+    if isinstance(head, QuantizedWeight):
+        lm.quantized_head = linear_for(head)  # float32 when no kernel builds here (linear_for says so)
+        kept[f"{head.type_name} LM head"] += 1
+    else:
+        floats["float LM head"] += 1
     log.info(
         "GGUF projections kept quantized: %s; run in float32 (dequantized at load): %s",
         ", ".join(f"{k} x{n}" for k, n in kept.most_common()) or "none",

@@ -35,6 +35,9 @@ class CausalLM(nn.Module):
         self.rotary = RotaryEmbedding(config, device)
         self.lm_head_forms = PLAIN  # CPU matmul forms of the LM head (choose_cpu_matmul_forms)
         self.lm_head_copies: WeightCopies | None = None  # the copies of the LM head those forms read
+        # A GGUF file's LM head kept in the file's format (engine/model/gguf_quant.py): the logits read it
+        # instead of lm_head, as llama.cpp reads `output` (or tied `token_embd`) in its own format.
+        self.quantized_head: nn.Module | None = None
         self.native_layer_ops = False  # use_native_layer_ops
         self.fused_decode: FusedDecodeStep | None = None  # use_fused_decode
         self.lora_ref: LoRAStepRef | None = None  # enable_lora: the step's adapters, read by every projection
@@ -91,6 +94,8 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] -> [S, vocab] float32
         hidden = self.norm(hidden)
+        if self.quantized_head is not None:
+            return self.quantized_head(hidden)
         if self.lm_head_copies is None:  # no forms chosen (CUDA, or before timing): plain
             return F.linear(hidden, self.lm_head).float()
         return linear(hidden, self.lm_head_copies, forms=self.lm_head_forms).float()
@@ -109,7 +114,8 @@ class CausalLM(nn.Module):
             if isinstance(module, Linear):
                 groups.setdefault(f"{module.out_features}x{module.in_features}", []).append(module)
         weights = {key: [m.weight for m in modules] for key, modules in groups.items()}
-        weights["lm_head"] = [self.lm_head]
+        if self.quantized_head is None:  # else the float head is only the embedding's table
+            weights["lm_head"] = [self.lm_head]
         chosen = time_forms(weights, {"lm_head": LM_HEAD_SLICE_ROWS}, native=native)
         if c_decode_rows and native is not None:
             for key, modules in groups.items():
@@ -118,7 +124,8 @@ class CausalLM(nn.Module):
         for key, modules in groups.items():
             for module in modules:
                 module.use_forms(chosen[key])
-        self.use_lm_head_forms(chosen["lm_head"])
+        if self.quantized_head is None:
+            self.use_lm_head_forms(chosen["lm_head"])
         return chosen
 
     def use_lm_head_forms(self, forms: MatmulForms) -> None:
