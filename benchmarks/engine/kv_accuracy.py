@@ -8,7 +8,11 @@ into an HF checkpoint under ~/.cache/pdserve/kv-accuracy-smollm2 (made once). Pe
 first ``n`` tokens as one prompt, ``prompt_logprobs=1``; scored like ``llama-perplexity`` (the second
 half of the window, whose tokens see at least half a window of context). Printed per context::
 
-    ctx=<n> same_top1=<share> mean_abs_dlogprob=<x> max_abs_dlogprob=<x> ln_ppl_ratio=<ln(PPL int8 / PPL auto)>
+    ctx=<n> <new> vs <base>: same_top1=<share> mean_abs_dlogprob=<x> max_abs_dlogprob=<x> ln_ppl_ratio=<x>
+
+for three pairs: ``int8 vs auto`` (the headline: int8 KV against float32 KV, each on its engine's usual
+kernels), ``auto-torch vs auto`` (float32 KV both, attention in torch against the C kernels: what the
+attention path alone moves) and ``int8 vs auto-torch``. ``ln_ppl_ratio`` is ln(PPL new / PPL base).
 
 llama.cpp's ``q8_0`` KV on the same checkpoint is measured with llama-perplexity (docs/benchmarks.md).
 """
@@ -56,29 +60,43 @@ def scored(llm: LLM, tokens: list[int]) -> list[tuple[float, int]]:
     return [(e.logprob, e.top[0][0]) for e in entries]
 
 
+PAIRS = (("int8", "auto"), ("auto-torch", "auto"), ("int8", "auto-torch"))
+
+
+def compared(new: list[tuple[float, int]], base: list[tuple[float, int]]) -> str:
+    diffs = [abs(a - b) for (a, _), (b, _) in zip(base, new)]
+    same = sum(ta == tb for (_, ta), (_, tb) in zip(base, new)) / len(base)
+    ln_ratio = (sum(a for a, _ in base) - sum(b for b, _ in new)) / len(base)
+    return (
+        f"same_top1={same:.4f} mean_abs_dlogprob={sum(diffs) / len(diffs):.5f} "
+        f"max_abs_dlogprob={max(diffs):.5f} ln_ppl_ratio={ln_ratio:.5f}"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096])
     parser.add_argument("--text", default=DEFAULT_TEXT)
     args = parser.parse_args()
     path = str(smollm2_checkpoint())
+    common = {"kv_cache_memory_mb": 256, "enable_prefix_caching": False}
     engines = {
-        kv: LLM(path, kv_cache_dtype=kv, kv_cache_memory_mb=256, enable_prefix_caching=False) for kv in ("auto", "int8")
+        "auto": LLM(path, kv_cache_dtype="auto", **common),
+        "auto-torch": LLM(
+            path, kv_cache_dtype="auto", cpu_prefill_attention="torch", cpu_decode_attention="torch", **common
+        ),
+        "int8": LLM(path, kv_cache_dtype="int8", **common),
     }
     ids = engines["auto"].tokenizer(Path(args.text).read_text(encoding="utf-8"))["input_ids"]
     print(f"text {args.text}: {len(ids)} tokens; model {path}")
     for n in args.contexts:
         if n > len(ids):
             raise SystemExit(f"the text has {len(ids)} tokens, fewer than the context {n}")
-        base, quant = scored(engines["auto"], ids[:n]), scored(engines["int8"], ids[:n])
-        diffs = [abs(a - b) for (a, _), (b, _) in zip(base, quant)]
-        same = sum(ta == tb for (_, ta), (_, tb) in zip(base, quant)) / len(base)
-        ln_ratio = (sum(a for a, _ in base) - sum(b for b, _ in quant)) / len(base)
-        print(
-            f"ctx={n} scored={len(base)} same_top1={same:.4f} mean_abs_dlogprob={sum(diffs) / len(diffs):.5f} "
-            f"max_abs_dlogprob={max(diffs):.5f} ln_ppl_ratio={ln_ratio:.5f} "
-            f"ppl_auto={math.exp(-sum(a for a, _ in base) / len(base)):.4f}"
-        )
+        runs = {name: scored(llm, ids[:n]) for name, llm in engines.items()}
+        base_nll = -sum(a for a, _ in runs["auto"]) / len(runs["auto"])
+        print(f"ctx={n} scored={len(runs['auto'])} ppl_auto={math.exp(base_nll):.4f}")
+        for new, base in PAIRS:
+            print(f"ctx={n} {new} vs {base}: {compared(runs[new], runs[base])}")
 
 
 if __name__ == "__main__":
