@@ -79,7 +79,10 @@ def build_engine(
             model.use_native_layer_ops(layer_ops)
         log.info("CPU norms, RoPE and SwiGLU: %s", "C" if model.native_layer_ops else "torch")
         native = cpu_native.load() if engine_cfg.cpu_decode_linear == "c" else None
-        if native is not None and model.native_layer_ops and engine_cfg.cpu_decode_attention == "c":
+        # The fused step (decode_step.c) stores and reads float32 K/V only: with an int8 pool nothing
+        # runs it, so nothing forces the C linear on the layers for it either.
+        fused_kv = engine_cfg.kv_cache_dtype == "auto"
+        if native is not None and model.native_layer_ops and engine_cfg.cpu_decode_attention == "c" and fused_kv:
             fused_decode_rows = FUSED_DECODE_ROWS
         with exclusive_timing():
             forms = model.choose_cpu_matmul_forms(native, fused_decode_rows)
