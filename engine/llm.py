@@ -83,7 +83,10 @@ def build_engine(
             model.use_native_layer_ops(layer_ops)
         log.info("CPU norms, RoPE and SwiGLU: %s", "C" if model.native_layer_ops else "torch")
         native = cpu_native.load() if engine_cfg.cpu_decode_linear == "c" else None
-        if native is not None and model.native_layer_ops and engine_cfg.cpu_decode_attention == "c":
+        # The fused step (decode_step.c) stores and reads float32 K/V only: with an int8 pool nothing
+        # runs it, so nothing forces the C linear on the layers for it either.
+        fused_kv = engine_cfg.kv_cache_dtype == "auto"
+        if native is not None and model.native_layer_ops and engine_cfg.cpu_decode_attention == "c" and fused_kv:
             fused_decode_rows = FUSED_DECODE_ROWS
         with exclusive_timing():
             forms = model.choose_cpu_matmul_forms(native, fused_decode_rows)
@@ -219,11 +222,9 @@ def _native_attention(kind: str, setting: str, config, pool: KVPool) -> cpu_nati
     library = cpu_native.load() if setting == "c" else None
     why = None
     if library is not None and pool.layout.dtype == torch.int8:
-        # The int8 pool (--kv-cache-dtype int8): decode has its own C kernel (decode_int8.c); prefill
-        # chunks run SDPA over the rows they gather, dequantized (paged_decode._gather).
-        if kind == "prefill":
-            why = "reads float32 K/V, and this pool is int8"
-        elif not library.supports(config.num_heads // config.num_kv_heads, config.head_dim):
+        # The int8 pool (--kv-cache-dtype int8) has its own C kernels (decode_int8.c, kv_int8_ops.c),
+        # with copies for the same shapes as the float32 ones.
+        if not library.supports(config.num_heads // config.num_kv_heads, config.head_dim):
             why = f"has no copy for {config.num_heads} heads over {config.num_kv_heads} KV heads of {config.head_dim}"
     elif library is not None and not supports_native_decode(library, config.num_heads, pool):
         why = (

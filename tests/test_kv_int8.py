@@ -184,7 +184,7 @@ def test_peers_with_different_kv_dtypes_refuse_each_other_naming_the_field(their
 @pytest.mark.parametrize("num_heads,kv_heads,head_dim", [(4, 2, 16), (9, 3, 64), (8, 1, 128), (2, 2, 32)])
 def test_c_decode_reads_int8_as_the_float64_reference(num_heads, kv_heads, head_dim):
     from kernels.cpu import native
-    from kernels.cpu.decode_int8 import Int8Decode
+    from kernels.cpu.kv_int8 import Int8KV
 
     library = native.load()
     assert library is not None, "the C kernels must build on the test machine"
@@ -197,7 +197,7 @@ def test_c_decode_reads_int8_as_the_float64_reference(num_heads, kv_heads, head_
     tables = torch.randperm(num_blocks, generator=g)[: batch * 10].view(batch, 10)
     q = torch.randn(batch, num_heads, head_dim, generator=g)
     scale = head_dim**-0.5
-    got = Int8Decode(library).run(q, k_cache, v_cache, tables.contiguous(), context_lens, 160, scale)
+    got = Int8KV(library).decode(q, k_cache, v_cache, tables.contiguous(), context_lens, 160, scale)
     q_start = torch.arange(batch + 1)
     want = attention_float64(q, k_cache, v_cache, tables, context_lens, q_start, scale)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)

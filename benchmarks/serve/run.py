@@ -23,7 +23,8 @@ vs transformers static batching, side by side in one run, on the real SmolLM2-13
    equal-concurrency line against transformers, and last
    ``vs_llama_1=<a> vs_llama_16=<b> vs_llama_32=<c> vs_llama_1_itl=<d> ttft_p99_vs_llama_16=<e> ...``
    (serve_report.equal_concurrency defines each); then the same-file latency ratios and, last,
-   ``vs_llama_q8_1=<a> vs_llama_q8_16=<b> vs_llama_q4_1=<c> vs_llama_q4_16=<d>`` (gguf_systems.py).
+   ``vs_llama_q8_1=<a> vs_llama_q8_16=<b> vs_llama_q4_1=<c> vs_llama_q4_16=<d>`` (gguf_systems.py);
+   with disagg-int8 selected, ``int8_vs_auto_tps_<c>=... int8_ttft_p99_vs_auto_<c>=...`` (kv_dtype_ratios.py).
 
 ``--compare-insecure`` runs each chosen system twice, CurveZMQ on (the default) and ``<name>-insecure``
 (``transfer.insecure``), and prints the served throughput of the second over the first.
@@ -58,6 +59,7 @@ from benchmarks.peers import gguf_variants
 from benchmarks.peers.llama_server import LlamaConfig
 from benchmarks.serve import workloads
 from benchmarks.serve.gguf_systems import gguf_headlines
+from benchmarks.serve.kv_dtype_ratios import INT8, int8_vs_auto
 from benchmarks.serve.plan import (
     HF_BATCH_SIZES,
     STATIC_BATCH_SIZE,
@@ -464,6 +466,8 @@ def main(argv: list[str] | None = None) -> int:
     same_file, latency = gguf_headlines(report)
     print(headline_line(latency))
     print(headline_line(same_file))
+    if any(spec.name == INT8 for spec in p.systems):
+        print(headline_line(int8_vs_auto(report, STREAM_CONCURRENCIES)))
     return 0
 
 

@@ -16,6 +16,7 @@ from engine.model.config import HFModelConfig
 from engine.model.cpu_linear import Linear
 from engine.model.rope import apply_rotary
 from engine.step.attention_metadata import AttentionMetadata
+from kernels.cpu.kv_int8 import int8_kernels
 from kernels.cpu.native import NativeLibrary
 
 
@@ -83,12 +84,11 @@ class Attention(nn.Module):
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
         k_cache, v_cache = kv_cache
-        if self.native is not None and self.q_norm is None and k_cache.dtype == torch.float32:
-            # q and k rotated in place in qkv, k and v stored: q stays a strided view of qkv.
-            # (An int8 pool quantizes on the torch store below.)
-            self.native.rope_store(
-                qkv, self.num_heads, self.num_kv_heads, cos, sin, meta.slot_mapping, k_cache, v_cache
-            )
+        if self.native is not None and self.q_norm is None and k_cache.dtype in (torch.float32, torch.int8):
+            # q and k rotated in place in qkv, k and v stored (an int8 pool's quantized as they are):
+            # q stays a strided view of qkv.
+            store = self.native if k_cache.dtype == torch.float32 else int8_kernels(self.native)
+            store.rope_store(qkv, self.num_heads, self.num_kv_heads, cos, sin, meta.slot_mapping, k_cache, v_cache)
             q = qkv[:, : self.q_size].view(num_tokens, self.num_heads, self.head_dim)
             return self._attend(q, k_cache, v_cache, meta)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)

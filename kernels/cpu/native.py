@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from kernels.cpu import paged_call
 from kernels.cpu.build import SERIAL, THREADED, Sources, Variant, build_library, library_path
 
 log = logging.getLogger(__name__)
@@ -31,7 +32,15 @@ SOURCES = Sources(
     name="cpu_native",
     sources=tuple(
         Path(__file__).with_name(name)
-        for name in ("decode.c", "decode_int8.c", "prefill.c", "linear.c", "layer_ops.c", "decode_step.c")
+        for name in (
+            "decode.c",
+            "decode_int8.c",
+            "kv_int8_ops.c",
+            "prefill.c",
+            "linear.c",
+            "layer_ops.c",
+            "decode_step.c",
+        )
     ),
     headers=(Path(__file__).with_name("vector.h"),),
 )
@@ -74,16 +83,6 @@ class DecodeShape(ctypes.Structure):
     ]
 
 
-def _check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens) -> None:
-    """The layout both attention kernels read. The C code trusts it: a wrong one would read the wrong
-    memory, not raise."""
-    assert q.dtype == k_cache.dtype == v_cache.dtype == torch.float32
-    assert q.stride(2) == 1 and q.stride(1) == q.shape[2] and k_cache.is_contiguous() and v_cache.is_contiguous()
-    assert block_tables.dtype == context_lens.dtype == torch.int64
-    assert block_tables.is_contiguous() and context_lens.is_contiguous()
-    assert block_tables.shape[0] == context_lens.shape[0]
-
-
 class NativeLibrary:
     """The loaded kernels: ``supports(group, head_dim)``, ``paged_decode(...)`` and ``paged_prefill(...)``
     for attention, ``supports_linear(in, out)``, ``pack_linear(weight)`` and ``linear(x, packed)``;
@@ -96,31 +95,8 @@ class NativeLibrary:
         self._supported = self._lib.pdserve_decode_supported
         self._supported.argtypes = [_SIZE, _SIZE]
         self._supported.restype = ctypes.c_int
-        self._decode = self._lib.pdserve_paged_decode_f32
-        self._decode.argtypes = [
-            _PTR,
-            _SIZE,
-            _PTR,
-            _PTR,
-            _PTR,
-            _SIZE,
-            _PTR,
-            _PTR,
-            _PTR,
-            _SIZE,
-            _SIZE,
-            _SIZE,
-            _SIZE,
-            _SIZE,
-            _SIZE,
-            ctypes.c_float,
-            ctypes.c_int,
-        ]
-        self._decode.restype = None
-        self._prefill = self._lib.pdserve_paged_prefill_f32
-        self._prefill.argtypes = [_PTR, _SIZE, _PTR, _PTR, _PTR, _SIZE, _PTR, _PTR, _PTR, _PTR]
-        self._prefill.argtypes += [_SIZE] * 5 + [ctypes.c_float, ctypes.c_int]
-        self._prefill.restype = None
+        self._decode = paged_call.bind(self._lib.pdserve_paged_decode_f32, paged_call.DECODE_ARGTYPES)
+        self._prefill = paged_call.bind(self._lib.pdserve_paged_prefill_f32, paged_call.PREFILL_ARGTYPES)
         self._lib.pdserve_prefill_scratch_bytes.restype = _SIZE
         self._prefill_scratch_bytes = int(self._lib.pdserve_prefill_scratch_bytes())
         self._linear_supported = self._lib.pdserve_linear_supported
@@ -172,7 +148,7 @@ class NativeLibrary:
         return bool(self._supported(group, head_dim))
 
     def symbol(self, name: str):
-        """A C function of the library, for bindings kept in their own files (decode_int8.py)."""
+        """A C function of the library, for bindings kept in their own files (kv_int8.py)."""
         return getattr(self._lib, name)
 
     def paged_decode(
@@ -185,34 +161,10 @@ class NativeLibrary:
         max_context: int,  # >= every context length
         scale: float,
     ) -> torch.Tensor:  # [batch, num_heads, head_dim]
-        batch, num_heads, head_dim = q.shape
-        _, block_size, kv_heads, _ = k_cache.shape
-        _check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens)
-        assert batch == context_lens.shape[0]
-        assert block_tables.shape[1] * block_size >= max_context  # supports() was checked once, at engine build
-        ctx_pad = -(-max_context // 16) * 16
-        out = torch.empty((batch, num_heads, head_dim), dtype=torch.float32)
-        scratch = torch.empty(batch * num_heads * ctx_pad, dtype=torch.float32)  # softmax rows
-        self._decode(
-            q.data_ptr(),
-            q.stride(0),
-            k_cache.data_ptr(),
-            v_cache.data_ptr(),
-            block_tables.data_ptr(),
-            block_tables.shape[1],
-            context_lens.data_ptr(),
-            out.data_ptr(),
-            scratch.data_ptr(),
-            batch,
-            num_heads,
-            kv_heads,
-            head_dim,
-            block_size,
-            ctx_pad,
-            scale,
-            torch.get_num_threads(),
+        paged_call.check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens, torch.float32)
+        return paged_call.paged_decode(
+            self._decode, q, k_cache, v_cache, block_tables, context_lens, max_context, scale
         )
-        return out
 
     def paged_prefill(
         self,
@@ -225,35 +177,11 @@ class NativeLibrary:
         scale: float,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Causal attention of each request's chunk over its paged context (kernels/cpu/prefill.c)."""
-        num_tokens, num_heads, head_dim = q.shape
-        _, block_size, kv_heads, _ = k_cache.shape
-        _check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens)
-        batch = context_lens.shape[0]
-        assert query_start_loc.dtype == torch.int64 and query_start_loc.is_contiguous()
-        assert query_start_loc.shape[0] == batch + 1
-        out = torch.empty((num_tokens, num_heads, head_dim), dtype=torch.float32)
-        threads = torch.get_num_threads()
-        scratch = torch.empty(threads * self._prefill_scratch_bytes, dtype=torch.uint8)  # per-thread tiles
-        self._prefill(
-            q.data_ptr(),
-            q.stride(0),
-            k_cache.data_ptr(),
-            v_cache.data_ptr(),
-            block_tables.data_ptr(),
-            block_tables.shape[1],
-            context_lens.data_ptr(),
-            query_start_loc.data_ptr(),
-            out.data_ptr(),
-            scratch.data_ptr(),
-            batch,
-            num_heads,
-            kv_heads,
-            head_dim,
-            block_size,
-            scale,
-            threads,
+        paged_call.check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens, torch.float32)
+        work = torch.empty(torch.get_num_threads() * self._prefill_scratch_bytes, dtype=torch.uint8)  # per-thread tiles
+        return paged_call.paged_prefill(
+            self._prefill, q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, work
         )
-        return out
 
     def supports_linear(self, in_features: int, out_features: int) -> bool:
         return bool(self._linear_supported(in_features, out_features))

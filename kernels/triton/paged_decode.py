@@ -9,12 +9,11 @@ the gathered context (GQA without repeat_interleave).
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 
-from kernels.cpu.decode_int8 import Int8Decode
+from kernels.cpu.kv_int8 import int8_kernels
 from kernels.cpu.native import NativeLibrary
 from kernels.triton import kv_int8
 from kernels.triton.attention_tile import load_kv_tile, online_softmax_step
@@ -74,18 +73,12 @@ class NativeDecode:
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
         if k_cache.dtype == torch.int8:  # --kv-cache-dtype int8: dequantized in registers (decode_int8.c)
-            return int8_decode(self.library).run(
+            return int8_kernels(self.library).decode(
                 q, k_cache, v_cache, self.block_tables, self.context_lens, self.max_context, scale
             )
         return self.library.paged_decode(
             q, k_cache, v_cache, self.block_tables, self.context_lens, self.max_context, scale
         )
-
-
-@functools.cache
-def int8_decode(library: NativeLibrary) -> Int8Decode:
-    """The library's int8 decode binding, made once."""
-    return Int8Decode(library)
 
 
 def checked_tables(block_tables: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:

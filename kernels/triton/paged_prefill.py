@@ -4,8 +4,8 @@ Request i's chunk is the last q_len_i tokens of its context_lens[i]-token contex
 in the pool): query j sits at position ``ctx_i - q_len_i + j`` and sees keys ``0 ..= pos``, i.e. the
 cached prefix plus the causal part of its own chunk. This is paged_attention's general contract.
 
-On CPU the C kernel (kernels/cpu/prefill.c, ``NativePrefill``) takes the chunks where the engine asks
-for it; the torch reference runs SDPA request by request over the gathered context.
+On CPU the C kernel (kernels/cpu/prefill.c; kv_int8_ops.c for an int8 pool; ``NativePrefill``) takes
+the chunks where the engine asks for it; the torch reference runs SDPA request by request over the gathered context.
 
 Triton: one program per (request, tile of BLOCK_M queries, kv head). The tile's rows are
 (query, head of the group) pairs, so each KV tile is loaded once for the whole query group.
@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels.cpu.kv_int8 import int8_kernels
 from kernels.cpu.native import NativeLibrary
 from kernels.triton.attention_tile import load_kv_tile, online_softmax_step
 from kernels.triton.paged_decode import checked_tables, gather_context
@@ -38,6 +39,10 @@ class NativePrefill:
     query_start_loc: torch.Tensor  # [p + 1] int64
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        if k_cache.dtype == torch.int8:  # --kv-cache-dtype int8: dequantized a key tile at a time (kv_int8_ops.c)
+            return int8_kernels(self.library).prefill(
+                q, k_cache, v_cache, self.block_tables, self.context_lens, self.query_start_loc, scale
+            )
         return self.library.paged_prefill(
             q, k_cache, v_cache, self.block_tables, self.context_lens, self.query_start_loc, scale
         )
