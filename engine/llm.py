@@ -33,8 +33,7 @@ from engine.sampling.params import SamplingParams
 from engine.sampling.sampler import Sampler
 from engine.sampling.structured_output import Grammars
 from engine.sched.scheduler import Scheduler, SchedulerConfig
-from engine.spec.config import SpeculativeConfigError, parse_speculative_config
-from engine.spec.speculator import Speculator
+from engine.spec.build import SpeculatorInputs, build_speculator
 from engine.step.runner import ModelRunner, supports_native_decode
 from kernels.cpu import native as cpu_native
 
@@ -127,6 +126,7 @@ def build_engine(
     block_manager = BlockManager(
         num_blocks, engine_cfg.block_size, enable_prefix_caching=engine_cfg.enable_prefix_caching
     )
+    sampler = Sampler(engine_cfg.seed)
     scheduler = Scheduler(
         SchedulerConfig(
             max_num_seqs=engine_cfg.max_num_seqs,
@@ -135,7 +135,7 @@ def build_engine(
             prefill_chunk_size=engine_cfg.prefill_chunk_size,
         ),
         block_manager,
-        _speculator(engine_cfg.speculative_config),
+        build_speculator(SpeculatorInputs(engine_cfg, model, config, num_blocks, sampler, device), _native_attention),
     )
     lora = _lora_manager(model, config, lora_cfg or LoRAConfig(), kv_dtype, device)
     native_decode = _native_attention("decode", engine_cfg.cpu_decode_attention, config, pool)
@@ -144,26 +144,11 @@ def build_engine(
         fused = model.use_fused_decode(native_decode)
         log.info("CPU decode steps: %s", "one C call for every layer" if fused else "layer by layer")
     native_prefill = _native_attention("prefill", engine_cfg.cpu_prefill_attention, config, pool)
-    runner = ModelRunner(
-        model, pool, Sampler(engine_cfg.seed), native_decode=native_decode, native_prefill=native_prefill, lora=lora
-    )
+    runner = ModelRunner(model, pool, sampler, native_decode=native_decode, native_prefill=native_prefill, lora=lora)
     limits = GrammarLimits(
         engine_cfg.grammar_compile_timeout_s, engine_cfg.grammar_cache_mb << 20, engine_cfg.grammar_compile_threads
     )
     return LLMEngine(config, scheduler, runner, Grammars(model_path, config.vocab_size, config.eos_token_ids, limits))
-
-
-def _speculator(text: str) -> Speculator | None:
-    try:
-        config = parse_speculative_config(text)
-    except SpeculativeConfigError as exc:
-        raise ConfigError(str(exc)) from None
-    if config is None:
-        return None
-    if config.method != "ngram":
-        raise ConfigError(f'speculative method {config.method!r} is not served yet; use "ngram"')
-    log.info("speculative decoding: %s", config)
-    return Speculator(config)
 
 
 def _lora_manager(model, config, lora_cfg: LoRAConfig, dtype: torch.dtype, device: str) -> LoRAManager | None:

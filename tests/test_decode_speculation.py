@@ -51,3 +51,27 @@ def test_decode_worker_speculates_exactly_and_reports_it(caplog) -> None:
     finally:
         bm = node.close()
     assert_no_leak(bm)
+
+
+def test_decode_worker_speculates_with_the_targets_first_layer_as_draft() -> None:
+    """Across the split: the prefill worker's first token and KV arrive as with n-gram; the draft (the
+    target's first layer, its own pool) catches up the prompt at the first decode step and drafts from
+    there. The output is the plain engine's; the draft's pool ends with no block held."""
+    draft = json.dumps({"method": "draft_model", "model": "self:1", "num_speculative_tokens": 3, "min_acceptance": 0.0})
+    node = Running(speculative_config=draft)
+    try:
+        params = dict(max_tokens=24, temperature=0.0, ignore_eos=True)
+        node.gateway.send("d0", generate("r1", PROMPT, **params))
+        got = tokens_of(node.gateway.collect("r1")[0])
+        plain = dataclasses.replace(node.config, engine=dataclasses.replace(node.config.engine, speculative_config=""))
+        expected = LLM(node.config.model.path, config=plain).generate([PROMPT], SamplingParams(**params))[0]
+        assert got == expected.outputs[0].token_ids
+        spec = node.node.server.scheduler.speculator
+        assert spec.num_draft_tokens > 0 and spec.num_accepted_tokens > 0
+        assert scrape(node.node.http.port, "vllm:spec_decode_num_draft_tokens_total") == spec.num_draft_tokens
+        proposer = spec.proposer
+    finally:
+        bm = node.close()
+    assert_no_leak(bm)
+    assert proposer.num_shadows == 0
+    assert_no_leak(proposer.block_manager)

@@ -118,7 +118,7 @@ def test_back_off_waits_double_after_each_poor_probe_and_reset_on_acceptance() -
 
     def steps_until_proposal() -> int:
         for waited in range(1000):
-            if spec.propose(seq, num_running=1, max_new_tokens=50, budget=100):
+            if spec.propose([seq], num_running=1, limits=[49])[0]:
                 return waited
         raise AssertionError("never proposes")
 
@@ -135,4 +135,4 @@ def test_back_off_waits_double_after_each_poor_probe_and_reset_on_acceptance() -
     assert (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens) == (5, 10, 4)
     assert spec.num_accepted_per_pos == [2, 2]
     # Past max_num_seqs running sequences nobody speculates.
-    assert spec.propose(seq, num_running=spec.config.max_num_seqs + 1, max_new_tokens=50, budget=100) == []
+    assert spec.propose([seq], num_running=spec.config.max_num_seqs + 1, limits=[49]) == [[]]

@@ -36,6 +36,7 @@ class LlamaConfig:
     parallel: int  # --parallel: slots, i.e. sequences batched together
     flash_attn: bool  # -fa
     ctx_per_slot: int  # tokens each slot holds: the longest prompt + output it will be given
+    extra: tuple[str, ...] = ()  # more flags, e.g. its speculation: ("--spec-type", "ngram-simple")
 
     def __post_init__(self) -> None:
         assert self.threads >= 0 and self.parallel >= 1 and self.ctx_per_slot >= 1, self
@@ -66,11 +67,13 @@ class LlamaConfig:
             "--no-webui",
             "--slots",  # the /slots endpoint (off by default): wait_idle reads it between runs
             *(["-fa"] if self.flash_attn else []),
+            *self.extra,
         ]
 
     @property
     def label(self) -> str:
-        return f"-t {self.threads} --parallel {self.parallel} fa {'on' if self.flash_attn else 'off'}"
+        extra = f" {' '.join(self.extra)}" if self.extra else ""
+        return f"-t {self.threads} --parallel {self.parallel} fa {'on' if self.flash_attn else 'off'}{extra}"
 
 
 class LlamaServer:

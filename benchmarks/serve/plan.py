@@ -12,6 +12,8 @@ Systems (each its own ``pdserve serve``, the same cores):
   for N streams, the others on one server of LLAMA_CONFIG (benchmarks.serve.run_llama).
 - coloc-q8, llama-q8, coloc-q4, llama-q4: pdserve and llama-server on the same SmolLM2 GGUF file at the
   same bits, streams at 1 and 16 (benchmarks/serve/gguf_systems.py).
+- coloc-spec, coloc-nospec, llama-spec: speculative decoding on and off, and llama-server's own, on the
+  copying and free-generation chat workloads at 1, 4 and 16 streams (benchmarks/serve/spec_systems.py).
 The transformers static-batching baseline runs offline on the same mixed requests as the closed loops
 (64), same cores, at batch 16 (the headline's, four full batches) and at HF_BATCH_SIZES, whose best
 is the strongest static batching this machine gives.
@@ -25,10 +27,12 @@ import yaml
 
 from benchmarks.peers.llama_server import LlamaConfig
 from benchmarks.serve.gguf_systems import GGUF_FORMATS, GGUF_STREAMS, gguf_system_names
+from benchmarks.serve.spec_systems import LLAMA_SPEC_FLAGS, SPEC_STREAMS, spec_engine_section
 
 STATIC_BATCH_SIZE = 16
 HF_BATCH_SIZES = (16, 32, 64)
 WORKLOADS = ("mixed_rates", "mixed_closed", "prefix", "interference", "streams")
+ALL_WORKLOADS = (*WORKLOADS, "spec")  # "spec": only the speculative decoding systems run it (spec_systems)
 # The streams workload (the shape of issue #36's comparison with llama-server, measured there with
 # GuideLLM): every request 256 prompt tokens and 128 output tokens, a closed loop at each concurrency.
 STREAM_CONCURRENCIES = (1, 16, 32)
@@ -99,6 +103,19 @@ def systems(quick: bool) -> tuple[SystemSpec, ...]:
         SystemSpec("llama", 0, 0, {}, WORKLOADS if not quick else ("mixed_closed", "streams"), LLAMA_CONFIG),
         SystemSpec("disagg-int8", 1, 1, _sections(kv_cache_dtype="int8"), ("streams",)),
         *gguf_systems(),
+        *spec_systems(),
+    )
+
+
+def spec_systems() -> tuple[SystemSpec, ...]:
+    """Speculative decoding on and off in pdserve, and llama-server's own (benchmarks/serve/spec_systems.py)."""
+    on = _sections()
+    on["engine"] = {**on["engine"], **spec_engine_section()}
+    llama = replace(LLAMA_CONFIG, extra=LLAMA_SPEC_FLAGS)
+    return (
+        SystemSpec("coloc-spec", 0, 1, on, ("spec",), stream_levels=SPEC_STREAMS),
+        SystemSpec("coloc-nospec", 0, 1, _sections(), ("spec",), stream_levels=SPEC_STREAMS),
+        SystemSpec("llama-spec", 0, 0, {}, ("spec",), llama, stream_levels=SPEC_STREAMS),
     )
 
 
@@ -178,7 +195,7 @@ def select(
     asked for), with ``SECTION.KEY=VALUE`` config overrides (VALUE read as YAML) on every system:
     for A/B runs of one setting on one workload. Raises ValueError naming a wrong name or override."""
     known = [s.name for s in p.systems]
-    for name, given, valid in (("system", systems, known), ("workload", workloads, WORKLOADS)):
+    for name, given, valid in (("system", systems, known), ("workload", workloads, ALL_WORKLOADS)):
         wrong = [x for x in given or () if x not in valid]
         if wrong:
             raise ValueError(f"unknown {name}(s) {wrong}; choose from {list(valid)}")

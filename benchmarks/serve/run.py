@@ -22,9 +22,11 @@ vs transformers static batching, side by side in one run, on the real SmolLM2-13
    plots and JSON; then ``vs_hf_static=<x> tpot_p99_disagg_vs_coloc=<y> prefix_ttft_gain=<z>``, the
    equal-concurrency line against transformers, and last
    ``vs_llama_1=<a> vs_llama_16=<b> vs_llama_32=<c> vs_llama_1_itl=<d> ttft_p99_vs_llama_16=<e> ...``
-   (serve_report.equal_concurrency defines each); then the same-file latency ratios and, last,
-   ``vs_llama_q8_1=<a> vs_llama_q8_16=<b> vs_llama_q4_1=<c> vs_llama_q4_16=<d>`` (gguf_systems.py);
-   with disagg-int8 selected, ``int8_vs_auto_tps_<c>=... int8_ttft_p99_vs_auto_<c>=...`` (kv_dtype_ratios.py).
+   (serve_report.equal_concurrency defines each); then the same-file latency ratios;
+   with disagg-int8 selected, ``int8_vs_auto_tps_<c>=... int8_ttft_p99_vs_auto_<c>=...`` (kv_dtype_ratios.py);
+   when the speculative decoding systems ran, ``spec_copy_1=... spec_free_1=... spec_free_16=...
+   spec_vs_llama_copy_1=...`` (spec_systems.py; quick: ``--quick --systems coloc-spec,coloc-nospec,llama-spec``);
+   and last, ``vs_llama_q8_1=<a> vs_llama_q8_16=<b> vs_llama_q4_1=<c> vs_llama_q4_16=<d>`` (gguf_systems.py).
 
 ``--compare-insecure`` runs each chosen system twice, CurveZMQ on (the default) and ``<name>-insecure``
 (``transfer.insecure``), and prints the served throughput of the second over the first.
@@ -88,6 +90,7 @@ from benchmarks.serve.report import (
     streams_load,
     write_json,
 )
+from benchmarks.serve.spec_systems import SPEC_KINDS, SPEC_OUTPUT_LEN, SPEC_SYSTEMS, spec_headlines
 
 ENDPOINT_SETTLE_S = 2.0  # --base-url: the pause between runs (no idle signal from an unknown server)
 
@@ -106,12 +109,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", default=None, help="write every number to this JSON file")
     p.add_argument("--skip-hf", action="store_true", help="no transformers baseline (vs_hf_static is nan)")
     p.add_argument(
-        "--systems", default=None, help="only these of disagg,coloc,nocache,disagg-int8,llama (comma-separated)"
+        "--systems",
+        default=None,
+        help="only these systems (comma-separated): disagg, coloc, nocache, disagg-int8, llama, the same-GGUF "
+        "pairs, coloc-spec, coloc-nospec, llama-spec",
     )
     p.add_argument(
         "--workloads",
         default=None,
-        help="only these of mixed_rates,mixed_closed,prefix,interference,streams (comma-separated); the "
+        help="only these of mixed_rates,mixed_closed,prefix,interference,streams,spec (comma-separated); the "
         "transformers baseline runs only with mixed_closed",
     )
     p.add_argument(
@@ -242,10 +248,10 @@ def run_llama(
             return
         gguf = llama_build.convert(model_dir)
     config = spec.llama.resolved(len(cpus))
-    others = tuple(w for w in spec.workloads if w != "streams")
+    per_level = tuple(w for w in spec.workloads if w in ("streams", "spec"))  # a server per concurrency
+    others = tuple(w for w in spec.workloads if w not in per_level)
     servers = [(config, others, ())] if others else []
-    if "streams" in spec.workloads:
-        servers += [(replace(config, parallel=c), ("streams",), (c,)) for c in spec.stream_levels]
+    servers += [(replace(config, parallel=c), per_level, (c,)) for c in spec.stream_levels if per_level]
     for server_config, chosen, levels in servers:
         serve_llama(spec.name, server_config, gguf, chosen, levels, p, args, vocab, cpus, workdir, report)
 
@@ -344,6 +350,13 @@ def run_workloads(
                 continue
             result = asyncio.run(run_closed_loop(target, requests, concurrency, "streams"))
             record("streams", streams_load(concurrency), float("inf"), *result)
+    if "spec" in chosen:
+        for kind in SPEC_KINDS:
+            for concurrency, requests in workloads.spec_levels(
+                kind, stream_levels, p.stream_rounds, p.stream_min_requests, SPEC_OUTPUT_LEN
+            ):
+                result = asyncio.run(run_closed_loop(target, requests, concurrency, kind))
+                record(kind, streams_load(concurrency), float("inf"), *result)
     if "interference" in chosen:
         schedule = workloads.interference(
             workloads.InterferenceSpec(
@@ -465,9 +478,11 @@ def main(argv: list[str] | None = None) -> int:
     print(headline_line({k: v for k, v in equal.items() if k.startswith(("vs_llama", "ttft_p99_vs_llama"))}))
     same_file, latency = gguf_headlines(report)
     print(headline_line(latency))
-    print(headline_line(same_file))
     if any(spec.name == INT8 for spec in p.systems):
         print(headline_line(int8_vs_auto(report, STREAM_CONCURRENCIES)))
+    if any(spec.name in SPEC_SYSTEMS for spec in p.systems):
+        print(headline_line(spec_headlines(report)))
+    print(headline_line(same_file))  # last: issue #44's line
     return 0
 
 

@@ -154,3 +154,29 @@ def streams(spec: StreamsSpec) -> list[tuple[int, list[BenchRequest]]]:
         ]
         levels.append((concurrency, requests))
     return levels
+
+
+def spec_levels(
+    kind: str, concurrencies: tuple[int, ...], rounds: int, min_requests: int, output_len: int
+) -> list[tuple[int, list[BenchRequest]]]:
+    """(concurrency, its requests) per level of the speculative decoding workload ``kind`` ("spec_copy"
+    or "spec_free", benchmarks/engine/spec_workloads.py): chat prompts of the real SmolLM2 tokenizer.
+    Each level takes the next prompts of the fixed list, so no level replays another's (a replayed
+    prompt would be a prefix cache hit)."""
+    from transformers import AutoTokenizer
+
+    from benchmarks.engine.spec_workloads import chat_prompts, smollm2_checkpoint
+
+    counts = [max(rounds * c, min_requests) for c in concurrencies]
+    texts = chat_prompts(kind, sum(counts))
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_checkpoint())
+    levels, start = [], 0
+    for concurrency, count in zip(concurrencies, counts):
+        requests = []
+        for i, text in enumerate(texts[start : start + count]):
+            messages = [{"role": "user", "content": text}]
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+            requests.append(BenchRequest(i, tuple(ids), output_len))
+        levels.append((concurrency, requests))
+        start += count
+    return levels

@@ -162,10 +162,12 @@ class Scheduler:
         return ScheduledBatch(step.seqs, step.num_new_tokens, step.sample_seqs, step.sample_rows, step.copies, drafts)
 
     def _schedule_decodes(self, step: _StepBuilder) -> None:
-        for seq in [s for s in self.running if s.num_uncomputed_tokens == 1]:
+        decoding = [s for s in self.running if s.num_uncomputed_tokens == 1]
+        proposals = self._drafts(decoding, step)  # one call: a draft model runs its passes batched
+        for seq, drafts in zip(decoding, proposals):
             if seq.status != SequenceStatus.RUNNING or step.budget == 0:
                 continue  # preempted by an earlier sequence of this loop
-            drafts = self._drafts(seq, step)
+            drafts = drafts[: step.budget - 1]
             if drafts and not self.block_manager.can_allocate(seq, 1 + len(drafts)):
                 drafts = []  # no room for the drafts' KV: decode plainly rather than preempt for a guess
             while not self.block_manager.can_allocate(seq, 1):
@@ -176,11 +178,17 @@ class Scheduler:
             else:
                 self._add_to_step(step, seq, 1 + len(drafts), drafts)
 
-    def _drafts(self, seq: Sequence, step: _StepBuilder) -> list[int]:
-        if self.speculator is None:
-            return []
-        max_new = min(seq.params.max_tokens - seq.num_output_tokens, self.config.max_model_len - seq.num_tokens)
-        return self.speculator.propose(seq, len(self.running), max_new, step.budget)
+    def _drafts(self, decoding: list[Sequence], step: _StepBuilder) -> list[list[int]]:
+        if self.speculator is None or not decoding:
+            return [[] for _ in decoding]
+        # Each may take what the step's budget leaves after one token for every decoding sequence.
+        spare = step.budget - len(decoding)
+        cfg = self.config
+        limits = [
+            min(s.params.max_tokens - s.num_output_tokens, cfg.max_model_len - s.num_tokens, spare + 1) - 1
+            for s in decoding
+        ]
+        return self.speculator.propose(decoding, len(self.running), limits)
 
     def _schedule_running_prefills(self, step: _StepBuilder) -> None:
         for seq in [s for s in self.running if s.num_uncomputed_tokens > 1]:
@@ -272,6 +280,8 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.block_manager.deallocate(seq)  # full blocks stay cached: the recompute is mostly hits
+        if self.speculator is not None:
+            self.speculator.release(seq)
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
@@ -360,6 +370,8 @@ class Scheduler:
 
     def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
         self.block_manager.deallocate(seq)
+        if self.speculator is not None:
+            self.speculator.release(seq)
         seq.status = status
         del self._live[seq.seq_id]
         self._finished_last_call.append(seq.seq_id)

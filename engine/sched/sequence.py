@@ -95,6 +95,8 @@ class SpecState:
     acceptance: float = 1.0  # exponentially weighted acceptance rate; starts hopeful so the first step tries
     num_wait_steps: int = 0  # steps to skip before proposing again (the back-off)
     backoff: int = 0  # the next wait when acceptance stays low; doubles on each poor probe
+    # q_0..q_{k-1} [k, V] of this step's drafts when a draft model sampled them; None: point mass or greedy
+    draft_probs: object | None = None
 
     @property
     def acceptance_rate(self) -> float:

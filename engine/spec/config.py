@@ -2,6 +2,7 @@
 
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
     {"method": "draft_model", "model": "/path/to/small", "num_speculative_tokens": 4}
+    {"method": "draft_model", "model": "self:4", "num_speculative_tokens": 4}   (the target's first 4 layers)
 
 Back-off keys (pdserve's own; vLLM has no equivalent): ``max_num_seqs`` — no sequence speculates while more
 than this many run (the batch then fills the weight pass by itself); ``min_acceptance`` — a sequence whose
@@ -27,7 +28,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4  # k: draft tokens verified per step at most
     prompt_lookup_max: int = 4  # ngram: longest suffix n-gram looked up in the prompt and output
     prompt_lookup_min: int = 1  # ngram: shortest one
-    model: str | None = None  # draft_model: the draft checkpoint (same tokenizer as the target)
+    model: str | None = None  # draft_model: the draft checkpoint (same tokenizer as the target), or "self:N"
     max_num_seqs: int = 8  # no speculation while more sequences than this run
     min_acceptance: float = 0.2  # a sequence below this acceptance rate backs off
 

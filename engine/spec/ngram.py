@@ -12,6 +12,8 @@ The draft distribution of such a proposal is a point mass on each proposed token
 
 from __future__ import annotations
 
+from engine.sched.sequence import Sequence
+
 
 class NgramProposer:
     def __init__(self, num_speculative_tokens: int, prompt_lookup_max: int, prompt_lookup_min: int):
@@ -36,3 +38,13 @@ class NgramProposer:
                 if token_ids[start] == first and token_ids[start : start + n] == suffix:
                     return token_ids[start + n : start + n + k]
         return []
+
+    def propose_batch(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
+        """``propose`` for each sequence (the proposer interface engine/spec/speculator.py calls). A lookup
+        is a point-mass draft: no draft distribution is kept (``seq.spec.draft_probs`` stays None)."""
+        for seq in seqs:
+            seq.spec.draft_probs = None
+        return [self.propose(seq.token_ids, limit) for seq, limit in zip(seqs, limits)]
+
+    def release(self, seq: Sequence) -> None:
+        """Nothing is held per sequence."""

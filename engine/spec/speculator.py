@@ -13,6 +13,8 @@ A sequence gets drafts only when
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from engine.sched.sequence import Sequence
 from engine.spec.config import SpeculativeConfig
 from engine.spec.ngram import NgramProposer
@@ -22,29 +24,49 @@ FIRST_BACKOFF = 4  # steps a sequence waits after its average first falls below 
 MAX_BACKOFF = 128  # the longest wait: one probe in 128 steps costs well under 1% at a 1.5x step
 
 
+class Proposer(Protocol):
+    """Where drafts come from: prompt lookup (engine/spec/ngram.py) or a draft model (engine/spec/draft.py)."""
+
+    def propose_batch(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
+        """At most ``limits[i]`` drafts for ``seqs[i]``, all sequences at once; sets each one's
+        ``spec.draft_probs``."""
+
+    def release(self, seq: Sequence) -> None:
+        """Drop what is held for ``seq`` (it finished, was aborted or preempted)."""
+
+
 class Speculator:
-    def __init__(self, config: SpeculativeConfig):
-        if config.method != "ngram":
-            raise ValueError(f"Speculator proposes n-gram drafts; method {config.method!r} has its own proposer")
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer | None = None):
+        """``proposer``: None makes the n-gram proposer of ``config`` (method "ngram")."""
+        if proposer is None:
+            if config.method != "ngram":
+                raise ValueError(f"method {config.method!r} needs its proposer")
+            proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_max, config.prompt_lookup_min)
         self.config = config
-        self.proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_max, config.prompt_lookup_min)
+        self.proposer = proposer
         # vLLM's spec_decode counters, all time: read by the worker's /metrics
         self.num_drafts = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.num_accepted_per_pos = [0] * config.num_speculative_tokens
 
-    def propose(self, seq: Sequence, num_running: int, max_new_tokens: int, budget: int) -> list[int]:
-        """Drafts for ``seq``'s next step (possibly none). ``max_new_tokens``: tokens it may still append;
-        ``budget``: tokens the step may still compute (the drafts ride on its one decode token)."""
-        if num_running > self.config.max_num_seqs or not eligible(seq):
-            return []
-        state = seq.spec
-        if state.num_wait_steps > 0:
-            state.num_wait_steps -= 1
-            return []
-        limit = min(max_new_tokens - 1, budget - 1)  # the step also emits one token of its own
-        return self.proposer.propose(seq.token_ids, limit) if limit > 0 else []
+    def propose(self, seqs: list[Sequence], num_running: int, limits: list[int]) -> list[list[int]]:
+        """Drafts for each of ``seqs``' next step (possibly none). ``limits[i]``: drafts ``seqs[i]`` may
+        take at most (tokens it may still append and the step may still compute, less the one token the
+        step emits of its own)."""
+        drafts: list[list[int]] = [[] for _ in seqs]
+        if num_running > self.config.max_num_seqs:
+            return drafts
+        chosen = [i for i, seq in enumerate(seqs) if limits[i] > 0 and eligible(seq) and not _waits(seq)]
+        if chosen:
+            k = self.config.num_speculative_tokens
+            proposed = self.proposer.propose_batch([seqs[i] for i in chosen], [min(k, limits[i]) for i in chosen])
+            for i, d in zip(chosen, proposed):
+                drafts[i] = d
+        return drafts
+
+    def release(self, seq: Sequence) -> None:
+        self.proposer.release(seq)
 
     def record(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
         """Count one verification of ``num_drafts`` drafts, ``num_accepted`` of them accepted."""
@@ -76,3 +98,12 @@ def eligible(seq: Sequence) -> bool:
         and p.frequency_penalty == 0.0
         and seq.num_output_tokens >= p.min_tokens
     )
+
+
+def _waits(seq: Sequence) -> bool:
+    # The back-off: count down the steps this sequence still sits out.
+    state = seq.spec
+    if state.num_wait_steps > 0:
+        state.num_wait_steps -= 1
+        return True
+    return False

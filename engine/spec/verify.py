@@ -51,4 +51,6 @@ def _verify(block: torch.Tensor, seq, drafts: list[int], sampler: Sampler) -> Ve
     target = sampler.target_distribution(block, seq)
     if sampler.is_greedy(seq):
         return verify_greedy(first_max_index(target).tolist(), drafts)
-    return verify_sampled(target, drafts, sampler.generator_for(seq, block.device))
+    q = seq.spec.draft_probs  # a draft model's q_0..q_{k'-1} (k' >= k: the scheduler may cut drafts); None: point mass
+    q = None if q is None else q[: len(drafts)].to(target.device)
+    return verify_sampled(target, drafts, sampler.generator_for(seq, block.device), q)

@@ -73,6 +73,16 @@ class ModelRunner:
         logits = self.model.compute_logits(self._sampled_hidden(hidden, batch))  # [num_samples, vocab]
         return self.sampler(logits, batch.sample_seqs)
 
+    @torch.inference_mode()
+    def execute_logits(self, batch: ScheduledBatch) -> torch.Tensor:
+        """Compute the batch's tokens and return the logits [num_samples, vocab] the sample seqs would
+        sample from, unsampled: a draft model (engine/spec/draft.py) draws its drafts from them itself."""
+        assert not batch.has_drafts, "a draft model's batch carries no drafts"
+        self._copy_blocks(batch.block_copies)
+        input_ids, positions, meta = self._prepare(batch)
+        hidden = self.model(input_ids, positions, self.kv_pool, meta, None)  # [num_tokens, hidden]
+        return self.model.compute_logits(self._sampled_hidden(hidden, batch))
+
     def _sampled_hidden(self, hidden: torch.Tensor, batch: ScheduledBatch) -> torch.Tensor:
         """The rows of ``hidden`` the sample seqs take their logits from: each one's sequence's last new
         token. A decode step (one token per sequence, each sampled once) takes every row in order: no
