@@ -25,11 +25,12 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.common.english_text import OPTICKS
 from benchmarks.peers import gguf_variants, llama_build
 from engine.llm import LLM
 from engine.sampling.params import SamplingParams
 
-TEXT = Path(__import__("tvm_ffi").__file__).parent / "3rdparty" / "libbacktrace" / "Isaac.Newton-Opticks.txt"
+TEXT = OPTICKS
 CTX = 512  # llama-perplexity's -c
 QUESTIONS = (
     "What is the capital of France?",
