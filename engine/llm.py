@@ -82,10 +82,7 @@ def build_engine(
             model.use_native_layer_ops(layer_ops)
         log.info("CPU norms, RoPE and SwiGLU: %s", "C" if model.native_layer_ops else "torch")
         native = cpu_native.load() if engine_cfg.cpu_decode_linear == "c" else None
-        # The fused step (decode_step.c) stores and reads float32 K/V only: with an int8 pool nothing
-        # runs it, so nothing forces the C linear on the layers for it either.
-        fused_kv = engine_cfg.kv_cache_dtype == "auto"
-        if native is not None and model.native_layer_ops and engine_cfg.cpu_decode_attention == "c" and fused_kv:
+        if native is not None and model.native_layer_ops and engine_cfg.cpu_decode_attention == "c":
             fused_decode_rows = FUSED_DECODE_ROWS
         with exclusive_timing():
             forms = model.choose_cpu_matmul_forms(native, fused_decode_rows)
@@ -139,8 +136,8 @@ def build_engine(
     )
     lora = _lora_manager(model, config, lora_cfg or LoRAConfig(), kv_dtype, device)
     native_decode = _native_attention("decode", engine_cfg.cpu_decode_attention, config, pool)
-    # The fused step (decode_step.c) stores and reads float32 K/V: an int8 pool runs layer by layer.
-    if native_decode is not None and fused_decode_rows and pool.layout.dtype == torch.float32:
+    # The fused step (decode_step.c) stores and reads float32 or int8 K/V, as the layers do.
+    if native_decode is not None and fused_decode_rows:
         fused = model.use_fused_decode(native_decode)
         log.info("CPU decode steps: %s", "one C call for every layer" if fused else "layer by layer")
     native_prefill = _native_attention("prefill", engine_cfg.cpu_prefill_attention, config, pool)

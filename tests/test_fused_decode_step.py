@@ -78,6 +78,21 @@ def test_fused_decode_steps_equal_the_layer_path_bit_for_bit_and_transformers(fa
         torch.testing.assert_close(torch.stack(decoded[rid]), expected, atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_fused_decode_steps_over_an_int8_pool_equal_the_layer_path_bit_for_bit(family, library):
+    # --kv-cache-dtype int8: the fused step stores and attends int8 rows with the int8 layer path's own
+    # kernels (kv_int8_ops.c, decode_int8.c), so the logits and every stored byte (values and scales) match
+    model, config = _c_model(family, library)
+    assert model.use_fused_decode(library)
+    prompts = [_prompt(config, 21, seed=50), _prompt(config, 40, seed=51)]
+    continuations = [_prompt(config, 8, seed=52 + i) for i in range(2)]
+    harness = RecordingHarness(model, config, block_size=16, native_decode=library, kv_dtype=torch.int8)
+    harness.step([(rid, prompts[rid]) for rid in range(2)])
+    for step in range(8):
+        harness.step([(rid, [continuations[rid][step]]) for rid in range(2)])
+    assert harness.fused_steps == 8
+
+
 def test_steps_it_cannot_run_keep_the_layer_path(library):
     model, config = _c_model("llama", library)
     assert model.use_fused_decode(library)

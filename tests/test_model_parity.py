@@ -60,11 +60,12 @@ class PagedHarness:
         num_blocks: int = 96,
         seed: int = 0,
         native_decode: cpu_native.NativeLibrary | None = None,
+        kv_dtype: torch.dtype = torch.float32,  # torch.int8: --kv-cache-dtype int8's pool
     ):
         self.model = model
         self.native_decode = native_decode  # None: decode rows take the torch path
         self.pool = KVPool(
-            KVLayout(config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim, torch.float32)
+            KVLayout(config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim, kv_dtype)
         )
         self.block_size = block_size
         generator = torch.Generator().manual_seed(seed)

@@ -88,7 +88,8 @@ class FusedDecodeStep:
         decode = meta.plan.decode
         layout = kv_pool.layout
         self.shape.block_size = layout.block_size
-        self.shape.cache_floats = layout.num_blocks * layout.block_size * layout.kv_heads * layout.head_dim
+        self.shape.cache_floats = layout.num_blocks * layout.block_size * layout.kv_heads * layout.row_dim
+        self.shape.kv_int8 = layout.dtype == torch.int8
         rows = x.shape[0]
         quant_scratch = None
         if self.quant is not None:

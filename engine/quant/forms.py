@@ -87,5 +87,5 @@ def describe(chosen: dict[str, tuple[str, ...]]) -> str:
     parts = []
     for g, picks in chosen.items():
         runs = [f"{form} at {rows}" for rows, form in zip(ROW_BUCKETS, picks)]
-        parts.append(f"{g}: {', '.join(runs)}, panel past {ROW_BUCKETS[-1]}")
+        parts.append(f"{g}: {', '.join(runs)}, {picks[-1]} past {ROW_BUCKETS[-1]}")
     return "; ".join(parts)

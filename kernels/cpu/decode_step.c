@@ -23,6 +23,14 @@ void pdserve_paged_decode_f32(const float *q, int64_t q_stride, const float *k_c
                               const int64_t *block_tables, int64_t table_stride, const int64_t *context_lens,
                               float *out, float *scratch, int64_t batch, int64_t num_heads, int64_t kv_heads,
                               int64_t head_dim, int64_t block_size, int64_t ctx_pad, float scale, int num_threads);
+void pdserve_rope_store_i8(float *qkv, int64_t qkv_stride, int64_t tokens, int64_t num_heads, int64_t kv_heads,
+                           int64_t head_dim, const float *cos, const float *sin, const int64_t *slots,
+                           int8_t *k_cache, int8_t *v_cache, int num_threads);
+void pdserve_paged_decode_i8(const float *q, int64_t q_stride, const int8_t *k_cache, const int8_t *v_cache,
+                             const int64_t *block_tables, int64_t table_stride, const int64_t *context_lens,
+                             float *out, float *scratch, int64_t batch, int64_t num_heads, int64_t kv_heads,
+                             int64_t head_dim, int64_t block_size, int64_t max_context, float scale,
+                             int num_threads);
 void pdserve_silu_mul_f32(const float *gate_up, int64_t gate_up_stride, float *out, int64_t rows, int64_t inter,
                           int num_threads);
 
@@ -44,11 +52,14 @@ typedef struct {
 } DecodeLayer;
 
 /* The model's shape and a step's attention inputs (tables, context lengths: as pdserve_paged_decode_f32);
-   quant_linear: NULL where every projection is float32. */
+   quant_linear: NULL where every projection is float32; kv_int8: the pool holds int8 rows with their
+   scales (kv_int8_ops.c, decode_int8.c: the same kernels as the int8 layer path), cache_floats then
+   counting its bytes. */
 typedef struct {
     int64_t hidden, num_heads, kv_heads, head_dim, inter, block_size, cache_floats; /* one layer's K cache */
     float eps, scale;
     QuantLinear quant_linear;
+    int64_t kv_int8;
 } DecodeShape;
 
 /* out[rows][N] = x[rows][K] @ W^T (+ bias) with the projection's kernel; quant_scratch: quant.c's work space. */
@@ -69,7 +80,7 @@ int64_t pdserve_decode_step_work(const DecodeShape *s, int64_t rows, int64_t ctx
    V cache right after. cos, sin: [rows, head_dim / 2]; slots: each row's new cache slot. quant_scratch:
    quant.c's work space for `rows` rows of the widest projection input (NULL where none is quantized). */
 void pdserve_decode_step_f32(const DecodeLayer *layers, int64_t num_layers, const DecodeShape *s, float *x,
-                             int64_t rows, float *pool, const float *cos, const float *sin, const int64_t *slots,
+                             int64_t rows, void *pool, const float *cos, const float *sin, const int64_t *slots,
                              const int64_t *block_tables, int64_t table_stride, const int64_t *context_lens,
                              int64_t ctx_pad, float *work, uint8_t *quant_scratch, int num_threads) {
     const int64_t hidden = s->hidden, q_size = s->num_heads * s->head_dim;
@@ -78,7 +89,6 @@ void pdserve_decode_step_f32(const DecodeLayer *layers, int64_t num_layers, cons
     float *gate_up = attn + rows * q_size, *act = gate_up + rows * 2 * s->inter, *scores = act + rows * s->inter;
     for (int64_t l = 0; l < num_layers; l++) {
         const DecodeLayer *w = layers + l;
-        float *k_cache = pool + 2 * l * s->cache_floats, *v_cache = k_cache + s->cache_floats;
         if (l == 0) { /* the first layer's residual stream is its input */
             for (int64_t i = 0; i < rows * hidden; i++) residual[i] = x[i];
             pdserve_rms_norm_f32(x, hidden, NULL, w->input_norm, h, rows, hidden, s->eps, num_threads);
@@ -86,11 +96,21 @@ void pdserve_decode_step_f32(const DecodeLayer *layers, int64_t num_layers, cons
             pdserve_rms_norm_f32(x, hidden, residual, w->input_norm, h, rows, hidden, s->eps, num_threads);
         }
         project(s, &w->qkv, h, rows, hidden, qkv_size, w->qkv_bias, qkv, quant_scratch, num_threads);
-        pdserve_rope_store_f32(qkv, qkv_size, rows, s->num_heads, s->kv_heads, s->head_dim, cos, sin, slots, k_cache,
-                               v_cache, num_threads);
-        pdserve_paged_decode_f32(qkv, qkv_size, k_cache, v_cache, block_tables, table_stride, context_lens, attn,
-                                 scores, rows, s->num_heads, s->kv_heads, s->head_dim, s->block_size, ctx_pad,
-                                 s->scale, num_threads);
+        if (s->kv_int8) {
+            int8_t *k_cache = (int8_t *)pool + 2 * l * s->cache_floats, *v_cache = k_cache + s->cache_floats;
+            pdserve_rope_store_i8(qkv, qkv_size, rows, s->num_heads, s->kv_heads, s->head_dim, cos, sin, slots,
+                                  k_cache, v_cache, num_threads);
+            pdserve_paged_decode_i8(qkv, qkv_size, k_cache, v_cache, block_tables, table_stride, context_lens, attn,
+                                    scores, rows, s->num_heads, s->kv_heads, s->head_dim, s->block_size, ctx_pad,
+                                    s->scale, num_threads);
+        } else {
+            float *k_cache = (float *)pool + 2 * l * s->cache_floats, *v_cache = k_cache + s->cache_floats;
+            pdserve_rope_store_f32(qkv, qkv_size, rows, s->num_heads, s->kv_heads, s->head_dim, cos, sin, slots,
+                                   k_cache, v_cache, num_threads);
+            pdserve_paged_decode_f32(qkv, qkv_size, k_cache, v_cache, block_tables, table_stride, context_lens, attn,
+                                     scores, rows, s->num_heads, s->kv_heads, s->head_dim, s->block_size, ctx_pad,
+                                     s->scale, num_threads);
+        }
         project(s, &w->o, attn, rows, q_size, hidden, NULL, x, quant_scratch, num_threads);
         pdserve_rms_norm_f32(x, hidden, residual, w->post_norm, h, rows, hidden, s->eps, num_threads);
         project(s, &w->gate_up, h, rows, hidden, 2 * s->inter, NULL, gate_up, quant_scratch, num_threads);

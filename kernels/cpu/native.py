@@ -71,8 +71,9 @@ class DecodeLayer(ctypes.Structure):
 
 
 class DecodeShape(ctypes.Structure):
-    """The model's shape for ``pdserve_decode_step_f32``; ``cache_floats``: one layer's K cache;
-    ``quant_linear``: the quantized kernel's address (``QuantLibrary.linear_address``), else None."""
+    """The model's shape for ``pdserve_decode_step_f32``; ``cache_floats``: one layer's K cache, in
+    elements of the pool (bytes for an int8 pool, ``kv_int8`` 1); ``quant_linear``: the quantized
+    kernel's address (``QuantLibrary.linear_address``), else None."""
 
     _fields_ = [
         *((name, _SIZE) for name in ("hidden", "num_heads", "kv_heads", "head_dim", "inter", "block_size")),
@@ -80,6 +81,7 @@ class DecodeShape(ctypes.Structure):
         ("eps", ctypes.c_float),
         ("scale", ctypes.c_float),
         ("quant_linear", _PTR),  # kernels/cpu/quant.c's pdserve_quant_linear, where a projection is quantized
+        ("kv_int8", _SIZE),
     ]
 
 
@@ -311,7 +313,8 @@ class NativeLibrary:
         """Every decoder layer of a decode step (one new token per row), in place in ``x``
         (kernels/cpu/decode_step.c): the same kernels, in the same order, as the layers' forward."""
         rows = x.shape[0]
-        assert x.dtype == pool.dtype == cos.dtype == torch.float32 and x.is_contiguous() and pool.is_contiguous()
+        assert x.dtype == cos.dtype == torch.float32 and x.is_contiguous() and pool.is_contiguous()
+        assert pool.dtype == (torch.int8 if shape.kv_int8 else torch.float32)
         assert x.shape[1] == shape.hidden and len(layers) * 2 * shape.cache_floats == pool.numel()
         assert cos.is_contiguous() and sin.is_contiguous() and cos.numel() == sin.numel() == rows * shape.head_dim // 2
         assert slots.dtype == block_tables.dtype == context_lens.dtype == torch.int64 and slots.shape == (rows,)
