@@ -18,6 +18,7 @@ import pytest
 from tests.chaos.__main__ import run_all
 from tests.chaos.clusters import BLOCK, ServeCluster
 from tests.chaos.hostile import HostileCluster, HostileResult, run_attack, warm_up
+from tests.chaos.hostile_store import STORE_ATTACKS, StoreCluster
 from tests.chaos.load import make_prompts
 from tests.chaos.report import chaos_table, hostile_table, write_report
 from tests.chaos.scenario import RunResult, Scenario, run_once
@@ -84,6 +85,23 @@ def test_a_key_holder_forging_frames_under_load_is_refused_and_every_request_is_
     # at least one forged frame met its request still in flight (one that lands after it ended is stale)
     assert result.sent == 15 and result.refused["not_assigned"] >= 1
     assert result.outcomes["ok"] == sum(result.outcomes.values()) > 0 and result.leaked_blocks == 0
+
+
+def test_the_responses_store_under_load_refuses_a_redis_stranger_and_another_tenant(prompts, tmp_path):
+    """The Responses store's attacks (tests/chaos/hostile_store.py): Redis without the password from a
+    worker's position, and another API key's reads of a stored response, each refused under load."""
+    cluster = StoreCluster(str(tiny_model_dir("llama")), tmp_path)
+    try:
+        warm_up(cluster, prompts)
+        results = [run_attack(cluster, name, prompts, STORE_ATTACKS) for name in STORE_ATTACKS]
+    finally:
+        cluster.close()
+    redis_read, cross_tenant = results
+    assert [r.failures for r in results] == [[], []]
+    assert redis_read.sent == 4 and redis_read.refused["redis_auth"] == 4
+    assert cross_tenant.sent == 5 and cross_tenant.refused["not_found"] == 5
+    for r in results:
+        assert r.outcomes["ok"] == sum(r.outcomes.values()) > 0 and r.leaked_blocks == 0
 
 
 def test_report_rows_count_outcomes_and_failures():

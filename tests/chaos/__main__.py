@@ -19,6 +19,7 @@ from pathlib import Path
 from tests.chaos.clusters import BLOCK, NetnsCluster, NoNamespaces, ServeCluster
 from tests.chaos.hostile import ATTACKS, HostileCluster, HostileResult, run_attack, warm_up
 from tests.chaos.hostile_roles import RESTARTS, ROLE_ATTACKS, RoleCluster
+from tests.chaos.hostile_store import STORE_ATTACKS, StoreCluster
 from tests.chaos.load import Prompt, make_prompts
 from tests.chaos.report import write_report
 from tests.chaos.scenario import RunResult, Scenario, matrix, run_once
@@ -33,14 +34,15 @@ def select(patterns: list[str]) -> list[Scenario]:
 
 
 def select_attacks(patterns: list[str]) -> list[str]:
-    return [a for a in [*ATTACKS, *ROLE_ATTACKS] if any(fnmatch.fnmatch(a, p) for p in patterns)]
+    return [a for a in [*ATTACKS, *ROLE_ATTACKS, *STORE_ATTACKS] if any(fnmatch.fnmatch(a, p) for p in patterns)]
 
 
 def run_hostile(names: list[str], prompts: list[Prompt], log=print) -> list[HostileResult]:
     """Every attack once: the key holders' on a cluster with one cluster key, the compromised members' on a
-    cluster with a credential per member."""
+    cluster with a credential per member, the Responses store's on a cluster with a Redis store."""
     results = _run_on(HostileCluster, [n for n in names if n in ATTACKS], ATTACKS, prompts, log)
-    return results + _run_on(RoleCluster, [n for n in names if n in ROLE_ATTACKS], ROLE_ATTACKS, prompts, log)
+    results += _run_on(RoleCluster, [n for n in names if n in ROLE_ATTACKS], ROLE_ATTACKS, prompts, log)
+    return results + _run_on(StoreCluster, [n for n in names if n in STORE_ATTACKS], STORE_ATTACKS, prompts, log)
 
 
 def _run_on(make_cluster, names: list[str], table: dict, prompts: list[Prompt], log) -> list[HostileResult]:

@@ -59,11 +59,12 @@ class HostileCluster(ServeCluster):
     """The chaos tool's ``pdserve serve`` 2 + 2, with a cluster key file (an operator's), short HTTP
     limits and ENGINE."""
 
-    def __init__(self, model: str, tmp, cluster_key: bool = True):
-        """``cluster_key`` False: no key configured, so pdserve serve makes a credential per member."""
+    def __init__(self, model: str, tmp, cluster_key: bool = True, gateway: dict | None = None):
+        """``cluster_key`` False: no key configured, so pdserve serve makes a credential per member;
+        ``gateway``: gateway fields on top of HTTP_LIMITS (the Responses store's URL)."""
         self.key_file = write_private_key() if cluster_key else ""
         transfer = {"transfer": {"cluster_key_file": self.key_file}} if cluster_key else {}
-        super().__init__(model, tmp, engine=ENGINE, gateway=HTTP_LIMITS, **transfer)
+        super().__init__(model, tmp, engine=ENGINE, gateway={**HTTP_LIMITS, **(gateway or {})}, **transfer)
 
     def target(self, ctx: zmq.Context) -> attacks.Target:
         address = {w["id"]: w["address"] for w in self.workers()}
@@ -258,6 +259,6 @@ def run_attack(
     result.fd_growth = max(0, *(n - fds[w] for w, n in cluster.fds().items() if w in fds))
     if result.fd_growth > FD_SLACK:
         result.failures.append(f"file descriptors grew by {result.fd_growth}")
-    result.refused = cluster.rejections() - refused
+    result.refused += cluster.rejections() - refused  # on top of what the attack counted itself
     result.failures += integrity_failures(cluster)
     return result

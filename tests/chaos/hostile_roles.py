@@ -5,9 +5,8 @@ member's key (tests/hostile_roles.py, the CI suite's own code). Each attack runs
 runner (tests/chaos/hostile.py ``run_attack``): the steady load meanwhile must come back exact, nothing
 may stay held, no worker may die (save the one the squatting attack kills), and the refusals are counted.
 
-Not here: a Redis read from a worker's position and a cross-tenant read of a stored response need a
-Redis and API keys the chaos load does not use; CI runs them (tests/test_redis_locked.py,
-tests/test_responses_tenants.py)."""
+A Redis read from a worker's position and a cross-tenant read of a stored response need a Responses
+store in Redis: tests/chaos/hostile_store.py runs them on such a cluster."""
 
 from __future__ import annotations
 

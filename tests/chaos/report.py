@@ -144,7 +144,13 @@ def hostile_chaos_section(results: list[HostileResult]) -> list[str]:
         f"use {SETTLE_S:.0f} s after the load; *fds after*: the most any worker's open file descriptors "
         f"stayed above their count before the attack (more than {FD_SLACK} fails the run). A run also fails "
         "when a worker died, an impostor or a stolen id was registered, anything the attacker sent was "
-        "taken, a request came back wrong or hung, or an idle integrity check failed.",
+        "taken, a request came back wrong or hung, or an idle integrity check failed. The compromised "
+        "members' attacks (`tests/chaos/hostile_roles.py`) run on a cluster with a credential per member "
+        "instead of the cluster key; the Responses store's (`tests/chaos/hostile_store.py`) on one whose "
+        "gateway keeps stored responses in a redis-server started as `pdserve serve --gateways N` starts it "
+        "(loopback, generated password): a client without the password (*redis_auth*: refused with "
+        "authentication required) and another API key reading, deleting, cancelling and continuing a "
+        "stored response (*not_found*: a 404 with an OpenAI error body, the owner's copy unchanged).",
         "",
         *hostile_table(results),
         "",
