@@ -29,7 +29,7 @@ from kernels import scatter_blocks
 from kvtransfer import fence as fences
 from kvtransfer.channel import ServerChannel
 from kvtransfer.compat import compat_of, describe_mismatch, first_mismatch, new_incarnation
-from kvtransfer.cuda_ipc import export_pool
+from kvtransfer.cuda_window import cuda_windows
 from kvtransfer.events import TransferEvent
 from kvtransfer.metrics import TransferMetrics
 from kvtransfer.ownership import DEFAULT_LEASE_S, OwnershipTable, RangeState, Verdict
@@ -37,6 +37,7 @@ from kvtransfer.pool import BlockPool
 from kvtransfer.shm_pool import SharedTensor, ShmCapacityError, create_shared
 from kvtransfer.shm_window import ShmWindows
 from kvtransfer.transports import FALLBACK, TRANSPORTS, Exports, Pair
+from kvtransfer.window_arena import WindowCapacityError
 from protocol.codec import WireError, decode, encode
 from protocol.kv_messages import (
     Abort,
@@ -44,16 +45,16 @@ from protocol.kv_messages import (
     Commit,
     CommitAck,
     Credit,
-    CudaIpcHandle,
     Handshake,
     HandshakeReply,
-    WindowGrant,
+    WindowRelease,
     WindowRequest,
     WriteRejected,
 )
 from protocol.rejects import RejectLog
 
 MAX_HEADER_BYTES = 64 * 1024
+WINDOWED = ("shm", "cuda_ipc")  # transports whose senders write into per-transfer windows, never the pool
 log = logging.getLogger(__name__)
 
 
@@ -91,8 +92,9 @@ class KVReceiver:
         self._key_of: dict[bytes, str] = {}  # channel peer id -> its public key at handshake
         self._transport_of: dict[str, str] = {}  # sender incarnation -> transport
         self._events: list[TransferEvent] = []
-        self.windows = ShmWindows(pool.layout)  # shm: one window of only its blocks per transfer
-        self._cuda_handle: CudaIpcHandle | None = None
+        # shm / cuda_ipc (whichever the pool's memory allows): one window of only its blocks per transfer
+        tensor = pool.tensor
+        self.windows = cuda_windows(pool.layout, tensor.device.index) if tensor.is_cuda else ShmWindows(pool.layout)
         # True for an in-process channel: a loopback sender copies straight into our pool.
         self._has_loopback = channel.offer_loopback(pool.tensor, self._fence.tensor)
 
@@ -142,6 +144,8 @@ class KVReceiver:
         for r in self.table.expire():
             self.metrics.expired_leases.inc()
             self._fail(r.rid, r.generation, "lease expired", r.block_ids)
+        for rid in self.windows.expire():  # cuda_ipc: its sender never said it unmapped it: freed, not reused
+            log.warning("the window of %s was never released by its sender: freed, not reused", rid[:64])
         events, self._events = self._events, []
         return events
 
@@ -163,7 +167,7 @@ class KVReceiver:
             record = decode(frames[0], MAX_HEADER_BYTES)
             if len(frames) != (2 if isinstance(record, BlockWrite) and record.inline else 1):
                 raise WireError(f"{type(record).__name__} with {len(frames)} frames")
-            if not isinstance(record, (Handshake, BlockWrite, Commit, Abort, WindowRequest)):
+            if not isinstance(record, (Handshake, BlockWrite, Commit, Abort, WindowRequest, WindowRelease)):
                 raise WireError(f"{type(record).__name__} is not a sender's message")
         except WireError as exc:
             self.metrics.malformed_frames.inc()
@@ -175,6 +179,11 @@ class KVReceiver:
             self._reject(peer, record, Verdict.UNKNOWN_INCARNATION)  # no handshake, or spoofed incarnation
         elif isinstance(record, WindowRequest):
             self._on_window_request(peer, record)
+        elif isinstance(record, WindowRelease):
+            key = self._key_of.get(peer, "")
+            if not self.windows.release(record.rid, record.generation, key):
+                detail = f"release of no window of its: {record.rid[:64]}"
+                self.rejects.reject("invalid_value", key or peer.hex(), detail)
         elif isinstance(record, BlockWrite):
             self._on_write(peer, record, frames)
         elif isinstance(record, Commit):
@@ -217,7 +226,7 @@ class KVReceiver:
         self.table.register_peer(hs.sender_incarnation)
         transport = self._choose_transport(hs)
         self._transport_of[hs.sender_incarnation] = transport
-        exports = Exports(self.shm_pool_name, self._fence.name, self._cuda_export)
+        exports = Exports(self.shm_pool_name, self._fence.name)
         reply = HandshakeReply(
             True,
             self.incarnation,
@@ -228,11 +237,6 @@ class KVReceiver:
         )
         self.metrics.handshakes.labels("accepted").inc()
         self.channel.send(peer, [encode(reply)])
-
-    def _cuda_export(self) -> CudaIpcHandle:
-        if self._cuda_handle is None:  # one IPC handle for the pool's lifetime, never one per request
-            self._cuda_handle = export_pool(self.pool.tensor)
-        return self._cuda_handle
 
     def _choose_transport(self, hs: Handshake) -> str:
         """The first of the sender's offers this pair can use (kvtransfer/transports/)."""
@@ -246,10 +250,10 @@ class KVReceiver:
         return next((t for t in hs.transports if t in TRANSPORTS and TRANSPORTS[t].possible(pair)), FALLBACK)
 
     def _on_window_request(self, peer: bytes, req: WindowRequest) -> None:
-        """shm: a window of the reservation's blocks, named only to the key the range was reserved for."""
+        """shm, cuda_ipc: a window of the reservation's blocks, granted only to the key the range was reserved for."""
         key = self._key_of.get(peer, "")
-        if self._transport_of.get(req.sender_incarnation) != "shm":
-            self.rejects.reject("invalid_value", key or peer.hex(), "window request outside the shm transport")
+        if self._transport_of.get(req.sender_incarnation) not in WINDOWED:
+            self.rejects.reject("invalid_value", key or peer.hex(), "window request outside shm and cuda_ipc")
             self._reject(peer, req, Verdict.WRONG_STATE)
             return
         verdict = self.table.write(req.rid, req.generation, req.sender_incarnation, [], key=key)
@@ -258,13 +262,14 @@ class KVReceiver:
             return
         r = self.table.get(req.rid)
         try:
-            name = self.windows.open(req.rid, req.generation, r.block_ids)
-        except ShmCapacityError as exc:  # /dev/shm is full: this transfer cannot land, say so now
+            grant = self.windows.open(req.rid, req.generation, r.block_ids, key)
+        except (ShmCapacityError, WindowCapacityError) as exc:  # no memory for it: this transfer cannot land
             self.table.abort(req.rid, req.generation)
-            self._fail(req.rid, req.generation, f"no shm window: {exc}", r.block_ids)
+            transport = self._transport_of[req.sender_incarnation]
+            self._fail(req.rid, req.generation, f"no {transport} window: {exc}", r.block_ids)
             self._reject(peer, req, Verdict.STALE)
             return
-        self.channel.send(peer, [encode(WindowGrant(req.rid, req.generation, name, list(r.block_ids)))])
+        self.channel.send(peer, [encode(grant)])
 
     def _on_write(self, peer: bytes, w: BlockWrite, frames: list) -> None:
         n = len(w.dst_block_ids)
@@ -287,7 +292,7 @@ class KVReceiver:
             scatter_blocks(self.pool.tensor, dst, data.view(shape).to(self.pool.tensor.device))
         elif (
             verdict is Verdict.OK
-            and self._transport_of.get(w.sender_incarnation) == "shm"
+            and self._transport_of.get(w.sender_incarnation) in WINDOWED
             # the bytes wait in the transfer's window; only now, checked, do they reach the pool
             and not self.windows.copy_in(w.rid, w.generation, w.dst_block_ids, self.pool.tensor)
         ):

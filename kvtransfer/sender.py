@@ -21,11 +21,13 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels import gather_blocks
+from kvtransfer import cuda_ipc
 from kvtransfer import fence as fences
 from kvtransfer.block_runs import copy_blocks
 from kvtransfer.channel import ClientChannel
 from kvtransfer.compat import compat_of, new_incarnation
 from kvtransfer.copy_timing import CopyStopwatch, TransferTimes, block_bytes
+from kvtransfer.cuda_window import view_window
 from kvtransfer.events import TransferEvent, TransferStatus
 from kvtransfer.metrics import TransferMetrics
 from kvtransfer.ownership import Verdict
@@ -42,6 +44,7 @@ from protocol.kv_messages import (
     Handshake,
     HandshakeReply,
     WindowGrant,
+    WindowRelease,
     WindowRequest,
     WriteRejected,
 )
@@ -69,9 +72,10 @@ class _Transfer:
     commit: Commit | None = None
     commit_sent: bool = False
     times: TransferTimes = field(default_factory=TransferTimes)  # copy, exposed tail, span (copy_timing.py)
-    # shm: the window of only this transfer's blocks (kvtransfer/shm_window.py), asked for once
+    # shm / cuda_ipc: the window of only this transfer's blocks (kvtransfer/shm_window.py, cuda_window.py)
     window_asked: bool = False
     window: torch.Tensor | None = None
+    mapping: cuda_ipc.DeviceBuffer | None = None  # cuda_ipc: the window's mapping, closed (and released) at the end
     slot_of: dict[int, int] = field(default_factory=dict)  # reserved block id -> its slot in the window
 
 
@@ -109,7 +113,7 @@ class KVSender:
         self._credits = 0
         self._window = 0
         self._target: DirectTarget | None = None  # direct transports: (the receiver's pool, its fence)
-        self._windowed = False  # shm: each transfer writes into a window of its own blocks only
+        self._windowed = False  # shm, cuda_ipc: each transfer writes into a window of its own blocks only
         self._transfers: dict[str, _Transfer] = {}  # live transfers only
         self._finished: collections.OrderedDict[str, TransferStatus] = collections.OrderedDict()
         self._events: list[TransferEvent] = []
@@ -180,12 +184,10 @@ class KVSender:
             return "loopback outside one process"
         if not 1 <= reply.credits <= MAX_CREDITS:
             return f"credits {reply.credits} outside [1, {MAX_CREDITS}]"
-        if reply.transport in ("loopback", "cuda_ipc") and reply.num_blocks != self.pool.layout.num_blocks:
+        if reply.transport == "loopback" and reply.num_blocks != self.pool.layout.num_blocks:
             return f"pool of {reply.num_blocks} blocks, expected {self.pool.layout.num_blocks}"
-        if reply.transport == "cuda_ipc" and reply.shm_fence_name is None:
-            return "no fence"
-        if reply.transport == "cuda_ipc" and reply.cuda_pool is None:
-            return "no cuda pool handle"
+        if reply.transport == "cuda_ipc" and not self.pool.tensor.is_cuda:
+            return "cuda_ipc for a pool that is not on a GPU"
         if reply.num_blocks < 1:
             return f"pool of {reply.num_blocks} blocks"
         return ""
@@ -195,7 +197,7 @@ class KVSender:
         transport = TRANSPORTS.get(reply.transport)
         assert transport is not None, reply.transport
         self._target = transport.attach(reply, layout, self.channel)
-        self._windowed = reply.transport == "shm"
+        self._windowed = reply.transport in ("shm", "cuda_ipc")
         assert reply.num_blocks == layout.num_blocks or self._target is None
         self.peer_num_blocks = reply.num_blocks
 
@@ -330,6 +332,8 @@ class KVSender:
                 return None, None, None
             with (watch := CopyStopwatch(self.pool.tensor.device)):
                 copy_blocks(self.pool.tensor, src, t.window, slots)
+            if t.window.is_cuda:
+                torch.cuda.current_stream(t.window.device).synchronize()  # bytes land before the header
             self._copied(t, watch, len(src))
             return BlockWrite(t.rid, t.generation, self.incarnation, dst, False, 0), [], None
         if self._target is None:  # over the channel: packed raw bytes ride beside the header, zero-copy
@@ -398,16 +402,18 @@ class KVSender:
             )
 
     def _on_window(self, t: _Transfer, grant: WindowGrant) -> None:
-        """shm: map the window the receiver made for this transfer (a peer's reply: checked first)."""
+        """shm, cuda_ipc: map the window the receiver made for this transfer (a peer's reply: checked first)."""
         ids = grant.block_ids
         error = ""
         if not self._windowed or t.window is not None or not t.window_asked:
             error = "a window nobody asked for"
         elif not ids or len(set(ids)) != len(ids) or not all(0 <= b < self.peer_num_blocks for b in ids):
             error = "window block ids outside the receiver's pool"
+        elif (grant.cuda_window is None) != (self.transport == "shm"):
+            error = f"a window that is not {self.transport}'s"
         else:
             try:
-                t.window = attach_window(grant.name, self.pool.layout, len(ids))
+                t.window = self._map_window(t, grant)
             except (ValueError, OSError, RuntimeError) as exc:  # a name that is not there, a size that differs
                 error = f"cannot map the window: {str(exc)[:200]}"
         if error:
@@ -415,8 +421,19 @@ class KVSender:
             return
         t.slot_of = {b: i for i, b in enumerate(ids)}
 
+    def _map_window(self, t: _Transfer, grant: WindowGrant) -> torch.Tensor:
+        layout, ids = self.pool.layout, grant.block_ids
+        if grant.cuda_window is None:
+            return attach_window(grant.name, layout, len(ids))
+        t.mapping = cuda_ipc.import_buffer(grant.cuda_window, self.pool.tensor.device.index)
+        return view_window(t.mapping.bytes(), layout, len(ids))  # ValueError: smaller than the blocks
+
     def _finish(self, t: _Transfer, ok: bool, reason: str, released: bool = False) -> None:
-        t.window = None  # unmapped with its last reference
+        t.window = None  # shm: unmapped with its last reference
+        if t.mapping is not None:  # cuda_ipc: closed now, and the receiver told it may reuse the window
+            t.mapping.free()
+            t.mapping = None
+            self.channel.send([encode(WindowRelease(t.rid, t.generation, self.incarnation))])
         t.status = TransferStatus.SUCCESS if ok else TransferStatus.FAILED
         pinned = [b for src, _ in t.in_flight for b in src] + [b for src, _ in t.queued for b in src]
         if not ok:

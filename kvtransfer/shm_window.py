@@ -27,6 +27,7 @@ import torch
 from kvtransfer.block_runs import copy_blocks
 from kvtransfer.pool import PoolLayout
 from kvtransfer.shm_pool import SharedTensor, attach_shared, create_shared
+from protocol.kv_messages import WindowGrant
 
 
 @dataclass(slots=True)
@@ -49,12 +50,13 @@ class ShmWindows:
         self.layout = layout
         self._windows: dict[str, Window] = {}
 
-    def open(self, rid: str, generation: int, block_ids: tuple[int, ...]) -> str:
-        """A new window for reservation ``rid`` (replacing any older one); returns its segment name."""
+    def open(self, rid: str, generation: int, block_ids: tuple[int, ...], key: str) -> WindowGrant:
+        """A new window for reservation ``rid`` (replacing any older one), for ``key`` (the caller sends
+        the grant to it alone): its segment name."""
         self.drop(rid)
         shared = create_shared(window_shape(self.layout, len(block_ids)), self.layout.dtype, f"win-{os.getpid()}")
         self._windows[rid] = Window(generation, shared, {b: i for i, b in enumerate(block_ids)})
-        return shared.name
+        return WindowGrant(rid, generation, shared.name, list(block_ids))
 
     def copy_in(self, rid: str, generation: int, dst_block_ids: list[int], pool: torch.Tensor) -> bool:
         """Copy the slots of ``dst_block_ids`` (already checked as this reservation's) into the pool.
@@ -77,6 +79,13 @@ class ShmWindows:
         del self._windows[rid]
         if not window.unlinked:
             window.shared.unlink()
+
+    def release(self, rid: str, generation: int, key: str) -> bool:
+        """Nothing to release: the segment was unlinked at the first write and is never reused."""
+        return False
+
+    def expire(self) -> list[str]:
+        return []
 
     def drop_all(self) -> None:
         for rid in list(self._windows):

@@ -5,13 +5,14 @@ One conversation per peer pair::
     sender                                  receiver
     Handshake(compat, incarnation, offers) ─▶
                                          ◀─ HandshakeReply(accepted, incarnation, transport, credits)
-    WindowRequest(rid, gen, inc)        ─▶   (shm: once per transfer, before its first write)
-                                         ◀─ WindowGrant(rid, gen, segment, block ids)  (to the assigned key)
+    WindowRequest(rid, gen, inc)        ─▶   (shm, cuda_ipc: once per transfer, before its first write)
+                                         ◀─ WindowGrant(rid, gen, segment | IPC handle, block ids)  (assigned key only)
     BlockWrite(rid, gen, inc, dst ids) [+ raw block bytes when inline]  ─▶   (per prefill chunk)
                                          ◀─ Credit(blocks)  (+ WriteRejected when fenced off)
     Commit(rid, gen, inc, first token)  ─▶
                                          ◀─ CommitAck(rid, gen, ok, reason)
     Abort(rid, gen, inc)                ─▶   (idempotent)
+    WindowRelease(rid, gen, inc)        ─▶   (cuda_ipc: the sender unmapped the window; it may be reused)
 
 Every frame that touches blocks carries ``(rid, generation, sender incarnation)`` so the receiver can
 refuse a late write for a reused range.
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field
 
 from protocol.codec import wire_record
 
-KV_PROTOCOL_VERSION = 1
+KV_PROTOCOL_VERSION = 2  # 2: cuda_ipc per-transfer windows, never the pool
 
 
 @wire_record("kv.compat")
@@ -53,16 +54,11 @@ class Handshake:
 @wire_record("kv.cuda_ipc_handle")
 @dataclass(slots=True)
 class CudaIpcHandle:
-    """The fields of ``UntypedStorage._share_cuda_()``: the pool is exported once, at handshake."""
+    """cuda_ipc: one transfer window's allocation, of its own (kvtransfer/cuda_ipc.py), granted per transfer."""
 
-    device: int
-    handle: bytes
-    storage_size_bytes: int
-    storage_offset_bytes: int
-    ref_counter_handle: bytes
-    ref_counter_offset: int
-    event_handle: bytes
-    event_sync_required: bool
+    device: int  # the exporter's device index (informational: the importer maps it into its own device)
+    handle: bytes  # the CUipcMemHandle, 64 bytes
+    size_bytes: int  # the whole allocation: all a peer that maps it can see
 
 
 @wire_record("kv.handshake_reply")
@@ -77,7 +73,7 @@ class HandshakeReply:
     mismatched_field: str = ""
     shm_pool_name: str | None = None  # unused since per-transfer windows (WindowGrant); kept for old peers
     shm_fence_name: str | None = None  # shm / cuda_ipc: per-block owner tokens
-    cuda_pool: CudaIpcHandle | None = None
+    cuda_pool: CudaIpcHandle | None = None  # unused since per-transfer windows (WindowGrant.cuda_window)
 
 
 @wire_record("kv.block_write")
@@ -167,7 +163,7 @@ class CommitAck:
 @wire_record("kv.window_request")
 @dataclass(slots=True)
 class WindowRequest:
-    """shm: the sender asks for the shared window of one transfer (kvtransfer/shm_window.py)."""
+    """shm, cuda_ipc: the sender asks for the window of one transfer (kvtransfer/shm_window.py, cuda_window.py)."""
 
     rid: str
     generation: int
@@ -177,10 +173,23 @@ class WindowRequest:
 @wire_record("kv.window_grant")
 @dataclass(slots=True)
 class WindowGrant:
-    """shm: a /dev/shm segment ``[L, 2, len(block_ids), bs, kvh, d]`` holding only this transfer's blocks,
-    slot i for ``block_ids[i]``; sent only to the key the range was reserved for, unlinked at the first write."""
+    """A window ``[L, 2, len(block_ids), bs, kvh, d]`` holding only this transfer's blocks, slot i for
+    ``block_ids[i]``, sent only to the key the range was reserved for: shm names a /dev/shm segment
+    (unlinked at the first write), cuda_ipc an allocation of its own (``cuda_window``; ``name`` is "")."""
 
     rid: str
     generation: int
     name: str
     block_ids: list[int]
+    cuda_window: CudaIpcHandle | None = None
+
+
+@wire_record("kv.window_release")
+@dataclass(slots=True)
+class WindowRelease:
+    """cuda_ipc: the sender closed its mapping of the transfer's window: the receiver may scrub and reuse it
+    (kvtransfer/window_arena.py). Only the key it was granted to can release it."""
+
+    rid: str
+    generation: int
+    sender_incarnation: str

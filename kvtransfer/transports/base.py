@@ -2,12 +2,12 @@
 
 At handshake the receiver picks, in the sender's order of preference, the first transport the pair can
 use (``possible``) and puts in its reply what the sender needs to reach its pool (``offer``); the sender
-then ``attach``es. A direct transport gives the sender the receiver's pool and fence to copy into (each
-write still fenced per block); the others send the blocks' bytes over the channel."""
+then ``attach``es. A direct transport (loopback only) gives the sender the receiver's pool and fence to copy
+into (each write still fenced per block); shm and cuda_ipc grant a window per transfer instead; zmq sends
+the blocks' bytes over the channel."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
@@ -15,7 +15,7 @@ import torch
 
 from kvtransfer.channel import ClientChannel
 from kvtransfer.pool import PoolLayout
-from protocol.kv_messages import CudaIpcHandle, HandshakeReply
+from protocol.kv_messages import HandshakeReply
 
 DirectTarget = tuple[torch.Tensor, torch.Tensor]  # (the receiver's pool, its fence), mapped in the sender
 
@@ -37,7 +37,6 @@ class Exports:
 
     shm_pool_name: str | None  # the pool's /dev/shm file, when it lives there
     fence_name: str  # the fence's /dev/shm file (always shared memory)
-    cuda_pool: Callable[[], CudaIpcHandle]  # the pool's CUDA IPC handle, exported once when first asked
 
 
 class Transport(Protocol):
