@@ -6,7 +6,6 @@ runs the same path between two processes on a GPU."""
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
 
 import pytest
 import torch
@@ -22,48 +21,34 @@ from kvtransfer.sender import KVSender
 from kvtransfer.transports.cuda_ipc import CudaIpc
 from kvtransfer.window_arena import WindowArena
 from protocol.kv_messages import CudaIpcHandle
+from tests.test_window_arena import CpuBuffer
 
 LAYOUT = KVLayout(num_layers=2, num_blocks=16, block_size=4, kv_heads=2, head_dim=8, dtype=torch.float32)
 GRANULE = 8 * LAYOUT.bytes_per_block
-
-
-@dataclass(slots=True)
-class FakeBuffer:
-    num_bytes: int
-    data: torch.Tensor | None
-    imported: bool = False
-
-    def bytes(self) -> torch.Tensor:
-        assert self.data is not None, "used after free"
-        return self.data
-
-    def free(self) -> None:
-        assert self.data is not None, "freed twice"
-        self.data = None
 
 
 class FakeDevice:
     """Allocations and their "IPC handles": a handle maps the same tensor, as the real one maps the memory."""
 
     def __init__(self):
-        self.made: list[FakeBuffer] = []
-        self.mappings: list[FakeBuffer] = []
-        self._by_handle: dict[bytes, FakeBuffer] = {}
+        self.made: list[CpuBuffer] = []
+        self.mappings: list[CpuBuffer] = []
+        self._by_handle: dict[bytes, CpuBuffer] = {}
         self._ids = itertools.count(1)
 
-    def allocate(self, num_bytes: int) -> FakeBuffer:
-        self.made.append(FakeBuffer(num_bytes, torch.zeros(num_bytes, dtype=torch.uint8)))
+    def allocate(self, num_bytes: int) -> CpuBuffer:
+        self.made.append(CpuBuffer(num_bytes, torch.zeros(num_bytes, dtype=torch.uint8)))
         return self.made[-1]
 
-    def export(self, buffer: FakeBuffer) -> CudaIpcHandle:
+    def export(self, buffer: CpuBuffer) -> CudaIpcHandle:
         handle = next(self._ids).to_bytes(64, "little")
         self._by_handle[handle] = buffer
         return CudaIpcHandle(0, handle, buffer.num_bytes)
 
-    def import_buffer(self, handle: CudaIpcHandle, device) -> FakeBuffer:
+    def import_buffer(self, handle: CudaIpcHandle, device) -> CpuBuffer:
         exported = self._by_handle[handle.handle]
         assert handle.size_bytes == exported.num_bytes
-        self.mappings.append(FakeBuffer(exported.num_bytes, exported.bytes(), imported=True))
+        self.mappings.append(CpuBuffer(exported.num_bytes, exported.bytes()))
         return self.mappings[-1]
 
 
