@@ -5,8 +5,8 @@ worker of each, prefill-0 runs on GPU 0 and decode-0 on GPU 1; a third worker sh
 
 A worker's own GPU comes first in its CUDA_VISIBLE_DEVICES, so it is that process's ``cuda:0``, where
 the engine puts weights and KV pool. The other listed GPUs stay visible after it, in list order: the
-cuda_ipc transport maps the decode worker's pool into the prefill worker, and CUDA can only open an
-IPC handle to memory on a device the importing process can see (through peer access). Without
+cuda_ipc transport maps each transfer's window (on the decode worker's GPU) into the prefill worker,
+and CUDA can only open an IPC handle to memory on a device the importing process can see (through peer access). Without
 ``--devices`` the workers inherit this process's environment unchanged.
 """
 

@@ -4,7 +4,7 @@ transport, against the single engine. ``python -m benchmarks.transfer.pd_parity 
 1. The single engine (``LLM`` in this process, same device and dtype) generates greedily for each
    prompt; then it is freed.
 2. ``pdserve serve --prefill 1 --decode 1`` starts (gateway + 2 workers), CUDA: ``transfer.transport:
-   cuda_ipc`` (the decode pool is mapped into the prefill worker; blocks copied device to device),
+   cuda_ipc`` (a window per transfer on the decode GPU, mapped into the prefill worker; two device copies),
    CPU: ``shm``; ``local_prefill_max_tokens: 0`` so every prompt goes through the prefill worker.
 3. The same prompts, one at a time, through the OpenAI completions API (token-id prompts, greedy,
    ignore_eos, ``return_tokens_as_token_ids``): the served tokens must equal the engine's.
