@@ -127,3 +127,17 @@ def test_a_grant_without_a_handle_fails_the_transfer(plane, monkeypatch):
     _, tx_events = pump(rx, tx, lambda r, t: t)
     assert [(e.ok, e.reason) for e in tx_events] == [(False, "a window that is not cuda_ipc's")]
     assert device.mappings == []
+
+
+def test_a_peer_not_assigned_the_range_gets_no_window(plane):
+    """The chaos attack "shm write outside the reserved blocks" for cuda_ipc: a connection whose key is not
+    the one the range was reserved for asks for its window: refused, nothing allocated, nothing exported."""
+    rx, tx, device = plane
+    before = rx.pool.tensor.clone()
+    rx.reserve("r4", 1, [8], sender_key="the assigned prefill worker's key")
+    tx.send("r4", 1, [0], [8])
+    _, tx_events = pump(rx, tx, lambda r, t: t)
+    assert [(e.ok, e.reason) for e in tx_events] == [(False, "rejected by receiver: not_assigned")]
+    assert (len(rx.windows), rx.windows.arena.num_leased, device.made, device.mappings) == (0, 0, [], [])
+    assert torch.equal(rx.pool.tensor, before)
+    assert rx.rejects.counts["not_assigned"] == 1
