@@ -10,7 +10,9 @@ have let go, and it is scrubbed (zeroed) first:
                  │                                             ├─▶ both: scrub ─▶ IDLE ─▶ lease() again
                  └─ release() (the peer says it unmapped) ─────┘
     done, never released by the peer within ``release_grace_s`` ─▶ RETIRED: freed, never handed out again
-    (a peer that did not let go may still map it; a buffer it can see must hold no one else's blocks)
+    (a peer that did not let go may still map it; a buffer it can see must hold no one else's blocks.
+    CUDA calls freeing memory another process still maps undefined; a peer that holds a window 30 s past
+    its transfer is broken or hostile, and freeing beats leaking the memory for the process's life)
 
 Device-agnostic: the buffers come from an ``allocate`` callable (CUDA memory of its own allocation in
 production, CPU tensors in tests). No I/O; the clock is injected.
