@@ -65,6 +65,7 @@ def test_a_window_handle_maps_exactly_its_own_allocation():
     neighbour.bytes().fill_(9)
     window = cuda_ipc.allocate(0, MIB2)
     window.bytes()[:1000].fill_(3)
+    torch.cuda.synchronize()  # the peer reads what is there, not what is queued
     handle = cuda_ipc.export(window)
     assert handle.size_bytes == MIB2 and cuda_ipc.mapped_range(window) == (window.ptr, MIB2)
     proc = child(IMPORTER, handle.handle.hex(), str(handle.size_bytes))
