@@ -67,6 +67,11 @@ class TransferMetrics:
             "pdserve:kv_transfer_failures", "Transfers that did not commit", ["side", "reason"], registry=registry
         )
         self.expired_leases = Counter("pdserve:kv_lease_expired", "Reservations whose lease ran out", registry=registry)
+        self.unreleased_windows = Counter(
+            "pdserve:kv_windows_unreleased",
+            "cuda_ipc windows freed, never reused, because their sender did not release them in time",
+            registry=registry,
+        )
         self.rejected_writes = Counter(
             "pdserve:kv_rejected_writes",
             "Writes/commits refused: stale generation, unknown incarnation...",

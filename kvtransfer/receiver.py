@@ -145,6 +145,7 @@ class KVReceiver:
             self.metrics.expired_leases.inc()
             self._fail(r.rid, r.generation, "lease expired", r.block_ids)
         for rid in self.windows.expire():  # cuda_ipc: its sender never said it unmapped it: freed, not reused
+            self.metrics.unreleased_windows.inc()
             log.warning("the window of %s was never released by its sender: freed, not reused", rid[:64])
         events, self._events = self._events, []
         return events

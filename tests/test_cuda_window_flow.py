@@ -6,6 +6,7 @@ runs the same path between two processes on a GPU."""
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -20,8 +21,9 @@ from kvtransfer.receiver import KVReceiver
 from kvtransfer.sender import KVSender
 from kvtransfer.transports.cuda_ipc import CudaIpc
 from kvtransfer.window_arena import WindowArena
-from protocol.kv_messages import CudaIpcHandle
-from tests.test_window_arena import CpuBuffer
+from protocol.codec import decode
+from protocol.kv_messages import CudaIpcHandle, WindowRelease
+from tests.test_window_arena import Clock, CpuBuffer
 
 LAYOUT = KVLayout(num_layers=2, num_blocks=16, block_size=4, kv_heads=2, head_dim=8, dtype=torch.float32)
 GRANULE = 8 * LAYOUT.bytes_per_block
@@ -52,6 +54,18 @@ class FakeDevice:
         return self.mappings[-1]
 
 
+@dataclass(slots=True)
+class Plane:
+    rx: KVReceiver
+    tx: KVSender
+    device: FakeDevice
+    clock: Clock
+    registry: CollectorRegistry
+
+    def __iter__(self):
+        return iter((self.rx, self.tx, self.device))
+
+
 @pytest.fixture
 def plane(monkeypatch):
     device = FakeDevice()
@@ -60,15 +74,17 @@ def plane(monkeypatch):
     server = InprocServer()
     pool = KVPool(LAYOUT, tensor=torch.randn(LAYOUT.shape, generator=torch.Generator().manual_seed(1)))
     freed: list[int] = []
-    rx = KVReceiver(pool, "tiny", server, freed.extend, TransferMetrics(CollectorRegistry()))
-    rx.windows = CudaWindows(LAYOUT, WindowArena(device.allocate, granularity=GRANULE), device.export)
+    clock, registry = Clock(), CollectorRegistry()  # one clock: the receiver's leases and its arena's grace
+    rx = KVReceiver(pool, "tiny", server, freed.extend, TransferMetrics(registry), clock=clock)
+    arena = WindowArena(device.allocate, granularity=GRANULE, release_grace_s=30.0, clock=clock)
+    rx.windows = CudaWindows(LAYOUT, arena, device.export)
     source = KVPool(LAYOUT, tensor=torch.randn(LAYOUT.shape, generator=torch.Generator().manual_seed(2)))
     tx = KVSender(source, "tiny", server.connect(), transports=("cuda_ipc",))
     monkeypatch.setattr(tx, "_reply_error", lambda reply: "")  # its "pool is not on a GPU" check
     tx.start_handshake()
     pump(rx, tx, lambda rx_events, tx_events: not tx.handshake_pending)
     assert tx.transport == "cuda_ipc"
-    yield rx, tx, device
+    yield Plane(rx, tx, device, clock, registry)
     rx.close()
     assert all(b.data is None for b in device.made), "a window outlived the receiver"
 
@@ -141,3 +157,22 @@ def test_a_peer_not_assigned_the_range_gets_no_window(plane):
     assert (len(rx.windows), rx.windows.arena.num_leased, device.made, device.mappings) == (0, 0, [], [])
     assert torch.equal(rx.pool.tensor, before)
     assert rx.rejects.counts["not_assigned"] == 1
+
+
+def test_a_window_never_released_is_freed_after_the_grace_counted_and_not_reused(plane):
+    rx, tx, device = plane
+    clock = plane.clock
+    send = tx.channel.send
+    tx.channel.send = lambda frames: True if isinstance(decode(frames[0]), WindowRelease) else send(frames)
+    transfer(rx, tx, "r5", [2], [11])  # committed; the sender keeps its mapping and says nothing
+    assert (rx.windows.arena.num_leased, device.made[0].data is None) == (1, False)
+    clock.now += 29.9
+    rx.poll()
+    assert rx.windows.arena.num_leased == 1
+    clock.now += 0.1
+    rx.poll()
+    assert (rx.windows.arena.num_leased, rx.windows.arena.num_retired, rx.windows.arena.idle_bytes) == (0, 1, 0)
+    assert device.made[0].data is None  # freed, not handed to anyone
+    assert plane.registry.get_sample_value("pdserve:kv_windows_unreleased_total") == 1
+    transfer(rx, tx, "r6", [3], [10])
+    assert len(device.made) == 2  # the next transfer got a new allocation
