@@ -3,7 +3,7 @@
 A transfer's wall time (first block to commit) spans the prefill chunks it rides beside, so bytes over
 that time is a latency, not a bandwidth. The sender therefore keeps three figures per transfer:
 
-- copy: the block copies themselves (the device copy into the receiver's mapped pool for cuda_ipc,
+- copy: the block copies themselves (the device copy into the transfer's window for cuda_ipc,
   the host copy for shm/loopback, the gather and device-to-host copy for the channel transports).
   On CUDA it is read from events recorded around the copy on the stream that runs it, so host
   launch time and queueing do not count; on CPU the same code path is timed with perf_counter.

@@ -114,7 +114,10 @@ def mapped_range(buffer: DeviceBuffer) -> tuple[int, int]:
     """(base, size) of the allocation ``buffer.ptr`` lies in, as the driver sees it (tests)."""
     base, size = ctypes.c_uint64(), ctypes.c_size_t()
     with _current(buffer.device) as lib:
-        _check(lib.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(buffer.ptr)), "")
+        _check(
+            lib.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(buffer.ptr)),
+            "cuMemGetAddressRange",
+        )
     return base.value, size.value
 
 

@@ -1,6 +1,6 @@
 """Per-block owner tokens for transports that write straight into the receiver's pool.
 
-With shm, cuda_ipc and loopback the sender's bytes land before the receiver sees the header, so the
+With loopback the sender's bytes land before the receiver sees the header, so the
 receiver's ownership check alone cannot stop a late write into reused pages. The receiver therefore
 publishes, for every reserved block, the token of its live ``(rid, generation)`` (0 when free); the
 sender copies a block only if every destination still shows its token. The remaining window — a
