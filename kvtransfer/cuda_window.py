@@ -42,13 +42,16 @@ class CudaWindows:
         self._slot_of: dict[tuple[str, int], dict[int, int]] = {}  # open windows: reserved id -> slot
 
     def open(self, rid: str, generation: int, block_ids: tuple[int, ...], key: str) -> WindowGrant:
-        """A window for reservation ``rid`` (an older attempt's is dropped), granted to ``key`` alone."""
-        self.drop(rid)
-        lease = self.arena.lease(rid, generation, key, len(block_ids) * self.layout.bytes_per_block)
-        data = lease.buffer.bytes()
-        if data.is_cuda:  # a recycled buffer's scrub lands before the sender's first write
-            torch.cuda.current_stream(data.device).synchronize()
-        self._slot_of[(rid, generation)] = {b: i for i, b in enumerate(block_ids)}
+        """A window for reservation ``rid`` (an older attempt's is dropped), granted to ``key`` alone. Asked
+        again for the same attempt, the same window: a peer cannot pile up allocations by asking twice."""
+        if (rid, generation) not in self._slot_of:
+            self.drop(rid)
+            lease = self.arena.lease(rid, generation, key, len(block_ids) * self.layout.bytes_per_block)
+            data = lease.buffer.bytes()
+            if data.is_cuda:  # a recycled buffer's scrub lands before the sender's first write
+                torch.cuda.current_stream(data.device).synchronize()
+            self._slot_of[(rid, generation)] = {b: i for i, b in enumerate(block_ids)}
+        lease = self.arena.get(rid, generation)
         return WindowGrant(rid, generation, "", list(block_ids), self._export(lease.buffer))
 
     def copy_in(self, rid: str, generation: int, dst_block_ids: list[int], pool: torch.Tensor) -> bool:

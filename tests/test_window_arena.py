@@ -150,6 +150,8 @@ def test_cuda_windows_copy_only_the_checked_slots_into_the_pool():
     before = pool.clone()
     grant = windows.open("r1", 1, (9, 3, 12), "key-a")
     assert (grant.name, grant.block_ids, grant.cuda_window.size_bytes) == ("", [9, 3, 12], GRANULE)
+    assert windows.open("r1", 1, (9, 3, 12), "key-a") == grant  # asked twice: the same window, not a second
+    assert (arena.num_leased, len(made)) == (1, 1)
     lease = arena.get("r1", 1)
     window = view_window(lease.buffer.bytes(), LAYOUT, 3)  # what the sender maps: [L, 2, 3, bs, kvh, d]
     sent = torch.randn(window.shape, generator=torch.Generator().manual_seed(2))
