@@ -8,7 +8,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 # per type: the byte offsets of float16 fields inside one block
-_F16_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q6_K": (208,)}
+F16_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q6_K": (208,)}
 
 
 def random_rows(type_name: str, out_features: int, in_features: int, seed: int = 0) -> np.ndarray:
@@ -17,7 +17,7 @@ def random_rows(type_name: str, out_features: int, in_features: int, seed: int =
     assert in_features % block == 0
     rng = np.random.default_rng(seed)
     blocks = rng.integers(0, 256, (out_features, in_features // block, size), dtype=np.uint8)
-    for offset in _F16_FIELDS[type_name]:
+    for offset in F16_FIELDS[type_name]:
         scale = rng.uniform(0.2, 1.0, blocks.shape[:2]) * rng.choice([-1, 1], blocks.shape[:2]) / 64
         if type_name in ("Q4_K",):  # d and dmin are positive in llama.cpp's K-quants
             scale = np.abs(scale)

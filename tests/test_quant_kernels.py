@@ -1,6 +1,6 @@
 """The quantized CPU kernels (kernels/cpu/quant.c) against llama.cpp's own Python decoding of the same bytes
-(``gguf.quants.dequantize``) and a float64 matmul, on irregular shapes, in both builds (VNNI where the
-CPU has it, and plain C)."""
+(``gguf.quants.dequantize``) and a float64 matmul, on irregular shapes, in each build (VNNI where the
+CPU has it, plain C, and AVX2 without VNNI)."""
 
 from __future__ import annotations
 
@@ -28,9 +28,15 @@ def _x_as_kernel_quantizes(x: np.ndarray) -> np.ndarray:
     return (q.astype(np.float64) * scale.astype(np.float64)).reshape(x.shape)
 
 
-@pytest.fixture(params=[False, True], ids=["best", "scalar"])
+# the machine's best build, plain C, and the AVX2 path (kernels/cpu/quant_avx2.h) where the CPU runs it
+BUILDS = {"best": {}, "scalar": {"scalar": True}} | (
+    {"avx2": {"level": "x86-64-v3"}} if "x86-64-v3" in quant.levels_here() else {}
+)
+
+
+@pytest.fixture(params=list(BUILDS))
 def lib(request):
-    library = quant.load(scalar=request.param)
+    library = quant.load(**BUILDS[request.param])
     assert library is not None, "no C compiler builds kernels/cpu/quant.c here"
     return library
 

@@ -46,11 +46,15 @@ class Sources:
 class Variant:
     """One way to build the library: with OpenMP threads or without; ``lanes`` forces the vector width
     (4, 8 or 16 floats) where the default is the hardware's (the tests build every width); ``defines``
-    are macros a library's sources choose a code path by (quant.c's plain-C build)."""
+    are macros a library's sources choose a code path by (quant.c's plain-C build); ``arch`` the
+    instruction-set flags in place of ``-march=native`` (``("-march=x86-64-v3",)``: the AVX2 build the
+    tests run on an AVX-512 machine). They are part of the command, so of the cache key: variants
+    never share a file."""
 
     openmp: bool = True
     lanes: int | None = None
     defines: tuple[str, ...] = ()
+    arch: tuple[str, ...] = ()
 
 
 THREADED, SERIAL = Variant(openmp=True), Variant(openmp=False)
@@ -68,8 +72,9 @@ def _torch_libgomp() -> Path | None:
 
 def _command(library: Sources, compiler: str, variant: Variant, output: str) -> list[str]:
     # Arm compilers spell "this very CPU" -mcpu=native; x86 ones -march=native.
-    arch = "-mcpu=native" if platform.machine().lower() in ("arm64", "aarch64") else "-march=native"
-    flags = [*_FLAGS, arch] + ([f"-DLANES={variant.lanes}"] if variant.lanes else [])
+    native = "-mcpu=native" if platform.machine().lower() in ("arm64", "aarch64") else "-march=native"
+    arch = list(variant.arch) or [native]
+    flags = [*_FLAGS, *arch] + ([f"-DLANES={variant.lanes}"] if variant.lanes else [])
     flags += [f"-D{name}" for name in variant.defines]
     link = []
     if variant.openmp:

@@ -9,8 +9,9 @@
    where s is the sub-block's scale (per 16 values for Q6_K), m its additive min (Q4_1, Q4_K) and dx
    the activation block's scale. With AVX-512 VNNI and BW/DQ, tiles of weight rows by activation rows
    at 64 values per vpdpbusd (kernels/cpu/quant_tile512.c); with AVX-VNNI alone one vpdpbusd per 32
-   values, a weight row at a time; otherwise plain C (the PDSERVE_QUANT_SCALAR build, which the tests also build). OpenMP
-   splits the output rows.
+   values, a weight row at a time; with AVX2 alone the same integer sums from vpmaddubsw (quant_avx2.h);
+   otherwise plain C (the PDSERVE_QUANT_SCALAR build, which the tests also build). OpenMP splits the
+   output rows.
 
    Row layouts (bytes per 32 or 256 values), as GGUF stores them and gguf.quants.dequantize reads them:
      Q8_0  (32):  f16 d, int8 q[32]                            w = d q
@@ -57,12 +58,12 @@ static void dot_rows(int t, const uint8_t *row, int64_t K, int R, const int8_t *
     float rest[ROWS_AT_ONCE] = {0};
     sub_t s;
     const int64_t nb = K / 32;
-#if QUANT_VNNI
+#if QUANT_SIMD
     __m256 acc[ROWS_AT_ONCE];
     for (int r = 0; r < ROWS_AT_ONCE; r++) acc[r] = _mm256_setzero_ps();
 #endif
     for (int64_t b = 0; b < nb; b++) {
-#if QUANT_VNNI
+#if QUANT_SIMD
         unpack(t, row, b, &s, 0);
         const __m256i u = unpack_vec(t, row, b);
 #else
@@ -73,13 +74,8 @@ static void dot_rows(int t, const uint8_t *row, int64_t K, int R, const int8_t *
             const int32_t lo = sum16[r * 2 * nb + 2 * b], hi = sum16[r * 2 * nb + 2 * b + 1];
             const int8_t *xq = q + r * K + 32 * b;
             rest[r] += dx * (s.m * (float)(lo + hi) - s.off * (s.s_lo * lo + s.s_hi * hi));
-#if QUANT_VNNI
-            const __m256i xv = _mm256_loadu_si256((const __m256i *)xq);
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-            const __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, xv);
-#else
-            const __m256i dot = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, xv);
-#endif
+#if QUANT_SIMD
+            const __m256i dot = dot_u8s8(t, u, _mm256_loadu_si256((const __m256i *)xq));
             /* lanes 0..3 hold values 0..15, lanes 4..7 values 16..31 */
             const __m256 scale = _mm256_set_m128(_mm_set1_ps(dx * s.s_hi), _mm_set1_ps(dx * s.s_lo));
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[r]);
@@ -92,7 +88,7 @@ static void dot_rows(int t, const uint8_t *row, int64_t K, int R, const int8_t *
         }
     }
     for (int r = 0; r < R; r++) {
-#if QUANT_VNNI
+#if QUANT_SIMD
         __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
         h = _mm_add_ps(h, _mm_movehl_ps(h, h));
         h = _mm_add_ss(h, _mm_movehdup_ps(h));
@@ -104,6 +100,7 @@ static void dot_rows(int t, const uint8_t *row, int64_t K, int R, const int8_t *
 #endif
 
 int pdserve_quant_vnni(void) { return QUANT_VNNI; }
+int pdserve_quant_avx2(void) { return QUANT_AVX2; } /* AVX2 without VNNI: kernels/cpu/quant_avx2.h */
 int pdserve_quant_tiles512(void) { return QUANT_512; }
 
 #if QUANT_512

@@ -3,14 +3,17 @@ GGUF blocks or per-channel int8, and the dequantization of a panel of rows for t
 
 Built apart from the f32 kernels' library (kernels/cpu/native.py), with the same compiler flags, OpenMP
 runtime and cache directory, so neither build waits on or invalidates the other. ``load()`` builds the
-machine's best variant (VNNI where the CPU has it); ``load(scalar=True)`` the plain-C one, which the
-tests compare against the same reference.
+machine's best variant (VNNI where the CPU has it); ``load(scalar=True)`` the plain-C one, and
+``load(level="x86-64-v3")`` one for a named instruction level below the machine's (``LEVELS``), which
+the tests compare against the same references and the benchmark (benchmarks/engine/quant_linear.py)
+times beside the native build.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import json
 import logging
 import os
 import shutil
@@ -19,21 +22,42 @@ from pathlib import Path
 
 import torch
 
-from kernels.cpu.build import Sources, Variant, build_library
+from kernels.cpu.build import Sources, Variant, build_library, cpu_identity
 
 log = logging.getLogger(__name__)
 
 SOURCES = Sources(
     name="cpu_quant",
     sources=tuple(Path(__file__).with_name(name) for name in ("quant.c", "quant_tile512.c", "quant_panel16.c")),
-    headers=(Path(__file__).with_name("quant_formats.h"),),
+    headers=tuple(Path(__file__).with_name(name) for name in ("quant_formats.h", "quant_avx2.h")),
 )
 TYPE_IDS = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q4_K": 3, "Q6_K": 4, "I8": 5}  # the enum in quant.c
 _SIZE, _PTR = ctypes.c_int64, ctypes.c_void_p
 
 
-def _build(compiler: str, scalar: bool) -> Path:
-    variant = Variant(defines=("PDSERVE_QUANT_SCALAR",) if scalar else ())
+# Instruction levels built besides the machine's own, by their compiler flags: an AVX-512 machine runs
+# the code paths of older x86 CPUs (it has their instructions), so one machine tests them all.
+LEVELS = {
+    "native": (),  # -march=native: AVX-512 VNNI tiles, AVX-VNNI or AVX2, whatever the CPU has
+    "x86-64-v3": ("-march=x86-64-v3",),  # AVX2, FMA, F16C, no VNNI: quant_avx2.h (Zen 2/3, Skylake)
+    "avx-vnni": ("-march=x86-64-v3", "-mavxvnni"),  # 256-bit vpdpbusd, no AVX-512 (Alder Lake)
+}
+
+# The /proc/cpuinfo flags a level's build needs to run (its -march promises more, all of which such CPUs have).
+_LEVEL_NEEDS = {"native": (), "x86-64-v3": ("avx2", "fma", "f16c"), "avx-vnni": ("avx2", "fma", "f16c", "avx_vnni")}
+
+
+def levels_here() -> tuple[str, ...]:
+    """The instruction levels of ``LEVELS`` this CPU runs (native always)."""
+    try:
+        flags = set(json.loads(cpu_identity()).get("flags", "").split())
+    except ValueError:  # no /proc/cpuinfo: platform's words, no flags, native only
+        flags = set()
+    return tuple(level for level, needs in _LEVEL_NEEDS.items() if set(needs) <= flags)
+
+
+def _build(compiler: str, scalar: bool, level: str) -> Path:
+    variant = Variant(defines=("PDSERVE_QUANT_SCALAR",) if scalar else (), arch=LEVELS[level])
     return build_library(SOURCES, compiler, variant)
 
 
@@ -44,6 +68,7 @@ class QuantLibrary:
         self.name = path.name
         self._lib = ctypes.CDLL(str(path))
         self.vnni = bool(self._lib.pdserve_quant_vnni())
+        self.avx2 = bool(self._lib.pdserve_quant_avx2())  # AVX2 without VNNI: kernels/cpu/quant_avx2.h
         self.tiles512 = bool(self._lib.pdserve_quant_tiles512())  # kernels/cpu/quant_tile512.c
         self._scratch_bytes = self._lib.pdserve_quant_scratch_bytes
         self._scratch_bytes.argtypes = [_SIZE, _SIZE]
@@ -112,14 +137,17 @@ class QuantLibrary:
 
 
 @functools.cache
-def load(scalar: bool = False) -> QuantLibrary | None:
-    """The kernels, built if need be; None (logged once) where no compiler builds them here."""
+def load(scalar: bool = False, level: str = "native") -> QuantLibrary | None:
+    """The kernels, built if need be; None (logged once) where no compiler builds them here. ``level``: a
+    key of ``LEVELS``; a build above this CPU's instructions loads but dies of SIGILL when called."""
+    if level not in LEVELS:
+        raise ValueError(f"instruction level {level!r} is not one of {sorted(LEVELS)}")
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
         log.warning("no C compiler (CC=%s): quantized weights are dequantized at load", os.environ.get("CC", "cc"))
         return None
     try:
-        return QuantLibrary(_build(compiler, scalar))
+        return QuantLibrary(_build(compiler, scalar, level))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         log.warning("quantized C kernels unavailable, quantized weights are dequantized at load: %s", e)
         return None

@@ -12,6 +12,14 @@
 #else
 #define QUANT_VNNI 0
 #endif
+/* AVX2 without VNNI: the same integer dot from vpmaddubsw + vpmaddwd (kernels/cpu/quant_avx2.h) */
+#if !defined(PDSERVE_QUANT_SCALAR) && !QUANT_VNNI && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define QUANT_AVX2 1
+#else
+#define QUANT_AVX2 0
+#endif
+#define QUANT_SIMD (QUANT_VNNI || QUANT_AVX2) /* 256-bit integer dots: unpack_vec, dot_u8s8 */
 /* 512-bit tiles (kernels/cpu/quant_tile512.c) where AVX-512 VNNI is there with BW/DQ for its masks and lanes */
 #if QUANT_VNNI && defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
 #define QUANT_512 1
@@ -29,7 +37,7 @@ static inline int32_t weight_offset(int t) {
 static inline float f16(const uint8_t *p) {
     uint16_t h;
     memcpy(&h, p, 2);
-#if QUANT_VNNI && defined(__F16C__)
+#if QUANT_SIMD && defined(__F16C__)
     return _cvtsh_ss(h);
 #endif
     uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 31, man = h & 1023, bits;
@@ -127,7 +135,7 @@ static inline void unpack(int t, const uint8_t *row, int64_t b, sub_t *s, int by
     }
 }
 
-#if QUANT_VNNI
+#if QUANT_SIMD
 /* The values of sub-block b as unpack() lays them in s->u, straight into a register: built in memory byte
    by byte, the 32-byte reload waited on two 16-byte stores (no store forwarding), 10x slower for Q4_0. */
 static inline __m256i unpack_vec(int t, const uint8_t *row, int64_t b) {
@@ -159,6 +167,21 @@ static inline __m256i unpack_vec(int t, const uint8_t *row, int64_t b) {
         return _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(row + 4 + b * 32)), flip);
     }
 }
+#endif
+
+/* dot_u8s8(t, u, x): int32 lane k = sum of u[4k + i] * x[4k + i], i < 4 (vpdpbusd from zero), for unpack_vec's
+   u of format t and int8 activations x in [-127, 127]; the AVX2 build gets the same bits (quant_avx2.h). */
+#if QUANT_VNNI
+static inline __m256i dot_u8s8(int t, __m256i u, __m256i x) {
+    (void)t;
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, x);
+#else
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, x);
+#endif
+}
+#elif QUANT_AVX2
+#include "quant_avx2.h"
 #endif
 
 #endif
