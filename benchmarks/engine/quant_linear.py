@@ -10,6 +10,10 @@ for the LM head and the 4096 layer), so the weights come from memory, not a warm
 format are alternated within each repeat (best of ``repeats``), so load from other processes on a shared
 machine falls on all alike. Printed per shape, rows and format: ms per weight, GB/s of weight bytes
 streamed, and ``vs_f32`` = f32 time / quantized time (> 1: faster than f32).
+
+``--builds native x86-64-v3 scalar`` times other builds of the same kernels beside the machine's own
+(kernels/cpu/quant.py's ``LEVELS``: the AVX2 path of CPUs without VNNI, the plain-C one), alternated
+too: ``Q8_0[x86-64-v3]`` with ``vs_native`` = the native build's time / this build's.
 """
 
 from __future__ import annotations
@@ -64,22 +68,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
+    parser.add_argument("--builds", nargs="+", default=["native"], choices=[*cpu_quant.LEVELS, "scalar"])
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    native, quant = cpu_native.load(), cpu_quant.load()
-    assert native is not None and quant is not None, "the C kernels do not build here"
-    print(f"# cpu: {cpu_identity()[:80]}... threads {args.threads}, vnni {quant.vnni}")
+    native = cpu_native.load()
+    libs = {b: cpu_quant.load(**({"scalar": True} if b == "scalar" else {"level": b})) for b in args.builds}
+    assert native is not None and None not in libs.values(), "the C kernels do not build here"
+    runnable = set(cpu_quant.levels_here()) | {"scalar"}
+    assert set(args.builds) <= runnable, f"this CPU runs only {sorted(runnable)}"
+    print(f"# cpu: {cpu_identity()[:80]}... threads {args.threads}, builds {args.builds}")
     for name in args.shapes:
         in_features, out_features, copies = SHAPES[name]
         f32 = [native.pack_linear(torch.randn(out_features, in_features)) for _ in range(copies)]
         formats = [f for f in args.formats if not (f.endswith("_K") and in_features % 256)]
         weights = {f: [_rows(f, out_features, in_features, i) for i in range(copies)] for f in formats}
+        keys = {f if b == "native" else f"{f}[{b}]": (f, b) for f in formats for b in args.builds}
         for rows in ROWS:
             x = torch.randn(rows, in_features)
-            best = dict.fromkeys(["f32", *formats], float("inf"))
+            best = dict.fromkeys(["f32", *keys], float("inf"))
             for attempt in range(args.repeats + 1):  # the first: warm-up
                 runs = {"f32": (lambda w: native.linear(x, w), f32)}
-                runs |= {f: (lambda w, f=f: quant.linear(f, x, w, in_features), weights[f]) for f in formats}
+                for key, (f, b) in keys.items():
+                    runs[key] = (lambda w, f=f, lib=libs[b]: lib.linear(f, x, w, in_features), weights[f])
                 for key, (run, ws) in runs.items():
                     seconds = _pass_seconds(run, ws)
                     if attempt:
@@ -87,9 +97,11 @@ def main(argv: list[str] | None = None) -> int:
             f32_bytes = out_features * in_features * 4
             line = [f"{name} {in_features}->{out_features} rows={rows}: f32 {best['f32'] * 1e3:.3f}ms"]
             line[0] += f" {f32_bytes / best['f32'] / 1e9:.1f}GB/s"
-            for f in formats:
-                gbs = weights[f][0].numel() / best[f] / 1e9
-                line.append(f"{f} {best[f] * 1e3:.3f}ms {gbs:.1f}GB/s vs_f32={best['f32'] / best[f]:.2f}")
+            for key, (f, b) in keys.items():
+                gbs = weights[f][0].numel() / best[key] / 1e9
+                line.append(f"{key} {best[key] * 1e3:.3f}ms {gbs:.1f}GB/s vs_f32={best['f32'] / best[key]:.2f}")
+                if b != "native" and f in best:
+                    line[-1] += f" vs_native={best[f] / best[key]:.2f}"
             print(" | ".join(line), flush=True)
     return 0
 
