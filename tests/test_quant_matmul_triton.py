@@ -1,14 +1,17 @@
 """The Triton GGUF matmul (kernels/triton/quant_matmul.py), the CUDA path's kernel, here under the CPU
 interpreter (tests/conftest.py sets TRITON_INTERPRET=1): against ``gguf.quants.dequantize(bytes) @ x`` in
-float64, for Q8_0, Q4_0 and Q4_1, on files' blocks and on hand-made ones (negative scales, Q4_1's min,
-every byte value); and ``CudaQuantLinear`` on CPU tensors. The same on a real GPU: tests/gpu/.
+float64, for Q8_0, Q4_0, Q4_1 (files' blocks and hand-made ones: negative scales, Q4_1's min, every
+byte value) and Q4_K (hand-made: gguf's quantizer writes no K-quants; every 6-bit scale and min
+pattern); and ``CudaQuantLinear`` on CPU tensors. The same on a real GPU: tests/gpu/.
 
 The tolerance is derived, not tuned. Under the interpreter the operands are float32 and exact (a block's
-integers, fp16 scales); the kernel rounds (unit u = 2^-24) in: the 32-term dot of each block, the scale
-product, the sum over K / 32 blocks, and for Q4_1 the 32-term sum of x, its product with m and that add,
-and the bias add. A sum of n float32 roundings is within gamma_n = n u / (1 - n u) of the exact value
-times the sum of the magnitudes, so every output is within gamma_n * (|x| @ (|d q| + |m|)^T + |bias|) with
-n = 32 + K / 32 + 4, where |d q| <= |w| + |m| (w the dequantized value).
+integers, fp16 scales, Q4_K's ``d * scale`` and ``dmin * min``: 11 by 6 bits); the kernel rounds (unit
+u = 2^-24) in: the 32-term dot of each block, the scale product, the sum over K / 32 blocks, and for Q4_1
+and Q4_K the 32-term sum of x, its product with the min and that add, and the bias add. A sum of n
+float32 roundings is within gamma_n = n u / (1 - n u) of the exact value times the sum of the
+magnitudes, so every output is within gamma_n * (|x| @ (|d q| + |m|)^T + |bias|) with n = 32 + K / 32 + 4,
+where |d q| <= |w| + |m| (w the dequantized value, m its min: Q4_1's fp16 m; for Q4_K bounded by
+63 |dmin|, the largest 6-bit min).
 """
 
 from __future__ import annotations
@@ -29,9 +32,10 @@ def reference(x: np.ndarray, blocks: np.ndarray, type_name: str, bias: np.ndarra
     """(x @ dequantized^T + bias in float64, the derived bound on each output's float32 error)."""
     w = quants.dequantize(blocks, GGMLQuantizationType[type_name]).astype(np.float64)
     m = np.zeros_like(w)
-    if type_name == "Q4_1":  # bytes 2-3 of each 20-byte block: the fp16 min of its 32 values
-        mins = blocks.reshape(blocks.shape[0], -1, 20)[:, :, 2:4].copy().view(np.float16).astype(np.float64)
-        m = np.repeat(mins[:, :, 0], 32, axis=1)
+    if type_name in ("Q4_1", "Q4_K"):  # bytes 2-3 of each block: Q4_1's min, Q4_K's dmin
+        per_block, size, _ = FORMATS[type_name]
+        mins = blocks.reshape(blocks.shape[0], -1, size)[:, :, 2:4].copy().view(np.float16).astype(np.float64)
+        m = np.repeat(np.abs(mins[:, :, 0]) * (63 if type_name == "Q4_K" else 1), per_block, axis=1)
     x64 = x.astype(np.float64)
     exact = x64 @ w.T + (0.0 if bias is None else bias.astype(np.float64))
     n = 32 + x.shape[1] // 32 + 4
@@ -53,18 +57,17 @@ def file_blocks(rng, type_name: str, n: int, k: int) -> np.ndarray:
 def hand_blocks(rng, type_name: str, n: int, k: int) -> np.ndarray:
     """Blocks of random bytes (every int8 and nibble value) with chosen fp16 scales of both signs, and
     Q4_1 mins of both signs: layouts a quantizer may never write but a file may hold."""
-    size, header, _ = FORMATS[type_name]
-    raw = rng.integers(0, 256, size=(n, k // 32, size), dtype=np.uint8)
-    scales = rng.choice([-0.75, -0.0123, 0.002, 0.5, -1.5], size=(n, k // 32)).astype(np.float16)
+    per_block, size, _ = FORMATS[type_name]
+    raw = rng.integers(0, 256, size=(n, k // per_block, size), dtype=np.uint8)
+    scales = rng.choice([-0.75, -0.0123, 0.002, 0.5, -1.5], size=(n, k // per_block)).astype(np.float16)
     raw[:, :, 0:2] = scales[:, :, None].view(np.uint8)
-    if type_name == "Q4_1":
-        mins = rng.choice([-2.0, -0.25, 0.0, 0.125, 3.0], size=(n, k // 32)).astype(np.float16)
+    if type_name in ("Q4_1", "Q4_K"):  # the fp16 after d: Q4_1's min, Q4_K's dmin
+        mins = rng.choice([-2.0, -0.25, 0.0, 0.125, 3.0], size=(n, k // per_block)).astype(np.float16)
         raw[:, :, 2:4] = mins[:, :, None].view(np.uint8)
-    assert header == (4 if type_name == "Q4_1" else 2)
     return raw.reshape(n, -1)
 
 
-@pytest.mark.parametrize("type_name", list(FORMATS))
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1"])
 @pytest.mark.parametrize(("m", "n", "k"), [(1, 32, 64), (3, 40, 128), (5, 64, 96)])
 def test_file_blocks_match_dequantized_product(type_name: str, m: int, n: int, k: int) -> None:
     rng = np.random.default_rng(k * 1000 + n + m)
@@ -76,11 +79,11 @@ def test_file_blocks_match_dequantized_product(type_name: str, m: int, n: int, k
     assert_within(got, exact, bound)
 
 
-@pytest.mark.parametrize("type_name", list(FORMATS))
-def test_hand_made_blocks_negative_scales_and_mins_with_bias(type_name: str) -> None:
+@pytest.mark.parametrize(("type_name", "k"), [("Q8_0", 128), ("Q4_0", 128), ("Q4_1", 128), ("Q4_K", 512)])
+def test_hand_made_blocks_negative_scales_and_mins_with_bias(type_name: str, k: int) -> None:
     rng = np.random.default_rng(7)
-    blocks = hand_blocks(rng, type_name, 48, 128)
-    x = rng.standard_normal((4, 128)).astype(np.float32)
+    blocks = hand_blocks(rng, type_name, 48, k)
+    x = rng.standard_normal((4, k)).astype(np.float32)
     bias = rng.standard_normal(48).astype(np.float32)
     exact, bound = reference(x, blocks, type_name, bias)
     got = quant_matmul(torch.from_numpy(x), torch.from_numpy(blocks), type_name, torch.from_numpy(bias))
@@ -98,8 +101,10 @@ def test_strided_activations_are_read_by_row_stride() -> None:
 
 def test_bad_inputs_are_refused_with_what_was_expected() -> None:
     blocks = torch.zeros((8, 2 * 34), dtype=torch.uint8)
-    with pytest.raises(ValueError, match="no Triton kernel for Q4_K"):
-        quant_matmul(torch.zeros(1, 64), torch.zeros((8, 144), dtype=torch.uint8), "Q4_K")
+    with pytest.raises(ValueError, match="no Triton kernel for Q6_K"):
+        quant_matmul(torch.zeros(1, 256), torch.zeros((8, 210), dtype=torch.uint8), "Q6_K")
+    with pytest.raises(ValueError, match=r"Q4_K activations must be \[rows, a multiple of 256\]"):
+        quant_matmul(torch.zeros(1, 128), torch.zeros((8, 72), dtype=torch.uint8), "Q4_K")
     with pytest.raises(ValueError, match=r"Q8_0 rows for 96 inputs are \[N, 102\] uint8"):
         quant_matmul(torch.zeros(1, 96), blocks, "Q8_0")
     with pytest.raises(ValueError, match="multiple of 32"):
@@ -108,7 +113,7 @@ def test_bad_inputs_are_refused_with_what_was_expected() -> None:
 
 def test_cuda_linear_module_on_cpu_tensors() -> None:
     """The module the CUDA loader puts in a projection's place, run here on CPU tensors: leading dims kept,
-    bias added, and K-quants left to the loader's float weight (None)."""
+    bias added, and Q6_K left to the loader's float weight (None)."""
     rng = np.random.default_rng(11)
     blocks = file_blocks(rng, "Q4_1", 40, 64)
     bias = torch.from_numpy(rng.standard_normal(40).astype(np.float32))
@@ -121,5 +126,5 @@ def test_cuda_linear_module_on_cpu_tensors() -> None:
     y = module(x)
     assert y.shape == (2, 3, 40)
     assert_within(y.reshape(6, 40), exact, bound)
-    k_quant = QuantizedWeight("Q4_K", torch.zeros((4, 144), dtype=torch.uint8), 256)
+    k_quant = QuantizedWeight("Q6_K", torch.zeros((4, 210), dtype=torch.uint8), 256)
     assert cuda_linear_for(k_quant, None, torch.device("cpu"), torch.float32) is None
