@@ -1,12 +1,13 @@
 """The Triton GGUF matmul (kernels/triton/quant_matmul.py), the CUDA path's kernel, here under the CPU
 interpreter (tests/conftest.py sets TRITON_INTERPRET=1): against ``gguf.quants.dequantize(bytes) @ x`` in
 float64, for Q8_0, Q4_0, Q4_1 (files' blocks and hand-made ones: negative scales, Q4_1's min, every
-byte value) and Q4_K (hand-made: gguf's quantizer writes no K-quants; every 6-bit scale and min
-pattern); and ``CudaQuantLinear`` on CPU tensors. The same on a real GPU: tests/gpu/.
+byte value), Q4_K and Q6_K (hand-made: gguf's quantizer writes no K-quants; every 6-bit scale and min,
+every int8 scale); and ``CudaQuantLinear`` on CPU tensors. The same on a real GPU: tests/gpu/.
 
 The tolerance is derived, not tuned. Under the interpreter the operands are float32 and exact (a block's
-integers, fp16 scales, Q4_K's ``d * scale`` and ``dmin * min``: 11 by 6 bits); the kernel rounds (unit
-u = 2^-24) in: the 32-term dot of each block, the scale product, the sum over K / 32 blocks, and for Q4_1
+integers, fp16 scales, Q4_K's ``d * scale`` and ``dmin * min``: 11 by 6 bits, Q6_K's 11 by 8); the kernel
+rounds (unit u = 2^-24) in: the 32-term dot of each block (Q6_K: two 16-term ones, each scaled, then
+added), the scale product, the sum over K / 32 blocks, and for Q4_1
 and Q4_K the 32-term sum of x, its product with the min and that add, and the bias add. A sum of n
 float32 roundings is within gamma_n = n u / (1 - n u) of the exact value times the sum of the
 magnitudes, so every output is within gamma_n * (|x| @ (|d q| + |m|)^T + |bias|) with n = 32 + K / 32 + 4,
@@ -60,7 +61,8 @@ def hand_blocks(rng, type_name: str, n: int, k: int) -> np.ndarray:
     per_block, size, _ = FORMATS[type_name]
     raw = rng.integers(0, 256, size=(n, k // per_block, size), dtype=np.uint8)
     scales = rng.choice([-0.75, -0.0123, 0.002, 0.5, -1.5], size=(n, k // per_block)).astype(np.float16)
-    raw[:, :, 0:2] = scales[:, :, None].view(np.uint8)
+    at = 208 if type_name == "Q6_K" else 0  # where the fp16 d sits in the block
+    raw[:, :, at : at + 2] = scales[:, :, None].view(np.uint8)
     if type_name in ("Q4_1", "Q4_K"):  # the fp16 after d: Q4_1's min, Q4_K's dmin
         mins = rng.choice([-2.0, -0.25, 0.0, 0.125, 3.0], size=(n, k // per_block)).astype(np.float16)
         raw[:, :, 2:4] = mins[:, :, None].view(np.uint8)
@@ -79,7 +81,9 @@ def test_file_blocks_match_dequantized_product(type_name: str, m: int, n: int, k
     assert_within(got, exact, bound)
 
 
-@pytest.mark.parametrize(("type_name", "k"), [("Q8_0", 128), ("Q4_0", 128), ("Q4_1", 128), ("Q4_K", 512)])
+@pytest.mark.parametrize(
+    ("type_name", "k"), [("Q8_0", 128), ("Q4_0", 128), ("Q4_1", 128), ("Q4_K", 512), ("Q6_K", 512)]
+)
 def test_hand_made_blocks_negative_scales_and_mins_with_bias(type_name: str, k: int) -> None:
     rng = np.random.default_rng(7)
     blocks = hand_blocks(rng, type_name, 48, k)
@@ -101,8 +105,8 @@ def test_strided_activations_are_read_by_row_stride() -> None:
 
 def test_bad_inputs_are_refused_with_what_was_expected() -> None:
     blocks = torch.zeros((8, 2 * 34), dtype=torch.uint8)
-    with pytest.raises(ValueError, match="no Triton kernel for Q6_K"):
-        quant_matmul(torch.zeros(1, 256), torch.zeros((8, 210), dtype=torch.uint8), "Q6_K")
+    with pytest.raises(ValueError, match="no Triton kernel for I8"):
+        quant_matmul(torch.zeros(1, 64), torch.zeros((8, 68), dtype=torch.uint8), "I8")
     with pytest.raises(ValueError, match=r"Q4_K activations must be \[rows, a multiple of 256\]"):
         quant_matmul(torch.zeros(1, 128), torch.zeros((8, 72), dtype=torch.uint8), "Q4_K")
     with pytest.raises(ValueError, match=r"Q8_0 rows for 96 inputs are \[N, 102\] uint8"):
@@ -113,7 +117,7 @@ def test_bad_inputs_are_refused_with_what_was_expected() -> None:
 
 def test_cuda_linear_module_on_cpu_tensors() -> None:
     """The module the CUDA loader puts in a projection's place, run here on CPU tensors: leading dims kept,
-    bias added, and Q6_K left to the loader's float weight (None)."""
+    bias added, and a format without a kernel (I8) left to the loader's float weight (None)."""
     rng = np.random.default_rng(11)
     blocks = file_blocks(rng, "Q4_1", 40, 64)
     bias = torch.from_numpy(rng.standard_normal(40).astype(np.float32))
@@ -126,5 +130,5 @@ def test_cuda_linear_module_on_cpu_tensors() -> None:
     y = module(x)
     assert y.shape == (2, 3, 40)
     assert_within(y.reshape(6, 40), exact, bound)
-    k_quant = QuantizedWeight("Q6_K", torch.zeros((4, 210), dtype=torch.uint8), 256)
-    assert cuda_linear_for(k_quant, None, torch.device("cpu"), torch.float32) is None
+    per_channel = QuantizedWeight("I8", torch.zeros((4, 68), dtype=torch.uint8), 64)
+    assert cuda_linear_for(per_channel, None, torch.device("cpu"), torch.float32) is None

@@ -70,10 +70,10 @@ def keep_quantized(
     else:
         floats["float LM head"] += 1
     log.info(
-        "GGUF projections kept quantized: %s; run in float32 (dequantized at load): %s",
+        "GGUF projections kept quantized on %s: %s; run in %s (dequantized at load): %s",
+        device.type,
         ", ".join(f"{k} x{n}" for k, n in kept.most_common()) or "none",
+        str(dtype).removeprefix("torch."),
         ", ".join(f"{k} x{n}" for k, n in floats.most_common()) or "none",
     )
-    if any("kernel)" in k for k in floats):
-        log.warning("GGUF on %s: formats without a kernel there run dequantized to %s (loaded so)", device, dtype)
     return kept, floats

@@ -1,10 +1,10 @@
 """A GGUF projection kept quantized on a CUDA device: ``QuantLinear``'s sibling for the GPU.
 
 The weight stays the file's own rows of blocks (engine/quant/weight.py), copied to the device as bytes,
-and every call runs the Triton kernel of kernels/triton/quant_matmul.py on them: Q8_0, Q4_0, Q4_1 and
-Q4_K. The CPU's C kernels and their forms (engine/quant/linear.py) are not involved. Q6_K has no kernel
-here yet: ``cuda_linear_for`` returns None for it and the loader keeps the float weight it made at load
-(dequantized to the model's dtype), saying so in its log.
+and every call runs the Triton kernel of kernels/triton/quant_matmul.py on them: Q8_0, Q4_0, Q4_1,
+Q4_K and Q6_K. The CPU's C kernels and their forms (engine/quant/linear.py) are not involved. A format
+with no kernel here (this package's CPU ``I8``): ``cuda_linear_for`` returns None and the loader keeps
+the float weight it made at load (dequantized to the model's dtype), saying so in its log.
 """
 
 from __future__ import annotations

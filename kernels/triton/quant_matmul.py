@@ -1,8 +1,8 @@
-"""``x @ W^T`` for a weight kept as GGUF's raw Q8_0, Q4_0, Q4_1 or Q4_K blocks on the device (Triton, for
-CUDA; tests run it under the CPU interpreter).
+"""``x @ W^T`` for a weight kept as GGUF's raw Q8_0, Q4_0, Q4_1, Q4_K or Q6_K blocks on the device (Triton,
+for CUDA; tests run it under the CPU interpreter).
 
 The weight is its rows of blocks as the file stores them (engine/quant/weight.py: ``[out, row_bytes]``
-uint8); a block holds 32 values of one input row, a Q4_K super-block 256 (ggml's layouts,
+uint8); a block holds 32 values of one input row, a K-quant super-block 256 (ggml's layouts,
 kernels/cpu/quant_formats.h):
 
 - Q8_0, 34 bytes: fp16 scale ``d``, then 32 int8 ``q``; value = ``d * q``.
@@ -12,6 +12,9 @@ kernels/cpu/quant_formats.h):
 - Q4_K, 144 bytes per 256 values: fp16 ``d``, fp16 ``dmin``, 12 bytes of eight 6-bit (scale, min) pairs
   (ggml's ``get_scale_min_k4``), then 128 bytes of nibbles: sub-block ``s`` (32 values) is the low
   (``s`` even) or high nibbles of bytes ``32 * (s // 2)`` on; value = ``d * scale_s * nibble - dmin * min_s``.
+- Q6_K, 210 bytes per 256 values: 128 bytes of low nibbles, 64 of 2-bit high parts, 16 int8 scales (one
+  per 16 values), fp16 ``d`` last; value = ``d * scale * (q - 32)`` (ggml's ``dequantize_row_q6_K`` order).
+  Its scales change every 16 values, so it walks the input 16 at a time (``_q6_k_product``).
 
 Each program owns a ``[BLOCK_M, BLOCK_N]`` tile of the output and walks the input one block (32 values) at
 a time: ``tl.dot`` of the activations with the block's integers (exact in bf16/fp16: |q| <= 128), then
@@ -28,7 +31,7 @@ import torch
 from kernels.triton.triton_or_stub import tl, triton
 
 # format -> (values per block, bytes per block, code the kernel branches on)
-FORMATS = {"Q8_0": (32, 34, 0), "Q4_0": (32, 18, 1), "Q4_1": (32, 20, 2), "Q4_K": (256, 144, 3)}
+FORMATS = {"Q8_0": (32, 34, 0), "Q4_0": (32, 18, 1), "Q4_1": (32, 20, 2), "Q4_K": (256, 144, 3), "Q6_K": (256, 210, 4)}
 QK = 32  # values per (sub-)block: the kernel's step along the input
 
 
@@ -53,6 +56,35 @@ def _k4_scale_min(base, sub, mask):
 
 
 @triton.jit
+def _q6_k_product(x_ptr, w_rows, rows, row_ok, col_ok, K, stride_xm, acc, BLOCK_BYTES: tl.constexpr, UPCAST):
+    """``acc`` plus x times Q6_K rows, 16 values (one int8 scale) at a time: its quants (-32..31) are exact
+    in bf16/fp16; the scale ``d * sc`` (fp16 by int8) is exact in float32 and multiplies each partial dot."""
+    h = tl.arange(0, 16)
+    for group in range(0, K // 16):
+        x = tl.load(
+            x_ptr + rows[:, None].to(tl.int64) * stride_xm + group * 16 + h[None, :], mask=row_ok[:, None], other=0.0
+        )  # [BLOCK_M, 16]
+        base = w_rows + (group // 16) * BLOCK_BYTES  # [BLOCK_N] the super-block: ql[128] qh[64] sc[16] d
+        g = group % 16  # the 16-value group in it
+        half = g // 8  # which 128 values
+        quarter = (g // 2) % 4  # which 32 of those
+        at = (g % 2) * 16 + h  # [16] position within the 32
+        ql = tl.load(base[None, :] + 64 * half + 32 * (quarter % 2) + at[:, None], mask=col_ok[None, :], other=0)
+        qh = tl.load(base[None, :] + 128 + 32 * half + at[:, None], mask=col_ok[None, :], other=0)
+        q = ((ql.to(tl.int16) >> (4 * (quarter // 2))) & 0xF) | (((qh.to(tl.int16) >> (2 * quarter)) & 3) << 4)
+        q = (q - 32).to(tl.int16)  # [16, BLOCK_N]
+        sc = tl.load(base + 192 + 8 * half + (g % 2) + 2 * quarter, mask=col_ok, other=0).to(tl.int16)
+        sc = tl.where(sc >= 128, sc - 256, sc)  # the byte as int8
+        scale = _fp16_at(base + 208, col_ok) * sc.to(tl.float32)
+        if UPCAST:
+            part = tl.dot(x.to(tl.float32), q.to(tl.float32), input_precision="ieee")
+        else:
+            part = tl.dot(x, q.to(x.dtype))
+        acc += part * scale[None, :]
+    return acc
+
+
+@triton.jit
 def quant_matmul_kernel(
     x_ptr,  # [M, K] activations, row stride stride_xm
     w_ptr,  # [N, ROW_BYTES] uint8 blocks
@@ -64,7 +96,7 @@ def quant_matmul_kernel(
     stride_xm,
     stride_om,
     ROW_BYTES,
-    FORMAT: tl.constexpr,  # 0 Q8_0, 1 Q4_0, 2 Q4_1, 3 Q4_K
+    FORMAT: tl.constexpr,  # 0 Q8_0, 1 Q4_0, 2 Q4_1, 3 Q4_K, 4 Q6_K
     BLOCK_BYTES: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     UPCAST: tl.constexpr,  # float32 operands and IEEE products (fp32 inputs; the interpreter cannot dot bf16)
@@ -85,39 +117,44 @@ def quant_matmul_kernel(
         q_off = j % 16  # byte j % 16 holds value j in its low (j < 16) or high (j >= 16) nibble
     shift = (j // 16) * 4
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for block in range(0, K // 32):
-        x = tl.load(
-            x_ptr + rows[:, None].to(tl.int64) * stride_xm + block * 32 + j[None, :], mask=row_ok[:, None], other=0.0
-        )  # [BLOCK_M, 32]
-        if FORMAT == 3:
-            base = w_rows + (block // 8) * BLOCK_BYTES  # [BLOCK_N] the super-block
-            sub = block % 8
-            raw = tl.load(base[None, :] + 16 + 32 * (sub // 2) + j[:, None], mask=col_ok[None, :], other=0)
-            q = ((raw.to(tl.int16) >> ((sub % 2) * 4)) & 0xF).to(tl.int16)
-            scale, low = _k4_scale_min(base, sub, col_ok)
-        else:
-            base = w_rows + block * BLOCK_BYTES  # [BLOCK_N]
-            header = 4 if FORMAT == 2 else 2
-            raw = tl.load(base[None, :] + header + q_off[:, None], mask=col_ok[None, :], other=0)  # [32, BLOCK_N]
-            if FORMAT == 0:
-                q = raw.to(tl.int16)
-                q = tl.where(q >= 128, q - 256, q)  # the byte as int8
+    if FORMAT == 4:
+        acc = _q6_k_product(x_ptr, w_rows, rows, row_ok, col_ok, K, stride_xm, acc, BLOCK_BYTES, UPCAST)
+    else:
+        for block in range(0, K // 32):
+            x = tl.load(
+                x_ptr + rows[:, None].to(tl.int64) * stride_xm + block * 32 + j[None, :],
+                mask=row_ok[:, None],
+                other=0.0,
+            )  # [BLOCK_M, 32]
+            if FORMAT == 3:
+                base = w_rows + (block // 8) * BLOCK_BYTES  # [BLOCK_N] the super-block
+                sub = block % 8
+                raw = tl.load(base[None, :] + 16 + 32 * (sub // 2) + j[:, None], mask=col_ok[None, :], other=0)
+                q = ((raw.to(tl.int16) >> ((sub % 2) * 4)) & 0xF).to(tl.int16)
+                scale, low = _k4_scale_min(base, sub, col_ok)
             else:
-                q = ((raw.to(tl.int16) >> shift[:, None]) & 0xF).to(tl.int16)
-                if FORMAT == 1:
-                    q = q - 8
-            scale = _fp16_at(base, col_ok)  # [BLOCK_N]
-            if FORMAT == 2:
-                low = _fp16_at(base + 2, col_ok)  # Q4_1's min
+                base = w_rows + block * BLOCK_BYTES  # [BLOCK_N]
+                header = 4 if FORMAT == 2 else 2
+                raw = tl.load(base[None, :] + header + q_off[:, None], mask=col_ok[None, :], other=0)  # [32, BLOCK_N]
+                if FORMAT == 0:
+                    q = raw.to(tl.int16)
+                    q = tl.where(q >= 128, q - 256, q)  # the byte as int8
+                else:
+                    q = ((raw.to(tl.int16) >> shift[:, None]) & 0xF).to(tl.int16)
+                    if FORMAT == 1:
+                        q = q - 8
+                scale = _fp16_at(base, col_ok)  # [BLOCK_N]
+                if FORMAT == 2:
+                    low = _fp16_at(base + 2, col_ok)  # Q4_1's min
+                else:
+                    low = scale  # no min term (unused below)
+            if UPCAST:
+                part = tl.dot(x.to(tl.float32), q.to(tl.float32), input_precision="ieee")
             else:
-                low = scale  # no min term (unused below)
-        if UPCAST:
-            part = tl.dot(x.to(tl.float32), q.to(tl.float32), input_precision="ieee")
-        else:
-            part = tl.dot(x, q.to(x.dtype))  # integers up to 128 are exact in bf16 and fp16
-        acc += part * scale[None, :]
-        if FORMAT >= 2:
-            acc += tl.sum(x.to(tl.float32), axis=1)[:, None] * low[None, :]
+                part = tl.dot(x, q.to(x.dtype))  # integers up to 128 are exact in bf16 and fp16
+            acc += part * scale[None, :]
+            if FORMAT >= 2:
+                acc += tl.sum(x.to(tl.float32), axis=1)[:, None] * low[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     out = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :]

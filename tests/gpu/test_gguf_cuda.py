@@ -1,4 +1,4 @@
-"""GGUF weights kept quantized on CUDA (Q8_0, Q4_0, Q4_1, Q4_K: kernels/triton/quant_matmul.py through
+"""GGUF weights kept quantized on CUDA (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K: kernels/triton/quant_matmul.py through
 engine/quant/cuda_linear.py), on a real GPU; skipped without CUDA (tests/gpu/conftest.py). Written and
 checked under the CPU interpreter only (tests/test_quant_matmul_triton.py, tests/test_gguf_triton_path.py):
 not yet run on a GPU.
@@ -44,7 +44,7 @@ PROMPTS = [[5, 6, 7, 8, 9, 10], list(range(20, 60)), [300]]
 def test_gpu_quant_matmul_full_size(type_name: str, dtype: torch.dtype, m: int, n: int, k: int) -> None:
     rng = np.random.default_rng(m + n + k)
     made = [hand_blocks(rng, type_name, n, k)]
-    if type_name != "Q4_K":  # gguf's quantizer writes no K-quants
+    if not type_name.endswith("_K"):  # gguf's quantizer writes no K-quants
         made.append(file_blocks(rng, type_name, n, k))
     for blocks in made:
         x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32)).to(dtype)
