@@ -5,7 +5,9 @@ within a layer: a fused projection whose parts differ stays float). The LM head 
 format (``output``, or ``token_embd`` when tied), as llama.cpp runs it: in float32 it is the largest
 weight a decode step reads (SmolLM2's 49152 x 576 head is 113 MB of a step's 226 MB at Q8_0). The
 embedding's rows are gathered from a float32 copy (one row per token: no step reads it whole), and
-the norms stay float. CPU float32 only: the kernels are CPU ones.
+the norms stay float. On CPU with float32 weights the C kernels run them (engine/quant/apply.py); on CUDA
+the Triton kernel does (engine/quant/cuda_linear.py) for Q8_0/Q4_0/Q4_1, and the other formats keep the
+float weight the loader made (dequantized to the model's dtype at load, logged).
 """
 
 from __future__ import annotations
@@ -13,10 +15,12 @@ from __future__ import annotations
 import logging
 from collections import Counter
 
+import torch
 from torch import nn
 
 from engine.model.gguf_tensors import GGUFTensors
 from engine.quant.apply import linear_for, set_projection
+from engine.quant.cuda_linear import cuda_linear_for
 from engine.quant.weight import QuantizedWeight, concat_rows
 
 log = logging.getLogger(__name__)
@@ -30,10 +34,18 @@ PARTS = {
 }
 
 
-def keep_quantized(lm: nn.Module, tensors: GGUFTensors) -> tuple[Counter, Counter]:
-    """Swaps each projection whose parts are one quantized format for its quantized linear; returns
-    (kept projections by format, float projections by their parts' formats) and logs both."""
+def keep_quantized(
+    lm: nn.Module, tensors: GGUFTensors, device: torch.device = torch.device("cpu"), dtype: torch.dtype = torch.float32
+) -> tuple[Counter, Counter]:
+    """Swaps each projection whose parts are one quantized format for its quantized linear on ``device``;
+    returns (kept projections by format, float projections by their parts' formats) and logs both."""
     kept, floats = Counter(), Counter()
+
+    def make(record: QuantizedWeight, bias) -> nn.Module | None:
+        if device.type == "cpu":
+            return linear_for(record, bias)
+        return cuda_linear_for(record, bias, device, dtype)  # None: no kernel, the float weight stays
+
     for i, layer in enumerate(lm.layers):
         for fused, parts in PARTS.items():
             weights = [tensors.weight(f"model.layers.{i}.{part}.weight") for part in parts]
@@ -42,17 +54,26 @@ def keep_quantized(lm: nn.Module, tensors: GGUFTensors) -> tuple[Counter, Counte
                 floats["+".join(sorted(kinds))] += 1
                 continue
             record = weights[0] if len(weights) == 1 else concat_rows(weights)
-            set_projection(layer, fused, linear_for(record, layer.get_submodule(fused).bias))
+            module = make(record, layer.get_submodule(fused).bias)
+            if module is None:
+                floats[f"{record.type_name} (no {device.type} kernel)"] += 1
+                continue
+            set_projection(layer, fused, module)
             kept[record.type_name] += 1
     head = tensors.weight("model.embed_tokens.weight" if lm.config.tie_word_embeddings else "lm_head.weight")
-    if isinstance(head, QuantizedWeight):
-        lm.quantized_head = linear_for(head)  # float32 when no kernel builds here (linear_for says so)
+    module = make(head, None) if isinstance(head, QuantizedWeight) else None
+    if module is not None:
+        lm.quantized_head = module  # on CPU a float32 Linear when no kernel builds here (linear_for says so)
         kept[f"{head.type_name} LM head"] += 1
+    elif isinstance(head, QuantizedWeight):
+        floats[f"{head.type_name} LM head (no {device.type} kernel)"] += 1
     else:
         floats["float LM head"] += 1
     log.info(
-        "GGUF projections kept quantized: %s; run in float32 (dequantized at load): %s",
+        "GGUF projections kept quantized on %s: %s; run in %s (dequantized at load): %s",
+        device.type,
         ", ".join(f"{k} x{n}" for k, n in kept.most_common()) or "none",
+        str(dtype).removeprefix("torch."),
         ", ".join(f"{k} x{n}" for k, n in floats.most_common()) or "none",
     )
     return kept, floats

@@ -59,8 +59,8 @@ def load_model(
         else:
             tensors = _open_checkpoint(path, stack)
         _fill_parameters(lm, config, tensors, dtype, device)
-        if gguf_file is not None and device.type == "cpu" and dtype == torch.float32:
-            keep_quantized(lm, tensors)  # the quantized kernels are CPU float32 ones (engine/model/gguf_quant.py)
+        if gguf_file is not None and (device.type == "cuda" or (device.type == "cpu" and dtype == torch.float32)):
+            keep_quantized(lm, tensors, device, dtype)  # C kernels on CPU float32, Triton on CUDA (gguf_quant.py)
     return lm.eval(), config
 
 

@@ -95,7 +95,7 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] -> [S, vocab] float32
         hidden = self.norm(hidden)
         if self.quantized_head is not None:
-            return self.quantized_head(hidden)
+            return self.quantized_head(hidden).float()  # CUDA's (engine/quant/cuda_linear.py) is in bf16
         if self.lm_head_copies is None:  # no forms chosen (CUDA, or before timing): plain
             return F.linear(hidden, self.lm_head).float()
         return linear(hidden, self.lm_head_copies, forms=self.lm_head_forms).float()
