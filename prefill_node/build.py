@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import zmq
 from prometheus_client import CollectorRegistry
 
 from configs.model_source import resolve_model
-from configs.schema import PdserveConfig
+from configs.schema import EngineConfig, PdserveConfig
 from engine.llm import build_engine
 from kvtransfer.transports import TRANSPORTS
 from prefill_node.metrics import PrefillMetrics
@@ -38,12 +40,19 @@ def resolve_model_path(config: PdserveConfig) -> str:
     return str(resolve_model(config.model.path, config.model.cache_dir))
 
 
+def prefill_engine_config(config: PdserveConfig) -> EngineConfig:
+    """The engine settings of a prefill worker: the cluster's, less speculation. A prefill worker samples
+    only each prompt's first token and never runs a decode step, so a draft model (and its KV pool, as
+    large as the target's) would be loaded for nothing; the decode workers, which speculate, build it."""
+    return dataclasses.replace(config.engine, speculative_config="")
+
+
 def build_prefill_server(
     config: PdserveConfig, ctx: zmq.Context, registry: CollectorRegistry | None = None
 ) -> PrefillServer:
     """Raises ClusterKeyError (before loading the model) without a usable cluster key."""
     security = plane_security(config.transfer.cluster_key_file, config.transfer.insecure, "prefill")
-    engine = build_engine(resolve_model_path(config), config.model, config.engine, lora_cfg=config.lora)
+    engine = build_engine(resolve_model_path(config), config.model, prefill_engine_config(config), lora_cfg=config.lora)
     metrics = PrefillMetrics(registry or CollectorRegistry(), config.model.name_for_clients())
     options = options_from_config(config)
     tracer = tracer_for("prefill", options.worker_id, config.observability.otlp_traces_endpoint)

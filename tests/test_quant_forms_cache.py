@@ -1,5 +1,6 @@
 """The quantized weights' matmul forms kept on disk (engine/quant/forms.py through kernels/cpu/forms_cache.py):
-a second start on the same machine takes the stored picks without timing; a changed key (shapes, format,
+a second start on the same machine takes the stored picks without timing (a file of an older build that
+still carries the constant ``"prefill": "panel"`` too); a changed key (shapes, format,
 thread count, kernels' build) times again; a file others may write is not trusted."""
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def test_second_start_reads_the_cache_and_a_changed_key_times_again(timings, mon
     assert timings == [["I8 64x64", "I8 96x64"]]
     [path] = tmp_path.glob("forms-*.json")
     stored = json.loads(path.read_text())
-    assert stored == {g: {"per_bucket": list(picks), "prefill": "panel"} for g, picks in first.items()}
+    assert stored == {g: {"per_bucket": list(picks)} for g, picks in first.items()}  # no prefill pick: there is none
     assert all(set(p) <= set(QUANT_FORMS) and len(p) == len(ROW_BUCKETS) for p in first.values())
 
     monkeypatch.setattr(forms, "_picked", {})  # the next process
@@ -70,6 +71,17 @@ def test_second_start_reads_the_cache_and_a_changed_key_times_again(timings, mon
     monkeypatch.setenv("PDSERVE_RETIME_CPU_FORMS", "1")
     forms.choose_quant_forms(_modules())
     assert len(timings) == 4
+
+
+def test_a_file_written_with_the_old_constant_prefill_entry_is_still_read(timings, monkeypatch, tmp_path):
+    first = forms.choose_quant_forms(_modules())
+    [path] = tmp_path.glob("forms-*.json")
+    old = {g: {"per_bucket": list(picks), "prefill": "panel"} for g, picks in first.items()}  # before it was dropped
+    path.write_text(json.dumps(old))
+    monkeypatch.setattr(forms, "_picked", {})
+    modules = _modules()
+    assert forms.choose_quant_forms(modules) == first and len(timings) == 1  # read, not timed again
+    assert [m.per_bucket for m in modules] == [first[f"I8 {m.out_features}x64"] for m in modules]
 
 
 def test_a_file_others_may_write_is_removed_and_timed_again(timings, monkeypatch, tmp_path):

@@ -20,6 +20,7 @@ from cluster.keygen import write_private_key
 from configs.schema import EX_CONFIG
 from tests.cluster_harness import ServeProcess, free_port
 from tests.model_factory import tiny_model_dir
+from tests.netns import poll_until
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -142,6 +143,13 @@ def test_a_member_that_fails_its_configuration_is_not_restarted(tmp_path):
     assert "restarting" not in result.stdout
 
 
+# A hang detector, not a speed check: past the longest a stop may take when a member does not go on
+# its own (drain_timeout_s, 30 s by default, + 5 s of grace per group, workers then gateways: 70 s,
+# after which the supervisor SIGKILLs it) and past any start on a loaded machine; far short of the
+# --ready-timeout a stop while starting must not wait for.
+HANG_S = 300.0
+
+
 def children_of(pid: int) -> list[int]:
     with open(f"/proc/{pid}/task/{pid}/children") as f:
         return [int(p) for p in f.read().split()]
@@ -167,14 +175,12 @@ def test_sigterm_stops_serve_while_a_member_crash_loops(tmp_path):
         cluster.wait_until(
             lambda: sum("gateway exited" in line for line in cluster.log) >= 3,
             "the gateway crash-looping",
-            timeout_s=120,
+            timeout_s=HANG_S,  # each new gateway imports, fails to bind and exits: long on a busy machine
             poll_s=0.2,
         )
         members = children_of(cluster.proc.pid)
-        started = time.monotonic()
         cluster.proc.send_signal(signal.SIGTERM)
-        assert cluster.proc.wait(timeout=5.0 + 5 + 30) == 0  # drain timeout + the supervisor's grace + slack
-    assert time.monotonic() - started < 5.0 + 5 + 30
+        assert cluster.proc.wait(timeout=HANG_S) == 0  # it stopped (it used to restart the gateway for ever)
     for pid in members:
         assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
 
@@ -185,6 +191,15 @@ def _bound(sock: socket.socket, port: int) -> bool:
         return True
     except OSError:
         return False
+
+
+def _running_workers(supervisor: int) -> tuple[list[int], list[int]] | None:
+    """(every member, the two workers) once both workers run as themselves: a child is listed from its
+    fork, but shows the supervisor's own command line until it has exec'd ``python -m prefill_node``
+    (a while on a busy machine)."""
+    members = children_of(supervisor)
+    workers = [pid for pid in members if "_node" in cmdline(pid)]
+    return (members, workers) if len(workers) == 2 else None
 
 
 def test_sigterm_while_starting_stops_serve_at_once(tmp_path):
@@ -204,26 +219,28 @@ def test_sigterm_while_starting_stops_serve_at_once(tmp_path):
         "--decode",
         "1",
         "--ready-timeout",
-        "600",
+        "3600",
     ]
     proc = subprocess.Popen(
         argv, cwd=ROOT, env=offline_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
     )
+    workers: list[int] = []
     try:
         assert proc.stdout.readline().startswith("pdserve: gateway http://")  # just before the members start
-        give_up = time.monotonic() + 30
-        while len(members := children_of(proc.pid)) < 3 and time.monotonic() < give_up:
-            time.sleep(0.05)
-        workers = [pid for pid in members if "_node" in cmdline(pid)]
-        assert len(workers) == 2, [cmdline(pid) for pid in members]
+        running = poll_until(lambda: _running_workers(proc.pid), HANG_S, poll_s=0.05)
+        assert running, [cmdline(pid) for pid in children_of(proc.pid)]
+        members, workers = running
         for pid in workers:
             os.kill(pid, signal.SIGSTOP)
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0  # not --ready-timeout's 600 s
+        assert proc.wait(timeout=HANG_S) == 0  # it waited for no worker to register (--ready-timeout 3600 s)
     finally:
-        if proc.poll() is None:  # a failed test leaves nothing running (its members die with it)
+        if proc.poll() is None:  # a failed test leaves nothing running
             proc.kill()
             proc.wait()
+        for pid in workers:  # the kernel's SIGTERM on the supervisor's death waits on a stopped process
+            if Path(f"/proc/{pid}").exists() and "_node" in cmdline(pid):
+                os.kill(pid, signal.SIGKILL)
     assert "ready" not in proc.stdout.read()
     for pid in members:
         assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]

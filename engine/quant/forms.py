@@ -37,16 +37,16 @@ def choose_quant_forms(modules: list[QuantLinear], repeats: int = 2) -> dict[str
         lib = todo[next(iter(todo))][0].lib
         # "quantized" apart from the float forms' keys; the library's name carries its source's hash
         path = forms_cache.path_for(("quantized", tuple(sorted(keys[g] for g in todo))), lib.name)
-        stored = forms_cache.load(path, list(todo), QUANT_FORMS, len(ROW_BUCKETS), prefill_forms=("panel",))
+        stored = forms_cache.load_per_bucket(path, list(todo), QUANT_FORMS, len(ROW_BUCKETS))
         if stored is None:
             log.info("timing quantized matmul forms for %d weight shapes (the picks are kept in %s)", len(todo), path)
             started = time.monotonic()
             picks = _timed(todo, repeats)
-            forms_cache.store(path, {g: (per_bucket, "panel") for g, per_bucket in picks.items()})
+            forms_cache.store_per_bucket(path, picks)
             log.info("timed quantized matmul forms in %.1f s", time.monotonic() - started)
         else:
             log.info("quantized matmul forms found in the cache %s: no timing", path)
-            picks = {g: per_bucket for g, (per_bucket, _) in stored.items()}
+            picks = stored
         for g, per_bucket in picks.items():
             _picked[keys[g]] = per_bucket
     chosen = {g: _picked[keys[g]] for g in groups}

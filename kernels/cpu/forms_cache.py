@@ -28,7 +28,9 @@ import logging
 import os
 import stat
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -37,7 +39,12 @@ from kernels.cpu import trusted_cache
 
 log = logging.getLogger(__name__)
 
-Picks = dict[str, tuple[tuple[str, ...], str]]  # group -> (form per row bucket, prefill form)
+T = TypeVar("T")
+
+Picks = dict[str, tuple[tuple[str, ...], str]]  # group -> (form per row bucket, prefill form): the float forms
+BucketPicks = dict[
+    str, tuple[str, ...]
+]  # group -> form per row bucket: the quantized forms, which have no prefill pick
 
 
 def cache_dir() -> Path:
@@ -75,32 +82,61 @@ def load(
     num_buckets: int,
     prefill_forms: tuple[str, ...] = ("packed", "plain"),
 ) -> Picks | None:
-    """The picks stored at ``path`` when they cover exactly ``groups`` with known forms; else None."""
+    """The float picks stored at ``path`` when they cover exactly ``groups`` with known forms; else None."""
+
+    def parse(entry: dict) -> tuple[tuple[str, ...], str]:
+        if entry["prefill"] not in prefill_forms:
+            raise ValueError(f"unknown prefill form {entry['prefill']!r}")
+        return _per_bucket(entry, forms, num_buckets), entry["prefill"]
+
+    return _load(path, groups, parse)
+
+
+def load_per_bucket(path: Path, groups: list[str], forms: tuple[str, ...], num_buckets: int) -> BucketPicks | None:
+    """The quantized picks stored at ``path`` (a form per row bucket) when they cover exactly ``groups``
+    with known forms; else None. Files written before they lost their constant ``"prefill": "panel"``
+    (no pick: every prompt row count past the buckets takes the last bucket's form) still carry it; it is
+    ignored, so those files stay readable and no worker times again for it."""
+    return _load(path, groups, lambda entry: _per_bucket(entry, forms, num_buckets))
+
+
+def _load(path: Path, groups: list[str], parse: Callable[[dict], T]) -> dict[str, T] | None:
     if os.environ.get("PDSERVE_RETIME_CPU_FORMS") == "1" or not _trusted(path):
         return None
     try:
         stored = json.loads(path.read_text())
-        picks = {g: (tuple(stored[g]["per_bucket"]), stored[g]["prefill"]) for g in groups}
-        valid = set(stored) == set(groups) and all(
-            len(per_bucket) == num_buckets and all(f in forms for f in per_bucket) and prefill in prefill_forms
-            for per_bucket, prefill in picks.values()
-        )
+        if set(stored) != set(groups):
+            raise ValueError("other weight groups")
+        return {g: parse(stored[g]) for g in groups}
     except OSError:  # none yet
         return None
     except (ValueError, KeyError, TypeError):  # not JSON, or not this shape
-        valid = False
-    if not valid:
         log.warning("CPU matmul forms cache %s is damaged or from another build; timing again", path)
         return None
-    return picks
+
+
+def _per_bucket(entry: dict, forms: tuple[str, ...], num_buckets: int) -> tuple[str, ...]:
+    per_bucket = tuple(entry["per_bucket"])
+    if len(per_bucket) != num_buckets or not all(f in forms for f in per_bucket):
+        raise ValueError(f"per-bucket forms {per_bucket!r} are not {num_buckets} of {forms}")
+    return per_bucket
 
 
 def store(path: Path, picks: Picks) -> None:
-    """Writes ``picks`` to ``path`` whole or not at all (a temporary file renamed over it)."""
-    body = json.dumps(
-        {g: {"per_bucket": list(per_bucket), "prefill": prefill} for g, (per_bucket, prefill) in picks.items()},
-        indent=1,
+    """Writes the float ``picks`` to ``path`` whole or not at all."""
+    _write(
+        path, {g: {"per_bucket": list(per_bucket), "prefill": prefill} for g, (per_bucket, prefill) in picks.items()}
     )
+
+
+def store_per_bucket(path: Path, picks: BucketPicks) -> None:
+    """Writes the quantized ``picks`` to ``path`` whole or not at all."""
+    _write(path, {g: {"per_bucket": list(per_bucket)} for g, per_bucket in picks.items()})
+
+
+def _write(path: Path, entries: dict[str, dict]) -> None:
+    """``entries`` as JSON at ``path``, whole or not at all (a temporary file renamed over it)."""
+    body = json.dumps(entries, indent=1)
     tmp = None
     try:
         trusted_cache.private_dir(path.parent)

@@ -30,9 +30,10 @@ MEMBERS = ["gateway"] + WORKERS
 BLOCK = 16
 LEASE_S = 2.0  # a reservation a dead or cut-off peer stops renewing is freed after this
 WORKER_TIMEOUT_S = 2.0  # the gateway drops a worker silent this long
+MAX_NUM_SEQS = 2  # sequences a worker runs at once: a prefill worker's further jobs wait
 SETTINGS = {  # section -> field -> value, the same in both clusters
     # small chunks and batches: a prompt takes many steps, so each phase lasts long enough to strike in
-    "engine": {"block_size": BLOCK, "prefill_chunk_size": 8, "kv_cache_memory_mb": 8, "max_num_seqs": 2},
+    "engine": {"block_size": BLOCK, "prefill_chunk_size": 8, "kv_cache_memory_mb": 8, "max_num_seqs": MAX_NUM_SEQS},
     "gateway": {
         "local_prefill_max_tokens": 0,
         "worker_heartbeat_s": 0.2,

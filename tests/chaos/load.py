@@ -3,6 +3,7 @@ fate of every request it sent: exact, a clear error, or a failure (wrong text, h
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from dataclasses import dataclass, field
@@ -54,19 +55,22 @@ class Outcome:
     detail: str = ""
 
 
-def send(url: str, model: str, prompt: Prompt) -> Outcome:
+def send(url: str, model: str, prompt: Prompt, cache_salt: str = "") -> Outcome:
+    """``cache_salt`` (vLLM's): the prompt shares no prefix-cache block with any other request, so every
+    worker computes it whole; the greedy text is the same."""
     started = time.monotonic()
+    body = {
+        "model": model,
+        "prompt": [prompt.token_ids],
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0.0,
+        "ignore_eos": True,
+    }
     try:
         response = httpx.post(
             f"{url}/v1/completions",
             timeout=REQUEST_DEADLINE_S,
-            json={
-                "model": model,
-                "prompt": [prompt.token_ids],
-                "max_tokens": MAX_TOKENS,
-                "temperature": 0.0,
-                "ignore_eos": True,
-            },
+            json=body | ({"cache_salt": cache_salt} if cache_salt else {}),
         )
     except httpx.TimeoutException as exc:
         return Outcome("hung", started, time.monotonic(), f"no answer within {REQUEST_DEADLINE_S:.0f} s: {exc!r}")
@@ -106,6 +110,7 @@ class Load:
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._threads = [threading.Thread(target=self._client, daemon=True) for _ in range(self.clients)]
+        self._bursts = itertools.count()
 
     def start(self) -> Load:
         for thread in self._threads:
@@ -122,6 +127,22 @@ class Load:
                 self.outcomes.append(outcome)
             if outcome.kind != "ok":
                 time.sleep(0.2)  # a gateway that is down refuses at once: do not spin
+
+    def burst(self, prompts: list[Prompt]) -> None:
+        """Send each of ``prompts`` once, all at once beside the clients, under a cache salt new to the
+        cluster: every one of them is computed whole by a prefill worker (none hits a prefix cache), so
+        more arriving together than the prefill pool runs at once must queue there. Their outcomes are
+        counted and checked with the clients'."""
+        salt = f"chaos-burst-{next(self._bursts)}-{time.monotonic_ns()}"
+        for prompt in prompts:
+            thread = threading.Thread(target=self._send_once, args=(prompt, salt), daemon=True)
+            self._threads.append(thread)
+            thread.start()
+
+    def _send_once(self, prompt: Prompt, cache_salt: str) -> None:
+        outcome = send(self.url, self.model, prompt, cache_salt)
+        with self._lock:
+            self.outcomes.append(outcome)
 
     def send_from(self, prompts: list[Prompt]) -> None:
         """Go on with these prompts instead (those in flight finish)."""

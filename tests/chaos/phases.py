@@ -16,14 +16,24 @@ compute is done but whose blocks are still pinned for (or being written to) a de
 | decoding     | a decode worker is decoding                | D runs a decode batch (num_requests_running)        |
 
 The gateway holds every request, so a gateway fault's phase is the first column's on any worker.
+
+A phase the steady load reaches only by chance is reached by construction instead (``nudge``, called
+at the start and again while the phase is not seen). Queued is one: the load repeats its prompts, which
+the workers soon hold in their prefix caches, so a prefill job is computed in a step or two and a job
+waits on a prefill worker only when several happen to arrive together. On a loaded machine (2 cores,
+load average 8) that window was missed for 30 s in 2 of 3 runs. Its nudge sends a burst of prompts no
+cache holds (Load.burst), more than the prefill pool runs at once: the excess waits on a prefill worker
+for as long as the first of them take to compute, chunk by chunk, however slow the machine is.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 PHASES = ("queued", "prefilling", "transferring", "decoding")
 POLL_S = 0.02
+NUDGE_EVERY_S = 15.0  # the next burst only if the last one's queue was not seen (it should not happen)
 
 
 VLLM_NAMED = ("num_requests_running", "num_requests_waiting")  # the engine gauges under vLLM's names
@@ -72,10 +82,22 @@ def in_phase(cluster, member: str, phase: str, prefillers: list[str], decoders: 
 
 
 def wait_for_phase(
-    cluster, member: str, phase: str, prefillers: list[str], decoders: list[str], timeout_s: float = 30.0
+    cluster,
+    member: str,
+    phase: str,
+    prefillers: list[str],
+    decoders: list[str],
+    nudge: Callable[[], None] | None = None,
+    timeout_s: float = 60.0,
 ) -> bool:
+    """True once the phase is read on ``member``; False after ``timeout_s`` (a hang detector: with a
+    ``nudge`` the phase is there within a few steps of the first one)."""
     give_up = time.monotonic() + timeout_s
+    nudged_at = float("-inf")
     while time.monotonic() < give_up:
+        if nudge is not None and time.monotonic() - nudged_at >= NUDGE_EVERY_S:
+            nudge()
+            nudged_at = time.monotonic()
         if in_phase(cluster, member, phase, prefillers, decoders):
             return True
         time.sleep(POLL_S)

@@ -21,7 +21,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from tests.chaos.clusters import DECODE, PREFILL, WORKER_TIMEOUT_S, WORKERS
+from tests.chaos.clusters import DECODE, MAX_NUM_SEQS, PREFILL, WORKER_TIMEOUT_S, WORKERS
 from tests.chaos.load import Load, Prompt
 from tests.chaos.phases import PHASES, wait_for_phase
 from tests.netns import poll_until
@@ -82,7 +82,8 @@ def run_once(cluster, scenario: Scenario, prompts: list[Prompt], run: int) -> Ru
     warm, fresh = prompts[: len(prompts) // 2], prompts[len(prompts) // 2 :]
     load = Load(cluster.url, cluster.model, warm).start()
     try:
-        if not wait_for_phase(cluster, member, scenario.phase, PREFILL, DECODE):
+        nudge = (lambda: load.burst(queue_burst(warm))) if scenario.phase == "queued" else None
+        if not wait_for_phase(cluster, member, scenario.phase, PREFILL, DECODE, nudge):
             result.failures.append(f"phase {scenario.phase} never observed on {member}")
         else:
             served_before = (
@@ -106,6 +107,12 @@ def run_once(cluster, scenario: Scenario, prompts: list[Prompt], run: int) -> Ru
         result.failures.append(f"not idle {SETTLE_S:.0f} s after the load: {result.leaked_blocks} KV blocks in use")
     result.failures += integrity_failures(cluster)
     return result
+
+
+def queue_burst(prompts: list[Prompt]) -> list[Prompt]:
+    """The longest prompts (the most prefill chunks each), three times as many as the prefill pool runs
+    at once: two thirds of them must queue on a prefill worker while the first third computes."""
+    return sorted(prompts, key=lambda p: len(p.token_ids), reverse=True)[: 3 * len(PREFILL) * MAX_NUM_SEQS]
 
 
 def _inject(cluster, scenario: Scenario, member: str, before: dict[str, str], result: RunResult) -> None:
