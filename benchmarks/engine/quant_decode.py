@@ -1,7 +1,9 @@
 """Decode speed of the whole engine on SmolLM2-135M-Instruct from its GGUF files, quantized (Q8_0, the
 shipped Q4_1: projections in kernels/cpu/quant.c, the decode step one C call) against the f32 file and
 against llama.cpp (the pinned ``llama-server``, benchmarks/peers/llama_server.py) on the same files, the
-systems alternated round by round: ``python -m benchmarks.engine.quant_decode [--streams 1 16]``.
+systems alternated round by round: ``python -m benchmarks.engine.quant_decode [--streams 1 16] [--formats q8_0]
+[--regions]``. ``--regions`` also times each quantized file with kernels/cpu/decode_step_team.c off (the step's
+kernels each in their own parallel region, as before it), in the same rounds.
 
 Per round, system and stream count S: greedy generation of S chat prompts at 1 and at ``1 + tokens``
 output tokens (llama-server: S concurrent ``/completion`` requests, ``--parallel`` S, no prompt cache);
@@ -33,18 +35,27 @@ from engine.sampling.params import SamplingParams
 SUBJECTS = ("a lighthouse keeper", "a baker", "a cartographer", "a beekeeper", "a violin maker", "a ferry pilot")
 
 
-def files() -> dict[str, Path]:
-    return {name: gguf_variants.gguf_file(name) for name in ("f32", "q8_0", "q4_1")}
+FORMATS = ("f32", "q8_0", "q4_1")
+
+
+def files(formats: tuple[str, ...] = FORMATS) -> dict[str, Path]:
+    return {name: gguf_variants.gguf_file(name) for name in formats}
 
 
 def step_bytes(llm: LLM) -> int:
-    """Weight bytes one decode step reads: every layer projection (quantized rows or float32) and the LM head."""
+    """Weight bytes one decode step reads: every layer projection and the LM head (quantized rows or float32)."""
     model = llm.engine.runner.model
     total = 0
     for layer in model.layers:
         for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
-            total += m.qweight.nbytes if isinstance(m, QuantLinear) else m.in_features * m.out_features * 4
-    return total + model.config.vocab_size * model.config.hidden_size * 4  # the LM head, float32 here
+            total += _weight_bytes(m)
+    if model.quantized_head is not None:  # a GGUF file's head in its own format (engine/model/gguf_quant.py)
+        return total + _weight_bytes(model.quantized_head)
+    return total + model.config.vocab_size * model.config.hidden_size * 4
+
+
+def _weight_bytes(m) -> int:
+    return m.qweight.nbytes if isinstance(m, QuantLinear) else m.in_features * m.out_features * 4
 
 
 def prompts(llm: LLM, streams: int) -> list[list[int]]:
@@ -57,7 +68,20 @@ def prompts(llm: LLM, streams: int) -> list[list[int]]:
     return out
 
 
-def step_seconds(llm: LLM, batch: list[list[int]], tokens: int) -> float:
+def step_seconds(llm: LLM, batch: list[list[int]], tokens: int, team: bool = True) -> float:
+    """One decode step's seconds; ``team`` False: with decode_step_team.c off (the per-kernel regions)."""
+    fused = llm.engine.runner.model.fused_decode
+    address = None if fused is None else fused.shape.quant_team
+    if fused is not None and not team:
+        fused.shape.quant_team = None
+    try:
+        return _step_seconds(llm, batch, tokens)
+    finally:
+        if fused is not None:
+            fused.shape.quant_team = address
+
+
+def _step_seconds(llm: LLM, batch: list[list[int]], tokens: int) -> float:
     seconds = []
     for n in (1, 1 + tokens):
         params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
@@ -91,8 +115,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--no-llama", action="store_true", help="pdserve only")
+    parser.add_argument("--formats", nargs="+", choices=FORMATS, default=list(FORMATS))
+    parser.add_argument("--regions", action="store_true", help="also pdserve without decode_step_team.c")
     args = parser.parse_args(argv)
-    paths = files()
+    paths = files(tuple(args.formats))
     engines = {name: LLM(str(path), kv_cache_memory_mb=64, num_threads=args.threads) for name, path in paths.items()}
     batches = {s: prompts(next(iter(engines.values())), s) for s in args.streams}
     servers = {} if args.no_llama else _llama_servers(paths, args.threads, max(args.streams))
@@ -102,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
             for name in paths:
                 for s in args.streams:
                     ms.setdefault(("pdserve", name, s), []).append(step_seconds(engines[name], batches[s], args.tokens))
+                    if args.regions and name != "f32":
+                        seconds = step_seconds(engines[name], batches[s], args.tokens, team=False)
+                        ms.setdefault(("regions", name, s), []).append(seconds)
                     if name in servers:
                         seconds = llama_step_seconds(servers[name], batches[s], args.tokens)
                         ms.setdefault(("llama", name, s), []).append(seconds)
@@ -109,13 +138,19 @@ def main(argv: list[str] | None = None) -> int:
         for server in servers.values():
             server.stop()
     median = {key: statistics.median(v) * 1e3 for key, v in ms.items()}
+    load = ", ".join(f"{v:.1f}" for v in os.getloadavg())
     print(f"# {os.cpu_count()} cpus, {args.threads} threads, {args.tokens} tokens, {args.rounds} rounds alternated")
+    print(f"# load average at the end: {load}")
     for s in args.streams:
         for name in paths:
             step = median["pdserve", name, s]
             line = f"pdserve {name} streams={s}: {step:.2f} ms/step, {s * 1e3 / step:.1f} tok/s"
             line += f", {step_bytes(engines[name]) / step / 1e6:.1f} GB/s of weights"
-            line += f", vs_f32={median['pdserve', 'f32', s] / step:.2f}"
+            if ("pdserve", "f32", s) in median:
+                line += f", vs_f32={median['pdserve', 'f32', s] / step:.2f}"
+            if ("regions", name, s) in median:
+                theirs = median["regions", name, s]
+                line += f" | without the team step {theirs:.2f} ms/step, vs_regions={theirs / step:.2f}"
             if ("llama", name, s) in median:
                 theirs = median["llama", name, s]
                 line += (

@@ -52,6 +52,7 @@ class FusedDecodeStep:
             eps=model.layers[0].input_layernorm.eps,
             scale=model.layers[0].self_attn.scale,
             quant_linear=None if self.quant is None else self.quant.linear_address,
+            quant_team=None if self.quant is None else self.quant.team_address,
         )
         self._takes_rows: dict[int, bool] = {}
 
@@ -92,8 +93,10 @@ class FusedDecodeStep:
         self.shape.kv_int8 = layout.dtype == torch.int8
         rows = x.shape[0]
         quant_scratch = None
-        if self.quant is not None:
-            quant_scratch = torch.empty(self.quant.scratch_bytes(rows, self._widest_input), dtype=torch.uint8)
+        if self.quant is not None:  # one space per thread: kernels/cpu/decode_step_team.c's threads each use one
+            stride = -(-self.quant.scratch_bytes(rows, self._widest_input) // 64) * 64
+            self.shape.quant_scratch_stride = stride
+            quant_scratch = torch.empty(torch.get_num_threads() * stride, dtype=torch.uint8)
         self.native.decode_step(
             self.layers,
             self.shape,

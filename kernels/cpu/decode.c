@@ -148,6 +148,27 @@ int pdserve_decode_supported(int64_t group, int64_t head_dim) {
     case 8: decode_one(qr, kh, vh, table, ctx, o, sc, block_size, token_stride, ctx_pad, scale, 8, C_); break; \
     }
 
+/* One item of pdserve_paged_decode_f32, row item / kv_heads and its KV head item % kv_heads, for a caller
+   whose own threads share the batch * kv_heads items (kernels/cpu/decode_step_team.c). */
+void pdserve_paged_decode_item_f32(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+                                   const int64_t *block_tables, int64_t table_stride, const int64_t *context_lens,
+                                   float *out, float *scratch, int64_t num_heads, int64_t kv_heads, int64_t head_dim,
+                                   int64_t block_size, int64_t ctx_pad, float scale, int64_t item) {
+    const int64_t group = num_heads / kv_heads, token_stride = kv_heads * head_dim;
+    const int64_t b = item / kv_heads, h = item % kv_heads, ctx = context_lens[b];
+    const int64_t *table = block_tables + b * table_stride;
+    const float *qr = q + b * q_stride + h * group * head_dim;
+    const float *kh = k_cache + h * head_dim, *vh = v_cache + h * head_dim;
+    float *o = out + (b * num_heads + h * group) * head_dim;
+    float *sc = scratch + item * group * ctx_pad;
+    switch (head_dim) {
+    case 16: FOR_GROUP(16 / LANES) break;
+    case 32: FOR_GROUP(32 / LANES) break;
+    case 64: FOR_GROUP(64 / LANES) break;
+    case 128: FOR_GROUP(128 / LANES) break;
+    }
+}
+
 /* q: [batch, num_heads, head_dim] with row stride q_stride; caches: [num_blocks, block_size, kv_heads,
    head_dim] contiguous; block_tables: [batch, table_stride] int64; context_lens: [batch] int64, each >= 1;
    out: [batch, num_heads, head_dim] contiguous; scratch: batch * num_heads * ctx_pad floats, ctx_pad a
@@ -156,20 +177,8 @@ void pdserve_paged_decode_f32(const float *q, int64_t q_stride, const float *k_c
                               const int64_t *block_tables, int64_t table_stride, const int64_t *context_lens,
                               float *out, float *scratch, int64_t batch, int64_t num_heads, int64_t kv_heads,
                               int64_t head_dim, int64_t block_size, int64_t ctx_pad, float scale, int num_threads) {
-    const int64_t group = num_heads / kv_heads, token_stride = kv_heads * head_dim;
 #pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1)
-    for (int64_t item = 0; item < batch * kv_heads; item++) {
-        const int64_t b = item / kv_heads, h = item % kv_heads, ctx = context_lens[b];
-        const int64_t *table = block_tables + b * table_stride;
-        const float *qr = q + b * q_stride + h * group * head_dim;
-        const float *kh = k_cache + h * head_dim, *vh = v_cache + h * head_dim;
-        float *o = out + (b * num_heads + h * group) * head_dim;
-        float *sc = scratch + item * group * ctx_pad;
-        switch (head_dim) {
-        case 16: FOR_GROUP(16 / LANES) break;
-        case 32: FOR_GROUP(32 / LANES) break;
-        case 64: FOR_GROUP(64 / LANES) break;
-        case 128: FOR_GROUP(128 / LANES) break;
-        }
-    }
+    for (int64_t item = 0; item < batch * kv_heads; item++)
+        pdserve_paged_decode_item_f32(q, q_stride, k_cache, v_cache, block_tables, table_stride, context_lens, out,
+                                      scratch, num_heads, kv_heads, head_dim, block_size, ctx_pad, scale, item);
 }

@@ -9,58 +9,7 @@
    allocation and ctypes conversion; at a decode step of one sequence those cost about a fifth of the
    step (the kernels themselves stream 12 MB of weights per layer in ~0.5 ms). Here they are one call.
 */
-#include <stddef.h>
-#include <stdint.h>
-
-void pdserve_rms_norm_f32(const float *x, int64_t x_stride, float *residual, const float *weight, float *out,
-                          int64_t rows, int64_t dim, float eps, int num_threads);
-void pdserve_linear_f32(const float *x, int64_t M, int64_t K, const float *wp, int64_t N, const float *bias,
-                        float *out, int num_threads);
-void pdserve_rope_store_f32(float *qkv, int64_t qkv_stride, int64_t tokens, int64_t num_heads, int64_t kv_heads,
-                            int64_t head_dim, const float *cos, const float *sin, const int64_t *slots,
-                            float *k_cache, float *v_cache, int num_threads);
-void pdserve_paged_decode_f32(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
-                              const int64_t *block_tables, int64_t table_stride, const int64_t *context_lens,
-                              float *out, float *scratch, int64_t batch, int64_t num_heads, int64_t kv_heads,
-                              int64_t head_dim, int64_t block_size, int64_t ctx_pad, float scale, int num_threads);
-void pdserve_rope_store_i8(float *qkv, int64_t qkv_stride, int64_t tokens, int64_t num_heads, int64_t kv_heads,
-                           int64_t head_dim, const float *cos, const float *sin, const int64_t *slots,
-                           int8_t *k_cache, int8_t *v_cache, int num_threads);
-void pdserve_paged_decode_i8(const float *q, int64_t q_stride, const int8_t *k_cache, const int8_t *v_cache,
-                             const int64_t *block_tables, int64_t table_stride, const int64_t *context_lens,
-                             float *out, float *scratch, int64_t batch, int64_t num_heads, int64_t kv_heads,
-                             int64_t head_dim, int64_t block_size, int64_t max_context, float scale,
-                             int num_threads);
-void pdserve_silu_mul_f32(const float *gate_up, int64_t gate_up_stride, float *out, int64_t rows, int64_t inter,
-                          int num_threads);
-
-/* quant.c's pdserve_quant_linear */
-typedef void (*QuantLinear)(int type, const float *x, int64_t rows, int64_t K, const uint8_t *w, int64_t N,
-                            int64_t row_bytes, const float *bias, float *y, uint8_t *scratch, int threads);
-
-/* One projection's weight: float32 in linear.c's packed layout (type < 0), else N rows of row_bytes in
-   quant.c's format `type`. */
-typedef struct {
-    const void *w;
-    int64_t type, row_bytes;
-} Projection;
-
-/* One layer's weights: the norms' [hidden] weights, qkv_bias ([q + 2 kv] or NULL), the projections. */
-typedef struct {
-    const float *input_norm, *post_norm, *qkv_bias;
-    Projection qkv, o, gate_up, down;
-} DecodeLayer;
-
-/* The model's shape and a step's attention inputs (tables, context lengths: as pdserve_paged_decode_f32);
-   quant_linear: NULL where every projection is float32; kv_int8: the pool holds int8 rows with their
-   scales (kv_int8_ops.c, decode_int8.c: the same kernels as the int8 layer path), cache_floats then
-   counting its bytes. */
-typedef struct {
-    int64_t hidden, num_heads, kv_heads, head_dim, inter, block_size, cache_floats; /* one layer's K cache */
-    float eps, scale;
-    QuantLinear quant_linear;
-    int64_t kv_int8;
-} DecodeShape;
+#include "decode_step.h"
 
 /* out[rows][N] = x[rows][K] @ W^T (+ bias) with the projection's kernel; quant_scratch: quant.c's work space. */
 static void project(const DecodeShape *s, const Projection *p, const float *x, int64_t rows, int64_t K, int64_t N,
@@ -69,20 +18,59 @@ static void project(const DecodeShape *s, const Projection *p, const float *x, i
     else s->quant_linear((int)p->type, x, rows, K, p->w, N, p->row_bytes, bias, out, quant_scratch, num_threads);
 }
 
-/* Floats of work space a step of `rows` sequences needs, contexts padded to ctx_pad. */
-int64_t pdserve_decode_step_work(const DecodeShape *s, int64_t rows, int64_t ctx_pad) {
+/* Floats of work space a step of `rows` sequences needs, contexts padded to ctx_pad, on num_threads threads
+   (decode_step_team.c's per-thread rows of the residual stream, the normed input and SwiGLU's product). */
+int64_t pdserve_decode_step_work(const DecodeShape *s, int64_t rows, int64_t ctx_pad, int64_t num_threads) {
     const int64_t qkv = (s->num_heads + 2 * s->kv_heads) * s->head_dim, q = s->num_heads * s->head_dim;
-    return rows * (2 * s->hidden + qkv + q + 3 * s->inter + s->num_heads * ctx_pad);
+    const int64_t shared = rows * (2 * s->hidden + qkv + q + 3 * s->inter + s->num_heads * ctx_pad);
+    return shared + num_threads * rows * (2 * s->hidden + s->inter);
+}
+
+void decode_store_kv(const DecodeShape *s, int64_t l, float *qkv, int64_t rows, void *pool, const float *cos,
+                     const float *sin, const int64_t *slots, int num_threads) {
+    const int64_t qkv_size = (s->num_heads + 2 * s->kv_heads) * s->head_dim;
+    if (s->kv_int8) {
+        int8_t *k_cache = (int8_t *)pool + 2 * l * s->cache_floats, *v_cache = k_cache + s->cache_floats;
+        pdserve_rope_store_i8(qkv, qkv_size, rows, s->num_heads, s->kv_heads, s->head_dim, cos, sin, slots, k_cache,
+                              v_cache, num_threads);
+    } else {
+        float *k_cache = (float *)pool + 2 * l * s->cache_floats, *v_cache = k_cache + s->cache_floats;
+        pdserve_rope_store_f32(qkv, qkv_size, rows, s->num_heads, s->kv_heads, s->head_dim, cos, sin, slots, k_cache,
+                               v_cache, num_threads);
+    }
+}
+
+void decode_attend(const DecodeShape *s, int64_t l, const float *qkv, int64_t rows, const void *pool,
+                   const int64_t *block_tables, int64_t table_stride, const int64_t *context_lens, int64_t ctx_pad,
+                   float *attn, float *scores, int num_threads) {
+    const int64_t qkv_size = (s->num_heads + 2 * s->kv_heads) * s->head_dim;
+    if (s->kv_int8) {
+        const int8_t *k_cache = (const int8_t *)pool + 2 * l * s->cache_floats, *v_cache = k_cache + s->cache_floats;
+        pdserve_paged_decode_i8(qkv, qkv_size, k_cache, v_cache, block_tables, table_stride, context_lens, attn,
+                                scores, rows, s->num_heads, s->kv_heads, s->head_dim, s->block_size, ctx_pad,
+                                s->scale, num_threads);
+    } else {
+        const float *k_cache = (const float *)pool + 2 * l * s->cache_floats, *v_cache = k_cache + s->cache_floats;
+        pdserve_paged_decode_f32(qkv, qkv_size, k_cache, v_cache, block_tables, table_stride, context_lens, attn,
+                                 scores, rows, s->num_heads, s->kv_heads, s->head_dim, s->block_size, ctx_pad,
+                                 s->scale, num_threads);
+    }
 }
 
 /* x: [rows, hidden], the embeddings in, the last layer's output plus the residual stream out (what
    the model's forward returns). pool: the KV pool, layer l's K cache at pool + 2 l cache_floats and its
    V cache right after. cos, sin: [rows, head_dim / 2]; slots: each row's new cache slot. quant_scratch:
-   quant.c's work space for `rows` rows of the widest projection input (NULL where none is quantized). */
+   quant.c's work space for `rows` rows of the widest projection input (NULL where none is quantized; one
+   per thread where decode_step_team.c takes the step). */
 void pdserve_decode_step_f32(const DecodeLayer *layers, int64_t num_layers, const DecodeShape *s, float *x,
                              int64_t rows, void *pool, const float *cos, const float *sin, const int64_t *slots,
                              const int64_t *block_tables, int64_t table_stride, const int64_t *context_lens,
                              int64_t ctx_pad, float *work, uint8_t *quant_scratch, int num_threads) {
+    if (pdserve_decode_team_takes(layers, num_layers, s, rows)) {
+        decode_step_team(layers, num_layers, s, x, rows, pool, cos, sin, slots, block_tables, table_stride,
+                         context_lens, ctx_pad, work, quant_scratch, num_threads);
+        return;
+    }
     const int64_t hidden = s->hidden, q_size = s->num_heads * s->head_dim;
     const int64_t qkv_size = q_size + 2 * s->kv_heads * s->head_dim;
     float *residual = work, *h = residual + rows * hidden, *qkv = h + rows * hidden, *attn = qkv + rows * qkv_size;
@@ -96,21 +84,9 @@ void pdserve_decode_step_f32(const DecodeLayer *layers, int64_t num_layers, cons
             pdserve_rms_norm_f32(x, hidden, residual, w->input_norm, h, rows, hidden, s->eps, num_threads);
         }
         project(s, &w->qkv, h, rows, hidden, qkv_size, w->qkv_bias, qkv, quant_scratch, num_threads);
-        if (s->kv_int8) {
-            int8_t *k_cache = (int8_t *)pool + 2 * l * s->cache_floats, *v_cache = k_cache + s->cache_floats;
-            pdserve_rope_store_i8(qkv, qkv_size, rows, s->num_heads, s->kv_heads, s->head_dim, cos, sin, slots,
-                                  k_cache, v_cache, num_threads);
-            pdserve_paged_decode_i8(qkv, qkv_size, k_cache, v_cache, block_tables, table_stride, context_lens, attn,
-                                    scores, rows, s->num_heads, s->kv_heads, s->head_dim, s->block_size, ctx_pad,
-                                    s->scale, num_threads);
-        } else {
-            float *k_cache = (float *)pool + 2 * l * s->cache_floats, *v_cache = k_cache + s->cache_floats;
-            pdserve_rope_store_f32(qkv, qkv_size, rows, s->num_heads, s->kv_heads, s->head_dim, cos, sin, slots,
-                                   k_cache, v_cache, num_threads);
-            pdserve_paged_decode_f32(qkv, qkv_size, k_cache, v_cache, block_tables, table_stride, context_lens, attn,
-                                     scores, rows, s->num_heads, s->kv_heads, s->head_dim, s->block_size, ctx_pad,
-                                     s->scale, num_threads);
-        }
+        decode_store_kv(s, l, qkv, rows, pool, cos, sin, slots, num_threads);
+        decode_attend(s, l, qkv, rows, pool, block_tables, table_stride, context_lens, ctx_pad, attn, scores,
+                      num_threads);
         project(s, &w->o, attn, rows, q_size, hidden, NULL, x, quant_scratch, num_threads);
         pdserve_rms_norm_f32(x, hidden, residual, w->post_norm, h, rows, hidden, s->eps, num_threads);
         project(s, &w->gate_up, h, rows, hidden, 2 * s->inter, NULL, gate_up, quant_scratch, num_threads);

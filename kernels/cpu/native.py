@@ -40,9 +40,10 @@ SOURCES = Sources(
             "linear.c",
             "layer_ops.c",
             "decode_step.c",
+            "decode_step_team.c",
         )
     ),
-    headers=(Path(__file__).with_name("vector.h"),),
+    headers=tuple(Path(__file__).with_name(name) for name in ("vector.h", "decode_step.h")),
 )
 _SIZE = ctypes.c_int64
 _PTR = ctypes.c_void_p
@@ -82,6 +83,10 @@ class DecodeShape(ctypes.Structure):
         ("scale", ctypes.c_float),
         ("quant_linear", _PTR),  # kernels/cpu/quant.c's pdserve_quant_linear, where a projection is quantized
         ("kv_int8", _SIZE),
+        # kernels/cpu/quant.c's pdserve_quant_linear_team, or None: a step of up to TEAM_ROWS rows whose
+        # projections are all quantized then runs one parallel region per layer (decode_step_team.c)
+        ("quant_team", _PTR),
+        ("quant_scratch_stride", _SIZE),  # bytes of quant_scratch each thread has there
     ]
 
 
@@ -135,8 +140,11 @@ class NativeLibrary:
         self._silu_mul.argtypes = [_PTR, _SIZE, _PTR, _SIZE, _SIZE, ctypes.c_int]
         self._silu_mul.restype = None
         self._decode_step_work = self._lib.pdserve_decode_step_work
-        self._decode_step_work.argtypes = [ctypes.POINTER(DecodeShape), _SIZE, _SIZE]
+        self._decode_step_work.argtypes = [ctypes.POINTER(DecodeShape), _SIZE, _SIZE, _SIZE]
         self._decode_step_work.restype = _SIZE
+        self._team_takes = self._lib.pdserve_decode_team_takes
+        self._team_takes.argtypes = [ctypes.POINTER(DecodeLayer), _SIZE, ctypes.POINTER(DecodeShape), _SIZE]
+        self._team_takes.restype = ctypes.c_int
         self._decode_step = self._lib.pdserve_decode_step_f32
         self._decode_step.argtypes = [
             ctypes.POINTER(DecodeLayer),
@@ -296,6 +304,11 @@ class NativeLibrary:
         self._silu_mul(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), rows, width // 2, torch.get_num_threads())
         return out
 
+    def team_takes(self, layers, shape: DecodeShape, rows: int) -> bool:
+        """Whether ``decode_step`` runs a step of ``rows`` rows one parallel region per layer
+        (kernels/cpu/decode_step_team.c: every projection quantized, ``shape.quant_team`` set, few rows)."""
+        return bool(self._team_takes(layers, len(layers), ctypes.byref(shape), rows))
+
     def decode_step(
         self,
         layers,  # ctypes array of DecodeLayer, one per layer
@@ -308,7 +321,9 @@ class NativeLibrary:
         block_tables: torch.Tensor,  # [rows, max_blocks] int64 contiguous, ids inside the pool (checked)
         context_lens: torch.Tensor,  # [rows] int64, each >= 1
         max_context: int,  # >= every context length, <= max_blocks * block_size
-        quant_scratch: torch.Tensor | None = None,  # uint8, QuantLibrary.scratch_bytes(rows, widest input)
+        # uint8, QuantLibrary.scratch_bytes(rows, widest input); with shape.quant_team, that many bytes
+        # (shape.quant_scratch_stride) for each of torch.get_num_threads() threads
+        quant_scratch: torch.Tensor | None = None,
     ) -> None:
         """Every decoder layer of a decode step (one new token per row), in place in ``x``
         (kernels/cpu/decode_step.c): the same kernels, in the same order, as the layers' forward."""
@@ -322,8 +337,10 @@ class NativeLibrary:
         assert block_tables.shape[1] * shape.block_size >= max_context
         assert (quant_scratch is None) == (shape.quant_linear is None)
         assert quant_scratch is None or (quant_scratch.dtype == torch.uint8 and quant_scratch.is_contiguous())
+        assert not shape.quant_team or quant_scratch.numel() >= torch.get_num_threads() * shape.quant_scratch_stride
         ctx_pad = -(-max_context // 16) * 16
-        work = torch.empty(self._decode_step_work(ctypes.byref(shape), rows, ctx_pad), dtype=torch.float32)
+        threads = torch.get_num_threads()
+        work = torch.empty(self._decode_step_work(ctypes.byref(shape), rows, ctx_pad, threads), dtype=torch.float32)
         self._decode_step(
             layers,
             len(layers),

@@ -113,44 +113,62 @@ void quant16_rows(int t, const int8_t *q, const float *d, const int32_t *sum16, 
                   int64_t K, const uint8_t *w, int64_t N, int64_t row_bytes, const float *bias, float *y);
 #endif
 
+/* Row i of x quantized into the scratch's q, d, sum16 and (the 512-bit tiles) lanes. */
+static void quantize_lanes(int t, const float *x, int64_t i, int64_t K, int8_t *q, float *d, int32_t *sum16,
+                           uint8_t *lanes) {
+    quantize_row(x + i * K, K, q + i * K, d + i * (K / 32), sum16 + i * (K / 16));
+#if QUANT_512
+    quant512_lanes(t, q + i * K, d + i * (K / 32), K, lanes + i * quant512_lane_bytes(K));
+#else
+    (void)t, (void)lanes;
+#endif
+}
+
 /* Bytes of scratch pdserve_quant_linear needs for `rows` rows of K values: their int8 values, block
    scales, sums of 16 and (the 512-bit tiles) lanes of 3 K bytes. */
 int64_t pdserve_quant_scratch_bytes(int64_t rows, int64_t K) { return rows * (K + K / 8 + K / 4 + 3 * K); }
+
+/* The body of pdserve_quant_linear for every thread of an enclosing team (its worksharing binds to that
+   team's region): kernels/cpu/decode_step_team.c runs a decode step's projections this way in one region.
+   own_scratch: scratch is this thread's alone, and each thread quantizes every row itself rather than
+   one thread doing it while the others wait at a barrier -- at a row or few the barrier costs more than
+   the rows (the same values either way: the quantization is per row). */
+void pdserve_quant_linear_team(int t, const float *x, int64_t rows, int64_t K, const uint8_t *w, int64_t N,
+                               int64_t row_bytes, const float *bias, float *y, uint8_t *scratch, int own_scratch) {
+    int8_t *q = (int8_t *)scratch;
+    float *d = (float *)(scratch + rows * K);
+    int32_t *sum16 = (int32_t *)(scratch + rows * K + rows * (K / 32) * 4);
+    uint8_t *lanes = scratch + rows * (K + K / 8 + K / 4);
+    if (own_scratch) {
+        for (int64_t i = 0; i < rows; i++) quantize_lanes(t, x, i, K, q, d, sum16, lanes);
+    } else {
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < rows; i++) quantize_lanes(t, x, i, K, q, d, sum16, lanes);
+    }
+#if QUANT_512
+    if (quant16_takes(t, rows)) quant16_rows(t, q, d, sum16, lanes, rows, K, w, N, row_bytes, bias, y);
+    else quant512_rows(t, q, lanes, rows, K, w, N, row_bytes, bias, y);
+#else
+    (void)lanes;
+    /* chunks of output rows: each thread streams its own part of W once, for every row of x */
+#pragma omp for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const uint8_t *row = w + n * row_bytes;
+        for (int64_t i = 0; i < rows; i++) y[i * N + n] = bias ? bias[n] : 0;
+        for (int64_t i = 0; i < rows; i += ROWS_AT_ONCE) {
+            const int R = rows - i < ROWS_AT_ONCE ? (int)(rows - i) : ROWS_AT_ONCE;
+            dot_rows(t, row, K, R, q + i * K, d + i * (K / 32), sum16 + i * (K / 16), y + i * N + n, N);
+        }
+    }
+#endif
+}
 
 /* y[rows][N] = x[rows][K] @ W^T (+ bias), W as N rows of row_bytes each; K a multiple of 32 (256 for
    the K-quants). scratch: pdserve_quant_scratch_bytes(rows, K). */
 void pdserve_quant_linear(int t, const float *x, int64_t rows, int64_t K, const uint8_t *w, int64_t N,
                           int64_t row_bytes, const float *bias, float *y, uint8_t *scratch, int threads) {
-    int8_t *q = (int8_t *)scratch;
-    float *d = (float *)(scratch + rows * K);
-    int32_t *sum16 = (int32_t *)(scratch + rows * K + rows * (K / 32) * 4);
-    uint8_t *lanes = scratch + rows * (K + K / 8 + K / 4);
 #pragma omp parallel num_threads(threads)
-    {
-#pragma omp for schedule(static)
-        for (int64_t i = 0; i < rows; i++) {
-            quantize_row(x + i * K, K, q + i * K, d + i * (K / 32), sum16 + i * (K / 16));
-#if QUANT_512
-            quant512_lanes(t, q + i * K, d + i * (K / 32), K, lanes + i * quant512_lane_bytes(K));
-#endif
-        }
-#if QUANT_512
-        if (quant16_takes(t, rows)) quant16_rows(t, q, d, sum16, lanes, rows, K, w, N, row_bytes, bias, y);
-        else quant512_rows(t, q, lanes, rows, K, w, N, row_bytes, bias, y);
-#else
-        (void)lanes;
-        /* chunks of output rows: each thread streams its own part of W once, for every row of x */
-#pragma omp for schedule(static)
-        for (int64_t n = 0; n < N; n++) {
-            const uint8_t *row = w + n * row_bytes;
-            for (int64_t i = 0; i < rows; i++) y[i * N + n] = bias ? bias[n] : 0;
-            for (int64_t i = 0; i < rows; i += ROWS_AT_ONCE) {
-                const int R = rows - i < ROWS_AT_ONCE ? (int)(rows - i) : ROWS_AT_ONCE;
-                dot_rows(t, row, K, R, q + i * K, d + i * (K / 32), sum16 + i * (K / 16), y + i * N + n, N);
-            }
-        }
-#endif
-    }
+    pdserve_quant_linear_team(t, x, rows, K, w, N, row_bytes, bias, y, scratch, 0);
 }
 
 /* Rows [n0, n0 + count) of W as float32 into out[count][K]: the prefill path's panel. */

@@ -76,6 +76,7 @@ class QuantLibrary:
         self._linear = self._lib.pdserve_quant_linear
         self._linear.argtypes = [ctypes.c_int, _PTR, _SIZE, _SIZE, _PTR, _SIZE, _SIZE, _PTR, _PTR, _PTR, ctypes.c_int]
         self._linear.restype = None
+        self._team = self._lib.pdserve_quant_linear_team  # for C callers only: its address
         self._dequantize = self._lib.pdserve_quant_dequantize
         self._dequantize.argtypes = [ctypes.c_int, _PTR, _SIZE, _SIZE, _SIZE, _SIZE, _PTR, ctypes.c_int]
         self._dequantize.restype = None
@@ -110,6 +111,12 @@ class QuantLibrary:
     def linear_address(self) -> int:
         """The address of ``pdserve_quant_linear``, for C callers (kernels/cpu/decode_step.c's fused step)."""
         return ctypes.cast(self._linear, ctypes.c_void_p).value
+
+    @property
+    def team_address(self) -> int:
+        """The address of ``pdserve_quant_linear_team``: ``linear`` for every thread of a caller's OpenMP
+        region (kernels/cpu/decode_step_team.c)."""
+        return ctypes.cast(self._team, ctypes.c_void_p).value
 
     def scratch_bytes(self, rows: int, in_features: int) -> int:
         """Bytes of work space one ``linear`` of ``rows`` rows of ``in_features`` values takes."""
