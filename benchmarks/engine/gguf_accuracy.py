@@ -20,7 +20,8 @@ For each format (benchmarks/peers/gguf_variants.py makes them from the shipped Q
   computes it (chunks of CTX tokens, the second half of each scored), side by side with
   ``llama-perplexity`` of the pinned llama.cpp on the same file; and whether pdserve's kernel path is
   at least as close to the float model as llama.cpp: |ln PPL(format) - ln PPL(F32)| of each, against
-  its own F32 (always measured, first).
+  its own F32 (always measured, first), pdserve's with the standard error of its per-token NLL shift
+  (the rounding of activations moves the estimate by about that much either way).
 
     python -m benchmarks.engine.gguf_accuracy [--formats q4_1,q8_0,...] [--chunks 16]
 """
@@ -97,11 +98,19 @@ def agreement(llm: LLM, prompts: list[list[int]], continuations: list, hf_logpro
     return sum(agree) / len(agree), (sum(errors) / len(errors) if errors else math.nan)
 
 
-def engine_perplexity(llm: LLM, text_ids: list[int], chunks: int) -> float:
-    """llama-perplexity's estimate: per chunk of CTX tokens, the mean NLL of tokens CTX/2+1 .. CTX-1."""
+def engine_nll(llm: LLM, text_ids: list[int], chunks: int) -> list[float]:
+    """llama-perplexity's scored tokens: per chunk of CTX tokens, the NLL of tokens CTX/2+1 .. CTX-1."""
     sequences = [text_ids[i * CTX : (i + 1) * CTX] for i in range(chunks)]
-    nll = [-s.logprob for score in engine_scores(llm, sequences) for s in score[CTX // 2 :]]
-    return math.exp(sum(nll) / len(nll))
+    return [-s.logprob for score in engine_scores(llm, sequences) for s in score[CTX // 2 :]]
+
+
+def paired_shift(nll: list[float], f32_nll: list[float]) -> tuple[float, float]:
+    """(ln PPL - ln PPL(F32), its standard error): the mean per-token NLL difference on the same tokens,
+    as llama-perplexity --kl-divergence reports "Mean ln(PPL(Q)/PPL(base))" with its uncertainty."""
+    diffs = [a - b for a, b in zip(nll, f32_nll, strict=True)]
+    mean = sum(diffs) / len(diffs)
+    var = sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1)
+    return mean, math.sqrt(var / len(diffs))
 
 
 def llama_perplexity(gguf: Path, chunks: int, threads: int) -> float:
@@ -121,7 +130,7 @@ class PathScores:
     same_file: float  # greedy agreement with transformers on the same file dequantized
     logprob_error: float  # mean |Δ log-prob| of transformers' tokens, same file
     vs_float: float  # greedy agreement with the float model's continuations
-    perplexity: float
+    nll: list[float]  # per scored token of the text; perplexity = exp(mean)
     on_kernels: str  # what ran on the quantized kernels ("Q4_1 x120 + Q8_0 head"), "none" on float
 
 
@@ -158,13 +167,20 @@ class Inputs:
 def score(llm: LLM, inputs: Inputs, continuations: list, hf_logprobs: list) -> PathScores:
     same, error = agreement(llm, inputs.prompts, continuations, hf_logprobs)
     vs_float, _ = agreement(llm, inputs.prompts, inputs.float_continuations, None)
-    return PathScores(same, error, vs_float, engine_perplexity(llm, inputs.text_ids, inputs.chunks), on_kernels(llm))
+    return PathScores(same, error, vs_float, engine_nll(llm, inputs.text_ids, inputs.chunks), on_kernels(llm))
 
 
-def closer(kernel: float, llama: float, kernel_f32: float, llama_f32: float) -> str:
-    """'yes (0.0123 vs 0.0150)': |ln PPL - ln PPL(F32)| of pdserve's kernel path and of llama.cpp."""
-    ours, theirs = abs(math.log(kernel / kernel_f32)), abs(math.log(llama / llama_f32))
-    return f"{'yes' if ours <= theirs else '**no**'} ({ours:.4f} vs {theirs:.4f})"
+def perplexity(nll: list[float]) -> float:
+    return math.exp(sum(nll) / len(nll))
+
+
+def closer(nll: list[float], f32_nll: list[float], llama: float, llama_f32: float) -> str:
+    """'yes (0.0012 ± 0.0007 vs 0.0150)': |ln PPL - ln PPL(F32)| of pdserve's kernel path (± its paired
+    standard error) and of llama.cpp; a "no" within two standard errors says so."""
+    shift, error = paired_shift(nll, f32_nll)
+    ours, theirs = abs(shift), abs(math.log(llama / llama_f32))
+    verdict = "yes" if ours <= theirs else "no, within 2 standard errors" if ours - theirs <= 2 * error else "**no**"
+    return f"{verdict} ({ours:.4f} ± {error:.4f} vs {theirs:.4f})"
 
 
 HEADER = (
@@ -193,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"text: {TEXT.name} ({len(text_ids)} tokens; {args.chunks} chunks of {CTX} scored as llama-perplexity)")
     print(HEADER)
     print("|---" * (HEADER.count("|") - 1) + "|")
-    f32 = None  # (pdserve's kernel-path PPL, llama.cpp's PPL) on the F32 file
+    f32 = None  # (pdserve's per-token NLL, llama.cpp's PPL) on the F32 file
     for fmt in formats:
         path = gguf_variants.gguf_file(fmt)
         continuations, hf_logprobs = hf_greedy(path.parent, path.name, prompts)
@@ -206,13 +222,13 @@ def main(argv: list[str] | None = None) -> int:
             reference = score(llm, inputs, continuations, hf_logprobs)
             del llm
         theirs = llama_perplexity(path, args.chunks, args.threads)
-        f32 = f32 or (kernel.perplexity, theirs)
-        verdict = "(the reference)" if fmt == "f32" else closer(kernel.perplexity, theirs, *f32)
+        f32 = f32 or (kernel.nll, theirs)
+        verdict = "(the reference)" if fmt == "f32" else closer(kernel.nll, f32[0], theirs, f32[1])
         print(
             f"| {fmt.upper()} | {gguf_variants.tensor_types(path)} | {path.stat().st_size / 1e6:.0f} "
             f"| {kernel.on_kernels} | {kernel.same_file:.4f} | {kernel.logprob_error:.2e} | {kernel.vs_float:.4f} "
-            f"| {kernel.perplexity:.4f} | {theirs:.4f} | {verdict} "
-            f"| {reference.same_file:.4f}, {reference.logprob_error:.2e}, {reference.perplexity:.4f} |",
+            f"| {perplexity(kernel.nll):.4f} | {theirs:.4f} | {verdict} "
+            f"| {reference.same_file:.4f}, {reference.logprob_error:.2e}, {perplexity(reference.nll):.4f} |",
             flush=True,
         )
     return 0
