@@ -17,46 +17,9 @@
    benchmarks/engine/kv_decode.py's --attention figure). */
 #include <float.h>
 
-#if defined(__x86_64__) || defined(__i386__)
-/* immintrin.h pulls in libc's select(2), whose name vector.h's lane select takes: hidden here. */
-#define select pdserve_libc_select
-#include <immintrin.h>
-#undef select
-#endif
-#include "vector.h"
+#include "int8_rows.h"
 
-#define GROUP 32            /* values per scale; a head of 32 or fewer values is one group */
-#define PREFETCH_TOKENS 32  /* as decode.c: pages lie at random places in the pool */
-
-typedef int8_t vb __attribute__((vector_size(LANES)));
-
-/* LANES int8 values as floats. GCC 12 lowers __builtin_convertvector from int8 (to float or to int32) to
-   a scalar convert per lane, 6x slower than the float32 kernel's loads; with x86's intrinsics it is one
-   sign-extending load (vpmovsxbd) and one vcvtdq2ps. */
-static inline vf load_int8(const int8_t *p) {
-#if LANES == 16 && defined(__AVX512F__)
-    const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
-#elif LANES == 8 && defined(__AVX2__)
-    const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
-#elif LANES == 4 && defined(__SSE4_1__)
-    int32_t word;
-    memcpy(&word, p, sizeof word);
-    const __m128 f = _mm_cvtepi32_ps(_mm_cvtepi8_epi32(_mm_cvtsi32_si128(word)));
-#else
-    vb b;
-    memcpy(&b, p, sizeof b);
-    const vf f = __builtin_convertvector(b, vf);
-#endif
-    vf v;
-    memcpy(&v, &f, sizeof v);
-    return v;
-}
-
-static inline float row_scale(const int8_t *row, int64_t head_dim, int64_t group) {
-    float s;
-    memcpy(&s, row + head_dim + 4 * group, sizeof s); /* the scales follow the values */
-    return s;
-}
+#define PREFETCH_TOKENS 32 /* as decode.c: pages lie at random places in the pool */
 
 /* Walks a request's context token by token through its block table, without a division per token. */
 typedef struct {
@@ -85,22 +48,13 @@ static inline void prefetch_row(const int8_t *row, int64_t bytes) {
     __builtin_prefetch(row + bytes - 1, 0, 2);
 }
 
-/* A row's C vectors of values, each times its group's scale (VG vectors per group). */
-static inline void load_row(const int8_t *row, vf *out, const int C, const int VG) {
-    const int64_t head_dim = (int64_t)C * LANES;
-    for (int j = 0; j < C / VG; j++) {
-        const float s = row_scale(row, head_dim, j);
-        for (int c = j * VG; c < (j + 1) * VG; c++) out[c] = load_int8(row + LANES * c) * s;
-    }
-}
-
 /* One (request, kv head). G (query heads per kv head) and C (head_dim / LANES) are constants in each
    specialised copy, so q and the accumulators stay in registers. */
 static inline void decode_one_i8(const float *q, const int8_t *k_head, const int8_t *v_head, const int64_t *table,
                                  int64_t ctx, float *out, float *scores, int64_t block_size, int64_t token_stride,
                                  int64_t ctx_pad, float scale, const int G, const int C) {
-    const int64_t head_dim = (int64_t)C * LANES, row_bytes = head_dim + 4 * (head_dim < GROUP ? 1 : head_dim / GROUP);
-    const int VG = (head_dim < GROUP ? head_dim : GROUP) / LANES;
+    const int64_t head_dim = (int64_t)C * LANES, row_bytes = int8_row_bytes(head_dim);
+    const int VG = (int)(head_dim / int8_row_groups(head_dim)) / LANES; /* vectors per scale group */
     vf qs[G * C];
     for (int i = 0; i < G * C; i++) qs[i] = loadv(q + LANES * i) * scale;
     vf lane;
@@ -120,7 +74,7 @@ static inline void decode_one_i8(const float *q, const int8_t *k_head, const int
                 continue;
             }
             vf k[C];
-            load_row(cursor_next(&k_rows), k, C, VG);
+            int8_row_values(cursor_next(&k_rows), k, C);
             for (int g = 0; g < G; g++) {
                 vf s = qs[g * C] * k[0];
                 for (int c = 1; c < C; c++) s += qs[g * C + c] * k[c];
@@ -161,7 +115,7 @@ static inline void decode_one_i8(const float *q, const int8_t *k_head, const int
         vf v[C];
         for (int c = 0; c < C; c++) v[c] = load_int8(row + LANES * c);
         for (int j = 0; j < C / VG; j++) {
-            const float s = row_scale(row, head_dim, j); /* the group's scale, folded into each p */
+            const float s = int8_row_scale(row, head_dim, j); /* the group's scale, folded into each p */
             for (int g = 0; g < G; g++) {
                 const float p = scores[g * ctx_pad + t] * s;
                 for (int c = j * VG; c < (j + 1) * VG; c++) acc[g * C + c] += p * v[c];
@@ -192,8 +146,7 @@ void pdserve_paged_decode_i8(const float *q, int64_t q_stride, const int8_t *k_c
                              float *out, float *scratch, int64_t batch, int64_t num_heads, int64_t kv_heads,
                              int64_t head_dim, int64_t block_size, int64_t ctx_pad, float scale, int num_threads) {
     (void)num_threads;
-    const int64_t group = num_heads / kv_heads, groups = head_dim < GROUP ? 1 : head_dim / GROUP;
-    const int64_t row = head_dim + 4 * groups, token_stride = kv_heads * row;
+    const int64_t group = num_heads / kv_heads, row = int8_row_bytes(head_dim), token_stride = kv_heads * row;
 #pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1)
     for (int64_t item = 0; item < batch * kv_heads; item++) {
         const int64_t b = item / kv_heads, h = item % kv_heads, ctx = context_lens[b];
