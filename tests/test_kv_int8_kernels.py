@@ -7,17 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.cpu import native
 from kernels.cpu.kv_int8 import Int8KV
 from kernels.triton import kv_int8
 from tests.test_kv_int8 import attention_float64
 
 
 @pytest.fixture(scope="module")
-def kernels() -> Int8KV:
-    library = native.load()
-    assert library is not None, "the C kernels must build on the test machine"
-    return Int8KV(library)
+def kernels(any_build) -> Int8KV:
+    """Every build the tests make (conftest.BUILDS): the vector quantizer and its lane-by-lane stores."""
+    return Int8KV(any_build)
 
 
 def rotated_float64(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -58,6 +56,21 @@ def test_rope_store_quantizes_as_the_torch_quantizer(kernels, num_heads, kv_head
     step = kv_int8.scales(k_cache[slots]).double().repeat_interleave(kv_int8.group_size(head_dim), -1)
     err = (kv_int8.dequantize_rows(k_cache[slots]).double() - want[:, num_heads:]).abs()
     assert bool((err <= step / 2 + 1e-5 * want[:, num_heads:].abs() + 1e-6).all())
+
+
+def test_rope_store_rounds_half_to_even_as_torch(kernels):
+    """Ties: with amax 127 the scale is 1, so x.5 values land exactly halfway; torch.round and the
+    kernel's vector rounding both take the even neighbour (0.5 -> 0, 1.5 -> 2, -2.5 -> -2)."""
+    num_heads, kv_heads, head_dim = 1, 1, 64
+    ties = torch.tensor([0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5, -126.5] * 4)
+    values = torch.cat([ties[:-1], torch.tensor([127.0]), ties.flip(0)[1:], torch.tensor([-127.0])])
+    qkv = torch.cat([torch.zeros(2 * head_dim), values]).view(1, -1)
+    cos, sin = torch.ones(1, head_dim // 2), torch.zeros(1, head_dim // 2)
+    k_cache = torch.zeros(1, kv_heads, kv_int8.row_dim(head_dim), dtype=torch.int8)
+    v_cache = k_cache.clone()
+    kernels.rope_store(qkv, num_heads, kv_heads, cos, sin, torch.tensor([0]), k_cache, v_cache)
+    assert torch.equal(v_cache[0, 0], kv_int8.quantize_rows(values.view(1, head_dim))[0])
+    assert v_cache[0, 0, :8].tolist() == [0, 2, 2, 0, -2, -2, 126, -126]
 
 
 def test_rope_store_keeps_an_all_zero_group_at_scale_zero(kernels):

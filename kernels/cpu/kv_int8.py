@@ -1,5 +1,5 @@
 """The bindings of the int8-KV kernels (``--kv-cache-dtype int8``): decode attention (decode_int8.c),
-prefill attention and the RoPE + quantizing K/V store (kv_int8_ops.c), over pools of packed int8 rows
+prefill attention (prefill.c) and the RoPE + quantizing K/V store (kv_int8_ops.c), over pools of packed int8 rows
 ``[head_dim values | float32 scales]`` (kernels/triton/kv_int8.py). Same arguments as the float32
 kernels' (kernels/cpu/paged_call.py)."""
 
@@ -25,9 +25,6 @@ class Int8KV:
         self.library = library
         self._decode = paged_call.bind(library.symbol("pdserve_paged_decode_i8"), paged_call.DECODE_ARGTYPES)
         self._prefill = paged_call.bind(library.symbol("pdserve_paged_prefill_i8"), paged_call.PREFILL_ARGTYPES)
-        self._work_floats = library.symbol("pdserve_prefill_i8_work_floats")
-        self._work_floats.argtypes = [_SIZE, _SIZE]
-        self._work_floats.restype = _SIZE
         self._rope_store = paged_call.bind(
             library.symbol("pdserve_rope_store_i8"), [_PTR, *[_SIZE] * 5, *[_PTR] * 5, ctypes.c_int]
         )
@@ -46,8 +43,7 @@ class Int8KV:
 
     def prefill(self, q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale: float) -> torch.Tensor:
         self._check(q, k_cache, v_cache, block_tables, context_lens)
-        floats = self._work_floats(q.shape[1] // k_cache.shape[2], q.shape[2])
-        work = torch.empty(torch.get_num_threads() * floats, dtype=torch.float32)
+        work = self.library.prefill_scratch(torch.get_num_threads())  # prefill.c's per-thread tiles
         return paged_call.paged_prefill(
             self._prefill, q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, work
         )

@@ -43,7 +43,7 @@ SOURCES = Sources(
             "decode_step_team.c",
         )
     ),
-    headers=tuple(Path(__file__).with_name(name) for name in ("vector.h", "decode_step.h")),
+    headers=tuple(Path(__file__).with_name(name) for name in ("vector.h", "decode_step.h", "int8_rows.h")),
 )
 _SIZE = ctypes.c_int64
 _PTR = ctypes.c_void_p
@@ -188,10 +188,14 @@ class NativeLibrary:
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Causal attention of each request's chunk over its paged context (kernels/cpu/prefill.c)."""
         paged_call.check_paged_inputs(q, k_cache, v_cache, block_tables, context_lens, torch.float32)
-        work = torch.empty(torch.get_num_threads() * self._prefill_scratch_bytes, dtype=torch.uint8)  # per-thread tiles
+        work = self.prefill_scratch(torch.get_num_threads())  # per-thread tiles
         return paged_call.paged_prefill(
             self._prefill, q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, work
         )
+
+    def prefill_scratch(self, threads: int) -> torch.Tensor:
+        """The prefill kernels' work area (prefill.c's Scratch) for ``threads`` threads, 64-byte aligned."""
+        return torch.empty(threads * self._prefill_scratch_bytes, dtype=torch.uint8)
 
     def supports_linear(self, in_features: int, out_features: int) -> bool:
         return bool(self._linear_supported(in_features, out_features))

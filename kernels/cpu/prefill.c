@@ -16,13 +16,17 @@
    Keys past a query's position get p = 0 (the causal mask; it also covers a tile's keys past the
    context, which are never read). Values differ from SDPA's by float rounding only: the same sums in
    another order (tests/test_kernel_cpu_prefill.py).
+
+   Over an int8 pool (--kv-cache-dtype int8, pdserve_paged_prefill_i8) the same tiles run on the key
+   tile's rows dequantized into the thread's buffers (int8_rows.h): each row once per task, for the
+   whole query group, so the int8 prefill costs the float32 one plus that conversion.
 */
 #include <float.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
 
-#include "vector.h"
+#include "int8_rows.h" /* and vector.h */
 
 #define QUERY_TILE 16 /* queries per task: rows = 16 * group, a whole number of vectors at any LANES */
 #define KEY_TILE 64   /* keys per softmax step: its S^T (64 x rows) and V rows stay in L1/L2 */
@@ -34,9 +38,10 @@
 typedef struct {
     const float *q;
     int64_t q_stride;
-    const float *k_cache, *v_cache;
+    const void *k_cache, *v_cache; /* float, or int8 rows where kv_int8 */
     const int64_t *table;
-    int64_t block_size, token_stride;
+    int64_t block_size, token_stride; /* elements of the pool per token: floats, or int8 bytes */
+    int kv_int8;
     float scale;
     float *out;
     int64_t out_stride;
@@ -47,7 +52,33 @@ typedef struct { /* one thread's buffers, reused by every task it runs */
     float st[KEY_TILE * MAX_ROWS];     /* S^T, then P^T: [keys][rows] */
     float o[MAX_ROWS * MAX_HEAD_DIM];  /* O: [rows][head_dim] */
     const float *k_rows[KEY_TILE], *v_rows[KEY_TILE];
+    float k_tile[KEY_TILE * MAX_HEAD_DIM], v_tile[KEY_TILE * MAX_HEAD_DIM]; /* an int8 tile, dequantized */
 } Scratch;
+
+/* Points k_rows / v_rows at the key tile's rows t0 .. t0 + nk - 1: into a float32 pool, or into the
+   buffers an int8 pool's rows are dequantized to. */
+static void gather_rows(const Task *task, Scratch *sc, int64_t kv_head, int64_t t0, int nk, int D) {
+    const int64_t head_offset = kv_head * (task->kv_int8 ? int8_row_bytes(D) : D);
+    for (int t = 0; t < nk; t++) {
+        const int64_t pos = t0 + t;
+        const int64_t at = (task->table[pos / task->block_size] * task->block_size + pos % task->block_size)
+                               * task->token_stride + head_offset;
+        if (!task->kv_int8) {
+            sc->k_rows[t] = (const float *)task->k_cache + at;
+            sc->v_rows[t] = (const float *)task->v_cache + at;
+            continue;
+        }
+        vf k[MAX_HEAD_DIM / LANES], v[MAX_HEAD_DIM / LANES];
+        int8_row_values((const int8_t *)task->k_cache + at, k, D / LANES);
+        int8_row_values((const int8_t *)task->v_cache + at, v, D / LANES);
+        for (int c = 0; c < D / LANES; c++) {
+            storev(sc->k_tile + t * D + c * LANES, k[c]);
+            storev(sc->v_tile + t * D + c * LANES, v[c]);
+        }
+        sc->k_rows[t] = sc->k_tile + t * D;
+        sc->v_rows[t] = sc->v_tile + t * D;
+    }
+}
 
 /* Step 1 for one key tile: st[t][r] = k_t . qt[:, r] for t < nk. RV (rows / LANES) is a constant in
    each copy, so the KEY_ROWS x RV accumulators stay in registers. Always inlined into its switch: GCC
@@ -148,16 +179,9 @@ static void prefill_tile(const Task *task, Scratch *sc, int64_t kv_head, int64_t
     float alpha[MAX_ROWS];
 
     const int64_t last = pos0 + n - 1; /* the tile's last position: no key past it is read */
-    const float *k_head = task->k_cache + kv_head * D, *v_head = task->v_cache + kv_head * D;
     for (int64_t t0 = 0; t0 <= last; t0 += KEY_TILE) {
         const int nk = (int)(last + 1 - t0 < KEY_TILE ? last + 1 - t0 : KEY_TILE);
-        for (int t = 0; t < nk; t++) {
-            const int64_t pos = t0 + t;
-            const int64_t at = (task->table[pos / task->block_size] * task->block_size + pos % task->block_size)
-                               * task->token_stride;
-            sc->k_rows[t] = k_head + at;
-            sc->v_rows[t] = v_head + at;
-        }
+        gather_rows(task, sc, kv_head, t0, nk, D);
         /* 1. S^T = K Q^T. */
         key_scores_any(qt, st, sc->k_rows, nk, D, RV);
         /* 2. The causal mask and the online softmax, along the rows. */
@@ -203,19 +227,10 @@ static inline int64_t tiles_of(const int64_t *query_start, int64_t b) {
 
 int64_t pdserve_prefill_scratch_bytes(void) { return (int64_t)(sizeof(Scratch) + 63) / 64 * 64; }
 
-/* q: [num_tokens, num_heads, head_dim] with row stride q_stride; caches: [num_blocks, block_size,
-   kv_heads, head_dim] contiguous; block_tables: [batch, table_stride] int64; context_lens: [batch]
-   int64; query_start: [batch + 1] int64, request b's queries q[query_start[b] .. query_start[b + 1])
-   the last ones of its context, each chunk at least one query; out: [num_tokens, num_heads, head_dim]
-   contiguous; scratch: num_threads * pdserve_prefill_scratch_bytes() bytes, 64-byte aligned. The
-   caller checks pdserve_decode_supported first (the two kernels have copies for the same shapes), and
-   that every block id is in the pool. */
-void pdserve_paged_prefill_f32(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
-                               const int64_t *block_tables, int64_t table_stride, const int64_t *context_lens,
-                               const int64_t *query_start, float *out, void *scratch, int64_t batch,
-                               int64_t num_heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
-                               float scale, int num_threads) {
-    const int64_t group = num_heads / kv_heads;
+/* Every (request, kv head, query tile) of the batch over the threads; `base`: the Task less its table. */
+static void prefill_all(const Task *base, const int64_t *block_tables, int64_t table_stride,
+                        const int64_t *context_lens, const int64_t *query_start, void *scratch, int64_t batch,
+                        int64_t kv_heads, int64_t group, int64_t head_dim, int num_threads) {
     int64_t tiles = 0;
     for (int64_t b = 0; b < batch; b++) tiles += tiles_of(query_start, b);
 #pragma omp parallel num_threads(num_threads)
@@ -235,9 +250,40 @@ void pdserve_paged_prefill_f32(const float *q, int64_t q_stride, const float *k_
             const int64_t q_len = query_start[b + 1] - query_start[b], j0 = (tile - before) * QUERY_TILE;
             const int64_t first = query_start[b] + j0, n = q_len - j0 < QUERY_TILE ? q_len - j0 : QUERY_TILE;
             const int64_t pos0 = context_lens[b] - q_len + j0;
-            const Task task = {q, q_stride, k_cache, v_cache, block_tables + b * table_stride, block_size,
-                               kv_heads * head_dim, scale, out, num_heads * head_dim};
+            Task task = *base;
+            task.table = block_tables + b * table_stride;
             prefill_tile(&task, sc, h, first, n, pos0, (int)group, (int)head_dim);
         }
     }
+}
+
+/* q: [num_tokens, num_heads, head_dim] with row stride q_stride; caches: [num_blocks, block_size,
+   kv_heads, head_dim] contiguous; block_tables: [batch, table_stride] int64; context_lens: [batch]
+   int64; query_start: [batch + 1] int64, request b's queries q[query_start[b] .. query_start[b + 1])
+   the last ones of its context, each chunk at least one query; out: [num_tokens, num_heads, head_dim]
+   contiguous; scratch: num_threads * pdserve_prefill_scratch_bytes() bytes, 64-byte aligned. The
+   caller checks pdserve_decode_supported first (the two kernels have copies for the same shapes), and
+   that every block id is in the pool. */
+void pdserve_paged_prefill_f32(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+                               const int64_t *block_tables, int64_t table_stride, const int64_t *context_lens,
+                               const int64_t *query_start, float *out, void *scratch, int64_t batch,
+                               int64_t num_heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
+                               float scale, int num_threads) {
+    const Task base = {q, q_stride, k_cache, v_cache, NULL, block_size, kv_heads * head_dim, 0, scale, out,
+                       num_heads * head_dim};
+    prefill_all(&base, block_tables, table_stride, context_lens, query_start, scratch, batch, kv_heads,
+                num_heads / kv_heads, head_dim, num_threads);
+}
+
+/* As pdserve_paged_prefill_f32, over int8 caches [num_blocks, block_size, kv_heads, row] with
+   row = int8_row_bytes(head_dim) (kv_int8.row_dim). */
+void pdserve_paged_prefill_i8(const float *q, int64_t q_stride, const int8_t *k_cache, const int8_t *v_cache,
+                              const int64_t *block_tables, int64_t table_stride, const int64_t *context_lens,
+                              const int64_t *query_start, float *out, void *scratch, int64_t batch,
+                              int64_t num_heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
+                              float scale, int num_threads) {
+    const Task base = {q, q_stride, k_cache, v_cache, NULL, block_size, kv_heads * int8_row_bytes(head_dim), 1,
+                       scale, out, num_heads * head_dim};
+    prefill_all(&base, block_tables, table_stride, context_lens, query_start, scratch, batch, kv_heads,
+                num_heads / kv_heads, head_dim, num_threads);
 }
