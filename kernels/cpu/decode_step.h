@@ -22,7 +22,7 @@ void pdserve_rope_store_i8(float *qkv, int64_t qkv_stride, int64_t tokens, int64
 void pdserve_paged_decode_i8(const float *q, int64_t q_stride, const int8_t *k_cache, const int8_t *v_cache,
                              const int64_t *block_tables, int64_t table_stride, const int64_t *context_lens,
                              float *out, float *scratch, int64_t batch, int64_t num_heads, int64_t kv_heads,
-                             int64_t head_dim, int64_t block_size, int64_t max_context, float scale,
+                             int64_t head_dim, int64_t block_size, int64_t ctx_pad, float scale,
                              int num_threads);
 void pdserve_paged_decode_item_f32(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
                                    const int64_t *block_tables, int64_t table_stride, const int64_t *context_lens,
