@@ -70,7 +70,9 @@ def verify_costs(llm: LLM, prompt: list[int], rows: list[int], rounds: int, step
 
 def _no_backoff(config, k: int):
     # The made-up drafts are all rejected: without this the back-off would stop them after a step.
-    return replace(config, num_speculative_tokens=max(k, 1), min_acceptance=0.0, max_num_seqs=1 << 20)
+    return replace(
+        config, num_speculative_tokens=max(k, 1), min_acceptance=0.0, verify_row_cost=0.0, max_num_seqs=1 << 20
+    )
 
 
 def step_profile(llm: LLM, prompt: list[int], max_tokens: int) -> dict[str, float]:
