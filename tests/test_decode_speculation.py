@@ -16,7 +16,15 @@ from tests.decode_harness import generate, scrape, tokens_of
 from tests.invariants import assert_no_leak
 from tests.test_decode_node import Running
 
-SPEC = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, "min_acceptance": 0.0})
+SPEC = json.dumps(
+    {
+        "method": "ngram",
+        "num_speculative_tokens": 3,
+        "prompt_lookup_max": 2,
+        "min_acceptance": 0.0,
+        "verify_row_cost": 0.0,
+    }
+)
 # A span said twice and begun again: lookups find proposals at once.
 PROMPT = [5, 17, 99, 3, 250, 41, 7, 300, 12, 64] * 2 + [5, 17, 99]
 
@@ -57,7 +65,15 @@ def test_decode_worker_speculates_with_the_targets_first_layer_as_draft() -> Non
     """Across the split: the prefill worker's first token and KV arrive as with n-gram; the draft (the
     target's first layer, its own pool) catches up the prompt at the first decode step and drafts from
     there. The output is the plain engine's; the draft's pool ends with no block held."""
-    draft = json.dumps({"method": "draft_model", "model": "self:1", "num_speculative_tokens": 3, "min_acceptance": 0.0})
+    draft = json.dumps(
+        {
+            "method": "draft_model",
+            "model": "self:1",
+            "num_speculative_tokens": 3,
+            "min_acceptance": 0.0,
+            "verify_row_cost": 0.0,
+        }
+    )
     node = Running(speculative_config=draft)
     try:
         params = dict(max_tokens=24, temperature=0.0, ignore_eos=True)

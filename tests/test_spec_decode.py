@@ -25,7 +25,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
 
 
 def spec_config(k: int = 4, lookup_max: int = 3, max_num_seqs: int = 64) -> str:
-    # min_acceptance 0: every proposal is verified, so rejections happen (the back-off is tested on its own).
+    # min_acceptance 0 and no verify cost: every proposal is verified, so rejections happen (the back-off
+    # is tested on its own).
     return json.dumps(
         {
             "method": "ngram",
@@ -33,6 +34,7 @@ def spec_config(k: int = 4, lookup_max: int = 3, max_num_seqs: int = 64) -> str:
             "prompt_lookup_max": lookup_max,
             "max_num_seqs": max_num_seqs,
             "min_acceptance": 0.0,
+            "verify_row_cost": 0.0,
         }
     )
 

@@ -37,7 +37,8 @@ NOISE = {"llama": 0.5, "mistral": 0.5, "qwen2": 0.5, "qwen3": 1.5}
 
 
 def draft_config(model: str, k: int = 3, max_num_seqs: int = 64) -> str:
-    # min_acceptance 0: every step drafts, so rejections (and the rollback of the draft's KV) happen.
+    # min_acceptance 0 and no verify cost: every step drafts, so rejections (and the rollback of the draft's
+    # KV) happen.
     return json.dumps(
         {
             "method": "draft_model",
@@ -45,6 +46,7 @@ def draft_config(model: str, k: int = 3, max_num_seqs: int = 64) -> str:
             "num_speculative_tokens": k,
             "max_num_seqs": max_num_seqs,
             "min_acceptance": 0.0,
+            "verify_row_cost": 0.0,
         }
     )
 
@@ -77,18 +79,23 @@ def assert_pools_idle(llm: LLM) -> None:
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("draft", ["random", "self:1"])
 def test_greedy_draft_speculation_equals_plain_decoding(family: str, draft: str) -> None:
+    target = str(tiny_model_dir(family))
     prompts, expected = plain_output(family, 8)
+    if (family, draft) == ("qwen3", "self:1"):
+        # Tiny random qwen3's greedy output repeats one token, which its first layer alone already
+        # predicts: nothing would be rejected. The noisy checkpoint's output varies, and its first layer
+        # disagrees with it at least once on these prompts.
+        target = random_draft(family)
+        plain = LLM(target, block_size=8, kv_cache_memory_mb=8)
+        expected = [o.outputs[0].token_ids for o in plain.generate(prompts, GREEDY)]
     model = random_draft(family) if draft == "random" else draft
-    llm = LLM(str(tiny_model_dir(family)), block_size=8, kv_cache_memory_mb=8, speculative_config=draft_config(model))
+    llm = LLM(target, block_size=8, kv_cache_memory_mb=8, speculative_config=draft_config(model))
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
     for i, (g, e) in enumerate(zip(got, expected)):
         assert g == e, f"prompt {i} diverges at token {next(j for j in range(len(e)) if g[j] != e[j])}"
     spec = llm.engine.scheduler.speculator
     assert spec.num_accepted_tokens > 0, "no draft was accepted: the test exercises nothing"
-    if (family, draft) != ("qwen3", "self:1"):
-        # Tiny random qwen3's greedy output repeats one token, which its first layer alone already
-        # predicts: nothing is rejected there. The other seven cases test the rollback.
-        assert spec.num_accepted_tokens < spec.num_draft_tokens, "no draft was rejected: the rollback is untested"
+    assert spec.num_accepted_tokens < spec.num_draft_tokens, "no draft was rejected: the rollback is untested"
     assert_pools_idle(llm)
     # The draft's prefix cache serves a request continuing a finished one; its output still agrees.
     follow = prompts[0] + expected[0][:20]

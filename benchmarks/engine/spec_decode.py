@@ -2,14 +2,17 @@
 by side in one run, and llama-server with its own n-gram speculation on the same GGUF.
 
     python -m benchmarks.engine.spec_decode [--streams 1,4,16] [--max-tokens 128] [--rounds 2]
-        [--llama-server PATH]
+        [--llama-server PATH] [--spec NAME=JSON ...]
 
 For each workload (benchmarks/engine/spec_workloads.py) and stream count, the two pdserve engines (one
 process, the same threads) run the same greedy requests alternately, ``--rounds`` times each. Reported
 per system: decode ITL p50/p99 (each step's time shared by the tokens it gave a request) and output
 tokens/s over the decode phase (first token to last, so prompt processing is out of both). Lines:
 
-    spec_copy streams=1 plain: itl_p50=..ms itl_p99=..ms tok/s=..   spec: ...   speedup=<spec/plain>
+    spec_copy streams=1 plain: itl_p50=..ms itl_p99=..ms tok/s=..   spec: ...   spec_speedup=<spec/plain>
+
+Each ``--spec NAME=JSON`` adds a speculating engine beside ``spec`` (SPEC), e.g. another
+``num_speculative_tokens``; every engine's speedup is over ``plain`` of the same run.
 
 With ``--llama-server`` the same prompts run one at a time against llama-server on the GGUF (Q4_1, as
 shipped) with and without ``--spec-type ngram-simple``; its decode rate is its own ``timings``.
@@ -76,6 +79,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--spec", action="append", default=[], help="NAME=JSON: another speculating engine")
     args = ap.parse_args()
     path = str(smollm2_checkpoint())
     common = dict(num_threads=args.threads, kv_cache_memory_mb=256, max_num_seqs=32)
@@ -83,6 +87,9 @@ def main() -> None:
         "plain": LLM(path, **common),
         "spec": LLM(path, speculative_config=json.dumps(SPEC), **common),
     }
+    for entry in args.spec:
+        name, _, config = entry.partition("=")
+        systems[name] = LLM(path, speculative_config=config, **common)
     tok = systems["plain"].tokenizer
     for workload in args.workloads.split(","):
         for streams in [int(s) for s in args.streams.split(",")]:
@@ -104,9 +111,10 @@ def main() -> None:
                     f"{name}: itl_p50={percentile(itls, 0.5) * 1e3:.1f}ms itl_p99={percentile(itls, 0.99) * 1e3:.1f}ms "
                     f"tok/s={rates[name]:.1f}"
                 )
-            spec = systems["spec"].engine.scheduler.speculator
-            line.append(f"speedup={rates['spec'] / rates['plain']:.2f}")
-            line.append(f"acceptance={spec.num_accepted_tokens}/{spec.num_draft_tokens}")
+            for name in list(systems)[1:]:
+                spec = systems[name].engine.scheduler.speculator
+                line.append(f"{name}_speedup={rates[name] / rates['plain']:.2f}")
+                line.append(f"{name}_acceptance={spec.num_accepted_tokens}/{spec.num_draft_tokens}")
             print("  ".join(line), flush=True)
 
 

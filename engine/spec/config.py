@@ -7,7 +7,10 @@
 Back-off keys (pdserve's own; vLLM has no equivalent): ``max_num_seqs`` — no sequence speculates while more
 than this many run (the batch then fills the weight pass by itself); ``min_acceptance`` — a sequence whose
 acceptance rate (an exponentially weighted average over its steps) falls below this stops proposing until
-the average, which creeps back up while it waits, says to try again.
+the average, which creeps back up while it waits, says to try again; ``verify_row_cost`` — what one more
+row of a step costs relative to a one-row decode step, the cost model that picks each sequence's
+number of drafts (up to ``num_speculative_tokens``) and backs it off where drafts cost more than they
+earn (engine/spec/draft_length.py).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ class SpeculativeConfig:
     model: str | None = None  # draft_model: the draft checkpoint (same tokenizer as the target), or "self:N"
     max_num_seqs: int = 8  # no speculation while more sequences than this run
     min_acceptance: float = 0.2  # a sequence below this acceptance rate backs off
+    verify_row_cost: float = 0.08  # one more row's cost, relative to a one-row step (the draft length's cost model)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -48,6 +52,8 @@ class SpeculativeConfig:
             raise SpeculativeConfigError(f"max_num_seqs={self.max_num_seqs}; it must be >= 1")
         if not 0.0 <= self.min_acceptance <= 1.0:
             raise SpeculativeConfigError(f"min_acceptance={self.min_acceptance}; it must be in [0, 1]")
+        if not 0.0 <= self.verify_row_cost <= 1.0:
+            raise SpeculativeConfigError(f"verify_row_cost={self.verify_row_cost}; it must be in [0, 1]")
 
 
 def parse_speculative_config(text: str) -> SpeculativeConfig | None:
@@ -65,7 +71,9 @@ def parse_speculative_config(text: str) -> SpeculativeConfig | None:
     if unknown:
         raise SpeculativeConfigError(f"--speculative-config has unknown keys {unknown}; known: {sorted(known)}")
     for key, value in raw.items():
-        want = float if key == "min_acceptance" else int if "num" in key or "lookup" in key else str
+        want = (
+            float if key in ("min_acceptance", "verify_row_cost") else int if "num" in key or "lookup" in key else str
+        )
         if want is float and isinstance(value, int) and not isinstance(value, bool):
             value = raw[key] = float(value)
         if not isinstance(value, want) or isinstance(value, bool):

@@ -5,10 +5,16 @@ A sequence gets drafts only when
   drafts there costs compute and buys no bandwidth);
 - its sampling is position-independent beyond what verification reproduces: no grammar, no logprobs,
   no penalties (they read the tokens before each position), past ``min_tokens``, one completion;
-- it is not backing off. A sequence whose acceptance average falls below ``min_acceptance`` skips
-  proposing for a while, then probes once more; each probe that leaves the average low doubles the wait
-  (``FIRST_BACKOFF`` steps, at most ``MAX_BACKOFF``), so free text pays a verification on a few percent of
-  its steps, and text that starts copying later is still caught.
+- it is not backing off. A sequence whose acceptance average falls below ``min_acceptance``, or below
+  the break-even of the cost model (engine/spec/draft_length.py: higher the more sequences decode),
+  skips proposing for a while, then probes once more; each probe that leaves the average low doubles
+  the wait (``FIRST_BACKOFF`` steps, at most ``MAX_BACKOFF``), so free text pays a verification on a few
+  percent of its steps, and text that starts copying later is still caught.
+
+How many drafts: the cost model's best length for the sequence's acceptance average, up to
+``num_speculative_tokens`` (long while a copy keeps being accepted, short after rejections), as
+llama.cpp's lookup drafts up to 16 and more on a long match. The average is per token: a step's
+accepted drafts over the drafts it decided (the accepted ones and the first rejected one).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from typing import Protocol
 
 from engine.sched.sequence import Sequence
 from engine.spec.config import SpeculativeConfig
+from engine.spec.draft_length import break_even, draft_length
 from engine.spec.ngram import NgramProposer
 
 EWMA_WEIGHT = 0.3  # weight of the latest step in a sequence's acceptance average
@@ -49,18 +56,23 @@ class Speculator:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.num_accepted_per_pos = [0] * config.num_speculative_tokens
+        self._floor = config.min_acceptance  # the acceptance below which record() backs a sequence off
 
     def propose(self, seqs: list[Sequence], num_running: int, limits: list[int]) -> list[list[int]]:
         """Drafts for each of ``seqs``' next step (possibly none). ``limits[i]``: drafts ``seqs[i]`` may
         take at most (tokens it may still append and the step may still compute, less the one token the
         step emits of its own)."""
         drafts: list[list[int]] = [[] for _ in seqs]
-        if num_running > self.config.max_num_seqs:
+        cfg = self.config
+        if num_running > cfg.max_num_seqs:
             return drafts
+        rows = max(1, len(seqs))
+        self._floor = max(cfg.min_acceptance, break_even(cfg.verify_row_cost, rows))
         chosen = [i for i, seq in enumerate(seqs) if limits[i] > 0 and eligible(seq) and not _waits(seq)]
         if chosen:
-            k = self.config.num_speculative_tokens
-            proposed = self.proposer.propose_batch([seqs[i] for i in chosen], [min(k, limits[i]) for i in chosen])
+            k_max, cost = cfg.num_speculative_tokens, cfg.verify_row_cost
+            lengths = [min(draft_length(seqs[i].spec.acceptance, k_max, cost, rows), limits[i]) for i in chosen]
+            proposed = self.proposer.propose_batch([seqs[i] for i in chosen], lengths)
             for i, d in zip(chosen, proposed):
                 drafts[i] = d
         return drafts
@@ -74,8 +86,9 @@ class Speculator:
         state.num_drafts += 1
         state.num_draft_tokens += num_drafts
         state.num_accepted_tokens += num_accepted
-        state.acceptance += EWMA_WEIGHT * (num_accepted / num_drafts - state.acceptance)
-        if state.acceptance < self.config.min_acceptance:
+        decided = num_accepted + (num_accepted < num_drafts)  # the accepted drafts and the first rejected one
+        state.acceptance += EWMA_WEIGHT * (num_accepted / decided - state.acceptance)
+        if state.acceptance < self._floor:
             state.backoff = min(MAX_BACKOFF, 2 * state.backoff) if state.backoff else FIRST_BACKOFF
             state.num_wait_steps = state.backoff
         else:

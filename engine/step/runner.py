@@ -6,6 +6,18 @@ tokens; its K/V land in the pool through ``block_table`` and its queries attend 
 
     flattened tokens:  | seq 0: n_0 tokens | seq 1: n_1 | ... |
     query_start_loc:   0                  n_0          n_0+n_1 ...
+
+A speculating sequence's token and k drafts (engine/spec/) reach attention as 1 + k decode rows, each
+its own query over the keys up to it, when no prompt chunk shares the step: every row of the step then
+decodes one token, so the step takes the C decode path (one fused call for every layer,
+engine/model/decode_step.py) as a plain decode step does. Each layer stores all rows' K/V before any row
+attends, so draft j's row sees the drafts before it. As one chunk of 1 + k the step took the prefill
+path layer by layer.
+
+    verify rows of B (k = 2, c computed):   block table   context
+                                  t_c       B's           c + 1
+                                  d_1       B's           c + 2
+                                  d_2       B's           c + 3
 """
 
 from __future__ import annotations
@@ -67,7 +79,7 @@ class ModelRunner:
         self._copy_blocks(batch.block_copies)
         input_ids, positions, meta = self._prepare(batch)
         hidden = self.model(input_ids, positions, self.kv_pool, meta, self._lora_step(batch))  # [num_tokens, hidden]
-        record_prompt_logprobs(self.model.compute_logits, hidden, batch, meta.query_start_loc)
+        record_prompt_logprobs(self.model.compute_logits, hidden, batch, self._row_starts(batch, meta))
         if batch.has_drafts:
             return sample_with_drafts(self.model.compute_logits, hidden, batch, self.sampler)
         logits = self.model.compute_logits(self._sampled_hidden(hidden, batch))  # [num_samples, vocab]
@@ -82,6 +94,13 @@ class ModelRunner:
         input_ids, positions, meta = self._prepare(batch)
         hidden = self.model(input_ids, positions, self.kv_pool, meta, None)  # [num_tokens, hidden]
         return self.model.compute_logits(self._sampled_hidden(hidden, batch))
+
+    def _row_starts(self, batch: ScheduledBatch, meta: AttentionMetadata) -> torch.Tensor:
+        """Where each of the batch's sequences starts in the step's tokens: ``meta.query_start_loc``
+        unless verify rows were split into decode rows (then no prompt chunk is in the step)."""
+        if meta.query_start_loc.shape[0] == len(batch.seqs) + 1:
+            return meta.query_start_loc
+        return torch.tensor([0, *itertools.accumulate(batch.num_new_tokens)], dtype=torch.int32)
 
     def _sampled_hidden(self, hidden: torch.Tensor, batch: ScheduledBatch) -> torch.Tensor:
         """The rows of ``hidden`` the sample seqs take their logits from: each one's sequence's last new
@@ -124,6 +143,9 @@ class ModelRunner:
         slots: list[int] = []  # block_id * block_size + offset of each new token
         context_lens: list[int] = []
         query_start_loc = [0]
+        row_tables: list[list[int]] = []  # per attention row: its sequence's block table
+        # Verify rows as decode rows (the module docstring): only with no prompt chunk in the step.
+        split = batch.has_drafts and all(n == 1 or batch.drafts_of(i) for i, n in enumerate(batch.num_new_tokens))
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             start, table = seq.num_computed_tokens, seq.block_table
             end = start + n
@@ -135,10 +157,16 @@ class ModelRunner:
             else:
                 positions += range(start, end)
                 slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
-            context_lens.append(end)
-            query_start_loc.append(query_start_loc[-1] + n)
+            if split:
+                context_lens += range(start + 1, end + 1)
+                query_start_loc += range(query_start_loc[-1] + 1, query_start_loc[-1] + n + 1)
+                row_tables += [table] * n
+            else:
+                context_lens.append(end)
+                query_start_loc.append(query_start_loc[-1] + n)
+                row_tables.append(table)
         max_blocks = max(len(seq.block_table) for seq in batch.seqs)
-        tables = [seq.block_table + [0] * (max_blocks - len(seq.block_table)) for seq in batch.seqs]
+        tables = [table + [0] * (max_blocks - len(table)) for table in row_tables]
 
         device = self.device
         block_tables = torch.tensor(tables, dtype=torch.int32, device=device)  # [batch, max_blocks]
