@@ -67,7 +67,7 @@ def make_run(
 
 
 HEADER = (
-    f"{'system':<9}{'workload':<20}{'load':<17}{'ok':>7}{'out tok/s':>10}{'TTFT p50':>9}{'p99':>8}"
+    f"{'system':<14}{'workload':<20}{'load':<17}{'ok':>7}{'out tok/s':>10}{'TTFT p50':>9}{'p99':>8}"
     f"{'TPOT p50':>9}{'p99':>8}{'ITL p99':>8}{'e2e p50':>8}{'good':>6}"
 )
 
@@ -79,16 +79,16 @@ def _ms(x: float) -> str:
 def run_row(r: Run) -> str:
     s = r.summary
     return (
-        f"{r.system:<9}{r.workload:<20}{r.load:<17}{f'{s.num_ok}/{s.num_requests}':>7}{s.output_tps:>10.1f}"
+        f"{r.system:<14}{r.workload:<20}{r.load:<17}{f'{s.num_ok}/{s.num_requests}':>7}{s.output_tps:>10.1f}"
         f"{_ms(s.ttft['p50']):>9}{_ms(s.ttft['p99']):>8}{_ms(s.tpot['p50']):>9}{_ms(s.tpot['p99']):>8}"
         f"{_ms(s.itl['p99']):>8}{_ms(s.e2e['p50']):>8}{s.goodput_share:>6.2f}"
     )
 
 
 def print_procs(report: Report) -> None:
-    print(f"\n{'system':<9}{'process':<16}{'CPU-s':>8}{'peak RSS MB':>13}   (CPU over the measured runs)")
+    print(f"\n{'system':<14}{'process':<16}{'CPU-s':>8}{'peak RSS MB':>13}   (CPU over the measured runs)")
     for system, p in report.procs:
-        print(f"{system:<9}{p.name:<16}{p.cpu_s:>8.1f}{p.peak_rss_mb:>13.0f}")
+        print(f"{system:<14}{p.name:<16}{p.cpu_s:>8.1f}{p.peak_rss_mb:>13.0f}")
 
 
 def _ratio(a: float, b: float) -> float:
@@ -186,7 +186,7 @@ def print_streams_table(report: Report, systems: list[str], concurrencies: tuple
     if not present:
         return
     print("\nstreams (256 prompt / 128 output tokens, closed loop): out tok/s, ITL p50 ms, TTFT p99 ms")
-    print(f"{'system':<9}" + "".join(f"{f'c={c}':>26}" for c in concurrencies))
+    print(f"{'system':<14}" + "".join(f"{f'c={c}':>26}" for c in concurrencies))
     for name in present:
         cells = []
         for c in concurrencies:
@@ -196,7 +196,7 @@ def print_streams_table(report: Report, systems: list[str], concurrencies: tuple
                 if run is None
                 else f"{_value(run, 'tps'):.1f}, {_ms(_value(run, 'itl_p50'))}, {_ms(_value(run, 'ttft_p99'))}"
             )
-        print(f"{name:<9}" + "".join(f"{cell:>26}" for cell in cells))
+        print(f"{name:<14}" + "".join(f"{cell:>26}" for cell in cells))
 
 
 def headline_line(values: dict[str, float]) -> str:
