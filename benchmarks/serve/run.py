@@ -191,7 +191,7 @@ def run_hf_static(
         report.hf_by_batch[batch_size] = result.tokens_per_s
         me = self_sample("benchmark (hf)")
         row = (
-            f"{'hf':<9}{'mixed':<20}{f'offline b={batch_size}':<17}"
+            f"{'hf':<14}{'mixed':<20}{f'offline b={batch_size}':<17}"
             f"{f'{len(requests)}/{len(requests)}':>7}{result.tokens_per_s:>10.1f}   "
             f"(wall {result.wall_s:.1f} s, {result.cpu_s:.1f} CPU-s, {threads} threads, "
             f"process peak RSS {me.peak_rss_mb:.0f} MB)"
