@@ -17,11 +17,13 @@ from pathlib import Path
 
 from benchmarks.peers import llama_build
 
+# llama-perplexity prints a figure near zero in exponent form (e.g. "-1.2e-06 ± 4.5e-06", f16 KV at 4k).
+_NUM = r"(-?(?:[0-9.]+(?:e[-+]?[0-9]+)?|nan))"
 _PATTERNS = {
-    "same_top": r"Same top p:\s+([0-9.]+)\s+±\s+([0-9.]+)",
-    "ln_ratio": r"Mean\s+ln\(PPL\(Q\)/PPL\(base\)\)\s*:\s+(-?[0-9.]+)\s+±\s+([0-9.]+)",
-    "mean_kld": r"Mean\s+KLD:\s+(-?[0-9.]+)",
-    "max_kld": r"Maximum KLD:\s+(-?[0-9.]+)",
+    "same_top": rf"Same top p:\s+{_NUM}\s+±\s+{_NUM}",
+    "ln_ratio": rf"Mean\s+ln\(PPL\(Q\)/PPL\(base\)\)\s*:\s+{_NUM}\s+±\s+{_NUM}",
+    "mean_kld": rf"Mean\s+KLD:\s+{_NUM}",
+    "max_kld": rf"Maximum KLD:\s+{_NUM}",
 }
 
 
