@@ -21,7 +21,13 @@ For each format (benchmarks/peers/gguf_variants.py makes them from the shipped Q
   ``llama-perplexity`` of the pinned llama.cpp on the same file; and whether pdserve's kernel path is
   at least as close to the float model as llama.cpp: |ln PPL(format) - ln PPL(F32)| of each, against
   its own F32 (always measured, first), pdserve's with the standard error of its per-token NLL shift
-  (the rounding of activations moves the estimate by about that much either way).
+  (the rounding of activations moves the estimate by about that much either way);
+- on the same scored tokens, the mean KL divergence of each format's next-token distributions from its
+  own F32's, and the share of tokens whose top-1 is F32's: pdserve's kernel path against its F32 path
+  (benchmarks/engine/next_token_dists.py), llama.cpp's from ``llama-perplexity --kl-divergence``
+  against its F32 file (benchmarks/engine/llama_kld.py), each with its standard error. Perplexity
+  differences cancel token by token; the divergence adds up, so it is the sharper of the two
+  "how close to the float model" figures (llama.cpp's quantization tables report it).
 
     python -m benchmarks.engine.gguf_accuracy [--formats q4_1,q8_0,...] [--chunks 16]
 """
@@ -30,8 +36,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import re
-import subprocess
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,7 +44,9 @@ from unittest.mock import patch
 import torch
 
 from benchmarks.common.english_text import OPTICKS
-from benchmarks.peers import gguf_variants, llama_build
+from benchmarks.engine import llama_kld
+from benchmarks.engine.next_token_dists import divergence, windows_rows
+from benchmarks.peers import gguf_variants
 from engine.llm import LLM
 from engine.model.gguf_weights import dequantized
 from engine.quant.apply import quantized_modules
@@ -98,10 +104,11 @@ def agreement(llm: LLM, prompts: list[list[int]], continuations: list, hf_logpro
     return sum(agree) / len(agree), (sum(errors) / len(errors) if errors else math.nan)
 
 
-def engine_nll(llm: LLM, text_ids: list[int], chunks: int) -> list[float]:
-    """llama-perplexity's scored tokens: per chunk of CTX tokens, the NLL of tokens CTX/2+1 .. CTX-1."""
-    sequences = [text_ids[i * CTX : (i + 1) * CTX] for i in range(chunks)]
-    return [-s.logprob for score in engine_scores(llm, sequences) for s in score[CTX // 2 :]]
+def engine_nll(llm: LLM, text_ids: list[int], chunks: int) -> tuple[list[float], torch.Tensor]:
+    """llama-perplexity's scored tokens: per chunk of CTX tokens, the NLL of tokens CTX/2+1 .. CTX-1;
+    with the whole next-token log-prob rows they come from."""
+    rows, targets = windows_rows(llm, text_ids, CTX, chunks)
+    return (-rows.gather(1, targets[:, None])[:, 0]).tolist(), rows
 
 
 def paired_shift(nll: list[float], f32_nll: list[float]) -> tuple[float, float]:
@@ -113,14 +120,10 @@ def paired_shift(nll: list[float], f32_nll: list[float]) -> tuple[float, float]:
     return mean, math.sqrt(var / len(diffs))
 
 
-def llama_perplexity(gguf: Path, chunks: int, threads: int) -> float:
-    binary = llama_build.tool_binary("llama-perplexity")
-    argv = [str(binary), "-m", str(gguf), "-f", str(TEXT), "-c", str(CTX), "--chunks", str(chunks)]
-    out = subprocess.run(argv + ["-t", str(threads), "-b", str(CTX)], capture_output=True, text=True, check=True)
-    match = re.search(r"Final estimate: PPL = ([0-9.]+)", out.stdout + out.stderr)
-    if match is None:
-        raise RuntimeError(f"llama-perplexity printed no estimate: {(out.stdout + out.stderr)[-500:]}")
-    return float(match.group(1))
+def llama_against_f32(gguf: Path, chunks: int, threads: int) -> llama_kld.LlamaKLD:
+    """llama-perplexity on ``gguf`` against the F32 file's saved logits (its PPL and KL divergence)."""
+    f32 = ["-m", str(gguf_variants.gguf_file("f32"))]
+    return llama_kld.compare(f32, ["-m", str(gguf)], TEXT, CTX, chunks, threads)
 
 
 @dataclass(slots=True)
@@ -131,6 +134,7 @@ class PathScores:
     logprob_error: float  # mean |Δ log-prob| of transformers' tokens, same file
     vs_float: float  # greedy agreement with the float model's continuations
     nll: list[float]  # per scored token of the text; perplexity = exp(mean)
+    rows: torch.Tensor  # [scored tokens, vocab] the next-token log-probs of the text
     on_kernels: str  # what ran on the quantized kernels ("Q4_1 x120 + Q8_0 head"), "none" on float
 
 
@@ -167,7 +171,8 @@ class Inputs:
 def score(llm: LLM, inputs: Inputs, continuations: list, hf_logprobs: list) -> PathScores:
     same, error = agreement(llm, inputs.prompts, continuations, hf_logprobs)
     vs_float, _ = agreement(llm, inputs.prompts, inputs.float_continuations, None)
-    return PathScores(same, error, vs_float, engine_nll(llm, inputs.text_ids, inputs.chunks), on_kernels(llm))
+    nll, rows = engine_nll(llm, inputs.text_ids, inputs.chunks)
+    return PathScores(same, error, vs_float, nll, rows, on_kernels(llm))
 
 
 def perplexity(nll: list[float]) -> float:
@@ -186,8 +191,20 @@ def closer(nll: list[float], f32_nll: list[float], llama: float, llama_f32: floa
 HEADER = (
     "| format | stored as (2-D weights) | MB | on the kernels | agreement vs transformers, same file "
     "| mean abs Δlogprob | agreement vs float model | PPL pdserve | PPL llama.cpp "
-    "| closer to the float model than llama.cpp? | dequantizing path: agreement, mean abs Δlogprob, PPL |"
+    "| closer to the float model than llama.cpp? | mean KLD vs F32: pdserve, llama.cpp "
+    "| same top-1 as F32: pdserve, llama.cpp | dequantizing path: agreement, mean abs Δlogprob, PPL |"
 )
+
+
+def kld_cells(rows: torch.Tensor, f32_rows: torch.Tensor, text_ids: list[int], chunks: int, theirs) -> str:
+    """'0.00392 ± 0.00012, 0.00398 ± 0.00014 | 96.4 ± 0.6%, 96.4 ± 0.6%'."""
+    targets = torch.tensor([t for c in range(chunks) for t in text_ids[c * CTX + CTX // 2 + 1 : (c + 1) * CTX]])
+    ours = divergence(f32_rows, rows, targets)
+    return (
+        f"{ours.mean_kld:.5f} ± {ours.mean_kld_err:.5f}, {theirs.mean_kld:.5f} ± {theirs.mean_kld_err:.5f} "
+        f"| {100 * ours.same_top1:.1f} ± {100 * ours.same_top1_err:.1f}%, "
+        f"{theirs.same_top:.1f} ± {theirs.same_top_err:.1f}%"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -209,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"text: {TEXT.name} ({len(text_ids)} tokens; {args.chunks} chunks of {CTX} scored as llama-perplexity)")
     print(HEADER)
     print("|---" * (HEADER.count("|") - 1) + "|")
-    f32 = None  # (pdserve's per-token NLL, llama.cpp's PPL) on the F32 file
+    f32 = theirs_f32 = None  # pdserve's and llama.cpp's scores of the F32 file, measured first
     for fmt in formats:
         path = gguf_variants.gguf_file(fmt)
         continuations, hf_logprobs = hf_greedy(path.parent, path.name, prompts)
@@ -221,16 +238,23 @@ def main(argv: list[str] | None = None) -> int:
             llm = dequantizing_engine(path)
             reference = score(llm, inputs, continuations, hf_logprobs)
             del llm
-        theirs = llama_perplexity(path, args.chunks, args.threads)
-        f32 = f32 or (kernel.nll, theirs)
-        verdict = "(the reference)" if fmt == "f32" else closer(kernel.nll, f32[0], theirs, f32[1])
+        if fmt == "f32":
+            f32 = kernel
+            theirs_f32 = llama_against_f32(path, args.chunks, args.threads)  # F32 against itself: its PPL
+            theirs, verdict, kld = theirs_f32, "(the reference)", "0, 0 | 100%, 100%"
+        else:
+            theirs = llama_against_f32(path, args.chunks, args.threads)
+            verdict = closer(kernel.nll, f32.nll, theirs.ppl, theirs_f32.ppl)
+            kld = kld_cells(kernel.rows, f32.rows, text_ids, args.chunks, theirs)
         print(
             f"| {fmt.upper()} | {gguf_variants.tensor_types(path)} | {path.stat().st_size / 1e6:.0f} "
             f"| {kernel.on_kernels} | {kernel.same_file:.4f} | {kernel.logprob_error:.2e} | {kernel.vs_float:.4f} "
-            f"| {perplexity(kernel.nll):.4f} | {theirs:.4f} | {verdict} "
+            f"| {perplexity(kernel.nll):.4f} | {theirs.ppl:.4f} | {verdict} | {kld} "
             f"| {reference.same_file:.4f}, {reference.logprob_error:.2e}, {perplexity(reference.nll):.4f} |",
             flush=True,
         )
+        if fmt != "f32":
+            del kernel, reference
     return 0
 
 

