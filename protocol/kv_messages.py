@@ -24,7 +24,10 @@ from dataclasses import dataclass, field
 
 from protocol.codec import wire_record
 
-KV_PROTOCOL_VERSION = 2  # 2: cuda_ipc per-transfer windows, never the pool
+# 2: cuda_ipc per-transfer windows, never the pool; 3: int8 KV rows with a float16 scale per 16 values
+# (kernels/triton/kv_int8.py), the same bytes as the float32 scale per 32 of version 2: only the
+# version tells the two apart, so a peer of the old format is refused, never misread
+KV_PROTOCOL_VERSION = 3
 
 
 @wire_record("kv.compat")

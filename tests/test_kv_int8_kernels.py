@@ -59,11 +59,13 @@ def test_rope_store_quantizes_as_the_torch_quantizer(kernels, num_heads, kv_head
 
 
 def test_rope_store_rounds_half_to_even_as_torch(kernels):
-    """Ties: with amax 127 the scale is 1, so x.5 values land exactly halfway; torch.round and the
-    kernel's vector rounding both take the even neighbour (0.5 -> 0, 1.5 -> 2, -2.5 -> -2)."""
+    """Ties: with amax 127 the scale is 1 (exact in float16), so x.5 values land exactly halfway;
+    torch.round and the kernel's vector rounding both take the even neighbour (0.5 -> 0, 1.5 -> 2,
+    -2.5 -> -2). Every group of 16 holds a 127."""
     num_heads, kv_heads, head_dim = 1, 1, 64
-    ties = torch.tensor([0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5, -126.5] * 4)
-    values = torch.cat([ties[:-1], torch.tensor([127.0]), ties.flip(0)[1:], torch.tensor([-127.0])])
+    ties = torch.tensor([0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5, -126.5])
+    group = torch.cat([ties, ties[:-1], torch.tensor([127.0])])
+    values = torch.cat([group, -group.flip(0), group.flip(0), -group])
     qkv = torch.cat([torch.zeros(2 * head_dim), values]).view(1, -1)
     cos, sin = torch.ones(1, head_dim // 2), torch.zeros(1, head_dim // 2)
     k_cache = torch.zeros(1, kv_heads, kv_int8.row_dim(head_dim), dtype=torch.int8)
@@ -76,12 +78,13 @@ def test_rope_store_rounds_half_to_even_as_torch(kernels):
 def test_rope_store_keeps_an_all_zero_group_at_scale_zero(kernels):
     num_heads, kv_heads, head_dim = 2, 1, 64
     qkv = torch.zeros(1, (num_heads + 2 * kv_heads) * head_dim)
-    qkv[0, -head_dim:-32] = torch.linspace(-1, 1, 32)  # V's first group nonzero, its second all zero
+    qkv[0, -head_dim:-32] = torch.linspace(-1, 1, 32)  # V's first two groups nonzero, its last two all zero
     cos, sin = torch.ones(1, head_dim // 2), torch.zeros(1, head_dim // 2)
     k_cache = torch.full((4, kv_heads, kv_int8.row_dim(head_dim)), 7, dtype=torch.int8)
     v_cache = k_cache.clone()
     kernels.rope_store(qkv, num_heads, kv_heads, cos, sin, torch.tensor([2]), k_cache, v_cache)
-    assert kv_int8.scales(v_cache[2]).tolist() == [[float(torch.tensor(1.0) / 127), 0.0]]  # float32 amax / 127
+    one = float((torch.tensor(1.0) / 127).half())  # float16(amax / 127), amax 1 in each of the first two groups
+    assert kv_int8.scales(v_cache[2]).tolist() == [[one, one, 0.0, 0.0]]
     assert not v_cache[2, 0, 32:64].any() and not kv_int8.scales(k_cache[2]).any()
     assert (k_cache[[0, 1, 3]] == 7).all()
 

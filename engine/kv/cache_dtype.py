@@ -1,6 +1,6 @@
 """``--kv-cache-dtype`` (vLLM's flag): what the KV pool stores, given the model's dtype and the device.
 
-``auto`` stores the model's dtype. ``int8`` stores symmetric int8 with float32 scales (one per 32
+``auto`` stores the model's dtype. ``int8`` stores symmetric int8 with float16 scales (one per 16
 values of a token's head), packed in the row (kernels/triton/kv_int8.py); CPU only so far (the
 Triton kernels do not read it yet: a clear start-up error on CUDA). ``fp8`` stores e4m3 with vLLM's
 default scale of 1.0; it needs a GPU (CPUs here have no e4m3 arithmetic, and nothing on the CPU paths

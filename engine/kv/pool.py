@@ -1,7 +1,7 @@
 """The node's one preallocated KV pool: ``[layers, 2, num_blocks, block_size, kv_heads, row_dim]``.
 
 ``row_dim`` is ``head_dim`` for a float pool; an int8 pool (``--kv-cache-dtype int8``) packs each row's
-float32 scale after its values (kernels/triton/kv_int8.py), so a block carries its scales with it.
+float16 scales (one per 16 values) after its values (kernels/triton/kv_int8.py), so a block carries its scales with it.
 
 Attention reads it through block tables; transports move whole blocks of it (all layers at once).
 """

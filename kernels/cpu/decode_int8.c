@@ -1,5 +1,5 @@
 /* Decode attention on CPU over an int8 KV pool (--kv-cache-dtype int8): one query token per request over
-   its paged K/V, each row [head_dim int8 | one float32 scale per 32 values] (kernels/triton/kv_int8.py),
+   its paged K/V, each row [head_dim int8 | one float16 scale per 16 values] (kernels/triton/kv_int8.py),
    dequantized in registers as it is read. Nothing is dequantized into memory.
 
    The structure is decode.c's (the tuned float32 kernel), for the same reason: at 32 streams of ~400
@@ -139,7 +139,7 @@ static inline void decode_one_i8(const float *q, const int8_t *k_head, const int
     }
 
 /* As pdserve_paged_decode_f32 (decode.c), over int8 caches [num_blocks, block_size, kv_heads, row] with
-   row = head_dim + 4 * (head_dim / min(32, head_dim)); ctx_pad: a multiple of 16 >= every context;
+   row = int8_row_bytes(head_dim) (int8_rows.h); ctx_pad: a multiple of 16 >= every context;
    scratch: batch * num_heads * ctx_pad floats. The caller checks pdserve_decode_supported first. */
 void pdserve_paged_decode_i8(const float *q, int64_t q_stride, const int8_t *k_cache, const int8_t *v_cache,
                              const int64_t *block_tables, int64_t table_stride, const int64_t *context_lens,

@@ -1,6 +1,6 @@
 /* Reading the int8 KV pool's rows (--kv-cache-dtype int8) in vector registers: each row is [head_dim
-   int8 | one float32 scale per 32 values] (kernels/triton/kv_int8.py; a head of 32 or fewer values is
-   one group). Shared by the int8 decode kernel (decode_int8.c) and the prefill kernel (prefill.c).
+   int8 | one float16 scale per 16 values] (kernels/triton/kv_int8.py, which says why; a head of 16 or
+   fewer values is one group). Shared by the int8 decode kernel (decode_int8.c) and the prefill kernel (prefill.c).
    Include this before or instead of vector.h. */
 #ifndef PDSERVE_CPU_INT8_ROWS_H
 #define PDSERVE_CPU_INT8_ROWS_H
@@ -13,7 +13,8 @@
 #endif
 #include "vector.h"
 
-#define INT8_SCALE_GROUP 32 /* values per scale */
+#define INT8_SCALE_GROUP 16 /* values per scale */
+#define INT8_SCALE_BYTES 2  /* one float16 (_Float16: vcvtph2ps with F16C, libgcc's exact conversion without) */
 
 typedef int8_t vb __attribute__((vector_size(LANES)));
 
@@ -44,12 +45,14 @@ static inline int64_t int8_row_groups(int64_t head_dim) {
 }
 
 /* Bytes of one row: the values, then the scales. */
-static inline int64_t int8_row_bytes(int64_t head_dim) { return head_dim + 4 * int8_row_groups(head_dim); }
+static inline int64_t int8_row_bytes(int64_t head_dim) {
+    return head_dim + INT8_SCALE_BYTES * int8_row_groups(head_dim);
+}
 
 static inline float int8_row_scale(const int8_t *row, int64_t head_dim, int64_t group) {
-    float s;
-    memcpy(&s, row + head_dim + 4 * group, sizeof s); /* the scales follow the values */
-    return s;
+    _Float16 s;
+    memcpy(&s, row + head_dim + INT8_SCALE_BYTES * group, sizeof s); /* the scales follow the values */
+    return (float)s;
 }
 
 /* A row's C = head_dim / LANES vectors of values, each times its group's scale: the row dequantized,

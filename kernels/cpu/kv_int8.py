@@ -1,6 +1,6 @@
 """The bindings of the int8-KV kernels (``--kv-cache-dtype int8``): decode attention (decode_int8.c),
 prefill attention (prefill.c) and the RoPE + quantizing K/V store (kv_int8_ops.c), over pools of packed int8 rows
-``[head_dim values | float32 scales]`` (kernels/triton/kv_int8.py). Same arguments as the float32
+``[head_dim values | float16 scales]`` (kernels/triton/kv_int8.py). Same arguments as the float32
 kernels' (kernels/cpu/paged_call.py)."""
 
 from __future__ import annotations

@@ -1,25 +1,31 @@
 """The int8 KV cache's row format (``--kv-cache-dtype int8``) and its torch quantizer.
 
-One token's one KV head is a row of ``head_dim`` int8 values followed by one float32 scale per group
-of 32 values (``GROUP``; a head of 32 or fewer values is one group), the scales' bytes packed into the
+One token's one KV head is a row of ``head_dim`` int8 values followed by one float16 scale per group
+of 16 values (``GROUP``; a head of 16 or fewer values is one group), the scales' bytes packed into the
 same int8 row: ``[head_dim values | scales]``. A pool block therefore holds its scales and every
 transport moves it as it is (no second tensor to keep in step).
 
-Symmetric, per token, per head, per group: ``scale = amax / 127``, ``q = round(x * (127 / amax))``
-(round half to even), clamped to [-127, 127]; an all-zero group keeps scale 0. Groups of 32 are
-llama.cpp's q8_0 block: with one scale per 64-value head (SmolLM2-135M) the measured agreement with
-float32 KV fell short of q8_0's (docs/benchmarks.md); two scales cost 4 bytes a row more (72 bytes
-against float32's 256: 0.28x, 3.56x the tokens). The C decode kernel (kernels/cpu/decode_int8.c)
-reads the same format.
+Symmetric, per token, per head, per group: ``scale = float16(amax / 127)``, ``q = round(x * (1 /
+scale))`` (round half to even), clamped to [-127, 127]: the values are rounded against the scale that
+is stored, so a scale's own rounding never shifts them; a group whose scale is 0 in float16 (all zero,
+or below float16's range) stores zeros.
+
+Why 16 values in float16, not 32 in float32 (llama.cpp's q8_0 block): the same bytes (72 a row at
+head_dim 64, 0.28x float32's, 3.56x the tokens), and the keys' error is what moves the output. On
+SmolLM2-135M, mean KL divergence from float32 KV over the same windows: groups of 32 with float32
+scales 0.00055 (1k) / 0.00047 (4k), groups of 16 with float16 scales 0.00033 / 0.00028, llama.cpp's
+q8_0 0.00033 / 0.00039 (docs/benchmarks.md). One scale per 64-value head was worse again. The C
+kernels (kernels/cpu/int8_rows.h, kv_int8_ops.c, decode_int8.c) read and write the same format.
 """
 
 from __future__ import annotations
 
 import torch
 
-GROUP = 32  # values per scale
-SCALE_BYTES = 4  # one float32 per group
+GROUP = 16  # values per scale
+SCALE_BYTES = 2  # one float16 per group
 QMAX = 127.0
+F16_MAX = 65504.0  # a larger amax / 127 (|x| past 8.3 million) keeps float16's largest scale, clamped
 
 
 def group_size(head_dim: int) -> int:
@@ -27,14 +33,14 @@ def group_size(head_dim: int) -> int:
 
 
 def row_dim(head_dim: int) -> int:
-    """int8 elements of one packed row; the scales must stay 4-byte aligned and the groups whole."""
+    """int8 elements of one packed row; the scales must stay 2-byte aligned and the groups whole."""
     if head_dim % SCALE_BYTES or head_dim % group_size(head_dim):
         raise ValueError(f"int8 KV cache needs head_dim divisible by {SCALE_BYTES} and by {GROUP} past {GROUP}")
     return head_dim + SCALE_BYTES * (head_dim // group_size(head_dim))
 
 
 def head_dim_of(row: int) -> int:
-    """The inverse of row_dim: one group up to GROUP values, else 4 bytes of scale per GROUP values."""
+    """The inverse of row_dim: one group up to GROUP values, else SCALE_BYTES of scale per GROUP values."""
     head_dim = row - SCALE_BYTES if row <= GROUP + SCALE_BYTES else row * GROUP // (GROUP + SCALE_BYTES)
     if head_dim <= 0 or row_dim(head_dim) != row:
         raise ValueError(f"no head_dim packs into an int8 row of {row}")
@@ -48,19 +54,21 @@ def quantize_rows(x: torch.Tensor) -> torch.Tensor:
     row_dim(head_dim)  # checks the shape
     x32 = x.float().reshape(*x.shape[:-1], head_dim // gs, gs)
     amax = x32.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, QMAX / amax, torch.zeros_like(amax))
+    scale = (amax / QMAX).clamp_(max=F16_MAX).half()  # [..., groups, 1]; RNE, as the C store's _Float16
+    d = scale.float()
+    # tensor by tensor: torch.reciprocal is not IEEE division, and C's 1.0f / d is
+    inv = torch.where(d > 0, torch.ones_like(d) / d, torch.zeros_like(d))
     q = torch.round(x32 * inv).clamp_(-QMAX, QMAX).to(torch.int8).reshape(x.shape)
-    scale = (amax / QMAX).squeeze(-1).contiguous()  # [..., groups]
-    return torch.cat([q, scale.view(torch.int8)], dim=-1)
+    return torch.cat([q, scale.squeeze(-1).contiguous().view(torch.int8)], dim=-1)
 
 
 def scales(rows: torch.Tensor) -> torch.Tensor:
-    """[..., row] int8 -> [..., groups] float32 (a view where the rows allow it)."""
+    """[..., row] int8 -> [..., groups] float32, from the float16 scales."""
     head_dim = head_dim_of(rows.shape[-1])
     tail = rows[..., head_dim:]
-    if tail.stride(-1) != 1 or any(s % SCALE_BYTES for s in tail.stride()[:-1]) or tail.storage_offset() % 4:
+    if tail.stride(-1) != 1 or any(s % SCALE_BYTES for s in tail.stride()[:-1]) or tail.storage_offset() % 2:
         tail = tail.contiguous()
-    return tail.view(torch.float32)
+    return tail.view(torch.float16).float()
 
 
 def dequantize_rows(rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
