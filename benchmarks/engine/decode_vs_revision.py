@@ -7,8 +7,8 @@ output and their speed (a refactor, a shared loop):
 
 kv_attention.py's decode shape: SmolLM2-135M's attention (9 query heads on 3 KV heads of 64, blocks of
 16), ``--streams`` sequences of ``--context`` tokens over 30 layers' own K/V (random, blocks in random
-places), float32 and int8 pools. Each library is built as the engine builds its own (build.py, cached),
-from the revision's kernels/cpu files or this tree's. Printed per pool::
+places), float32 and int8 pools. Each library is the engine's (native.py's sources, built as build.py
+builds them, cached), from the revision's kernels/cpu files or this tree's. Printed per pool::
 
     f32 base_ms=<a> tree_ms=<b> tree_vs_base_time=<b / a> identical=<True: the outputs agree bit for bit>
 
@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.engine.kv_attention import BLOCK, HEAD_DIM, HEADS, LAYERS, best_ms, pools
-from kernels.cpu import paged_call
+from kernels.cpu import native, paged_call
 from kernels.cpu.build import Sources, build_library
 
 KERNELS = Path(__file__).resolve().parents[2] / "kernels" / "cpu"
@@ -50,11 +50,12 @@ def sources_at(revision: str, into: Path) -> Path:
     return into
 
 
-def decode_library(directory: Path) -> ctypes.CDLL:
-    """decode.c and decode_int8.c of ``directory``, built with the engine's flags (OpenMP)."""
+def kernels_library(directory: Path) -> ctypes.CDLL:
+    """The engine's kernel library (native.SOURCES) from ``directory``'s files, built as the engine
+    builds it (OpenMP): the same code, in the same places, as a server would run."""
     library = Sources(
-        name="cpu_native",  # the cache's name for the kernels' builds (trusted_cache.LIBRARY_GLOBS)
-        sources=(directory / "decode.c", directory / "decode_int8.c"),
+        name=native.SOURCES.name,
+        sources=tuple(directory / path.name for path in native.SOURCES.sources),
         headers=tuple(sorted(directory.glob("*.h"))),
     )
     compiler = shutil.which("cc")
@@ -72,7 +73,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
-        libraries = {"base": decode_library(sources_at(args.base, Path(tmp))), "tree": decode_library(KERNELS)}
+        libraries = {"base": kernels_library(sources_at(args.base, Path(tmp))), "tree": kernels_library(KERNELS)}
     g = torch.Generator().manual_seed(0)
     blocks = -(-args.context // BLOCK)
     layers = pools(args.streams * blocks + 1, LAYERS, g)
