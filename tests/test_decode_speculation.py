@@ -29,16 +29,22 @@ SPEC = json.dumps(
 PROMPT = [5, 17, 99, 3, 250, 41, 7, 300, 12, 64] * 2 + [5, 17, 99]
 
 
+def assert_streams_the_plain_output(node: Running) -> None:
+    """Request r1 (PROMPT, greedy) through the speculating worker ``node`` streams the tokens the plain
+    engine of the same config, speculation off, generates."""
+    params = dict(max_tokens=24, temperature=0.0, ignore_eos=True)
+    node.gateway.send("d0", generate("r1", PROMPT, **params))
+    got = tokens_of(node.gateway.collect("r1")[0])
+    plain = dataclasses.replace(node.config, engine=dataclasses.replace(node.config.engine, speculative_config=""))
+    expected = LLM(node.config.model.path, config=plain).generate([PROMPT], SamplingParams(**params))[0]
+    assert got == expected.outputs[0].token_ids
+
+
 def test_decode_worker_speculates_exactly_and_reports_it(caplog) -> None:
     caplog.set_level(logging.INFO, logger="decode_node.server")
     node = Running(speculative_config=SPEC)
     try:
-        params = dict(max_tokens=24, temperature=0.0, ignore_eos=True)
-        node.gateway.send("d0", generate("r1", PROMPT, **params))
-        got = tokens_of(node.gateway.collect("r1")[0])
-        plain = dataclasses.replace(node.config, engine=dataclasses.replace(node.config.engine, speculative_config=""))
-        expected = LLM(node.config.model.path, config=plain).generate([PROMPT], SamplingParams(**params))[0]
-        assert got == expected.outputs[0].token_ids
+        assert_streams_the_plain_output(node)
 
         spec = node.node.server.scheduler.speculator
         port = node.node.http.port
@@ -76,12 +82,7 @@ def test_decode_worker_speculates_with_the_targets_first_layer_as_draft() -> Non
     )
     node = Running(speculative_config=draft)
     try:
-        params = dict(max_tokens=24, temperature=0.0, ignore_eos=True)
-        node.gateway.send("d0", generate("r1", PROMPT, **params))
-        got = tokens_of(node.gateway.collect("r1")[0])
-        plain = dataclasses.replace(node.config, engine=dataclasses.replace(node.config.engine, speculative_config=""))
-        expected = LLM(node.config.model.path, config=plain).generate([PROMPT], SamplingParams(**params))[0]
-        assert got == expected.outputs[0].token_ids
+        assert_streams_the_plain_output(node)
         spec = node.node.server.scheduler.speculator
         assert spec.num_draft_tokens > 0 and spec.num_accepted_tokens > 0
         assert scrape(node.node.http.port, "vllm:spec_decode_num_draft_tokens_total") == spec.num_draft_tokens

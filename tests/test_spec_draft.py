@@ -21,15 +21,14 @@ from engine.llm import LLM
 from engine.sampling.params import SamplingParams
 from tests.invariants import assert_no_leak
 from tests.model_factory import _root, tiny_model_dir
-from tests.test_spec_decode import (
-    ALLOWED,
+from tests.spec_harness import (
     FAMILIES,
     GREEDY,
+    assert_greedy_equal_with_rejections,
+    assert_sampled_pairs_keep_the_distribution,
     copy_prompts,
-    exact_two_token_distribution,
     plain_output,
 )
-from tests.test_spec_rejection import CHI2_001, chi_square
 
 # The draft's weight noise, relative to each weight's spread: enough that it disagrees with the target
 # on some of the test's tokens (tiny random qwen3 repeats its tokens: a mild noise agreed on every one).
@@ -91,11 +90,8 @@ def test_greedy_draft_speculation_equals_plain_decoding(family: str, draft: str)
     model = random_draft(family) if draft == "random" else draft
     llm = LLM(target, block_size=8, kv_cache_memory_mb=8, speculative_config=draft_config(model))
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
-    for i, (g, e) in enumerate(zip(got, expected)):
-        assert g == e, f"prompt {i} diverges at token {next(j for j in range(len(e)) if g[j] != e[j])}"
+    assert_greedy_equal_with_rejections(llm, got, expected)
     spec = llm.engine.scheduler.speculator
-    assert spec.num_accepted_tokens > 0, "no draft was accepted: the test exercises nothing"
-    assert spec.num_accepted_tokens < spec.num_draft_tokens, "no draft was rejected: the rollback is untested"
     assert_pools_idle(llm)
     # The draft's prefix cache serves a request continuing a finished one; its output still agrees.
     follow = prompts[0] + expected[0][:20]
@@ -134,8 +130,6 @@ def test_sampled_draft_speculation_keeps_the_target_distribution(draft: str) -> 
     distribution of the target (chi-square, alpha 0.001); the second token is always verified with a
     draft drawn from the draft model's own distribution."""
     family = "llama"
-    prompt = [5, 11, 11, 12, 11, 13, 11, 14, 12, 12, 13, 12, 14, 13, 13, 14, 14, 11, 5]
-    expected = exact_two_token_distribution(family, prompt)
     model = random_draft(family) if draft == "random" else draft
     llm = LLM(
         str(tiny_model_dir(family)),
@@ -144,21 +138,7 @@ def test_sampled_draft_speculation_keeps_the_target_distribution(draft: str) -> 
         max_num_seqs=256,
         speculative_config=draft_config(model, k=2, max_num_seqs=256),
     )
-    num = 1600
-    params = [
-        SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, allowed_token_ids=ALLOWED, seed=i)
-        for i in range(num)
-    ]
-    outputs = llm.generate([prompt] * num, params)
-    counts = dict.fromkeys(expected, 0)
-    for out in outputs:
-        counts[tuple(out.outputs[0].token_ids[:2])] += 1
-    spec = llm.engine.scheduler.speculator
-    assert spec.num_drafts >= num // 2, spec.num_drafts
-    assert 0 < spec.num_accepted_tokens < spec.num_draft_tokens
-    cells = list(expected)
-    stat = chi_square([counts[c] for c in cells], [expected[c] for c in cells])
-    assert stat < CHI2_001[15], (counts, expected, stat)
+    assert_sampled_pairs_keep_the_distribution(llm, family, 1600)
     assert_pools_idle(llm)
 
 

@@ -16,7 +16,7 @@ from engine.spec.draft_length import break_even, draft_length, expected_accepted
 from engine.spec.speculator import FIRST_BACKOFF, Speculator
 from tests.invariants import assert_no_leak
 from tests.model_factory import tiny_model_dir
-from tests.test_spec_decode import FAMILIES, GREEDY, plain_output
+from tests.spec_harness import FAMILIES, GREEDY, plain_output
 
 
 def best_by_enumeration(acceptance: float, max_k: int, row_cost: float, rows: int) -> int:

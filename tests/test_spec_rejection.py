@@ -10,14 +10,7 @@ import torch
 from engine.spec.config import SpeculativeConfigError, parse_speculative_config
 from engine.spec.ngram import NgramProposer
 from engine.spec.rejection import verify_greedy, verify_sampled
-
-# Chi-square critical values at alpha = 0.001 (the test fails by chance once in a thousand seeds).
-CHI2_001 = {4: 18.467, 15: 37.697}
-
-
-def chi_square(counts: list[int], probs: list[float]) -> float:
-    n = sum(counts)
-    return sum((c - n * p) ** 2 / (n * p) for c, p in zip(counts, probs))
+from tests.spec_harness import CHI2_001, chi_square
 
 
 def test_ngram_proposes_what_followed_the_latest_longest_match() -> None:

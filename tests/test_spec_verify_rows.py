@@ -8,7 +8,7 @@ from __future__ import annotations
 from engine.llm import LLM
 from tests.invariants import assert_no_leak
 from tests.model_factory import tiny_model_dir
-from tests.test_spec_decode import GREEDY, plain_output, spec_config
+from tests.spec_harness import GREEDY, plain_output, spec_config
 
 
 def test_verify_steps_take_the_fused_decode_step() -> None:
