@@ -42,18 +42,24 @@ TESTS = ("tests/test_quant_kernels.py", "tests/test_quant_avx2.py")
 @dataclass(slots=True, frozen=True)
 class Expected:
     """What a model must show: the quantized kernels' code path, the levels the tests build, torch's level,
-    and whether its libraries may use ymm registers (AVX)."""
+    and whether its libraries may use ymm registers (AVX). ``openblas``: the core numpy's OpenBLAS is
+    told to take (``OPENBLAS_CORETYPE``), where under QEMU it picks its Haswell kernels on a CPU without
+    AVX2 (SIGILL in numpy's matmuls, the tests' references; as /proc/cpuinfo, something of the host's
+    reaches its detection) and the model's own CPU would run another."""
 
     code_path: str
     levels: tuple[str, ...]
     torch: str
     ymm: bool
+    openblas: str | None = None
 
 
 EXPECTED = {
     "Haswell": Expected("AVX2", ("native", "x86-64-v3"), "AVX2", ymm=True),  # AVX2, FMA, F16C
     "Skylake-Client": Expected("AVX2", ("native", "x86-64-v3"), "AVX2", ymm=True),
-    "Nehalem": Expected("plain C", ("native",), "DEFAULT", ymm=False),  # SSE4.2: the scalar fallback
+    # AVX without AVX2 or F16C, and SSE4.2 alone: the quantized kernels' plain C
+    "SandyBridge": Expected("plain C", ("native",), "DEFAULT", ymm=True, openblas="Sandybridge"),
+    "Nehalem": Expected("plain C", ("native",), "DEFAULT", ymm=False, openblas="Nehalem"),
 }
 
 
@@ -99,10 +105,8 @@ def _environment(work: Path, qemu: str, model: str, compiler: str) -> dict[str, 
         PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p),
     )
     expected = EXPECTED.get(model)
-    if expected is not None and not expected.ymm:
-        # numpy's OpenBLAS picks its Haswell kernels under QEMU's AVX-less models (a vxorps SIGILL in
-        # numpy's import-time self-check): name the core it would pick on such a CPU
-        env["OPENBLAS_CORETYPE"] = model if model in ("Nehalem", "Penryn", "Core2") else "Nehalem"
+    if expected is not None and expected.openblas is not None:
+        env["OPENBLAS_CORETYPE"] = expected.openblas
     return env
 
 
@@ -133,7 +137,7 @@ def run_model(model: str, args: argparse.Namespace, compiler: str) -> Outcome:
         if found:
             report = json.loads(found[-1].removeprefix("PROBE "))
             builds, run = report["builds"], report["model"]
-            outcome.facts.update(builds=builds, model=run, start_log=report["start_log"])
+            outcome.facts.update(builds=builds, served=run, start_log=report["start_log"])
             avx512 = [f for f in builds["native_features"] if f.startswith("__AVX512")]
             outcome.check(not avx512, f"-march=native resolved to AVX-512: {avx512}")
             outcome.check(builds["quant"] is not None and builds["native"] is not None, "a C library did not build")
@@ -188,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         outcome = run_model(model, args, compiler)
         outcomes.append(outcome)
         quant = (outcome.facts.get("builds") or {}).get("quant") or {}
-        tokens = (outcome.facts.get("model") or {}).get("kernel_tokens")
+        tokens = (outcome.facts.get("served") or {}).get("kernel_tokens")
         verdict = "PASS" if not outcome.failures else "FAIL"
         print(f"{model}: {verdict} in {outcome.seconds:.0f} s; quantized kernels {quant.get('code_path')}; ", end="")
         print(f"tests {outcome.facts.get('tests', 'not run')}; kernel tokens {tokens}", flush=True)
@@ -202,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def vars_of(outcome: Outcome) -> dict:
-    return {"model": outcome.model, "failures": outcome.failures, "seconds": outcome.seconds, **outcome.facts}
+    return {"cpu": outcome.model, "failures": outcome.failures, "seconds": outcome.seconds, **outcome.facts}
 
 
 if __name__ == "__main__":
