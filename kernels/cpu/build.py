@@ -70,10 +70,14 @@ def _torch_libgomp() -> Path | None:
     return path if path.exists() else None
 
 
-def _command(library: Sources, compiler: str, variant: Variant, output: str) -> list[str]:
+def _arch(variant: Variant) -> tuple[str, ...]:
     # Arm compilers spell "this very CPU" -mcpu=native; x86 ones -march=native.
     native = "-mcpu=native" if platform.machine().lower() in ("arm64", "aarch64") else "-march=native"
-    arch = list(variant.arch) or [native]
+    return variant.arch or (native,)
+
+
+def _command(library: Sources, compiler: str, variant: Variant, output: str) -> list[str]:
+    arch = list(_arch(variant))
     flags = [*_FLAGS, *arch] + ([f"-DLANES={variant.lanes}"] if variant.lanes else [])
     flags += [f"-D{name}" for name in variant.defines]
     link = []
@@ -101,15 +105,38 @@ def cpu_identity() -> str:
     return json.dumps(seen, sort_keys=True) if seen else f"{platform.machine()} {platform.processor()}"
 
 
+@functools.cache  # one compiler run per process and flags; the CPU and the compiler do not change under us
+def target_macros(compiler: str, arch: tuple[str, ...]) -> str:
+    """What ``compiler`` predefines for ``arch`` (``__AVX2__``, ``__AVX512F__``, ``__GNUC__``...): the
+    instruction set a build with those flags may use, resolved as the build resolves ``-march=native`` (the
+    compiler asks the CPU itself, through cpuid and the OS's saved state). /proc/cpuinfo cannot say this:
+    under user-mode emulation (qemu-x86_64 -cpu Haswell, scripts/cpu-emulation-check) it describes the
+    host. Empty where the compiler fails (the build then fails and says why)."""
+    command = [compiler, *arch, "-dM", "-E", "-x", "c", os.devnull]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return "\n".join(sorted(done.stdout.splitlines())) if done.returncode == 0 else ""
+
+
+def native_features(compiler: str) -> frozenset[str]:
+    """The macros ``compiler`` defines to 1 for this CPU's native build (``__AVX2__``, ``__AVXVNNI__``...)."""
+    words = (line.split() for line in target_macros(compiler, _arch(Variant())).splitlines())
+    return frozenset(w[1] for w in words if len(w) == 3 and w[0] == "#define" and w[2] == "1")
+
+
 def library_path(library: Sources, compiler: str, variant: Variant) -> Path:
     """Where the build of ``library`` by ``compiler`` as ``variant`` for this machine lives in the cache."""
     recipe = " ".join(_command(library, compiler, variant, "")).encode()
     code = [path.read_bytes() for path in library.sources + library.headers]
     # The CPU too: a home directory shared by machines of other CPUs (NFS, one volume for a node pool)
-    # must not hand one of them a library built for instructions it lacks.
-    key = hashlib.sha256(
-        b"\0".join([*code, recipe, torch.__version__.encode(), os.uname().machine.encode(), cpu_identity().encode()])
-    )
+    # must not hand one of them a library built for instructions it lacks. By what the compiler makes of
+    # the flags (the instruction set, and its own version) besides /proc/cpuinfo's words, which describe
+    # the host rather than the CPU the code runs on under emulation.
+    target = target_macros(compiler, _arch(variant)).encode()
+    machine = [torch.__version__.encode(), os.uname().machine.encode(), cpu_identity().encode(), target]
+    key = hashlib.sha256(b"\0".join([*code, recipe, *machine]))
     return cache_dir() / f"{library.name}-{key.hexdigest()[:16]}.so"
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import json
 import logging
 import os
 import shutil
@@ -22,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.cpu.build import Sources, Variant, build_library, cpu_identity
+from kernels.cpu.build import Sources, Variant, build_library, native_features
 
 log = logging.getLogger(__name__)
 
@@ -43,17 +42,20 @@ LEVELS = {
     "avx-vnni": ("-march=x86-64-v3", "-mavxvnni"),  # 256-bit vpdpbusd, no AVX-512 (Alder Lake)
 }
 
-# The /proc/cpuinfo flags a level's build needs to run (its -march promises more, all of which such CPUs have).
-_LEVEL_NEEDS = {"native": (), "x86-64-v3": ("avx2", "fma", "f16c"), "avx-vnni": ("avx2", "fma", "f16c", "avx_vnni")}
+# The macros a level's build needs the native build to have (its -march promises more, all of which such
+# CPUs have): the compiler's reading of the CPU, as for the build itself (build.native_features).
+_LEVEL_NEEDS = {
+    "native": (),
+    "x86-64-v3": ("__AVX2__", "__FMA__", "__F16C__"),
+    "avx-vnni": ("__AVX2__", "__FMA__", "__F16C__", "__AVXVNNI__"),
+}
 
 
 def levels_here() -> tuple[str, ...]:
-    """The instruction levels of ``LEVELS`` this CPU runs (native always)."""
-    try:
-        flags = set(json.loads(cpu_identity()).get("flags", "").split())
-    except ValueError:  # no /proc/cpuinfo: platform's words, no flags, native only
-        flags = set()
-    return tuple(level for level, needs in _LEVEL_NEEDS.items() if set(needs) <= flags)
+    """The instruction levels of ``LEVELS`` this CPU runs (native always; only it where no compiler works)."""
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    features = native_features(compiler) if compiler else frozenset()
+    return tuple(level for level, needs in _LEVEL_NEEDS.items() if set(needs) <= features)
 
 
 def _build(compiler: str, scalar: bool, level: str) -> Path:
@@ -80,6 +82,13 @@ class QuantLibrary:
         self._dequantize = self._lib.pdserve_quant_dequantize
         self._dequantize.argtypes = [ctypes.c_int, _PTR, _SIZE, _SIZE, _SIZE, _SIZE, _PTR, ctypes.c_int]
         self._dequantize.restype = None
+
+    @property
+    def instructions(self) -> str:
+        """Which of quant.c's code paths this build took, for the start log and scripts/cpu-emulation-check."""
+        if self.tiles512:
+            return "AVX-512 VNNI"
+        return "256-bit VNNI" if self.vnni else "AVX2" if self.avx2 else "plain C"
 
     def linear(
         self, type_name: str, x: torch.Tensor, rows: torch.Tensor, in_features: int, bias: torch.Tensor | None = None
@@ -154,7 +163,9 @@ def load(scalar: bool = False, level: str = "native") -> QuantLibrary | None:
         log.warning("no C compiler (CC=%s): quantized weights are dequantized at load", os.environ.get("CC", "cc"))
         return None
     try:
-        return QuantLibrary(_build(compiler, scalar, level))
+        library = QuantLibrary(_build(compiler, scalar, level))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         log.warning("quantized C kernels unavailable, quantized weights are dequantized at load: %s", e)
         return None
+    log.info("quantized C kernels: %s, %s code path", library.name, library.instructions)
+    return library
