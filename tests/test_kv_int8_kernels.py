@@ -25,7 +25,10 @@ def rotated_float64(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> to
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
 
 
-@pytest.mark.parametrize("num_heads,kv_heads,head_dim,tokens", [(9, 3, 64, 70), (4, 2, 16, 5), (8, 1, 128, 3)])
+@pytest.mark.parametrize(
+    "num_heads,kv_heads,head_dim,tokens",
+    [(9, 3, 64, 70), (4, 2, 16, 5), (8, 1, 128, 3), (3, 1, 24, 7)],  # 24: groups of no whole vector at 8 or 16 lanes
+)
 def test_rope_store_quantizes_as_the_torch_quantizer(kernels, num_heads, kv_heads, head_dim, tokens):
     g = torch.Generator().manual_seed(tokens)
     width = (num_heads + 2 * kv_heads) * head_dim
@@ -71,6 +74,26 @@ def test_rope_store_rounds_half_to_even_as_torch(kernels):
     kernels.rope_store(qkv, num_heads, kv_heads, cos, sin, torch.tensor([0]), k_cache, v_cache)
     assert torch.equal(v_cache[0, 0], kv_int8.quantize_rows(values.view(1, head_dim))[0])
     assert v_cache[0, 0, :8].tolist() == [0, 2, 2, 0, -2, -2, 126, -126]
+
+
+def test_rope_store_rounds_the_float32_product_as_torch(kernels):
+    """x * (127 / amax) is rounded to float32 first, then to an integer: torch's two roundings. Each x
+    here makes that product exactly k + 0.5 in float32 while the exact product lies just off the tie,
+    so rounding the exact product (an FMA of x * inv + 1.5 * 2^23) lands on the other neighbour."""
+    num_heads, kv_heads, head_dim = 1, 1, 32
+    amax = torch.tensor(3.0)
+    x = torch.tensor([0.011811024509370327, 0.17716535925865173, 0.20078741014003754, 0.22440944612026215])
+    x = torch.cat([x, torch.tensor([0.24803151190280914, 0.34251970052719116, 0.36614173650741577])])
+    product = x * (torch.tensor(127.0) / amax)  # float32, the quotient correctly rounded (not 1 / amax * 127)
+    assert product.tolist() == [0.5, 7.5, 8.5, 9.5, 10.5, 14.5, 15.5]  # exact ties once rounded to float32
+    values = torch.cat([x, -x, amax.view(1), torch.zeros(head_dim - 2 * len(x) - 1)])
+    qkv = torch.cat([torch.zeros(2 * head_dim), values]).view(1, -1)
+    cos, sin = torch.ones(1, head_dim // 2), torch.zeros(1, head_dim // 2)
+    k_cache = torch.zeros(1, kv_heads, kv_int8.row_dim(head_dim), dtype=torch.int8)
+    v_cache = k_cache.clone()
+    kernels.rope_store(qkv, num_heads, kv_heads, cos, sin, torch.tensor([0]), k_cache, v_cache)
+    assert v_cache[0, 0, :14].tolist() == [0, 8, 8, 10, 10, 14, 16, 0, -8, -8, -10, -10, -14, -16]
+    assert torch.equal(v_cache[0, 0], kv_int8.quantize_rows(values.view(1, head_dim))[0])
 
 
 def test_rope_store_keeps_an_all_zero_group_at_scale_zero(kernels):

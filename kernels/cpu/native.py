@@ -43,7 +43,7 @@ SOURCES = Sources(
             "decode_step_team.c",
         )
     ),
-    headers=tuple(Path(__file__).with_name(name) for name in ("vector.h", "decode_step.h", "int8_rows.h")),
+    headers=tuple(Path(__file__).with_name(name) for name in ("vector.h", "decode_step.h", "int8_rows.h", "rope.h")),
 )
 _SIZE = ctypes.c_int64
 _PTR = ctypes.c_void_p
