@@ -116,6 +116,7 @@ def test_rope_store_keeps_an_all_zero_group_at_scale_zero(kernels):
         (4, 2, 16, 4, [19, 33], [19, 17]),
         (8, 1, 128, 8, [90], [33]),
         (2, 2, 32, 16, [1, 64], [1, 64]),
+        (4, 2, 64, 16, [300, 90], [200, 90]),  # tasks of 4 query tiles sharing each key tile, and a last short one
     ],
 )
 def test_prefill_reads_int8_as_the_float64_reference(kernels, num_heads, kv_heads, head_dim, block_size, ctx, q_lens):
