@@ -37,13 +37,16 @@ SOURCES = Sources(
             "decode_int8.c",
             "kv_int8_ops.c",
             "prefill.c",
+            "prefill_tile.c",
             "linear.c",
             "layer_ops.c",
             "decode_step.c",
             "decode_step_team.c",
         )
     ),
-    headers=tuple(Path(__file__).with_name(name) for name in ("vector.h", "decode_step.h", "int8_rows.h", "rope.h")),
+    headers=tuple(
+        Path(__file__).with_name(name) for name in ("vector.h", "decode_step.h", "int8_rows.h", "rope.h", "prefill.h")
+    ),
 )
 _SIZE = ctypes.c_int64
 _PTR = ctypes.c_void_p
