@@ -96,6 +96,22 @@ def test_rope_store_rounds_the_float32_product_as_torch(kernels):
     assert torch.equal(v_cache[0, 0], kv_int8.quantize_rows(values.view(1, head_dim))[0])
 
 
+def test_rope_store_clamps_where_the_inverse_overflows(kernels):
+    """amax below 127 / FLT_MAX: 127 / amax is inf, each nonzero value's product +-inf (clamped to +-127)
+    and each zero's NaN (stored as 0), as torch's quantizer does; the scale stays amax / 127."""
+    num_heads, kv_heads, head_dim = 1, 1, 32
+    values = torch.zeros(head_dim)
+    values[[0, 1, 2, 5]] = torch.tensor([1e-38, -5e-39, 2e-39, -1e-38])
+    qkv = torch.cat([torch.zeros(2 * head_dim), values]).view(1, -1)
+    cos, sin = torch.ones(1, head_dim // 2), torch.zeros(1, head_dim // 2)
+    k_cache = torch.zeros(1, kv_heads, kv_int8.row_dim(head_dim), dtype=torch.int8)
+    v_cache = k_cache.clone()
+    kernels.rope_store(qkv, num_heads, kv_heads, cos, sin, torch.tensor([0]), k_cache, v_cache)
+    assert v_cache[0, 0, :8].tolist() == [127, -127, 127, 0, 0, -127, 0, 0]
+    assert kv_int8.scales(v_cache[0]).tolist() == [[float(torch.tensor(1e-38) / 127)]]
+    assert torch.equal(v_cache[0, 0], kv_int8.quantize_rows(values.view(1, head_dim))[0])
+
+
 def test_rope_store_keeps_an_all_zero_group_at_scale_zero(kernels):
     num_heads, kv_heads, head_dim = 2, 1, 64
     qkv = torch.zeros(1, (num_heads + 2 * kv_heads) * head_dim)
