@@ -147,44 +147,27 @@ static inline void store_int8_pair(int8_t *p, vi x, vi y) {
 #endif
 }
 
-/* Group i of a token's run of K and V groups: where its values and its scale go. */
+/* Where each group of a token's run goes: the same offsets for every token (made once a call), into
+   its K slot for the first k_groups groups, its V slot for the rest. */
 typedef struct {
-    int8_t *values[LANES];
-    int8_t *scale[LANES]; /* its 4 bytes of float32 */
+    int8_t *k_row, *v_row;          /* the token's slot in each cache: kv_heads rows */
+    const int64_t *values, *scales; /* per group of the run: where its values and its scale's 4 bytes start */
+    int64_t k_groups;
 } Targets;
 
-/* Walks a token's groups in run order (K heads, then V heads; a head's groups in order) without a
-   division per group: the run is quantized LANES groups at a time. */
-typedef struct {
-    int8_t *row; /* the current head's row */
-    int64_t group, head, kind; /* kind 0: K, 1: V */
-} Cursor;
-
-typedef struct {
-    int8_t *k_row, *v_row; /* the token's slot in each cache: kv_heads rows */
-    int64_t head_dim, row; /* values and bytes of one row */
-    int64_t group_size, head_groups, kv_heads;
-} Rows;
-
-static void next_targets(const Rows *r, Cursor *at, Targets *out, int n) {
-    for (int i = 0; i < n; i++) {
-        out->values[i] = at->row + at->group * r->group_size;
-        out->scale[i] = at->row + r->head_dim + 4 * at->group;
-        if (++at->group < r->head_groups) continue;
-        at->group = 0;
-        if (++at->head == r->kv_heads) at->head = 0, at->kind++;
-        at->row = (at->kind == 0 ? r->k_row : r->v_row) + at->head * r->row;
-    }
+static inline int8_t *target(const Targets *to, const int64_t *offsets, int64_t i) {
+    return (i < to->k_groups ? to->k_row : to->v_row) + offsets[i];
 }
 
 /* y clamped to +-127 (only where the inverse overflowed to inf); a NaN passes, as through the scalar
    comparisons. */
 static inline vf clamp_qmax(vf y) { return greater_of(splat(-QMAX), lesser_of(splat(QMAX), y)); }
 
-/* n <= LANES groups of VG vectors each, from x on, to their targets. VG is a constant in each copy
-   (always inlined into a switch), so the loops over a group's vectors unroll. */
-static inline __attribute__((always_inline)) void quantize_groups(const float *x, const Targets *to, int n,
-                                                                  const int VG) {
+/* Groups first .. first + n - 1 (n <= LANES) of the run, VG vectors each, from x on (group first's
+   values). VG is a constant in each copy (always inlined into a switch), so the loops over a group's
+   vectors unroll. */
+static inline __attribute__((always_inline)) void quantize_groups(const float *x, const Targets *to, int64_t first,
+                                                                  int n, const int VG) {
     vf top[LANES]; /* each written once: a zeroing loop before would become a call of memset */
     for (int i = 0; i < LANES; i++) {
         vf m = (vf){0};
@@ -205,19 +188,19 @@ static inline __attribute__((always_inline)) void quantize_groups(const float *x
     for (int i = 0; i < n; i++) {
         const vf k = splat(inv[i]);
         const float *g = x + i * VG * LANES;
-        int8_t *q = to->values[i];
+        int8_t *q = target(to, to->values, first + i);
         int c = 0;
         for (; c + 1 < VG; c += 2)
             store_int8_pair(q + c * LANES, round_lanes(clamp_qmax(loadv(g + c * LANES) * k)),
                             round_lanes(clamp_qmax(loadv(g + (c + 1) * LANES) * k)));
         if (c < VG) store_int8(q + c * LANES, round_lanes(clamp_qmax(loadv(g + c * LANES) * k)));
-        memcpy(to->scale[i], &scale[i], sizeof(float));
+        memcpy(target(to, to->scales, first + i), &scale[i], sizeof(float));
     }
 }
 
-static void quantize_groups_any(const float *x, const Targets *to, int n, int VG) {
+static void quantize_groups_any(const float *x, const Targets *to, int64_t first, int n, int VG) {
     switch (VG) { /* 32 / LANES, or head_dim / LANES for a head of 32 or fewer values */
-#define VG_CASE(N) case N: quantize_groups(x, to, n, N); break;
+#define VG_CASE(N) case N: quantize_groups(x, to, first, n, N); break;
         VG_CASE(1) VG_CASE(2) VG_CASE(3) VG_CASE(4) VG_CASE(5) VG_CASE(6) VG_CASE(7) VG_CASE(8)
 #undef VG_CASE
     }
@@ -246,22 +229,27 @@ void pdserve_rope_store_i8(float *qkv, int64_t qkv_stride, int64_t tokens, int64
     const int64_t half = head_dim / 2, head_groups = int8_row_groups(head_dim), group = head_dim / head_groups;
     const int64_t row = int8_row_bytes(head_dim), groups = 2 * kv_heads * head_groups;
     const int VG = group % LANES == 0 ? (int)(group / LANES) : 0; /* 1-8 (group <= 32); 0: the scalar quantizer */
+    const int64_t k_groups = kv_heads * head_groups;
+    int64_t values[groups], scales[groups]; /* Targets' offsets: group i of the run's head, then group in it */
+    for (int64_t i = 0; i < groups; i++) {
+        const int64_t head = i % k_groups / head_groups, g = i % head_groups;
+        values[i] = head * row + g * group;
+        scales[i] = head * row + head_dim + 4 * g;
+    }
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (tokens >= MIN_STORE_ROWS)
     for (int64_t t = 0; t < tokens; t++) {
         float *x = qkv + t * qkv_stride;
         rope_heads(x, num_heads + kv_heads, head_dim, cos + t * half, sin + t * half);
-        const Rows r = {k_cache + slots[t] * kv_heads * row, v_cache + slots[t] * kv_heads * row, head_dim, row,
-                         group, head_groups, kv_heads};
-        Cursor at = {r.k_row, 0, 0, 0};
+        const Targets to = {k_cache + slots[t] * kv_heads * row, v_cache + slots[t] * kv_heads * row, values, scales,
+                            k_groups};
         const float *kv = x + num_heads * head_dim; /* [k heads | v heads]: the run of groups */
         for (int64_t i = 0; i < groups; i += LANES) {
             const int n = groups - i < LANES ? (int)(groups - i) : LANES;
-            Targets to;
-            next_targets(&r, &at, &to, n);
             if (VG > 0) {
-                quantize_groups_any(kv + i * group, &to, n, VG);
+                quantize_groups_any(kv + i * group, &to, i, n, VG);
             } else {
-                for (int j = 0; j < n; j++) quantize_group_scalar(kv + (i + j) * group, group, to.values[j], to.scale[j]);
+                for (int j = 0; j < n; j++)
+                    quantize_group_scalar(kv + (i + j) * group, group, target(&to, values, i + j), target(&to, scales, i + j));
             }
         }
     }

@@ -5,14 +5,15 @@
 
 #include "int8_rows.h" /* and vector.h */
 
-#define QUERY_TILE 16 /* queries per task: rows = 16 * group, a whole number of vectors at any LANES */
+#define QUERY_TILE 16 /* queries per tile: rows = 16 * group, a whole number of vectors at any LANES */
 #define KEY_TILE 64   /* keys per softmax step: its S^T (64 x rows) and V rows stay in L1/L2 */
 #define KEY_ROWS 4    /* keys per register tile in step 1: 4 x (rows / LANES) accumulators (3-6 timed alike) */
 #define OUT_ROWS 4    /* rows per register tile in step 3: 4 x (head_dim / LANES) accumulators */
 #define MAX_ROWS (QUERY_TILE * 8)
 #define MAX_HEAD_DIM 128
 /* Query tiles of one (request, kv head) that share each key tile an int8 task dequantizes: the
-   conversion was 6% of the attention at one tile a task (256 tokens, one thread), 1.5% at 4. */
+   conversion was 6% of the attention at one tile a task (256 tokens, one thread); shared by 4, the
+   int8 attention timed level with the float32 one (benchmarks/engine/kv_attention.py). */
 #define MAX_TILES_PER_TASK 4
 #define TASKS_PER_THREAD 4 /* fewer tiles a task where the batch would give fewer tasks than this */
 
