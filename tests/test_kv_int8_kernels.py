@@ -25,7 +25,10 @@ def rotated_float64(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> to
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
 
 
-@pytest.mark.parametrize("num_heads,kv_heads,head_dim,tokens", [(9, 3, 64, 70), (4, 2, 16, 5), (8, 1, 128, 3)])
+@pytest.mark.parametrize(
+    "num_heads,kv_heads,head_dim,tokens",
+    [(9, 3, 64, 70), (4, 2, 16, 5), (8, 1, 128, 3), (3, 1, 12, 7)],  # 12: a group of no whole vector at 8 or 16 lanes
+)
 def test_rope_store_quantizes_as_the_torch_quantizer(kernels, num_heads, kv_heads, head_dim, tokens):
     g = torch.Generator().manual_seed(tokens)
     width = (num_heads + 2 * kv_heads) * head_dim
@@ -75,6 +78,46 @@ def test_rope_store_rounds_half_to_even_as_torch(kernels):
     assert v_cache[0, 0, :8].tolist() == [0, 2, 2, 0, -2, -2, 126, -126]
 
 
+def test_rope_store_rounds_the_float32_product_as_torch(kernels):
+    """x * (1 / scale) is rounded to float32 first, then to an integer: torch's two roundings. Each x
+    here makes that product exactly k + 0.5 in float32 while the exact product lies just off the tie,
+    so rounding the exact product (an FMA of x * inv + 1.5 * 2^23) would land on the other neighbour
+    where the tie goes down (k even and the exact product above it: 0 and 6 here)."""
+    num_heads, kv_heads, head_dim = 1, 1, 32
+    amax = torch.tensor(3.0)
+    scale = (amax / torch.tensor(127.0)).half().float()  # the stored float16 scale, 0.02362060546875
+    x = torch.tensor([0.011810302734375, 0.035430908203125, 0.0590515099465847, 0.082672119140625])
+    x = torch.cat([x, torch.tensor([0.1062927171587944, 0.129913330078125, 0.153533935546875])])
+    product = x * (torch.tensor(1.0) / scale)  # float32, the quotient correctly rounded
+    assert product.tolist() == [0.5, 1.5, 2.5, 3.5, 4.5, 5.5, 6.5]  # exact ties once rounded to float32
+    assert (x.double() * (torch.tensor(1.0) / scale).double()).tolist() != product.double().tolist()
+    values = torch.cat([x, -x, amax.view(1), torch.zeros(head_dim - 2 * len(x) - 1)])  # amax in the first group
+    qkv = torch.cat([torch.zeros(2 * head_dim), values]).view(1, -1)
+    cos, sin = torch.ones(1, head_dim // 2), torch.zeros(1, head_dim // 2)
+    k_cache = torch.zeros(1, kv_heads, kv_int8.row_dim(head_dim), dtype=torch.int8)
+    v_cache = k_cache.clone()
+    kernels.rope_store(qkv, num_heads, kv_heads, cos, sin, torch.tensor([0]), k_cache, v_cache)
+    assert v_cache[0, 0, :14].tolist() == [0, 2, 2, 4, 4, 6, 6, 0, -2, -2, -4, -4, -6, -6]
+    assert torch.equal(v_cache[0, 0], kv_int8.quantize_rows(values.view(1, head_dim))[0])
+
+
+def test_rope_store_stores_zeros_below_float16s_scales(kernels):
+    """amax / 127 below float16's smallest subnormal: the stored scale is 0, so the group stores zeros
+    (never an infinite inverse), as torch's quantizer does; the other group keeps its own scale."""
+    num_heads, kv_heads, head_dim = 1, 1, 32
+    values = torch.zeros(head_dim)
+    values[[0, 1, 2, 5]] = torch.tensor([1e-38, -5e-39, 2e-39, -1e-38])
+    values[16:] = torch.linspace(-2.0, 2.0, 16)
+    qkv = torch.cat([torch.zeros(2 * head_dim), values]).view(1, -1)
+    cos, sin = torch.ones(1, head_dim // 2), torch.zeros(1, head_dim // 2)
+    k_cache = torch.zeros(1, kv_heads, kv_int8.row_dim(head_dim), dtype=torch.int8)
+    v_cache = k_cache.clone()
+    kernels.rope_store(qkv, num_heads, kv_heads, cos, sin, torch.tensor([0]), k_cache, v_cache)
+    assert not v_cache[0, 0, :16].any()
+    assert kv_int8.scales(v_cache[0]).tolist() == [[0.0, float((torch.tensor(2.0) / 127).half())]]
+    assert torch.equal(v_cache[0, 0], kv_int8.quantize_rows(values.view(1, head_dim))[0])
+
+
 def test_rope_store_keeps_an_all_zero_group_at_scale_zero(kernels):
     num_heads, kv_heads, head_dim = 2, 1, 64
     qkv = torch.zeros(1, (num_heads + 2 * kv_heads) * head_dim)
@@ -96,6 +139,7 @@ def test_rope_store_keeps_an_all_zero_group_at_scale_zero(kernels):
         (4, 2, 16, 4, [19, 33], [19, 17]),
         (8, 1, 128, 8, [90], [33]),
         (2, 2, 32, 16, [1, 64], [1, 64]),
+        (4, 2, 64, 16, [300, 90], [200, 90]),  # tasks of 4 query tiles sharing each key tile, and a last short one
     ],
 )
 def test_prefill_reads_int8_as_the_float64_reference(kernels, num_heads, kv_heads, head_dim, block_size, ctx, q_lens):

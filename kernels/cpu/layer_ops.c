@@ -10,6 +10,7 @@
 #include <math.h>
 
 #include "vector.h"
+#include "rope.h"
 
 #define MIN_PARALLEL_ROWS 64 /* fewer rows take less time than waking the other threads */
 
@@ -71,15 +72,7 @@ void pdserve_rope_store_f32(float *qkv, int64_t qkv_stride, int64_t tokens, int6
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (tokens >= MIN_PARALLEL_ROWS)
     for (int64_t t = 0; t < tokens; t++) {
         float *row = qkv + t * qkv_stride;
-        const float *c = cos + t * half, *s = sin + t * half;
-        for (int64_t h = 0; h < num_heads + kv_heads; h++) {
-            float *x1 = row + h * head_dim, *x2 = x1 + half;
-            for (int64_t i = 0; i < half; i++) {
-                const float a = x1[i], b = x2[i];
-                x1[i] = a * c[i] - b * s[i];
-                x2[i] = b * c[i] + a * s[i];
-            }
-        }
+        rope_heads(row, num_heads + kv_heads, head_dim, cos + t * half, sin + t * half);
         const float *k = row + num_heads * head_dim;
         memcpy(k_cache + slots[t] * kv_size, k, kv_size * sizeof(float));
         memcpy(v_cache + slots[t] * kv_size, k + kv_size, kv_size * sizeof(float));

@@ -37,6 +37,7 @@ SOURCES = Sources(
             "decode_int8.c",
             "kv_int8_ops.c",
             "prefill.c",
+            "prefill_tile.c",
             "linear.c",
             "layer_ops.c",
             "decode_step.c",
@@ -44,7 +45,8 @@ SOURCES = Sources(
         )
     ),
     headers=tuple(
-        Path(__file__).with_name(name) for name in ("vector.h", "decode_loop.h", "decode_step.h", "int8_rows.h")
+        Path(__file__).with_name(name)
+        for name in ("vector.h", "decode_loop.h", "decode_step.h", "int8_rows.h", "rope.h", "prefill.h")
     ),
 )
 _SIZE = ctypes.c_int64
