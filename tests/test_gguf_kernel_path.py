@@ -34,7 +34,7 @@ def _activation_bound(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     return half_step @ np.abs(w).T
 
 
-@pytest.mark.parametrize("qtype", ("Q8_0", "Q4_0", "Q4_1"))
+@pytest.mark.parametrize("qtype", ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"))
 def test_every_product_is_the_float_product_within_the_activation_bound(qtype: str, tmp_path: Path) -> None:
     gguf_file = write_gguf(tiny_model_dir("mistral"), "mistral", tmp_path / "m.gguf", GGMLQuantizationType[qtype])
     llm = LLM(str(gguf_file), kv_cache_memory_mb=8)

@@ -6,7 +6,7 @@
 
        sum_i w_i x_i = dx * s * (sum_i u_i q_i - offset * sum_i q_i) + dx * m * sum_i q_i
 
-   where s is the sub-block's scale (per 16 values for Q6_K), m its additive min (Q4_1, Q4_K) and dx
+   where s is the sub-block's scale (per 16 values for Q6_K), m its additive min (Q4_1, Q5_1, Q4_K) and dx
    the activation block's scale. With AVX-512 VNNI and BW/DQ, tiles of weight rows by activation rows
    at 64 values per vpdpbusd (kernels/cpu/quant_tile512.c); with AVX-VNNI alone one vpdpbusd per 32
    values, a weight row at a time; with AVX2 alone the same integer sums from vpmaddubsw (quant_avx2.h);
@@ -17,6 +17,8 @@
      Q8_0  (32):  f16 d, int8 q[32]                            w = d q
      Q4_0  (32):  f16 d, u8 qs[16] (low nibbles 0..15, high 16..31)   w = d (q - 8)
      Q4_1  (32):  f16 d, f16 m, u8 qs[16]                      w = d q + m
+     Q5_0  (32):  f16 d, u8 qh[4], u8 qs[16]                   w = d (q - 16)  (q = nibble | bit i of qh << 4)
+     Q5_1  (32):  f16 d, f16 m, u8 qh[4], u8 qs[16]            w = d q + m
      Q4_K (256):  f16 d, f16 dmin, u8 scales[12], u8 qs[128]   w = d sc_j q - dmin m_j (6-bit sc, m per 32)
      Q6_K (256):  u8 ql[128], u8 qh[64], int8 sc[16], f16 d    w = d sc_j (q - 32)     (sc per 16)
      I8    (row): f32 s, int8 q[in]                            w = s q  (--quantization int8) */

@@ -31,7 +31,7 @@ SOURCES = Sources(
     sources=tuple(Path(__file__).with_name(name) for name in ("quant.c", "quant_tile512.c", "quant_panel16.c")),
     headers=tuple(Path(__file__).with_name(name) for name in ("quant_formats.h", "quant_avx2.h")),
 )
-TYPE_IDS = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q4_K": 3, "Q6_K": 4, "I8": 5}  # the enum in quant.c
+TYPE_IDS = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q4_K": 3, "Q6_K": 4, "I8": 5, "Q5_0": 6, "Q5_1": 7}  # quant_formats.h
 _SIZE, _PTR = ctypes.c_int64, ctypes.c_void_p
 
 

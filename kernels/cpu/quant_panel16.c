@@ -1,5 +1,5 @@
 /* The quantized linear of kernels/cpu/quant.c at many activation rows, for the formats with one scale
-   per 32 values (Q8_0, Q4_0, Q4_1, I8), AVX-512 VNNI: output-major lanes, as ggml's repacked gemm.
+   per 32 values (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, I8), AVX-512 VNNI: output-major lanes, as ggml's repacked gemm.
 
    Why: kernels/cpu/quant_tile512.c puts 64 values of one (weight row, activation row) pair in a vector,
    so every vpdpbusd needs its own convert, scale product and accumulate: three float ops per 64
@@ -20,7 +20,7 @@
 #define GROUP 8    /* activation rows whose sums stay in registers */
 #define MIN_ROWS 8 /* fewer activation rows: quant_tile512.c (the panel's unpacking would not pay) */
 
-int quant16_takes(int t, int64_t rows) { return rows >= MIN_ROWS && (t == T_Q8_0 || t == T_Q4_0 || t == T_Q4_1 || t == T_I8); }
+int quant16_takes(int t, int64_t rows) { return rows >= MIN_ROWS && t != T_Q4_K && t != T_Q6_K; }
 
 /* Rows w[n0 ..n0 + 16) (a row past N repeats row n0) unpacked into the panel. */
 static void unpack_panel(int t, const uint8_t *w, int64_t n0, int64_t N, int64_t row_bytes, int64_t nb, int32_t *T,
@@ -44,7 +44,7 @@ static inline __attribute__((always_inline)) void panel_rows(int t, int nx, cons
                                                              const int32_t *sum16, int64_t K, __m512 *acc) {
     const int64_t nb = K / 32;
     const int32_t offset = weight_offset(t);
-    const int mins = t == T_Q4_1;
+    const int mins = weight_has_min(t);
     for (int r = 0; r < nx; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         __m512i tj[8];
@@ -68,6 +68,8 @@ static inline __attribute__((always_inline)) void panel_rows(int t, int nx, cons
     case T_Q8_0: panel_rows(T_Q8_0, NX, T, ws, wm, q, d, sum16, K, acc); break;                                \
     case T_Q4_0: panel_rows(T_Q4_0, NX, T, ws, wm, q, d, sum16, K, acc); break;                                \
     case T_Q4_1: panel_rows(T_Q4_1, NX, T, ws, wm, q, d, sum16, K, acc); break;                                \
+    case T_Q5_0: panel_rows(T_Q5_0, NX, T, ws, wm, q, d, sum16, K, acc); break;                                \
+    case T_Q5_1: panel_rows(T_Q5_1, NX, T, ws, wm, q, d, sum16, K, acc); break;                                \
     default: panel_rows(T_I8, NX, T, ws, wm, q, d, sum16, K, acc); break;                                      \
     }
 

@@ -11,9 +11,9 @@
    vpdpbusd, one convert and two or three float ops:
      corr[g] = -offset * sum of the 4 int8 activations of group g   (vpdpbusd starts from it: exact)
      xs[g]   = the activation block's scale dx
-     xsum[g] = dx * sum of those 4 activations                      (the min term, Q4_1/Q4_K)
+     xsum[g] = dx * sum of those 4 activations                      (the min term, Q4_1/Q5_1/Q4_K)
    and the weight side as lanes too (ws: the sub-block's scale for lanes 0-3 and 4-7, per 16 values for
-   Q6_K; wm: its min), so  acc += float(dot + corr) * ws * xs + wm * xsum. */
+   Q6_K; wm: its min, Q4_1/Q5_1/Q4_K), so  acc += float(dot + corr) * ws * xs + wm * xsum. */
 #include "quant_formats.h"
 
 #ifdef _OPENMP
@@ -102,7 +102,7 @@ static inline __attribute__((always_inline)) void tile(int t, int nw, int nx, co
                                                        int64_t K, int64_t row_bytes, int64_t ahead,
                                                        float out[TILE_W1][TILE_X]) {
     const int64_t nb = K / 32, pair_bytes = row_bytes / ((nb + 1) / 2);
-    const int offset = weight_offset(t) != 0, mins = t == T_Q4_1 || t == T_Q4_K;
+    const int offset = weight_offset(t) != 0, mins = weight_has_min(t);
     __m512 acc[TILE_W1][TILE_X];
     for (int n = 0; n < nw; n++)
         for (int r = 0; r < nx; r++) acc[n][r] = _mm512_setzero_ps();
@@ -139,6 +139,8 @@ static inline __attribute__((always_inline)) void tile(int t, int nw, int nx, co
     case T_Q8_0: tile(T_Q8_0, NW, NX, w, x, K, row_bytes, ahead, out); break;                                  \
     case T_Q4_0: tile(T_Q4_0, NW, NX, w, x, K, row_bytes, ahead, out); break;                                  \
     case T_Q4_1: tile(T_Q4_1, NW, NX, w, x, K, row_bytes, ahead, out); break;                                  \
+    case T_Q5_0: tile(T_Q5_0, NW, NX, w, x, K, row_bytes, ahead, out); break;                                  \
+    case T_Q5_1: tile(T_Q5_1, NW, NX, w, x, K, row_bytes, ahead, out); break;                                  \
     case T_Q4_K: tile(T_Q4_K, NW, NX, w, x, K, row_bytes, ahead, out); break;                                  \
     case T_Q6_K: tile(T_Q6_K, NW, NX, w, x, K, row_bytes, ahead, out); break;                                  \
     default: tile(T_I8, NW, NX, w, x, K, row_bytes, ahead, out); break;                                        \
