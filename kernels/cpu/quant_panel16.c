@@ -85,19 +85,21 @@ static void panel_any(int t, int nx, const int32_t *T, const float *ws, const fl
 }
 
 void quant512_span(int t, const int8_t *q, const uint8_t *lanes, int64_t rows, int64_t K, const uint8_t *w,
-                   int64_t n_begin, int64_t n_end, int64_t N, int64_t row_bytes, const float *bias, float *y);
+                   int64_t n_begin, int64_t n_end, int64_t ldy, int64_t row_bytes, const float *bias, float *y);
 
 /* y[rows][N] = x @ W^T (+ bias) inside quant.c's parallel region, the threads splitting the panels.
-   q, d, sum16: the activations as quant.c's quantize_row lays them; lanes: quant512_lanes', for a thread
+   ldy: floats between y's rows. q, d, sum16: the activations as quant.c's quantize_row lays them; lanes:
+   quant512_lanes', for a thread
    whose panel memory cannot be had (it then runs quant_tile512.c's kernel). */
 void quant16_rows(int t, const int8_t *q, const float *d, const int32_t *sum16, const uint8_t *lanes, int64_t rows,
-                  int64_t K, const uint8_t *w, int64_t N, int64_t row_bytes, const float *bias, float *y) {
+                  int64_t K, const uint8_t *w, int64_t N, int64_t row_bytes, const float *bias, float *y,
+                  int64_t ldy) {
     const int64_t nb = K / 32;
     uint8_t *space = aligned_alloc(64, (size_t)(nb * PANEL * (8 * 4 + 8)));
 #pragma omp for schedule(static)
     for (int64_t n0 = 0; n0 < N; n0 += PANEL) {
         if (space == NULL) {
-            quant512_span(t, q, lanes, rows, K, w, n0, n0 + PANEL < N ? n0 + PANEL : N, N, row_bytes, bias, y);
+            quant512_span(t, q, lanes, rows, K, w, n0, n0 + PANEL < N ? n0 + PANEL : N, ldy, row_bytes, bias, y);
             continue;
         }
         int32_t *T = (int32_t *)space;
@@ -110,7 +112,7 @@ void quant16_rows(int t, const int8_t *q, const float *d, const int32_t *sum16, 
             const int nx = left >= GROUP ? GROUP : left >= 4 ? 4 : 1;
             __m512 acc[GROUP];
             panel_any(t, nx, T, ws, wm, q + i0 * K, d + i0 * nb, sum16 + i0 * 2 * nb, K, acc);
-            for (int r = 0; r < nx; r++) _mm512_mask_storeu_ps(y + (i0 + r) * N + n0, keep, _mm512_add_ps(b16, acc[r]));
+            for (int r = 0; r < nx; r++) _mm512_mask_storeu_ps(y + (i0 + r) * ldy + n0, keep, _mm512_add_ps(b16, acc[r]));
             i0 += nx;
         }
     }
