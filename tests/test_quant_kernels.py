@@ -68,7 +68,7 @@ def test_linear_at_odd_block_counts_and_every_row_count(lib, type_name, in_featu
 
 
 @pytest.mark.parametrize("type_name", ("Q4_K", "Q6_K"))
-@pytest.mark.parametrize("rows", [2, 5, 70])
+@pytest.mark.parametrize("rows", [2, 5, 8, 13, 70])  # from 8 rows the 16-row panels (quant_panel16.c)
 def test_k_quants_at_row_tails(lib, type_name, rows):
     raw = random_rows(type_name, 11, 768, seed=rows)
     w_ref = dequantize(raw, GGMLQuantizationType[type_name]).astype(np.float64)
