@@ -34,8 +34,16 @@ def dequantizing():
 _ARCH = {"mistral": ("llama", "mistral tiny"), "qwen2": ("qwen2", "qwen2 tiny"), "qwen3": ("qwen3", "qwen3 tiny")}
 
 
-def write_gguf(hf_dir: Path, family: str, out: Path, qtype: GGMLQuantizationType = GGMLQuantizationType.F32) -> Path:
-    """The checkpoint in ``hf_dir`` as one GGUF file; 2-D weights stored as ``qtype``, norms as F32."""
+def write_gguf(
+    hf_dir: Path,
+    family: str,
+    out: Path,
+    qtype: GGMLQuantizationType = GGMLQuantizationType.F32,
+    per_tensor: dict[str, GGMLQuantizationType] | None = None,
+) -> Path:
+    """The checkpoint in ``hf_dir`` as one GGUF file; 2-D weights stored as ``qtype``, norms as F32.
+    ``per_tensor``: another type for the tensors whose GGUF name holds a key ("attn_v": Q8_0), as
+    llama-quantize picks a type per tensor (Q4_K_M's mix)."""
     hf = json.loads((hf_dir / "config.json").read_text())
     arch, name = _ARCH[family]
     writer = GGUFWriter(out, arch)
@@ -55,7 +63,9 @@ def write_gguf(hf_dir: Path, family: str, out: Path, qtype: GGMLQuantizationType
         if arch == "llama" and (".q_proj." in hf_name or ".k_proj." in hf_name):
             heads = hf["num_attention_heads"] if ".q_proj." in hf_name else hf["num_key_value_heads"]
             array = _permute(array, heads)
-        _add_tensor(writer, gguf_name(hf_name), array.astype(np.float32), qtype)
+        name = gguf_name(hf_name)
+        picked = [t for key, t in (per_tensor or {}).items() if key in name]
+        _add_tensor(writer, name, array.astype(np.float32), picked[0] if picked else qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

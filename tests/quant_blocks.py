@@ -8,7 +8,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 # per type: the byte offsets of float16 fields inside one block
-F16_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q6_K": (208,)}
+F16_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q4_K": (0, 2), "Q6_K": (208,)}
 
 
 def random_rows(type_name: str, out_features: int, in_features: int, seed: int = 0) -> np.ndarray:

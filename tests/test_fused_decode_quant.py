@@ -18,7 +18,11 @@ from tests.test_fused_decode_step import RecordingHarness
 from tests.test_model_parity import _prompt
 from tests.test_quant_engine import _engine, _Lookup, _model_dir, _records
 
-FORMATS = [("Q8_0", "tiny"), ("Q4_0", "tiny"), ("Q4_1", "tiny"), ("I8", "tiny"), ("Q4_K", "k256"), ("Q6_K", "k256")]
+FORMATS = [
+    *[(t, "tiny") for t in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "I8")],
+    ("Q4_K", "k256"),
+    ("Q6_K", "k256"),
+]
 
 
 def _quantized_model(type_name: str, size: str, library):

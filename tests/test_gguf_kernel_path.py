@@ -12,6 +12,7 @@ every quantized module, the head's included), so the check covers the logits too
 from __future__ import annotations
 
 from pathlib import Path
+from unittest.mock import patch
 
 import numpy as np
 import pytest
@@ -19,6 +20,7 @@ from gguf import GGMLQuantizationType, dequantize
 
 from engine.llm import LLM
 from engine.quant.apply import quantized_modules
+from engine.quant.parts import QuantParts
 from engine.sampling.params import SamplingParams
 from tests.gguf_factory import write_gguf
 from tests.invariants import assert_no_leak
@@ -34,7 +36,7 @@ def _activation_bound(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     return half_step @ np.abs(w).T
 
 
-@pytest.mark.parametrize("qtype", ("Q8_0", "Q4_0", "Q4_1"))
+@pytest.mark.parametrize("qtype", ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"))
 def test_every_product_is_the_float_product_within_the_activation_bound(qtype: str, tmp_path: Path) -> None:
     gguf_file = write_gguf(tiny_model_dir("mistral"), "mistral", tmp_path / "m.gguf", GGMLQuantizationType[qtype])
     llm = LLM(str(gguf_file), kv_cache_memory_mb=8)
@@ -42,6 +44,43 @@ def test_every_product_is_the_float_product_within_the_activation_bound(qtype: s
     modules = quantized_modules(model)
     assert len(modules) == 4 * len(model.layers) + 1 and model.quantized_head in modules  # + the LM head
     assert {m.qweight.type_name for m in modules} == {qtype}
+    _check_every_product(llm, modules, qtype)
+
+
+def test_a_q4_k_m_mix_runs_every_projection_on_the_kernels(tmp_path: Path) -> None:
+    """As llama-quantize's Q4_K_M writes SmolLM2: q/k/o/gate/up in Q5_0, v in Q8_0. Each layer's qkv runs
+    a kernel per format (engine/quant/parts.py), nothing is float, and the products hold the same bound."""
+    per_tensor = {"attn_v": GGMLQuantizationType.Q8_0}
+    hf_dir = tiny_model_dir("mistral")
+    gguf_file = write_gguf(hf_dir, "mistral", tmp_path / "m.gguf", GGMLQuantizationType.Q5_0, per_tensor)
+    with patch("engine.model.gguf_quant.log") as log:
+        llm = LLM(str(gguf_file), kv_cache_memory_mb=8)
+    model = llm.engine.runner.model
+    layers = len(model.layers)
+    kept, floats = log.info.call_args.args[2], log.info.call_args.args[4]  # keep_quantized's one line
+    assert kept == f"Q5_0 x{3 * layers}, Q5_0+Q8_0 (a kernel each) x{layers}, Q5_0 LM head x1" and floats == "none"
+    qkv = [layer.self_attn.qkv_proj for layer in model.layers]
+    assert all(isinstance(m, QuantParts) for m in qkv)
+    q_k = model.config.hidden_size + model.config.num_kv_heads * model.config.head_dim
+    assert {tuple((r.qweight.type_name, r.out_features) for r in m.runs) for m in qkv} == {
+        (("Q5_0", q_k), ("Q8_0", model.config.num_kv_heads * model.config.head_dim))
+    }
+    modules = [m for m in quantized_modules(model) if not any(m in p.runs for p in qkv)] + qkv
+    assert len(modules) == 4 * layers + 1
+    _check_every_product(llm, modules, None)
+
+
+def _float_weight(module) -> np.ndarray:
+    """The float64 [out, in] weight a quantized module stands for, as ``gguf.quants.dequantize`` decodes it."""
+    runs = module.runs if isinstance(module, QuantParts) else [module]
+    return np.concatenate(
+        [dequantize(r.qweight.rows.numpy(), GGMLQuantizationType[r.qweight.type_name]) for r in runs]
+    ).astype(np.float64)
+
+
+def _check_every_product(llm: LLM, modules: list, qtype: str | None) -> None:
+    """Greedy generation with a hook on every module: each product within the activation bound of the float
+    product of its weight as the file holds it."""
     seen: list[tuple] = []
     # copies: the layers go on to work in place (SwiGLU over gate/up's output, the residual adds)
     hooks = [m.register_forward_hook(lambda m, args, y: seen.append((m, args[0].clone(), y.clone()))) for m in modules]
@@ -53,7 +92,7 @@ def test_every_product_is_the_float_product_within_the_activation_bound(qtype: s
     assert {id(m) for m, _, _ in seen} == {id(m) for m in modules}  # every module ran at least once
     worst = 0.0
     for module, x, y in seen:
-        w = dequantize(module.qweight.rows.numpy(), GGMLQuantizationType[qtype]).astype(np.float64)
+        w = _float_weight(module)
         x64 = x.reshape(-1, module.in_features).double().numpy()
         exact = x64 @ w.T + (0 if module.bias is None else module.bias.double().numpy())
         error = np.abs(y.reshape(exact.shape).double().numpy() - exact)
@@ -62,4 +101,4 @@ def test_every_product_is_the_float_product_within_the_activation_bound(qtype: s
         assert (error <= bound).all(), f"{module}: error {error.max():.3g} over its bound"
         worst = max(worst, float((error / bound).max()))
     assert worst > 0  # the kernels did round: the kernel path ran, not a float fallback
-    print(f"{qtype}: {len(seen)} products, the largest error {worst:.2f} of its bound")
+    print(f"{qtype or 'mixed'}: {len(seen)} products, the largest error {worst:.2f} of its bound")

@@ -58,7 +58,7 @@ def _exact_x(rows: int, in_features: int, seed: int, amplitude: int) -> torch.Te
 
 # per value, in UNITs, what a kernel's partial sums add besides |w|: its offset times the largest scale
 # (the integer dot runs on w / s + offset), or the largest min
-_BESIDES_W = {"Q8_0": 128, "I8": 128, "Q4_0": 8, "Q4_1": 1, "Q4_K": 63, "Q6_K": 32 * 128}
+_BESIDES_W = {"Q8_0": 128, "I8": 128, "Q4_0": 8, "Q4_1": 1, "Q5_0": 16, "Q5_1": 1, "Q4_K": 63, "Q6_K": 32 * 128}
 
 
 def _check_exact(lib, type_name: str, w: torch.Tensor, w_ref: np.ndarray, x: torch.Tensor) -> None:
@@ -70,7 +70,7 @@ def _check_exact(lib, type_name: str, w: torch.Tensor, w_ref: np.ndarray, x: tor
     np.testing.assert_array_equal(y, expected)
 
 
-@pytest.mark.parametrize("type_name", ("Q8_0", "Q4_0", "Q4_1", "I8"))
+@pytest.mark.parametrize("type_name", ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "I8"))
 @pytest.mark.parametrize("in_features", (96, 256))  # 96: an odd count of blocks
 def test_32_value_formats_exact_at_every_row_count(lib, type_name, in_features):
     w, w_ref = _exact_rows(type_name, 13, in_features, seed=in_features)
@@ -79,7 +79,7 @@ def test_32_value_formats_exact_at_every_row_count(lib, type_name, in_features):
 
 
 @pytest.mark.parametrize("type_name", ("Q4_K", "Q6_K"))
-@pytest.mark.parametrize("rows", (1, 3, 8, 17))
+@pytest.mark.parametrize("rows", (1, 3, 8, 17, 33))  # from 8: the 16-row panels, 9 outputs a masked panel
 def test_k_quants_exact(lib, type_name, rows):
     w, w_ref = _exact_rows(type_name, 9, 256, seed=rows)
     _check_exact(lib, type_name, w, w_ref, _exact_x(rows, 256, seed=rows, amplitude=3))

@@ -105,7 +105,11 @@ def _prompts(vocab: int) -> list[list[int]]:
 
 @pytest.mark.parametrize(
     "type_name,size",
-    [("Q8_0", "tiny"), ("Q4_0", "tiny"), ("Q4_1", "tiny"), ("I8", "tiny"), ("Q4_K", "k256"), ("Q6_K", "k256")],
+    [
+        *[(t, "tiny") for t in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "I8")],
+        ("Q4_K", "k256"),
+        ("Q6_K", "k256"),
+    ],
 )
 def test_quantized_engine_greedy_equals_dequantized_engine(monkeypatch, type_name, size):
     path = _model_dir("llama", size)

@@ -46,7 +46,7 @@ def test_rounding_is_the_int_kernels_value_for_value(lib):
     assert as_int8_blocks(x)[0, :8].tolist() == [127.0, 98.0, 98.0, -4.0, 2.0, -0.0, 0.0, 2.0]  # half to even
 
 
-@pytest.mark.parametrize("type_name", ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"))
+@pytest.mark.parametrize("type_name", ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q6_K"))
 @pytest.mark.parametrize("rows", (1, 7, 37, 130))
 def test_int_and_panel_forms_agree_to_float32_sums(lib, type_name, rows):
     out_features, in_features = 301, 768

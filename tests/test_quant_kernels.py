@@ -13,7 +13,7 @@ from engine.quant.int8 import dequantize_int8, quantize_int8
 from kernels.cpu import quant
 from tests.quant_blocks import random_rows
 
-TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
+TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q6_K")
 # rows, in (a multiple of the K-quants' 256), out
 SHAPES = [(1, 256, 17), (3, 512, 33), (17, 1024, 7), (64, 4096, 5), (1, 4096, 129)]
 
@@ -54,7 +54,7 @@ def test_linear_matches_gguf_dequantize(lib, type_name, rows, in_features, out_f
 ODD_SHAPES = [(96, 3), (608, 31), (32, 4), (160, 9)]  # in, out
 
 
-@pytest.mark.parametrize("type_name", ("Q8_0", "Q4_0", "Q4_1", "I8"))
+@pytest.mark.parametrize("type_name", ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "I8"))
 @pytest.mark.parametrize("in_features,out_features", ODD_SHAPES)
 def test_linear_at_odd_block_counts_and_every_row_count(lib, type_name, in_features, out_features):
     if type_name == "I8":
@@ -68,7 +68,7 @@ def test_linear_at_odd_block_counts_and_every_row_count(lib, type_name, in_featu
 
 
 @pytest.mark.parametrize("type_name", ("Q4_K", "Q6_K"))
-@pytest.mark.parametrize("rows", [2, 5, 70])
+@pytest.mark.parametrize("rows", [2, 5, 8, 13, 70])  # from 8 rows the 16-row panels (quant_panel16.c)
 def test_k_quants_at_row_tails(lib, type_name, rows):
     raw = random_rows(type_name, 11, 768, seed=rows)
     w_ref = dequantize(raw, GGMLQuantizationType[type_name]).astype(np.float64)

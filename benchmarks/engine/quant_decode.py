@@ -30,12 +30,14 @@ from benchmarks.peers import gguf_variants
 from benchmarks.peers.llama_server import LlamaConfig, LlamaServer
 from engine.llm import LLM
 from engine.quant.linear import QuantLinear
+from engine.quant.parts import QuantParts
 from engine.sampling.params import SamplingParams
 
 SUBJECTS = ("a lighthouse keeper", "a baker", "a cartographer", "a beekeeper", "a violin maker", "a ferry pilot")
 
 
 FORMATS = ("f32", "q8_0", "q4_1")
+CHOICES = (*FORMATS, "q4_k_m")  # Q4_K_M on request: SmolLM2's is mostly Q5_0 (benchmarks/peers/gguf_variants.py)
 
 
 def files(formats: tuple[str, ...] = FORMATS) -> dict[str, Path]:
@@ -55,6 +57,8 @@ def step_bytes(llm: LLM) -> int:
 
 
 def _weight_bytes(m) -> int:
+    if isinstance(m, QuantParts):  # a kernel per format (engine/quant/parts.py)
+        return sum(run.qweight.nbytes for run in m.runs)
     return m.qweight.nbytes if isinstance(m, QuantLinear) else m.in_features * m.out_features * 4
 
 
@@ -115,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--no-llama", action="store_true", help="pdserve only")
-    parser.add_argument("--formats", nargs="+", choices=FORMATS, default=list(FORMATS))
+    parser.add_argument("--formats", nargs="+", choices=CHOICES, default=list(FORMATS))
     parser.add_argument("--regions", action="store_true", help="also pdserve without decode_step_team.c")
     args = parser.parse_args(argv)
     paths = files(tuple(args.formats))

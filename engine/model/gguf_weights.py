@@ -1,9 +1,9 @@
 """The one decision of how a GGUF tensor becomes a weight the model runs.
 
 A 2-D tensor in a format the quantized kernels run (engine/quant/weight.py's BLOCKS: Q8_0, Q4_0, Q4_1,
-Q4_K, Q6_K) stays quantized: ``weight_for`` returns its rows of raw GGUF blocks as a ``QuantizedWeight``
+Q5_0, Q5_1, Q4_K, Q6_K) stays quantized: ``weight_for`` returns its rows of raw GGUF blocks as a ``QuantizedWeight``
 (engine/model/gguf_quant.py puts those into the model's projections). Every other type (F32, F16,
-Q5_0, Q5_K, ...) is dequantized to float32 with ``gguf.quants.dequantize`` (llama.cpp's reference
+Q5_K, Q2_K, ...) is dequantized to float32 with ``gguf.quants.dequantize`` (llama.cpp's reference
 decoding), which the model then casts to its dtype; the load log says which took which path.
 """
 

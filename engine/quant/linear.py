@@ -28,13 +28,20 @@ QUANT_FORMS = ("int", "panel")
 
 
 def quantized_linear(
-    x: torch.Tensor, weight: QuantizedWeight, lib: QuantLibrary, form: str, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: QuantizedWeight,
+    lib: QuantLibrary,
+    form: str,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``F.linear(x as int8 blocks, dequantized weight, bias)`` for x [rows, in] float32, in ``form``."""
+    """``F.linear(x as int8 blocks, dequantized weight, bias)`` for x [rows, in] float32, in ``form``, into
+    ``out`` ([rows, out_features], a column range of a wider tensor may be) or a new tensor."""
     if form == "int":
-        return lib.linear(weight.type_name, x, weight.rows, weight.in_features, bias)
+        return lib.linear(weight.type_name, x, weight.rows, weight.in_features, bias, out)
     x = as_int8_blocks(x)  # the int kernel's activations: both forms compute one function (act_blocks.py)
-    out = torch.empty((x.shape[0], weight.out_features), dtype=torch.float32)
+    if out is None:
+        out = torch.empty((x.shape[0], weight.out_features), dtype=torch.float32)
     for start in range(0, weight.out_features, PANEL_ROWS):
         count = min(PANEL_ROWS, weight.out_features - start)
         panel = lib.dequantize(weight.type_name, weight.rows, weight.in_features, start, count)  # [count, in]

@@ -13,7 +13,15 @@ import torch
 
 # values per block and bytes per block of each format (gguf.GGML_QUANT_SIZES for the GGUF ones); I8 is
 # this package's per-channel int8 (engine/quant/int8.py): 4 bytes of float scale, then the row's int8s
-BLOCKS = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144), "Q6_K": (256, 210)}
+BLOCKS = {
+    "Q8_0": (32, 34),
+    "Q4_0": (32, 18),
+    "Q4_1": (32, 20),
+    "Q5_0": (32, 22),
+    "Q5_1": (32, 24),
+    "Q4_K": (256, 144),
+    "Q6_K": (256, 210),
+}
 
 
 def row_bytes(type_name: str, in_features: int) -> int:
@@ -32,7 +40,7 @@ def values_per_block(type_name: str) -> int:
 class QuantizedWeight:
     """A linear's weight as rows of quantized blocks."""
 
-    type_name: str  # "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K" or "I8"
+    type_name: str  # a key of BLOCKS, or "I8"
     rows: torch.Tensor  # [out_features, row_bytes] uint8, contiguous, on CPU
     in_features: int  # values per row (a multiple of the format's block)
 

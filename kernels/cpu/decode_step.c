@@ -14,8 +14,15 @@
 /* out[rows][N] = x[rows][K] @ W^T (+ bias) with the projection's kernel; quant_scratch: quant.c's work space. */
 static void project(const DecodeShape *s, const Projection *p, const float *x, int64_t rows, int64_t K, int64_t N,
                     const float *bias, float *out, uint8_t *quant_scratch, int num_threads) {
-    if (p->type < 0) pdserve_linear_f32(x, rows, K, p->w, N, bias, out, num_threads);
-    else s->quant_linear((int)p->type, x, rows, K, p->w, N, p->row_bytes, bias, out, quant_scratch, num_threads);
+    if (p->type < 0) {
+        pdserve_linear_f32(x, rows, K, p->w, N, bias, out, num_threads);
+        return;
+    }
+    const int64_t first = p->split > 0 ? p->split : N;
+    s->quant_linear((int)p->type, x, rows, K, p->w, first, p->row_bytes, bias, out, N, quant_scratch, num_threads);
+    if (first < N) /* the second part's columns of the same rows */
+        s->quant_linear((int)p->type2, x, rows, K, p->w2, N - first, p->row_bytes2, bias ? bias + first : NULL,
+                        out + first, N, quant_scratch, num_threads);
 }
 
 /* Floats of work space a step of `rows` sequences needs, contexts padded to ctx_pad, on num_threads threads

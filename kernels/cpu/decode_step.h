@@ -31,18 +31,23 @@ void pdserve_paged_decode_item_f32(const float *q, int64_t q_stride, const float
 void pdserve_silu_mul_f32(const float *gate_up, int64_t gate_up_stride, float *out, int64_t rows, int64_t inter,
                           int num_threads);
 
-/* quant.c's pdserve_quant_linear */
+/* quant.c's pdserve_quant_linear_into (y's rows ldy floats apart) */
 typedef void (*QuantLinear)(int type, const float *x, int64_t rows, int64_t K, const uint8_t *w, int64_t N,
-                            int64_t row_bytes, const float *bias, float *y, uint8_t *scratch, int threads);
-/* quant.c's pdserve_quant_linear_team: the same, called by every thread of an enclosing parallel region */
+                            int64_t row_bytes, const float *bias, float *y, int64_t ldy, uint8_t *scratch,
+                            int threads);
+/* quant.c's pdserve_quant_linear_team_into: the same, called by every thread of an enclosing parallel region */
 typedef void (*QuantTeam)(int type, const float *x, int64_t rows, int64_t K, const uint8_t *w, int64_t N,
-                          int64_t row_bytes, const float *bias, float *y, uint8_t *scratch, int own_scratch);
+                          int64_t row_bytes, const float *bias, float *y, int64_t ldy, uint8_t *scratch,
+                          int own_scratch);
 
 /* One projection's weight: float32 in linear.c's packed layout (type < 0), else N rows of row_bytes in
-   quant.c's format `type`. */
+   quant.c's format `type`; where split > 0 only its first `split` output rows are those, and the rest are
+   rows of row_bytes2 at w2 in format type2 (a fused projection whose parts differ: engine/quant/parts.py). */
 typedef struct {
     const void *w;
-    int64_t type, row_bytes;
+    int64_t type, row_bytes, split;
+    const void *w2;
+    int64_t type2, row_bytes2;
 } Projection;
 
 /* One layer's weights: the norms' [hidden] weights, qkv_bias ([q + 2 kv] or NULL), the projections. */

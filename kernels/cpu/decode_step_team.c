@@ -43,7 +43,11 @@ typedef struct {
 
 static inline void project(const DecodeShape *s, const Projection *p, const float *x, int64_t rows, int64_t K,
                            int64_t N, const float *bias, float *out, const Own *own) {
-    s->quant_team((int)p->type, x, rows, K, p->w, N, p->row_bytes, bias, out, own->scratch, 1);
+    const int64_t first = p->split > 0 ? p->split : N;
+    s->quant_team((int)p->type, x, rows, K, p->w, first, p->row_bytes, bias, out, N, own->scratch, 1);
+    if (first < N) /* the second part's columns (decode_step.h's Projection) */
+        s->quant_team((int)p->type2, x, rows, K, p->w2, N - first, p->row_bytes2, bias ? bias + first : NULL,
+                      out + first, N, own->scratch, 1);
 }
 
 /* own->h = norm(residual + x) with weight; the sum into own->residual and, by thread 0, into next. */

@@ -60,9 +60,19 @@ SERIAL_MAX_THREADS = 4
 
 class Projection(ctypes.Structure):
     """One projection's weight for ``pdserve_decode_step_f32``: the C linear's packed float32 copy
-    (``NativeLibrary.pack_linear``) with ``type`` -1, or quantized rows (kernels/cpu/quant.c's type id)."""
+    (``NativeLibrary.pack_linear``) with ``type`` -1, or quantized rows (kernels/cpu/quant.c's type id);
+    with ``split`` > 0, the first ``split`` output rows only, the rest at ``w2`` in ``type2``
+    (kernels/cpu/decode_step.h)."""
 
-    _fields_ = [("w", _PTR), ("type", _SIZE), ("row_bytes", _SIZE)]
+    _fields_ = [
+        ("w", _PTR),
+        ("type", _SIZE),
+        ("row_bytes", _SIZE),
+        ("split", _SIZE),
+        ("w2", _PTR),
+        ("type2", _SIZE),
+        ("row_bytes2", _SIZE),
+    ]
 
 
 class DecodeLayer(ctypes.Structure):

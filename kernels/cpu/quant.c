@@ -6,7 +6,7 @@
 
        sum_i w_i x_i = dx * s * (sum_i u_i q_i - offset * sum_i q_i) + dx * m * sum_i q_i
 
-   where s is the sub-block's scale (per 16 values for Q6_K), m its additive min (Q4_1, Q4_K) and dx
+   where s is the sub-block's scale (per 16 values for Q6_K), m its additive min (Q4_1, Q5_1, Q4_K) and dx
    the activation block's scale. With AVX-512 VNNI and BW/DQ, tiles of weight rows by activation rows
    at 64 values per vpdpbusd (kernels/cpu/quant_tile512.c); with AVX-VNNI alone one vpdpbusd per 32
    values, a weight row at a time; with AVX2 alone the same integer sums from vpmaddubsw (quant_avx2.h);
@@ -17,6 +17,8 @@
      Q8_0  (32):  f16 d, int8 q[32]                            w = d q
      Q4_0  (32):  f16 d, u8 qs[16] (low nibbles 0..15, high 16..31)   w = d (q - 8)
      Q4_1  (32):  f16 d, f16 m, u8 qs[16]                      w = d q + m
+     Q5_0  (32):  f16 d, u8 qh[4], u8 qs[16]                   w = d (q - 16)  (q = nibble | bit i of qh << 4)
+     Q5_1  (32):  f16 d, f16 m, u8 qh[4], u8 qs[16]            w = d q + m
      Q4_K (256):  f16 d, f16 dmin, u8 scales[12], u8 qs[128]   w = d sc_j q - dmin m_j (6-bit sc, m per 32)
      Q6_K (256):  u8 ql[128], u8 qh[64], int8 sc[16], f16 d    w = d sc_j (q - 32)     (sc per 16)
      I8    (row): f32 s, int8 q[in]                            w = s q  (--quantization int8) */
@@ -123,10 +125,10 @@ int pdserve_quant_tiles512(void) { return QUANT_512; }
 int64_t quant512_lane_bytes(int64_t K);
 void quant512_lanes(int t, const int8_t *q, const float *d, int64_t K, uint8_t *lanes);
 void quant512_rows(int t, const int8_t *q, const uint8_t *lanes, int64_t rows, int64_t K, const uint8_t *w,
-                   int64_t N, int64_t row_bytes, const float *bias, float *y);
+                   int64_t N, int64_t row_bytes, const float *bias, float *y, int64_t ldy);
 int quant16_takes(int t, int64_t rows);
 void quant16_rows(int t, const int8_t *q, const float *d, const int32_t *sum16, const uint8_t *lanes, int64_t rows,
-                  int64_t K, const uint8_t *w, int64_t N, int64_t row_bytes, const float *bias, float *y);
+                  int64_t K, const uint8_t *w, int64_t N, int64_t row_bytes, const float *bias, float *y, int64_t ldy);
 #endif
 
 /* Row i of x quantized into the scratch's q, d, sum16 and (the 512-bit tiles) lanes. */
@@ -148,9 +150,12 @@ int64_t pdserve_quant_scratch_bytes(int64_t rows, int64_t K) { return rows * (K 
    team's region): kernels/cpu/decode_step_team.c runs a decode step's projections this way in one region.
    own_scratch: scratch is this thread's alone, and each thread quantizes every row itself rather than
    one thread doing it while the others wait at a barrier -- at a row or few the barrier costs more than
-   the rows (the same values either way: the quantization is per row). */
-void pdserve_quant_linear_team(int t, const float *x, int64_t rows, int64_t K, const uint8_t *w, int64_t N,
-                               int64_t row_bytes, const float *bias, float *y, uint8_t *scratch, int own_scratch) {
+   the rows (the same values either way: the quantization is per row).
+   ldy: floats from one row of y to the next (N, or more where y is a column range of a wider output: a
+   projection whose parts are in different formats writes each part's columns with its own call). */
+void pdserve_quant_linear_team_into(int t, const float *x, int64_t rows, int64_t K, const uint8_t *w, int64_t N,
+                                    int64_t row_bytes, const float *bias, float *y, int64_t ldy, uint8_t *scratch,
+                                    int own_scratch) {
     int8_t *q = (int8_t *)scratch;
     float *d = (float *)(scratch + rows * K);
     int32_t *sum16 = (int32_t *)(scratch + rows * K + rows * (K / 32) * 4);
@@ -162,21 +167,26 @@ void pdserve_quant_linear_team(int t, const float *x, int64_t rows, int64_t K, c
         for (int64_t i = 0; i < rows; i++) quantize_lanes(t, x, i, K, q, d, sum16, lanes);
     }
 #if QUANT_512
-    if (quant16_takes(t, rows)) quant16_rows(t, q, d, sum16, lanes, rows, K, w, N, row_bytes, bias, y);
-    else quant512_rows(t, q, lanes, rows, K, w, N, row_bytes, bias, y);
+    if (quant16_takes(t, rows)) quant16_rows(t, q, d, sum16, lanes, rows, K, w, N, row_bytes, bias, y, ldy);
+    else quant512_rows(t, q, lanes, rows, K, w, N, row_bytes, bias, y, ldy);
 #else
     (void)lanes;
     /* chunks of output rows: each thread streams its own part of W once, for every row of x */
 #pragma omp for schedule(static)
     for (int64_t n = 0; n < N; n++) {
         const uint8_t *row = w + n * row_bytes;
-        for (int64_t i = 0; i < rows; i++) y[i * N + n] = bias ? bias[n] : 0;
+        for (int64_t i = 0; i < rows; i++) y[i * ldy + n] = bias ? bias[n] : 0;
         for (int64_t i = 0; i < rows; i += ROWS_AT_ONCE) {
             const int R = rows - i < ROWS_AT_ONCE ? (int)(rows - i) : ROWS_AT_ONCE;
-            dot_rows(t, row, K, R, q + i * K, d + i * (K / 32), sum16 + i * (K / 16), y + i * N + n, N);
+            dot_rows(t, row, K, R, q + i * K, d + i * (K / 32), sum16 + i * (K / 16), y + i * ldy + n, ldy);
         }
     }
 #endif
+}
+
+void pdserve_quant_linear_team(int t, const float *x, int64_t rows, int64_t K, const uint8_t *w, int64_t N,
+                               int64_t row_bytes, const float *bias, float *y, uint8_t *scratch, int own_scratch) {
+    pdserve_quant_linear_team_into(t, x, rows, K, w, N, row_bytes, bias, y, N, scratch, own_scratch);
 }
 
 /* y[rows][N] = x[rows][K] @ W^T (+ bias), W as N rows of row_bytes each; K a multiple of 32 (256 for
@@ -184,7 +194,15 @@ void pdserve_quant_linear_team(int t, const float *x, int64_t rows, int64_t K, c
 void pdserve_quant_linear(int t, const float *x, int64_t rows, int64_t K, const uint8_t *w, int64_t N,
                           int64_t row_bytes, const float *bias, float *y, uint8_t *scratch, int threads) {
 #pragma omp parallel num_threads(threads)
-    pdserve_quant_linear_team(t, x, rows, K, w, N, row_bytes, bias, y, scratch, 0);
+    pdserve_quant_linear_team_into(t, x, rows, K, w, N, row_bytes, bias, y, N, scratch, 0);
+}
+
+/* pdserve_quant_linear into y's rows ldy floats apart (pdserve_quant_linear_team_into's ldy). */
+void pdserve_quant_linear_into(int t, const float *x, int64_t rows, int64_t K, const uint8_t *w, int64_t N,
+                               int64_t row_bytes, const float *bias, float *y, int64_t ldy, uint8_t *scratch,
+                               int threads) {
+#pragma omp parallel num_threads(threads)
+    pdserve_quant_linear_team_into(t, x, rows, K, w, N, row_bytes, bias, y, ldy, scratch, 0);
 }
 
 /* Rows [n0, n0 + count) of W as float32 into out[count][K]: the prefill path's panel. */

@@ -30,7 +30,7 @@ SOURCES = Sources(
     sources=tuple(Path(__file__).with_name(name) for name in ("quant.c", "quant_tile512.c", "quant_panel16.c")),
     headers=tuple(Path(__file__).with_name(name) for name in ("quant_formats.h", "quant_avx2.h")),
 )
-TYPE_IDS = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q4_K": 3, "Q6_K": 4, "I8": 5}  # the enum in quant.c
+TYPE_IDS = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q4_K": 3, "Q6_K": 4, "I8": 5, "Q5_0": 6, "Q5_1": 7}  # quant_formats.h
 _SIZE, _PTR = ctypes.c_int64, ctypes.c_void_p
 
 
@@ -75,10 +75,12 @@ class QuantLibrary:
         self._scratch_bytes = self._lib.pdserve_quant_scratch_bytes
         self._scratch_bytes.argtypes = [_SIZE, _SIZE]
         self._scratch_bytes.restype = _SIZE
-        self._linear = self._lib.pdserve_quant_linear
-        self._linear.argtypes = [ctypes.c_int, _PTR, _SIZE, _SIZE, _PTR, _SIZE, _SIZE, _PTR, _PTR, _PTR, ctypes.c_int]
+        # y's rows ldy floats apart: a column range of a wider output (engine/quant/parts.py)
+        self._linear = self._lib.pdserve_quant_linear_into
+        self._linear.argtypes = [ctypes.c_int, _PTR, _SIZE, _SIZE, _PTR, _SIZE, _SIZE, _PTR, _PTR]
+        self._linear.argtypes += [_SIZE, _PTR, ctypes.c_int]  # ldy, scratch, threads
         self._linear.restype = None
-        self._team = self._lib.pdserve_quant_linear_team  # for C callers only: its address
+        self._team = self._lib.pdserve_quant_linear_team_into  # for C callers only: its address
         self._dequantize = self._lib.pdserve_quant_dequantize
         self._dequantize.argtypes = [ctypes.c_int, _PTR, _SIZE, _SIZE, _SIZE, _SIZE, _PTR, ctypes.c_int]
         self._dequantize.restype = None
@@ -91,15 +93,23 @@ class QuantLibrary:
         return "256-bit VNNI" if self.vnni else "AVX2" if self.avx2 else "plain C"
 
     def linear(
-        self, type_name: str, x: torch.Tensor, rows: torch.Tensor, in_features: int, bias: torch.Tensor | None = None
+        self,
+        type_name: str,
+        x: torch.Tensor,
+        rows: torch.Tensor,
+        in_features: int,
+        bias: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``x [m, in] float32 @ W^T (+ bias)`` for W held as ``rows`` ([out, row_bytes] uint8). Returns [m, out]."""
+        """``x [m, in] float32 @ W^T (+ bias)`` for W held as ``rows`` ([out, row_bytes] uint8), into ``out``
+        ([m, out], its rows may be apart: a column range of a wider tensor) or a new tensor. Returns it."""
         assert x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] == in_features and in_features % 32 == 0
         assert rows.dtype == torch.uint8 and rows.dim() == 2 and rows.is_contiguous()
         assert bias is None or (bias.dtype == torch.float32 and bias.is_contiguous() and bias.shape == rows.shape[:1])
         x = x.contiguous()
         m, out_features = x.shape[0], rows.shape[0]
-        y = torch.empty((m, out_features), dtype=torch.float32)
+        y = torch.empty((m, out_features), dtype=torch.float32) if out is None else out
+        assert y.dtype == torch.float32 and y.shape == (m, out_features) and (m < 2 or y.stride(1) == 1), y.stride()
         scratch = torch.empty(self.scratch_bytes(m, in_features), dtype=torch.uint8)
         self._linear(
             TYPE_IDS[type_name],
@@ -111,6 +121,7 @@ class QuantLibrary:
             rows.shape[1],
             None if bias is None else bias.data_ptr(),
             y.data_ptr(),
+            y.stride(0) if m > 1 else out_features,
             scratch.data_ptr(),
             torch.get_num_threads(),
         )
@@ -118,12 +129,12 @@ class QuantLibrary:
 
     @property
     def linear_address(self) -> int:
-        """The address of ``pdserve_quant_linear``, for C callers (kernels/cpu/decode_step.c's fused step)."""
+        """The address of ``pdserve_quant_linear_into``, for C callers (kernels/cpu/decode_step.c's fused step)."""
         return ctypes.cast(self._linear, ctypes.c_void_p).value
 
     @property
     def team_address(self) -> int:
-        """The address of ``pdserve_quant_linear_team``: ``linear`` for every thread of a caller's OpenMP
+        """The address of ``pdserve_quant_linear_team_into``: ``linear`` for every thread of a caller's OpenMP
         region (kernels/cpu/decode_step_team.c)."""
         return ctypes.cast(self._team, ctypes.c_void_p).value
 

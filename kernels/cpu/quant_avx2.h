@@ -6,7 +6,8 @@
    dot_u8s8(t, u, x): lane k = sum of u[4k + i] * x[4k + i] for i < 4, u unsigned bytes as unpack_vec()
    lays them (w + offset), x int8 activations in [-127, 127] (quant.c's quantize_row: round(x * 127 /
    max|x|)). The sums are exact, the same bits as vpdpbusd's, because no s16 pair saturates:
-     - Q4_0, Q4_1, Q4_K (u <= 15) and Q6_K (u <= 63): a pair is at most 2 * 63 * 127 = 16002 < 32767,
+     - Q4_0, Q4_1, Q4_K (u <= 15), Q5_0, Q5_1 (u <= 31) and Q6_K (u <= 63): a pair is at most
+       2 * 63 * 127 = 16002 < 32767,
        so vpmaddubsw takes u and x as they are.
      - Q8_0 and I8 (u = w + 128 up to 255) could reach 2 * 255 * 127 = 64770: so the signed weight
        w = u - 128 in [-128, 127] goes in with the sign trick, |w| as the unsigned byte (|-128| = 128

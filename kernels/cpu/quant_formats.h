@@ -27,12 +27,22 @@
 #define QUANT_512 0
 #endif
 
-enum { T_Q8_0 = 0, T_Q4_0 = 1, T_Q4_1 = 2, T_Q4_K = 3, T_Q6_K = 4, T_I8 = 5 };
+enum { T_Q8_0 = 0, T_Q4_0 = 1, T_Q4_1 = 2, T_Q4_K = 3, T_Q6_K = 4, T_I8 = 5, T_Q5_0 = 6, T_Q5_1 = 7 };
 
 /* What unpack() adds to a format's values to make them unsigned bytes (u = w / s + offset). */
 static inline int32_t weight_offset(int t) {
-    return t == T_Q8_0 || t == T_I8 ? 128 : t == T_Q4_0 ? 8 : t == T_Q6_K ? 32 : 0;
+    switch (t) {
+    case T_Q8_0:
+    case T_I8: return 128;
+    case T_Q4_0: return 8;
+    case T_Q5_0: return 16;
+    case T_Q6_K: return 32;
+    default: return 0; /* Q4_1, Q5_1, Q4_K: unsigned values and a min */
+    }
 }
+
+/* Whether a format has an additive min per sub-block (sub_t.m): the min term of quant.c's sum. */
+static inline int weight_has_min(int t) { return t == T_Q4_1 || t == T_Q4_K || t == T_Q5_1; }
 
 static inline float f16(const uint8_t *p) {
     uint16_t h;
@@ -67,6 +77,13 @@ static inline void nibbles(const uint8_t *qs, uint8_t *u) { /* 16 bytes -> 32 va
     }
 }
 
+/* Q5_0/Q5_1's fifth bits: bit i of the 4 bytes at qh is value i's 16 (ggml's dequantize_row_q5_0). */
+static inline void fifth_bits(const uint8_t *qh, uint8_t *u) {
+    uint32_t h;
+    memcpy(&h, qh, 4);
+    for (int i = 0; i < 32; i++) u[i] |= ((h >> i) & 1) << 4;
+}
+
 static inline void q4k_scale_min(int j, const uint8_t *q, int *sc, int *m) { /* ggml's get_scale_min_k4 */
     if (j < 4) {
         *sc = q[j] & 63;
@@ -99,6 +116,20 @@ static inline void unpack(int t, const uint8_t *row, int64_t b, sub_t *s, int by
         s->s_lo = s->s_hi = f16(p);
         s->m = f16(p + 2), s->off = 0;
         if (bytes) nibbles(p + 4, s->u);
+        break;
+    }
+    case T_Q5_0: { /* f16 d, qh[4], qs[16]: w = d (q - 16), q = nibble | fifth bit << 4 */
+        const uint8_t *p = row + b * 22;
+        s->s_lo = s->s_hi = f16(p);
+        s->m = 0, s->off = 16;
+        if (bytes) nibbles(p + 6, s->u), fifth_bits(p + 2, s->u);
+        break;
+    }
+    case T_Q5_1: { /* f16 d, f16 m, qh[4], qs[16]: w = d q + m */
+        const uint8_t *p = row + b * 24;
+        s->s_lo = s->s_hi = f16(p);
+        s->m = f16(p + 2), s->off = 0;
+        if (bytes) nibbles(p + 8, s->u), fifth_bits(p + 4, s->u);
         break;
     }
     case T_Q4_K: {
@@ -136,6 +167,21 @@ static inline void unpack(int t, const uint8_t *row, int64_t b, sub_t *s, int by
 }
 
 #if QUANT_SIMD
+/* 16 in byte i where bit i of the 4 bytes at qh is set, else 0: Q5_0/Q5_1's fifth bits as bytes. */
+static inline __m256i fifth_bits_vec(const uint8_t *qh) {
+    uint32_t h;
+    memcpy(&h, qh, 4);
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    return _mm256_maskz_mov_epi8(h, _mm256_set1_epi8(16));
+#else /* ggml's bytes_from_bits_32: byte i takes byte i / 8 of h, then tests its bit i % 8 */
+    const __m256i spread = _mm256_shuffle_epi8(
+        _mm256_set1_epi32((int)h), _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
+    const __m256i all_but_bit = _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe);
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_or_si256(spread, all_but_bit), _mm256_set1_epi64x(-1));
+    return _mm256_and_si256(set, _mm256_set1_epi8(16));
+#endif
+}
+
 /* The values of sub-block b as unpack() lays them in s->u, straight into a register: built in memory byte
    by byte, the 32-byte reload waited on two 16-byte stores (no store forwarding), 10x slower for Q4_0. */
 static inline __m256i unpack_vec(int t, const uint8_t *row, int64_t b) {
@@ -148,6 +194,13 @@ static inline __m256i unpack_vec(int t, const uint8_t *row, int64_t b) {
         const __m128i v = _mm_loadu_si128((const __m128i *)(row + b * (t == T_Q4_0 ? 18 : 20) + (t == T_Q4_0 ? 2 : 4)));
         const __m256i both = _mm256_set_m128i(_mm_srli_epi16(v, 4), v); /* high nibbles are values 16..31 */
         return _mm256_and_si256(both, low4);
+    }
+    case T_Q5_0:
+    case T_Q5_1: {
+        const uint8_t *p = row + b * (t == T_Q5_0 ? 22 : 24), *qh = p + (t == T_Q5_0 ? 2 : 4);
+        const __m128i v = _mm_loadu_si128((const __m128i *)(qh + 4));
+        const __m256i both = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), low4);
+        return _mm256_or_si256(both, fifth_bits_vec(qh));
     }
     case T_Q4_K: {
         const int j = (int)(b % 8);

@@ -1,5 +1,5 @@
-/* The quantized linear of kernels/cpu/quant.c at many activation rows, for the formats with one scale
-   per 32 values (Q8_0, Q4_0, Q4_1, I8), AVX-512 VNNI: output-major lanes, as ggml's repacked gemm.
+/* The quantized linear of kernels/cpu/quant.c at many activation rows, every format, AVX-512 VNNI:
+   output-major lanes, as ggml's repacked gemm.
 
    Why: kernels/cpu/quant_tile512.c puts 64 values of one (weight row, activation row) pair in a vector,
    so every vpdpbusd needs its own convert, scale product and accumulate: three float ops per 64
@@ -10,7 +10,11 @@
    Per thread and panel of 16 weight rows: the rows are unpacked once into T[block][j][16 lanes of 4
    bytes] (j: the 4-value group) with their scales ws[block][16] and mins wm[block][16]; then each group
    of up to 8 activation rows runs every block against the panel, the 8 sums in registers. The offset
-   term (-offset * the block's activation sum) starts each block's integer sum, so it stays exact. */
+   term (-offset * the block's activation sum) starts each block's integer sum, so it stays exact.
+
+   A block is a 32-value sub-block: Q4_K's has one scale and min, as the 32-value formats. Q6_K's has a
+   scale per 16 values (wh[block][16]: the second half's), so its block is two integer sums, each
+   started from its own half's offset term and scaled by its own scale. */
 #include <stdlib.h>
 
 #include "quant_formats.h"
@@ -20,17 +24,20 @@
 #define GROUP 8    /* activation rows whose sums stay in registers */
 #define MIN_ROWS 8 /* fewer activation rows: quant_tile512.c (the panel's unpacking would not pay) */
 
-int quant16_takes(int t, int64_t rows) { return rows >= MIN_ROWS && (t == T_Q8_0 || t == T_Q4_0 || t == T_Q4_1 || t == T_I8); }
+int quant16_takes(int t, int64_t rows) {
+    (void)t;
+    return rows >= MIN_ROWS;
+}
 
 /* Rows w[n0 ..n0 + 16) (a row past N repeats row n0) unpacked into the panel. */
 static void unpack_panel(int t, const uint8_t *w, int64_t n0, int64_t N, int64_t row_bytes, int64_t nb, int32_t *T,
-                         float *ws, float *wm) {
+                         float *ws, float *wm, float *wh) {
     for (int n = 0; n < PANEL; n++) {
         const uint8_t *row = w + (n0 + n < N ? n0 + n : n0) * row_bytes;
         for (int64_t b = 0; b < nb; b++) {
             sub_t s;
             unpack(t, row, b, &s, 0);
-            ws[b * PANEL + n] = s.s_lo, wm[b * PANEL + n] = s.m;
+            ws[b * PANEL + n] = s.s_lo, wm[b * PANEL + n] = s.m, wh[b * PANEL + n] = s.s_hi;
             int32_t u[8];
             _mm256_storeu_si256((__m256i *)u, unpack_vec(t, row, b));
             for (int j = 0; j < 8; j++) T[(b * 8 + j) * PANEL + n] = u[j];
@@ -38,13 +45,42 @@ static void unpack_panel(int t, const uint8_t *w, int64_t n0, int64_t N, int64_t
     }
 }
 
+/* panel_rows for Q6_K: a scale per 16 values, so each block's two halves are summed and scaled apart. */
+static inline __attribute__((always_inline)) void q6k_panel_rows(int nx, const int32_t *T, const float *ws,
+                                                                 const float *wh, const int8_t *q, const float *d,
+                                                                 const int32_t *sum16, int64_t K, __m512 *acc) {
+    const int64_t nb = K / 32;
+    const int32_t offset = weight_offset(T_Q6_K);
+    for (int r = 0; r < nx; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m512i tj[8];
+        for (int j = 0; j < 8; j++) tj[j] = _mm512_loadu_si512(T + (b * 8 + j) * PANEL);
+        const __m512 lo_scale = _mm512_loadu_ps(ws + b * PANEL), hi_scale = _mm512_loadu_ps(wh + b * PANEL);
+        for (int r = 0; r < nx; r++) {
+            const int32_t *xq = (const int32_t *)(q + r * K + 32 * b);
+            __m512i lo = _mm512_set1_epi32(-offset * sum16[r * 2 * nb + 2 * b]);
+            __m512i hi = _mm512_set1_epi32(-offset * sum16[r * 2 * nb + 2 * b + 1]);
+            for (int j = 0; j < 4; j++) lo = _mm512_dpbusd_epi32(lo, tj[j], _mm512_set1_epi32(xq[j]));
+            for (int j = 4; j < 8; j++) hi = _mm512_dpbusd_epi32(hi, tj[j], _mm512_set1_epi32(xq[j]));
+            const __m512 dx = _mm512_set1_ps(d[r * nb + b]);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), _mm512_mul_ps(lo_scale, dx), acc[r]);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_mul_ps(hi_scale, dx), acc[r]);
+        }
+    }
+}
+
 /* acc[r] (16 outputs) for activation rows i0 .. i0 + nx against the panel. */
 static inline __attribute__((always_inline)) void panel_rows(int t, int nx, const int32_t *T, const float *ws,
-                                                             const float *wm, const int8_t *q, const float *d,
-                                                             const int32_t *sum16, int64_t K, __m512 *acc) {
+                                                             const float *wm, const float *wh, const int8_t *q,
+                                                             const float *d, const int32_t *sum16, int64_t K,
+                                                             __m512 *acc) {
     const int64_t nb = K / 32;
     const int32_t offset = weight_offset(t);
-    const int mins = t == T_Q4_1;
+    const int mins = weight_has_min(t);
+    if (t == T_Q6_K) {
+        q6k_panel_rows(nx, T, ws, wh, q, d, sum16, K, acc);
+        return;
+    }
     for (int r = 0; r < nx; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         __m512i tj[8];
@@ -65,14 +101,18 @@ static inline __attribute__((always_inline)) void panel_rows(int t, int nx, cons
 
 #define FORMATS(NX)                                                                                            \
     switch (t) {                                                                                               \
-    case T_Q8_0: panel_rows(T_Q8_0, NX, T, ws, wm, q, d, sum16, K, acc); break;                                \
-    case T_Q4_0: panel_rows(T_Q4_0, NX, T, ws, wm, q, d, sum16, K, acc); break;                                \
-    case T_Q4_1: panel_rows(T_Q4_1, NX, T, ws, wm, q, d, sum16, K, acc); break;                                \
-    default: panel_rows(T_I8, NX, T, ws, wm, q, d, sum16, K, acc); break;                                      \
+    case T_Q8_0: panel_rows(T_Q8_0, NX, T, ws, wm, wh, q, d, sum16, K, acc); break;                            \
+    case T_Q4_0: panel_rows(T_Q4_0, NX, T, ws, wm, wh, q, d, sum16, K, acc); break;                            \
+    case T_Q4_1: panel_rows(T_Q4_1, NX, T, ws, wm, wh, q, d, sum16, K, acc); break;                            \
+    case T_Q5_0: panel_rows(T_Q5_0, NX, T, ws, wm, wh, q, d, sum16, K, acc); break;                            \
+    case T_Q5_1: panel_rows(T_Q5_1, NX, T, ws, wm, wh, q, d, sum16, K, acc); break;                            \
+    case T_Q4_K: panel_rows(T_Q4_K, NX, T, ws, wm, wh, q, d, sum16, K, acc); break;                            \
+    case T_Q6_K: panel_rows(T_Q6_K, NX, T, ws, wm, wh, q, d, sum16, K, acc); break;                            \
+    default: panel_rows(T_I8, NX, T, ws, wm, wh, q, d, sum16, K, acc); break;                                  \
     }
 
-static void panel_any(int t, int nx, const int32_t *T, const float *ws, const float *wm, const int8_t *q,
-                      const float *d, const int32_t *sum16, int64_t K, __m512 *acc) {
+static void panel_any(int t, int nx, const int32_t *T, const float *ws, const float *wm, const float *wh,
+                      const int8_t *q, const float *d, const int32_t *sum16, int64_t K, __m512 *acc) {
     if (nx == GROUP) {
         FORMATS(GROUP)
     } else if (nx >= 4) {
@@ -83,32 +123,33 @@ static void panel_any(int t, int nx, const int32_t *T, const float *ws, const fl
 }
 
 void quant512_span(int t, const int8_t *q, const uint8_t *lanes, int64_t rows, int64_t K, const uint8_t *w,
-                   int64_t n_begin, int64_t n_end, int64_t N, int64_t row_bytes, const float *bias, float *y);
+                   int64_t n_begin, int64_t n_end, int64_t ldy, int64_t row_bytes, const float *bias, float *y);
 
 /* y[rows][N] = x @ W^T (+ bias) inside quant.c's parallel region, the threads splitting the panels.
-   q, d, sum16: the activations as quant.c's quantize_row lays them; lanes: quant512_lanes', for a thread
-   whose panel memory cannot be had (it then runs quant_tile512.c's kernel). */
+   ldy: floats between y's rows. q, d, sum16: the activations as quant.c's quantize_row lays them; lanes:
+   quant512_lanes', for a thread whose panel memory cannot be had (it then runs quant_tile512.c's kernel). */
 void quant16_rows(int t, const int8_t *q, const float *d, const int32_t *sum16, const uint8_t *lanes, int64_t rows,
-                  int64_t K, const uint8_t *w, int64_t N, int64_t row_bytes, const float *bias, float *y) {
+                  int64_t K, const uint8_t *w, int64_t N, int64_t row_bytes, const float *bias, float *y,
+                  int64_t ldy) {
     const int64_t nb = K / 32;
-    uint8_t *space = aligned_alloc(64, (size_t)(nb * PANEL * (8 * 4 + 8)));
+    uint8_t *space = aligned_alloc(64, (size_t)(nb * PANEL * (8 * 4 + 12))); /* T, ws, wm, wh */
 #pragma omp for schedule(static)
     for (int64_t n0 = 0; n0 < N; n0 += PANEL) {
         if (space == NULL) {
-            quant512_span(t, q, lanes, rows, K, w, n0, n0 + PANEL < N ? n0 + PANEL : N, N, row_bytes, bias, y);
+            quant512_span(t, q, lanes, rows, K, w, n0, n0 + PANEL < N ? n0 + PANEL : N, ldy, row_bytes, bias, y);
             continue;
         }
         int32_t *T = (int32_t *)space;
-        float *ws = (float *)(T + nb * 8 * PANEL), *wm = ws + nb * PANEL;
-        unpack_panel(t, w, n0, N, row_bytes, nb, T, ws, wm);
+        float *ws = (float *)(T + nb * 8 * PANEL), *wm = ws + nb * PANEL, *wh = wm + nb * PANEL;
+        unpack_panel(t, w, n0, N, row_bytes, nb, T, ws, wm, wh);
         const __mmask16 keep = N - n0 >= PANEL ? 0xffff : (__mmask16)((1u << (N - n0)) - 1);
         const __m512 b16 = bias ? _mm512_maskz_loadu_ps(keep, bias + n0) : _mm512_setzero_ps();
         for (int64_t i0 = 0; i0 < rows;) {
             const int64_t left = rows - i0;
             const int nx = left >= GROUP ? GROUP : left >= 4 ? 4 : 1;
             __m512 acc[GROUP];
-            panel_any(t, nx, T, ws, wm, q + i0 * K, d + i0 * nb, sum16 + i0 * 2 * nb, K, acc);
-            for (int r = 0; r < nx; r++) _mm512_mask_storeu_ps(y + (i0 + r) * N + n0, keep, _mm512_add_ps(b16, acc[r]));
+            panel_any(t, nx, T, ws, wm, wh, q + i0 * K, d + i0 * nb, sum16 + i0 * 2 * nb, K, acc);
+            for (int r = 0; r < nx; r++) _mm512_mask_storeu_ps(y + (i0 + r) * ldy + n0, keep, _mm512_add_ps(b16, acc[r]));
             i0 += nx;
         }
     }

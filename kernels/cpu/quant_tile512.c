@@ -11,9 +11,9 @@
    vpdpbusd, one convert and two or three float ops:
      corr[g] = -offset * sum of the 4 int8 activations of group g   (vpdpbusd starts from it: exact)
      xs[g]   = the activation block's scale dx
-     xsum[g] = dx * sum of those 4 activations                      (the min term, Q4_1/Q4_K)
+     xsum[g] = dx * sum of those 4 activations                      (the min term, Q4_1/Q5_1/Q4_K)
    and the weight side as lanes too (ws: the sub-block's scale for lanes 0-3 and 4-7, per 16 values for
-   Q6_K; wm: its min), so  acc += float(dot + corr) * ws * xs + wm * xsum. */
+   Q6_K; wm: its min, Q4_1/Q5_1/Q4_K), so  acc += float(dot + corr) * ws * xs + wm * xsum. */
 #include "quant_formats.h"
 
 #ifdef _OPENMP
@@ -102,7 +102,7 @@ static inline __attribute__((always_inline)) void tile(int t, int nw, int nx, co
                                                        int64_t K, int64_t row_bytes, int64_t ahead,
                                                        float out[TILE_W1][TILE_X]) {
     const int64_t nb = K / 32, pair_bytes = row_bytes / ((nb + 1) / 2);
-    const int offset = weight_offset(t) != 0, mins = t == T_Q4_1 || t == T_Q4_K;
+    const int offset = weight_offset(t) != 0, mins = weight_has_min(t);
     __m512 acc[TILE_W1][TILE_X];
     for (int n = 0; n < nw; n++)
         for (int r = 0; r < nx; r++) acc[n][r] = _mm512_setzero_ps();
@@ -139,6 +139,8 @@ static inline __attribute__((always_inline)) void tile(int t, int nw, int nx, co
     case T_Q8_0: tile(T_Q8_0, NW, NX, w, x, K, row_bytes, ahead, out); break;                                  \
     case T_Q4_0: tile(T_Q4_0, NW, NX, w, x, K, row_bytes, ahead, out); break;                                  \
     case T_Q4_1: tile(T_Q4_1, NW, NX, w, x, K, row_bytes, ahead, out); break;                                  \
+    case T_Q5_0: tile(T_Q5_0, NW, NX, w, x, K, row_bytes, ahead, out); break;                                  \
+    case T_Q5_1: tile(T_Q5_1, NW, NX, w, x, K, row_bytes, ahead, out); break;                                  \
     case T_Q4_K: tile(T_Q4_K, NW, NX, w, x, K, row_bytes, ahead, out); break;                                  \
     case T_Q6_K: tile(T_Q6_K, NW, NX, w, x, K, row_bytes, ahead, out); break;                                  \
     default: tile(T_I8, NW, NX, w, x, K, row_bytes, ahead, out); break;                                        \
@@ -161,9 +163,9 @@ static void tile_any(int t, int nw, int nx, const uint8_t *const *w, const xrow_
 }
 
 /* y[rows][n] = x @ W^T (+ bias) for the output rows n of [n_begin, n_end). q: the activations (rows * K
-   int8), lanes: quant512_lanes of each row (rows * quant512_lane_bytes(K)). */
+   int8), lanes: quant512_lanes of each row (rows * quant512_lane_bytes(K)); ldy: floats between y's rows. */
 void quant512_span(int t, const int8_t *q, const uint8_t *lanes, int64_t rows, int64_t K, const uint8_t *w,
-                   int64_t n_begin, int64_t n_end, int64_t N, int64_t row_bytes, const float *bias, float *y) {
+                   int64_t n_begin, int64_t n_end, int64_t ldy, int64_t row_bytes, const float *bias, float *y) {
     const int64_t ahead = AHEAD_BYTES, nw = rows == 1 ? TILE_W1 : TILE_W;
     /* the span's first bytes: the tiles' own prefetches start ``ahead`` past them */
     for (int64_t at = 0; at < ahead && at < (n_end - n_begin) * row_bytes; at += 64)
@@ -182,7 +184,7 @@ void quant512_span(int t, const int8_t *q, const uint8_t *lanes, int64_t rows, i
             float out[TILE_W1][TILE_X];
             tile_any(t, (int)nw, nx, wr, x, K, row_bytes, ahead, out);
             for (int n = 0; n < nw && n0 + n < n_end; n++)
-                for (int r = 0; r < nx; r++) y[(i0 + r) * N + n0 + n] = (bias ? bias[n0 + n] : 0) + out[n][r];
+                for (int r = 0; r < nx; r++) y[(i0 + r) * ldy + n0 + n] = (bias ? bias[n0 + n] : 0) + out[n][r];
             i0 += nx;
         }
     }
@@ -191,7 +193,7 @@ void quant512_span(int t, const int8_t *q, const uint8_t *lanes, int64_t rows, i
 /* quant512_span over all N output rows inside quant.c's parallel region: each thread one run of rows
    (its prefetches run ahead within it), a multiple of the widest tile. */
 void quant512_rows(int t, const int8_t *q, const uint8_t *lanes, int64_t rows, int64_t K, const uint8_t *w,
-                   int64_t N, int64_t row_bytes, const float *bias, float *y) {
+                   int64_t N, int64_t row_bytes, const float *bias, float *y, int64_t ldy) {
 #ifdef _OPENMP
     const int64_t threads = omp_get_num_threads();
 #else
@@ -201,7 +203,7 @@ void quant512_rows(int t, const int8_t *q, const uint8_t *lanes, int64_t rows, i
 #pragma omp for schedule(static)
     for (int64_t c = 0; c < threads; c++) {
         const int64_t begin = c * tiles / threads * TILE_W1, end = (c + 1) * tiles / threads * TILE_W1;
-        if (begin < N) quant512_span(t, q, lanes, rows, K, w, begin, end < N ? end : N, N, row_bytes, bias, y);
+        if (begin < N) quant512_span(t, q, lanes, rows, K, w, begin, end < N ? end : N, ldy, row_bytes, bias, y);
     }
 }
 #endif
