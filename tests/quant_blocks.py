@@ -23,3 +23,11 @@ def random_rows(type_name: str, out_features: int, in_features: int, seed: int =
             scale = np.abs(scale)
         blocks[:, :, offset : offset + 2] = scale.astype(np.float16).view(np.uint8).reshape(*blocks.shape[:2], 2)
     return blocks.reshape(out_features, -1)
+
+
+def activation_bound(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """[rows, out]: the most rounding x [rows, in] to int8 blocks of 32 (amax / 127 steps, as the kernels
+    and llama.cpp round activations) can move x @ w.T (w [out, in]): half a step per value times |w|."""
+    amax = np.abs(x.reshape(x.shape[0], -1, 32)).max(axis=2)  # [rows, in / 32]
+    half_step = np.repeat(amax / 254, 32, axis=1)  # [rows, in]
+    return half_step @ np.abs(w).T

@@ -25,15 +25,9 @@ from engine.sampling.params import SamplingParams
 from tests.gguf_factory import write_gguf
 from tests.invariants import assert_no_leak
 from tests.model_factory import tiny_model_dir
+from tests.quant_blocks import activation_bound
 
 PROMPTS = [list(range(20, 60)), [5, 6, 7]]
-
-
-def _activation_bound(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """[rows, out]: the most rounding x [rows, in] to int8 blocks of 32 can move x @ w.T (w [out, in])."""
-    amax = np.abs(x.reshape(x.shape[0], -1, 32)).max(axis=2)  # [rows, in / 32]
-    half_step = np.repeat(amax / 254, 32, axis=1)  # [rows, in]
-    return half_step @ np.abs(w).T
 
 
 @pytest.mark.parametrize("qtype", ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"))
@@ -97,7 +91,7 @@ def _check_every_product(llm: LLM, modules: list, qtype: str | None) -> None:
         exact = x64 @ w.T + (0 if module.bias is None else module.bias.double().numpy())
         error = np.abs(y.reshape(exact.shape).double().numpy() - exact)
         sums = 2e-5 * np.abs(exact).max() * np.sqrt(module.in_features / 256)
-        bound = _activation_bound(x64, w) + sums
+        bound = activation_bound(x64, w) + sums
         assert (error <= bound).all(), f"{module}: error {error.max():.3g} over its bound"
         worst = max(worst, float((error / bound).max()))
     assert worst > 0  # the kernels did round: the kernel path ran, not a float fallback
