@@ -168,6 +168,30 @@ static inline _Float16 half_scale(float amax_over_qmax, float *d) {
     return h;
 }
 
+/* Each lane's half_scale at once: vcvtps2ph / vcvtph2ps (F16C, AVX-512F) where there, else lane by lane.
+   The vector min keeps its second operand where either is NaN, so a NaN passes as in half_scale. */
+static inline vf half_scales(vf amax_over_qmax, _Float16 *scale) {
+#if LANES == 16 && defined(__AVX512F__)
+    __m512 w;
+    memcpy(&w, &amax_over_qmax, sizeof w);
+    const __m256i h = _mm512_cvtps_ph(_mm512_min_ps(_mm512_set1_ps(F16_MAX), w), _MM_FROUND_TO_NEAREST_INT);
+    _mm256_storeu_si256((__m256i *)scale, h);
+    const __m512 back = _mm512_cvtph_ps(h);
+#elif LANES == 8 && defined(__F16C__) && defined(__AVX__)
+    __m256 w;
+    memcpy(&w, &amax_over_qmax, sizeof w);
+    const __m128i h = _mm256_cvtps_ph(_mm256_min_ps(_mm256_set1_ps(F16_MAX), w), _MM_FROUND_TO_NEAREST_INT);
+    _mm_storeu_si128((__m128i *)scale, h);
+    const __m256 back = _mm256_cvtph_ps(h);
+#else
+    float back[LANES];
+    for (int i = 0; i < LANES; i++) scale[i] = half_scale(amax_over_qmax[i], &back[i]);
+#endif
+    vf d;
+    memcpy(&d, &back, sizeof d);
+    return d;
+}
+
 /* y clamped to +-127 (only where the inverse overflowed to inf); a NaN passes, as through the scalar
    comparisons. */
 static inline vf clamp_qmax(vf y) { return greater_of(splat(-QMAX), lesser_of(splat(QMAX), y)); }
@@ -192,12 +216,8 @@ static inline __attribute__((always_inline)) void quantize_groups(const float *x
         top[i] = m;
     }
     const vf amax = max_lanes(top);
-    const vf wide = amax / QMAX;
     _Float16 scale[LANES];
-    float ds[LANES];
-    for (int i = 0; i < LANES; i++) scale[i] = half_scale(wide[i], &ds[i]);
-    vf d;
-    memcpy(&d, ds, sizeof d);
+    const vf d = half_scales(amax / QMAX, scale);
     const vf inv = select(d > (vf){0}, splat(1.0f) / d, (vf){0}); /* a zero scale stores zeros */
     for (int i = 0; i < n; i++) {
         const vf k = splat(inv[i]);
