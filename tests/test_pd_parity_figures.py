@@ -31,6 +31,21 @@ def test_a_missing_metric_is_an_error_naming_it():
         parse_metric(BODY, "pdserve:kv_live_slots")
 
 
+def test_a_label_selector_sums_the_matching_samples_and_an_unseen_label_set_is_zero():
+    body = (
+        "# HELP pdserve:requests x\n# TYPE pdserve:requests counter\n"
+        'pdserve:requests_total{model="m",outcome="success"} 4.0\n'
+        'pdserve:requests_total{model="n",outcome="success"} 2.0\n'
+        'pdserve:requests_total{model="m",outcome="failed"} 1.0\n'
+    )
+    assert parse_metric(body, "pdserve:requests_total") == 7.0
+    assert parse_metric(body, 'pdserve:requests_total{outcome="success"}') == 6.0
+    assert parse_metric(body, 'pdserve:requests_total{model="m",outcome="failed"}') == 1.0
+    assert parse_metric(body, 'pdserve:requests_total{outcome="aborted"}') == 0.0  # exported from its first count
+    with pytest.raises(MissingMetric, match="pdserve:request_failures_total"):
+        parse_metric(body, 'pdserve:request_failures_total{reason="aborted"}')
+
+
 def test_counts_other_than_one_per_request_fail_the_run():
     figures = {"requests": 3, "ttft_count": 0.0, "transfers": 3.0, "transfers_sent": 3.0}
     assert pd_parity.check_counts(figures) == ["ttft_count=0, expected 3"]

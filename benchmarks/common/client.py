@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from benchmarks.common.metric_text import metric_sums
+from benchmarks.common.metric_text import selected_sum
 from benchmarks.common.metrics import RequestTimeline
 from benchmarks.common.workload import BenchRequest
 from benchmarks.serve.workloads import Scheduled
@@ -143,9 +143,9 @@ async def run_closed_loop(
 
 
 def parse_metric(body: str, name: str) -> float:
-    """Sum of every sample of ``name`` (any labels) in a Prometheus text exposition; MissingMetric
-    (benchmarks/common/metric_text.py) when there is none."""
-    return metric_sums(body, [name])[name]
+    """Sum of every sample of ``name`` (any labels; ``name{label="value"}`` selects) in a Prometheus text
+    exposition; MissingMetric (benchmarks/common/metric_text.py) when ``name`` has none."""
+    return selected_sum(body, name)
 
 
 @dataclass(slots=True)

@@ -7,6 +7,8 @@ went uncaptured (issue #48).
 
 from __future__ import annotations
 
+import re
+
 from prometheus_client.parser import text_string_to_metric_families
 
 
@@ -28,3 +30,21 @@ def metric_sums(text: str, names: set[str] | list[str], where: str = "") -> dict
     if missing := sorted(wanted - sums.keys()):
         raise MissingMetric(missing, where)
     return sums
+
+
+def selected_sum(text: str, selector: str, where: str = "") -> float:
+    """``name`` or ``name{label="value",...}``: the sum of the samples of ``name`` whose labels include
+    the given ones. A label set is exported from its first count on, so a selected set not seen yet is
+    0 where ``name`` has samples; MissingMetric only when ``name`` has none at all."""
+    name, _, rest = selector.partition("{")
+    wanted = dict(re.findall(r'(\w+)="([^"]*)"', rest))
+    total, seen = 0.0, False
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name:
+                seen = True
+                if all(sample.labels.get(k) == v for k, v in wanted.items()):
+                    total += sample.value
+    if not seen:
+        raise MissingMetric([name], where)
+    return total
