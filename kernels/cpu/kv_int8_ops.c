@@ -46,31 +46,24 @@ typedef __m256 native_vf;
 typedef __m128 native_vf;
 #endif
 
-static inline vf greater_of(vf a, vf b) {
+/* One lane-wise choice, written once for both: the native instruction where there is one. */
 #ifdef VEC_MAX
-    native_vf x, y;
-    memcpy(&x, &a, sizeof x);
-    memcpy(&y, &b, sizeof y);
-    x = VEC_MAX(x, y);
-    memcpy(&a, &x, sizeof a);
-    return a;
+#define LANEWISE(NAME, NATIVE, CMP)                                                                      \
+    static inline vf NAME(vf a, vf b) {                                                                  \
+        native_vf x, y;                                                                                  \
+        memcpy(&x, &a, sizeof x);                                                                        \
+        memcpy(&y, &b, sizeof y);                                                                        \
+        x = NATIVE(x, y);                                                                                \
+        memcpy(&a, &x, sizeof a);                                                                        \
+        return a;                                                                                        \
+    }
 #else
-    return select(a > b, a, b);
+#define LANEWISE(NAME, NATIVE, CMP) \
+    static inline vf NAME(vf a, vf b) { return select(a CMP b, a, b); }
 #endif
-}
-
-static inline vf lesser_of(vf a, vf b) {
-#ifdef VEC_MIN
-    native_vf x, y;
-    memcpy(&x, &a, sizeof x);
-    memcpy(&y, &b, sizeof y);
-    x = VEC_MIN(x, y);
-    memcpy(&a, &x, sizeof a);
-    return a;
-#else
-    return select(a < b, a, b);
-#endif
-}
+LANEWISE(greater_of, VEC_MAX, >)
+LANEWISE(lesser_of, VEC_MIN, <)
+#undef LANEWISE
 
 #define PAIR_MAX(a, b, FIRST, SECOND) greater_of(SHUFFLE(a, b, FIRST), SHUFFLE(a, b, SECOND))
 
