@@ -16,16 +16,19 @@ are the engine's own.
 
 from __future__ import annotations
 
+import dataclasses
 from contextlib import ExitStack
 from unittest.mock import patch
 
+import pytest
 import torch
 
 import kernels
+from benchmarks.gpu.kv_dtypes import e4m3_rounded_store
 from engine.llm import LLM
 from engine.sampling.params import SamplingParams
 from kernels.triton.paged_attention import paged_attention_triton
-from kernels.triton.store_kv import FP8_MAX, store_kv_reference, store_kv_triton
+from kernels.triton.store_kv import store_kv_reference, store_kv_triton
 from tests.invariants import assert_no_leak
 from tests.model_factory import tiny_model_dir
 
@@ -50,9 +53,10 @@ def triton_kernels(stack: ExitStack, store=store_kv_triton) -> None:
     )
 
 
-def run(kv_cache_dtype: str, **engine) -> tuple[list, torch.Tensor]:
+def run(kv_cache_dtype: str, params: SamplingParams = GREEDY, **engine) -> tuple[list, torch.Tensor]:
+    """Every completion's (tokens, log-probs), request by request, and the pool after the run."""
     llm = LLM(str(tiny_model_dir("llama")), kv_cache_dtype=kv_cache_dtype, **ENGINE, **engine)
-    outputs = [o.outputs[0] for o in llm.generate(PROMPTS, GREEDY)]
+    outputs = [c for o in llm.generate(PROMPTS, params) for c in o.outputs]
     assert_no_leak(llm.engine.block_manager)
     return [(o.token_ids, [e.logprob for e in o.logprobs]) for o in outputs], llm.engine.runner.kv_pool.tensor
 
@@ -72,23 +76,19 @@ def test_int8_on_the_triton_kernels_equals_the_cpu_int8_engine():
     assert_same_tokens_close_logprobs(got, want, 1e-4)
 
 
-def e4m3_rounded_store(key, value, k_cache, v_cache, slot_mapping):
-    """float32 pool, values rounded as an e4m3 pool holds them: torch's cast, saturated as vLLM's store."""
-
-    def through_e4m3(x):
-        return x.float().clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
-
-    store_kv_reference(through_e4m3(key), through_e4m3(value), k_cache, v_cache, slot_mapping)
-
-
-def test_fp8_on_the_triton_kernels_equals_float32_kv_rounded_through_e4m3():
+@pytest.mark.parametrize("n", [1, 2])
+def test_fp8_on_the_triton_kernels_equals_float32_kv_rounded_through_e4m3(n):
+    """n = 2: each prompt's completions fork its blocks; the first decode step copies the shared partial
+    block (the runner's copy-on-write, which moves an e4m3 pool as bytes: torch has no float8 index_copy_)."""
+    params = dataclasses.replace(GREEDY, n=n)
     with patch.object(kernels, "store_kv", e4m3_rounded_store):
-        want, _ = run("auto", **TORCH_CPU)
+        want, _ = run("auto", params, **TORCH_CPU)
     with ExitStack() as stack:
         triton_kernels(stack, store=store_kv_reference)
         stack.enter_context(
             patch("engine.llm.kv_storage_dtype", lambda setting, model_dtype, device: torch.float8_e4m3fn)
         )
-        got, got_pool = run("fp8", **TORCH_CPU)
+        got, got_pool = run("fp8", params, **TORCH_CPU)
     assert got_pool.dtype == torch.float8_e4m3fn and got_pool.view(torch.uint8).any()
+    assert len(got) == n * len(PROMPTS)
     assert_same_tokens_close_logprobs(got, want, 1e-4)
