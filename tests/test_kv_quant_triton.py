@@ -4,7 +4,8 @@ int8 and e4m3 pools against a float64 attention over the same pool dequantized (
 e4m3's own upcast), at the float32 tolerance of tests/test_kernel_attention.py.
 
 What the interpreter cannot check: its float32 -> e4m3 cast is not round-to-nearest-even (it drops the
-carry when the mantissa rounds up, 31.1 becomes 16, and flushes e4m3's subnormals), so the fp8 store is
+carry when the mantissa rounds up, 31.1 becomes 16, and truncates into e4m3's subnormals, 0.003
+becomes 0.00195 where it should round to 0.0039), so the fp8 store is
 checked here on values e4m3 holds exactly and on values past +-448, where only the clamp decides; the
 rounding of every other value is checked on a GPU (tests/gpu/test_gpu_kv_dtypes.py). The int8 store
 does its own rounding in float32 arithmetic and is checked bit for bit here.
