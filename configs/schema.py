@@ -60,7 +60,8 @@ class EngineConfig:
     kv_cache_memory_mb: int = _field(1024, minimum=1)  # memory budget of the node's KV pool
     num_kv_blocks: int | None = _field(None, minimum=1)  # exact pool size in blocks; overrides the budget
     # What the KV pool stores (vLLM's --kv-cache-dtype): auto = the model's dtype; int8 = int8 with a
-    # float16 scale per 16 values of a token's head (CPU and GPU); fp8 = e4m3 (GPU only). P and D must agree.
+    # float16 scale per 16 values of a token's head (CPU and GPU); fp8 = e4m3, scale 1.0, saturated at
+    # +-448 (GPUs of compute capability 8.9 or newer). P and D must agree.
     kv_cache_dtype: str = _field("auto", choices=("auto", "int8", "fp8"))
     max_num_seqs: int = _field(64, minimum=1)  # sequences in one decode batch at most
     max_num_batched_tokens: int = _field(2048, minimum=1)  # tokens computed in one step (prefill + decode)

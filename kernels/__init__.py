@@ -1,7 +1,9 @@
 """Kernels over the paged KV pool. CUDA tensors go to Triton; CPU tensors to the torch reference.
 
 The pool of one node is ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]``; the attention
-functions take one layer's K and V caches, ``pool[layer, 0]`` and ``pool[layer, 1]``.
+functions take one layer's K and V caches, ``pool[layer, 0]`` and ``pool[layer, 1]``. A pool holds the
+model's float type, e4m3 (``--kv-cache-dtype fp8``, CUDA) or packed int8 rows of ``kv_int8.row_dim(head_dim)``
+(``int8``): the Triton store and attention kernels read and write all three, the CPU path float and int8.
 
 One file per kernel, each holding the @triton.jit kernel, its launcher and its torch reference:
 store_kv.py, paged_decode.py, paged_prefill.py (with paged_attention.py choosing between them),

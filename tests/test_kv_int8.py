@@ -84,8 +84,7 @@ def test_fp8_on_cpu_is_a_start_up_error_naming_the_flag():
     with pytest.raises(ConfigError, match="kv_cache_dtype fp8 .* needs a GPU"):
         kv_storage_dtype("fp8", torch.float32, "cpu")
     assert kv_storage_dtype("int8", torch.float32, "cpu") is torch.int8
-    with pytest.raises(ConfigError, match="int8 runs on CPU only"):
-        kv_storage_dtype("int8", torch.bfloat16, "cuda")
+    assert kv_storage_dtype("int8", torch.bfloat16, "cuda") is torch.int8  # the Triton kernels read it too
     assert kv_storage_dtype("auto", torch.bfloat16, "cuda") is torch.bfloat16
 
 
@@ -169,14 +168,28 @@ def test_int8_blocks_travel_as_they_are_with_their_scales(transport):
         node.close()
 
 
-@pytest.mark.parametrize("theirs,ours", [(torch.float32, torch.int8), (torch.int8, torch.float32)])
+@pytest.mark.parametrize(
+    "theirs,ours",
+    [
+        (torch.float32, torch.int8),
+        (torch.int8, torch.float32),
+        (torch.bfloat16, torch.float8_e4m3fn),
+        (torch.int8, torch.float8_e4m3fn),
+    ],
+)
 def test_peers_with_different_kv_dtypes_refuse_each_other_naming_the_field(theirs, ours):
+    """The handshake's dtype check comes before a transport is chosen: cuda_ipc peers are refused alike."""
     from kvtransfer.sender import HandshakeError
     from tests.test_kvtransfer_transports import Node
 
     node = Node("zmq", layout=KVLayout(2, 16, 4, 2, 8, ours))
     try:
-        name = {torch.float32: "float32", torch.int8: "int8"}
+        name = {
+            torch.float32: "float32",
+            torch.int8: "int8",
+            torch.bfloat16: "bfloat16",
+            torch.float8_e4m3fn: "float8_e4m3fn",
+        }
         with pytest.raises(HandshakeError, match=f"dtype is '{name[theirs]}' there but '{name[ours]}' here") as info:
             node.sender(layout=KVLayout(2, 16, 4, 2, 8, theirs))
         assert info.value.field == "dtype"

@@ -1,9 +1,10 @@
-"""The prepared GPU run (``scripts/gpu-check``): what issues #32 and #48 ask of a GPU machine, in one
-command within 5 minutes of GPU machine time, installs included, figures and logs in one folder.
+"""The prepared GPU run (``scripts/gpu-check``): what issues #32, #48 and #45 ask of a GPU machine, in one
+command within 7 minutes of GPU machine time, installs included, figures and logs in one folder.
 Standard library only, so it runs before the missing packages are installed.
 
 On the dev machine (network):   scripts/gpu-check --fetch-wheels    -> .gpu-wheels/, sizes checked
-On the GPU machine (offline):   scripts/gpu-check --out "$OUT"
+                                scripts/gpu-check --stage-model     -> .gpu-model/ (SmolLM2 in three parts)
+On the GPU machine (offline):   scripts/gpu-check --out "$OUT"      (three calls when the model travels: docs/gpu.md)
 
 1. Installs what does not import (pyzmq, starlette, uvicorn, pytest, xgrammar, ...) from .gpu-wheels/
    with pip, offline; without pip it unpacks the wheels into <out>/site and puts that on PYTHONPATH.
@@ -13,7 +14,9 @@ On the GPU machine (offline):   scripts/gpu-check --out "$OUT"
    its own cap): ``tests_gpu`` (tests/gpu, one JSON line per test in tests_gpu.jsonl as it ends, so a
    timeout still says what passed; engine parity figures in parity.jsonl), ``kernels``
    (benchmarks.gpu.kernels), ``scale`` (benchmarks.gpu.scale, the Llama-3-8B shape with dummy weights),
-   ``pd_parity`` (benchmarks.transfer.pd_parity over cuda_ipc), ``engine_throughput`` (--quick).
+   ``pd_parity`` (benchmarks.transfer.pd_parity over cuda_ipc), ``engine_throughput`` (--quick), and
+   ``kv_dtypes`` (issue #45: int8 and fp8 KV against bfloat16 KV on SmolLM2-135M, whose GGUF the three
+   calls' parts are joined into first, benchmarks/gpu/model_stage.py).
    A step that exits 0 without its figures file fails. ``--dry-run`` lists the plan and its budget
    and checks that each step starts (entry points parse their arguments, tests/gpu collects).
 4. ``gpu-check.json``: environment, dependencies, and per step its exit status, seconds, figures.
@@ -33,13 +36,22 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from benchmarks.gpu import model_stage
+
 ROOT = Path(__file__).resolve().parents[2]  # benchmarks/gpu/check.py -> the repository
 WHEEL_LIST = ROOT / "scripts" / "gpu-wheels.txt"
 WHEELS = ROOT / ".gpu-wheels"
 CARRY_LIMIT = 64 << 20  # what the device tool sends: the tracked and untracked files plus carried folders
 PLATFORMS = ("manylinux2014_x86_64", "manylinux_2_17_x86_64", "manylinux_2_28_x86_64")
 # import name -> distribution, for what the steps import (the rest of the list are their dependencies)
-NEEDED = {"zmq": "pyzmq", "starlette": "starlette", "uvicorn": "uvicorn", "pytest": "pytest", "xgrammar": "xgrammar"}
+NEEDED = {
+    "zmq": "pyzmq",
+    "starlette": "starlette",
+    "uvicorn": "uvicorn",
+    "pytest": "pytest",
+    "xgrammar": "xgrammar",
+    "gguf": "gguf",  # GGUF files: tests/gpu/test_gguf_cuda.py, the kv_dtypes step's SmolLM2
+}
 OPTIONAL = {"xgrammar"}  # structured outputs: no step needs them
 
 
@@ -52,9 +64,10 @@ class Step:
     default: bool = True  # in the plan unless --steps names the steps
 
 
-# The whole check, installs included, within 5 minutes of GPU machine time (#48): the run's own
-# deadline, leaving the rest of the 300 s for the machine's Python start and the report.
-DEFAULT_BUDGET_S = 285.0
+# The whole check, installs included, within 7 minutes of GPU machine time: #48's 5 minutes plus
+# #45's kv_dtypes step and 8-bit KV tests. With a machine's start (1-2 minutes) that leaves a session's
+# 15 minutes of device time room to rerun a failed step.
+DEFAULT_BUDGET_S = 415.0
 INSTALL_ALLOWANCE_S = 20.0  # offline pip of ~10 MiB of wheels, measured before the steps' caps
 
 
@@ -75,10 +88,25 @@ def steps(out: Path) -> list[Step]:
                 "tests/gpu",
                 f"--junitxml={out / 'tests_gpu.xml'}",
             ],
-            100,
+            130,
             "parity.jsonl",
         ),
-        Step("kernels", [py, "-m", "benchmarks.gpu.kernels", "--json", str(out / "kernels.json")], 35, "kernels.json"),
+        Step(
+            "kv_dtypes",
+            [
+                py,
+                "-m",
+                "benchmarks.gpu.kv_dtypes",
+                "--device",
+                "cuda",
+                "--check",
+                "--json",
+                str(out / "kv_dtypes.json"),
+            ],
+            90,  # three engines over the GGUF (dequantized on the CPU), the 8-bit kernels compiled
+            "kv_dtypes.json",
+        ),
+        Step("kernels", [py, "-m", "benchmarks.gpu.kernels", "--json", str(out / "kernels.json")], 45, "kernels.json"),
         Step(
             "scale",
             [py, "-m", "benchmarks.gpu.scale", "--shape", "llama3-8b", "--json", str(out / "scale.json")],
@@ -336,6 +364,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         epilog=__doc__.split("\n\n", 1)[1],
     )
     p.add_argument("--fetch-wheels", action="store_true", help="dev machine: fetch the wheels, check the size, exit")
+    p.add_argument("--stage-model", action="store_true", help="dev machine: SmolLM2 into .gpu-model/ in parts, exit")
     p.add_argument("--out", help="figures and logs (default $OUT, else ./gpu-check-out)")
     p.add_argument("--wheels", default=str(WHEELS), help="wheel folder (default .gpu-wheels)")
     p.add_argument(
@@ -361,6 +390,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.fetch_wheels:
         return fetch_wheels(Path(args.wheels))
+    if args.stage_model:
+        wheels = Path(args.wheels)
+        return model_stage.main(carried_bytes([wheels]), CARRY_LIMIT)
     if args.dry_run:
         return dry_run(args)
     deadline = time.monotonic() + args.budget_s
@@ -390,8 +422,9 @@ def main(argv: list[str] | None = None) -> int:
     report["deps"] = ensure_deps(wheels, out, log)
     report["structured_output"] = report["deps"]["xgrammar"] != "missing"
     required_missing = [m for m, s in report["deps"].items() if s == "missing" and m not in OPTIONAL]
+    report["model"] = model_stage.ensure()  # the kv_dtypes step's SmolLM2: given, installed, joined or missing
     report["cuda"] = cuda_info()
-    log(f"deps {report['deps']}; cuda {report['cuda']}")
+    log(f"deps {report['deps']}; model {report['model']}; cuda {report['cuda']}")
     if not report["structured_output"]:
         log("xgrammar did not install: structured outputs are skipped (no step uses them)")
     status = "ok"

@@ -1,5 +1,7 @@
 """Kernel benchmark: ``python -m benchmarks.gpu.kernels [--json FILE]`` (needs CUDA; exits 0 with a note without).
 
+- Decode attention over int8 and e4m3 pools (#45, benchmarks/gpu/kv_decode.py): the first decode
+  shape's time and bandwidth against the same case over bfloat16.
 - Decode attention is memory bound: every step reads each request's whole K and V once. The figure
   of merit is the bandwidth the kernel achieves (K/V bytes read / time) as a fraction of what this
   device reaches on a plain large device-to-device copy (target >= 0.7), next to the torch reference.
@@ -20,6 +22,8 @@ import json
 import sys
 
 import torch
+
+from benchmarks.gpu.kv_decode import bench_decode_kv_dtypes
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 # (batch, context) of the decode benchmark: the issue's 64 x 2048, one long-context case and a wide
@@ -279,6 +283,12 @@ def main(argv: list[str] | None = None) -> int:
         "device": torch.cuda.get_device_name(),
         "copy_gbps": copy_gbps,
         "decode": [bench_decode(batch, context, copy_gbps) for batch, context in args.decode_shapes],
+        # #45: the first shape's pool as int8 and e4m3 against bfloat16
+        "decode_kv_dtypes": bench_decode_kv_dtypes(
+            paged_inputs([1] * args.decode_shapes[0][0], [args.decode_shapes[0][1]] * args.decode_shapes[0][0]),
+            time_ms,
+            copy_gbps,
+        ),
         "prefill": bench_prefill(),
         "block_copy": bench_block_copy(copy_gbps),
         "lora": bench_lora(),

@@ -130,7 +130,9 @@ class ModelRunner:
             return
         src = torch.tensor([s for s, _ in copies], device=self.device)
         dst = torch.tensor([d for _, d in copies], device=self.device)
-        pool = self.kv_pool.tensor  # [layers, 2, num_blocks, block_size, kv_heads, head_dim]
+        # [layers, 2, num_blocks, block_size, kv_heads, row bytes]: moved as bytes, since torch has no
+        # index_copy_ for float8 (the fp8 pool), and bytes are what a copy moves whatever the dtype
+        pool = self.kv_pool.tensor.view(torch.uint8)
         pool.index_copy_(2, dst, pool.index_select(2, src))
 
     def _prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels.triton.triton_or_stub import tl, triton
+
 GROUP = 16  # values per scale
 SCALE_BYTES = 2  # one float16 per group
 QMAX = 127.0
@@ -77,3 +79,35 @@ def dequantize_rows(rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> t
     gs = group_size(head_dim)
     values = rows[..., :head_dim].float().reshape(*rows.shape[:-1], head_dim // gs, gs)
     return (values * scales(rows)[..., None]).reshape(*rows.shape[:-1], head_dim).to(dtype)
+
+
+@triton.jit
+def quantize_groups(x):
+    """x: [heads, groups, GROUP_PAD] float32 (padding zero) -> (values int8 like x, scales float16 [heads, groups]).
+
+    quantize_rows in Triton, bit for bit: IEEE divisions (``div_rn``; Triton's ``/`` may approximate),
+    and round half to even done by hand from ``floor`` (the interpreter has no ``rint``). Launch with
+    ``enable_fp_fusion=False``: an FMA of ``x * inv - floor(..)`` would see the unrounded product and
+    decide ties differently from torch.
+    """
+    amax = tl.max(tl.abs(x), axis=2)
+    scale = tl.minimum(tl.math.div_rn(amax, 127.0), 65504.0).to(tl.float16)  # F16_MAX, QMAX
+    d = scale.to(tl.float32)
+    inv = tl.where(d > 0, tl.math.div_rn(tl.full(d.shape, 1.0, tl.float32), tl.where(d > 0, d, 1.0)), 0.0)
+    # clamping before rounding gives round-then-clamp's result: |y| past 127 rounds to 127 or beyond
+    y = tl.clamp(x * inv[:, :, None], -127.0, 127.0)
+    low = tl.floor(y)
+    frac = y - low  # exact: |y| <= 127
+    odd = (low - 2.0 * tl.floor(low * 0.5)) != 0.0
+    up = (frac > 0.5) | ((frac == 0.5) & odd)
+    return tl.where(up, low + 1.0, low).to(tl.int8), scale
+
+
+@triton.jit
+def dequantize_tile(row, values, d, mask, HEAD_DIM: tl.constexpr, GROUP_SIZE: tl.constexpr):
+    """row: [N, 1] int8 pointers to packed rows; values: their [N, DIM_PAD] int8 values at columns d.
+    Returns float32 values times their group's float16 scale, read from the row's tail."""
+    # 2: SCALE_BYTES (a jitted function reads only constexpr globals)
+    scale_ptr = (row + HEAD_DIM + 2 * (d[None, :] // GROUP_SIZE)).to(tl.pointer_type(tl.float16))
+    scale = tl.load(scale_ptr, mask=mask, other=0.0).to(tl.float32)
+    return values.to(tl.float32) * scale

@@ -16,7 +16,7 @@ import torch
 from kernels.cpu.kv_int8 import int8_kernels
 from kernels.cpu.native import NativeLibrary
 from kernels.triton import kv_int8
-from kernels.triton.attention_tile import load_kv_tile, online_softmax_step
+from kernels.triton.attention_tile import kv_tile_format, load_kv_tile, online_softmax_step
 from kernels.triton.triton_or_stub import tl, triton
 
 _LOG2E = 1.4426950408889634
@@ -208,6 +208,9 @@ def _decode_kernel(
     PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr,
+    COMPUTE: tl.constexpr,  # KVTileFormat (attention_tile.py): the tiles' dtype, int8 rows, values per scale
+    KV_INT8: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -250,7 +253,10 @@ def _decode_kernel(
             stride_vs,
             stride_vh,
             PAGE_SIZE,
-            UPCAST,
+            COMPUTE,
+            KV_INT8,
+            HEAD_DIM,
+            GROUP_SIZE,
         )  # each [BLOCK_N, DIM_PAD], loaded once for the whole group
         m_i, l_i, acc = online_softmax_step(q, k, v, t_ok[None, :], m_i, l_i, acc, scale_log2, UPCAST)
 
@@ -311,8 +317,10 @@ def paged_decode_triton(
 ):
     """``num_splits``/``block_n`` override the tuning (tests); ``out`` lets a test pass a poisoned buffer."""
     batch, num_heads, head_dim = q.shape
-    num_blocks, page_size, kv_heads, cache_dim = k_cache.shape
-    assert cache_dim == head_dim and num_heads % kv_heads == 0, (q.shape, k_cache.shape)
+    num_blocks, page_size, kv_heads, _ = k_cache.shape
+    assert num_heads % kv_heads == 0, (q.shape, k_cache.shape)
+    upcast = q.dtype == torch.float32 or not q.is_cuda  # the CPU interpreter cannot dot bf16
+    kv = kv_tile_format(q, k_cache, upcast)
     assert v_cache.shape == k_cache.shape and block_tables.shape[0] == batch == context_lens.shape[0]
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     assert block_n >= 16 and block_n & (block_n - 1) == 0
@@ -362,7 +370,10 @@ def paged_decode_triton(
         DIM_PAD=dim_pad,
         PAGE_SIZE=page_size,
         BLOCK_N=block_n,
-        UPCAST=q.dtype == torch.float32 or not q.is_cuda,  # the CPU interpreter cannot dot bf16
+        UPCAST=upcast,
+        COMPUTE=kv.compute,
+        KV_INT8=kv.kv_int8,
+        GROUP_SIZE=kv.group_size,
     )
     if num_splits > 1:
         _reduce_kernel[(batch, num_heads)](

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from kernels.cpu.kv_int8 import int8_kernels
 from kernels.cpu.native import NativeLibrary
-from kernels.triton.attention_tile import load_kv_tile, online_softmax_step
+from kernels.triton.attention_tile import kv_tile_format, load_kv_tile, online_softmax_step
 from kernels.triton.paged_decode import checked_tables, gather_context
 from kernels.triton.triton_or_stub import tl, triton
 
@@ -125,6 +125,9 @@ def _prefill_kernel(
     PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr,
+    COMPUTE: tl.constexpr,  # KVTileFormat (attention_tile.py): the tiles' dtype, int8 rows, values per scale
+    KV_INT8: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
 ):
     b = tl.program_id(0)
     tile = tl.program_id(1)
@@ -173,7 +176,10 @@ def _prefill_kernel(
             stride_vs,
             stride_vh,
             PAGE_SIZE,
-            UPCAST,
+            COMPUTE,
+            KV_INT8,
+            HEAD_DIM,
+            GROUP_SIZE,
         )  # each [BLOCK_N, DIM_PAD], loaded once for the whole group
         visible = t_ok[None, :] & (t[None, :] <= q_pos[:, None])  # [ROWS, BLOCK_N]: causal within the chunk
         m_i, l_i, acc = online_softmax_step(q, k, v, visible, m_i, l_i, acc, scale_log2, UPCAST)
@@ -191,9 +197,11 @@ def paged_prefill_triton(
 ):
     """``rows``/``block_n`` override the tile sizes (tests); ``out`` lets a test pass a poisoned buffer."""
     num_tokens, num_heads, head_dim = q.shape
-    num_blocks, page_size, kv_heads, cache_dim = k_cache.shape
+    num_blocks, page_size, kv_heads, _ = k_cache.shape
     batch = block_tables.shape[0]
-    assert cache_dim == head_dim and num_heads % kv_heads == 0, (q.shape, k_cache.shape)
+    assert num_heads % kv_heads == 0, (q.shape, k_cache.shape)
+    upcast = q.dtype == torch.float32 or not q.is_cuda  # the CPU interpreter cannot dot bf16
+    kv = kv_tile_format(q, k_cache, upcast)
     assert v_cache.shape == k_cache.shape and context_lens.shape == (batch,) and query_start_loc.shape == (batch + 1,)
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     assert query_start_loc.is_contiguous() and context_lens.is_contiguous()
@@ -235,6 +243,9 @@ def paged_prefill_triton(
         DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
         PAGE_SIZE=page_size,
         BLOCK_N=block_n,
-        UPCAST=q.dtype == torch.float32 or not q.is_cuda,  # the CPU interpreter cannot dot bf16
+        UPCAST=upcast,
+        COMPUTE=kv.compute,
+        KV_INT8=kv.kv_int8,
+        GROUP_SIZE=kv.group_size,
     )
     return out
