@@ -162,7 +162,7 @@ class DecodeServer:
 
     def run(self) -> None:
         self.is_running = True
-        self.liveness.start()
+        self.liveness.start(self._heartbeat_record())
         try:
             while not self._stopped:
                 with self.liveness.watch.step():

@@ -153,7 +153,7 @@ class PrefillServer:
     # ---- the loop ----
     def serve_forever(self) -> None:
         """Run until ``stop()`` or a finished drain; closes the sockets on the way out."""
-        self.liveness.start()
+        self.liveness.start(self.heartbeat())
         try:
             while not self._stop.is_set() and not self.is_done:
                 with self.liveness.watch.step():

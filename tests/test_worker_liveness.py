@@ -61,7 +61,7 @@ def test_heartbeats_go_on_while_the_loop_is_blocked_in_a_step_and_stop_before_go
             released.wait()
         liveness.send(heartbeat(num_running=0))
 
-    liveness.start()
+    liveness.start(heartbeat(num_running=0))
     thread = threading.Thread(target=loop, daemon=True)
     thread.start()
     try:
@@ -115,8 +115,7 @@ def test_the_heartbeat_thread_runs_during_a_long_c_kernel_call():
     call = c_linear_call(lib, rows, in_features, out_features)
     links = _RecordingLinks()
     liveness = Liveness(links, interval_s=0.002, watch=StepWatch())
-    liveness.send(heartbeat())
-    liveness.start()
+    liveness.start(heartbeat())
     inside = []
     try:
         for _ in range(200):

@@ -27,7 +27,7 @@ from gateway.workers.backend import GenerationRequest
 from gateway.workers.registry import WorkerRegistry
 from gateway.workers.router import Policy, RouterParams
 from gateway.workers.zmq_backend import ZmqBackend, ZmqBackendParams
-from protocol.serving import SamplingSpec
+from protocol.serving import Heartbeat, SamplingSpec
 from tests.decode_harness import decode_config
 from tests.invariants import assert_no_leak
 
@@ -173,3 +173,37 @@ def test_a_step_that_never_returns_takes_the_worker_out_of_rotation_with_a_clear
             await cluster.stop()
 
     asyncio.run(scenario())
+
+
+def test_a_prefill_worker_in_a_blocked_step_heartbeats_on_and_its_job_completes_exactly():
+    """The prefill worker's loop has the same liveness thread: a step that blocks for five heartbeat
+    intervals shows in its heartbeats (same step count, a growing step age), and the job then ends with
+    the single engine's KV and first token."""
+    from tests.test_prefill_node import Cluster as PrefillCluster
+    from tests.test_prefill_node import expect_kv, prompt, reference
+
+    c = PrefillCluster(transport="zmq")
+    gate = StepGate(c.server.runner)
+    try:
+        tokens = prompt(19, seed=7)
+        ref_kv, ref_token = reference(tokens)
+        c.start()
+        gate.armed = True
+        job = c.decode.job("slow", tokens)
+        c.decode.send(job)
+        assert gate.entered.wait(timeout=60), "the job's step did not start"
+        hb = c.gateway.wait(Heartbeat, lambda hb: hb.step_running_s > 5 * 0.2, timeout=60)
+        # the loop's last heartbeat, from before the step took the job in: its load as last reported
+        assert hb.num_running == 0 and c.server.liveness.num_sent_by_thread >= 1
+        during = [h.steps_completed for h in c.gateway.records if isinstance(h, Heartbeat) and h.step_running_s > 0.5]
+        assert len(set(during)) == 1  # one step, however many heartbeats
+        gate.release()
+        done = c.decode.wait_event("slow", timeout=60)
+        assert done.ok and done.commit.first_token == ref_token
+        expect_kv(c, job, ref_kv)
+        c.decode.adopt("slow")
+        c.stop()
+        c.assert_idle_no_leak()
+    finally:
+        gate.release()
+        c.close()

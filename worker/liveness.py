@@ -84,7 +84,10 @@ class Liveness:
         self._links.broadcast(stamped)
         self._sent_at = self._clock()
 
-    def start(self) -> None:
+    def start(self, first: Heartbeat) -> None:
+        """Sends ``first`` (the registration) and starts the thread, which has it to repeat from then on,
+        even if the loop's first turn is a long step."""
+        self.send(first)
         self._stop.clear()
         self._thread = threading.Thread(target=self._run, name="heartbeats", daemon=True)
         self._thread.start()
