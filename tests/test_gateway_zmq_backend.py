@@ -315,12 +315,19 @@ def test_n2_is_one_generate_routed_by_index(gateway):
     assert g.sampling.n == 2
 
 
-def test_busy_goes_to_another_decode_worker_and_all_busy_is_503(gateway):
-    d1 = gateway.add("d1", mode="busy")  # lowest id: the first choice on a tie
+def served_by_the_second(gateway, mode: str) -> tuple[FakeWorker, FakeWorker]:
+    """d1 (in ``mode``) and d2: d1, the lowest id, is the first choice on a tie; the request is served
+    by d2 after d1 had it once."""
+    d1 = gateway.add("d1", mode=mode)
     d2 = gateway.add("d2")
     r = gateway.client.completions.create(model=MODEL, prompt="Hi", max_tokens=100)
     assert r.choices[0].text == OUTPUT_TEXT
     assert len(generates(d1)) == 1 and len(generates(d2)) == 1
+    return d1, d2
+
+
+def test_busy_goes_to_another_decode_worker_and_all_busy_is_503(gateway):
+    _, d2 = served_by_the_second(gateway, "busy")
     assert metric(gateway.base_url, 'pdserve:route_decisions_total{policy="prefix",result="busy"}') == 1
     d2.mode = "busy"
     r = httpx.post(gateway.base_url + "/v1/completions", json={"model": MODEL, "prompt": "Yo", "max_tokens": 5})
@@ -446,18 +453,16 @@ def test_retries_before_the_first_token_are_bounded(gateway):
 
 
 def test_a_wedged_worker_is_taken_out_of_rotation_and_its_request_retried_elsewhere(gateway):
-    d1 = gateway.add("d1", mode="wedge")  # lowest id: the first choice on a tie
-    d2 = gateway.add("d2")
-    r = gateway.client.completions.create(model=MODEL, prompt="Hi", max_tokens=100)
-    assert r.choices[0].text == OUTPUT_TEXT
-    assert len(generates(d1)) == 1 and len(generates(d2)) == 1
+    d1, d2 = served_by_the_second(gateway, "wedge")
     (g,) = generates(d1)
     wait_until(
         lambda: any(isinstance(r, AbortRequest) and r.rid == g.rid and "is stuck" in r.reason for r in d1.received),
         "the wedged worker was not told to drop the request (for when its step ends)",
     )
     listed = {w["id"]: w for w in httpx.get(gateway.base_url + "/v1/workers").json()["data"]}
-    assert listed["d1"]["stuck"] is True and listed["d1"]["step_running_s"] > STEP_TIMEOUT_S
+    # as its last heartbeat said: one step under way (that heartbeat's age plus the time since passed the timeout)
+    assert listed["d1"]["stuck"] is True and listed["d1"]["steps_completed"] == 0
+    assert 0 < listed["d1"]["step_running_s"] <= gateway.backend._registry.get("d1").step_age(time.monotonic())
     assert listed["d2"]["stuck"] is False
     assert metric(gateway.base_url, "pdserve:workers_stuck_total") == 1
     assert metric(gateway.base_url, 'pdserve:workers_lost_total{reason="expired"}') == 0
