@@ -162,8 +162,8 @@ class DecodeServer:
 
     def run(self) -> None:
         self.is_running = True
-        self.liveness.start(self._heartbeat_record())
         try:
+            self.liveness.start(self._heartbeat_record())
             while not self._stopped:
                 with self.liveness.watch.step():
                     self.run_once()

@@ -153,8 +153,8 @@ class PrefillServer:
     # ---- the loop ----
     def serve_forever(self) -> None:
         """Run until ``stop()`` or a finished drain; closes the sockets on the way out."""
-        self.liveness.start(self.heartbeat())
         try:
+            self.liveness.start(self.heartbeat())
             while not self._stop.is_set() and not self.is_done:
                 with self.liveness.watch.step():
                     self.run_once()
