@@ -107,6 +107,7 @@ class DecodeOptions:
     kv_address: str  # this node's KV receiver endpoint, sent in PrefillJobs and heartbeats
     incarnation: str  # new on every process start
     heartbeat_s: float = 5.0
+    step_timeout_s: float = 0.0  # gateway.worker_step_timeout_s: a step past it is logged with the stacks
     drain_timeout_s: float = 30.0
     idle_prefill_threads: int = 0  # a step's extra threads while no prompt is out (step_threads.py)
 
@@ -139,7 +140,7 @@ class DecodeServer:
         self._seq_ids = itertools.count()
         self._generations = itertools.count(1)
         self._heartbeat = HeartbeatTimer(options.heartbeat_s)
-        self.liveness = Liveness(gateway, options.heartbeat_s, StepWatch())
+        self.liveness = Liveness(gateway, options.heartbeat_s, StepWatch(), stuck_after_s=options.step_timeout_s)
         self.lora_sync = LoRASync(engine.runner.lora)
         self._drain = Drain(options.drain_timeout_s)
         self._threads = StepThreads(options.idle_prefill_threads)

@@ -145,7 +145,7 @@ class PrefillServer:
         self._by_seq: dict[int, JobState] = {}  # seq_id -> job, for jobs in the scheduler
         self._seq_ids = itertools.count()
         self._heartbeat = HeartbeatTimer(options.heartbeat_s)
-        self.liveness = Liveness(self.gateway, options.heartbeat_s, StepWatch())
+        self.liveness = Liveness(self.gateway, options.heartbeat_s, StepWatch(), stuck_after_s=options.step_timeout_s)
         self._stop = threading.Event()
         self._drain = Drain(options.drain_timeout_s)
         self.is_done = False  # drained and said Goodbye

@@ -159,3 +159,37 @@ def test_the_loop_waiting_on_the_links_holds_the_heartbeat_thread_off_their_sock
     sender.join(timeout=10)
     assert sent.is_set()
     assert gateway.wait_heartbeat(lambda hb: hb.worker_id == "w0")
+
+
+def test_a_step_past_the_stuck_deadline_is_logged_once_with_every_threads_stack(tmp_path, caplog):
+    """What the gateway calls stuck, the worker reports itself: once per step, with where each thread is."""
+    stacks = (tmp_path / "stacks.txt").open("w+")
+    liveness = Liveness(_RecordingLinks(), 0.01, StepWatch(), stuck_after_s=0.1, stacks_to=stacks)
+    released, past = threading.Event(), threading.Event()
+
+    def wedged_loop() -> None:
+        with liveness.watch.step():
+            released.wait()
+
+    liveness.start(heartbeat())
+    loop = threading.Thread(target=wedged_loop, daemon=True)
+    with caplog.at_level("ERROR", logger="worker.liveness"):
+        loop.start()
+        try:
+            give_up = time.monotonic() + 60
+            while liveness.watch.running_s() <= 5 * 0.1:  # well past the deadline: reported by now, once
+                assert time.monotonic() < give_up
+                past.wait(0.01)
+            while not [r for r in caplog.records if "one step of this worker's loop has run for" in r.message]:
+                assert time.monotonic() < give_up
+                past.wait(0.01)
+        finally:
+            released.set()
+            loop.join(timeout=10)
+            liveness.stop()
+    stacks.seek(0)
+    dump = stacks.read()
+    assert dump.count("Current thread") == 1  # the liveness thread's one report for this step
+    assert "in wedged_loop" in dump and "in wait" in dump  # where the loop is: blocked in Event.wait
+    reports = [r.message for r in caplog.records if "one step of this worker's loop" in r.message]
+    assert len(reports) == 1 and "gateway.worker_step_timeout_s is 0.1 s" in reports[0]
