@@ -21,6 +21,11 @@ def fetch_workers(url: str, api_key: str | None = None, timeout_s: float = 5.0) 
         return json.loads(response.read())["data"]
 
 
+def state_of(worker: dict) -> str:
+    """stuck (in one step past the gateway's step timeout: out of rotation), draining, or serving."""
+    return "stuck" if worker["stuck"] else "draining" if worker["draining"] else "serving"
+
+
 def rows_of(workers: list[dict]) -> list[tuple[str, ...]]:
     """One row per worker, prefill pool first, then decode, by id within a pool."""
     rows = []
@@ -33,7 +38,7 @@ def rows_of(workers: list[dict]) -> list[tuple[str, ...]]:
                 w["id"],
                 w["role"],
                 w["address"],
-                "draining" if w["draining"] else "serving",
+                state_of(w),
                 str(load["num_running"]),
                 str(load["num_waiting"]),
                 str(load["queued_prefill_tokens"]),

@@ -110,6 +110,11 @@ class GatewayConfig:
     request_timeout_s: float = _field(600.0, minimum=0.0)  # end-to-end deadline of one request
     worker_heartbeat_s: float = _field(5.0, minimum=0.0)  # workers re-register this often
     worker_timeout_s: float = _field(15.0, minimum=0.0)  # a worker silent this long is dropped
+    # A worker whose one step (a turn of its loop) has run this long is stuck: out of rotation, its requests
+    # failed or retried, back once a step ends. Heartbeats come from their own thread, so a long step alone
+    # never silences a worker. 300: SGLang's --watchdog-timeout and vLLM's VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS;
+    # 15x the slowest full step seen (2048 prompt tokens in 20 s on 2 loaded cores). 0: never.
+    worker_step_timeout_s: float = _field(300.0, minimum=0.0)
     worker_port: int = _field(8001, minimum=0)  # ZeroMQ ROUTER port workers connect their DEALERs to
     max_queued_requests: int = _field(64, minimum=0)  # per pool: requests waiting for KV room; beyond: 503
     queue_timeout_s: float = _field(5.0, minimum=0.0)  # a queued request gives up (503) after this

@@ -77,6 +77,7 @@ class DecodeNode:
             kv_server.endpoint,
             new_incarnation(),
             heartbeat_s=config.gateway.worker_heartbeat_s or 5.0,
+            step_timeout_s=config.gateway.worker_step_timeout_s,
             drain_timeout_s=dc.drain_timeout_s,
             idle_prefill_threads=dc.idle_prefill_threads,
         )

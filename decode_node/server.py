@@ -29,7 +29,8 @@ Life cycle of a request on this node:
 6. On finish the full blocks stay in the prefix cache and the rest are freed. ``AbortRequest`` or the
    deadline, at any phase, frees everything (and forwards the abort to the prefill worker while its
    job is out).
-Alongside: a Heartbeat (load from the block manager) to every gateway every interval; a gateway that
+Alongside: a Heartbeat (load from the block manager, and how far the loop has got) to every gateway
+every interval, repeated by a thread of its own while a step runs long (worker/liveness.py); a gateway that
 stops acking them (worker/gateway_links.py) takes its requests with it: they are released as an abort
 would. SIGTERM drains: Busy to new work, in-flight requests get ``drain_timeout_s``, then ``Goodbye``
 and the loop returns.
@@ -39,8 +40,8 @@ length); what is not the life cycle lives beside it: admission checks (admission
 (commit_check.py), load reports (load_report.py), prefill worker links (prefill_links.py), request
 state (request_state.py), a step's threads (step_threads.py), token events (streaming.py).
 
-One thread runs everything but grammar compiles: it polls the sockets (briefly when idle) and runs an
-engine step when there is work. Nothing in a step waits on the network.
+One thread runs everything but grammar compiles and the heartbeat repeats: it polls the sockets (briefly
+when idle) and runs an engine step when there is work. Nothing in a step waits on the network.
 
 Peers are not trusted (docs/security.md): a request's KV is taken only from the prefill worker's key the
 gateway named (``Generate.prefill_key``), a first token outside the vocabulary fails its request, and a
@@ -82,7 +83,6 @@ from protocol.serving import (
     AbortRequest,
     Busy,
     Generate,
-    Goodbye,
     Heartbeat,
     LoRAAdapterSet,
     PrefillFailed,
@@ -91,6 +91,7 @@ from protocol.serving import (
 )
 from telemetry.tracing import NO_TRACING, RequestTrace, Tracer
 from worker import Drain, EngineMetrics, EngineSnapshot, GatewayLinks, HeartbeatTimer
+from worker.liveness import Liveness, StepWatch
 from worker.logprob_records import prompt_logprobs_frames
 from worker.step_pacer import StepPacer
 
@@ -106,6 +107,7 @@ class DecodeOptions:
     kv_address: str  # this node's KV receiver endpoint, sent in PrefillJobs and heartbeats
     incarnation: str  # new on every process start
     heartbeat_s: float = 5.0
+    step_timeout_s: float = 0.0  # gateway.worker_step_timeout_s: a step past it is logged with the stacks
     drain_timeout_s: float = 30.0
     idle_prefill_threads: int = 0  # a step's extra threads while no prompt is out (step_threads.py)
 
@@ -138,6 +140,7 @@ class DecodeServer:
         self._seq_ids = itertools.count()
         self._generations = itertools.count(1)
         self._heartbeat = HeartbeatTimer(options.heartbeat_s)
+        self.liveness = Liveness(gateway, options.heartbeat_s, StepWatch(), stuck_after_s=options.step_timeout_s)
         self.lora_sync = LoRASync(engine.runner.lora)
         self._drain = Drain(options.drain_timeout_s)
         self._threads = StepThreads(options.idle_prefill_threads)
@@ -161,9 +164,12 @@ class DecodeServer:
     def run(self) -> None:
         self.is_running = True
         try:
+            self.liveness.start(self._heartbeat_record())
             while not self._stopped:
-                self.run_once()
+                with self.liveness.watch.step():
+                    self.run_once()
         finally:
+            self.liveness.stop()
             self.is_running = False
 
     def run_once(self) -> None:
@@ -187,7 +193,7 @@ class DecodeServer:
                 self._on_step_error()
         self._update_metrics()
         if self._heartbeat.due():
-            self.gateway.broadcast(self._heartbeat_record())
+            self.liveness.send(self._heartbeat_record())
         self._drain_tick()
 
     def _wait_for_messages(self) -> None:
@@ -199,9 +205,10 @@ class DecodeServer:
         else:
             timeout = min(IDLE_POLL_MS, int(self._heartbeat.seconds_left() * 1000) + 1)
         poller = zmq.Poller()
-        for sock in [*self.gateway.sockets(), *self.prefill.sockets(), *([kv_socket] if kv_socket is not None else [])]:
-            poller.register(sock, zmq.POLLIN)
-        poller.poll(timeout)
+        with self.gateway.locked() as gateway_sockets:
+            for sock in [*gateway_sockets, *self.prefill.sockets(), *([kv_socket] if kv_socket is not None else [])]:
+                poller.register(sock, zmq.POLLIN)
+            poller.poll(timeout)
 
     def _awaiting_kv(self) -> bool:
         return any(r.phase == Phase.AWAITING_KV for r in self.requests.values())
@@ -619,12 +626,12 @@ class DecodeServer:
     def _drain_tick(self) -> None:
         if self._drain.start_if_requested():
             log.info("draining: %d requests in flight, %.1f s to finish", len(self.requests), self._drain.timeout_s)
-            self.gateway.broadcast(self._heartbeat_record())  # tell the gateways now, not at the next interval
+            self.liveness.send(self._heartbeat_record())  # tell the gateways now, not at the next interval
         if not self._drain.is_over(in_flight=bool(self.requests)):
             return
         for req in list(self.requests.values()):
             self._fail(req, "decode worker shut down before the request finished", culprit="none")
-        self.gateway.broadcast(self._heartbeat_record())  # the final load: nothing held any more
-        self.gateway.broadcast(Goodbye(self.options.worker_id))
+        self.liveness.send(self._heartbeat_record())  # the final load: nothing held any more
+        self.liveness.goodbye(self.options.worker_id)
         log.info("drained; goodbye")
         self._stopped = True

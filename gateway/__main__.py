@@ -104,7 +104,9 @@ def build(config: PdserveConfig):
         "model %s: tokenizer and config from %s", config.model.path or "(the embedded default)", path
     )
     registry = WorkerRegistry(
-        heartbeat_interval_s=g.worker_heartbeat_s, max_missed=max(1, round(g.worker_timeout_s / g.worker_heartbeat_s))
+        heartbeat_interval_s=g.worker_heartbeat_s,
+        max_missed=max(1, round(g.worker_timeout_s / g.worker_heartbeat_s)),
+        step_timeout_s=g.worker_step_timeout_s,
     )
     name = config.model.name_for_clients()
     max_model_len = context_length(path, config.model.max_model_len)

@@ -158,6 +158,11 @@ class GatewayMetrics:
             ["reason"],
             registry=r,
         )
+        self.workers_stuck = Counter(
+            "pdserve:workers_stuck",
+            "Workers taken out of rotation because one step of theirs ran past gateway.worker_step_timeout_s.",
+            registry=r,
+        )
         # the circuit breaker (gateway/workers/breaker.py), per registered worker; series go when it leaves
         self.worker_failures = Counter(
             "pdserve:worker_failures",

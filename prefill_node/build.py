@@ -28,6 +28,7 @@ def options_from_config(config: PdserveConfig) -> PrefillOptions:
         port=config.prefill.port,
         gateway_address=config.prefill.gateway_address,
         heartbeat_s=config.gateway.worker_heartbeat_s or 5.0,
+        step_timeout_s=config.gateway.worker_step_timeout_s,
         gateway_timeout_s=loss_timeout_s(config.gateway.worker_timeout_s, config.gateway.worker_heartbeat_s or 5.0),
         transports=tuple(TRANSPORTS) if transport == "auto" else (transport,),
         transfer_deadline_s=config.transfer.lease_seconds or 30.0,  # the receiver's lease: same horizon

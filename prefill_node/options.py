@@ -14,6 +14,7 @@ class PrefillOptions:
     port: int = 0  # 0: any free port (the heartbeat tells the gateway which)
     gateway_address: str = "tcp://127.0.0.1:8001"
     heartbeat_s: float = 5.0
+    step_timeout_s: float = 0.0  # gateway.worker_step_timeout_s: a step past it is logged with the stacks
     gateway_timeout_s: float = 15.0  # a gateway that acks no heartbeat this long is lost: its jobs abort
     transports: tuple[str, ...] = tuple(TRANSPORTS)  # offered at handshake, best first
     transfer_deadline_s: float = 30.0  # a receiver silent this long fails the transfer and unpins

@@ -23,7 +23,8 @@ Life cycle of a request on this node:
    expired or retried) is an abort, whichever of the refusal and D's ``AbortRequest`` arrives first.
 6. ``AbortRequest`` (from D or the gateway) at any phase — queued, prefilling, transferring — frees
    everything here and aborts the transfer. Past its deadline a job fails the same way.
-Around it: a Heartbeat to every gateway every interval (queued prefill tokens, KV block counts); a
+Around it: a Heartbeat to every gateway every interval (queued prefill tokens, KV block counts, how far
+the loop has got), repeated by a thread of its own while a step runs long (worker/liveness.py); a
 gateway that stops acking them (worker/gateway_links.py) takes its jobs with it, aborted as in 6.
 /metrics, /health, /ready, and SIGTERM drain (no new jobs, finish in-flight, Goodbye, exit).
 This file is that life cycle, one group of methods per step, read top to bottom (hence its length);
@@ -66,12 +67,13 @@ from prefill_node.sampling import first_token_params
 from protocol.codec import WireError, decode, encode
 from protocol.curve import PlaneSecurity
 from protocol.rejects import RejectLog
-from protocol.serving import AbortRequest, Goodbye, Heartbeat, LoRAAdapterSet, PrefillFailed, PrefillJob, TokenEvent
+from protocol.serving import AbortRequest, Heartbeat, LoRAAdapterSet, PrefillFailed, PrefillJob, TokenEvent
 from protocol.zmq_util import bind, make_socket
 from telemetry.tracing import NO_TRACING, Tracer
 from worker.drain import Drain
 from worker.gateway_links import GatewayLinks
 from worker.heartbeat import HeartbeatTimer
+from worker.liveness import Liveness, StepWatch
 from worker.logprob_records import logprob_record, prompt_logprobs_frames
 
 log = logging.getLogger(__name__)
@@ -143,6 +145,7 @@ class PrefillServer:
         self._by_seq: dict[int, JobState] = {}  # seq_id -> job, for jobs in the scheduler
         self._seq_ids = itertools.count()
         self._heartbeat = HeartbeatTimer(options.heartbeat_s)
+        self.liveness = Liveness(self.gateway, options.heartbeat_s, StepWatch(), stuck_after_s=options.step_timeout_s)
         self._stop = threading.Event()
         self._drain = Drain(options.drain_timeout_s)
         self.is_done = False  # drained and said Goodbye
@@ -151,9 +154,12 @@ class PrefillServer:
     def serve_forever(self) -> None:
         """Run until ``stop()`` or a finished drain; closes the sockets on the way out."""
         try:
+            self.liveness.start(self.heartbeat())
             while not self._stop.is_set() and not self.is_done:
-                self.run_once()
+                with self.liveness.watch.step():
+                    self.run_once()
         finally:
+            self.liveness.stop()
             self.close()
 
     def run_once(self, timeout_ms: int | None = None) -> None:
@@ -204,9 +210,10 @@ class PrefillServer:
     def _receive(self, timeout_ms: int) -> None:
         if timeout_ms:
             poller = zmq.Poller()
-            for sock in (self.router, *self.gateway.sockets(), *self.senders.sockets()):
-                poller.register(sock, zmq.POLLIN)
-            poller.poll(timeout_ms)
+            with self.gateway.locked() as gateway_sockets:
+                for sock in (self.router, *gateway_sockets, *self.senders.sockets()):
+                    poller.register(sock, zmq.POLLIN)
+                poller.poll(timeout_ms)
         while True:
             try:
                 frames = self.router.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -528,11 +535,11 @@ class PrefillServer:
             log.info("draining: %d jobs in flight, %.1f s to finish", len(self.jobs), self._drain.timeout_s)
             self._heartbeat.fire_now()  # tell the gateway now, not at the next interval
         if self._heartbeat.due():
-            self.gateway.broadcast(self.heartbeat())
+            self.liveness.send(self.heartbeat())
         if self._drain.is_over(in_flight=bool(self.jobs)):
             for state in list(self.jobs.values()):
                 self._fail(state, "worker shut down before the job finished", label="draining")
-            self.gateway.broadcast(Goodbye(self.options.worker_id))
+            self.liveness.goodbye(self.options.worker_id)
             self.is_done = True
             log.info("drained; goodbye")
 

@@ -277,9 +277,15 @@ class Heartbeat:
     lora_set_paths: list[str] = field(default_factory=list)
     lora_set_signature: str = ""  # the gateway's signature of that list, as received (LoRAAdapterSet)
     lora_errors: list[str] = field(default_factory=list)  # "name: why" of adapters in that list it could not load
+    # Liveness apart from load (worker/liveness.py): heartbeats come from a thread of their own, so a long
+    # step cannot silence a live worker; these tell the gateway a busy worker from a wedged one. A step is
+    # one turn of the worker's loop (its messages and one engine step), so a loop wedged anywhere shows.
+    steps_completed: int = 0  # turns of the worker's loop ended since it started
+    step_running_s: float = 0.0  # how long the turn under way has run (a wedged loop's grows without end)
 
     def __post_init__(self) -> None:
         assert self.role in ROLES, self.role
+        assert self.steps_completed >= 0 and 0.0 <= self.step_running_s < float("inf"), "bad step progress"
         assert 0 <= self.kv_blocks_in_use <= self.kv_blocks_total, (self.kv_blocks_in_use, self.kv_blocks_total)
         assert self.lora_set_version >= 0 and len(self.lora_set_names) == len(self.lora_set_paths), "bad LoRA list"
         assert all(0 < len(n) <= MAX_LORA_NAME_CHARS for n in self.lora_set_names), "bad adapter name"

@@ -77,6 +77,7 @@ WORKERS = {
             "address": "tcp://10.0.0.22:8201",
             "incarnation": "i2",
             "draining": True,
+            "stuck": False,
             "block_size": 16,
             "load": {
                 "num_running": 3,
@@ -93,6 +94,7 @@ WORKERS = {
             "address": "tcp://10.0.0.11:8100",
             "incarnation": "i1",
             "draining": False,
+            "stuck": False,
             "block_size": 16,
             "load": {
                 "num_running": 1,
@@ -101,6 +103,23 @@ WORKERS = {
                 "kv_blocks_in_use": 8,
                 "kv_blocks_free": 56,
                 "kv_blocks_total": 64,
+            },
+        },
+        {
+            "id": "decode-c",
+            "role": "decode",
+            "address": "tcp://10.0.0.23:8201",
+            "incarnation": "i3",
+            "draining": False,
+            "stuck": True,  # heartbeating, one step past gateway.worker_step_timeout_s
+            "block_size": 16,
+            "load": {
+                "num_running": 2,
+                "num_waiting": 0,
+                "queued_prefill_tokens": 0,
+                "kv_blocks_in_use": 10,
+                "kv_blocks_free": 90,
+                "kv_blocks_total": 100,
             },
         },
     ],
@@ -134,7 +153,8 @@ def test_status_prints_a_table(fake_gateway):
         ["ID", "ROLE", "ADDRESS", "STATE", "RUNNING", "WAITING", "QUEUED_TOKENS", "KV_USED", "KV_TOTAL", "KV_USAGE"],
         ["prefill-a", "prefill", "tcp://10.0.0.11:8100", "serving", "1", "2", "900", "8", "64", "12.5%"],
         ["decode-b", "decode", "tcp://10.0.0.22:8201", "draining", "3", "1", "0", "25", "100", "25.0%"],
-        ["1", "prefill,", "1", "decode", "worker(s)"],
+        ["decode-c", "decode", "tcp://10.0.0.23:8201", "stuck", "2", "0", "0", "10", "100", "10.0%"],
+        ["1", "prefill,", "2", "decode", "worker(s)"],
     ]
     assert seen == [("/v1/workers", "Bearer k1")]
 

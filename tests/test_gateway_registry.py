@@ -4,7 +4,7 @@ from gateway.workers.registry import Role, WorkerRegistry
 from protocol.serving import Heartbeat
 
 
-def hb(worker_id, role=Role.DECODE, incarnation="a", in_use=0, draining=False):
+def hb(worker_id, role=Role.DECODE, incarnation="a", in_use=0, draining=False, steps=0, step_running_s=0.0):
     return Heartbeat(
         worker_id,
         role.value,
@@ -18,6 +18,8 @@ def hb(worker_id, role=Role.DECODE, incarnation="a", in_use=0, draining=False):
         num_waiting=0,
         queued_prefill_tokens=0,
         draining=draining,
+        steps_completed=steps,
+        step_running_s=step_running_s,
     )
 
 
@@ -58,3 +60,36 @@ def test_drop_after_missed_heartbeats_exactly_at_the_timeout():
     assert [w.worker_id for w in reg.workers()] == ["d1", "d2"]
     assert reg.remove("d2") is True and reg.remove("d2") is False
     assert [w.worker_id for w in reg.workers()] == ["d1"]
+
+
+def test_a_long_step_keeps_the_worker_a_step_past_the_deadline_makes_it_stuck_until_it_ends():
+    reg = WorkerRegistry(heartbeat_interval_s=1.0, max_missed=3, step_timeout_s=10.0)
+    reg.observe(hb("d1", steps=5), now=0.0)
+    reg.observe(hb("d2", steps=7), now=0.0)
+    # d1's heartbeats keep coming from its liveness thread while one step runs: never silent, never expired
+    for t in range(1, 10):
+        reg.observe(hb("d1", steps=6, step_running_s=float(t)), now=float(t))
+        reg.observe(hb("d2", steps=7 + t), now=float(t))
+        assert reg.expire(now=float(t)) == [] and reg.check_stuck(now=float(t)) == ([], [])
+    assert reg.get("d1").step_age(9.5) == 9.5
+    assert reg.check_stuck(now=10.0) == ([], [])  # exactly the deadline: still busy, not stuck
+    assert reg.check_stuck(now=10.01) == (["d1"], [])  # 9 s reported at t=9, plus 1.01 s since
+    assert reg.get("d1").is_stuck and reg.get("d1").as_json()["stuck"] is True
+    assert [w.worker_id for w in reg.accepting(Role.DECODE)] == ["d2"]
+    assert [w.worker_id for w in reg.workers(Role.DECODE)] == ["d1", "d2"]  # listed: it still heartbeats
+    reg.observe(hb("d1", steps=6, step_running_s=11.0), now=11.0)
+    assert reg.check_stuck(now=11.0) == ([], [])  # still stuck: reported once
+    reg.observe(hb("d1", steps=7), now=12.0)  # the step ended
+    assert reg.check_stuck(now=12.0) == ([], ["d1"])
+    assert [w.worker_id for w in reg.accepting(Role.DECODE)] == ["d1", "d2"]
+
+
+def test_a_stuck_worker_that_restarts_is_a_new_worker_and_zero_timeout_never_flags():
+    reg = WorkerRegistry(heartbeat_interval_s=1.0, max_missed=3, step_timeout_s=2.0)
+    reg.observe(hb("d1", step_running_s=5.0), now=0.0)
+    assert reg.check_stuck(now=0.0) == (["d1"], [])
+    reg.observe(hb("d1", incarnation="b"), now=1.0)  # a new process: not stuck, nothing to recover
+    assert not reg.get("d1").is_stuck and reg.check_stuck(now=1.0) == ([], [])
+    never = WorkerRegistry(heartbeat_interval_s=1.0, max_missed=3, step_timeout_s=0.0)
+    never.observe(hb("d1", step_running_s=1e6), now=0.0)
+    assert never.check_stuck(now=10.0) == ([], []) and [w.worker_id for w in never.accepting(Role.DECODE)] == ["d1"]

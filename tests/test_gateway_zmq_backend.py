@@ -1,7 +1,7 @@
 """The real ZeroMQ backend against fake workers that are real DEALER sockets speaking protocol/serving.py.
 
 A fake decode worker answers Generate with a deterministic token stream per completion (or Busy, or goes
-silent); a fake prefill worker sends the first token (offset 0) when the fake decode worker hands it the
+silent, or wedges: heartbeats go on while its step never ends); a fake prefill worker sends the first token (offset 0) when the fake decode worker hands it the
 request, AFTER the decode worker's own events, so the gateway must put them back in order.
 """
 
@@ -12,6 +12,7 @@ import time
 import zlib
 
 import httpx
+import msgpack
 import openai
 import pytest
 import zmq
@@ -37,6 +38,7 @@ from protocol.serving import (
 from tests.fake_backend import MODEL, OUTPUT_TEXT, LiveServer, wait_until
 
 HEARTBEAT_S = 0.1
+STEP_TIMEOUT_S = 1.0  # a worker's step running longer makes it stuck
 OTHER_TEXT = "A cat sat on the mat."
 
 
@@ -66,6 +68,7 @@ class FakeWorker:
         self.received: list = []
         self.incarnation = "inc-1"
         self.is_heartbeating = True
+        self.step_started_at: float | None = None  # mode "wedge": the step that never ends began then
         self._outbox: list[tuple[float, object]] = []  # (due time, record)
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -94,6 +97,8 @@ class FakeWorker:
             num_running=1,
             num_waiting=2,
             queued_prefill_tokens=0,
+            steps_completed=0 if self.step_started_at is not None else 1,
+            step_running_s=time.monotonic() - self.step_started_at if self.step_started_at is not None else 0.0,
         )
 
     def _run(self) -> None:
@@ -128,6 +133,8 @@ class FakeWorker:
             self.schedule(0, Busy(record.rid, "no free KV blocks"))
         elif isinstance(record, Generate) and self.mode == "die":
             self.is_heartbeating = False  # gone silent, as a crashed process is
+        elif isinstance(record, Generate) and self.mode == "wedge":
+            self.step_started_at = time.monotonic()  # alive (heartbeats go on), its step never ends
         elif isinstance(record, Generate) and self.mode == "fail" and (g := record).prefill_address:
             self.schedule(0, TokenEvent(g.rid, 0, 0, [], error="the KV never came", culprit=self.culprit))
         elif isinstance(record, Generate) and self.mode == "refuse":
@@ -182,7 +189,7 @@ def tokenizer(tok_dir):
 
 @pytest.fixture
 def gateway(tok_dir, tokenizer):
-    registry = WorkerRegistry(heartbeat_interval_s=HEARTBEAT_S, max_missed=3)
+    registry = WorkerRegistry(heartbeat_interval_s=HEARTBEAT_S, max_missed=3, step_timeout_s=STEP_TIMEOUT_S)
     metrics = GatewayMetrics()
     params = ZmqBackendParams(
         "127.0.0.1",
@@ -308,12 +315,19 @@ def test_n2_is_one_generate_routed_by_index(gateway):
     assert g.sampling.n == 2
 
 
-def test_busy_goes_to_another_decode_worker_and_all_busy_is_503(gateway):
-    d1 = gateway.add("d1", mode="busy")  # lowest id: the first choice on a tie
+def served_by_the_second(gateway, mode: str) -> tuple[FakeWorker, FakeWorker]:
+    """d1 (in ``mode``) and d2: d1, the lowest id, is the first choice on a tie; the request is served
+    by d2 after d1 had it once."""
+    d1 = gateway.add("d1", mode=mode)
     d2 = gateway.add("d2")
     r = gateway.client.completions.create(model=MODEL, prompt="Hi", max_tokens=100)
     assert r.choices[0].text == OUTPUT_TEXT
     assert len(generates(d1)) == 1 and len(generates(d2)) == 1
+    return d1, d2
+
+
+def test_busy_goes_to_another_decode_worker_and_all_busy_is_503(gateway):
+    _, d2 = served_by_the_second(gateway, "busy")
     assert metric(gateway.base_url, 'pdserve:route_decisions_total{policy="prefix",result="busy"}') == 1
     d2.mode = "busy"
     r = httpx.post(gateway.base_url + "/v1/completions", json={"model": MODEL, "prompt": "Yo", "max_tokens": 5})
@@ -391,12 +405,16 @@ def test_malformed_frames_are_counted_and_ignored(gateway):
     junk.send_multipart([b"a", b"b"])
     hb = Heartbeat("d1", "decode", "tcp://evil", "inc-9", 4, 10, 10, 0, 0, 0, 0)
     junk.send(encode(hb))  # claims another worker's id, which is bound to d1's live connection
+    wire = msgpack.unpackb(encode(Heartbeat("junk", "decode", "tcp://127.0.0.1:9", "inc", 4, 10, 10, 0, 0, 0, 0)))
+    wire[1]["step_running_s"] = float("nan")  # a step age no worker can have: not a way to look busy forever
+    junk.send(msgpack.packb(wire))
     wait_until(
         lambda: metric(gateway.base_url, 'pdserve:rejected_frames_total{reason="identity_taken"}') == 1,
         "identity takeover not refused",
     )
-    assert metric(gateway.base_url, "pdserve:worker_malformed_frames_total") == 3
-    assert metric(gateway.base_url, 'pdserve:rejected_frames_total{reason="malformed"}') == 3
+    wait_until(lambda: metric(gateway.base_url, "pdserve:worker_malformed_frames_total") == 4, "NaN step age taken")
+    assert metric(gateway.base_url, 'pdserve:rejected_frames_total{reason="malformed"}') == 4
+    assert gateway.backend._registry.get("junk") is None
     assert gateway.backend._registry.get("d1").incarnation == "inc-1"
     r = gateway.client.completions.create(model=MODEL, prompt="Hi", max_tokens=100)
     assert r.choices[0].text == OUTPUT_TEXT
@@ -432,6 +450,41 @@ def test_retries_before_the_first_token_are_bounded(gateway):
     assert failed.value.status_code >= 500 and failed.value.body["message"]
     assert sum(len(generates(w)) for w in workers) == 3  # the first attempt and two retries, no more
     assert metric(gateway.base_url, 'pdserve:route_decisions_total{policy="prefix",result="retry"}') == 2
+
+
+def test_a_wedged_worker_is_taken_out_of_rotation_and_its_request_retried_elsewhere(gateway):
+    d1, d2 = served_by_the_second(gateway, "wedge")
+    (g,) = generates(d1)
+    wait_until(
+        lambda: any(isinstance(r, AbortRequest) and r.rid == g.rid and "is stuck" in r.reason for r in d1.received),
+        "the wedged worker was not told to drop the request (for when its step ends)",
+    )
+    listed = {w["id"]: w for w in httpx.get(gateway.base_url + "/v1/workers").json()["data"]}
+    # as its last heartbeat said: one step under way (that heartbeat's age plus the time since passed the timeout)
+    assert listed["d1"]["stuck"] is True and listed["d1"]["steps_completed"] == 0
+    assert 0 < listed["d1"]["step_running_s"] <= gateway.backend._registry.get("d1").step_age(time.monotonic())
+    assert listed["d2"]["stuck"] is False
+    assert metric(gateway.base_url, "pdserve:workers_stuck_total") == 1
+    assert metric(gateway.base_url, 'pdserve:workers_lost_total{reason="expired"}') == 0
+    assert metric(gateway.base_url, 'pdserve:worker_failures_total{worker_id="d1"}') == 1
+    gateway.client.completions.create(model=MODEL, prompt="Hi again", max_tokens=100)
+    assert len(generates(d1)) == 1 and len(generates(d2)) == 2  # d1 gets nothing new while stuck
+    d1.step_started_at, d1.mode = None, "tokens"  # its step ended: back in rotation
+    wait_until(lambda: not gateway.backend._registry.get("d1").is_stuck, "d1 did not come back")
+    gateway.client.completions.create(model=MODEL, prompt="Hi", max_tokens=100)
+    assert len(generates(d1)) == 2  # the prefix router's choice for "Hi" again
+
+
+def test_the_only_worker_wedged_fails_the_request_with_a_clear_error(gateway):
+    gateway.add("d1", mode="wedge")
+    r = httpx.post(
+        gateway.base_url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 5}, timeout=30
+    )
+    assert r.status_code == 500 and r.json()["error"]["code"] == "generation_failed"
+    message = r.json()["error"]["message"]
+    assert "worker d1 is stuck: one step has run for" in message and "worker_step_timeout_s is 1 s" in message
+    assert httpx.get(gateway.base_url + "/ready").status_code == 503  # listed, but no decode worker takes work
+    assert worker_ids(gateway.base_url) == ["d1"]
 
 
 def _free_port() -> int:

@@ -19,13 +19,20 @@ Life of one link:
    the old connection, so the worker would never be heard again (the chaos tool's gateway SIGSTOP)
 4. an address that no longer resolves is closed once its link is not acked (lost, or never was);
    one still acked keeps serving its streams (a gateway draining out of a Service's endpoints)
+
+Two threads use the links: the worker's loop, and its heartbeat thread (worker/liveness.py), which
+sends while the loop is inside a long step. A ZeroMQ socket is not thread-safe, so every use of a link's
+sockets, the loop's wait on them included (``locked``), holds one lock; the loop holds it only briefly
+(never during an engine step), so a heartbeat waits at most one idle poll.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import zmq
 
@@ -61,6 +68,7 @@ class GatewayLinks:
         self._ctx, self._worker_id, self._accepted, self._clock = ctx, worker_id, accepted, clock
         self.security = security or PlaneSecurity(None)  # one client keypair for every link: one proof
         self.timeout_s = timeout_s
+        self._lock = threading.RLock()  # every use of the links' sockets (see the module docstring)
         endpoints = parse_gateway_addresses(gateway_address)
         self._links: dict[str, WorkerSocket] = {}  # address -> link
         self._wanted: set[str] = set()  # the addresses the configuration stands for now
@@ -90,8 +98,11 @@ class GatewayLinks:
     def addresses(self) -> list[str]:
         return list(self._links)
 
-    def sockets(self) -> list[zmq.Socket]:
-        return [link.sock for link in self._links.values()]
+    @contextmanager
+    def locked(self) -> Iterator[list[zmq.Socket]]:
+        """The links' sockets, for the loop to wait on, held from the heartbeat thread meanwhile."""
+        with self._lock:
+            yield [link.sock for link in self._links.values()]
 
     def gateway_ids(self) -> list[str]:
         """Ids of the gateways that ack this worker now."""
@@ -100,11 +111,13 @@ class GatewayLinks:
     # ---- traffic ----
     def poll(self) -> list:
         """What every gateway sent since the last call (acks are taken by the links)."""
-        return [record for link in list(self._links.values()) for record in link.poll()]
+        with self._lock:
+            return [record for link in list(self._links.values()) for record in link.poll()]
 
     def poll_from(self) -> list[tuple[str, object]]:
         """What every gateway sent, each record with the id its link's gateway acked ("" before one)."""
-        return [(link.gateway_id, record) for link in list(self._links.values()) for record in link.poll()]
+        with self._lock:
+            return [(link.gateway_id, record) for link in list(self._links.values()) for record in link.poll()]
 
     def may_abort(self, sender: str, owner: str) -> bool:
         """Whether the gateway acked as ``sender`` may abort a request ``owner`` sent: only the owner, once
@@ -114,11 +127,12 @@ class GatewayLinks:
     def send(self, gateway_id: str, record) -> bool:
         """To the gateway with ``gateway_id``. An id no link has acked (yet, or ever: a test's gateway)
         goes to every link not acked yet; a gateway drops records of requests it does not know."""
-        for link in self._links.values():
-            if link.gateway_id and link.gateway_id == gateway_id:
-                return link.send(record)
-        unacked = [link for link in self._links.values() if not link.gateway_id]
-        return any([link.send(record) for link in unacked])
+        with self._lock:
+            for link in self._links.values():
+                if link.gateway_id and link.gateway_id == gateway_id:
+                    return link.send(record)
+            unacked = [link for link in self._links.values() if not link.gateway_id]
+            return any([link.send(record) for link in unacked])
 
     def registration_proof(self, incarnation: str, role: str) -> str:
         """What the Heartbeat's ``proof`` carries (protocol/curve.py): the same over every link."""
@@ -126,13 +140,18 @@ class GatewayLinks:
 
     def broadcast(self, record) -> None:
         """To every gateway: heartbeats, goodbye."""
-        for link in self._links.values():
-            link.send(record)
+        with self._lock:
+            for link in self._links.values():
+                link.send(record)
 
     # ---- loss ----
     def lost(self) -> list[str]:
         """Ids of the gateways lost since the last call (silent past the timeout, or restarted); their
         requests are the caller's to abort. Also takes the resolver's newest answer."""
+        with self._lock:
+            return self._lost()
+
+    def _lost(self) -> list[str]:
         if self._resolver is not None and (latest := self._resolver.latest()) is not None:
             self._apply(latest)
         now = self._clock()
@@ -159,10 +178,11 @@ class GatewayLinks:
 
     @property
     def num_rejected(self) -> int:
-        return sum(link.num_rejected for link in self._links.values())
+        return sum(link.num_rejected for link in list(self._links.values()))
 
     def close(self) -> None:
         if self._resolver is not None:
             self._resolver.close()
-        for link in self._links.values():
-            link.close()
+        with self._lock:
+            for link in self._links.values():
+                link.close()

@@ -1,13 +1,18 @@
 """How many tokens the next step of a decode worker that prefills its own prompts may compute, so
-that a step ends within a heartbeat interval. (A prefill worker has the same loop; pacing it is not wired yet.)
+that a step ends within a heartbeat interval.
 
-The worker's loop sends its heartbeats between steps, and the gateway drops a worker silent for
-``worker_timeout_s`` (15 s). A step of ``max_num_batched_tokens`` (2048) prompt tokens took 10-20 s on
-a 2-core EPYC shared with other jobs (SmolLM2-135M, Q8_0 and f32 alike: ~105 prompt tokens/s there),
-so 16 concurrent 700-token prompts arriving at once stopped the heartbeats and every request failed
-(issue #44's served run). Raising the timeout would hide a worker that is really stuck; a smaller
-step keeps the loop answering (heartbeats, aborts, new requests) and streams the running sequences'
-tokens between chunks of prompt, as vLLM's chunked prefill does with its token budget.
+A step's length no longer decides whether the worker looks alive: heartbeats come from a thread of their
+own (worker/liveness.py), and only a step past ``gateway.worker_step_timeout_s`` (300 s) counts as
+wedged. It still decides how long everything else the loop does waits: aborts, new requests, and above
+all the running sequences' next tokens, which a long prefill step holds back. A step of
+``max_num_batched_tokens`` (2048) prompt tokens took 10-20 s on a 2-core EPYC shared with other jobs
+(SmolLM2-135M, Q8_0 and f32 alike: ~105 prompt tokens/s there), and back then it also stopped the
+heartbeats (issue #44's served run). So a smaller step, as vLLM's chunked prefill does with its token
+budget, streams the running sequences' tokens between chunks of prompt.
+
+The prefill worker is not paced: its steps hold no stream back (its jobs' only token is the first, sent
+when the last chunk is computed); smaller steps there would take new jobs and aborts a little sooner,
+at a cost in throughput, and are no longer needed to keep it registered.
 
 So the budget is the configured one where the machine computes it within ``target_s``, else the
 tokens the measured rate computes in ``target_s`` (never under ``floor``, which decodes take first).

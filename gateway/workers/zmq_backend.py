@@ -540,7 +540,29 @@ class ZmqBackend(Backend):
             for worker_id in self._registry.expire(time.monotonic()):
                 self._metrics.workers_lost.labels("expired").inc()
                 self._worker_left(worker_id, "heartbeats stopped")
+            self._check_stuck()
             self._update_breaker_gauges()
+
+    def _check_stuck(self) -> None:
+        """A worker alive (heartbeating) but in one step past the step timeout is wedged: it takes nothing
+        new, and what it holds fails now, retried elsewhere before the first token; it is aborted there
+        too, for when the step ends. A step that ends puts the worker back in rotation."""
+        now = time.monotonic()
+        stuck, recovered = self._registry.check_stuck(now)
+        for worker_id in stuck:
+            info = self._registry.get(worker_id)
+            age, limit = info.step_age(now), self._registry.step_timeout_s
+            reason = f"is stuck: one step has run for {age:.0f} s (gateway.worker_step_timeout_s is {limit:g} s)"
+            log.error("worker %s %s: out of rotation, its requests failed", worker_id, reason)
+            self._metrics.workers_stuck.inc()
+            for flight in self._flights.values():
+                if not flight.is_done and worker_id in flight.workers():
+                    flight.events.put_nowait(WorkerGone(worker_id, reason))
+        for worker_id in recovered:
+            log.warning("worker %s: its stuck step ended; back in rotation", worker_id)
+        if stuck or recovered:
+            self._update_pool_gauges()
+            self._queue.notify()
 
     def _update_pool_gauges(self) -> None:
         m = self._metrics
