@@ -27,6 +27,11 @@
 #define QUANT_512 0
 #endif
 
+/* Activation values per int8 scale (quant.c's quantize_row): half a weight sub-block of 32, so each form
+   applies two activation scales per sub-block, as it applies Q6_K's two weight scales. Rounding in blocks
+   of 16 rather than llama.cpp's 32 halves the activations' share of the error (docs/benchmarks.md). */
+#define ACT_BLOCK 16
+
 enum { T_Q8_0 = 0, T_Q4_0 = 1, T_Q4_1 = 2, T_Q4_K = 3, T_Q6_K = 4, T_I8 = 5, T_Q5_0 = 6, T_Q5_1 = 7 };
 
 /* What unpack() adds to a format's values to make them unsigned bytes (u = w / s + offset). */

@@ -13,8 +13,9 @@
    term (-offset * the block's activation sum) starts each block's integer sum, so it stays exact.
 
    A block is a 32-value sub-block: Q4_K's has one scale and min, as the 32-value formats. Q6_K's has a
-   scale per 16 values (wh[block][16]: the second half's), so its block is two integer sums, each
-   started from its own half's offset term and scaled by its own scale. */
+   scale per 16 values (wh[block][16]: the second half's), and the activations have one per 16 in every
+   format, so each block is two integer sums, each started from its own half's offset term and scaled by
+   its own half's weight and activation scales. */
 #include <stdlib.h>
 
 #include "quant_formats.h"
@@ -45,31 +46,9 @@ static void unpack_panel(int t, const uint8_t *w, int64_t n0, int64_t N, int64_t
     }
 }
 
-/* panel_rows for Q6_K: a scale per 16 values, so each block's two halves are summed and scaled apart. */
-static inline __attribute__((always_inline)) void q6k_panel_rows(int nx, const int32_t *T, const float *ws,
-                                                                 const float *wh, const int8_t *q, const float *d,
-                                                                 const int32_t *sum16, int64_t K, __m512 *acc) {
-    const int64_t nb = K / 32;
-    const int32_t offset = weight_offset(T_Q6_K);
-    for (int r = 0; r < nx; r++) acc[r] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        __m512i tj[8];
-        for (int j = 0; j < 8; j++) tj[j] = _mm512_loadu_si512(T + (b * 8 + j) * PANEL);
-        const __m512 lo_scale = _mm512_loadu_ps(ws + b * PANEL), hi_scale = _mm512_loadu_ps(wh + b * PANEL);
-        for (int r = 0; r < nx; r++) {
-            const int32_t *xq = (const int32_t *)(q + r * K + 32 * b);
-            __m512i lo = _mm512_set1_epi32(-offset * sum16[r * 2 * nb + 2 * b]);
-            __m512i hi = _mm512_set1_epi32(-offset * sum16[r * 2 * nb + 2 * b + 1]);
-            for (int j = 0; j < 4; j++) lo = _mm512_dpbusd_epi32(lo, tj[j], _mm512_set1_epi32(xq[j]));
-            for (int j = 4; j < 8; j++) hi = _mm512_dpbusd_epi32(hi, tj[j], _mm512_set1_epi32(xq[j]));
-            const __m512 dx = _mm512_set1_ps(d[r * nb + b]);
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), _mm512_mul_ps(lo_scale, dx), acc[r]);
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_mul_ps(hi_scale, dx), acc[r]);
-        }
-    }
-}
-
-/* acc[r] (16 outputs) for activation rows i0 .. i0 + nx against the panel. */
+/* acc[r] (16 outputs) for activation rows i0 .. i0 + nx against the panel. Each block's two halves of 16
+   values are summed apart: each has its own activation scale (d, one per 16) and, for Q6_K, its own
+   weight scale (wh; the same as ws in the other formats). Each half's sum starts from its offset term. */
 static inline __attribute__((always_inline)) void panel_rows(int t, int nx, const int32_t *T, const float *ws,
                                                              const float *wm, const float *wh, const int8_t *q,
                                                              const float *d, const int32_t *sum16, int64_t K,
@@ -77,24 +56,22 @@ static inline __attribute__((always_inline)) void panel_rows(int t, int nx, cons
     const int64_t nb = K / 32;
     const int32_t offset = weight_offset(t);
     const int mins = weight_has_min(t);
-    if (t == T_Q6_K) {
-        q6k_panel_rows(nx, T, ws, wh, q, d, sum16, K, acc);
-        return;
-    }
     for (int r = 0; r < nx; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         __m512i tj[8];
         for (int j = 0; j < 8; j++) tj[j] = _mm512_loadu_si512(T + (b * 8 + j) * PANEL);
-        const __m512 wsv = _mm512_loadu_ps(ws + b * PANEL);
+        const __m512 lo_scale = _mm512_loadu_ps(ws + b * PANEL), hi_scale = _mm512_loadu_ps(wh + b * PANEL);
         const __m512 wmv = mins ? _mm512_loadu_ps(wm + b * PANEL) : _mm512_setzero_ps();
         for (int r = 0; r < nx; r++) {
-            const int32_t qsum = sum16[r * 2 * nb + 2 * b] + sum16[r * 2 * nb + 2 * b + 1];
             const int32_t *xq = (const int32_t *)(q + r * K + 32 * b);
-            __m512i dot = _mm512_set1_epi32(-offset * qsum);
-            for (int j = 0; j < 8; j++) dot = _mm512_dpbusd_epi32(dot, tj[j], _mm512_set1_epi32(xq[j]));
-            const float dx = d[r * nb + b];
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(wsv, _mm512_set1_ps(dx)), acc[r]);
-            if (mins) acc[r] = _mm512_fmadd_ps(wmv, _mm512_set1_ps(dx * (float)qsum), acc[r]);
+            const int32_t slo = sum16[r * 2 * nb + 2 * b], shi = sum16[r * 2 * nb + 2 * b + 1];
+            const float dlo = d[r * 2 * nb + 2 * b], dhi = d[r * 2 * nb + 2 * b + 1];
+            __m512i lo = _mm512_set1_epi32(-offset * slo), hi = _mm512_set1_epi32(-offset * shi);
+            for (int j = 0; j < 4; j++) lo = _mm512_dpbusd_epi32(lo, tj[j], _mm512_set1_epi32(xq[j]));
+            for (int j = 4; j < 8; j++) hi = _mm512_dpbusd_epi32(hi, tj[j], _mm512_set1_epi32(xq[j]));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), _mm512_mul_ps(lo_scale, _mm512_set1_ps(dlo)), acc[r]);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_mul_ps(hi_scale, _mm512_set1_ps(dhi)), acc[r]);
+            if (mins) acc[r] = _mm512_fmadd_ps(wmv, _mm512_set1_ps(dlo * (float)slo + dhi * (float)shi), acc[r]);
         }
     }
 }
@@ -148,7 +125,7 @@ void quant16_rows(int t, const int8_t *q, const float *d, const int32_t *sum16, 
             const int64_t left = rows - i0;
             const int nx = left >= GROUP ? GROUP : left >= 4 ? 4 : 1;
             __m512 acc[GROUP];
-            panel_any(t, nx, T, ws, wm, wh, q + i0 * K, d + i0 * nb, sum16 + i0 * 2 * nb, K, acc);
+            panel_any(t, nx, T, ws, wm, wh, q + i0 * K, d + i0 * 2 * nb, sum16 + i0 * 2 * nb, K, acc);
             for (int r = 0; r < nx; r++) _mm512_mask_storeu_ps(y + (i0 + r) * ldy + n0, keep, _mm512_add_ps(b16, acc[r]));
             i0 += nx;
         }
