@@ -104,3 +104,15 @@ def test_zero_activations_give_bias(lib):
     bias = torch.arange(9, dtype=torch.float32)
     y = lib.linear("Q4_K", torch.zeros(2, 256), torch.from_numpy(w), 256, bias)
     torch.testing.assert_close(y, bias.expand(2, 9), rtol=0, atol=0)
+
+
+def test_every_float16_scale_decodes_exactly(lib):
+    """quant_formats.h's f16(): all 65,536 bit patterns as Q8_0 block scales times q = 1, against numpy's
+    float16 (subnormals, infinities and NaNs included)."""
+    patterns = np.arange(2**16, dtype=np.uint16)  # one block each: 2,048 rows of 32 blocks
+    blocks = np.zeros((2**16, 34), dtype=np.uint8)
+    blocks[:, :2] = patterns.view(np.uint8).reshape(-1, 2)
+    blocks[:, 2:] = 1
+    rows = torch.from_numpy(blocks.reshape(2048, 32 * 34))
+    got = lib.dequantize("Q8_0", rows, 32 * 32).numpy()[:, ::32].reshape(-1)
+    np.testing.assert_array_equal(got, patterns.view(np.float16).astype(np.float32))

@@ -5,7 +5,6 @@
 #define PDSERVE_QUANT_FORMATS_H
 #include <stdint.h>
 #include <string.h>
-#include <math.h>
 #if !defined(PDSERVE_QUANT_SCALAR) && ((defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__))
 #include <immintrin.h>
 #define QUANT_VNNI 1
@@ -49,22 +48,12 @@ static inline int32_t weight_offset(int t) {
 /* Whether a format has an additive min per sub-block (sub_t.m): the min term of quant.c's sum. */
 static inline int weight_has_min(int t) { return t == T_Q4_1 || t == T_Q4_K || t == T_Q5_1; }
 
+/* The float16 at p as a float, exactly: the compiler's _Float16 conversion (vcvtph2ps with F16C, libgcc's
+   exact conversion without), as kernels/cpu/int8_rows.h reads its scales. */
 static inline float f16(const uint8_t *p) {
-    uint16_t h;
+    _Float16 h;
     memcpy(&h, p, 2);
-#if QUANT_SIMD && defined(__F16C__)
-    return _cvtsh_ss(h);
-#endif
-    uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 31, man = h & 1023, bits;
-    if (exp == 0) { /* zero or subnormal: exact as a float */
-        float v = ldexpf((float)man, -24);
-        return sign ? -v : v;
-    }
-    if (exp == 31) bits = sign | 0x7f800000u | (man << 13);
-    else bits = sign | ((exp + 112) << 23) | (man << 13);
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
+    return (float)h;
 }
 
 /* One 32-value sub-block of a weight row, unpacked: u = w / s + offset as bytes, its scale per half
