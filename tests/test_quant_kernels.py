@@ -1,6 +1,6 @@
 """The quantized CPU kernels (kernels/cpu/quant.c) against llama.cpp's own Python decoding of the same bytes
-(``gguf.quants.dequantize``) and a float64 matmul, on irregular shapes, in each build (VNNI where the
-CPU has it, plain C, and AVX2 without VNNI)."""
+(``gguf.quants.dequantize``) and a float64 matmul, on irregular shapes, in each build (the machine's best,
+plain C, AVX2 without VNNI and 256-bit AVX-VNNI where the CPU runs them)."""
 
 from __future__ import annotations
 
@@ -28,10 +28,13 @@ def _x_as_kernel_quantizes(x: np.ndarray) -> np.ndarray:
     return (q.astype(np.float64) * scale.astype(np.float64)).reshape(x.shape)
 
 
-# the machine's best build, plain C, and the AVX2 path (kernels/cpu/quant_avx2.h) where the CPU runs it
-BUILDS = {"best": {}, "scalar": {"scalar": True}} | (
-    {"avx2": {"level": "x86-64-v3"}} if "x86-64-v3" in quant.levels_here() else {}
-)
+# the machine's best build, plain C, and the AVX2 path (kernels/cpu/quant_avx2.h) and 256-bit VNNI one where
+# the CPU runs them: random activations, so each build's activation scales (one per 16) are checked
+BUILDS = {"best": {}, "scalar": {"scalar": True}} | {
+    name: {"level": level}
+    for name, level in (("avx2", "x86-64-v3"), ("avx-vnni", "avx-vnni"))
+    if level in quant.levels_here()
+}
 
 
 @pytest.fixture(params=list(BUILDS))
