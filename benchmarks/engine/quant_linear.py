@@ -18,9 +18,9 @@ streamed, and ``vs_f32`` = f32 time / quantized time (> 1: faster than f32).
 (kernels/cpu/quant.py's ``LEVELS``: the AVX2 path of CPUs without VNNI, the plain-C one), alternated
 too: ``Q8_0[x86-64-v3]`` with ``vs_native`` = the native build's time / this build's.
 
-``--base REV`` times the native build of the kernels as they were at git revision ``REV`` beside this
-tree's, alternated the same way: ``Q8_0[base]`` with ``tree_vs_base_time`` = this tree's time / the
-base's (below 1: this tree is the faster), for a change to the kernels that must not slow them.
+``--base REV [REV ...]`` times the native build of the kernels as they were at each git revision beside
+this tree's, alternated the same way: ``Q8_0[REV]`` with ``tree_vs_base_time`` = this tree's time / that
+revision's (below 1: this tree is the faster), for a change to the kernels that must not slow them.
 """
 
 from __future__ import annotations
@@ -114,7 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
     parser.add_argument("--builds", nargs="+", default=["native"], choices=[*cpu_quant.LEVELS, "scalar"])
-    parser.add_argument("--base", help="a git revision whose kernels are timed beside this tree's native build")
+    parser.add_argument(
+        "--base", nargs="+", default=[], help="git revisions whose kernels are timed beside this tree's"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     native = cpu_native.load()
@@ -122,8 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     assert native is not None and None not in libs.values(), "the C kernels do not build here"
     runnable = set(cpu_quant.levels_here()) | {"scalar"}
     assert set(args.builds) <= runnable, f"this CPU runs only {sorted(runnable)}"
-    if args.base:
-        libs["base"] = library_at(args.base)
+    bases = set(args.base)
+    assert not bases & set(libs), f"a revision named as a build: {sorted(bases & set(libs))}"
+    libs |= {revision: library_at(revision) for revision in args.base}
     print(f"# cpu: {cpu_identity()[:80]}... threads {args.threads}, builds {list(libs)}, base {args.base}")
     for name in args.shapes:
         in_features, out_features, copies = SHAPES[name]
@@ -149,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
             for key, (f, b) in keys.items():
                 gbs = sum(part.numel() for part in weights[f][0]) / best[key] / 1e9
                 line.append(f"{key} {best[key] * 1e3:.3f}ms {gbs:.1f}GB/s vs_f32={best['f32'] / best[key]:.2f}")
-                if b == "base" and f in best:
+                if b in bases and f in best:
                     line[-1] += f" tree_vs_base_time={best[f] / best[key]:.2f}"
                 elif b != "native" and f in best:
                     line[-1] += f" vs_native={best[f] / best[key]:.2f}"
