@@ -11,8 +11,9 @@ float32 forward ran it before: its ``vs_f32`` is that change.
 As in a decode step, each timed pass goes over ``copies`` copies of the weight (SmolLM2's 30 layers; one
 for the LM head and the 4096 layer), so the weights come from memory, not a warm cache. The f32 and each
 format are alternated within each repeat (best of ``repeats``), so load from other processes on a shared
-machine falls on all alike. Printed per shape, rows and format: ms per weight, GB/s of weight bytes
-streamed, and ``vs_f32`` = f32 time / quantized time (> 1: faster than f32).
+machine falls on all alike, in a new random order each repeat, so that no system always follows the same
+one. Printed per shape, rows and format: ms per weight, GB/s of weight bytes streamed, and ``vs_f32`` =
+f32 time / quantized time (> 1: faster than f32).
 
 ``--builds native x86-64-v3 scalar`` times other builds of the same kernels beside the machine's own
 (kernels/cpu/quant.py's ``LEVELS``: the AVX2 path of CPUs without VNNI, the plain-C one), alternated
@@ -135,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         formats = [f for f in formats if f != SPLIT or name == "qkv"]
         weights = {f: [_weight(f, out_features, in_features, i) for i in range(copies)] for f in formats}
         keys = {f if b == "native" else f"{f}[{b}]": (f, b) for f in formats for b in libs}
+        shuffle = torch.Generator().manual_seed(0)
         for rows in ROWS:
             x = torch.randn(rows, in_features)
             best = dict.fromkeys(["f32", *keys], float("inf"))
@@ -142,7 +144,12 @@ def main(argv: list[str] | None = None) -> int:
                 runs = {"f32": (lambda w: native.linear(x, w), f32)}
                 for key, (f, b) in keys.items():
                     runs[key] = (lambda w, f=f, lib=libs[b]: _linear(lib, f, x, w, in_features), weights[f])
-                for key, (run, ws) in runs.items():
+                # a new order each repeat: the pass right after f32's ran up to 1.5x slower (the same
+                # library built twice, timed side by side), which a fixed order, or a rotation of it,
+                # charged to the same system every time; the best of the repeats drops it
+                for i in torch.randperm(len(runs), generator=shuffle).tolist():
+                    key = list(runs)[i]
+                    run, ws = runs[key]
                     seconds = _pass_seconds(run, ws)
                     if attempt:
                         best[key] = min(best[key], seconds)
