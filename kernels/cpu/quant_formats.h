@@ -48,12 +48,20 @@ static inline int32_t weight_offset(int t) {
 /* Whether a format has an additive min per sub-block (sub_t.m): the min term of quant.c's sum. */
 static inline int weight_has_min(int t) { return t == T_Q4_1 || t == T_Q4_K || t == T_Q5_1; }
 
-/* The float16 at p as a float, exactly: the compiler's _Float16 conversion (vcvtph2ps with F16C, libgcc's
-   exact conversion without), as kernels/cpu/int8_rows.h reads its scales. */
+/* The float16 at p as a float, exactly: F16C's vcvtph2ps in the SIMD builds, else the compiler's _Float16
+   conversion (libgcc's exact one), as kernels/cpu/int8_rows.h reads its scales. The intrinsic, not the
+   cast, where both exist: with the cast GCC 12 made the one-row Q4_K tiles 1.5x slower (its two f16
+   fields per sub-block; quant_linear --base, the other formats level). */
 static inline float f16(const uint8_t *p) {
+#if QUANT_SIMD && defined(__F16C__)
+    uint16_t bits;
+    memcpy(&bits, p, 2);
+    return _cvtsh_ss(bits);
+#else
     _Float16 h;
     memcpy(&h, p, 2);
     return (float)h;
+#endif
 }
 
 /* One 32-value sub-block of a weight row, unpacked: u = w / s + offset as bytes, its scale per half
