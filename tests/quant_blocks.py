@@ -26,8 +26,9 @@ def random_rows(type_name: str, out_features: int, in_features: int, seed: int =
 
 
 def activation_bound(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """[rows, out]: the most rounding x [rows, in] to int8 blocks of 32 (amax / 127 steps, as the kernels
-    and llama.cpp round activations) can move x @ w.T (w [out, in]): half a step per value times |w|."""
-    amax = np.abs(x.reshape(x.shape[0], -1, 32)).max(axis=2)  # [rows, in / 32]
-    half_step = np.repeat(amax / 254, 32, axis=1)  # [rows, in]
+    """[rows, out]: the most rounding x [rows, in] to int8 blocks of 16 (amax / 127 steps, as the kernels
+    round activations; llama.cpp's blocks are 32) can move x @ w.T (w [out, in]): half a step per value
+    times |w|."""
+    amax = np.abs(x.reshape(x.shape[0], -1, 16)).max(axis=2)  # [rows, in / 16]
+    half_step = np.repeat(amax / 254, 16, axis=1)  # [rows, in]
     return half_step @ np.abs(w).T

@@ -2,7 +2,7 @@
 and every product they make inside the engine is the float product of the file's own weights to within
 what the format's 8-bit activation blocks allow.
 
-The bound, per output: each activation block of 32 is rounded to d * q with d = max|x| / 127, so each
+The bound, per output: each activation block of 16 is rounded to d * q with d = max|x| / 127, so each
 value moves by at most d / 2 = max|x| / 254, and output n moves by at most
 sum over blocks b of (max|x_b| / 254) * sum over i in b of |W[n, i]|, plus float32 rounding of the sums
 (tests/test_quant_kernels.py's allowance). The weights are the file's, decoded by llama.cpp's own

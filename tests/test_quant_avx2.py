@@ -1,7 +1,7 @@
 """The AVX2 integer dot (kernels/cpu/quant_avx2.h) gives the very sums of the VNNI one, built for each
 instruction level this CPU runs (an AVX-512 machine runs the AVX2 and AVX-VNNI builds too).
 
-How the sums are checked bit for bit: activations that are integers with a 127 in every block of 32 are
+How the sums are checked bit for bit: activations that are integers with a 127 in every block of 16 are
 quantized by the kernel at scale 1, exactly; weight scales (and mins) that are powers of two make every
 product and partial sum a float32 that rounds nothing while the sums stay under 2^24 units of the
 smallest power (asserted on the data). Then every build's output equals the float64 reference bit for
@@ -49,10 +49,10 @@ def _exact_rows(type_name: str, out_features: int, in_features: int, seed: int) 
 
 
 def _exact_x(rows: int, in_features: int, seed: int, amplitude: int) -> torch.Tensor:
-    """Integers in [-amplitude, amplitude] with one +-127 per block of 32: the kernel's int8 values as they are."""
+    """Integers in [-amplitude, amplitude] with one +-127 per block of 16: the kernel's int8 values as they are."""
     rng = np.random.default_rng(seed)
     x = rng.integers(-amplitude, amplitude + 1, (rows, in_features)).astype(np.float32)
-    x[:, ::32] = rng.choice([-127.0, 127.0], (rows, in_features // 32))
+    x[:, ::16] = rng.choice([-127.0, 127.0], (rows, in_features // 16))
     return torch.from_numpy(x)
 
 

@@ -1,6 +1,6 @@
 """The quantized CPU kernels (kernels/cpu/quant.c) against llama.cpp's own Python decoding of the same bytes
-(``gguf.quants.dequantize``) and a float64 matmul, on irregular shapes, in each build (VNNI where the
-CPU has it, plain C, and AVX2 without VNNI)."""
+(``gguf.quants.dequantize``) and a float64 matmul, on irregular shapes, in each build (the machine's best,
+plain C, AVX2 without VNNI and 256-bit AVX-VNNI where the CPU runs them)."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ SHAPES = [(1, 256, 17), (3, 512, 33), (17, 1024, 7), (64, 4096, 5), (1, 4096, 12
 
 
 def _x_as_kernel_quantizes(x: np.ndarray) -> np.ndarray:
-    """x with each block of 32 rounded to int8 at scale max|x| / 127, as the kernel quantizes activations."""
-    blocks = x.reshape(x.shape[0], -1, 32).astype(np.float32)
+    """x with each block of 16 rounded to int8 at scale max|x| / 127, as the kernel quantizes activations."""
+    blocks = x.reshape(x.shape[0], -1, 16).astype(np.float32)
     amax = np.abs(blocks).max(axis=2, keepdims=True)
     scale = amax / np.float32(127)
     inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
@@ -28,10 +28,13 @@ def _x_as_kernel_quantizes(x: np.ndarray) -> np.ndarray:
     return (q.astype(np.float64) * scale.astype(np.float64)).reshape(x.shape)
 
 
-# the machine's best build, plain C, and the AVX2 path (kernels/cpu/quant_avx2.h) where the CPU runs it
-BUILDS = {"best": {}, "scalar": {"scalar": True}} | (
-    {"avx2": {"level": "x86-64-v3"}} if "x86-64-v3" in quant.levels_here() else {}
-)
+# the machine's best build, plain C, and the AVX2 path (kernels/cpu/quant_avx2.h) and 256-bit VNNI one where
+# the CPU runs them: random activations, so each build's activation scales (one per 16) are checked
+BUILDS = {"best": {}, "scalar": {"scalar": True}} | {
+    name: {"level": level}
+    for name, level in (("avx2", "x86-64-v3"), ("avx-vnni", "avx-vnni"))
+    if level in quant.levels_here()
+}
 
 
 @pytest.fixture(params=list(BUILDS))
@@ -104,3 +107,15 @@ def test_zero_activations_give_bias(lib):
     bias = torch.arange(9, dtype=torch.float32)
     y = lib.linear("Q4_K", torch.zeros(2, 256), torch.from_numpy(w), 256, bias)
     torch.testing.assert_close(y, bias.expand(2, 9), rtol=0, atol=0)
+
+
+def test_every_float16_scale_decodes_exactly(lib):
+    """quant_formats.h's f16(): all 65,536 bit patterns as Q8_0 block scales times q = 1, against numpy's
+    float16 (subnormals, infinities and NaNs included)."""
+    patterns = np.arange(2**16, dtype=np.uint16)  # one block each: 2,048 rows of 32 blocks
+    blocks = np.zeros((2**16, 34), dtype=np.uint8)
+    blocks[:, :2] = patterns.view(np.uint8).reshape(-1, 2)
+    blocks[:, 2:] = 1
+    rows = torch.from_numpy(blocks.reshape(2048, 32 * 34))
+    got = lib.dequantize("Q8_0", rows, 32 * 32).numpy()[:, ::32].reshape(-1)
+    np.testing.assert_array_equal(got, patterns.view(np.float16).astype(np.float32))

@@ -3,9 +3,9 @@
 pdserve's main columns are its **kernel path**: the engine built as ``pdserve serve --model X.gguf``
 builds it (``engine.llm.build_engine`` through ``LLM``, the function both workers call): Q8_0, Q4_0,
 Q4_1, Q4_K and Q6_K weights stay in their blocks, the LM head too, and activations are rounded to int8
-blocks of 32 as llama.cpp rounds them (kernels/cpu/quant.c; engine/quant/act_blocks.py for the panel
-form). Beside it, as a reference, the **dequantizing path**: the same loader with every weight decoded
-to float32 at load (``gguf_weights.dequantized`` in place of ``weight_for``), activations float32.
+blocks of 16 (llama.cpp rounds them in blocks of 32; kernels/cpu/quant.c; engine/quant/act_blocks.py for
+the panel form). Beside it, as a reference, the **dequantizing path**: the same loader with every weight
+decoded to float32 at load (``gguf_weights.dequantized`` in place of ``weight_for``), activations float32.
 
 For each format (benchmarks/peers/gguf_variants.py makes them from the shipped Q4_1 file):
 - against transformers on the same file dequantized (``from_pretrained(dir, gguf_file=...)``, float32):

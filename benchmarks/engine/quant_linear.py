@@ -11,24 +11,33 @@ float32 forward ran it before: its ``vs_f32`` is that change.
 As in a decode step, each timed pass goes over ``copies`` copies of the weight (SmolLM2's 30 layers; one
 for the LM head and the 4096 layer), so the weights come from memory, not a warm cache. The f32 and each
 format are alternated within each repeat (best of ``repeats``), so load from other processes on a shared
-machine falls on all alike. Printed per shape, rows and format: ms per weight, GB/s of weight bytes
-streamed, and ``vs_f32`` = f32 time / quantized time (> 1: faster than f32).
+machine falls on all alike, in a new random order each repeat, so that no system always follows the same
+one. Printed per shape, rows and format: ms per weight, GB/s of weight bytes streamed, and ``vs_f32`` =
+f32 time / quantized time (> 1: faster than f32).
 
 ``--builds native x86-64-v3 scalar`` times other builds of the same kernels beside the machine's own
 (kernels/cpu/quant.py's ``LEVELS``: the AVX2 path of CPUs without VNNI, the plain-C one), alternated
 too: ``Q8_0[x86-64-v3]`` with ``vs_native`` = the native build's time / this build's.
+
+``--base REV [REV ...]`` times the native build of the kernels as they were at each git revision beside
+this tree's, alternated the same way: ``Q8_0[REV]`` with ``tree_vs_base_time`` = this tree's time / that
+revision's (below 1: this tree is the faster), for a change to the kernels that must not slow them.
 """
 
 from __future__ import annotations
 
 import argparse
+import shutil
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
+from benchmarks.engine.decode_vs_revision import sources_at
 from kernels.cpu import native as cpu_native
 from kernels.cpu import quant as cpu_quant
-from kernels.cpu.build import cpu_identity
+from kernels.cpu.build import Sources, build_library, cpu_identity
 
 SHAPES = {  # name: (in, out, copies)
     "qkv": (576, 960, 30),
@@ -84,6 +93,21 @@ def _linear(lib, type_name: str, x: torch.Tensor, weight: list[torch.Tensor], in
     return y
 
 
+def library_at(revision: str) -> cpu_quant.QuantLibrary:
+    """The quantized kernels (quant.py's SOURCES) from ``revision``'s kernels/cpu files, built natively as
+    the engine builds them."""
+    compiler = shutil.which("cc")
+    assert compiler is not None, "a C compiler builds the kernels"
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = sources_at(revision, Path(tmp))
+        sources = Sources(
+            name=cpu_quant.SOURCES.name,
+            sources=tuple(directory / p.name for p in cpu_quant.SOURCES.sources if (directory / p.name).exists()),
+            headers=tuple(sorted(directory.glob("*.h"))),
+        )
+        return cpu_quant.QuantLibrary(build_library(sources, compiler))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
@@ -91,6 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
     parser.add_argument("--builds", nargs="+", default=["native"], choices=[*cpu_quant.LEVELS, "scalar"])
+    parser.add_argument(
+        "--base", nargs="+", default=[], help="git revisions whose kernels are timed beside this tree's"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     native = cpu_native.load()
@@ -98,14 +125,18 @@ def main(argv: list[str] | None = None) -> int:
     assert native is not None and None not in libs.values(), "the C kernels do not build here"
     runnable = set(cpu_quant.levels_here()) | {"scalar"}
     assert set(args.builds) <= runnable, f"this CPU runs only {sorted(runnable)}"
-    print(f"# cpu: {cpu_identity()[:80]}... threads {args.threads}, builds {args.builds}")
+    bases = set(args.base)
+    assert not bases & set(libs), f"a revision named as a build: {sorted(bases & set(libs))}"
+    libs |= {revision: library_at(revision) for revision in args.base}
+    print(f"# cpu: {cpu_identity()[:80]}... threads {args.threads}, builds {list(libs)}, base {args.base}")
     for name in args.shapes:
         in_features, out_features, copies = SHAPES[name]
         f32 = [native.pack_linear(torch.randn(out_features, in_features)) for _ in range(copies)]
         formats = [f for f in args.formats if not (f.endswith("_K") and in_features % 256)]
         formats = [f for f in formats if f != SPLIT or name == "qkv"]
         weights = {f: [_weight(f, out_features, in_features, i) for i in range(copies)] for f in formats}
-        keys = {f if b == "native" else f"{f}[{b}]": (f, b) for f in formats for b in args.builds}
+        keys = {f if b == "native" else f"{f}[{b}]": (f, b) for f in formats for b in libs}
+        shuffle = torch.Generator().manual_seed(0)
         for rows in ROWS:
             x = torch.randn(rows, in_features)
             best = dict.fromkeys(["f32", *keys], float("inf"))
@@ -113,7 +144,12 @@ def main(argv: list[str] | None = None) -> int:
                 runs = {"f32": (lambda w: native.linear(x, w), f32)}
                 for key, (f, b) in keys.items():
                     runs[key] = (lambda w, f=f, lib=libs[b]: _linear(lib, f, x, w, in_features), weights[f])
-                for key, (run, ws) in runs.items():
+                # a new order each repeat: the pass right after f32's ran up to 1.5x slower (the same
+                # library built twice, timed side by side), which a fixed order, or a rotation of it,
+                # charged to the same system every time; the best of the repeats drops it
+                for i in torch.randperm(len(runs), generator=shuffle).tolist():
+                    key = list(runs)[i]
+                    run, ws = runs[key]
                     seconds = _pass_seconds(run, ws)
                     if attempt:
                         best[key] = min(best[key], seconds)
@@ -123,7 +159,9 @@ def main(argv: list[str] | None = None) -> int:
             for key, (f, b) in keys.items():
                 gbs = sum(part.numel() for part in weights[f][0]) / best[key] / 1e9
                 line.append(f"{key} {best[key] * 1e3:.3f}ms {gbs:.1f}GB/s vs_f32={best['f32'] / best[key]:.2f}")
-                if b != "native" and f in best:
+                if b in bases and f in best:
+                    line[-1] += f" tree_vs_base_time={best[f] / best[key]:.2f}"
+                elif b != "native" and f in best:
                     line[-1] += f" vs_native={best[f] / best[key]:.2f}"
             print(" | ".join(line), flush=True)
     return 0

@@ -1,7 +1,8 @@
 """The activations as the ``int`` form's kernel sees them, for the ``panel`` form (engine/quant/linear.py).
 
-kernels/cpu/quant.c quantizes each row of x to int8 blocks of 32 before its integer dot products (as
-llama.cpp's CPU backend quantizes activations to Q8 blocks at every batch size). The ``panel`` form
+kernels/cpu/quant.c quantizes each row of x to int8 blocks of 16 before its integer dot products (as
+llama.cpp's CPU backend quantizes activations to Q8 blocks at every batch size, but with a float32 scale
+per 16 values rather than its 32: half the activations' rounding error, docs/benchmarks.md). The ``panel`` form
 multiplies a dequantized float32 panel by x; on x itself it would compute a different function, and
 which form a row count takes is timed at start (engine/quant/forms.py): the same prompt on the same
 file then gave different greedy text in two processes whose timings differed (SmolLM2 Q4_1, "What is
@@ -14,15 +15,15 @@ from __future__ import annotations
 
 import torch
 
-BLOCK = 32  # values per activation scale, quant.c's quantize_row
+BLOCK = 16  # values per activation scale, quant.c's quantize_row (ACT_BLOCK in quant_formats.h)
 
 
 def as_int8_blocks(x: torch.Tensor) -> torch.Tensor:
-    """x [rows, in] float32 (in a multiple of 32) with each block of 32 values replaced by d * q, where
+    """x [rows, in] float32 (in a multiple of 16) with each block of 16 values replaced by d * q, where
     d = max|x| / 127 over the block and q = x * (127 / max|x|) rounded half to even (``lrintf``)."""
     assert x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] % BLOCK == 0, (x.dtype, x.shape)
-    blocks = x.reshape(x.shape[0], -1, BLOCK)  # [rows, in / 32, 32]
-    amax = blocks.abs().amax(dim=-1, keepdim=True)  # [rows, in / 32, 1]
+    blocks = x.reshape(x.shape[0], -1, BLOCK)  # [rows, in / 16, 16]
+    amax = blocks.abs().amax(dim=-1, keepdim=True)  # [rows, in / 16, 1]
     limit = torch.full_like(amax, 127.0)
     # tensor by tensor: ``127 / amax`` would be torch's reciprocal times 127, a float away from C's 127 / amax,
     # which moves the rounding of a value that lands on a half (98.5 -> 98 or 99)

@@ -1,17 +1,21 @@
 /* y = x @ W^T on CPU straight from quantized weight rows (GGUF blocks, or per-channel int8), without
-   dequantizing the model: llama.cpp's scheme. Each call quantizes every row of x once to int8 blocks of
-   32 (one float scale per block, the sum of each 16 values kept for the offset and min terms), then
-   each 32-value sub-block of a weight row is unpacked to unsigned bytes u = w + offset and multiplied
-   with the int8 activations as integers:
+   dequantizing the model: llama.cpp's scheme, with finer activation blocks. Each call quantizes every
+   row of x once to int8 blocks of 16 (a float32 scale per 16 values, and their sum), then each 32-value
+   sub-block of a weight row is unpacked to unsigned bytes u = w + offset and multiplied with the int8
+   activations as integers, each half of 16 values apart:
 
-       sum_i w_i x_i = dx * s * (sum_i u_i q_i - offset * sum_i q_i) + dx * m * sum_i q_i
+       sum_i w_i x_i = sum over halves h of  dx_h * s_h * (sum_i u_i q_i - offset * sum_i q_i) + dx_h * m * sum_i q_i
 
-   where s is the sub-block's scale (per 16 values for Q6_K), m its additive min (Q4_1, Q5_1, Q4_K) and dx
-   the activation block's scale. With AVX-512 VNNI and BW/DQ, tiles of weight rows by activation rows
-   at 64 values per vpdpbusd (kernels/cpu/quant_tile512.c); with AVX-VNNI alone one vpdpbusd per 32
-   values, a weight row at a time; with AVX2 alone the same integer sums from vpmaddubsw (quant_avx2.h);
-   otherwise plain C (the PDSERVE_QUANT_SCALAR build, which the tests also build). OpenMP splits the
-   output rows.
+   where s_h is the sub-block's scale (the same for both halves but in Q6_K), m its additive min (Q4_1,
+   Q5_1, Q4_K) and dx_h the half's activation scale. llama.cpp's Q8 activation blocks put 32 values under
+   one scale, whose step the larger max of 32 sets: with 16, the activations' rounding costs about half
+   as much KL divergence from the float model (docs/benchmarks.md, GGUF accuracy).
+
+   With AVX-512 VNNI and BW/DQ, tiles of weight rows by activation rows at 64 values per vpdpbusd
+   (kernels/cpu/quant_tile512.c) and, from 8 activation rows, 16-row panels (quant_panel16.c); with
+   AVX-VNNI alone one vpdpbusd per 32 values, a weight row at a time; with AVX2 alone the same integer
+   sums from vpmaddubsw (quant_avx2.h); otherwise plain C (the PDSERVE_QUANT_SCALAR build, which the
+   tests also build). OpenMP splits the output rows.
 
    Row layouts (bytes per 32 or 256 values), as GGUF stores them and gguf.quants.dequantize reads them:
      Q8_0  (32):  f16 d, int8 q[32]                            w = d q
@@ -31,37 +35,34 @@
 #endif
 #include "quant_formats.h"
 
-/* Row i of x as int8 blocks of 32: q[i*K ..], scale d[i*K/32 ..], sums of each 16 sum16[i*K/16 ..]. */
+/* Row i of x as int8 blocks of 16: q[i*K ..], scale d[i*K/16 ..], sums of each 16 sum16[i*K/16 ..]. */
 static void quantize_row(const float *x, int64_t K, int8_t *q, float *d, int32_t *sum16) {
 #if QUANT_512
     /* The same values 16 at a time: max is exact in any order, x * inv the same product, and vcvtps2dq rounds
        to nearest even as lrintf does. In C, fmaxf stayed a libm call per value: a few microseconds a layer. */
-    for (int64_t b = 0; b < K / 32; b++) {
-        const __m512 lo = _mm512_loadu_ps(x + 32 * b), hi = _mm512_loadu_ps(x + 32 * b + 16);
-        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(hi), _mm512_abs_ps(lo)));
+    for (int64_t b = 0; b < K / ACT_BLOCK; b++) {
+        const __m512 v = _mm512_loadu_ps(x + ACT_BLOCK * b);
+        const float amax = _mm512_reduce_max_ps(_mm512_abs_ps(v));
         const float inv = amax > 0 ? 127 / amax : 0;
         d[b] = amax / 127;
-        const __m512i vlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(inv)));
-        const __m512i vhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(inv)));
-        _mm_storeu_si128((__m128i *)(q + 32 * b), _mm512_cvtepi32_epi8(vlo));
-        _mm_storeu_si128((__m128i *)(q + 32 * b + 16), _mm512_cvtepi32_epi8(vhi));
-        sum16[2 * b] = _mm512_reduce_add_epi32(vlo), sum16[2 * b + 1] = _mm512_reduce_add_epi32(vhi);
+        const __m512i iv = _mm512_cvtps_epi32(_mm512_mul_ps(v, _mm512_set1_ps(inv)));
+        _mm_storeu_si128((__m128i *)(q + ACT_BLOCK * b), _mm512_cvtepi32_epi8(iv));
+        sum16[b] = _mm512_reduce_add_epi32(iv);
     }
 #else
-    for (int64_t b = 0; b < K / 32; b++) {
-        const float *xb = x + 32 * b;
+    for (int64_t b = 0; b < K / ACT_BLOCK; b++) {
+        const float *xb = x + ACT_BLOCK * b;
         float amax = 0;
-        for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(xb[i]));
+        for (int i = 0; i < ACT_BLOCK; i++) amax = fmaxf(amax, fabsf(xb[i]));
         const float scale = amax / 127, inv = amax > 0 ? 127 / amax : 0;
         d[b] = scale;
-        int32_t lo = 0, hi = 0;
-        for (int i = 0; i < 32; i++) {
+        int32_t sum = 0;
+        for (int i = 0; i < ACT_BLOCK; i++) {
             int v = (int)lrintf(xb[i] * inv);
-            q[32 * b + i] = (int8_t)v;
-            if (i < 16) lo += v;
-            else hi += v;
+            q[ACT_BLOCK * b + i] = (int8_t)v;
+            sum += v;
         }
-        sum16[2 * b] = lo, sum16[2 * b + 1] = hi;
+        sum16[b] = sum;
     }
 #endif
 }
@@ -88,20 +89,21 @@ static void dot_rows(int t, const uint8_t *row, int64_t K, int R, const int8_t *
         unpack(t, row, b, &s, 1);
 #endif
         for (int r = 0; r < R; r++) {
-            const float dx = d[r * nb + b];
+            /* each half of the sub-block has its own activation scale: values 0..15 and 16..31 */
+            const float dlo = d[r * 2 * nb + 2 * b], dhi = d[r * 2 * nb + 2 * b + 1];
             const int32_t lo = sum16[r * 2 * nb + 2 * b], hi = sum16[r * 2 * nb + 2 * b + 1];
             const int8_t *xq = q + r * K + 32 * b;
-            rest[r] += dx * (s.m * (float)(lo + hi) - s.off * (s.s_lo * lo + s.s_hi * hi));
+            rest[r] += s.m * (dlo * (float)lo + dhi * (float)hi) - s.off * (dlo * s.s_lo * lo + dhi * s.s_hi * hi);
 #if QUANT_SIMD
             const __m256i dot = dot_u8s8(t, u, _mm256_loadu_si256((const __m256i *)xq));
             /* lanes 0..3 hold values 0..15, lanes 4..7 values 16..31 */
-            const __m256 scale = _mm256_set_m128(_mm_set1_ps(dx * s.s_hi), _mm_set1_ps(dx * s.s_lo));
+            const __m256 scale = _mm256_set_m128(_mm_set1_ps(dhi * s.s_hi), _mm_set1_ps(dlo * s.s_lo));
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[r]);
 #else
-            int32_t dlo = 0, dhi = 0;
-            for (int i = 0; i < 16; i++) dlo += (int32_t)s.u[i] * xq[i];
-            for (int i = 16; i < 32; i++) dhi += (int32_t)s.u[i] * xq[i];
-            rest[r] += dx * (s.s_lo * (float)dlo + s.s_hi * (float)dhi);
+            int32_t ulo = 0, uhi = 0;
+            for (int i = 0; i < 16; i++) ulo += (int32_t)s.u[i] * xq[i];
+            for (int i = 16; i < 32; i++) uhi += (int32_t)s.u[i] * xq[i];
+            rest[r] += dlo * s.s_lo * (float)ulo + dhi * s.s_hi * (float)uhi;
 #endif
         }
     }
@@ -134,17 +136,17 @@ void quant16_rows(int t, const int8_t *q, const float *d, const int32_t *sum16, 
 /* Row i of x quantized into the scratch's q, d, sum16 and (the 512-bit tiles) lanes. */
 static void quantize_lanes(int t, const float *x, int64_t i, int64_t K, int8_t *q, float *d, int32_t *sum16,
                            uint8_t *lanes) {
-    quantize_row(x + i * K, K, q + i * K, d + i * (K / 32), sum16 + i * (K / 16));
+    quantize_row(x + i * K, K, q + i * K, d + i * (K / ACT_BLOCK), sum16 + i * (K / 16));
 #if QUANT_512
-    quant512_lanes(t, q + i * K, d + i * (K / 32), K, lanes + i * quant512_lane_bytes(K));
+    quant512_lanes(t, q + i * K, d + i * (K / ACT_BLOCK), K, lanes + i * quant512_lane_bytes(K));
 #else
     (void)t, (void)lanes;
 #endif
 }
 
 /* Bytes of scratch pdserve_quant_linear needs for `rows` rows of K values: their int8 values, block
-   scales, sums of 16 and (the 512-bit tiles) lanes of 3 K bytes. */
-int64_t pdserve_quant_scratch_bytes(int64_t rows, int64_t K) { return rows * (K + K / 8 + K / 4 + 3 * K); }
+   scales (float per 16), sums of 16 and (the 512-bit tiles) lanes of 3 K bytes. */
+int64_t pdserve_quant_scratch_bytes(int64_t rows, int64_t K) { return rows * (K + K / 4 + K / 4 + 3 * K); }
 
 /* The body of pdserve_quant_linear for every thread of an enclosing team (its worksharing binds to that
    team's region): kernels/cpu/decode_step_team.c runs a decode step's projections this way in one region.
@@ -158,8 +160,8 @@ void pdserve_quant_linear_team_into(int t, const float *x, int64_t rows, int64_t
                                     int own_scratch) {
     int8_t *q = (int8_t *)scratch;
     float *d = (float *)(scratch + rows * K);
-    int32_t *sum16 = (int32_t *)(scratch + rows * K + rows * (K / 32) * 4);
-    uint8_t *lanes = scratch + rows * (K + K / 8 + K / 4);
+    int32_t *sum16 = (int32_t *)(scratch + rows * K + rows * (K / ACT_BLOCK) * 4);
+    uint8_t *lanes = scratch + rows * (K + K / 4 + K / 4);
     if (own_scratch) {
         for (int64_t i = 0; i < rows; i++) quantize_lanes(t, x, i, K, q, d, sum16, lanes);
     } else {
@@ -178,7 +180,7 @@ void pdserve_quant_linear_team_into(int t, const float *x, int64_t rows, int64_t
         for (int64_t i = 0; i < rows; i++) y[i * ldy + n] = bias ? bias[n] : 0;
         for (int64_t i = 0; i < rows; i += ROWS_AT_ONCE) {
             const int R = rows - i < ROWS_AT_ONCE ? (int)(rows - i) : ROWS_AT_ONCE;
-            dot_rows(t, row, K, R, q + i * K, d + i * (K / 32), sum16 + i * (K / 16), y + i * ldy + n, ldy);
+            dot_rows(t, row, K, R, q + i * K, d + i * (K / ACT_BLOCK), sum16 + i * (K / 16), y + i * ldy + n, ldy);
         }
     }
 #endif

@@ -5,7 +5,6 @@
 #define PDSERVE_QUANT_FORMATS_H
 #include <stdint.h>
 #include <string.h>
-#include <math.h>
 #if !defined(PDSERVE_QUANT_SCALAR) && ((defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__))
 #include <immintrin.h>
 #define QUANT_VNNI 1
@@ -27,6 +26,11 @@
 #define QUANT_512 0
 #endif
 
+/* Activation values per int8 scale (quant.c's quantize_row): half a weight sub-block of 32, so each form
+   applies two activation scales per sub-block, as it applies Q6_K's two weight scales. Rounding in blocks
+   of 16 rather than llama.cpp's 32 halves the activations' share of the error (docs/benchmarks.md). */
+#define ACT_BLOCK 16
+
 enum { T_Q8_0 = 0, T_Q4_0 = 1, T_Q4_1 = 2, T_Q4_K = 3, T_Q6_K = 4, T_I8 = 5, T_Q5_0 = 6, T_Q5_1 = 7 };
 
 /* What unpack() adds to a format's values to make them unsigned bytes (u = w / s + offset). */
@@ -44,22 +48,20 @@ static inline int32_t weight_offset(int t) {
 /* Whether a format has an additive min per sub-block (sub_t.m): the min term of quant.c's sum. */
 static inline int weight_has_min(int t) { return t == T_Q4_1 || t == T_Q4_K || t == T_Q5_1; }
 
+/* The float16 at p as a float, exactly: F16C's vcvtph2ps in the SIMD builds, else the compiler's _Float16
+   conversion (libgcc's exact one), as kernels/cpu/int8_rows.h reads its scales. The intrinsic, not the
+   cast, where both exist: with the cast GCC 12 made the one-row Q4_K tiles 1.5x slower (its two f16
+   fields per sub-block; quant_linear --base, the other formats level). */
 static inline float f16(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
 #if QUANT_SIMD && defined(__F16C__)
-    return _cvtsh_ss(h);
+    uint16_t bits;
+    memcpy(&bits, p, 2);
+    return _cvtsh_ss(bits);
+#else
+    _Float16 h;
+    memcpy(&h, p, 2);
+    return (float)h;
 #endif
-    uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 31, man = h & 1023, bits;
-    if (exp == 0) { /* zero or subnormal: exact as a float */
-        float v = ldexpf((float)man, -24);
-        return sign ? -v : v;
-    }
-    if (exp == 31) bits = sign | 0x7f800000u | (man << 13);
-    else bits = sign | ((exp + 112) << 23) | (man << 13);
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
 }
 
 /* One 32-value sub-block of a weight row, unpacked: u = w / s + offset as bytes, its scale per half

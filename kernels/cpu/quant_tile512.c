@@ -10,7 +10,7 @@
    vpdpbusd (4 values each) when the activations are quantized, once per call, so the inner step is one
    vpdpbusd, one convert and two or three float ops:
      corr[g] = -offset * sum of the 4 int8 activations of group g   (vpdpbusd starts from it: exact)
-     xs[g]   = the activation block's scale dx
+     xs[g]   = the scale dx of the activation block of 16 it is in
      xsum[g] = dx * sum of those 4 activations                      (the min term, Q4_1/Q5_1/Q4_K)
    and the weight side as lanes too (ws: the sub-block's scale for lanes 0-3 and 4-7, per 16 values for
    Q6_K; wm: its min, Q4_1/Q5_1/Q4_K), so  acc += float(dot + corr) * ws * xs + wm * xsum. */
@@ -33,25 +33,27 @@
 /* Bytes of lanes one activation row of K values takes (xs, corr, xsum: K/4 entries of 4 bytes each). */
 int64_t quant512_lane_bytes(int64_t K) { return 3 * K; }
 
-/* The lanes of one activation row for type t, from its int8 values q and block scales d. */
+/* The lanes of one activation row for type t, from its int8 values q and block scales d (one per 16 values,
+   so per 4 lanes). */
 void quant512_lanes(int t, const int8_t *q, const float *d, int64_t K, uint8_t *lanes) {
     float *xs = (float *)lanes, *xsum = xs + K / 4;
     int32_t *corr = (int32_t *)(xsum + K / 4);
     const int32_t offset = weight_offset(t);
-    /* 64 values (16 groups, two blocks) a step: a group's sum is vpdpbusd of ones with its 4 values, exact */
-    const __m512i ones = _mm512_set1_epi8(1);
+    /* 64 values (16 groups, four activation blocks) a step: a group's sum is vpdpbusd of ones with its 4
+       values, exact; each block's scale spread over its 4 lanes */
+    const __m512i ones = _mm512_set1_epi8(1), spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
     int64_t g = 0;
     for (; g + 16 <= K / 4; g += 16) {
         const __m512i s4 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, _mm512_loadu_si512(q + 4 * g));
-        const __m512 dx = _mm512_insertf32x8(_mm512_set1_ps(d[g / 8]), _mm256_set1_ps(d[g / 8 + 1]), 1);
+        const __m512 dx = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_loadu_ps(d + g / 4)));
         _mm512_storeu_ps(xs + g, dx);
         _mm512_storeu_ps(xsum + g, _mm512_mul_ps(dx, _mm512_cvtepi32_ps(s4)));
         _mm512_storeu_si512(corr + g, _mm512_mullo_epi32(s4, _mm512_set1_epi32(-offset)));
     }
-    for (; g < K / 4; g++) { /* an odd count of blocks: the last one */
+    for (; g < K / 4; g++) { /* an odd count of 32-value blocks: the last one */
         const int32_t s4 = q[4 * g] + q[4 * g + 1] + q[4 * g + 2] + q[4 * g + 3];
-        xs[g] = d[g / 8];
-        xsum[g] = d[g / 8] * (float)s4;
+        xs[g] = d[g / 4];
+        xsum[g] = d[g / 4] * (float)s4;
         corr[g] = -offset * s4;
     }
 }
