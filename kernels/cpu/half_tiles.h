@@ -29,6 +29,9 @@ enum { HALF_BF16 = 8, HALF_F16 = 9, HALF_BF16_ONCE = 10 /* x rounded to bf16 onc
 #endif
 
 #define HALF_TW 4 /* weight rows per tile */
+/* the tiles' loops over their constant bounds unrolled outright, so the accumulators live in registers (with
+   the loops left rolled GCC 12 kept them in memory, a store after every vdpbf16ps) */
+#define UNROLL _Pragma("GCC unroll 4")
 #define HALF_TX 4 /* activation rows per tile */
 /* Prefetch distance along the weight stream: at one row of x the stream is the whole cost, and a core
    needs ~12 KB of reads in flight to reach DRAM's bandwidth on Zen 5 (quant_tile512.c measured it). */
@@ -69,43 +72,78 @@ static inline __attribute__((always_inline)) __m512 half_widen16(int t, const ui
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
-static inline __attribute__((always_inline)) void half_tile_at(int t, int nx, const uint16_t *const *w,
+/* F16, and BF16 without vdpbf16ps: each weight vector widened to float32 once for the tile's rows of x */
+static inline __attribute__((always_inline)) void half_tile_fma(int t, int nx, const uint16_t *const *w,
+                                                                const half_x *x, int64_t K,
+                                                                float out[HALF_TW][HALF_TX]) {
+    __m512 acc[HALF_TW][HALF_TX];
+    UNROLL for (int n = 0; n < HALF_TW; n++) UNROLL for (int r = 0; r < nx; r++) acc[n][r] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) {
+        const int64_t left = K - k;
+        const __mmask16 m = left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1);
+        __m512 wv[HALF_TW];
+        UNROLL for (int n = 0; n < HALF_TW; n++) {
+            if (k % 32 == 0) _mm_prefetch((const char *)(w[n] + k) + HALF_AHEAD, _MM_HINT_T0); /* a line per 32 */
+            wv[n] = half_widen16(t, w[n] + k, m);
+        }
+        UNROLL for (int r = 0; r < nx; r++) {
+            const __m512 xv = _mm512_maskz_loadu_ps(m, (t == HALF_F16 ? x[r].x : x[r].xr) + k);
+            UNROLL for (int n = 0; n < HALF_TW; n++) acc[n][r] = _mm512_fmadd_ps(wv[n], xv, acc[n][r]);
+        }
+    }
+    UNROLL for (int n = 0; n < HALF_TW; n++) UNROLL for (int r = 0; r < nx; r++) {
+        out[n][r] = _mm512_reduce_add_ps(acc[n][r]);
+    }
+}
+
+#if HALF_PATH == 3
+/* BF16 by vdpbf16ps, 32 products an instruction. At up to 2 rows of x the lo half goes to accumulators of
+   its own (apart): there are only HALF_TW * nx sums, and chains of two dependent vdpbf16ps a step would
+   bound the stream by their latency; at more rows the sums are chains enough, and twice the accumulators
+   would not fit the 32 registers. */
+static inline __attribute__((always_inline)) void half_tile_dp(int t, int nx, const uint16_t *const *w,
                                                                const half_x *x, int64_t K,
                                                                float out[HALF_TW][HALF_TX]) {
-    __m512 acc[HALF_TW][HALF_TX];
-    for (int n = 0; n < HALF_TW; n++)
-        for (int r = 0; r < nx; r++) acc[n][r] = _mm512_setzero_ps();
+    const int apart = t == HALF_BF16 && nx <= 2;
+    __m512 acc[HALF_TW][HALF_TX], low[HALF_TW][HALF_TX];
+    UNROLL for (int n = 0; n < HALF_TW; n++) UNROLL for (int r = 0; r < nx; r++) {
+        acc[n][r] = low[n][r] = _mm512_setzero_ps();
+    }
     for (int64_t k = 0; k < K; k += 32) { /* 32 values: 64 bytes, one cache line, of each weight row */
         const int64_t left = K - k;
-        for (int n = 0; n < HALF_TW; n++) _mm_prefetch((const char *)(w[n] + k) + HALF_AHEAD, _MM_HINT_T0);
-#if HALF_PATH == 3
-        if (t != HALF_F16) {
-            const __mmask32 m = left >= 32 ? 0xffffffffu : (1u << left) - 1;
-            __m512bh wv[HALF_TW];
-            for (int n = 0; n < HALF_TW; n++) wv[n] = (__m512bh)_mm512_maskz_loadu_epi16(m, w[n] + k);
-            for (int r = 0; r < nx; r++) {
-                const __m512bh hi = (__m512bh)_mm512_maskz_loadu_epi16(m, x[r].hi + k);
-                for (int n = 0; n < HALF_TW; n++) acc[n][r] = _mm512_dpbf16_ps(acc[n][r], wv[n], hi);
-                if (t == HALF_BF16) {
-                    const __m512bh lo = (__m512bh)_mm512_maskz_loadu_epi16(m, x[r].lo + k);
-                    for (int n = 0; n < HALF_TW; n++) acc[n][r] = _mm512_dpbf16_ps(acc[n][r], wv[n], lo);
-                }
-            }
-            continue;
+        const __mmask32 m = left >= 32 ? 0xffffffffu : (1u << left) - 1;
+        __m512bh wv[HALF_TW];
+        UNROLL for (int n = 0; n < HALF_TW; n++) {
+            _mm_prefetch((const char *)(w[n] + k) + HALF_AHEAD, _MM_HINT_T0);
+            wv[n] = (__m512bh)_mm512_maskz_loadu_epi16(m, w[n] + k);
         }
-#endif
-        for (int64_t h = 0; h < 32 && h < left; h += 16) {
-            const __mmask16 m = left - h >= 16 ? 0xffff : (__mmask16)((1u << (left - h)) - 1);
-            __m512 wv[HALF_TW];
-            for (int n = 0; n < HALF_TW; n++) wv[n] = half_widen16(t, w[n] + k + h, m);
-            for (int r = 0; r < nx; r++) {
-                const __m512 xv = _mm512_maskz_loadu_ps(m, (t == HALF_F16 ? x[r].x : x[r].xr) + k + h);
-                for (int n = 0; n < HALF_TW; n++) acc[n][r] = _mm512_fmadd_ps(wv[n], xv, acc[n][r]);
+        UNROLL for (int r = 0; r < nx; r++) {
+            const __m512bh hi = (__m512bh)_mm512_maskz_loadu_epi16(m, x[r].hi + k);
+            UNROLL for (int n = 0; n < HALF_TW; n++) acc[n][r] = _mm512_dpbf16_ps(acc[n][r], wv[n], hi);
+            if (t != HALF_BF16) continue;
+            const __m512bh lo = (__m512bh)_mm512_maskz_loadu_epi16(m, x[r].lo + k);
+            UNROLL for (int n = 0; n < HALF_TW; n++) {
+                if (apart) low[n][r] = _mm512_dpbf16_ps(low[n][r], wv[n], lo);
+                else acc[n][r] = _mm512_dpbf16_ps(acc[n][r], wv[n], lo);
             }
         }
     }
-    for (int n = 0; n < HALF_TW; n++)
-        for (int r = 0; r < nx; r++) out[n][r] = _mm512_reduce_add_ps(acc[n][r]);
+    UNROLL for (int n = 0; n < HALF_TW; n++) UNROLL for (int r = 0; r < nx; r++) {
+        out[n][r] = _mm512_reduce_add_ps(apart ? _mm512_add_ps(acc[n][r], low[n][r]) : acc[n][r]);
+    }
+}
+#endif
+
+static inline __attribute__((always_inline)) void half_tile_at(int t, int nx, const uint16_t *const *w,
+                                                               const half_x *x, int64_t K,
+                                                               float out[HALF_TW][HALF_TX]) {
+#if HALF_PATH == 3
+    if (t != HALF_F16) {
+        half_tile_dp(t, nx, w, x, K, out);
+        return;
+    }
+#endif
+    half_tile_fma(t, nx, w, x, K, out);
 }
 #elif HALF_PATH == 1
 static inline __attribute__((always_inline)) __m256 half_widen8(int t, const uint16_t *p) {
@@ -118,32 +156,31 @@ static inline __attribute__((always_inline)) void half_tile_at(int t, int nx, co
                                                                const half_x *x, int64_t K,
                                                                float out[HALF_TW][HALF_TX]) {
     __m256 acc[HALF_TW][HALF_TX];
-    for (int n = 0; n < HALF_TW; n++)
-        for (int r = 0; r < nx; r++) acc[n][r] = _mm256_setzero_ps();
+    UNROLL for (int n = 0; n < HALF_TW; n++) UNROLL for (int r = 0; r < nx; r++) acc[n][r] = _mm256_setzero_ps();
     int64_t k = 0;
     for (; k + 8 <= K; k += 8) {
-        if (k % 32 == 0)
-            for (int n = 0; n < HALF_TW; n++) _mm_prefetch((const char *)(w[n] + k) + HALF_AHEAD, _MM_HINT_T0);
         __m256 wv[HALF_TW];
-        for (int n = 0; n < HALF_TW; n++) wv[n] = half_widen8(t, w[n] + k);
-        for (int r = 0; r < nx; r++) {
+        UNROLL for (int n = 0; n < HALF_TW; n++) {
+            if (k % 32 == 0) _mm_prefetch((const char *)(w[n] + k) + HALF_AHEAD, _MM_HINT_T0); /* a line per 32 */
+            wv[n] = half_widen8(t, w[n] + k);
+        }
+        UNROLL for (int r = 0; r < nx; r++) {
             const __m256 xv = _mm256_loadu_ps((t == HALF_F16 ? x[r].x : x[r].xr) + k);
-            for (int n = 0; n < HALF_TW; n++) acc[n][r] = _mm256_fmadd_ps(wv[n], xv, acc[n][r]);
+            UNROLL for (int n = 0; n < HALF_TW; n++) acc[n][r] = _mm256_fmadd_ps(wv[n], xv, acc[n][r]);
         }
     }
-    for (int n = 0; n < HALF_TW; n++)
-        for (int r = 0; r < nx; r++) {
-            __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc[n][r]), _mm256_extractf128_ps(acc[n][r], 1));
-            s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-            float sum = _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-            for (int64_t j = k; j < K; j++) { /* the row's last K % 8 values */
-                uint32_t u = (uint32_t)w[n][j] << 16;
-                float wf;
-                memcpy(&wf, &u, 4);
-                sum += (t == HALF_F16 ? half_f16_to_f32(w[n][j]) * x[r].x[j] : wf * x[r].xr[j]);
-            }
-            out[n][r] = sum;
+    UNROLL for (int n = 0; n < HALF_TW; n++) UNROLL for (int r = 0; r < nx; r++) {
+        __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc[n][r]), _mm256_extractf128_ps(acc[n][r], 1));
+        s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        float sum = _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+        for (int64_t j = k; j < K; j++) { /* the row's last K % 8 values */
+            uint32_t u = (uint32_t)w[n][j] << 16;
+            float wf;
+            memcpy(&wf, &u, 4);
+            sum += t == HALF_F16 ? half_f16_to_f32(w[n][j]) * x[r].x[j] : wf * x[r].xr[j];
         }
+        out[n][r] = sum;
+    }
 }
 #endif
 
