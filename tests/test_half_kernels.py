@@ -73,14 +73,15 @@ def test_exact_on_integer_data(lib, type_name, in_features, out_features):
     g = torch.Generator().manual_seed(in_features * 31 + out_features)
     w16 = torch.randint(-8, 9, (out_features, in_features), generator=g).to(_dtype(type_name))
     # x = an integer below 128 plus sixteenths: 11 significant bits, so BF16's hi and lo both carry some
-    x = (torch.randint(-127 * 16, 127 * 16 + 1, (19, in_features), generator=g) / 16).float()
+    x = (torch.randint(-127 * 16, 127 * 16 + 1, (131, in_features), generator=g) / 16).float()
     bias = torch.randint(-64, 65, (out_features,), generator=g).float()
     hi, lo = split_bf16(x)
     if type_name == "BF16":
         assert torch.equal(hi + lo, x.double()) and (lo != 0).any(), "the data must use both halves, exactly"
     expect, size, _ = reference(type_name, w16, x, bias)
     assert size.max() < 2**24 / 16, "every partial sum must be a float32 multiple of 1/16 that rounds nothing"
-    for rows in (1, 2, 3, 4, 5, 8, 16, 19):  # every tail of a 4-row activation tile
+    # every tail of a 4-row activation tile, and past half.c's blocks of 64 rows (131: two and a 3-row tail)
+    for rows in (1, 2, 3, 4, 5, 8, 16, 19, 64, 65, 131):
         got = run(lib, type_name, w16, x[:rows], bias)
         assert torch.equal(got.double(), expect[:rows]), (lib.instructions, rows)
 

@@ -75,9 +75,17 @@ static void dot_tile(int t, int nw, int nx, const uint16_t *const *w, const half
 #endif
 }
 
-/* y[:, n] for the output rows [begin, end): tiles of HALF_TW weight rows by groups of x's rows. */
-static void span(int t, const float *x, const uint8_t *scratch, int64_t rows, int64_t K, const uint8_t *w,
-                 int64_t begin, int64_t end, int64_t row_bytes, const float *bias, float *y, int64_t ldy) {
+/* Rows of x a weight tile meets before the next tile: their bf16 halves (4 bytes a value) stay in L2 while
+   the thread's run of weight rows streams past them once per block. Unblocked, a 256-token prefill chunk's
+   halves (590 KB at K 576, 1.5 MB at 1536) left L2 between tiles: 3072x576 at 256 rows ran at 50 GMAC/s
+   on one Zen 5 core against 90 at 64 rows. */
+#define HALF_ROW_BLOCK 64
+
+/* y[i_begin:i_end, begin:end] for the output rows [begin, end) and rows [i_begin, i_end) of x: tiles of
+   HALF_TW weight rows by groups of x's rows. scratch holds all `rows` rows' halves. */
+static void span_block(int t, const float *x, const uint8_t *scratch, int64_t rows, int64_t i_begin, int64_t i_end,
+                       int64_t K, const uint8_t *w, int64_t begin, int64_t end, int64_t row_bytes, const float *bias,
+                       float *y, int64_t ldy) {
     const uint16_t *hi = (const uint16_t *)scratch, *lo = hi + rows * K;
     const float *xr = (const float *)(lo + rows * K);
 #if HALF_PATH
@@ -89,8 +97,8 @@ static void span(int t, const float *x, const uint8_t *scratch, int64_t rows, in
         const int nw = end - n0 < HALF_TW ? (int)(end - n0) : HALF_TW;
         const uint16_t *wr[HALF_TW];
         for (int n = 0; n < HALF_TW; n++) wr[n] = (const uint16_t *)(w + (n0 + (n < nw ? n : 0)) * row_bytes);
-        for (int64_t i0 = 0; i0 < rows;) {
-            const int nx = rows - i0 >= HALF_TX ? HALF_TX : (int)(rows - i0);
+        for (int64_t i0 = i_begin; i0 < i_end;) {
+            const int nx = i_end - i0 >= HALF_TX ? HALF_TX : (int)(i_end - i0);
             half_x xs[HALF_TX];
             for (int r = 0; r < nx; r++) {
                 const int64_t i = i0 + r;
@@ -103,6 +111,15 @@ static void span(int t, const float *x, const uint8_t *scratch, int64_t rows, in
             i0 += nx;
         }
     }
+}
+
+/* y[:, n] for the output rows [begin, end): tiles of HALF_TW weight rows by groups of x's rows, a block
+   of x's rows at a time. */
+static void span(int t, const float *x, const uint8_t *scratch, int64_t rows, int64_t K, const uint8_t *w,
+                 int64_t begin, int64_t end, int64_t row_bytes, const float *bias, float *y, int64_t ldy) {
+    for (int64_t i = 0; i < rows; i += HALF_ROW_BLOCK)
+        span_block(t, x, scratch, rows, i, i + HALF_ROW_BLOCK < rows ? i + HALF_ROW_BLOCK : rows, K, w, begin, end,
+                   row_bytes, bias, y, ldy);
 }
 
 /* The body of pdserve_half_linear_into for every thread of an enclosing team, as quant.c's
