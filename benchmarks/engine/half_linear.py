@@ -7,7 +7,7 @@ down 576x1536) and its 49152x576 LM head at each row count, the forms alternated
 best of ``--repeats`` passes each. Accuracy: each form's relative error against float64 with x exact,
 on the layer shapes, x and W as a trained model's (x ~ N(0, 1), W ~ N(0, 0.02)).
 
-    python -m benchmarks.engine.half_linear [--rows 1,4,16,64] [--repeats 5]
+    python -m benchmarks.engine.half_linear [--rows 1,4,16,64,256] [--repeats 5] [--threads N]
 """
 
 from __future__ import annotations
@@ -80,9 +80,11 @@ def accuracy() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.engine.half_linear", description=__doc__)
-    p.add_argument("--rows", default="1,4,16,64")
+    p.add_argument("--rows", default="1,4,16,64,256")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
     accuracy()
     speed([int(r) for r in args.rows.split(",")], args.repeats)
     return 0
