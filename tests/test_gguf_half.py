@@ -16,6 +16,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from engine.llm import LLM
+from engine.model.loader import load_model
 from engine.quant.apply import PROJECTIONS, dequantize, quantized_modules
 from engine.sampling.params import SamplingParams
 from kernels.cpu.half import HalfLibrary
@@ -47,10 +48,11 @@ def test_16_bit_file_runs_its_own_rows_and_greedy_equals_the_dequantized(family,
     modules = quantized_modules(model)
     assert len(modules) == 4 * layers + 1 and model.quantized_head in modules
     assert {m.qweight.type_name for m in modules} == {qtype} and all(isinstance(m.lib, HalfLibrary) for m in modules)
-    # 2 bytes a weight, and exactly the file's values (the dequantizing path's float32 weights)
+    # 2 bytes a weight, and exactly the file's values (the dequantizing loader's float32 weights, before an
+    # engine's timed forms may keep only the C linear's copy of them)
     with dequantizing():
+        plain_model = load_model(gguf_file)[0]
         plain = LLM(str(gguf_file), kv_cache_memory_mb=8)
-    plain_model = plain.engine.runner.model
     for layer, plain_layer in zip(model.layers, plain_model.layers):
         for path in PROJECTIONS:
             record = layer.get_submodule(path).qweight
@@ -82,3 +84,22 @@ def test_served_bf16_file_answers_the_dequantized_paths_text(tmp_path: Path) -> 
     assert answer.status_code == 200, answer.text
     assert answer.json()["choices"][0]["text"] == expected and answer.json()["usage"]["completion_tokens"] == 12
     assert any("BF16 x" in line and "kept quantized" in line for line in serve.log), "".join(serve.log[-30:])
+
+
+@pytest.mark.parametrize("qtype", ("BF16", "F16"))
+def test_panel_form_computes_the_kernels_function(qtype) -> None:
+    """The ``panel`` form (float32 panel, torch's matmul) multiplies x as the kernel reads it (kernel_inputs.py):
+    the two forms differ by float32 sum order only, so the timed pick per row count never moves a token."""
+    from engine.quant.linear import quantized_linear
+    from engine.quant.weight import QuantizedWeight
+    from kernels.cpu import half
+    from tests.test_half_kernels import U, reference
+
+    g = torch.Generator().manual_seed(3)
+    w16 = (torch.randn(37, 576, generator=g) * 0.05).to(torch.bfloat16 if qtype == "BF16" else torch.float16)
+    weight = QuantizedWeight(qtype, w16.view(torch.uint8).contiguous(), 576)
+    bias, x = torch.randn(37, generator=g), torch.randn(70, 576, generator=g) * 3
+    expect, size, n = reference(qtype, w16, x, bias)
+    for form in ("int", "panel"):
+        got = quantized_linear(x, weight, half.load(), form, bias).double()
+        assert ((got - expect).abs() <= n * U / (1 - n * U) * size).all(), form
