@@ -28,6 +28,10 @@ def test_plan_pairs_pdserve_and_llama_on_the_same_file():
             ("llama-q4", "q4_1", True),
             ("coloc-q4km", "q4_k_m", False),
             ("llama-q4km", "q4_k_m", True),
+            ("coloc-bf16", "bf16", False),
+            ("llama-bf16", "bf16", True),
+            ("coloc-f16", "f16", False),
+            ("llama-f16", "f16", True),
         ]
         for spec in gguf:
             assert spec.workloads == ("streams",) and spec.stream_levels == (1, 16)
@@ -48,6 +52,8 @@ def test_gguf_headlines_from_known_runs():
         _stream("llama-q4", 16, 70.0, 0.100, 9.0),  # pdserve's q4 run at 16 is missing: nan
         _stream("coloc-q4km", 1, 45.0, 0.020, 0.05),
         _stream("llama-q4km", 1, 30.0, 0.030, 0.05),
+        _stream("coloc-bf16", 16, 200.0, 0.040, 3.0),
+        _stream("llama-bf16", 16, 100.0, 0.080, 6.0),
     ]
     ratios, latency = gguf_headlines(report)
     assert list(ratios) == [
@@ -57,10 +63,16 @@ def test_gguf_headlines_from_known_runs():
         "vs_llama_q4_16",
         "vs_llama_q4km_1",
         "vs_llama_q4km_16",
+        "vs_llama_bf16_1",
+        "vs_llama_bf16_16",
+        "vs_llama_f16_1",
+        "vs_llama_f16_16",
     ]
     assert ratios["vs_llama_q8_1"] == 60.0 / 50.0 and ratios["vs_llama_q8_16"] == 300.0 / 150.0
     assert ratios["vs_llama_q4_1"] == 40.0 / 50.0 and math.isnan(ratios["vs_llama_q4_16"])
     assert ratios["vs_llama_q4km_1"] == 45.0 / 30.0 and math.isnan(ratios["vs_llama_q4km_16"])  # no run at 16
+    assert ratios["vs_llama_bf16_16"] == 200.0 / 100.0 and math.isnan(ratios["vs_llama_bf16_1"])
+    assert math.isclose(latency["ttft_p99_vs_llama_bf16_16"], 2.0) and math.isnan(latency["vs_llama_bf16_1_itl"])
     # ITL p50 is read from the timelines' chunk gaps, so equal up to rounding
     assert math.isclose(latency["vs_llama_q8_1_itl"], 1.2) and math.isclose(latency["vs_llama_q4_1_itl"], 0.5)
     assert math.isclose(latency["ttft_p99_vs_llama_q8_16"], 2.0) and math.isnan(latency["ttft_p99_vs_llama_q4_16"])

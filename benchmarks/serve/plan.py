@@ -10,8 +10,9 @@ Systems (each its own ``pdserve serve``, the same cores):
 - llama: llama.cpp's ``llama-server`` (benchmarks/peers/llama_server.py) on the same cores and the GGUF f32
   of the same model, after its greedy output was checked: the streams workload at ``--parallel N``
   for N streams, the others on one server of LLAMA_CONFIG (benchmarks.serve.run_llama).
-- coloc-q8, llama-q8, coloc-q4, llama-q4, coloc-q4km, llama-q4km: pdserve and llama-server on the same
-  SmolLM2 GGUF file at the same bits, streams at 1 and 16 (benchmarks/serve/gguf_systems.py).
+- coloc-q8, llama-q8, coloc-q4, llama-q4, coloc-q4km, llama-q4km, coloc-bf16, llama-bf16, coloc-f16,
+  llama-f16: pdserve and llama-server on the same SmolLM2 GGUF file at the same bits, streams at 1 and
+  16 (benchmarks/serve/gguf_systems.py).
 - coloc-spec, coloc-nospec, llama-spec: speculative decoding on and off, and llama-server's own, on the
   copying and free-generation chat workloads at 1, 4 and 16 streams (benchmarks/serve/spec_systems.py).
 The transformers static-batching baseline runs offline on the same mixed requests as the closed loops

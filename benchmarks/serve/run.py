@@ -28,7 +28,8 @@ and Q4_K_M.
    when the speculative decoding systems ran, ``spec_copy_1=... spec_free_1=... spec_free_16=...
    spec_vs_llama_copy_1=...`` (spec_systems.py; quick: ``--quick --systems coloc-spec,coloc-nospec,llama-spec``);
    and last, ``vs_llama_q8_1=<a> vs_llama_q8_16=<b> vs_llama_q4_1=<c> vs_llama_q4_16=<d> vs_llama_q4km_1=<e>
-   vs_llama_q4km_16=<f>`` (gguf_systems.py).
+   vs_llama_q4km_16=<f> vs_llama_bf16_1=... vs_llama_bf16_16=... vs_llama_f16_1=... vs_llama_f16_16=...``
+   (gguf_systems.py).
 
 ``--compare-insecure`` runs each chosen system twice, CurveZMQ on (the default) and ``<name>-insecure``
 (``transfer.insecure``), and prints the served throughput of the second over the first.

@@ -25,6 +25,7 @@ from engine.quant.cuda_linear import cuda_linear_for
 from engine.quant.parts import MAX_RUNS, QuantParts, format_runs
 from engine.quant.weight import QuantizedWeight, concat_rows
 from kernels.cpu import quant as cpu_quant
+from kernels.cpu.half import TYPE_IDS as HALF_IDS
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +91,8 @@ def _split(weights: list, bias: torch.Tensor | None) -> QuantParts | None:
     """The projection of quantized parts in several formats on a kernel per format run, where it takes them
     (every part quantized, at most MAX_RUNS runs, the kernels built here); else None: it stays float."""
     lib = cpu_quant.load()
-    if lib is None or not all(isinstance(w, QuantizedWeight) for w in weights):
+    # the fused decode step holds one library: F16/BF16 parts (kernels/cpu/half.c) beside blocks stay float
+    if lib is None or not all(isinstance(w, QuantizedWeight) and w.type_name not in HALF_IDS for w in weights):
         return None
     runs = format_runs(weights)
     return QuantParts(runs, bias, lib) if len(runs) <= MAX_RUNS else None

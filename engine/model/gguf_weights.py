@@ -1,10 +1,12 @@
 """The one decision of how a GGUF tensor becomes a weight the model runs.
 
-A 2-D tensor in a format the quantized kernels run (engine/quant/weight.py's BLOCKS: Q8_0, Q4_0, Q4_1,
-Q5_0, Q5_1, Q4_K, Q6_K) stays quantized: ``weight_for`` returns its rows of raw GGUF blocks as a ``QuantizedWeight``
-(engine/model/gguf_quant.py puts those into the model's projections). Every other type (F32, F16,
-Q5_K, Q2_K, ...) is dequantized to float32 with ``gguf.quants.dequantize`` (llama.cpp's reference
-decoding), which the model then casts to its dtype; the load log says which took which path.
+A 2-D tensor in a format the C kernels run (engine/quant/weight.py's BLOCKS: Q8_0, Q4_0, Q4_1, Q5_0,
+Q5_1, Q4_K, Q6_K in kernels/cpu/quant.c; F16 and BF16 in kernels/cpu/half.c) stays as the file holds it:
+``weight_for`` returns its raw rows (blocks, or 16-bit values) as a ``QuantizedWeight``
+(engine/model/gguf_quant.py puts those into the model's projections), so a BF16 file streams 2 bytes a
+weight, not a float32 copy's 4. Every other type (F32, Q5_K, Q2_K, ...) is dequantized to float32 with
+``gguf.quants.dequantize`` (llama.cpp's reference decoding), which the model then casts to its dtype; the
+load log says which took which path.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from engine.quant.weight import BLOCKS, QuantizedWeight
 def weight_for(tensor: ReaderTensor) -> torch.Tensor | QuantizedWeight:
     """A quantized record where a kernel runs the format, else the float32 tensor ([out, in] first)."""
     if tensor.tensor_type.name in BLOCKS and len(tensor.shape) == 2:
-        rows = torch.from_numpy(np.array(tensor.data, dtype=np.uint8))  # a copy: [out, row bytes] off the mmap
+        # a copy off the mmap, as bytes: [out, row bytes] (the reader hands F16 tensors out as float16 values)
+        rows = torch.from_numpy(np.array(tensor.data).view(np.uint8))
         return QuantizedWeight(tensor.tensor_type.name, rows, int(tensor.shape[0]))
     return dequantized(tensor)
 

@@ -20,6 +20,7 @@ from engine.model.cpu_linear import Linear
 from engine.quant.int8 import dequantize_int8, quantize_int8
 from engine.quant.linear import QuantLinear
 from engine.quant.weight import QuantizedWeight, concat_rows
+from kernels.cpu import half as cpu_half
 from kernels.cpu import quant as cpu_quant
 
 log = logging.getLogger(__name__)
@@ -33,17 +34,23 @@ def dequantize(weight: QuantizedWeight) -> torch.Tensor:
     """The float32 [out, in] weight the record stands for (kernels/cpu/quant.c's decoding)."""
     if weight.type_name == "I8":
         return dequantize_int8(weight)
-    lib = cpu_quant.load()
+    lib = library_for(weight.type_name)
     if lib is not None:
         return lib.dequantize(weight.type_name, weight.rows, weight.in_features)
     values = gguf.dequantize(weight.rows.numpy(), gguf.GGMLQuantizationType[weight.type_name])  # no compiler
     return torch.from_numpy(values.astype(np.float32))
 
 
+def library_for(type_name: str) -> cpu_quant.QuantLibrary | cpu_half.HalfLibrary | None:
+    """The C kernels that run ``type_name`` (None where they do not build here): kernels/cpu/half.c's for
+    F16/BF16 rows, kernels/cpu/quant.c's for the block formats and I8."""
+    return cpu_half.load() if type_name in cpu_half.TYPE_IDS else cpu_quant.load()
+
+
 def linear_for(weight: QuantizedWeight | torch.Tensor, bias: torch.Tensor | None = None) -> nn.Module:
     """The module computing ``x @ weight^T + bias``: a ``QuantLinear`` for a quantized record where the
     kernels load, else a float ``Linear`` (of the dequantized record)."""
-    lib = cpu_quant.load() if isinstance(weight, QuantizedWeight) else None
+    lib = library_for(weight.type_name) if isinstance(weight, QuantizedWeight) else None
     if lib is not None:
         return QuantLinear(weight, bias, lib)
     if isinstance(weight, QuantizedWeight):

@@ -34,9 +34,9 @@ def choose_quant_forms(modules: list[QuantLinear], repeats: int = 2) -> dict[str
     keys = {g: (g, len(ms), repeats, threads) for g, ms in groups.items()}
     todo = {g: ms for g, ms in groups.items() if keys[g] not in _picked}
     if todo:
-        lib = todo[next(iter(todo))][0].lib
-        # "quantized" apart from the float forms' keys; the library's name carries its source's hash
-        path = forms_cache.path_for(("quantized", tuple(sorted(keys[g] for g in todo))), lib.name)
+        # "quantized" apart from the float forms' keys; the libraries' names carry their sources' hashes
+        libs = "+".join(sorted({m.lib.name for ms in todo.values() for m in ms}))
+        path = forms_cache.path_for(("quantized", tuple(sorted(keys[g] for g in todo))), libs)
         stored = forms_cache.load_per_bucket(path, list(todo), QUANT_FORMS, len(ROW_BUCKETS))
         if stored is None:
             log.info("timing quantized matmul forms for %d weight shapes (the picks are kept in %s)", len(todo), path)

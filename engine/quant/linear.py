@@ -1,10 +1,11 @@
 """``x @ W^T`` for a quantized weight, in one of two forms picked per row count at start (engine/quant/forms.py):
 
 - ``int``: the C kernel straight from the blocks (kernels/cpu/quant.c): the activations quantized to int8
-  blocks once per call, integer dot products. Reads the weight's bytes once per call whatever the rows,
-  so it is the form for decode steps, where streaming the weight is the whole cost.
+  blocks once per call, integer dot products; for F16/BF16 rows kernels/cpu/half.c (kernel_inputs.py).
+  Reads the weight's bytes once per call whatever the rows, so it is the form for decode steps, where
+  streaming the weight is the whole cost.
 - ``panel``: up to ``PANEL_ROWS`` weight rows at a time dequantized to a float32 panel (C), then torch's
-  matmul on it, of x rounded to int8 blocks as the ``int`` kernel rounds it (act_blocks.py): the two forms
+  matmul on it, of x rounded as the ``int`` kernel rounds it (kernel_inputs.py): the two forms
   differ only in the order of float32 sums, so the timed pick does not change the output. A long prefill
   is arithmetic-bound: oneDNN's blocked GEMM beats the row-at-a-time integer kernel there, and
   dequantizing a panel costs one pass over it per call, small beside the matmul.
@@ -19,8 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.model.cpu_linear import ROW_BUCKETS
-from engine.quant.act_blocks import as_int8_blocks
+from engine.quant.kernel_inputs import kernel_inputs
 from engine.quant.weight import QuantizedWeight
+from kernels.cpu.half import HalfLibrary
 from kernels.cpu.quant import QuantLibrary
 
 PANEL_ROWS = 4096  # weight rows dequantized at once by the panel form (16 MiB of float32 at in=1024)
@@ -30,7 +32,7 @@ QUANT_FORMS = ("int", "panel")
 def quantized_linear(
     x: torch.Tensor,
     weight: QuantizedWeight,
-    lib: QuantLibrary,
+    lib: QuantLibrary | HalfLibrary,
     form: str,
     bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
@@ -39,7 +41,7 @@ def quantized_linear(
     ``out`` ([rows, out_features], a column range of a wider tensor may be) or a new tensor."""
     if form == "int":
         return lib.linear(weight.type_name, x, weight.rows, weight.in_features, bias, out)
-    x = as_int8_blocks(x)  # the int kernel's activations: both forms compute one function (act_blocks.py)
+    x = kernel_inputs(weight.type_name, x)  # the int kernel's activations: both forms compute one function
     if out is None:
         out = torch.empty((x.shape[0], weight.out_features), dtype=torch.float32)
     for start in range(0, weight.out_features, PANEL_ROWS):
@@ -55,7 +57,7 @@ class QuantLinear(nn.Module):
     float weights. ``per_bucket`` (a form per ``ROW_BUCKETS`` entry; past the last one, the last one's) is
     set by ``use_forms`` once timed; until then every row count takes ``int``."""
 
-    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None, lib: QuantLibrary):
+    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None, lib: QuantLibrary | HalfLibrary):
         super().__init__()
         self.qweight = weight
         # registered even when None: a loader may put the bias after the weight (engine/model/loader.py)

@@ -21,6 +21,9 @@ BLOCKS = {
     "Q5_1": (32, 24),
     "Q4_K": (256, 144),
     "Q6_K": (256, 210),
+    # 16-bit values as they are, one per 2 bytes: kernels/cpu/half.c's formats (no blocks, no scales)
+    "F16": (1, 2),
+    "BF16": (1, 2),
 }
 
 
