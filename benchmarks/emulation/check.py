@@ -9,8 +9,8 @@ assembler, only carry out the flags it resolved). Per model it
 1. runs benchmarks/emulation/probe.py: the builds chosen at start (the compiler's reading of the CPU,
    the quantized kernels' code path, the f32 kernels' width, torch's level) and a tiny GGUF model whose
    greedy tokens on the quantized kernels must equal the dequantizing path's;
-2. runs the quantized kernels' tests that compare with float64 references (tests/test_quant_kernels.py,
-   tests/test_quant_avx2.py; ``-k`` narrows them);
+2. runs the quantized and 16-bit kernels' tests that compare with float64 references
+   (tests/test_quant_kernels.py, tests/test_quant_avx2.py, tests/test_half_kernels.py; ``-k`` narrows them);
 3. disassembles every library the model's cache holds: no AVX-512 register (zmm) may appear, and on a
    model without AVX no ymm either.
 
@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-TESTS = ("tests/test_quant_kernels.py", "tests/test_quant_avx2.py")
+TESTS = ("tests/test_quant_kernels.py", "tests/test_quant_avx2.py", "tests/test_half_kernels.py")
 
 
 @dataclass(slots=True, frozen=True)
