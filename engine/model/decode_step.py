@@ -24,10 +24,9 @@ from engine.quant.linear import QuantLinear
 from engine.quant.parts import QuantParts
 from engine.step.attention_metadata import AttentionMetadata
 from kernels.cpu.half import TYPE_IDS as HALF_IDS
-from kernels.cpu.half import HalfLibrary
 from kernels.cpu.native import DecodeLayer, DecodeShape, NativeLibrary, Projection
 from kernels.cpu.quant import TYPE_IDS as QUANT_IDS
-from kernels.cpu.quant import QuantLibrary
+from kernels.cpu.row_library import RowKernelLibrary
 from kernels.triton.paged_decode import NativeDecode
 
 TYPE_IDS = QUANT_IDS | HALF_IDS  # one tag space: a Projection's format names its library's kernel
@@ -48,7 +47,7 @@ class FusedDecodeStep:
             entry.qkv, entry.o = _projection(attn.qkv_proj), _projection(attn.o_proj)
             entry.gate_up, entry.down = _projection(mlp.gate_up_proj), _projection(mlp.down_proj)
         # the quantized kernels (one library for all: engine/quant/apply.py loads it once), where any
-        self.quant: QuantLibrary | HalfLibrary | None = next((m.lib for m in _quantized(self._projections)), None)
+        self.quant: RowKernelLibrary | None = next((m.lib for m in _quantized(self._projections)), None)
         self._widest_input = max(config.hidden_size, config.num_heads * config.head_dim, config.intermediate_size)
         self.shape = DecodeShape(
             hidden=config.hidden_size,

@@ -22,6 +22,7 @@ from engine.quant.linear import QuantLinear
 from engine.quant.weight import QuantizedWeight, concat_rows
 from kernels.cpu import half as cpu_half
 from kernels.cpu import quant as cpu_quant
+from kernels.cpu.row_library import RowKernelLibrary
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ def dequantize(weight: QuantizedWeight) -> torch.Tensor:
     return torch.from_numpy(values.astype(np.float32))
 
 
-def library_for(type_name: str) -> cpu_quant.QuantLibrary | cpu_half.HalfLibrary | None:
+def library_for(type_name: str) -> RowKernelLibrary | None:
     """The C kernels that run ``type_name`` (None where they do not build here): kernels/cpu/half.c's for
     F16/BF16 rows, kernels/cpu/quant.c's for the block formats and I8."""
     return cpu_half.load() if type_name in cpu_half.TYPE_IDS else cpu_quant.load()

@@ -22,8 +22,7 @@ from torch import nn
 from engine.model.cpu_linear import ROW_BUCKETS
 from engine.quant.kernel_inputs import kernel_inputs
 from engine.quant.weight import QuantizedWeight
-from kernels.cpu.half import HalfLibrary
-from kernels.cpu.quant import QuantLibrary
+from kernels.cpu.row_library import RowKernelLibrary
 
 PANEL_ROWS = 4096  # weight rows dequantized at once by the panel form (16 MiB of float32 at in=1024)
 QUANT_FORMS = ("int", "panel")
@@ -32,7 +31,7 @@ QUANT_FORMS = ("int", "panel")
 def quantized_linear(
     x: torch.Tensor,
     weight: QuantizedWeight,
-    lib: QuantLibrary | HalfLibrary,
+    lib: RowKernelLibrary,
     form: str,
     bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
@@ -57,7 +56,7 @@ class QuantLinear(nn.Module):
     float weights. ``per_bucket`` (a form per ``ROW_BUCKETS`` entry; past the last one, the last one's) is
     set by ``use_forms`` once timed; until then every row count takes ``int``."""
 
-    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None, lib: QuantLibrary | HalfLibrary):
+    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None, lib: RowKernelLibrary):
         super().__init__()
         self.qweight = weight
         # registered even when None: a loader may put the bias after the weight (engine/model/loader.py)
