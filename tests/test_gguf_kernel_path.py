@@ -1,11 +1,11 @@
 """A GGUF loaded as ``pdserve serve`` loads it runs its projections and LM head on the quantized kernels,
 and every product they make inside the engine is the float product of the file's own weights to within
-what the format's 8-bit activation blocks allow.
+what the kernels' rounding of activations allows.
 
-The bound, per output: each activation block of 16 is rounded to d * q with d = max|x| / 127, so each
-value moves by at most d / 2 = max|x| / 254, and output n moves by at most
-sum over blocks b of (max|x_b| / 254) * sum over i in b of |W[n, i]|, plus float32 rounding of the sums
-(tests/test_quant_kernels.py's allowance). The weights are the file's, decoded by llama.cpp's own
+The bound, per output: each activation block of 16 is rounded to d * q with d = max|x| / 127, and what that
+left is rounded the same way, so each value moves by at most max|x| / 254 / 254 (and an ulp), and output n
+by at most the sum over blocks b of (max|x_b| / 254 / 254) * sum over i in b of |W[n, i]|, plus float32
+rounding of the sums (tests/quant_blocks.py, tests/test_quant_kernels.py's allowance). The weights are the file's, decoded by llama.cpp's own
 ``gguf.quants.dequantize``, and the activations are the real hidden states of a prompt (forward hooks on
 every quantized module, the head's included), so the check covers the logits too."""
 

@@ -29,6 +29,9 @@ SOURCES = Sources(
     name="cpu_quant",
     sources=tuple(Path(__file__).with_name(name) for name in ("quant.c", "quant_tile512.c", "quant_panel16.c")),
     headers=tuple(Path(__file__).with_name(name) for name in ("quant_formats.h", "quant_avx2.h")),
+    # quantize_row's residual x - d q is a product then a difference, each rounded, as in
+    # engine/quant/act_blocks.py: GCC would otherwise fuse them into one FMA where the target has it
+    flags=("-ffp-contract=off",),
 )
 TYPE_IDS = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q4_K": 3, "Q6_K": 4, "I8": 5, "Q5_0": 6, "Q5_1": 7}  # quant_formats.h
 

@@ -30,6 +30,14 @@
    applies two activation scales per sub-block, as it applies Q6_K's two weight scales. Rounding in blocks
    of 16 rather than llama.cpp's 32 halves the activations' share of the error (docs/benchmarks.md). */
 #define ACT_BLOCK 16
+/* Rows of int8 activations per row of x (quant.c's quantize_row): x rounded, then what that rounding left,
+   rounded in its own blocks of 16, so x is carried to about 1/64000 of each block's max rather than 1/254.
+   The forms multiply them as rows of their own, each x row's terms adjacent, and add a row's terms into
+   one output row (the first stores, the next adds: term_out below). */
+#define ACT_TERMS 2
+
+/* Where quantized activation row i's outputs go: row i / ACT_TERMS of y (ldy floats apart). */
+static inline float *term_out(float *y, int64_t ldy, int64_t i) { return y + i / ACT_TERMS * ldy; }
 
 enum { T_Q8_0 = 0, T_Q4_0 = 1, T_Q4_1 = 2, T_Q4_K = 3, T_Q6_K = 4, T_I8 = 5, T_Q5_0 = 6, T_Q5_1 = 7 };
 

@@ -136,7 +136,8 @@ static void min_factors(const float *d, const int32_t *sum16, int64_t rows, int6
 void quant512_span(int t, const int8_t *q, const uint8_t *lanes, int64_t rows, int64_t K, const uint8_t *w,
                    int64_t n_begin, int64_t n_end, int64_t ldy, int64_t row_bytes, const float *bias, float *y);
 
-/* y[rows][N] = x @ W^T (+ bias) inside quant.c's parallel region, the threads splitting the panels.
+/* y[rows / ACT_TERMS][N] = x @ W^T (+ bias) inside quant.c's parallel region, the threads splitting the
+   panels; rows: the quantized activation rows (quant512_span's).
    ldy: floats between y's rows. q, d, sum16: the activations as quant.c's quantize_row lays them; lanes:
    quant512_lanes', for a thread whose panel memory cannot be had (it then runs quant_tile512.c's kernel). */
 void quant16_rows(int t, const int8_t *q, const float *d, const int32_t *sum16, const uint8_t *lanes, int64_t rows,
@@ -166,7 +167,11 @@ void quant16_rows(int t, const int8_t *q, const float *d, const int32_t *sum16, 
             const int nx = left >= GROUP ? GROUP : left >= 4 ? 4 : 1;
             __m512 acc[GROUP];
             panel_any(t, nx, &p, acts_from(x, i0, K), K, acc);
-            for (int r = 0; r < nx; r++) _mm512_mask_storeu_ps(y + (i0 + r) * ldy + n0, keep, _mm512_add_ps(b16, acc[r]));
+            for (int r = 0; r < nx; r++) { /* a row's first term stores, the next adds */
+                float *at = term_out(y, ldy, i0 + r) + n0;
+                const __m512 base = (i0 + r) % ACT_TERMS ? _mm512_maskz_loadu_ps(keep, at) : b16;
+                _mm512_mask_storeu_ps(at, keep, _mm512_add_ps(base, acc[r]));
+            }
             i0 += nx;
         }
     }
