@@ -24,7 +24,11 @@
 #if QUANT_512
 #define PANEL 16   /* weight rows side by side in a vector's lanes */
 #define GROUP 8    /* activation rows whose sums stay in registers */
-#define MIN_ROWS 8 /* fewer activation rows: quant_tile512.c (the panel's unpacking would not pay) */
+/* Fewer activation rows: quant_tile512.c (the panel's unpacking would not pay). Rows as quant.c counts them,
+   ACT_TERMS per row of x: from 8 rows of x, as with one term (EPYC Zen 5, SmolLM2's Q8_0/Q4_1 projections:
+   at 4 rows of x, 8 activation rows, the tiles took 0.64-0.92 of the panels' time; at 8 rows of x the two
+   were level, at 16 the panels took half the tiles') */
+#define MIN_ROWS (8 * ACT_TERMS)
 
 int quant16_takes(int t, int64_t rows) {
     (void)t;
