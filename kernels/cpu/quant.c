@@ -1,8 +1,8 @@
 /* y = x @ W^T on CPU straight from quantized weight rows (GGUF blocks, or per-channel int8), without
-   dequantizing the model: llama.cpp's scheme of integer dot products against int8 activations, with the
-   activations carried nearly exactly. Each call quantizes every row of x once to ACT_TERMS (2) int8 rows
-   in blocks of 16 (a float32 scale per 16 values, and their sum): x rounded, then what that rounding left,
-   rounded again. Each 32-value sub-block of a weight row is unpacked to unsigned bytes u = w + offset and
+   dequantizing the model: llama.cpp's scheme of integer dot products against int8 activations. Each call
+   quantizes every row of x once to int8 blocks of 16 (a float32 scale per 16 values, and their sum): x
+   rounded, and with two terms (the type tag's, quant_formats.h: --quant-activations int16) then what that
+   rounding left, rounded again, as a second int8 row. Each 32-value sub-block of a weight row is unpacked to unsigned bytes u = w + offset and
    multiplied with each int8 row as integers, each half of 16 values apart:
 
        sum_i w_i x_i = sum over terms and halves h of  dx_h * s_h * (sum_i u_i q_i - offset * sum_i q_i) + dx_h * m * sum_i q_i
@@ -11,12 +11,13 @@
    Q5_1, Q4_K) and dx_h the term's scale for that half. The forms below multiply the terms as activation
    rows of their own and add a row's terms into one output row (quant_formats.h's term_out).
 
-   Why two terms: llama.cpp rounds activations once, to Q8 blocks of 32 (1/254 of a block's max), and that
-   rounding, not the weights', was most of the quantized model's distance from the float one: on SmolLM2's
-   Q8_0 file its mean KL divergence from F32 is 0.0039 where the file's weights alone (activations in
-   float32) give 0.0011. With the second term x reaches the dots to 1/64516 of each block's max and the
-   kernels compute what the weights compute, at twice the integer work per activation row: free at a row
-   or few, where streaming the weights is the cost (docs/benchmarks.md, GGUF accuracy and speed).
+   Why blocks of 16: llama.cpp's Q8 activation blocks put 32 values under one scale, whose step the larger
+   max of 32 sets: with 16 the activations' rounding costs about half as much KL divergence from the float
+   model. Why a second term: that rounding, not the weights', is still most of the quantized model's
+   distance from the float one (SmolLM2's Q8_0 file: mean KL divergence from F32 0.0026 with one term,
+   0.0011 with two, which is the weights' own; llama.cpp 0.0039). It doubles the integer work per row of x:
+   nearly free at a row or few, where streaming the weights is the cost, up to 1.7x the time at 64 rows
+   (docs/benchmarks.md, GGUF accuracy and speed).
 
    With AVX-512 VNNI and BW/DQ, tiles of weight rows by activation rows at 64 values per vpdpbusd
    (kernels/cpu/quant_tile512.c) and, from 8 activation rows, 16-row panels (quant_panel16.c); with
@@ -42,18 +43,18 @@
 #endif
 #include "quant_formats.h"
 
-/* Row x of K values as ACT_TERMS int8 rows in blocks of 16, term j's values at q[j*K ..], scales at
+/* Row x of K values as `terms` int8 rows in blocks of 16, term j's values at q[j*K ..], scales at
    d[j*K/16 ..], sums of 16 at sum16[j*K/16 ..]: the first x rounded (d = max|x| / 127 over the block,
    q = x * 127 / max|x| to nearest, halves to even), each next what the terms before left, x - d q, rounded
    the same way. engine/quant/act_blocks.py computes the same values (so its residual x - d q is a product
    then a difference, each rounded: the library is built with -ffp-contract=off, kernels/cpu/quant.py). */
-static void quantize_row(const float *x, int64_t K, int8_t *q, float *d, int32_t *sum16) {
+static void quantize_row(const float *x, int64_t K, int terms, int8_t *q, float *d, int32_t *sum16) {
 #if QUANT_512
     /* The same values 16 at a time: max is exact in any order, x * inv the same product, and vcvtps2dq rounds
        to nearest even as lrintf does. In C, fmaxf stayed a libm call per value: a few microseconds a layer. */
     for (int64_t b = 0; b < K / ACT_BLOCK; b++) {
         __m512 v = _mm512_loadu_ps(x + ACT_BLOCK * b);
-        for (int j = 0; j < ACT_TERMS; j++) {
+        for (int j = 0; j < terms; j++) {
             const float amax = _mm512_reduce_max_ps(_mm512_abs_ps(v));
             const float inv = amax > 0 ? 127 / amax : 0, scale = amax / 127;
             const __m512i iv = _mm512_cvtps_epi32(_mm512_mul_ps(v, _mm512_set1_ps(inv)));
@@ -67,7 +68,7 @@ static void quantize_row(const float *x, int64_t K, int8_t *q, float *d, int32_t
     for (int64_t b = 0; b < K / ACT_BLOCK; b++) {
         float v[ACT_BLOCK];
         memcpy(v, x + ACT_BLOCK * b, sizeof v);
-        for (int j = 0; j < ACT_TERMS; j++) {
+        for (int j = 0; j < terms; j++) {
             float amax = 0;
             for (int i = 0; i < ACT_BLOCK; i++) amax = fmaxf(amax, fabsf(v[i]));
             const float scale = amax / 127, inv = amax > 0 ? 127 / amax : 0;
@@ -91,7 +92,7 @@ static void quantize_row(const float *x, int64_t K, int8_t *q, float *d, int32_t
 /* Outputs of one weight row (type t, K values) for R <= ROWS_AT_ONCE quantized activation rows, the first
    of them row `first`, added into their rows of out (term_out): each sub-block is unpacked once for all. */
 static void dot_rows(int t, const uint8_t *row, int64_t K, int R, const int8_t *q, const float *d,
-                     const int32_t *sum16, int64_t first, float *out, int64_t out_stride) {
+                     const int32_t *sum16, int64_t first, int terms, float *out, int64_t out_stride) {
     float rest[ROWS_AT_ONCE] = {0};
     sub_t s;
     const int64_t nb = K / 32;
@@ -132,7 +133,7 @@ static void dot_rows(int t, const uint8_t *row, int64_t K, int R, const int8_t *
         h = _mm_add_ss(h, _mm_movehdup_ps(h));
         rest[r] += _mm_cvtss_f32(h);
 #endif
-        *term_out(out, out_stride, first + r) += rest[r];
+        *term_out(out, out_stride, first + r, terms) += rest[r];
     }
 }
 #endif
@@ -144,32 +145,33 @@ int pdserve_quant_tiles512(void) { return QUANT_512; }
 #if QUANT_512
 int64_t quant512_lane_bytes(int64_t K);
 void quant512_lanes(int t, const int8_t *q, const float *d, int64_t K, uint8_t *lanes);
-void quant512_rows(int t, const int8_t *q, const uint8_t *lanes, int64_t rows, int64_t K, const uint8_t *w,
-                   int64_t N, int64_t row_bytes, const float *bias, float *y, int64_t ldy);
-int quant16_takes(int t, int64_t rows);
+void quant512_rows(int t, const int8_t *q, const uint8_t *lanes, int64_t rows, int terms, int64_t K,
+                   const uint8_t *w, int64_t N, int64_t row_bytes, const float *bias, float *y, int64_t ldy);
+int quant16_takes(int t, int64_t rows, int terms);
 void quant16_rows(int t, const int8_t *q, const float *d, const int32_t *sum16, const uint8_t *lanes, int64_t rows,
-                  int64_t K, const uint8_t *w, int64_t N, int64_t row_bytes, const float *bias, float *y, int64_t ldy);
+                  int terms, int64_t K, const uint8_t *w, int64_t N, int64_t row_bytes, const float *bias, float *y,
+                  int64_t ldy);
 #endif
 
-/* Row i of x quantized into the scratch's q, d, sum16 and (the 512-bit tiles) lanes: its ACT_TERMS
-   quantized rows, i * ACT_TERMS on. */
-static void quantize_lanes(int t, const float *x, int64_t i, int64_t K, int8_t *q, float *d, int32_t *sum16,
-                           uint8_t *lanes) {
-    const int64_t first = i * ACT_TERMS;
-    quantize_row(x + i * K, K, q + first * K, d + first * (K / ACT_BLOCK), sum16 + first * (K / ACT_BLOCK));
+/* Row i of x quantized into the scratch's q, d, sum16 and (the 512-bit tiles) lanes: its `terms` quantized
+   rows, i * terms on. */
+static void quantize_lanes(int t, const float *x, int64_t i, int64_t K, int terms, int8_t *q, float *d,
+                           int32_t *sum16, uint8_t *lanes) {
+    const int64_t first = i * terms;
+    quantize_row(x + i * K, K, terms, q + first * K, d + first * (K / ACT_BLOCK), sum16 + first * (K / ACT_BLOCK));
 #if QUANT_512
-    for (int64_t j = first; j < first + ACT_TERMS; j++)
+    for (int64_t j = first; j < first + terms; j++)
         quant512_lanes(t, q + j * K, d + j * (K / ACT_BLOCK), K, lanes + j * quant512_lane_bytes(K));
 #else
     (void)t, (void)lanes;
 #endif
 }
 
-/* Bytes of scratch pdserve_quant_linear needs for `rows` rows of K values: for each of their ACT_TERMS
-   quantized rows the int8 values, block scales (float per 16), sums of 16 and (the 512-bit tiles) lanes of
-   3 K bytes. */
+/* Bytes of scratch pdserve_quant_linear needs for `rows` rows of K values: for each of their (up to
+   MAX_TERMS) quantized rows the int8 values, block scales (float per 16), sums of 16 and (the 512-bit
+   tiles) lanes of 3 K bytes. */
 int64_t pdserve_quant_scratch_bytes(int64_t rows, int64_t K) {
-    return rows * ACT_TERMS * (K + K / 4 + K / 4 + 3 * K);
+    return rows * MAX_TERMS * (K + K / 4 + K / 4 + 3 * K);
 }
 
 /* The body of pdserve_quant_linear for every thread of an enclosing team (its worksharing binds to that
@@ -182,20 +184,23 @@ int64_t pdserve_quant_scratch_bytes(int64_t rows, int64_t K) {
 void pdserve_quant_linear_team_into(int t, const float *x, int64_t rows, int64_t K, const uint8_t *w, int64_t N,
                                     int64_t row_bytes, const float *bias, float *y, int64_t ldy, uint8_t *scratch,
                                     int own_scratch) {
-    const int64_t qrows = rows * ACT_TERMS; /* the kernels below run over these, adding terms into y's rows */
+    const int terms = 1 + t / TERMS_TAG; /* the kernels below run over qrows, adding terms into y's rows */
+    const int64_t qrows = rows * terms;
+    t %= TERMS_TAG;
     int8_t *q = (int8_t *)scratch;
     float *d = (float *)(scratch + qrows * K);
     int32_t *sum16 = (int32_t *)(scratch + qrows * K + qrows * (K / ACT_BLOCK) * 4);
     uint8_t *lanes = scratch + qrows * (K + K / 4 + K / 4);
     if (own_scratch) {
-        for (int64_t i = 0; i < rows; i++) quantize_lanes(t, x, i, K, q, d, sum16, lanes);
+        for (int64_t i = 0; i < rows; i++) quantize_lanes(t, x, i, K, terms, q, d, sum16, lanes);
     } else {
 #pragma omp for schedule(static)
-        for (int64_t i = 0; i < rows; i++) quantize_lanes(t, x, i, K, q, d, sum16, lanes);
+        for (int64_t i = 0; i < rows; i++) quantize_lanes(t, x, i, K, terms, q, d, sum16, lanes);
     }
 #if QUANT_512
-    if (quant16_takes(t, qrows)) quant16_rows(t, q, d, sum16, lanes, qrows, K, w, N, row_bytes, bias, y, ldy);
-    else quant512_rows(t, q, lanes, qrows, K, w, N, row_bytes, bias, y, ldy);
+    if (quant16_takes(t, qrows, terms))
+        quant16_rows(t, q, d, sum16, lanes, qrows, terms, K, w, N, row_bytes, bias, y, ldy);
+    else quant512_rows(t, q, lanes, qrows, terms, K, w, N, row_bytes, bias, y, ldy);
 #else
     (void)lanes;
     /* chunks of output rows: each thread streams its own part of W once, for every row of x */
@@ -205,7 +210,7 @@ void pdserve_quant_linear_team_into(int t, const float *x, int64_t rows, int64_t
         for (int64_t i = 0; i < rows; i++) y[i * ldy + n] = bias ? bias[n] : 0;
         for (int64_t i = 0; i < qrows; i += ROWS_AT_ONCE) {
             const int R = qrows - i < ROWS_AT_ONCE ? (int)(qrows - i) : ROWS_AT_ONCE;
-            dot_rows(t, row, K, R, q + i * K, d + i * (K / ACT_BLOCK), sum16 + i * (K / ACT_BLOCK), i, y + n, ldy);
+            dot_rows(t, row, K, R, q + i * K, d + i * (K / ACT_BLOCK), sum16 + i * (K / ACT_BLOCK), i, terms, y + n, ldy);
         }
     }
 #endif
@@ -235,6 +240,7 @@ void pdserve_quant_linear_into(int t, const float *x, int64_t rows, int64_t K, c
 /* Rows [n0, n0 + count) of W as float32 into out[count][K]: the prefill path's panel. */
 void pdserve_quant_dequantize(int t, const uint8_t *w, int64_t n0, int64_t count, int64_t K, int64_t row_bytes,
                               float *out, int threads) {
+    t %= TERMS_TAG; /* the activations' terms do not concern the weights */
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t n = 0; n < count; n++) {
         const uint8_t *row = w + (n0 + n) * row_bytes;

@@ -30,14 +30,16 @@
    applies two activation scales per sub-block, as it applies Q6_K's two weight scales. Rounding in blocks
    of 16 rather than llama.cpp's 32 halves the activations' share of the error (docs/benchmarks.md). */
 #define ACT_BLOCK 16
-/* Rows of int8 activations per row of x (quant.c's quantize_row): x rounded, then what that rounding left,
-   rounded in its own blocks of 16, so x is carried to about 1/64000 of each block's max rather than 1/254.
-   The forms multiply them as rows of their own, each x row's terms adjacent, and add a row's terms into
-   one output row (the first stores, the next adds: term_out below). */
-#define ACT_TERMS 2
+/* Rows of int8 activations per row of x (quant.c's quantize_row), chosen per call by the type tag: tag = format
+   + TERMS_TAG * (terms - 1). One term: x rounded (llama.cpp's scheme, with finer blocks). Two: then what that
+   rounding left, rounded in its own blocks of 16, so x is carried to 1/64516 of each block's max rather
+   than 1/254 (--quant-activations int16). The forms multiply them as rows of their own, each x row's terms
+   adjacent, and add a row's terms into one output row (the first stores, the next adds: term_out below). */
+#define TERMS_TAG 16
+#define MAX_TERMS 2
 
-/* Where quantized activation row i's outputs go: row i / ACT_TERMS of y (ldy floats apart). */
-static inline float *term_out(float *y, int64_t ldy, int64_t i) { return y + i / ACT_TERMS * ldy; }
+/* Where quantized activation row i's outputs go: row i / terms of y (ldy floats apart). */
+static inline float *term_out(float *y, int64_t ldy, int64_t i, int terms) { return y + i / terms * ldy; }
 
 enum { T_Q8_0 = 0, T_Q4_0 = 1, T_Q4_1 = 2, T_Q4_K = 3, T_Q6_K = 4, T_I8 = 5, T_Q5_0 = 6, T_Q5_1 = 7 };
 
