@@ -82,7 +82,7 @@ typedef struct {
     int off;
 } sub_t;
 
-static inline void nibbles(const uint8_t *qs, uint8_t *u) { /* 16 bytes -> 32 values, low nibbles first */
+static inline __attribute__((always_inline)) void nibbles(const uint8_t *qs, uint8_t *u) { /* 16 bytes -> 32 values, low nibbles first */
     for (int i = 0; i < 16; i++) {
         u[i] = qs[i] & 15;
         u[i + 16] = qs[i] >> 4;
@@ -90,13 +90,13 @@ static inline void nibbles(const uint8_t *qs, uint8_t *u) { /* 16 bytes -> 32 va
 }
 
 /* Q5_0/Q5_1's fifth bits: bit i of the 4 bytes at qh is value i's 16 (ggml's dequantize_row_q5_0). */
-static inline void fifth_bits(const uint8_t *qh, uint8_t *u) {
+static inline __attribute__((always_inline)) void fifth_bits(const uint8_t *qh, uint8_t *u) {
     uint32_t h;
     memcpy(&h, qh, 4);
     for (int i = 0; i < 32; i++) u[i] |= ((h >> i) & 1) << 4;
 }
 
-static inline void q4k_scale_min(int j, const uint8_t *q, int *sc, int *m) { /* ggml's get_scale_min_k4 */
+static inline __attribute__((always_inline)) void q4k_scale_min(int j, const uint8_t *q, int *sc, int *m) { /* ggml's get_scale_min_k4 */
     if (j < 4) {
         *sc = q[j] & 63;
         *m = q[j + 4] & 63;
@@ -107,7 +107,7 @@ static inline void q4k_scale_min(int j, const uint8_t *q, int *sc, int *m) { /* 
 }
 
 /* Sub-block b (of 32 values) of a row in type t: its scales, and with ``bytes`` its values in s->u. */
-static inline void unpack(int t, const uint8_t *row, int64_t b, sub_t *s, int bytes) {
+static inline __attribute__((always_inline)) void unpack(int t, const uint8_t *row, int64_t b, sub_t *s, int bytes) {
     switch (t) {
     case T_Q8_0: {
         const uint8_t *p = row + b * 34;
@@ -180,7 +180,7 @@ static inline void unpack(int t, const uint8_t *row, int64_t b, sub_t *s, int by
 
 #if QUANT_SIMD
 /* 16 in byte i where bit i of the 4 bytes at qh is set, else 0: Q5_0/Q5_1's fifth bits as bytes. */
-static inline __m256i fifth_bits_vec(const uint8_t *qh) {
+static inline __attribute__((always_inline)) __m256i fifth_bits_vec(const uint8_t *qh) {
     uint32_t h;
     memcpy(&h, qh, 4);
 #if defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -196,7 +196,7 @@ static inline __m256i fifth_bits_vec(const uint8_t *qh) {
 
 /* The values of sub-block b as unpack() lays them in s->u, straight into a register: built in memory byte
    by byte, the 32-byte reload waited on two 16-byte stores (no store forwarding), 10x slower for Q4_0. */
-static inline __m256i unpack_vec(int t, const uint8_t *row, int64_t b) {
+static inline __attribute__((always_inline)) __m256i unpack_vec(int t, const uint8_t *row, int64_t b) {
     const __m256i low4 = _mm256_set1_epi8(15), flip = _mm256_set1_epi8((char)0x80);
     switch (t) {
     case T_Q8_0:
