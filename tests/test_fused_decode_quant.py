@@ -61,7 +61,7 @@ def test_fused_quantized_steps_equal_the_layer_path_bit_for_bit(type_name, size,
 
 @pytest.mark.parametrize("type_name,size", [("Q8_0", "tiny"), ("Q4_K", "k256")])
 def test_fused_steps_round_activations_as_the_layers_do_with_two_terms(type_name, size, library):
-    """--quant-activations int16: the fused step's projections carry the two-term tag (the layer path's
+    """model.quant_activations int16: the fused step's projections carry the two-term tag (the layer path's
     QuantLinear calls do), so both still give the same bits."""
     model, config = _quantized_model(type_name, size, library)
     assert use_quant_activations(model, "int16") == len(quantized_modules(model))

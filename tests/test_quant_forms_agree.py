@@ -52,7 +52,7 @@ def test_rounding_is_the_int_kernels_value_for_value(lib):
 
 
 def test_two_terms_are_the_int_kernels_value_for_value(lib16):
-    """With --quant-activations int16 the kernel adds a second int8 term, what the first rounding left:
+    """With model.quant_activations int16 the kernel adds a second int8 term, what the first rounding left:
     through the identity it returns the two terms' sum, equal to act_blocks' to the bit, and within
     what the second rounding can leave."""
     width = 768

@@ -48,7 +48,7 @@ BUILDS = {"best": {}, "scalar": {"scalar": True}} | {
 
 @pytest.fixture(params=[(build, activations) for build in BUILDS for activations in quant.ACTIVATIONS])
 def lib(request):
-    """Each build, with activations in one int8 term and in two (--quant-activations int8, int16)."""
+    """Each build, with activations in one int8 term and in two (model.quant_activations int8, int16)."""
     build, activations = request.param
     library = quant.load(**BUILDS[build], activations=activations)
     assert library is not None, "no C compiler builds kernels/cpu/quant.c here"

@@ -59,7 +59,9 @@ def test_split_projection_is_the_product_of_its_parts(lib, form, rows):
         run.use_forms((form,) * len(run.per_bucket))
     x = torch.randn(rows, IN, generator=torch.Generator().manual_seed(rows))
     y = module(x).double().numpy()
-    expected = _x_as_kernel_quantizes(x.numpy(), lib.act_terms) @ np.concatenate([q_ref, v_ref]).T + bias.double().numpy()
+    expected = (
+        _x_as_kernel_quantizes(x.numpy(), lib.act_terms) @ np.concatenate([q_ref, v_ref]).T + bias.double().numpy()
+    )
     np.testing.assert_allclose(y, expected, atol=2e-5 * np.abs(expected).max(), rtol=0)
 
 

@@ -1,7 +1,7 @@
 """The activations as the ``int`` form's kernel sees them, for the ``panel`` form (engine/quant/linear.py).
 
 kernels/cpu/quant.c rounds each row of x to int8 blocks of 16 (a float32 scale per 16 values; llama.cpp's
-CPU backend rounds activations to Q8 blocks of 32 at every batch size), and with ``--quant-activations
+CPU backend rounds activations to Q8 blocks of 32 at every batch size), and with ``model.quant_activations:
 int16`` adds a second int8 term, what the first rounding left rounded again, so x reaches the integer dot
 products to about 1/64516 of each block's max rather than 1/254. The ``panel`` form multiplies a
 dequantized float32 panel by x; on x itself it would compute a different function, and which form a row

@@ -92,7 +92,7 @@ def quantized_modules(model: nn.Module) -> list[QuantLinear]:
 
 
 def use_quant_activations(model: nn.Module, activations: str) -> int:
-    """``--quant-activations``: the block-format projections' kernel calls round x to ``activations``
+    """``model.quant_activations``: the block-format projections' kernel calls round x to ``activations``
     (kernels/cpu/quant.py's ``ACTIVATIONS``); returns how many projections that is."""
     lib = cpu_quant.load(activations=activations)
     modules = [m for m in quantized_modules(model) if isinstance(m.lib, cpu_quant.QuantLibrary)]

@@ -2,7 +2,7 @@
 (engine/quant/linear.py) must multiply too, so both forms compute one function and the timed pick per
 row count never changes the output.
 
-- the GGUF block formats and I8: x in int8 blocks of 16, and with ``terms`` 2 (``--quant-activations
+- the GGUF block formats and I8: x in int8 blocks of 16, and with ``terms`` 2 (``model.quant_activations:
   int16``) plus what that rounding left, rounded again (act_blocks.py, kernels/cpu/quant.c);
 - BF16: x split into two bf16 halves, hi = bf16(x) and lo = bf16(x - hi), each rounded to nearest even
   and a denormal half read as zero (vdpbf16ps's reading), so x to 16 significant bits

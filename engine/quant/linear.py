@@ -1,7 +1,8 @@
 """``x @ W^T`` for a quantized weight, in one of two forms picked per row count at start (engine/quant/forms.py):
 
 - ``int``: the C kernel straight from the blocks (kernels/cpu/quant.c): the activations quantized to int8
-  blocks (one term, or two: ``--quant-activations``) once per call, integer dot products; for F16/BF16 rows kernels/cpu/half.c (kernel_inputs.py).
+  blocks (one term, or two: ``model.quant_activations``) once per call, integer dot products; for F16/BF16
+  rows kernels/cpu/half.c (kernel_inputs.py).
   Reads the weight's bytes once per call whatever the rows, so it is the form for decode steps, where
   streaming the weight is the whole cost.
 - ``panel``: up to ``PANEL_ROWS`` weight rows at a time dequantized to a float32 panel (C), then torch's

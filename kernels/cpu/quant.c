@@ -1,11 +1,12 @@
 /* y = x @ W^T on CPU straight from quantized weight rows (GGUF blocks, or per-channel int8), without
    dequantizing the model: llama.cpp's scheme of integer dot products against int8 activations. Each call
    quantizes every row of x once to int8 blocks of 16 (a float32 scale per 16 values, and their sum): x
-   rounded, and with two terms (the type tag's, quant_formats.h: --quant-activations int16) then what that
-   rounding left, rounded again, as a second int8 row. Each 32-value sub-block of a weight row is unpacked to unsigned bytes u = w + offset and
-   multiplied with each int8 row as integers, each half of 16 values apart:
+   rounded, and with two terms (the type tag's, quant_formats.h: model.quant_activations int16) then what
+   that rounding left, rounded again, as a second int8 row. Each 32-value sub-block of a weight row is
+   unpacked to unsigned bytes u = w + offset and multiplied with each int8 row as integers, each half of 16
+   values apart:
 
-       sum_i w_i x_i = sum over terms and halves h of  dx_h * s_h * (sum_i u_i q_i - offset * sum_i q_i) + dx_h * m * sum_i q_i
+       sum_i w_i x_i = sum over terms, halves h of  dx_h * s_h * (sum_i u_i q_i - offset * sum_i q_i) + dx_h * m * sum_i q_i
 
    where s_h is the sub-block's scale (the same for both halves but in Q6_K), m its additive min (Q4_1,
    Q5_1, Q4_K) and dx_h the term's scale for that half. The forms below multiply the terms as activation
@@ -210,7 +211,8 @@ void pdserve_quant_linear_team_into(int t, const float *x, int64_t rows, int64_t
         for (int64_t i = 0; i < rows; i++) y[i * ldy + n] = bias ? bias[n] : 0;
         for (int64_t i = 0; i < qrows; i += ROWS_AT_ONCE) {
             const int R = qrows - i < ROWS_AT_ONCE ? (int)(qrows - i) : ROWS_AT_ONCE;
-            dot_rows(t, row, K, R, q + i * K, d + i * (K / ACT_BLOCK), sum16 + i * (K / ACT_BLOCK), i, terms, y + n, ldy);
+            const int64_t at = i * (K / ACT_BLOCK);
+            dot_rows(t, row, K, R, q + i * K, d + at, sum16 + at, i, terms, y + n, ldy);
         }
     }
 #endif

@@ -35,7 +35,7 @@ SOURCES = Sources(
 )
 TYPE_IDS = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q4_K": 3, "Q6_K": 4, "I8": 5, "Q5_0": 6, "Q5_1": 7}  # quant_formats.h
 TERMS_TAG = 16  # tag = format + TERMS_TAG * (terms - 1) (quant_formats.h)
-# --quant-activations: the int8 terms each row of x is rounded to. int8: one, llama.cpp's scheme (blocks of 16
+# model.quant_activations: the int8 terms each row of x is rounded to. int8: one, llama.cpp's scheme (blocks of 16
 # where it has 32); int16: two, the second what the first left, so x to 1/64516 of each block's max
 ACTIVATIONS = {"int8": 1, "int16": 2}
 
