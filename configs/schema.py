@@ -26,6 +26,7 @@ def _field(default, *, choices: tuple | None = None, minimum: float | None = Non
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("", "int8")  # "": the checkpoint's own weights (a GGUF file keeps its blocks either way)
+QUANT_ACTIVATIONS = ("int8", "int16")  # kernels/cpu/quant.py's ACTIVATIONS
 TRANSPORTS = ("auto", "loopback", "shm", "cuda_ipc", "zmq")
 LOAD_FORMATS = ("auto", "dummy")
 
@@ -41,6 +42,11 @@ class ModelConfig:
     # vLLM's --quantization: "int8" = per-channel weight-only int8 made at load (CPU, float32 checkpoints;
     # engine/quant/int8.py)
     quantization: str = _field("", choices=QUANTIZATIONS)
+    # How the quantized CPU kernels round activations (GGUF blocks, int8): int8 = to int8 blocks of 16, as
+    # llama.cpp does in blocks of 32 (fastest); int16 = and what that left as a second int8 term: x to
+    # 1/64516 of each block's max, the output of the weights alone, at up to twice the integer work at
+    # many rows (docs/engine.md)
+    quant_activations: str = _field("int8", choices=QUANT_ACTIVATIONS)
     cache_dir: str = ""  # where the embedded default model is made on first use; "" = ~/.cache/pdserve
     served_model_name: str = (
         ""  # the name clients put in "model"; "" = path as given (the default model: "pdserve-small")

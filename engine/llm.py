@@ -24,7 +24,7 @@ from engine.lora.adapter import LoRAError
 from engine.lora.manager import LoRALimits, LoRAManager
 from engine.model.cpu_linear import exclusive_timing
 from engine.model.loader import load_model
-from engine.quant.apply import quantize_at_load, quantized_modules
+from engine.quant.apply import quantize_at_load, quantized_modules, use_quant_activations
 from engine.quant.forms import choose_quant_forms
 from engine.quant.forms import describe as describe_quant_forms
 from engine.quant.linear import int_up_to
@@ -71,6 +71,9 @@ def build_engine(
     _log_loaded(model, config, time.monotonic() - started)
     if model_cfg.quantization:
         quantize_at_load(model, model_cfg.quantization, device)
+    if model_cfg.quant_activations != "int8":  # before the forms are timed: they time the kernels as called
+        count = use_quant_activations(model, model_cfg.quant_activations)
+        log.info("quantized projections' activations: %s (%d projections)", model_cfg.quant_activations, count)
     fused_decode_rows = 0  # decode steps of up to this many rows may run as one C call (engine/model/decode_step.py)
     if device == "cpu":  # after set_num_threads: which form wins depends on the thread count
         layer_ops = cpu_native.load() if engine_cfg.cpu_layer_ops == "c" else None

@@ -25,10 +25,13 @@ def random_rows(type_name: str, out_features: int, in_features: int, seed: int =
     return blocks.reshape(out_features, -1)
 
 
-def activation_bound(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """[rows, out]: the most rounding x [rows, in] to int8 blocks of 16 (amax / 127 steps, as the kernels
-    round activations; llama.cpp's blocks are 32) can move x @ w.T (w [out, in]): half a step per value
-    times |w|."""
-    amax = np.abs(x.reshape(x.shape[0], -1, 16)).max(axis=2)  # [rows, in / 16]
-    half_step = np.repeat(amax / 254, 16, axis=1)  # [rows, in]
-    return half_step @ np.abs(w).T
+def activation_bound(x: np.ndarray, w: np.ndarray, terms: int = 1) -> np.ndarray:
+    """[rows, out]: the most the kernels' rounding of x [rows, in] can move x @ w.T (w [out, in]). They
+    round each block of 16 to int8 at amax / 127 steps (llama.cpp's blocks are 32), which moves a value by
+    at most half a step, amax / 254. With two terms what that left is rounded the same way: its block max is
+    at most amax / 254, so it leaves at most amax / 254 / 254 per value, plus float32's rounding of the
+    residual and of the sum (an ulp of x). Times |w|."""
+    blocks = np.abs(x.reshape(x.shape[0], -1, 16))
+    amax = blocks.max(axis=2, keepdims=True)
+    per_value = np.broadcast_to(amax / 254, blocks.shape) if terms == 1 else amax / 254 / 254 + blocks * 2.0**-23
+    return per_value.reshape(x.shape) @ np.abs(w).T

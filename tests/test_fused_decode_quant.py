@@ -11,7 +11,14 @@ import pytest
 
 from engine.llm import FUSED_DECODE_ROWS
 from engine.model.loader import load_model
-from engine.quant.apply import PROJECTIONS, linear_for, quantize_projections, quantized_modules, set_projection
+from engine.quant.apply import (
+    PROJECTIONS,
+    linear_for,
+    quantize_projections,
+    quantized_modules,
+    set_projection,
+    use_quant_activations,
+)
 from engine.quant.linear import QuantLinear
 from tests.test_cpu_linear import use_forms_everywhere
 from tests.test_fused_decode_step import RecordingHarness
@@ -50,6 +57,18 @@ def test_fused_quantized_steps_equal_the_layer_path_bit_for_bit(type_name, size,
     assert model.fused_decode.shape.quant_linear is not None
     harness = _decode_ten_steps(model, config, library)
     assert harness.fused_steps == 10  # the prefill step ran layer by layer, every decode step fused
+
+
+@pytest.mark.parametrize("type_name,size", [("Q8_0", "tiny"), ("Q4_K", "k256")])
+def test_fused_steps_round_activations_as_the_layers_do_with_two_terms(type_name, size, library):
+    """model.quant_activations int16: the fused step's projections carry the two-term tag (the layer path's
+    QuantLinear calls do), so both still give the same bits."""
+    model, config = _quantized_model(type_name, size, library)
+    assert use_quant_activations(model, "int16") == len(quantized_modules(model))
+    assert {m.lib.act_terms for m in quantized_modules(model)} == {2}
+    assert model.use_fused_decode(library)
+    harness = _decode_ten_steps(model, config, library)
+    assert harness.fused_steps == 10
 
 
 def test_a_model_mixing_quantized_and_float_projections(library):

@@ -1,11 +1,11 @@
 """A GGUF loaded as ``pdserve serve`` loads it runs its projections and LM head on the quantized kernels,
 and every product they make inside the engine is the float product of the file's own weights to within
-what the format's 8-bit activation blocks allow.
+what the kernels' rounding of activations allows.
 
-The bound, per output: each activation block of 16 is rounded to d * q with d = max|x| / 127, so each
-value moves by at most d / 2 = max|x| / 254, and output n moves by at most
-sum over blocks b of (max|x_b| / 254) * sum over i in b of |W[n, i]|, plus float32 rounding of the sums
-(tests/test_quant_kernels.py's allowance). The weights are the file's, decoded by llama.cpp's own
+The bound, per output: each activation block of 16 is rounded to d * q with d = max|x| / 127, and what that
+left is rounded the same way, so each value moves by at most max|x| / 254 / 254 (and an ulp), and output n
+by at most the sum over blocks b of (max|x_b| / 254 / 254) * sum over i in b of |W[n, i]|, plus float32
+rounding of the sums (tests/quant_blocks.py, tests/test_quant_kernels.py's allowance). The weights are the file's, decoded by llama.cpp's own
 ``gguf.quants.dequantize``, and the activations are the real hidden states of a prompt (forward hooks on
 every quantized module, the head's included), so the check covers the logits too."""
 
@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, dequantize
 
+from configs.loader import load_config
 from engine.llm import LLM
 from engine.quant.apply import quantized_modules
 from engine.quant.parts import QuantParts
@@ -39,6 +40,18 @@ def test_every_product_is_the_float_product_within_the_activation_bound(qtype: s
     assert len(modules) == 4 * len(model.layers) + 1 and model.quantized_head in modules  # + the LM head
     assert {m.qweight.type_name for m in modules} == {qtype}
     _check_every_product(llm, modules, qtype)
+
+
+@pytest.mark.parametrize("qtype", ("Q8_0", "Q4_1"))
+def test_with_int16_activations_every_product_is_within_the_two_term_bound(qtype: str, tmp_path: Path) -> None:
+    """``model.quant_activations: int16``: a second int8 term carries what the first rounding left, so each
+    product is within 1/254 of the one-term bound (tests/quant_blocks.py) of the float product."""
+    gguf_file = write_gguf(tiny_model_dir("mistral"), "mistral", tmp_path / "m.gguf", GGMLQuantizationType[qtype])
+    overrides = {"model.quant_activations": "int16", "engine.kv_cache_memory_mb": 8}
+    llm = LLM(str(gguf_file), config=load_config(None, overrides=overrides))
+    modules = quantized_modules(llm.engine.runner.model)
+    assert {m.lib.act_terms for m in modules} == {2}
+    _check_every_product(llm, modules, qtype, terms=2)
 
 
 def test_a_q4_k_m_mix_runs_every_projection_on_the_kernels(tmp_path: Path) -> None:
@@ -72,9 +85,9 @@ def _float_weight(module) -> np.ndarray:
     ).astype(np.float64)
 
 
-def _check_every_product(llm: LLM, modules: list, qtype: str | None) -> None:
-    """Greedy generation with a hook on every module: each product within the activation bound of the float
-    product of its weight as the file holds it."""
+def _check_every_product(llm: LLM, modules: list, qtype: str | None, terms: int = 1) -> None:
+    """Greedy generation with a hook on every module: each product within the activation bound (activations
+    in ``terms`` int8 terms) of the float product of its weight as the file holds it."""
     seen: list[tuple] = []
     # copies: the layers go on to work in place (SwiGLU over gate/up's output, the residual adds)
     hooks = [m.register_forward_hook(lambda m, args, y: seen.append((m, args[0].clone(), y.clone()))) for m in modules]
@@ -91,7 +104,7 @@ def _check_every_product(llm: LLM, modules: list, qtype: str | None) -> None:
         exact = x64 @ w.T + (0 if module.bias is None else module.bias.double().numpy())
         error = np.abs(y.reshape(exact.shape).double().numpy() - exact)
         sums = 2e-5 * np.abs(exact).max() * np.sqrt(module.in_features / 256)
-        bound = activation_bound(x64, w) + sums
+        bound = activation_bound(x64, w, terms) + sums
         assert (error <= bound).all(), f"{module}: error {error.max():.3g} over its bound"
         worst = max(worst, float((error / bound).max()))
     assert worst > 0  # the kernels did round: the kernel path ran, not a float fallback

@@ -18,14 +18,23 @@ TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q6_K")
 SHAPES = [(1, 256, 17), (3, 512, 33), (17, 1024, 7), (64, 4096, 5), (1, 4096, 129)]
 
 
-def _x_as_kernel_quantizes(x: np.ndarray) -> np.ndarray:
-    """x with each block of 16 rounded to int8 at scale max|x| / 127, as the kernel quantizes activations."""
+def _int8_blocks(x: np.ndarray) -> np.ndarray:
+    """float32 x with each block of 16 rounded to int8 at scale max|x| / 127 (halves to even), as d * q."""
     blocks = x.reshape(x.shape[0], -1, 16).astype(np.float32)
     amax = np.abs(blocks).max(axis=2, keepdims=True)
     scale = amax / np.float32(127)
     inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
-    q = np.rint(blocks * inv)
-    return (q.astype(np.float64) * scale.astype(np.float64)).reshape(x.shape)
+    return (np.rint(blocks * inv) * scale).astype(np.float32).reshape(x.shape)
+
+
+def _x_as_kernel_quantizes(x: np.ndarray, terms: int) -> np.ndarray:
+    """x as the kernel multiplies it: rounded to int8 blocks, and with two terms plus what that left
+    rounded the same way."""
+    first = _int8_blocks(x.astype(np.float32))
+    if terms == 1:
+        return first.astype(np.float64)
+    second = _int8_blocks((x.astype(np.float32) - first).astype(np.float32))
+    return first.astype(np.float64) + second.astype(np.float64)
 
 
 # the machine's best build, plain C, and the AVX2 path (kernels/cpu/quant_avx2.h) and 256-bit VNNI one where
@@ -37,9 +46,11 @@ BUILDS = {"best": {}, "scalar": {"scalar": True}} | {
 }
 
 
-@pytest.fixture(params=list(BUILDS))
+@pytest.fixture(params=[(build, activations) for build in BUILDS for activations in quant.ACTIVATIONS])
 def lib(request):
-    library = quant.load(**BUILDS[request.param])
+    """Each build, with activations in one int8 term and in two (model.quant_activations int8, int16)."""
+    build, activations = request.param
+    library = quant.load(**BUILDS[build], activations=activations)
     assert library is not None, "no C compiler builds kernels/cpu/quant.c here"
     return library
 
@@ -85,14 +96,14 @@ def _check_linear(lib, type_name: str, w: torch.Tensor, w_ref: np.ndarray, rows:
     bias = torch.randn(out_features, generator=torch.Generator().manual_seed(seed + 1))
     y = lib.linear(type_name, x, w, in_features, bias).double().numpy()
     # the kernel's own arithmetic: exact up to float32 sums
-    expected = _x_as_kernel_quantizes(x.numpy()) @ w_ref.T + bias.double().numpy()
+    expected = _x_as_kernel_quantizes(x.numpy(), lib.act_terms) @ w_ref.T + bias.double().numpy()
     scale = np.abs(expected).max()
     np.testing.assert_allclose(y, expected, atol=2e-5 * scale * np.sqrt(in_features / 256), rtol=0)
     # and against unquantized activations: within what rounding them to int8 blocks can move each output
-    # (llama.cpp's Q8 blocks too), plus the float32 sums' slack above
+    # (tests/quant_blocks.py), plus the float32 sums' slack above
     exact = x.double().numpy() @ w_ref.T + bias.double().numpy()
     slack = 2e-5 * scale * np.sqrt(in_features / 256)
-    assert (np.abs(y - exact) <= activation_bound(x.double().numpy(), w_ref) + slack).all()
+    assert (np.abs(y - exact) <= activation_bound(x.double().numpy(), w_ref, lib.act_terms) + slack).all()
 
 
 @pytest.mark.parametrize("type_name", TYPES)

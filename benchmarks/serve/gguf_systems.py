@@ -27,6 +27,9 @@ from __future__ import annotations
 # headline tag -> benchmarks/peers/gguf_variants.py format
 GGUF_FORMATS = {"q8": "q8_0", "q4": "q4_1", "q4km": "q4_k_m", "bf16": "bf16", "f16": "f16"}
 GGUF_STREAMS = (1, 16)
+# formats also served as coloc-<tag>-int16 (model.quant_activations int16: activations in two int8 terms),
+# run when --systems names them: beside coloc-<tag>, what carrying activations nearly exactly costs
+INT16_FORMATS = ("q8", "q4")
 
 
 def gguf_system_names(tag: str) -> tuple[str, str]:

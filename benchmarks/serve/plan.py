@@ -12,7 +12,8 @@ Systems (each its own ``pdserve serve``, the same cores):
   for N streams, the others on one server of LLAMA_CONFIG (benchmarks.serve.run_llama).
 - coloc-q8, llama-q8, coloc-q4, llama-q4, coloc-q4km, llama-q4km, coloc-bf16, llama-bf16, coloc-f16,
   llama-f16: pdserve and llama-server on the same SmolLM2 GGUF file at the same bits, streams at 1 and
-  16 (benchmarks/serve/gguf_systems.py).
+  16 (benchmarks/serve/gguf_systems.py); coloc-q8-int16, coloc-q4-int16: coloc-q8/q4 with
+  ``model.quant_activations: int16``.
 - coloc-spec, coloc-nospec, llama-spec: speculative decoding on and off, and llama-server's own, on the
   copying and free-generation chat workloads at 1, 4 and 16 streams (benchmarks/serve/spec_systems.py).
 The transformers static-batching baseline runs offline on the same mixed requests as the closed loops
@@ -27,7 +28,7 @@ from dataclasses import dataclass, field, replace
 import yaml
 
 from benchmarks.peers.llama_server import LlamaConfig
-from benchmarks.serve.gguf_systems import GGUF_FORMATS, GGUF_STREAMS, gguf_system_names
+from benchmarks.serve.gguf_systems import GGUF_FORMATS, GGUF_STREAMS, INT16_FORMATS, gguf_system_names
 from benchmarks.serve.spec_systems import LLAMA_SPEC_FLAGS, SPEC_STREAMS, spec_engine_section
 
 STATIC_BATCH_SIZE = 16
@@ -75,12 +76,15 @@ class Plan:
     stream_min_requests: int = 8  # ... and at least this many (one stream needs several for its ITL/TTFT)
 
 
-def _sections(prefix_caching: bool = True, kv_cache_dtype: str = "auto") -> dict:
+def _sections(prefix_caching: bool = True, kv_cache_dtype: str = "auto", quant_activations: str = "int8") -> dict:
     # Long enough for 2048-token prompts; pools sized so no workload preempts.
     engine = {"enable_prefix_caching": prefix_caching, "max_num_seqs": 64, "kv_cache_memory_mb": 1024}
     if kv_cache_dtype != "auto":
         engine["kv_cache_dtype"] = kv_cache_dtype
-    return {"model": {"max_model_len": 4096}, "engine": engine}
+    model = {"max_model_len": 4096}
+    if quant_activations != "int8":
+        model["quant_activations"] = quant_activations
+    return {"model": model, "engine": engine}
 
 
 def systems(quick: bool) -> tuple[SystemSpec, ...]:
@@ -127,6 +131,13 @@ def gguf_systems() -> tuple[SystemSpec, ...]:
         ours, theirs = gguf_system_names(tag)
         specs.append(SystemSpec(ours, 0, 1, _sections(), ("streams",), gguf=fmt, stream_levels=GGUF_STREAMS))
         specs.append(SystemSpec(theirs, 0, 0, {}, ("streams",), LLAMA_CONFIG, gguf=fmt, stream_levels=GGUF_STREAMS))
+    for tag in INT16_FORMATS:  # the same file with model.quant_activations int16: what the second term costs
+        sections = _sections(quant_activations="int16")
+        specs.append(
+            SystemSpec(
+                f"coloc-{tag}-int16", 0, 1, sections, ("streams",), gguf=GGUF_FORMATS[tag], stream_levels=GGUF_STREAMS
+            )
+        )
     return tuple(specs)
 
 

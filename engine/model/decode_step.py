@@ -23,13 +23,9 @@ from engine.model.cpu_linear import Linear
 from engine.quant.linear import QuantLinear
 from engine.quant.parts import QuantParts
 from engine.step.attention_metadata import AttentionMetadata
-from kernels.cpu.half import TYPE_IDS as HALF_IDS
 from kernels.cpu.native import DecodeLayer, DecodeShape, NativeLibrary, Projection
-from kernels.cpu.quant import TYPE_IDS as QUANT_IDS
 from kernels.cpu.row_library import RowKernelLibrary
 from kernels.triton.paged_decode import NativeDecode
-
-TYPE_IDS = QUANT_IDS | HALF_IDS  # one tag space: a Projection's format names its library's kernel
 
 
 class FusedDecodeStep:
@@ -139,17 +135,17 @@ def _projection(module) -> Projection:
     """The fused step's record of one projection's weight (``fits`` checked its kind)."""
     if isinstance(module, QuantLinear):
         rows = module.qweight.rows
-        return Projection(rows.data_ptr(), TYPE_IDS[module.qweight.type_name], rows.shape[1])
+        return Projection(rows.data_ptr(), module.lib.tag(module.qweight.type_name), rows.shape[1])
     if isinstance(module, QuantParts):  # two runs (parts.MAX_RUNS): the second from column ``split`` on
-        first, second = (run.qweight for run in module.runs)
+        first, second = module.runs
         return Projection(
-            first.rows.data_ptr(),
-            TYPE_IDS[first.type_name],
-            first.rows.shape[1],
-            first.out_features,
-            second.rows.data_ptr(),
-            TYPE_IDS[second.type_name],
-            second.rows.shape[1],
+            first.qweight.rows.data_ptr(),
+            first.lib.tag(first.qweight.type_name),
+            first.qweight.rows.shape[1],
+            first.qweight.out_features,
+            second.qweight.rows.data_ptr(),
+            second.lib.tag(second.qweight.type_name),
+            second.qweight.rows.shape[1],
         )
     return Projection(module.copies.c.data_ptr(), -1, 0)
 

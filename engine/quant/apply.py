@@ -91,6 +91,16 @@ def quantized_modules(model: nn.Module) -> list[QuantLinear]:
     return [m for m in model.modules() if isinstance(m, QuantLinear)]
 
 
+def use_quant_activations(model: nn.Module, activations: str) -> int:
+    """``model.quant_activations``: the block-format projections' kernel calls round x to ``activations``
+    (kernels/cpu/quant.py's ``ACTIVATIONS``); returns how many projections that is."""
+    lib = cpu_quant.load(activations=activations)
+    modules = [m for m in quantized_modules(model) if isinstance(m.lib, cpu_quant.QuantLibrary)]
+    for m in modules:
+        m.lib = lib
+    return len(modules)
+
+
 def quantize_at_load(model: nn.Module, method: str, device: str) -> None:
     """``--quantization`` applied to a loaded float model (CPU float32 only: the kernels are CPU ones)."""
     dtype = model.embed_tokens.dtype

@@ -1,7 +1,8 @@
 """``x @ W^T`` for a quantized weight, in one of two forms picked per row count at start (engine/quant/forms.py):
 
 - ``int``: the C kernel straight from the blocks (kernels/cpu/quant.c): the activations quantized to int8
-  blocks once per call, integer dot products; for F16/BF16 rows kernels/cpu/half.c (kernel_inputs.py).
+  blocks (one term, or two: ``model.quant_activations``) once per call, integer dot products; for F16/BF16
+  rows kernels/cpu/half.c (kernel_inputs.py).
   Reads the weight's bytes once per call whatever the rows, so it is the form for decode steps, where
   streaming the weight is the whole cost.
 - ``panel``: up to ``PANEL_ROWS`` weight rows at a time dequantized to a float32 panel (C), then torch's
@@ -40,7 +41,7 @@ def quantized_linear(
     ``out`` ([rows, out_features], a column range of a wider tensor may be) or a new tensor."""
     if form == "int":
         return lib.linear(weight.type_name, x, weight.rows, weight.in_features, bias, out)
-    x = kernel_inputs(weight.type_name, x)  # the int kernel's activations: both forms compute one function
+    x = kernel_inputs(weight.type_name, x, lib.act_terms)  # the int kernel's: both forms compute one function
     if out is None:
         out = torch.empty((x.shape[0], weight.out_features), dtype=torch.float32)
     for start in range(0, weight.out_features, PANEL_ROWS):

@@ -40,6 +40,7 @@ class Sources:
     name: str
     sources: tuple[Path, ...]
     headers: tuple[Path, ...]
+    flags: tuple[str, ...] = ()  # the library's own, after the common ones
 
 
 @dataclass(slots=True, frozen=True)
@@ -78,7 +79,7 @@ def _arch(variant: Variant) -> tuple[str, ...]:
 
 def _command(library: Sources, compiler: str, variant: Variant, output: str) -> list[str]:
     arch = list(_arch(variant))
-    flags = [*_FLAGS, *arch] + ([f"-DLANES={variant.lanes}"] if variant.lanes else [])
+    flags = [*_FLAGS, *library.flags, *arch] + ([f"-DLANES={variant.lanes}"] if variant.lanes else [])
     flags += [f"-D{name}" for name in variant.defines]
     link = []
     if variant.openmp:

@@ -29,8 +29,15 @@ SOURCES = Sources(
     name="cpu_quant",
     sources=tuple(Path(__file__).with_name(name) for name in ("quant.c", "quant_tile512.c", "quant_panel16.c")),
     headers=tuple(Path(__file__).with_name(name) for name in ("quant_formats.h", "quant_avx2.h")),
+    # quantize_row's residual x - d q is a product then a difference, each rounded, as in
+    # engine/quant/act_blocks.py: GCC would otherwise fuse them into one FMA where the target has it
+    flags=("-ffp-contract=off",),
 )
 TYPE_IDS = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q4_K": 3, "Q6_K": 4, "I8": 5, "Q5_0": 6, "Q5_1": 7}  # quant_formats.h
+TERMS_TAG = 16  # tag = format + TERMS_TAG * (terms - 1) (quant_formats.h)
+# model.quant_activations: the int8 terms each row of x is rounded to. int8: one, llama.cpp's scheme (blocks of 16
+# where it has 32); int16: two, the second what the first left, so x to 1/64516 of each block's max
+ACTIVATIONS = {"int8": 1, "int16": 2}
 
 
 # Instruction levels built besides the machine's own, by their compiler flags: an AVX-512 machine runs
@@ -65,8 +72,11 @@ def _build(compiler: str, scalar: bool, level: str) -> Path:
 class QuantLibrary(RowKernelLibrary):
     """``linear(type, x, rows)`` and ``dequantize(type, rows, start, count)`` over quantized weight rows."""
 
-    def __init__(self, path: Path):
-        super().__init__(path, "quant", TYPE_IDS)
+    def __init__(self, path: Path, activations: str = "int8"):
+        self.act_terms = ACTIVATIONS[activations]
+        super().__init__(path, "quant", {k: v + TERMS_TAG * (self.act_terms - 1) for k, v in TYPE_IDS.items()})
+        if self.act_terms > 1:  # its own timings (engine/quant/forms.py keys them by the name)
+            self.name += f"+{activations}"
         self.vnni = bool(self.symbol("vnni")())
         self.avx2 = bool(self.symbol("avx2")())  # AVX2 without VNNI: kernels/cpu/quant_avx2.h
         self.tiles512 = bool(self.symbol("tiles512")())  # kernels/cpu/quant_tile512.c
@@ -83,9 +93,10 @@ class QuantLibrary(RowKernelLibrary):
 
 
 @functools.cache
-def load(scalar: bool = False, level: str = "native") -> QuantLibrary | None:
+def load(scalar: bool = False, level: str = "native", activations: str = "int8") -> QuantLibrary | None:
     """The kernels, built if need be; None (logged once) where no compiler builds them here. ``level``: a
-    key of ``LEVELS``; a build above this CPU's instructions loads but dies of SIGILL when called."""
+    key of ``LEVELS``; a build above this CPU's instructions loads but dies of SIGILL when called.
+    ``activations``: a key of ``ACTIVATIONS``, how the returned object's calls round x (one build serves all)."""
     if level not in LEVELS:
         raise ValueError(f"instruction level {level!r} is not one of {sorted(LEVELS)}")
     compiler = shutil.which(os.environ.get("CC", "cc"))
@@ -93,7 +104,7 @@ def load(scalar: bool = False, level: str = "native") -> QuantLibrary | None:
         log.warning("no C compiler (CC=%s): quantized weights are dequantized at load", os.environ.get("CC", "cc"))
         return None
     try:
-        library = QuantLibrary(_build(compiler, scalar, level))
+        library = QuantLibrary(_build(compiler, scalar, level), activations)
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         log.warning("quantized C kernels unavailable, quantized weights are dequantized at load: %s", e)
         return None

@@ -30,6 +30,20 @@
    applies two activation scales per sub-block, as it applies Q6_K's two weight scales. Rounding in blocks
    of 16 rather than llama.cpp's 32 halves the activations' share of the error (docs/benchmarks.md). */
 #define ACT_BLOCK 16
+/* Rows of int8 activations per row of x (quant.c's quantize_row), chosen per call by the type tag: tag = format
+   + TERMS_TAG * (terms - 1). One term: x rounded (llama.cpp's scheme, with finer blocks). Two: then what that
+   rounding left, rounded in its own blocks of 16, so x is carried to 1/64516 of each block's max rather
+   than 1/254 (model.quant_activations int16). The forms multiply them as rows of their own, each x row's terms
+   adjacent, and add a row's terms into one output row (the first stores, the next adds: term_out below). */
+#define TERMS_TAG 16
+#define MAX_TERMS 2
+
+/* Where quantized activation row i's outputs go: row i / terms of y (ldy floats apart). */
+static inline float *term_out(float *y, int64_t ldy, int64_t i, int terms) { return y + i / terms * ldy; }
+
+/* The format decoders: always inlined, so each tile instantiation specializes them (at GCC's own choice
+   one of them stopped being inlined once a tile shape was added, and one-row Q4_K ran 1.5x slower) */
+#define DECODER static inline __attribute__((always_inline))
 
 enum { T_Q8_0 = 0, T_Q4_0 = 1, T_Q4_1 = 2, T_Q4_K = 3, T_Q6_K = 4, T_I8 = 5, T_Q5_0 = 6, T_Q5_1 = 7 };
 
@@ -72,7 +86,7 @@ typedef struct {
     int off;
 } sub_t;
 
-static inline void nibbles(const uint8_t *qs, uint8_t *u) { /* 16 bytes -> 32 values, low nibbles first */
+DECODER void nibbles(const uint8_t *qs, uint8_t *u) { /* 16 bytes -> 32 values, low nibbles first */
     for (int i = 0; i < 16; i++) {
         u[i] = qs[i] & 15;
         u[i + 16] = qs[i] >> 4;
@@ -80,13 +94,13 @@ static inline void nibbles(const uint8_t *qs, uint8_t *u) { /* 16 bytes -> 32 va
 }
 
 /* Q5_0/Q5_1's fifth bits: bit i of the 4 bytes at qh is value i's 16 (ggml's dequantize_row_q5_0). */
-static inline void fifth_bits(const uint8_t *qh, uint8_t *u) {
+DECODER void fifth_bits(const uint8_t *qh, uint8_t *u) {
     uint32_t h;
     memcpy(&h, qh, 4);
     for (int i = 0; i < 32; i++) u[i] |= ((h >> i) & 1) << 4;
 }
 
-static inline void q4k_scale_min(int j, const uint8_t *q, int *sc, int *m) { /* ggml's get_scale_min_k4 */
+DECODER void q4k_scale_min(int j, const uint8_t *q, int *sc, int *m) { /* ggml's get_scale_min_k4 */
     if (j < 4) {
         *sc = q[j] & 63;
         *m = q[j + 4] & 63;
@@ -97,7 +111,7 @@ static inline void q4k_scale_min(int j, const uint8_t *q, int *sc, int *m) { /* 
 }
 
 /* Sub-block b (of 32 values) of a row in type t: its scales, and with ``bytes`` its values in s->u. */
-static inline void unpack(int t, const uint8_t *row, int64_t b, sub_t *s, int bytes) {
+DECODER void unpack(int t, const uint8_t *row, int64_t b, sub_t *s, int bytes) {
     switch (t) {
     case T_Q8_0: {
         const uint8_t *p = row + b * 34;
@@ -170,7 +184,7 @@ static inline void unpack(int t, const uint8_t *row, int64_t b, sub_t *s, int by
 
 #if QUANT_SIMD
 /* 16 in byte i where bit i of the 4 bytes at qh is set, else 0: Q5_0/Q5_1's fifth bits as bytes. */
-static inline __m256i fifth_bits_vec(const uint8_t *qh) {
+DECODER __m256i fifth_bits_vec(const uint8_t *qh) {
     uint32_t h;
     memcpy(&h, qh, 4);
 #if defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -186,7 +200,7 @@ static inline __m256i fifth_bits_vec(const uint8_t *qh) {
 
 /* The values of sub-block b as unpack() lays them in s->u, straight into a register: built in memory byte
    by byte, the 32-byte reload waited on two 16-byte stores (no store forwarding), 10x slower for Q4_0. */
-static inline __m256i unpack_vec(int t, const uint8_t *row, int64_t b) {
+DECODER __m256i unpack_vec(int t, const uint8_t *row, int64_t b) {
     const __m256i low4 = _mm256_set1_epi8(15), flip = _mm256_set1_epi8((char)0x80);
     switch (t) {
     case T_Q8_0:

@@ -24,11 +24,15 @@
 #if QUANT_512
 #define PANEL 16   /* weight rows side by side in a vector's lanes */
 #define GROUP 8    /* activation rows whose sums stay in registers */
-#define MIN_ROWS 8 /* fewer activation rows: quant_tile512.c (the panel's unpacking would not pay) */
+/* Fewer rows of x: quant_tile512.c (the panel's unpacking would not pay), whatever the activations' terms
+   per row (EPYC Zen 5, SmolLM2's Q8_0/Q4_1 projections with two terms: at 4 rows of x, 8 activation rows,
+   the tiles took 0.64-0.92 of the panels' time; at 8 rows of x the two were level, at 16 the panels took
+   half the tiles') */
+#define MIN_ROWS 8
 
-int quant16_takes(int t, int64_t rows) {
+int quant16_takes(int t, int64_t rows, int terms) {
     (void)t;
-    return rows >= MIN_ROWS;
+    return rows >= MIN_ROWS * terms;
 }
 
 /* A panel of 16 weight rows, unpacked: T[block][j][16 lanes] the 4-value groups j of each block, ws and wh
@@ -133,14 +137,16 @@ static void min_factors(const float *d, const int32_t *sum16, int64_t rows, int6
         xmin[i] = d[2 * i] * (float)sum16[2 * i] + d[2 * i + 1] * (float)sum16[2 * i + 1];
 }
 
-void quant512_span(int t, const int8_t *q, const uint8_t *lanes, int64_t rows, int64_t K, const uint8_t *w,
-                   int64_t n_begin, int64_t n_end, int64_t ldy, int64_t row_bytes, const float *bias, float *y);
+void quant512_span(int t, const int8_t *q, const uint8_t *lanes, int64_t rows, int terms, int64_t K,
+                   const uint8_t *w, int64_t n_begin, int64_t n_end, int64_t ldy, int64_t row_bytes,
+                   const float *bias, float *y);
 
-/* y[rows][N] = x @ W^T (+ bias) inside quant.c's parallel region, the threads splitting the panels.
+/* y[rows / terms][N] = x @ W^T (+ bias) inside quant.c's parallel region, the threads splitting the
+   panels; rows: the quantized activation rows, `terms` per row of x (quant512_span's).
    ldy: floats between y's rows. q, d, sum16: the activations as quant.c's quantize_row lays them; lanes:
    quant512_lanes', for a thread whose panel memory cannot be had (it then runs quant_tile512.c's kernel). */
 void quant16_rows(int t, const int8_t *q, const float *d, const int32_t *sum16, const uint8_t *lanes, int64_t rows,
-                  int64_t K, const uint8_t *w, int64_t N, int64_t row_bytes, const float *bias, float *y,
+                  int terms, int64_t K, const uint8_t *w, int64_t N, int64_t row_bytes, const float *bias, float *y,
                   int64_t ldy) {
     const int64_t nb = K / 32, panel_bytes = nb * PANEL * (8 * 4 + 12); /* T, ws, wm, wh: a multiple of 64 */
     const int64_t xmin_bytes = weight_has_min(t) ? (rows * nb * 4 + 63) / 64 * 64 : 0;
@@ -153,7 +159,7 @@ void quant16_rows(int t, const int8_t *q, const float *d, const int32_t *sum16, 
 #pragma omp for schedule(static)
     for (int64_t n0 = 0; n0 < N; n0 += PANEL) {
         if (space == NULL) {
-            quant512_span(t, q, lanes, rows, K, w, n0, n0 + PANEL < N ? n0 + PANEL : N, ldy, row_bytes, bias, y);
+            quant512_span(t, q, lanes, rows, terms, K, w, n0, n0 + PANEL < N ? n0 + PANEL : N, ldy, row_bytes, bias, y);
             continue;
         }
         const panel_t p = {(int32_t *)space, (float *)(space + nb * 8 * PANEL * 4),
@@ -166,7 +172,11 @@ void quant16_rows(int t, const int8_t *q, const float *d, const int32_t *sum16, 
             const int nx = left >= GROUP ? GROUP : left >= 4 ? 4 : 1;
             __m512 acc[GROUP];
             panel_any(t, nx, &p, acts_from(x, i0, K), K, acc);
-            for (int r = 0; r < nx; r++) _mm512_mask_storeu_ps(y + (i0 + r) * ldy + n0, keep, _mm512_add_ps(b16, acc[r]));
+            for (int r = 0; r < nx; r++) { /* a row's first term stores, the next adds */
+                float *at = term_out(y, ldy, i0 + r, terms) + n0;
+                const __m512 base = (i0 + r) % terms ? _mm512_maskz_loadu_ps(keep, at) : b16;
+                _mm512_mask_storeu_ps(at, keep, _mm512_add_ps(base, acc[r]));
+            }
             i0 += nx;
         }
     }

@@ -148,10 +148,12 @@ static inline __attribute__((always_inline)) void tile(int t, int nw, int nx, co
     default: tile(T_I8, NW, NX, w, x, K, row_bytes, ahead, out); break;                                        \
     }
 
-/* nw: TILE_W1 for a single activation row (nx 1), else TILE_W */
+/* nw: TILE_W1 for a single row of x (nx its 1 or 2 terms), else TILE_W */
 static void tile_any(int t, int nw, int nx, const uint8_t *const *w, const xrow_t *x, int64_t K, int64_t row_bytes,
                      int64_t ahead, float out[TILE_W1][TILE_X]) {
-    if (nw == TILE_W1) {
+    if (nw == TILE_W1 && nx == 2) {
+        FORMATS(TILE_W1, 2)
+    } else if (nw == TILE_W1) {
         FORMATS(TILE_W1, 1)
     } else if (nx == TILE_X) {
         FORMATS(TILE_W, TILE_X)
@@ -164,11 +166,13 @@ static void tile_any(int t, int nw, int nx, const uint8_t *const *w, const xrow_
     }
 }
 
-/* y[rows][n] = x @ W^T (+ bias) for the output rows n of [n_begin, n_end). q: the activations (rows * K
-   int8), lanes: quant512_lanes of each row (rows * quant512_lane_bytes(K)); ldy: floats between y's rows. */
-void quant512_span(int t, const int8_t *q, const uint8_t *lanes, int64_t rows, int64_t K, const uint8_t *w,
-                   int64_t n_begin, int64_t n_end, int64_t ldy, int64_t row_bytes, const float *bias, float *y) {
-    const int64_t ahead = AHEAD_BYTES, nw = rows == 1 ? TILE_W1 : TILE_W;
+/* y[rows / terms][n] = x @ W^T (+ bias) for the output rows n of [n_begin, n_end). q: the quantized
+   activations (rows * K int8, each row of x's terms adjacent), lanes: quant512_lanes of each row (rows *
+   quant512_lane_bytes(K)); ldy: floats between y's rows. */
+void quant512_span(int t, const int8_t *q, const uint8_t *lanes, int64_t rows, int terms, int64_t K,
+                   const uint8_t *w, int64_t n_begin, int64_t n_end, int64_t ldy, int64_t row_bytes,
+                   const float *bias, float *y) {
+    const int64_t ahead = AHEAD_BYTES, nw = rows == terms ? TILE_W1 : TILE_W;
     /* the span's first bytes: the tiles' own prefetches start ``ahead`` past them */
     for (int64_t at = 0; at < ahead && at < (n_end - n_begin) * row_bytes; at += 64)
         _mm_prefetch((const char *)(w + n_begin * row_bytes + at), _MM_HINT_T0);
@@ -186,7 +190,10 @@ void quant512_span(int t, const int8_t *q, const uint8_t *lanes, int64_t rows, i
             float out[TILE_W1][TILE_X];
             tile_any(t, (int)nw, nx, wr, x, K, row_bytes, ahead, out);
             for (int n = 0; n < nw && n0 + n < n_end; n++)
-                for (int r = 0; r < nx; r++) y[(i0 + r) * ldy + n0 + n] = (bias ? bias[n0 + n] : 0) + out[n][r];
+                for (int r = 0; r < nx; r++) {
+                    float *at = term_out(y, ldy, i0 + r, terms) + n0 + n; /* a row's first term stores, the next adds */
+                    *at = ((i0 + r) % terms ? *at : bias ? bias[n0 + n] : 0) + out[n][r];
+                }
             i0 += nx;
         }
     }
@@ -194,7 +201,7 @@ void quant512_span(int t, const int8_t *q, const uint8_t *lanes, int64_t rows, i
 
 /* quant512_span over all N output rows inside quant.c's parallel region: each thread one run of rows
    (its prefetches run ahead within it), a multiple of the widest tile. */
-void quant512_rows(int t, const int8_t *q, const uint8_t *lanes, int64_t rows, int64_t K, const uint8_t *w,
+void quant512_rows(int t, const int8_t *q, const uint8_t *lanes, int64_t rows, int terms, int64_t K, const uint8_t *w,
                    int64_t N, int64_t row_bytes, const float *bias, float *y, int64_t ldy) {
 #ifdef _OPENMP
     const int64_t threads = omp_get_num_threads();
@@ -205,7 +212,7 @@ void quant512_rows(int t, const int8_t *q, const uint8_t *lanes, int64_t rows, i
 #pragma omp for schedule(static)
     for (int64_t c = 0; c < threads; c++) {
         const int64_t begin = c * tiles / threads * TILE_W1, end = (c + 1) * tiles / threads * TILE_W1;
-        if (begin < N) quant512_span(t, q, lanes, rows, K, w, begin, end < N ? end : N, ldy, row_bytes, bias, y);
+        if (begin < N) quant512_span(t, q, lanes, rows, terms, K, w, begin, end < N ? end : N, ldy, row_bytes, bias, y);
     }
 }
 #endif

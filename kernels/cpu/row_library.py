@@ -23,6 +23,8 @@ class RowKernelLibrary:
     """``linear(type, x, rows)`` and ``dequantize(type, rows, start, count)`` over weight rows of the formats
     in ``type_ids`` (name -> the C library's tag)."""
 
+    act_terms = 1  # the int8 terms a row of x is rounded to (quant.c; engine/quant/kernel_inputs.py)
+
     def __init__(self, path: Path, prefix: str, type_ids: dict[str, int]):
         self.name = path.name
         self._lib = ctypes.CDLL(str(path))
@@ -43,6 +45,10 @@ class RowKernelLibrary:
     def symbol(self, name: str):
         """The library's ``pdserve_<prefix>_<name>``."""
         return getattr(self._lib, f"pdserve_{self._prefix}_{name}")
+
+    def tag(self, type_name: str) -> int:
+        """The C library's tag for ``type_name`` as this library object runs it."""
+        return self._type_ids[type_name]
 
     def check_rows(self, rows: torch.Tensor, in_features: int) -> None:
         """What a format family asks of ``rows`` for ``in_features`` inputs, beyond being uint8 rows."""
@@ -68,7 +74,7 @@ class RowKernelLibrary:
         y = torch.empty((m, out_features), dtype=torch.float32) if out is None else out
         assert y.dtype == torch.float32 and y.shape == (m, out_features) and (m < 2 or y.stride(1) == 1), y.stride()
         scratch = torch.empty(self.scratch_bytes(m, in_features), dtype=torch.uint8)
-        tag = type_name if isinstance(type_name, int) else self._type_ids[type_name]
+        tag = type_name if isinstance(type_name, int) else self.tag(type_name)
         ldy = y.stride(0) if m > 1 else out_features
         self._linear(
             tag, x.data_ptr(), m, in_features, rows.data_ptr(), out_features, rows.shape[1],
@@ -100,7 +106,7 @@ class RowKernelLibrary:
         assert start >= 0 and start + count <= rows.shape[0]
         out = torch.empty((count, in_features), dtype=torch.float32)
         self._dequantize(
-            self._type_ids[type_name], rows.data_ptr(), start, count, in_features, rows.shape[1], out.data_ptr(),
+            self.tag(type_name), rows.data_ptr(), start, count, in_features, rows.shape[1], out.data_ptr(),
             torch.get_num_threads(),
         )  # fmt: skip
         return out
