@@ -32,7 +32,15 @@ def test_plan_pairs_pdserve_and_llama_on_the_same_file():
             ("llama-bf16", "bf16", True),
             ("coloc-f16", "f16", False),
             ("llama-f16", "f16", True),
+            ("coloc-q8-int16", "q8_0", False),
+            ("coloc-q4-int16", "q4_1", False),
         ]
+        # the two-term variants: their file's pdserve with model.quant_activations int16, run only when named
+        variants = {s.name: s for s in gguf if s.opt_in}
+        assert sorted(variants) == ["coloc-q4-int16", "coloc-q8-int16"]
+        assert all(s.sections["model"]["quant_activations"] == "int16" for s in variants.values())
+        assert not set(variants) & {s.name for s in P.select(P.plan(quick)).systems}
+        assert [s.name for s in P.select(P.plan(quick), ["coloc-q8-int16"]).systems] == ["coloc-q8-int16"]
         for spec in gguf:
             assert spec.workloads == ("streams",) and spec.stream_levels == (1, 16)
             assert spec.llama in (None, P.LLAMA_CONFIG) and spec.num_prefill == 0

@@ -178,7 +178,8 @@ def test_select_narrows_the_plan_and_overrides_every_system():
         }
         assert spec.sections["model"] == {"max_model_len": 4096}
     assert (picked.short_requests, picked.num_bursts) == (full.short_requests, full.num_bursts)
-    assert P.select(full) == full
+    # unnarrowed: the whole plan but the opt-in variants, which run only where named
+    assert P.select(full).systems == tuple(s for s in full.systems if not s.opt_in)
     assert full.systems[0].sections["engine"]["max_num_seqs"] == 64  # the plan itself is untouched
 
 
@@ -187,7 +188,7 @@ def test_select_narrows_the_plan_and_overrides_every_system():
     [
         (
             (["disag"], None, []),
-            "unknown system(s) ['disag']; choose from ['disagg', 'coloc', 'nocache', 'llama', 'disagg-int8', 'coloc-q8', 'llama-q8', 'coloc-q4', 'llama-q4', 'coloc-q4km', 'llama-q4km', 'coloc-bf16', 'llama-bf16', 'coloc-f16', 'llama-f16', 'coloc-spec', 'coloc-nospec', 'llama-spec']",
+            "unknown system(s) ['disag']; choose from ['disagg', 'coloc', 'nocache', 'llama', 'disagg-int8', 'coloc-q8', 'llama-q8', 'coloc-q4', 'llama-q4', 'coloc-q4km', 'llama-q4km', 'coloc-bf16', 'llama-bf16', 'coloc-f16', 'llama-f16', 'coloc-q8-int16', 'coloc-q4-int16', 'coloc-spec', 'coloc-nospec', 'llama-spec']",
         ),
         ((None, ["mixed"], []), "unknown workload(s) ['mixed']"),
         (

@@ -13,7 +13,7 @@ Systems (each its own ``pdserve serve``, the same cores):
 - coloc-q8, llama-q8, coloc-q4, llama-q4, coloc-q4km, llama-q4km, coloc-bf16, llama-bf16, coloc-f16,
   llama-f16: pdserve and llama-server on the same SmolLM2 GGUF file at the same bits, streams at 1 and
   16 (benchmarks/serve/gguf_systems.py); coloc-q8-int16, coloc-q4-int16: coloc-q8/q4 with
-  ``model.quant_activations: int16``.
+  ``model.quant_activations: int16``, run only where ``--systems`` names them.
 - coloc-spec, coloc-nospec, llama-spec: speculative decoding on and off, and llama-server's own, on the
   copying and free-generation chat workloads at 1, 4 and 16 streams (benchmarks/serve/spec_systems.py).
 The transformers static-batching baseline runs offline on the same mixed requests as the closed loops
@@ -57,6 +57,7 @@ class SystemSpec:
     llama: LlamaConfig | None = None  # set: llama-server with this configuration instead of pdserve
     gguf: str = ""  # a SmolLM2 GGUF format (benchmarks/peers/gguf_variants.py) served instead of the model
     stream_levels: tuple[int, ...] = STREAM_CONCURRENCIES  # the streams workload's concurrencies
+    opt_in: bool = False  # runs only where --systems names it (a variant's cost, not a headline's run)
 
 
 @dataclass(slots=True, frozen=True)
@@ -135,7 +136,14 @@ def gguf_systems() -> tuple[SystemSpec, ...]:
         sections = _sections(quant_activations="int16")
         specs.append(
             SystemSpec(
-                f"coloc-{tag}-int16", 0, 1, sections, ("streams",), gguf=GGUF_FORMATS[tag], stream_levels=GGUF_STREAMS
+                f"coloc-{tag}-int16",
+                0,
+                1,
+                sections,
+                ("streams",),
+                gguf=GGUF_FORMATS[tag],
+                stream_levels=GGUF_STREAMS,
+                opt_in=True,
             )
         )
     return tuple(specs)
@@ -220,7 +228,7 @@ def select(
         changes.setdefault(section, {})[field_name] = yaml.safe_load(value)
     chosen = []
     for spec in p.systems:
-        if systems and spec.name not in systems:
+        if (systems and spec.name not in systems) or (not systems and spec.opt_in):
             continue
         names = tuple(w for w in spec.workloads if not workloads or w in workloads)
         sections = {k: {**spec.sections.get(k, {}), **changes.get(k, {})} for k in {*spec.sections, *changes}}

@@ -115,7 +115,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--systems",
         default=None,
         help="only these systems (comma-separated): disagg, coloc, nocache, disagg-int8, llama, the same-GGUF "
-        "pairs, coloc-spec, coloc-nospec, llama-spec",
+        "pairs, coloc-spec, coloc-nospec, llama-spec; coloc-q8-int16 and coloc-q4-int16 run only when named",
     )
     p.add_argument(
         "--workloads",
