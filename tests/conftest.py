@@ -12,6 +12,22 @@ if not torch.cuda.is_available():
 from kernels.cpu import native as cpu_native  # noqa: E402 (after TRITON_INTERPRET: @triton.jit reads it)
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test that used a running cluster (tests/cluster_harness.py) shows that cluster's last log
+    lines: the gateway's and workers' side of a failure seen only once under CI's load."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.when == "call" and report.failed:
+        from tests.cluster_harness import ServeProcess
+
+        for name, value in getattr(item, "funcargs", {}).items():
+            if isinstance(value, ServeProcess) and value.log:
+                report.sections.append(
+                    (f"Captured log of the cluster '{name}' (last 80 lines)", "".join(value.log[-80:]))
+                )
+
+
 @pytest.fixture(scope="session", autouse=True)
 def forms_cache_dir(tmp_path_factory):
     """The CPU matmul forms picked in this run, shared by its processes (workers inherit the
