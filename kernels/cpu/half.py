@@ -12,18 +12,14 @@ against the same float64 references.
 from __future__ import annotations
 
 import functools
-import logging
 import os
 import shutil
-import subprocess
 from pathlib import Path
 
 import torch
 
-from kernels.cpu.build import Sources, Variant, build_library, native_features
-from kernels.cpu.row_library import RowKernelLibrary
-
-log = logging.getLogger(__name__)
+from kernels.cpu.build import Sources, Variant, native_features
+from kernels.cpu.row_library import RowKernelLibrary, load_built
 
 SOURCES = Sources(
     name="cpu_half",
@@ -76,15 +72,7 @@ def load(scalar: bool = False, level: str = "native") -> HalfLibrary | None:
     """The kernels, built if need be; None (logged once) where no compiler builds them here."""
     if level not in LEVELS:
         raise ValueError(f"instruction level {level!r} is not one of {sorted(LEVELS)}")
-    compiler = shutil.which(os.environ.get("CC", "cc"))
-    if compiler is None:
-        log.warning("no C compiler (CC=%s): F16/BF16 weights widened to float32 at load", os.environ.get("CC", "cc"))
-        return None
     variant = Variant(defines=("PDSERVE_HALF_SCALAR",) if scalar else (), arch=LEVELS[level])
-    try:
-        library = HalfLibrary(build_library(SOURCES, compiler, variant))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        log.warning("16-bit weight C kernels unavailable, F16/BF16 weights are widened to float32 at load: %s", e)
-        return None
-    log.info("16-bit weight C kernels: %s, %s code path", library.name, library.instructions)
-    return library
+    return load_built(
+        SOURCES, variant, HalfLibrary, "16-bit weight C kernels", "F16/BF16 weights are widened to float32 at load"
+    )

@@ -168,12 +168,10 @@ static void quantize_lanes(int t, const float *x, int64_t i, int64_t K, int term
 #endif
 }
 
-/* Bytes of scratch pdserve_quant_linear needs for `rows` rows of K values: for each of their (up to
-   MAX_TERMS) quantized rows the int8 values, block scales (float per 16), sums of 16 and (the 512-bit
-   tiles) lanes of 3 K bytes. */
-int64_t pdserve_quant_scratch_bytes(int64_t rows, int64_t K) {
-    return rows * MAX_TERMS * (K + K / 4 + K / 4 + 3 * K);
-}
+/* Bytes of scratch pdserve_quant_linear needs for `rows` quantized rows of K values (rows of x times their
+   terms): their int8 values, block scales (float per 16), sums of 16 and (the 512-bit tiles) lanes of 3 K
+   bytes. */
+int64_t pdserve_quant_scratch_bytes(int64_t rows, int64_t K) { return rows * (K + K / 4 + K / 4 + 3 * K); }
 
 /* The body of pdserve_quant_linear for every thread of an enclosing team (its worksharing binds to that
    team's region): kernels/cpu/decode_step_team.c runs a decode step's projections this way in one region.

@@ -12,18 +12,14 @@ times beside the native build.
 from __future__ import annotations
 
 import functools
-import logging
 import os
 import shutil
-import subprocess
 from pathlib import Path
 
 import torch
 
-from kernels.cpu.build import Sources, Variant, build_library, native_features
-from kernels.cpu.row_library import RowKernelLibrary
-
-log = logging.getLogger(__name__)
+from kernels.cpu.build import Sources, Variant, native_features
+from kernels.cpu.row_library import RowKernelLibrary, load_built
 
 SOURCES = Sources(
     name="cpu_quant",
@@ -64,11 +60,6 @@ def levels_here() -> tuple[str, ...]:
     return tuple(level for level, needs in _LEVEL_NEEDS.items() if set(needs) <= features)
 
 
-def _build(compiler: str, scalar: bool, level: str) -> Path:
-    variant = Variant(defines=("PDSERVE_QUANT_SCALAR",) if scalar else (), arch=LEVELS[level])
-    return build_library(SOURCES, compiler, variant)
-
-
 class QuantLibrary(RowKernelLibrary):
     """``linear(type, x, rows)`` and ``dequantize(type, rows, start, count)`` over quantized weight rows."""
 
@@ -99,14 +90,11 @@ def load(scalar: bool = False, level: str = "native", activations: str = "int8")
     ``activations``: a key of ``ACTIVATIONS``, how the returned object's calls round x (one build serves all)."""
     if level not in LEVELS:
         raise ValueError(f"instruction level {level!r} is not one of {sorted(LEVELS)}")
-    compiler = shutil.which(os.environ.get("CC", "cc"))
-    if compiler is None:
-        log.warning("no C compiler (CC=%s): quantized weights are dequantized at load", os.environ.get("CC", "cc"))
-        return None
-    try:
-        library = QuantLibrary(_build(compiler, scalar, level), activations)
-    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        log.warning("quantized C kernels unavailable, quantized weights are dequantized at load: %s", e)
-        return None
-    log.info("quantized C kernels: %s, %s code path", library.name, library.instructions)
-    return library
+    variant = Variant(defines=("PDSERVE_QUANT_SCALAR",) if scalar else (), arch=LEVELS[level])
+    return load_built(
+        SOURCES,
+        variant,
+        lambda path: QuantLibrary(path, activations),
+        "quantized C kernels",
+        "quantized weights are dequantized at load",
+    )

@@ -36,7 +36,6 @@
    than 1/254 (model.quant_activations int16). The forms multiply them as rows of their own, each x row's terms
    adjacent, and add a row's terms into one output row (the first stores, the next adds: term_out below). */
 #define TERMS_TAG 16
-#define MAX_TERMS 2
 
 /* Where quantized activation row i's outputs go: row i / terms of y (ldy floats apart). */
 static inline float *term_out(float *y, int64_t ldy, int64_t i, int terms) { return y + i / terms * ldy; }

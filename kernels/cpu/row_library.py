@@ -6,15 +6,26 @@ decode step (kernels/cpu/decode_step.c) take either.
   linear_into(tag, x, m, in, rows, out, row_bytes, bias, y, ldy, scratch, threads)   y = x @ W^T (+ bias)
   linear_team_into(...)        the same, called by every thread of a caller's OpenMP region (C callers)
   dequantize(tag, rows, start, count, in, row_bytes, out, threads)   rows as float32
-  scratch_bytes(m, in)         work space one linear_into of m rows takes
+  scratch_bytes(m, in)         work space one linear_into takes for m rows of activations as it rounds them
+                               (m rows of x times act_terms in the quantized library)
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
+import os
+import shutil
+import subprocess
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import torch
+
+from kernels.cpu.build import Sources, Variant, build_library
+
+log = logging.getLogger(__name__)
 
 _SIZE, _PTR = ctypes.c_int64, ctypes.c_void_p
 
@@ -95,7 +106,7 @@ class RowKernelLibrary:
 
     def scratch_bytes(self, rows: int, in_features: int) -> int:
         """Bytes of work space one ``linear`` of ``rows`` rows of ``in_features`` values takes."""
-        return int(self._scratch_bytes(rows, in_features))
+        return int(self._scratch_bytes(rows * self.act_terms, in_features))  # the C side counts quantized rows
 
     def dequantize(
         self, type_name: str, rows: torch.Tensor, in_features: int, start: int = 0, count: int | None = None
@@ -110,3 +121,24 @@ class RowKernelLibrary:
             torch.get_num_threads(),
         )  # fmt: skip
         return out
+
+
+L = TypeVar("L", bound=RowKernelLibrary)
+
+
+def load_built(sources: Sources, variant: Variant, make: Callable[[Path], L], kind: str, fallback: str) -> L | None:
+    """``make`` of ``sources`` built as ``variant`` for this machine, its path logged; None where no
+    compiler builds it here, logged with what the engine does instead (``fallback``). ``kind``: the
+    library's name in the log ("quantized C kernels")."""
+    cc = os.environ.get("CC", "cc")
+    compiler = shutil.which(cc)
+    if compiler is None:
+        log.warning("no C compiler (CC=%s): %s", cc, fallback)
+        return None
+    try:
+        library = make(build_library(sources, compiler, variant))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        log.warning("%s unavailable, %s: %s", kind, fallback, e)
+        return None
+    log.info("%s: %s, %s code path", kind, library.name, library.instructions)
+    return library
