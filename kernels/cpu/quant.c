@@ -15,10 +15,10 @@
    Why blocks of 16: llama.cpp's Q8 activation blocks put 32 values under one scale, whose step the larger
    max of 32 sets: with 16 the activations' rounding costs about half as much KL divergence from the float
    model. Why a second term: that rounding, not the weights', is still most of the quantized model's
-   distance from the float one (SmolLM2's Q8_0 file: mean KL divergence from F32 0.0026 with one term,
-   0.0011 with two, which is the weights' own; llama.cpp 0.0039). It doubles the integer work per row of x:
-   nearly free at a row or few, where streaming the weights is the cost, up to 1.7x the time at 64 rows
-   (docs/benchmarks.md, GGUF accuracy and speed).
+   distance from the float one (SmolLM2's Q8_0 file on the AMD EPYC Zen 5, 2026-11-29: mean KL divergence
+   from F32 0.0026 with one term, 0.0011 with two, which is the weights' own; llama.cpp 0.0039). It
+   doubles the integer work per row of x: nearly free at a row or few, where streaming the weights is the
+   cost, up to 1.7x the time at 64 rows (docs/benchmarks.md, GGUF accuracy and speed).
 
    With AVX-512 VNNI and BW/DQ, tiles of weight rows by activation rows at 64 values per vpdpbusd
    (kernels/cpu/quant_tile512.c) and, from 8 activation rows, 16-row panels (quant_panel16.c); with

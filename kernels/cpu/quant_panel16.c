@@ -25,9 +25,9 @@
 #define PANEL 16   /* weight rows side by side in a vector's lanes */
 #define GROUP 8    /* activation rows whose sums stay in registers */
 /* Fewer rows of x: quant_tile512.c (the panel's unpacking would not pay), whatever the activations' terms
-   per row (EPYC Zen 5, SmolLM2's Q8_0/Q4_1 projections with two terms: at 4 rows of x, 8 activation rows,
-   the tiles took 0.64-0.92 of the panels' time; at 8 rows of x the two were level, at 16 the panels took
-   half the tiles') */
+   per row (EPYC Zen 5, 2026-11-29, SmolLM2's Q8_0/Q4_1 projections with two terms: at 4 rows of x, 8
+   activation rows, the tiles took 0.64-0.92 of the panels' time; at 8 rows of x the two were level, at 16
+   the panels took half the tiles') */
 #define MIN_ROWS 8
 
 int quant16_takes(int t, int64_t rows, int terms) {
